@@ -9,6 +9,8 @@ from vllm_triforce.patches import _util
 
 # Order matters only where noted in a module's docstring.
 PATCH_MODULES = (
+    "spec_config",
+    "runner",
 )
 
 

@@ -1,0 +1,39 @@
+"""Put the TriForce proposer into vLLM's V1 model runner.
+
+Why a patch: vLLM 0.32's `GPUModelRunner.__init__` (vllm/v1/worker/gpu_model_runner.py,
+also the base of `CPUModelRunner`) picks its proposer from a hard-coded if/elif on the
+method name; there is no proposer registry (RFC vllm#36219 is open) and 0.32 has no
+worker-extension hook that runs after the runner is built. The spec_config patch makes a
+TriForce config look like `draft_model` to vLLM; this wrapper then swaps the
+`DraftModelProposer` the runner built for a `TriForceProposer` (a subclass, so every
+`isinstance(..., DraftModelProposer)` in the runner still holds) before any model loads.
+It also lifts `effective_drafter_max_model_len`: TriForce's draft sees rebased positions,
+so the runner must not stop drafting at the draft's trained context.
+"""
+
+from vllm_triforce.patches import _util
+
+NAME = "runner"
+TARGET = ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.__init__")
+
+
+def apply() -> None:
+    _util.wrap(*TARGET, _make_wrapper, NAME)
+
+
+def triforce_settings(vllm_config):
+    """The TriForce settings dict carried in additional_config, or None."""
+    return (vllm_config.additional_config or {}).get("triforce")
+
+
+def _make_wrapper(original):
+    def __init__(self, vllm_config, *args, **kwargs):
+        original(self, vllm_config, *args, **kwargs)
+        if triforce_settings(vllm_config) is None or not hasattr(self, "drafter"):
+            return
+        from vllm_triforce.engine.proposer import TriForceProposer
+
+        self.drafter = TriForceProposer(vllm_config, self.device, runner=self)
+        self.effective_drafter_max_model_len = self.max_model_len
+
+    return __init__

@@ -1,0 +1,95 @@
+"""`"method": "triforce"` wherever vLLM accepts a speculative config.
+
+Why a patch: vLLM 0.32's `SpeculativeConfig.method` is a pydantic `Literal` validated at
+construction, so no plugin API can add a method name (VLLM_INTERNALS §1.1). Every entry
+point (`LLM(...)`, `vllm serve`, `AsyncLLM`) builds the config through
+`EngineArgs.create_speculative_config` (vllm/engine/arg_utils.py, 0.32.0), so wrapping that
+one method covers them all.
+
+What the wrapper does for a triforce config, before any weights load:
+1. validates the TriForce keys (`TriForceConfig`; clear errors naming the key),
+2. refuses pipeline parallelism (the middle level needs every target layer on one rank),
+3. hands vLLM a plain `draft_model` config (the draft, or the target itself for two-level
+   TriForce: its weights are then never loaded twice, see engine/proposer.py) and carries the
+   TriForce settings to the workers in `additional_config["triforce"]`,
+4. checks the draft's vocabulary against the target's,
+5. lifts the draft's `max_model_len` to the target's: the small draft only ever sees
+   StreamingLLM-rebased positions (core/streaming.py), so its short trained context must
+   not cap the target's context nor stop drafting past it.
+On GPU it selects the V1 model runner (the only runner TriForce is written for) by setting
+`VLLM_USE_V2_MODEL_RUNNER=0` when the user has not chosen, and logs that.
+"""
+
+import os
+
+from vllm_triforce.patches import _util
+
+NAME = "spec_config"
+TARGET = ("vllm.engine.arg_utils", "EngineArgs.create_speculative_config")
+
+
+def apply() -> None:
+    _util.wrap(*TARGET, _make_wrapper, NAME)
+
+
+def _make_wrapper(original):
+    def create_speculative_config(self, target_model_config, target_parallel_config):
+        spec = self.speculative_config
+        if not (isinstance(spec, dict) and spec.get("method") == "triforce"):
+            return original(self, target_model_config, target_parallel_config)
+        from vllm_triforce.config import TriForceConfig
+
+        cfg = TriForceConfig.from_speculative_config(spec)
+        _check_parallel(target_parallel_config)
+        _select_v1_runner()
+        self.speculative_config = {
+            "method": "draft_model",
+            "model": cfg.model or target_model_config.model,
+            "num_speculative_tokens": cfg.num_speculative_tokens,
+            **cfg.passthrough,
+        }
+        self.additional_config = {**(self.additional_config or {}), "triforce": cfg.to_dict()}
+        try:
+            result = original(self, target_model_config, target_parallel_config)
+        finally:
+            self.speculative_config = spec
+        _check_vocab(cfg, result, target_model_config)
+        result.draft_model_config.max_model_len = target_model_config.max_model_len
+        return result
+
+    return create_speculative_config
+
+
+def _check_parallel(parallel_config) -> None:
+    from vllm_triforce.config import TriForceConfigError
+
+    if parallel_config.pipeline_parallel_size > 1:
+        raise TriForceConfigError(
+            f"pipeline_parallel_size={parallel_config.pipeline_parallel_size}: TriForce's middle "
+            "level runs every target layer inside the proposer, which lives on the last pipeline "
+            "rank only. Use tensor parallelism (pipeline_parallel_size=1) with method 'triforce'.")
+
+
+def _check_vocab(cfg, spec_config, target_model_config) -> None:
+    from vllm_triforce.config import TriForceConfigError
+
+    if cfg.model is None:
+        return
+    draft_vocab = spec_config.draft_model_config.get_vocab_size()
+    target_vocab = target_model_config.get_vocab_size()
+    if draft_vocab != target_vocab:
+        raise TriForceConfigError(
+            f"speculative_config['model']={cfg.model!r} has a vocabulary of {draft_vocab} tokens "
+            f"but the target has {target_vocab}. TriForce's levels share token ids: use a draft "
+            "with the target's tokenizer, or leave 'model' out for two-level TriForce.")
+
+
+def _select_v1_runner() -> None:
+    from vllm.logger import init_logger
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu() or "VLLM_USE_V2_MODEL_RUNNER" in os.environ:
+        return
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    init_logger(__name__).info(
+        "TriForce runs on vLLM's V1 model runner; set VLLM_USE_V2_MODEL_RUNNER=0.")

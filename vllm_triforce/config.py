@@ -1,0 +1,161 @@
+"""TriForceConfig: the `"method": "triforce"` keys of a speculative config, validated once.
+
+A user writes, anywhere vLLM takes a speculative config (``LLM(speculative_config=...)``,
+``vllm serve --speculative-config``)::
+
+    {"method": "triforce", "model": DRAFT, "num_speculative_tokens": 6, "retrieval_budget": 1024}
+
+and may add the keys below. Token counts are rounded up to whole KV blocks once the block
+size is known (engine start); the checks that need the block size run then, still before
+any weights load. This module imports nothing from vLLM so it can validate anywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+POLICIES = ("retrieval", "streamingllm", "h2o", "topk_oracle")
+
+# vLLM speculative-config keys passed through untouched to the draft model path.
+PASSTHROUGH_KEYS = ("draft_tensor_parallel_size", "revision", "code_revision", "quantization",
+                    "enforce_eager")
+
+
+class TriForceConfigError(ValueError):
+    """Invalid TriForce speculative config; the message names the key and the fix."""
+
+
+@dataclass
+class TriForceConfig:
+    # The small draft (level 1). None: two levels, the target over its retrieval cache
+    # drafts for the target over its full cache (the paper's "Retrieval w/o Hierarchy").
+    model: str | None = None
+    # gamma2: tokens proposed to the full-cache verification per step.
+    num_speculative_tokens: int = 6
+    # Tokens in the retrieval cache (sinks + selected + recent), rounded to whole blocks.
+    # Paper default 4096.
+    retrieval_budget: int = 4096
+    # gamma1: tokens the small draft proposes per middle-level round. Paper/reference: 1.
+    draft_tokens_per_round: int = 1
+    # StreamingLLM cache of the small draft: attention-sink tokens + recent window.
+    # Reference: 16 sinks, a 256-token cache.
+    draft_sink_tokens: int = 16
+    draft_window_tokens: int = 240
+    # Retrieval cache: always-kept first tokens (reference keeps chunk 0) and recent tokens.
+    retrieval_sink_tokens: int = 16
+    retrieval_recent_tokens: int = 64
+    # Re-select the retrieval blocks every N committed tokens (0: never, the reference's
+    # build-once), and when the rolling middle-level acceptance falls below the threshold.
+    refresh_interval: int = 64
+    refresh_acceptance_threshold: float = 0.5
+    selection_policy: str = "retrieval"
+    # vLLM keys passed through to the draft-model path.
+    passthrough: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check_int(self, "num_speculative_tokens", 1)
+        _check_int(self, "retrieval_budget", 1)
+        _check_int(self, "draft_tokens_per_round", 1)
+        _check_int(self, "draft_sink_tokens", 0)
+        _check_int(self, "draft_window_tokens", 1)
+        _check_int(self, "retrieval_sink_tokens", 0)
+        _check_int(self, "retrieval_recent_tokens", 0)
+        _check_int(self, "refresh_interval", 0)
+        thr = self.refresh_acceptance_threshold
+        if isinstance(thr, bool) or not isinstance(thr, (int, float)) or not 0.0 <= thr <= 1.0:
+            raise TriForceConfigError(
+                f"speculative_config['refresh_acceptance_threshold']={thr!r} must be a number "
+                "in [0, 1] (0 disables acceptance-triggered refreshes).")
+        if self.selection_policy not in POLICIES:
+            raise TriForceConfigError(
+                f"speculative_config['selection_policy']={self.selection_policy!r} is not one "
+                f"of {', '.join(POLICIES)}.")
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise TriForceConfigError(
+                "speculative_config['model'] must be the small draft model's path or name, "
+                "or left out for two-level TriForce.")
+        min_budget = self.retrieval_sink_tokens + self.retrieval_recent_tokens
+        if self.retrieval_budget <= min_budget:
+            raise TriForceConfigError(
+                f"speculative_config['retrieval_budget']={self.retrieval_budget} leaves no room "
+                f"for retrieved blocks: retrieval_sink_tokens + retrieval_recent_tokens = "
+                f"{min_budget}. Raise retrieval_budget or lower those two.")
+
+    @classmethod
+    def from_speculative_config(cls, spec: dict[str, Any]) -> "TriForceConfig":
+        """Parse a user's speculative-config dict whose method is "triforce"."""
+        spec = {k.replace("-", "_"): v for k, v in spec.items()}
+        if spec.pop("method", "triforce") != "triforce":
+            raise TriForceConfigError("speculative_config['method'] must be 'triforce'.")
+        own = {f.name for f in dataclasses.fields(cls)} - {"passthrough"}
+        unknown = sorted(set(spec) - own - set(PASSTHROUGH_KEYS))
+        if unknown:
+            raise TriForceConfigError(
+                f"speculative_config has unknown key(s) {unknown} for method 'triforce'. "
+                f"Known keys: {sorted(own | set(PASSTHROUGH_KEYS) | {'method'})}.")
+        passthrough = {k: spec.pop(k) for k in PASSTHROUGH_KEYS if k in spec}
+        return cls(**spec, passthrough=passthrough)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TriForceConfig":
+        return cls(**d)
+
+    # ---- block-size dependent view, checked at engine start ---------------------------
+    def in_blocks(self, block_size: int) -> "BlockCounts":
+        return BlockCounts.from_config(self, block_size)
+
+
+@dataclass(frozen=True)
+class BlockCounts:
+    """Token counts of a TriForceConfig rounded up to whole KV blocks."""
+    block_size: int
+    budget_blocks: int
+    retrieval_sink_blocks: int
+    retrieval_recent_blocks: int
+    draft_sink_blocks: int
+    draft_window_blocks: int
+
+    @classmethod
+    def from_config(cls, cfg: TriForceConfig, block_size: int) -> "BlockCounts":
+        up = lambda n: math.ceil(n / block_size)  # noqa: E731
+        counts = cls(block_size=block_size,
+                     budget_blocks=max(cfg.retrieval_budget // block_size, 1),
+                     retrieval_sink_blocks=up(cfg.retrieval_sink_tokens),
+                     retrieval_recent_blocks=up(cfg.retrieval_recent_tokens),
+                     draft_sink_blocks=up(cfg.draft_sink_tokens),
+                     draft_window_blocks=max(up(cfg.draft_window_tokens), 1))
+        # The budget holds sinks + recent + the growing tail block + at least one retrieved block.
+        need = counts.retrieval_sink_blocks + counts.retrieval_recent_blocks + 2
+        if counts.budget_blocks < need:
+            raise TriForceConfigError(
+                f"speculative_config['retrieval_budget']={cfg.retrieval_budget} is "
+                f"{counts.budget_blocks} block(s) of {block_size} tokens; with "
+                f"retrieval_sink_tokens and retrieval_recent_tokens rounded to blocks it must be "
+                f"at least {need * block_size} tokens ({need} blocks: sinks "
+                f"{counts.retrieval_sink_blocks} + recent {counts.retrieval_recent_blocks} + the "
+                "growing tail block + one retrieved block). Raise retrieval_budget.")
+        return counts
+
+    def check_draft_context(self, cfg: TriForceConfig, draft_max_positions: int) -> None:
+        """The draft's StreamingLLM window plus one step's lookahead must fit its context."""
+        used = ((self.draft_sink_blocks + self.draft_window_blocks + 1) * self.block_size
+                + cfg.num_speculative_tokens + cfg.draft_tokens_per_round)
+        if used > draft_max_positions:
+            raise TriForceConfigError(
+                f"speculative_config['draft_window_tokens']={cfg.draft_window_tokens} is too "
+                f"large for the draft's trained context ({draft_max_positions} positions): sinks "
+                f"+ window + one block + lookahead need {used}. Lower draft_window_tokens or "
+                "draft_sink_tokens.")
+
+
+def _check_int(cfg: TriForceConfig, name: str, minimum: int) -> None:
+    value = getattr(cfg, name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise TriForceConfigError(
+            f"speculative_config['{name}']={value!r} must be an integer >= {minimum}.")
