@@ -1,0 +1,126 @@
+"""select_blocks / build_block_tables against a brute-force reference + invariants."""
+
+import random
+
+import pytest
+import torch
+
+from vllm_triforce.core.selection import Selection, build_block_tables, select_blocks
+
+
+def ref_select(scores, n, bs, budget, num_sink, num_recent):
+    """Plain-Python selection of one request and layer: (sorted blocks, tail_start)."""
+    n_full = n // bs
+    sinks = min(num_sink, n_full)
+    start = max(n_full - num_recent, sinks)
+    candidates = list(range(sinks, start))
+    num_select = budget - num_sink - num_recent - 1
+    if -(-n // bs) <= budget or len(candidates) <= num_select:
+        chosen = candidates
+    else:
+        chosen = sorted(candidates, key=lambda b: -scores[b])[:num_select]
+    return sorted(list(range(sinks)) + chosen), start
+
+
+def ref_row(blocks, start, table_row, seq_len, bs):
+    """Compacted physical row and its length."""
+    tail = list(range(start, -(-seq_len // bs)))
+    row = [int(table_row[b]) for b in blocks + tail]
+    return row, len(blocks) * bs + seq_len - start * bs
+
+
+def test_hand_worked_docstring_example():
+    # block_size 4, 1 sink, no recent block, budget 3 -> 1 selected; 26 committed tokens
+    scores = torch.zeros(1, 1, 8)
+    scores[0, 0, 3] = 5.0
+    sel = select_blocks(scores, torch.tensor([26]), 4, budget_blocks=3, num_sink_blocks=1,
+                        num_recent_blocks=0)
+    assert sel.logical_blocks.tolist() == [[[0, 3, -1]]]
+    assert sel.num_selected.tolist() == [2] and sel.tail_start.tolist() == [6]
+    table = torch.tensor([[10, 11, 12, 13, 14, 15, 16, 17]], dtype=torch.int32)
+    tables, lens = build_block_tables(sel, table, torch.tensor([31]), 4)
+    assert tables[0, 0].tolist() == [10, 13, 16, 17, 0, 0, 0, 0]
+    assert lens.tolist() == [[15]]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_matches_reference(seed):
+    rng = random.Random(seed)
+    bs = rng.choice([2, 4, 32])
+    num_sink, num_recent = rng.choice([0, 1, 2]), rng.choice([0, 1, 3])
+    budget = num_sink + num_recent + 1 + rng.choice([0, 1, 4])
+    lengths = [rng.randrange(1, 40 * bs) for _ in range(5)] + [budget * bs, budget * bs + 1]
+    num_layers, max_blocks = 3, max(-(-n // bs) for n in lengths) + 2
+    scores = torch.randn(len(lengths), num_layers, max_blocks, generator=torch.Generator().manual_seed(seed))
+    table = torch.randint(0, 1000, (len(lengths), max_blocks), dtype=torch.int32)
+    sel = select_blocks(scores, torch.tensor(lengths), bs, budget, num_sink, num_recent)
+    grow = [rng.choice([0, 1, bs + 1]) for _ in lengths]
+    seq_lens = torch.tensor([min(n + g, max_blocks * bs) for n, g in zip(lengths, grow)])
+    tables, lens = build_block_tables(sel, table, seq_lens, bs)
+    for r, n in enumerate(lengths):
+        for layer in range(num_layers):
+            blocks, start = ref_select(scores[r, layer].tolist(), n, bs, budget, num_sink, num_recent)
+            got = sel.logical_blocks[r, layer]
+            assert got[got >= 0].tolist() == blocks
+            assert int(sel.num_selected[r]) == len(blocks) and int(sel.tail_start[r]) == start
+            row, length = ref_row(blocks, start, table[r], int(seq_lens[r]), bs)
+            assert tables[layer, r, :len(row)].tolist() == row
+            assert torch.all(tables[layer, r, len(row):] == 0)
+            assert int(lens[layer, r]) == length
+
+
+def test_invariants_mixed_batch():
+    bs, budget, num_sink, num_recent, num_layers = 32, 16, 1, 2, 4
+    lengths = [5, 100, budget * bs - 7, 2000, 4096, 33]  # includes prompts shorter than the budget
+    max_blocks = 4096 // bs + 4
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.randn(len(lengths), num_layers, max_blocks, generator=gen)
+    num_committed = torch.tensor(lengths)
+    physical = torch.stack([torch.randperm(5000, generator=gen)[:max_blocks] for _ in lengths])
+    table = physical.to(torch.int32)  # [R, max_blocks] all ids distinct per row
+    sel = select_blocks(scores, num_committed, bs, budget, num_sink, num_recent)
+    for seq_lens in (num_committed, num_committed + 1, num_committed + 70):
+        tables, lens = build_block_tables(sel, table, seq_lens, bs)
+        for r, n in enumerate(lengths):
+            num_blocks = -(-int(seq_lens[r]) // bs)
+            logical = {int(p): j for j, p in enumerate(table[r].tolist())}
+            for layer in range(num_layers):
+                used = -(-int(lens[layer, r]) // bs)
+                pos = [logical[int(p)] for p in tables[layer, r, :used]]
+                assert pos == sorted(set(pos)), "positions strictly increasing"
+                assert pos[:min(num_sink, n // bs)] == list(range(min(num_sink, n // bs))), "sinks"
+                start = int(sel.tail_start[r])
+                assert pos[-(num_blocks - start):] == list(range(start, num_blocks)), "tail"
+                # the last slot of the row holds exactly the last block's tokens
+                assert int(lens[layer, r]) - (used - 1) * bs == int(seq_lens[r]) - pos[-1] * bs
+                if seq_lens is num_committed:
+                    assert used <= budget, "budget at selection time"
+                if -(-n // bs) <= budget:
+                    assert pos == list(range(num_blocks)), "short prompt -> full table"
+                    assert int(lens[layer, r]) == int(seq_lens[r])
+    long_rows = tables[:, 3]
+    assert not all(torch.equal(long_rows[0], long_rows[i]) for i in range(1, num_layers)), \
+        "each layer selects its own blocks"
+
+
+def test_nan_scores_never_displace_candidates_or_pick_non_candidates():
+    scores = torch.full((1, 1, 12), float("nan"))
+    sel = select_blocks(scores, torch.tensor([12 * 4]), 4, budget_blocks=6, num_sink_blocks=1,
+                        num_recent_blocks=2)
+    blocks = sel.logical_blocks[0, 0]
+    chosen = blocks[blocks >= 0].tolist()
+    assert chosen[0] == 0 and len(chosen) == 1 + 2 and all(1 <= b < 10 for b in chosen[1:])
+
+
+def test_budget_too_small_is_an_error():
+    with pytest.raises(ValueError, match="budget_blocks"):
+        select_blocks(torch.zeros(1, 1, 4), torch.tensor([16]), 4, 3, 1, 2)
+
+
+def test_selection_index_select_and_dummy():
+    sel = Selection.make_dummy(num_reqs=3, num_layers=2)
+    sub = sel.index_select(torch.tensor([2, 0]))
+    assert sub.logical_blocks.shape == (2, 2, 3) and sub.num_selected.tolist() == [2, 2]
+    tables, lens = build_block_tables(sel, torch.arange(24, dtype=torch.int32).view(3, 8),
+                                      torch.tensor([20, 20, 20]), 4)
+    assert tables[1, 2, :3].tolist() == [16, 18, 20] and lens[0].tolist() == [12, 12, 12]

@@ -1,0 +1,52 @@
+"""Block geometry shared by selection and the policies: sinks, candidates, tail.
+
+Terms (one vLLM block = one retrieval chunk; "logical block" = index in a request's
+block table). A request has `num_committed` tokens with exact KV, n_full of its
+blocks are full.
+
+  sinks       logical [0, num_sinks): always attended (attention sinks). Only full
+              blocks count, so num_sinks = min(num_sink_blocks, n_full).
+  tail        logical [tail_start, end): always attended; the last num_recent_blocks
+              full blocks, the partial block and every token appended after the
+              selection (between refreshes new tokens simply extend the tail).
+              tail_start = max(n_full - num_recent_blocks, num_sinks).
+  candidates  logical [num_sinks, tail_start): the full blocks a policy scores.
+
+Worked example, block_size 4, 2 sink blocks, 1 recent block, num_committed 22:
+n_full = 5, blocks 0..5 (block 5 holds 2 tokens). sinks = {0, 1}, tail_start =
+max(5 - 1, 2) = 4, so the tail is blocks 4, 5 and the candidates are blocks 2, 3.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def num_sinks(num_committed: Tensor, block_size: int, num_sink_blocks: int) -> Tensor:
+    """[R] sink blocks actually present (a sink must be a full block)."""
+    return (num_committed // block_size).clamp(max=num_sink_blocks)
+
+
+def tail_start(num_committed: Tensor, block_size: int, num_sink_blocks: int,
+               num_recent_blocks: int) -> Tensor:
+    """[R] first logical block of the contiguous tail."""
+    n_full = num_committed // block_size
+    sinks = num_sinks(num_committed, block_size, num_sink_blocks)
+    return torch.maximum(n_full - num_recent_blocks, sinks)
+
+
+def candidate_mask(num_committed: Tensor, block_size: int, max_blocks: int,
+                   num_sink_blocks: int, num_recent_blocks: int) -> Tensor:
+    """[R, max_blocks] bool: logical block j is a selection candidate of request r."""
+    num_committed = num_committed.long()
+    first = num_sinks(num_committed, block_size, num_sink_blocks)  # [R]
+    end = tail_start(num_committed, block_size, num_sink_blocks, num_recent_blocks)  # [R]
+    j = torch.arange(max_blocks, device=num_committed.device)  # [max_blocks]
+    return (j >= first[:, None]) & (j < end[:, None])
+
+
+def full_block_mask(num_committed: Tensor, block_size: int, max_blocks: int) -> Tensor:
+    """[R, max_blocks] bool: logical block j is full of committed tokens."""
+    j = torch.arange(max_blocks, device=num_committed.device)
+    return j < (num_committed.long() // block_size)[:, None]

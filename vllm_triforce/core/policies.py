@@ -1,0 +1,236 @@
+"""Block scoring policies for the paper's comparisons, behind one interface.
+
+Every policy maps the query of each request's latest committed token to one score
+per logical block and layer, higher = keep; `selection.select_blocks` does the rest.
+
+  retrieval    TriForce: query . mean post-RoPE key of the block, per query head,
+               aggregated over the query heads of each KV group and over KV heads.
+  streamingllm sinks + the most recent blocks (the score is the block index).
+  topk_oracle  exact attention mass per block (softmax over all committed keys).
+               Reference only: reads every key.
+  h2o          the oracle's mass accumulated over every query observed so far.
+
+Shapes: query [num_reqs, num_layers, num_q_heads, head_dim] (post-RoPE);
+block_table [num_reqs, max_blocks] physical ids; num_committed [num_reqs];
+scores [num_reqs, num_layers, max_blocks] float32. GQA: query head h reads KV head
+h // (num_q_heads // num_kv_heads), as in vLLM and HF (repeat_kv).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from vllm_triforce.core.blocks import full_block_mask
+from vllm_triforce.core.summaries import BlockSummaries
+
+States = "SelectionState | Sequence[SelectionState | None] | None"
+
+
+@dataclass
+class SelectionState:
+    """Per-request selection state: create it with the request, drop it with the request."""
+    # [num_layers, num_logical_blocks] float32 attention mass accumulated per logical
+    # block (h2o); grows as the request gets new blocks.
+    block_mass: Tensor | None = None
+    num_observed: int = 0  # queries accumulated into block_mass
+
+    def accumulate(self, mass: Tensor) -> None:
+        """mass [num_layers, num_blocks]: add one query's per-block attention mass."""
+        if self.block_mass is None:
+            self.block_mass = torch.zeros_like(mass)
+        grow = mass.shape[-1] - self.block_mass.shape[-1]
+        if grow > 0:
+            self.block_mass = torch.nn.functional.pad(self.block_mass, (0, grow))
+        self.block_mass[:, :mass.shape[-1]] += mass
+        self.num_observed += 1
+
+    def nbytes(self) -> int:
+        return 0 if self.block_mass is None else self.block_mass.nbytes
+
+
+def group_query(query: Tensor, num_kv_heads: int) -> Tensor:
+    """[R, L, Hq, D] -> [R, L, Hkv, G, D] float32, G = Hq // Hkv query heads per KV head."""
+    num_reqs, num_layers, num_q_heads, head_dim = query.shape
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads do not group onto {num_kv_heads} KV heads")
+    return query.float().view(num_reqs, num_layers, num_kv_heads, -1, head_dim)
+
+
+class SelectionPolicy:
+    """Base: one score per logical block and layer; higher = keep."""
+    name: str = ""
+    needs_keys: bool = False  # the engine must allocate BlockSummaries(keep_keys=True)
+
+    def block_scores(self, query: Tensor, summaries: BlockSummaries, block_table: Tensor,
+                     num_committed: Tensor, state: States = None) -> Tensor:
+        """[num_reqs, num_layers, max_blocks] float32."""
+        raise NotImplementedError
+
+    def observe(self, query: Tensor, summaries: BlockSummaries, block_table: Tensor,
+                num_committed: Tensor, state: States = None) -> None:
+        """See a query without selecting (only h2o accumulates anything)."""
+
+
+class StreamingLLMPolicy(SelectionPolicy):
+    """Sinks + a contiguous recent window: the most recent candidates win."""
+    name = "streamingllm"
+
+    def block_scores(self, query, summaries, block_table, num_committed, state=None):
+        num_reqs, num_layers = query.shape[:2]
+        order = torch.arange(block_table.shape[1], device=block_table.device, dtype=torch.float32)
+        return order.expand(num_reqs, num_layers, -1).clone()
+
+
+class RetrievalPolicy(SelectionPolicy):
+    """TriForce retrieval: q . mean_key / sqrt(d), aggregated to one score per block.
+
+    aggregation="sum" (default) sums the raw scaled dot products over the query heads
+    of a group and over KV heads. It is the reference code's score (TriForce, MHA) and
+    the one our calibration measured (TRIFORCE_NOTES section 6); being linear in q it
+    is one dot product with the group-summed query, the cheapest option.
+    aggregation="softmax" first normalises each query head with a softmax over the
+    blocks (full committed blocks, or `candidates` if given), then sums, so every head
+    spends the same unit of mass and heads with large query norms cannot dominate.
+    strategy: "gather" reads the request's mean keys; "all" scores every physical block
+    (one read of the whole store, cheaper when the store is small); "auto" picks.
+    """
+    name = "retrieval"
+
+    def __init__(self, aggregation: str = "sum", strategy: str = "auto",
+                 scale: float | None = None):
+        if aggregation not in ("sum", "softmax"):
+            raise ValueError(f"aggregation must be 'sum' or 'softmax', not {aggregation!r}")
+        if strategy not in ("auto", "gather", "all"):
+            raise ValueError(f"strategy must be 'auto', 'gather' or 'all', not {strategy!r}")
+        self.aggregation = aggregation
+        self.strategy = strategy
+        self.scale = scale  # None: 1 / sqrt(head_dim)
+
+    def block_scores(self, query, summaries, block_table, num_committed, state=None,
+                     candidates: Tensor | None = None):
+        """candidates [R, max_blocks] bool optionally restricts the softmax domain."""
+        q = group_query(query, summaries.num_kv_heads)  # [R, L, H, G, D]
+        q = q * (self.scale or 1.0 / math.sqrt(q.shape[-1]))
+        if self.aggregation == "sum":
+            return self._mean_key_scores(q.sum(3, keepdim=True), summaries, block_table).sum((2, 3))
+        per_head = self._mean_key_scores(q, summaries, block_table)  # [R, L, H, G, B]
+        if candidates is None:
+            candidates = full_block_mask(num_committed.to(q.device), summaries.block_size,
+                                         block_table.shape[1])
+        mask = candidates[:, None, None, None, :]
+        probs = per_head.masked_fill(~mask, float("-inf")).softmax(-1).nan_to_num(0.0)
+        return probs.sum((2, 3))
+
+    def _mean_key_scores(self, q: Tensor, summaries: BlockSummaries, block_table: Tensor) -> Tensor:
+        """q [R, L, H, G, D] -> [R, L, H, G, B]: q . mean key of each table block."""
+        ids = block_table.to(summaries.device, torch.long).clamp(min=0)  # [R, B]
+        strategy = self.strategy
+        if strategy == "auto":
+            strategy = "all" if summaries.num_blocks <= 2 * ids.numel() else "gather"
+        if strategy == "gather":
+            means = summaries.gather_mean_keys(ids)  # [R, L, B, H, D]
+            return torch.einsum("rlhgd,rlbhd->rlhgb", q, means.float())
+        # every physical block, then pick the table's: [R, L, H, G, num_blocks]
+        dots = torch.einsum("rlhgd,lnhd->rlhgn", q, summaries.sums.float())
+        dots = dots / summaries.counts.clamp(min=1).float()
+        index = ids[:, None, None, None, :].expand(*dots.shape[:4], -1)
+        return dots.gather(-1, index)
+
+
+class TopKOraclePolicy(SelectionPolicy):
+    """Exact attention mass per block: softmax over all committed keys, per query head,
+    summed within each block and over all heads. Reference only (reads every key)."""
+    name = "topk_oracle"
+    needs_keys = True
+
+    def __init__(self, scale: float | None = None):
+        self.scale = scale  # None: 1 / sqrt(head_dim)
+
+    def block_scores(self, query, summaries, block_table, num_committed, state=None):
+        return self.block_mass(query, summaries, block_table, num_committed)
+
+    def block_mass(self, query: Tensor, summaries: BlockSummaries, block_table: Tensor,
+                   num_committed: Tensor) -> Tensor:
+        """[R, L, B] float32 attention mass of each block (each head's mass sums to 1)."""
+        if summaries.keys is None:
+            raise ValueError(f"policy {self.name!r} needs BlockSummaries(keep_keys=True)")
+        q = group_query(query, summaries.num_kv_heads)  # [R, L, H, G, D]
+        q = q * (self.scale or 1.0 / math.sqrt(q.shape[-1]))
+        ids = block_table.to(summaries.device, torch.long).clamp(min=0)  # [R, B]
+        num_committed = num_committed.to(summaries.device, torch.long)
+        mass = torch.zeros(*q.shape[:2], ids.shape[1], device=q.device)  # [R, L, B]
+        # one request and layer at a time: the gathered keys are the big tensor
+        for r in range(q.shape[0]):
+            for layer in range(q.shape[1]):
+                mass[r, layer] = self._one_mass(q[r, layer], summaries.keys[layer][ids[r]],
+                                                num_committed[r])
+        return mass
+
+    @staticmethod
+    def _one_mass(q: Tensor, keys: Tensor, num_committed: Tensor) -> Tensor:
+        """q [H, G, D], keys [B, bs, H, D] -> [B] mass summed over the H*G query heads."""
+        num_blocks, block_size = keys.shape[:2]
+        logits = torch.einsum("hgd,bthd->hgbt", q, keys.float()).flatten(2)  # [H, G, B*bs]
+        token = torch.arange(num_blocks * block_size, device=q.device)
+        logits = logits.masked_fill(token >= num_committed, float("-inf"))
+        probs = logits.softmax(-1).nan_to_num(0.0)
+        return probs.view(-1, num_blocks, block_size).sum((0, 2))
+
+
+class H2OPolicy(TopKOraclePolicy):
+    """Heavy hitters: the oracle's block mass accumulated over every observed query.
+
+    `state` is one SelectionState per request (a sequence aligned with the rows, or a
+    single state when num_reqs == 1). A row without state scores by its current mass
+    only. Call `observe` after decode steps to accumulate queries between selections.
+    """
+    name = "h2o"
+
+    def block_scores(self, query, summaries, block_table, num_committed, state=None):
+        states = _per_request(state, query.shape[0])
+        mass = self.block_mass(query, summaries, block_table, num_committed)  # [R, L, B]
+        scores = mass.clone()
+        for r, req_state in enumerate(states):
+            if req_state is None:
+                continue
+            req_state.accumulate(mass[r])
+            acc = req_state.block_mass[:, :mass.shape[-1]]
+            scores[r, :, :acc.shape[-1]] = acc
+        return scores
+
+    def observe(self, query, summaries, block_table, num_committed, state=None):
+        states = _per_request(state, query.shape[0])
+        mass = self.block_mass(query, summaries, block_table, num_committed)
+        for r, req_state in enumerate(states):
+            if req_state is not None:
+                req_state.accumulate(mass[r])
+
+
+def _per_request(state, num_reqs: int) -> list:
+    if state is None:
+        return [None] * num_reqs
+    if isinstance(state, SelectionState):
+        if num_reqs != 1:
+            raise ValueError("a single SelectionState needs num_reqs == 1; pass one per request")
+        return [state]
+    states = list(state)
+    if len(states) != num_reqs:
+        raise ValueError(f"{len(states)} states for {num_reqs} requests")
+    return states
+
+
+POLICIES: dict[str, type[SelectionPolicy]] = {
+    cls.name: cls for cls in (RetrievalPolicy, StreamingLLMPolicy, H2OPolicy, TopKOraclePolicy)
+}
+
+
+def make_policy(name: str, **kwargs) -> SelectionPolicy:
+    """The policy registered under `name`, constructed with kwargs."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown selection policy {name!r}; choose from {sorted(POLICIES)}")
+    return POLICIES[name](**kwargs)

@@ -1,0 +1,73 @@
+"""When to re-select the middle level's blocks.
+
+The reference code selects once per request (TRIFORCE_NOTES 1.4); its blog suggests
+re-selecting "at regular intervals or adaptively in response to a drop in the
+acceptance rate". We do both:
+
+  * the first call for a request always refreshes (there is no selection yet);
+  * every `interval` committed tokens since the last selection;
+  * when the middle level's acceptance (accepted / proposed drafts of the small
+    draft, rolled over the last `window` rounds since the last selection) falls
+    below `acceptance_threshold`. The window must fill after each selection first,
+    so a refresh is judged on rounds that used the new selection.
+
+Between refreshes new tokens enter the tail as recent blocks (selection.py).
+interval <= 0 or acceptance_threshold <= 0 switches that trigger off.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RefreshState:
+    """Per-request refresh bookkeeping."""
+    last_selection: int | None = None  # num_committed at the last selection
+    rounds: deque = field(default_factory=deque)  # (num_proposed, num_accepted) since then
+    num_refreshes: int = 0
+
+    def acceptance(self) -> float | None:
+        """Rolling acceptance over the recorded rounds (None before any proposal)."""
+        proposed = sum(p for p, _ in self.rounds)
+        return None if proposed == 0 else sum(a for _, a in self.rounds) / proposed
+
+
+class RefreshPolicy:
+    def __init__(self, interval: int, acceptance_threshold: float, window: int = 8):
+        if window < 1:
+            raise ValueError(f"refresh window must be >= 1 round, got {window}")
+        if acceptance_threshold > 1:
+            raise ValueError(f"acceptance_threshold is a rate in [0, 1], got {acceptance_threshold}")
+        self.interval = interval
+        self.acceptance_threshold = acceptance_threshold
+        self.window = window
+
+    def new_state(self) -> RefreshState:
+        return RefreshState(rounds=deque(maxlen=self.window))
+
+    def should_refresh(self, state: RefreshState, num_committed: int) -> bool:
+        if state.last_selection is None:
+            return True
+        if self.interval > 0 and num_committed - state.last_selection >= self.interval:
+            return True
+        return self._acceptance_dropped(state)
+
+    def _acceptance_dropped(self, state: RefreshState) -> bool:
+        if self.acceptance_threshold <= 0 or len(state.rounds) < self.window:
+            return False
+        rate = state.acceptance()
+        return rate is not None and rate < self.acceptance_threshold
+
+    def record_selection(self, state: RefreshState, num_committed: int) -> None:
+        state.last_selection = num_committed
+        state.rounds.clear()
+        state.num_refreshes += 1
+
+    def record_round(self, state: RefreshState, num_proposed: int, num_accepted: int) -> None:
+        """One middle-level round: the small draft proposed num_proposed tokens, the
+        middle level accepted num_accepted of them."""
+        if not 0 <= num_accepted <= num_proposed:
+            raise ValueError(f"accepted {num_accepted} of {num_proposed} proposed tokens")
+        state.rounds.append((num_proposed, num_accepted))

@@ -1,0 +1,157 @@
+"""Which KV blocks the middle level (the target on a retrieval cache) attends to.
+
+Pipeline per refresh: a policy scores the candidate blocks (`policies.py`),
+`select_blocks` keeps the sinks plus the best candidates within the budget, and
+`build_block_tables` turns that into what vLLM's attention metadata takes: one
+block table and one sequence length per layer and request. No KV is copied: the
+compacted table points at the target's own physical blocks.
+
+Budget (in blocks) = sinks + selected + recent + 1, the "+1" being the partial,
+growing block: num_select = budget_blocks - num_sink_blocks - num_recent_blocks - 1.
+A request whose ceil(num_committed / block_size) <= budget_blocks, or with no more
+candidates than num_select, selects every candidate: its table is the full table
+and its attention exact. Geometry terms (sinks, tail, candidates) are defined in
+`blocks.py`.
+
+Compacted row layout (why the tail goes last): vLLM's attention aligns the query
+tokens bottom-right against the row's keys (key i of a row of length n is visible to
+query token t of q_len tokens iff i <= n - q_len + t). Keys keep their RoPE
+positions, so order among the *selected* blocks does not matter, but the newest
+tokens must be the last keys of the row for the causal mask to stay right. Hence
+[selected blocks in position order][tail blocks up to seq_len]. Example, block_size
+4, sinks {0}, selected {3}, tail_start 6, seq_len 31 (block 6 full, block 7 holding 3
+tokens): row = [b0, b3, b6, b7], compact_seq_len = 2*4 + (31 - 6*4) = 15.
+
+Between refreshes the tail simply grows: build_block_tables with the new seq_lens
+appends the new blocks, so a table may hold up to budget + (tokens since the
+selection) / block_size blocks; the budget is only enforced at selection time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from vllm_triforce.core.blocks import candidate_mask, num_sinks, tail_start
+from vllm_triforce.core.policies import (POLICIES, H2OPolicy, RetrievalPolicy,  # noqa: F401
+                                         SelectionPolicy, SelectionState,
+                                         StreamingLLMPolicy, TopKOraclePolicy, make_policy)
+
+_PAD = -1
+
+
+@dataclass
+class Selection:
+    """The blocks chosen for each request and layer at one refresh."""
+    # [num_reqs, num_layers, max_selected] int64 logical blocks: sinks + selected,
+    # ascending, padded with -1. max_selected = budget_blocks - num_recent_blocks.
+    logical_blocks: Tensor
+    # [num_reqs] int64, same for every layer of a request: sinks + chosen candidates
+    num_selected: Tensor
+    # [num_reqs] int64 logical block where the contiguous tail begins
+    tail_start: Tensor
+
+    @property
+    def num_layers(self) -> int:
+        return self.logical_blocks.shape[1]
+
+    def index_select(self, rows: Tensor) -> "Selection":
+        """The selection of a subset / reordering of the requests (rows [n] long)."""
+        return Selection(self.logical_blocks[rows], self.num_selected[rows], self.tail_start[rows])
+
+    @classmethod
+    def make_dummy(cls, num_reqs: int = 2, num_layers: int = 2, device=None) -> "Selection":
+        """Sink 0 + block 2 selected, tail from block 4, for tests."""
+        blocks = torch.tensor([0, 2, _PAD], device=device).expand(num_reqs, num_layers, 3)
+        ones = torch.ones(num_reqs, dtype=torch.long, device=device)
+        return cls(blocks.clone(), 2 * ones, 4 * ones)
+
+
+def select_blocks(scores: Tensor, num_committed: Tensor, block_size: int, budget_blocks: int,
+                  num_sink_blocks: int, num_recent_blocks: int) -> Selection:
+    """scores [num_reqs, num_layers, max_blocks] (higher = keep; non-candidates ignored)."""
+    num_select = budget_blocks - num_sink_blocks - num_recent_blocks - 1
+    if num_select < 0 or min(num_sink_blocks, num_recent_blocks) < 0:
+        raise ValueError(f"budget_blocks={budget_blocks} must be >= num_sink_blocks "
+                         f"({num_sink_blocks}) + num_recent_blocks ({num_recent_blocks}) + 1")
+    num_reqs, num_layers, max_blocks = scores.shape
+    num_committed = num_committed.to(scores.device, torch.long)
+    sinks = num_sinks(num_committed, block_size, num_sink_blocks)  # [R]
+    start = tail_start(num_committed, block_size, num_sink_blocks, num_recent_blocks)  # [R]
+    num_chosen = _num_chosen(num_committed, block_size, budget_blocks, start - sinks, num_select)
+
+    max_selected = budget_blocks - num_recent_blocks  # bounds sinks + chosen (see tests)
+    ranked = _rank_candidates(scores, num_committed, block_size, num_sink_blocks,
+                              num_recent_blocks, k=min(max_selected - num_sink_blocks, max_blocks))
+    rank = torch.arange(ranked.shape[-1], device=scores.device)
+    big = torch.iinfo(torch.long).max  # sorts after every real block, then becomes _PAD
+    chosen = torch.where(rank < num_chosen[:, None, None], ranked, big)  # [R, L, k]
+    sink_ids = torch.arange(num_sink_blocks, device=scores.device).expand(num_reqs, num_layers, -1)
+    sink_ids = torch.where(sink_ids < sinks[:, None, None], sink_ids, big)  # [R, L, S]
+    blocks = torch.cat([sink_ids, chosen], dim=-1).sort(dim=-1).values
+    blocks = blocks.masked_fill(blocks == big, _PAD)
+    blocks = torch.nn.functional.pad(blocks, (0, max_selected - blocks.shape[-1]), value=_PAD)
+    return Selection(blocks, sinks + num_chosen, start)
+
+
+def _num_chosen(num_committed: Tensor, block_size: int, budget_blocks: int, num_candidates: Tensor,
+                num_select: int) -> Tensor:
+    """[R] candidates to keep: all of them when the request fits the budget (exact)."""
+    total_blocks = (num_committed + block_size - 1) // block_size
+    dense = (total_blocks <= budget_blocks) | (num_candidates <= num_select)
+    return torch.where(dense, num_candidates, torch.full_like(num_candidates, num_select))
+
+
+def _rank_candidates(scores: Tensor, num_committed: Tensor, block_size: int, num_sink_blocks: int,
+                     num_recent_blocks: int, k: int) -> Tensor:
+    """[R, L, k] logical blocks by descending score, candidates before all others."""
+    finfo = torch.finfo(torch.float32)
+    # NaN / inf scores of candidates still rank above every non-candidate (-inf).
+    scores = scores.float().nan_to_num(nan=finfo.min, posinf=finfo.max, neginf=finfo.min)
+    mask = candidate_mask(num_committed, block_size, scores.shape[-1], num_sink_blocks,
+                          num_recent_blocks)  # [R, max_blocks]
+    scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
+    return scores.topk(k, dim=-1, sorted=True).indices
+
+
+def build_block_tables(selection: Selection, block_table: Tensor, seq_lens: Tensor, block_size: int,
+                       width: int | None = None) -> tuple[Tensor, Tensor]:
+    """Per-layer compacted block tables: selected blocks in position order, then the tail.
+
+    block_table [num_reqs, max_blocks] physical ids; seq_lens [num_reqs] tokens INCLUDING
+    the query tokens of the pass about to run (the tail extends to seq_len).
+    Returns tables [num_layers, num_reqs, width] int32 (padded with 0; width defaults to
+    max_blocks, always enough) and compact_seq_lens [num_layers, num_reqs] int32 =
+    num_selected * block_size + (seq_len - tail_start * block_size).
+    """
+    device = block_table.device
+    logical = _compact_logical_blocks(selection, seq_lens.to(device, torch.long), block_size,
+                                      width or block_table.shape[1])  # [R, L, W]
+    num_reqs, num_layers, w = logical.shape
+    phys = block_table.long().gather(1, logical.clamp(min=0).reshape(num_reqs, -1))
+    phys = phys.view(num_reqs, num_layers, w).masked_fill(logical < 0, 0)
+    tables = phys.transpose(0, 1).to(torch.int32).contiguous()  # [L, R, W]
+    num_selected = selection.num_selected.to(device)
+    start = selection.tail_start.to(device)
+    compact = (num_selected - start) * block_size + seq_lens.to(device, torch.long)  # [R]
+    return tables, compact.to(torch.int32).expand(num_layers, -1).contiguous()
+
+
+def _compact_logical_blocks(selection: Selection, seq_lens: Tensor, block_size: int,
+                            width: int) -> Tensor:
+    """[R, L, width] logical block at each slot of the compacted rows, -1 = padding."""
+    device = seq_lens.device
+    selected = selection.logical_blocks.to(device)  # [R, L, max_selected]
+    num_selected = selection.num_selected.to(device)[:, None]  # [R, 1]
+    start = selection.tail_start.to(device)[:, None]  # [R, 1]
+    num_blocks = ((seq_lens + block_size - 1) // block_size)[:, None]  # [R, 1]
+    slot = torch.arange(width, device=device)  # [W]
+    # slot j of the row holds the tail block start + (j - num_selected) once past the selection
+    tail_block = start + slot - num_selected  # [R, W]
+    tail_block = tail_block.masked_fill(tail_block >= num_blocks, _PAD)
+    sel_slot = slot.clamp(max=selected.shape[-1] - 1).expand(*selected.shape[:2], -1)
+    sel_block = selected.gather(2, sel_slot)  # [R, L, W]
+    in_selection = (slot < num_selected)[:, None, :]  # [R, 1, W]
+    return torch.where(in_selection, sel_block, tail_block[:, None, :])

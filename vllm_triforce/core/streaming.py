@@ -1,0 +1,133 @@
+"""The small draft's StreamingLLM cache: sink blocks + a window of recent blocks.
+
+Table: the draft attends to its first `num_sink_blocks` blocks and the last
+`num_window_blocks` blocks of the request (the last one possibly partial), read in
+place from its paged KV cache through a compacted block table, like the middle level.
+A request with at most sinks + window blocks gets its full table.
+
+Position scheme. The draft (e.g. a 68M model trained on 2K positions) must never see
+a position beyond its trained context, however long the request. vLLM caches keys
+after RoPE, so a cached key keeps the position it was written with; attention only
+depends on the distance between query and key positions, so all keys of the window
+must have been written with one consistent shift. We therefore give each request a
+`rebase_offset` and let the draft see, for absolute position p,
+
+    draft position = p                   if p < sink_tokens (the sinks never move)
+                     p - rebase_offset   otherwise.
+
+Initially rebase_offset = 0. When the next pass would reach draft position
+max_draft_position (`needs_rebase`), the engine rebases: with w = `window_start`
+(first token of the current window), rebase_offset = w - sink_tokens, so the window
+restarts right after the sinks, and the engine re-runs the draft over the window's
+tokens at their new positions (rewriting their KV; a window of W blocks costs one
+W * block_size-token draft prefill every ~(max_draft_position - sink_tokens - window)
+tokens). New tokens are then written with the new offset. Between rebases the window
+slides and draft positions grow by one per token, leaving a gap after the sinks, as
+in StreamingLLM's "positions within the cache" idea but without re-rotating keys each
+step. Worked example: block_size 32, 1 sink block (sink_tokens 32), 4 window blocks,
+max_draft_position 256. At seq_len 250 the draft positions are the absolute ones.
+A pass needing position 256 triggers a rebase: window_start(256) = 256 - 4*32 = 128
+(the window is blocks 4..7, block 8 not yet started), offset = 128 - 32 = 96, so
+absolute 128..255 re-run as 32..159 and the new token 256 gets draft position 160.
+The next rebase comes at absolute position 352.
+
+Requirement (checked by DraftWindow): sink_tokens + (num_window_blocks + 1) *
+block_size + lookahead <= max_draft_position, where lookahead bounds the tokens one
+pass adds. Right after a rebase the highest draft position is below sink_tokens +
+num_window_blocks * block_size + lookahead; the extra block guarantees at least a
+block of progress before the next rebase (the window start moves by whole blocks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class DraftWindow:
+    """Per-request draft window state and the position scheme of the module docstring."""
+    num_sink_blocks: int
+    num_window_blocks: int
+    block_size: int
+    max_draft_position: int  # positions must stay < this (max_position_embeddings)
+    lookahead: int = 16  # most tokens one draft pass adds beyond seq_len (gamma + bonus)
+    rebase_offset: int = 0  # subtracted from absolute positions >= sink_tokens
+
+    def __post_init__(self):
+        if self.num_sink_blocks < 0 or self.num_window_blocks < 1 or self.block_size < 1:
+            raise ValueError("DraftWindow needs num_sink_blocks >= 0, num_window_blocks >= 1, "
+                             "block_size >= 1")
+        used = self.sink_tokens + (self.num_window_blocks + 1) * self.block_size + self.lookahead
+        if used > self.max_draft_position:
+            raise ValueError(
+                f"draft window does not fit the draft's context: {self.sink_tokens} sink tokens + "
+                f"{self.num_window_blocks + 1} blocks of {self.block_size} (window + the block "
+                f"being filled) + lookahead {self.lookahead} = {used} > max_draft_position "
+                f"{self.max_draft_position}; use fewer sink/window blocks")
+
+    @property
+    def sink_tokens(self) -> int:
+        return self.num_sink_blocks * self.block_size
+
+    def needs_rebase(self, max_position: int) -> bool:
+        return bool(needs_rebase(torch.tensor([max_position]), torch.tensor([self.rebase_offset]),
+                                 self.sink_tokens, self.max_draft_position)[0])
+
+    def rebase(self, seq_len: int) -> int:
+        """Rebase to the window of a request of seq_len tokens; returns its first token
+        (the engine re-runs the draft from there to seq_len at the new positions)."""
+        start = int(window_start(torch.tensor([seq_len]), self.block_size, self.num_sink_blocks,
+                                 self.num_window_blocks)[0])
+        self.rebase_offset = max(start - self.sink_tokens, 0)
+        return start
+
+
+def window_start(seq_lens: Tensor, block_size: int, num_sink_blocks: int,
+                 num_window_blocks: int) -> Tensor:
+    """[R] first token of the window: the last num_window_blocks blocks, never inside the sinks."""
+    num_blocks = (seq_lens.long() + block_size - 1) // block_size
+    first_block = (num_blocks - num_window_blocks).clamp(min=num_sink_blocks)
+    return first_block * block_size
+
+
+def streaming_table(block_table: Tensor, seq_lens: Tensor, num_sink_blocks: int,
+                    num_window_blocks: int, block_size: int) -> tuple[Tensor, Tensor]:
+    """Sink blocks + the last num_window_blocks blocks (the last one possibly partial).
+
+    block_table [R, max_blocks] physical ids; seq_lens [R] tokens including this pass's.
+    Returns (tables [R, num_sink_blocks + num_window_blocks] int32 padded with 0,
+    compact_seq_lens [R] int32).
+    """
+    seq_lens = seq_lens.to(block_table.device, torch.long)
+    num_blocks = (seq_lens + block_size - 1) // block_size  # [R]
+    start = window_start(seq_lens, block_size, num_sink_blocks, num_window_blocks) // block_size
+    slot = torch.arange(num_sink_blocks + num_window_blocks, device=block_table.device)  # [W]
+    logical = torch.where(slot < num_sink_blocks, slot, start[:, None] + slot - num_sink_blocks)
+    logical = logical.masked_fill(logical >= num_blocks[:, None], -1)  # [R, W]
+    logical = logical.masked_fill(logical >= block_table.shape[1], -1)
+    tables = block_table.long().gather(1, logical.clamp(min=0)).masked_fill(logical < 0, 0)
+    sink_len = seq_lens.clamp(max=num_sink_blocks * block_size)
+    compact = sink_len + (seq_lens - start * block_size).clamp(min=0)
+    return tables.to(torch.int32), compact.to(torch.int32)
+
+
+def draft_positions(positions: Tensor, rebase_offset: Tensor, sink_tokens: int) -> Tensor:
+    """The position the draft sees for absolute position p (module docstring).
+
+    rebase_offset broadcasts against positions: [R] for positions [R, T], or already
+    expanded per token (e.g. repeat_interleave by query lengths) for flattened [N].
+    """
+    rebase_offset = torch.as_tensor(rebase_offset, device=positions.device, dtype=positions.dtype)
+    return torch.where(positions < sink_tokens, positions, positions - rebase_offset)
+
+
+def needs_rebase(max_position: Tensor, rebase_offset: Tensor, sink_tokens: int,
+                 max_draft_position: int) -> Tensor:
+    """bool [R]: the largest absolute position of the next pass would map to a draft
+    position >= max_draft_position under the current offset."""
+    seen = draft_positions(max_position.long(), rebase_offset.to(max_position.device).long(),
+                           sink_tokens)
+    return seen >= max_draft_position

@@ -1,0 +1,119 @@
+"""Per-block mean keys: the summaries retrieval selection scores queries against.
+
+One vLLM KV block is one TriForce retrieval chunk. For every layer, KV head and
+*physical* block we keep the running sum of the block's committed keys (post-RoPE,
+exactly as written to the KV cache) and a count, so a block's mean key costs one
+division. Updating as tokens are committed means a re-selection reads ~1/block_size
+of the keys instead of all of them (TRIFORCE_NOTES 5.3).
+
+Committed only: speculative tokens may be rejected, so the engine calls
+`add_committed` with only the rows whose tokens were accepted (their KV is exact).
+A partially filled block therefore holds only committed keys, but the selection
+never scores it anyway (it is always attended as part of the tail).
+
+Memory: the store is indexed by physical block id and shared by all requests, like
+the KV cache itself, so blocks shared through prefix caching are summarised once.
+It is sized once for the whole KV cache (`nbytes()` reports it: ~1/block_size of the
+key cache in float32) and nothing is freed per request: a freed block is simply
+overwritten when it is reused, because the first token written at offset 0 resets
+the block. Per-request state (selection, H2O accumulators) lives in
+`selection.SelectionState` and is dropped with the request.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+
+class BlockSummaries:
+    """Running sums of committed keys per (layer, physical block, KV head)."""
+
+    def __init__(self, num_layers: int, num_blocks: int, num_kv_heads: int, head_dim: int,
+                 block_size: int, dtype: torch.dtype = torch.float32, device=None,
+                 keep_keys: bool = False, key_dtype: torch.dtype | None = None):
+        if min(num_layers, num_blocks, num_kv_heads, head_dim, block_size) <= 0:
+            raise ValueError("BlockSummaries: all sizes must be positive")
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.block_size = block_size
+        # [num_layers, num_blocks, num_kv_heads, head_dim]
+        self.sums = torch.zeros(num_layers, num_blocks, num_kv_heads, head_dim,
+                                dtype=dtype, device=device)
+        # [num_blocks] committed tokens summed into each block
+        self.counts = torch.zeros(num_blocks, dtype=torch.int32, device=device)
+        # [num_layers, num_blocks, block_size, num_kv_heads, head_dim]: a copy of the
+        # committed keys, only for the exact-mass policies (topk_oracle, h2o).
+        self.keys: Tensor | None = None
+        if keep_keys:
+            self.keys = torch.zeros(num_layers, num_blocks, block_size, num_kv_heads, head_dim,
+                                    dtype=key_dtype or dtype, device=device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.sums.device
+
+    def add_committed(self, layer_keys: Sequence[Tensor], rows: Tensor, block_ids: Tensor,
+                      offsets: Tensor) -> None:
+        """Add the committed tokens of one forward pass.
+
+        layer_keys[l]: [num_tokens_in_pass, num_kv_heads * head_dim] or [T, H, D], the keys
+        layer l wrote in the pass. rows [n] (long): which token rows are committed.
+        block_ids [n], offsets [n]: each committed token's physical block and offset in it.
+        A token at offset 0 resets its block first (a freed and reused block starts over).
+        Each token must be committed once; committing the same token twice counts it twice.
+        """
+        if len(layer_keys) != self.num_layers:
+            raise ValueError(f"expected keys of {self.num_layers} layers, got {len(layer_keys)}")
+        if rows.numel() == 0:
+            return
+        rows = rows.to(self.device, torch.long)
+        block_ids = block_ids.to(self.device, torch.long)
+        offsets = offsets.to(self.device, torch.long)
+        self._reset_blocks(block_ids[offsets == 0])
+        keys = self._gather_rows(layer_keys, rows)  # [L, n, H, D]
+        self.sums.index_add_(1, block_ids, keys.to(self.sums.dtype))
+        self.counts.index_add_(0, block_ids, torch.ones_like(block_ids, dtype=torch.int32))
+        if self.keys is not None:
+            self.keys[:, block_ids, offsets] = keys.to(self.keys.dtype)
+
+    def _reset_blocks(self, block_ids: Tensor) -> None:
+        if block_ids.numel() == 0:
+            return
+        self.sums[:, block_ids] = 0
+        self.counts[block_ids] = 0
+        if self.keys is not None:
+            self.keys[:, block_ids] = 0
+
+    def _gather_rows(self, layer_keys: Sequence[Tensor], rows: Tensor) -> Tensor:
+        shape = (rows.numel(), self.num_kv_heads, self.head_dim)
+        # [L, n, H, D]
+        return torch.stack([k.to(self.device)[rows].reshape(shape) for k in layer_keys])
+
+    def mean_keys(self, layer: int | None = None) -> Tensor:
+        """[L, num_blocks, H, D] (or [num_blocks, H, D] for one layer); empty blocks -> 0."""
+        sums = self.sums if layer is None else self.sums[layer]
+        denom = self.counts.clamp(min=1).to(sums.dtype)[:, None, None]  # [num_blocks, 1, 1]
+        return sums / denom
+
+    def gather_mean_keys(self, block_table: Tensor) -> Tensor:
+        """block_table [R, B] physical ids -> [R, L, B, H, D] mean keys (only those blocks)."""
+        ids = block_table.to(self.device, torch.long).clamp(min=0)
+        sums = self.sums[:, ids.flatten()]  # [L, R*B, H, D]
+        denom = self.counts[ids.flatten()].clamp(min=1).to(sums.dtype)[:, None, None]
+        means = (sums / denom).unflatten(1, ids.shape)  # [L, R, B, H, D]
+        return means.transpose(0, 1)
+
+    def is_full(self, block_ids: Tensor) -> Tensor:
+        """bool, same shape as block_ids: the block holds block_size committed tokens."""
+        return self.counts[block_ids.to(self.device, torch.long)] == self.block_size
+
+    def nbytes(self) -> int:
+        total = self.sums.nbytes + self.counts.nbytes
+        if self.keys is not None:
+            total += self.keys.nbytes
+        return total

@@ -1,0 +1,170 @@
+"""Exact speculative sampling, used at both levels of the hierarchy.
+
+Terms (as in vLLM's rejection sampler). A lower level proposes G "draft" tokens x_i
+drawn from q_i; the upper level has probabilities p_i at each of the G + 1 positions.
+Draft i is "accepted" if u_i < p_i(x_i) / q_i(x_i) (u_i uniform) and every earlier
+draft was accepted. At the first rejected position a "recovered" token is drawn from
+the residual normalize(max(p_i - q_i, 0)); if all valid drafts are accepted a "bonus"
+token is drawn from p at the next position. Either way exactly one token follows the
+accepted drafts, and every emitted token is distributed exactly as p at its position.
+
+The hierarchy (small draft -> middle = target on a retrieval cache -> full target):
+the middle level runs `verify` with the small draft's q and its own p, and the tokens
+it emits are then proposals to the full target. Their proposal distribution, the q
+the full level must use, is the middle level's p at those positions (accepted,
+recovered and bonus tokens alike), because that is what each was distributed as.
+The reference code (TriForce utils/decoding.py, Middle_Spec) gets this wrong: on a
+middle rejection it samples from p_middle instead of the residual but still hands
+p_middle upward, so its output is not the target's distribution. Counter-example
+(tested): draft always proposes a, middle = target = (1/2, 1/2) -> the reference
+emits a with probability 3/4.
+
+Worked example (one row, G = 3, num_drafts = 3): drafts [a, b, c], draft 0 accepted,
+draft 1 rejected -> output_token_ids = [a, r, -1, -1] with r drawn from the residual at
+position 1, num_accepted = 1 (emitted = 2).
+
+Randomness: one uniform per draft slot and one exponential per vocabulary entry
+(sampling as argmax(dist / Exp(1)), which needs no normalisation) are drawn per row
+regardless of the outcome, so a seeded per-row generator makes a row reproducible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+_GREEDY_TEMPERATURE = 1e-5  # below this a row is greedy (as vLLM's _SAMPLING_EPS)
+
+
+def sampling_probs(logits: Tensor, temperature: Tensor, top_k: Tensor | None = None,
+                   top_p: Tensor | None = None) -> Tensor:
+    """[N, V] logits -> [N, V] float32 probs: logits / T, then top-k, then top-p, softmax.
+
+    top-k keeps every token tied with the k-th largest (as vLLM); top-k <= 0 or >= V is
+    off. top-p keeps the smallest prefix of the sorted tokens with mass >= p, always
+    the argmax; top-p >= 1 is off. Rows with T < 1e-5 are greedy: one-hot argmax.
+    NaN logits count as -inf; a row with no finite probability becomes uniform.
+    """
+    big = torch.finfo(torch.float32).max
+    x = logits.float().nan_to_num(nan=float("-inf"), posinf=big, neginf=float("-inf"))
+    temperature = temperature.to(x.device, torch.float32)
+    greedy = temperature < _GREEDY_TEMPERATURE  # [N]
+    scaled = (x / torch.where(greedy, 1.0, temperature)[:, None]).clamp(max=big)
+    if top_k is not None or top_p is not None:
+        scaled = _top_k_top_p(scaled, top_k, top_p)
+    probs = scaled.softmax(-1)
+    bad = ~torch.isfinite(probs).all(-1, keepdim=True)  # [N, 1]
+    probs = torch.where(bad, 1.0 / x.shape[-1], probs)
+    one_hot = torch.zeros_like(probs).scatter_(1, x.argmax(-1, keepdim=True), 1.0)
+    return torch.where(greedy[:, None], one_hot, probs)
+
+
+def _top_k_top_p(scaled: Tensor, top_k: Tensor | None, top_p: Tensor | None) -> Tensor:
+    """Mask (to -inf) what top-k then top-p drop, working on the descending sort."""
+    vocab = scaled.shape[-1]
+    values, order = scaled.sort(-1, descending=True)  # [N, V]
+    if top_k is not None:
+        k = top_k.to(scaled.device, torch.long)
+        k = torch.where((k <= 0) | (k >= vocab), vocab, k)
+        kth = values.gather(1, (k - 1)[:, None])  # [N, 1]
+        values = values.masked_fill(values < kth, float("-inf"))
+    if top_p is not None:
+        p = top_p.to(scaled.device, torch.float32)[:, None]
+        probs = values.softmax(-1)
+        mass_before = probs.cumsum(-1) - probs  # mass of the strictly higher-ranked tokens
+        drop = (mass_before >= p) & (p < 1)
+        drop[:, 0] = False  # always keep the argmax
+        values = values.masked_fill(drop, float("-inf"))
+    return torch.empty_like(scaled).scatter_(1, order, values)
+
+
+@dataclass
+class VerifyResult:
+    # [R, G + 1] int64: accepted drafts, then one recovered/bonus token, padded with -1
+    output_token_ids: Tensor
+    # [R] int64 drafts accepted (tokens emitted = num_accepted + 1)
+    num_accepted: Tensor
+
+    @property
+    def num_emitted(self) -> Tensor:
+        return self.num_accepted + 1
+
+
+def verify(draft_token_ids: Tensor, draft_probs: Tensor | None, target_probs: Tensor,
+           num_drafts: Tensor, greedy: Tensor,
+           generators: Sequence[torch.Generator | None] | None = None) -> VerifyResult:
+    """Standard speculative sampling of one level (module docstring).
+
+    draft_token_ids [R, G]; draft_probs [R, G, V] or None (drafts are one-hot, i.e.
+    proposed deterministically); target_probs [R, G + 1, V]; num_drafts [R] <= G valid
+    drafts per row (slots past it are ignored); greedy [R] bool: accept while the draft
+    equals argmax p, then emit argmax p. generators: one per row (None entries and a
+    None list use the default RNG).
+    """
+    num_reqs, gamma = draft_token_ids.shape
+    device = target_probs.device
+    p = target_probs.float().nan_to_num(0.0).clamp(min=0)  # [R, G+1, V]
+    ids = draft_token_ids.to(device, torch.long)
+    safe_ids = ids.clamp(0, p.shape[-1] - 1)[..., None]  # [R, G, 1]; padding may be -1
+    num_drafts = num_drafts.to(device, torch.long)
+    greedy = greedy.to(device, torch.bool)
+    uniform, noise = _draw(num_reqs, gamma, p.shape[-1], generators, device)
+
+    p_draft = p[:, :gamma].gather(2, safe_ids).squeeze(-1)  # [R, G] p(x_i)
+    q_draft = (torch.ones_like(p_draft) if draft_probs is None
+               else draft_probs.to(device).float().gather(2, safe_ids).squeeze(-1))
+    argmax_p = p.argmax(-1)  # [R, G+1]
+    accept = torch.where(greedy[:, None], ids == argmax_p[:, :gamma], uniform * q_draft < p_draft)
+    accept &= torch.arange(gamma, device=device) < num_drafts[:, None]
+    accepted = accept.long().cumprod(1)  # [R, G] 1 while every draft so far was accepted
+    num_accepted = accepted.sum(1)  # [R]
+
+    dist = _final_distribution(p, draft_probs, safe_ids, num_accepted, num_drafts)  # [R, V]
+    greedy_last = argmax_p.gather(1, num_accepted[:, None]).squeeze(1)  # [R]
+    last = torch.where(greedy, greedy_last, (dist / noise).argmax(-1))  # [R]
+    out = torch.where(accepted.bool(), ids, -1)
+    out = torch.cat([out, out.new_full((num_reqs, 1), -1)], dim=1)  # [R, G+1]
+    out.scatter_(1, num_accepted[:, None], last[:, None])
+    return VerifyResult(out, num_accepted)
+
+
+def _final_distribution(p: Tensor, draft_probs: Tensor | None, safe_ids: Tensor,
+                        num_accepted: Tensor, num_drafts: Tensor) -> Tensor:
+    """[R, V] what the token after the accepted drafts is drawn from: the residual
+    max(p - q, 0) (unnormalised) after a rejection, p itself for a bonus token or when
+    the residual has no mass (then p <= q everywhere, i.e. p == q up to rounding)."""
+    at = num_accepted[:, None, None].expand(-1, 1, p.shape[-1])  # [R, 1, V]
+    p_at = p.gather(1, at).squeeze(1)  # [R, V]
+    gamma = safe_ids.shape[1]
+    if gamma == 0:
+        return p_at
+    draft_at = num_accepted.clamp(max=gamma - 1)
+    if draft_probs is None:  # one-hot proposal of the draft token
+        token = safe_ids.squeeze(-1).gather(1, draft_at[:, None])  # [R, 1]
+        q_at = torch.zeros_like(p_at).scatter_(1, token, 1.0)
+    else:
+        index = draft_at[:, None, None].expand(-1, 1, p.shape[-1])
+        q_at = draft_probs.to(p.device).float().gather(1, index).squeeze(1).nan_to_num(0.0)
+    residual = (p_at - q_at).clamp(min=0)
+    mass = residual.sum(-1)
+    use_residual = (num_accepted < num_drafts) & (mass > 0) & torch.isfinite(mass)
+    return torch.where(use_residual[:, None], residual, p_at)
+
+
+def _draw(num_reqs: int, gamma: int, vocab: int, generators, device) -> tuple[Tensor, Tensor]:
+    """uniform [R, G] for acceptance, Exp(1) noise [R, V] for the final token."""
+    tiny = torch.finfo(torch.float32).tiny  # Exp(1) can round to 0; keep dist / noise finite
+    if generators is None:
+        uniform = torch.rand(num_reqs, gamma, device=device)
+        return uniform, torch.empty(num_reqs, vocab, device=device).exponential_().clamp_(min=tiny)
+    if len(generators) != num_reqs:
+        raise ValueError(f"{len(generators)} generators for {num_reqs} rows")
+    uniform = torch.empty(num_reqs, gamma, device=device)
+    noise = torch.empty(num_reqs, vocab, device=device)
+    for row, gen in enumerate(generators):
+        uniform[row] = torch.rand(gamma, device=device, generator=gen)
+        noise[row].exponential_(generator=gen)
+    return uniform, noise.clamp_(min=tiny)
