@@ -11,6 +11,9 @@ from vllm_triforce.patches import _util
 PATCH_MODULES = (
     "spec_config",
     "runner",
+    "attention_capture",
+    "cpu_expand",
+    "cpu_seed",
 )
 
 

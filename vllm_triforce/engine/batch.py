@@ -1,0 +1,104 @@
+"""What one vLLM step tells the proposer, as small host tensors.
+
+Read from vLLM 0.32.0's V1 runner (`GPUModelRunner.propose_draft_token_ids`, padded-batch
+path): the verification pass's `CommonAttentionMetadata` (after `prepare_inputs_padded`),
+`num_rejected_tokens_gpu`, the sampled `next_token_ids` and `discard_request_mask`.
+
+Worked example, one request, gamma2 = 3: the verification pass ran tokens
+[t, d1, d2, d3] at positions 100..103 (q_len 4, seq_len 104); d1 was accepted, d2
+rejected, so num_rejected = 2 and vLLM sampled a recovered token r at position 102.
+committed = seq_len - num_rejected = 102: positions < 102 now hold exact KV (t, d1),
+r is `next_token` at position `committed` and has no KV yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class StepBatch:
+    req_ids: list[str]
+    seq_lens: torch.Tensor       # [R] int64 tokens seen by the verification pass
+    query_start_loc: torch.Tensor  # [R + 1] int64 rows of the verification pass
+    num_rejected: torch.Tensor   # [R] int64
+    decoding: torch.Tensor       # [R] bool: sampled a real token (not a partial prefill)
+    next_tokens: torch.Tensor    # [R] int64
+    block_table: torch.Tensor    # [R, max_blocks] int32 physical block ids
+    verify_ids: torch.Tensor     # [num_tokens] int64 input ids of the verification pass
+    temperature: torch.Tensor    # [R] float32 (0 for greedy rows)
+    top_k: torch.Tensor | None   # [R] int64
+    top_p: torch.Tensor | None   # [R] float32
+    requests: list               # [R] vLLM CachedRequestState, for older token ids
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+    @property
+    def q_lens(self) -> torch.Tensor:  # [R]
+        return self.query_start_loc[1:] - self.query_start_loc[:-1]
+
+    @property
+    def committed(self) -> torch.Tensor:  # [R] tokens with exact KV
+        return self.seq_lens - self.num_rejected
+
+    @property
+    def verify_start(self) -> torch.Tensor:  # [R] first position of the verification pass
+        return self.seq_lens - self.q_lens
+
+    @property
+    def greedy(self) -> torch.Tensor:  # [R] bool
+        return self.temperature < _GREEDY_EPS
+
+    def token_ids(self, row: int, start: int, end: int) -> list[int]:
+        """Token ids at positions [start, end) of request `row` (end <= committed + 1)."""
+        verify_start = int(self.verify_start[row])
+        committed = int(self.committed[row])
+        out = []
+        request = self.requests[row]
+        for pos in range(start, end):
+            if pos == committed:
+                out.append(int(self.next_tokens[row]))
+            elif pos >= verify_start:
+                out.append(int(self.verify_ids[self.query_start_loc[row] + pos - verify_start]))
+            else:
+                out.append(int(request.get_token_id(pos)))
+        return out
+
+    @classmethod
+    def from_runner(cls, runner, cad, target_token_ids, next_token_ids, num_rejected_tokens_gpu,
+                    sampling_metadata, block_size: int) -> "StepBatch":
+        num_reqs = cad.num_reqs
+        req_ids = list(runner.input_batch.req_ids[:num_reqs])
+        rejected = (torch.zeros(num_reqs, dtype=torch.long) if num_rejected_tokens_gpu is None
+                    else num_rejected_tokens_gpu[:num_reqs].to("cpu", torch.long))
+        discard = torch.as_tensor(runner.discard_request_mask.np[:num_reqs]).bool()
+        return cls(
+            req_ids=req_ids,
+            seq_lens=cad.seq_lens[:num_reqs].to("cpu", torch.long),
+            query_start_loc=cad.query_start_loc_cpu[: num_reqs + 1].to(torch.long),
+            num_rejected=rejected,
+            decoding=~discard,
+            next_tokens=next_token_ids[:num_reqs].to("cpu", torch.long),
+            block_table=cad.block_table_tensor[:num_reqs].to("cpu", torch.int32),
+            verify_ids=target_token_ids.to("cpu", torch.long),
+            temperature=_per_request(sampling_metadata.temperature, num_reqs, 0.0),
+            top_k=_optional(sampling_metadata.top_k, num_reqs),
+            top_p=_optional(sampling_metadata.top_p, num_reqs),
+            requests=[runner.requests[r] for r in req_ids],
+        )
+
+
+def _per_request(values, num_reqs: int, default: float) -> torch.Tensor:
+    if values is None:
+        return torch.full((num_reqs,), default, dtype=torch.float32)
+    return values[:num_reqs].to("cpu", torch.float32)
+
+
+def _optional(values, num_reqs: int):
+    return None if values is None else values[:num_reqs].to("cpu")

@@ -1,0 +1,142 @@
+"""TriForceProposer: the three levels on vLLM's paged blocks (V1 model runner, vLLM 0.32.0).
+
+A subclass of vLLM's `DraftModelProposer` (vllm/v1/spec_decode/draft_model.py) so every
+`isinstance` check in the runner holds; vLLM still schedules, verifies (its own rejection
+sampler, with our middle-level probabilities as draft probs) and commits. Per step, after
+vLLM's full-cache verification pass:
+
+1. commit   -- keys of tokens that are now final go into the per-block summaries;
+2. select   -- requests due for a refresh re-score their blocks (core/selection.py);
+3. middle loop, until every decoding request holds gamma2 tokens:
+     level 1: the small draft over its StreamingLLM table proposes gamma1 tokens;
+     level 2: the target over per-layer retrieval tables scores them (zero-copy: a
+              different block table per layer through the stock attention backend);
+     exact speculative sampling between the two (core/verify.py);
+4. hand vLLM gamma2 drafts and, as draft probs, the level-2 distribution each token was
+   drawn from, so level 3 (vLLM's verification over the full cache) stays lossless.
+
+Tensor parallelism: every rank runs this code. Selections may differ per rank (each rank
+scores its own KV heads), but every decision that shapes a collective -- which requests
+draft, how many rounds, refreshes -- derives from sampled tokens and acceptance counts,
+which come from all-gathered logits and identically seeded generators, so all ranks
+take the same decisions.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.logger import init_logger
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.config import get_layers_from_vllm_config
+from vllm.v1.spec_decode.draft_model import DraftModelProposer
+
+from vllm_triforce.config import TriForceConfig, TriForceConfigError
+from vllm_triforce.core.refresh import RefreshPolicy
+from vllm_triforce.core.selection import SelectionState, make_policy
+from vllm_triforce.core.summaries import BlockSummaries
+from vllm_triforce.engine import levels
+from vllm_triforce.engine.batch import StepBatch
+from vllm_triforce.engine.state import RequestState, StateTable
+from vllm_triforce.engine.stats import TriForceStats
+from vllm_triforce.patches import attention_capture
+from vllm_triforce.patches.runner import triforce_settings
+
+logger = init_logger(__name__)
+
+
+class TriForceProposer(DraftModelProposer):
+
+    def __init__(self, vllm_config, device, runner=None):
+        super().__init__(vllm_config=vllm_config, device=device, runner=runner)
+        self.runner = runner
+        self.cfg = TriForceConfig.from_dict(triforce_settings(vllm_config))
+        self.has_draft = self.cfg.model is not None
+        self.blocks = self.cfg.in_blocks(vllm_config.cache_config.block_size)
+        if self.has_draft:
+            hf = self.speculative_config.draft_model_config.hf_config
+            self.blocks.check_draft_context(self.cfg, hf.max_position_embeddings)
+        self.policy = make_policy(self.cfg.selection_policy)
+        self.refresh = RefreshPolicy(self.cfg.refresh_interval,
+                                     self.cfg.refresh_acceptance_threshold)
+        self.states = StateTable()
+        self.stats = TriForceStats()
+        seed = vllm_config.model_config.seed
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(0 if seed is None else seed)
+        self.summaries: BlockSummaries | None = None
+        self.capture: attention_capture.LayerCapture | None = None
+        logger.info("TriForce: %s levels, gamma2=%d, gamma1=%d, retrieval budget %d blocks of %d "
+                    "tokens, policy %s", 3 if self.has_draft else 2,
+                    self.cfg.num_speculative_tokens, self.cfg.draft_tokens_per_round,
+                    self.blocks.budget_blocks, self.blocks.block_size, self.cfg.selection_policy)
+
+    # ---- vLLM lifecycle ------------------------------------------------------------
+    def load_model(self, target_model) -> None:
+        target_names = set(get_layers_from_vllm_config(self.vllm_config, Attention))
+        if self.has_draft:
+            super().load_model(target_model)
+        else:  # two levels: the target drafts for itself; load nothing twice
+            self.model = None
+            self._draft_attn_layer_names = set()
+        self.target_model = target_model
+        layers = get_layers_from_vllm_config(self.vllm_config, Attention)
+        self.target_layer_names = sorted(target_names, key=extract_layer_index)
+        self.target_layers = [layers[n] for n in self.target_layer_names]
+        self.capture = attention_capture.LayerCapture(len(self.target_layers))
+        attention_capture.install(self.target_layers, self.capture)
+
+    def initialize_attn_backend(self, kv_cache_config, kernel_block_sizes=None) -> None:
+        if len(kv_cache_config.kv_cache_groups) != 1:
+            raise TriForceConfigError(
+                "TriForce needs one KV-cache group (full attention in every layer of target and "
+                f"draft); this model has {len(kv_cache_config.kv_cache_groups)} groups.")
+        if self.has_draft:
+            super().initialize_attn_backend(kv_cache_config, kernel_block_sizes)
+        self.block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+        layer = self.target_layers[0]
+        self.summaries = BlockSummaries(
+            num_layers=len(self.target_layers), num_blocks=kv_cache_config.num_blocks,
+            num_kv_heads=layer.num_kv_heads, head_dim=layer.head_size,
+            block_size=self.block_size, device=self.device,
+            keep_keys=self.policy.needs_keys)
+        logger.info("TriForce block summaries: %.1f MiB for %d blocks",
+                    self.summaries.nbytes() / 2**20, kv_cache_config.num_blocks)
+
+    def dummy_run(self, num_tokens, *args, **kwargs) -> None:
+        if self.has_draft:
+            super().dummy_run(num_tokens, *args, **kwargs)
+
+    def take_last_draft_probs(self):
+        return self._last_draft_probs
+
+    # ---- one step -------------------------------------------------------------------
+    def propose(self, num_speculative_tokens, target_token_ids, target_positions,
+                target_hidden_states, next_token_ids, token_indices_to_sample,
+                common_attn_metadata, sampling_metadata, mm_embed_inputs=None,
+                num_rejected_tokens_gpu=None, slot_mappings=None) -> torch.Tensor:
+        self._last_draft_probs = None
+        batch = StepBatch.from_runner(self.runner, common_attn_metadata, target_token_ids,
+                                      next_token_ids, num_rejected_tokens_gpu,
+                                      sampling_metadata, self.block_size)
+        self.states.retain(self.runner.requests)
+        self.capture.enabled = False
+        try:
+            states = [self.states.get(r, self._new_state) for r in batch.req_ids]
+            levels.commit(self, batch, states)
+            drafts, probs = levels.draft(self, batch, states, num_speculative_tokens)
+        finally:
+            self.capture.enabled = True
+            self.capture.clear()
+        self._last_draft_probs = probs
+        self.stats.maybe_log()
+        return drafts.to(self.device)
+
+    def _new_state(self, req_id: str) -> RequestState:
+        state = RequestState(refresh=self.refresh.new_state(), policy_state=SelectionState())
+        request = self.runner.requests.get(req_id)
+        seed = getattr(getattr(request, "sampling_params", None), "seed", None)
+        if seed is not None:  # seeded requests: reproducible, independent of the batch
+            state.generator = torch.Generator(device=self.device)
+            state.generator.manual_seed((seed * 1_000_003 + 0x7F4A7C15) % 2**63)
+        return state

@@ -1,0 +1,61 @@
+"""Per-request TriForce state, created with the request and freed with it.
+
+Keyed by vLLM's request id. Nothing here refers to physical blocks: selections are kept as
+*logical* block indices (positions // block_size) and mapped through the request's current
+block table at every pass, so a preempted-and-recomputed request (new physical blocks)
+stays valid. Draft-KV bookkeeping is reset by the rule in `invalidate_draft_from`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class RequestState:
+    # Retrieval selection (level 2): sinks + selected logical blocks per layer, and where
+    # the contiguous tail begins. None until the first selection.
+    logical_blocks: torch.Tensor | None = None  # [num_layers, num_selected] int64
+    num_selected: int = 0
+    tail_start: int = 0
+    refresh: object = None                       # core.refresh.RefreshState
+    policy_state: object = None                  # core.selection.SelectionState (h2o)
+    # Small-draft (level 1) KV bookkeeping, in absolute positions.
+    draft_valid_upto: int = 0      # draft KV is valid for positions [window_start, this)
+    draft_sinks_valid: bool = False
+    draft_rebase_offset: int = 0   # see core/streaming.py
+    # Middle-level drafts handed to vLLM last step (to count top-level acceptance).
+    last_num_drafts: int = 0
+    generator: torch.Generator | None = None
+    extra: dict = field(default_factory=dict)
+
+    def invalidate_draft_from(self, position: int, sink_tokens: int) -> None:
+        """The target recomputed tokens from `position` on (a verification pass, a prefill
+        chunk, a recompute after preemption): any draft KV there is stale. Re-running the
+        draft over those few tokens is what vLLM's own draft_model path does each step."""
+        self.draft_valid_upto = min(self.draft_valid_upto, position)
+        if position < sink_tokens:
+            self.draft_sinks_valid = False
+
+
+class StateTable:
+    """req_id -> RequestState; states of requests vLLM no longer holds are dropped."""
+
+    def __init__(self):
+        self.states: dict[str, RequestState] = {}
+
+    def get(self, req_id: str, make) -> RequestState:
+        state = self.states.get(req_id)
+        if state is None:
+            state = self.states[req_id] = make(req_id)
+        return state
+
+    def retain(self, live_req_ids) -> None:
+        live = set(live_req_ids)
+        for req_id in [r for r in self.states if r not in live]:
+            del self.states[req_id]
+
+    def __len__(self) -> int:
+        return len(self.states)

@@ -1,0 +1,60 @@
+"""TriForce's own counters: the levels vLLM's spec-decode metrics cannot see.
+
+vLLM's `vllm:spec_decode_*` counters see only the top level (full-cache verification of
+the gamma2 drafts). These add the middle level (small draft vs. target on the retrieval
+cache), middle rounds, selection refreshes and draft re-bases. They live in the worker;
+`snapshot()` is what the plugin reports through logs and metrics.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+LOG_INTERVAL_S = 10.0
+
+
+@dataclass
+class TriForceStats:
+    middle_proposed: int = 0   # level-1 tokens proposed to level 2
+    middle_accepted: int = 0
+    middle_rounds: int = 0     # batched level-2 passes
+    refreshes: int = 0         # request-level re-selections of retrieval blocks
+    draft_rebases: int = 0     # StreamingLLM window re-bases of the small draft
+    top_proposed: int = 0      # level-2 tokens verified by the full cache
+    top_accepted: int = 0
+    _last_log: float = field(default_factory=time.monotonic, repr=False)
+
+    def record_middle(self, proposed: int, accepted: int) -> None:
+        self.middle_proposed += proposed
+        self.middle_accepted += accepted
+
+    def record_verification(self, proposed: int, accepted: int) -> None:
+        self.top_proposed += proposed
+        self.top_accepted += accepted
+
+    def snapshot(self) -> dict[str, int]:
+        return {k: v for k, v in asdict(self).items() if not k.startswith("_")}
+
+    def maybe_log(self) -> None:
+        now = time.monotonic()
+        if now - self._last_log < LOG_INTERVAL_S:
+            return
+        self._last_log = now
+        logger.info("TriForce metrics: %s", format_snapshot(self.snapshot()))
+
+
+def rate(accepted: int, proposed: int) -> float:
+    return accepted / proposed if proposed else float("nan")
+
+
+def format_snapshot(s: dict[str, int]) -> str:
+    return (f"middle acceptance {rate(s['middle_accepted'], s['middle_proposed']):.3f} "
+            f"({s['middle_accepted']}/{s['middle_proposed']}), "
+            f"full-cache acceptance {rate(s['top_accepted'], s['top_proposed']):.3f} "
+            f"({s['top_accepted']}/{s['top_proposed']}), middle rounds {s['middle_rounds']}, "
+            f"refreshes {s['refreshes']}, draft re-bases {s['draft_rebases']}")
