@@ -67,6 +67,8 @@ def layer_metadata(groups, inputs: PassInputs, tables: torch.Tensor | list, devi
     for group in groups:
         shared = None
         for name in group.layer_names:
+            if isinstance(tables, dict) and name not in tables:
+                continue  # a layer of another model sharing the KV-cache group
             table = tables[name] if isinstance(tables, dict) else tables
             if shared is None or isinstance(tables, dict):
                 meta = group.build_metadata(build_common(inputs, table, device))
