@@ -25,8 +25,9 @@ Texts (both Apache-2.0 packages by The Stdlib Authors; LICENSE/NOTICE kept):
   "text"}), ``etymology``, ``extracts``, ``epilogue``, ``contents`` (.txt/.json).
 - ``sotu``: 233 State of the Union addresses, 1790-2021, one
   ``<year>_<president>_<party letter>.json`` each, holding {"year": int,
-  "name": str, "party": str, "text": str} (party may be "none"), plus a
-  ``.txt`` with the same text. Two addresses share each of 1953 and 1961.
+  "name": str, "party": str, "text": str} (names without periods, e.g.
+  "Joseph R Biden"; party may be "none"), plus a ``.txt`` with the same text.
+  Two addresses share each of 1953 and 1961; 10.8M characters in all.
 
 Progress goes to the ``vllm_triforce.assets`` logger (the CLI routes it to
 stderr); this module does not import vLLM or torch.
