@@ -1,0 +1,82 @@
+"""The small draft's sink + window table and its position scheme."""
+
+import random
+
+import pytest
+import torch
+
+from vllm_triforce.core.streaming import (DraftWindow, draft_positions, needs_rebase,
+                                          streaming_table, window_start)
+
+
+def ref_table(table_row, seq_len, bs, num_sink, num_window):
+    num_blocks = -(-seq_len // bs)
+    blocks = list(range(min(num_sink, num_blocks)))
+    blocks += list(range(max(num_sink, num_blocks - num_window), num_blocks))
+    tokens = sum(min(bs, seq_len - b * bs) for b in blocks)
+    return [int(table_row[b]) for b in blocks], tokens, blocks
+
+
+def test_hand_worked_docstring_example():
+    w = DraftWindow(num_sink_blocks=1, num_window_blocks=4, block_size=32, max_draft_position=256)
+    assert not w.needs_rebase(255) and w.needs_rebase(256)
+    assert w.rebase(256) == 128 and w.rebase_offset == 96
+    pos = draft_positions(torch.tensor([0, 31, 128, 255, 256]), torch.tensor(96), w.sink_tokens)
+    assert pos.tolist() == [0, 31, 32, 159, 160]
+    assert not w.needs_rebase(351) and w.needs_rebase(352)
+
+
+def test_table_matches_reference():
+    bs, num_sink, num_window = 4, 2, 3
+    seq_lens = list(range(1, 40))
+    table = torch.arange(100, 100 + 12, dtype=torch.int32).expand(len(seq_lens), -1)
+    tables, lens = streaming_table(table, torch.tensor(seq_lens), num_sink, num_window, bs)
+    assert tables.shape == (len(seq_lens), num_sink + num_window)
+    for r, n in enumerate(seq_lens):
+        row, tokens, _ = ref_table(table[r], n, bs, num_sink, num_window)
+        assert tables[r, :len(row)].tolist() == row and torch.all(tables[r, len(row):] == 0)
+        assert int(lens[r]) == tokens
+        if n <= (num_sink + num_window) * bs:
+            assert int(lens[r]) == n  # short: the full table
+    starts = window_start(torch.tensor([1, 8, 9, 20, 21]), bs, num_sink, num_window)
+    assert starts.tolist() == [8, 8, 8, 8, 12]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_long_request_never_exceeds_draft_context(seed):
+    """Grow a request to 5000 tokens in passes of 1..lookahead tokens, rebasing when told.
+    Track the offset each token's KV was written with: every key the draft attends to
+    must carry the current offset (consistent distances) and every position must stay
+    below the draft's limit."""
+    rng = random.Random(seed)
+    bs, limit, lookahead = 16, 256, 7
+    w = DraftWindow(num_sink_blocks=1, num_window_blocks=6, block_size=bs,
+                    max_draft_position=limit, lookahead=lookahead)
+    written = []  # offset each token was written with
+    seq_len, rebases = 0, 0
+    table = torch.arange(400, dtype=torch.int32)[None]
+    while seq_len < 5000:
+        step = rng.randint(1, lookahead)
+        if w.needs_rebase(seq_len + step - 1):
+            start = w.rebase(seq_len)
+            written[max(start, w.sink_tokens):] = [w.rebase_offset] * (seq_len - max(start, w.sink_tokens))
+            rebases += 1
+        written += [w.rebase_offset] * step
+        seq_len += step
+        _, lens = streaming_table(table, torch.tensor([seq_len]), 1, 6, bs)
+        _, _, blocks = ref_table(table[0], seq_len, bs, 1, 6)
+        attended = [t for b in blocks for t in range(b * bs, min((b + 1) * bs, seq_len))]
+        assert len(attended) == int(lens[0])
+        positions = draft_positions(torch.tensor(attended), torch.tensor(w.rebase_offset), w.sink_tokens)
+        assert int(positions.max()) < limit and int(positions.min()) >= 0
+        assert all(written[t] == w.rebase_offset for t in attended if t >= w.sink_tokens)
+    assert rebases >= 5000 // limit
+
+
+def test_batched_helpers_and_validation():
+    flags = needs_rebase(torch.tensor([10, 300, 300]), torch.tensor([0, 0, 100]), 16, 256)
+    assert flags.tolist() == [False, True, False]
+    pos = draft_positions(torch.tensor([[3, 20], [3, 200]]), torch.tensor([[0], [150]]), 16)
+    assert pos.tolist() == [[3, 20], [3, 50]]
+    with pytest.raises(ValueError, match="does not fit"):
+        DraftWindow(num_sink_blocks=1, num_window_blocks=7, block_size=32, max_draft_position=256)
