@@ -1,0 +1,127 @@
+"""`method: triforce` inside vLLM: exact greedy identity with plain vLLM, and the plumbing.
+
+Prompts are longer than the retrieval budget and than the tiny draft's
+max_position_embeddings (256), so every level runs sparse and the draft re-bases.
+"""
+
+import pytest
+
+import tiny_models
+from conftest import free_llm, make_engine_kwargs
+
+pytestmark = pytest.mark.engine
+
+PROMPT_WORDS = (30, 260, 520, 140)  # ~1.5 tokens per word: 45 .. 800 tokens
+MAX_TOKENS = (24, 40, 32, 48)       # requests finish at different steps
+
+
+def prompts():
+    return [tiny_models.make_text(n, seed=i) for i, n in enumerate(PROMPT_WORDS)]
+
+
+def greedy_params():
+    from vllm import SamplingParams
+
+    return [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in MAX_TOKENS]
+
+
+def generate(model, spec=None, **over):
+    from vllm import LLM
+
+    kwargs = make_engine_kwargs(**over)
+    llm = LLM(str(model), speculative_config=spec, disable_log_stats=spec is None, **kwargs)
+    try:
+        outs = llm.generate(prompts(), greedy_params(), use_tqdm=False)
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        stats = drafter_of(llm).stats.snapshot() if spec else None
+        metrics = spec_metrics(llm) if spec else None
+    finally:
+        free_llm(llm)
+    return tokens, stats, metrics
+
+
+def drafter_of(llm):
+    core = llm.llm_engine.engine_core.engine_core
+    return core.model_executor.driver_worker.worker.model_runner.drafter
+
+
+def spec_metrics(llm) -> dict:
+    return {m.name: getattr(m, "value", None) for m in llm.get_metrics()
+            if m.name.startswith(("vllm:spec_decode", "vllm:triforce"))}
+
+
+_PLAIN: dict = {}
+
+
+def plain(model):
+    if model not in _PLAIN:
+        _PLAIN[model] = generate(model)[0]
+    return _PLAIN[model]
+
+
+def two_level(policy="retrieval", **extra):
+    return {"method": "triforce", "num_speculative_tokens": 4, "retrieval_budget": 160,
+            "retrieval_sink_tokens": 16, "retrieval_recent_tokens": 32,
+            "selection_policy": policy, "refresh_interval": 16, **extra}
+
+
+def three_level(draft, policy="retrieval", **extra):
+    return two_level(policy, model=str(draft), draft_window_tokens=96,
+                     draft_tokens_per_round=2, **extra)
+
+
+@pytest.mark.parametrize("policy", ["retrieval", "streamingllm", "h2o", "topk_oracle"])
+def test_two_level_greedy_identical_mha(tiny_llama, policy):
+    tokens, stats, _ = generate(tiny_llama, two_level(policy))
+    assert tokens == plain(tiny_llama)
+    assert stats["top_proposed"] > 0 and stats["refreshes"] > len(PROMPT_WORDS)
+
+
+@pytest.mark.parametrize("policy", ["retrieval", "topk_oracle"])
+def test_three_level_greedy_identical_gqa(tiny_qwen2, tiny_draft, policy):
+    tokens, stats, _ = generate(tiny_qwen2, three_level(tiny_draft, policy))
+    assert tokens == plain(tiny_qwen2)
+    assert stats["middle_proposed"] > 0
+    assert stats["draft_rebases"] > 0  # prompts exceed the draft's 256 positions
+
+
+def test_three_level_greedy_identical_mha(tiny_llama, tiny_draft):
+    tokens, stats, _ = generate(tiny_llama, three_level(tiny_draft, "h2o"))
+    assert tokens == plain(tiny_llama)
+
+
+def test_two_level_greedy_identical_gqa(tiny_qwen2):
+    tokens, _, _ = generate(tiny_qwen2, two_level("streamingllm"))
+    assert tokens == plain(tiny_qwen2)
+
+
+def test_full_budget_middle_level_is_the_target(tiny_qwen2):
+    """With a budget above every context, level 2 attends to everything: it must equal the
+    target exactly, so vLLM accepts every draft. Proves the per-layer tables, slots,
+    positions and causal layout of the retrieval pass."""
+    tokens, stats, metrics = generate(tiny_qwen2, two_level(retrieval_budget=4096))
+    assert tokens == plain(tiny_qwen2)
+    assert stats["top_proposed"] > 0
+    assert stats["top_accepted"] == stats["top_proposed"]
+    assert metrics["vllm:spec_decode_num_accepted_tokens"] == \
+        metrics["vllm:spec_decode_num_draft_tokens"]
+
+
+def test_self_draft_full_window_accepts_everything(tiny_llama):
+    """The target as its own small draft with a window covering the whole context: level 1
+    equals level 2 equals level 3, so every level accepts 100% (draft-level plumbing)."""
+    spec = two_level(retrieval_budget=4096, model=str(tiny_llama), draft_window_tokens=2048,
+                     draft_tokens_per_round=3)
+    tokens, stats, _ = generate(tiny_llama, spec, max_model_len=1024)
+    assert tokens == plain(tiny_llama)
+    assert stats["middle_proposed"] > 0
+    assert stats["middle_accepted"] == stats["middle_proposed"]
+    assert stats["top_accepted"] == stats["top_proposed"]
+
+
+def test_preemption_and_prefix_sharing_stay_identical(tiny_llama):
+    """A KV cache too small for the batch forces preemption and recompute; shared prompt
+    prefixes hit the prefix cache. Output must not change."""
+    tokens, _, _ = generate(tiny_llama, two_level(), num_gpu_blocks_override=48,
+                            max_num_seqs=4)
+    assert tokens == plain(tiny_llama)
