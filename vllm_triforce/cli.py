@@ -75,6 +75,15 @@ SUBCOMMANDS: dict[str, Callable] = {
 }
 
 
+def _add_demo_parser(subparsers) -> None:
+    from vllm_triforce.demo import add_demo_parser
+
+    add_demo_parser(subparsers)
+
+
+SUBCOMMANDS["demo"] = _add_demo_parser
+
+
 # --------------------------------------------------------------------- main
 
 def build_parser() -> argparse.ArgumentParser:
