@@ -125,3 +125,11 @@ def test_preemption_and_prefix_sharing_stay_identical(tiny_llama):
     tokens, _, _ = generate(tiny_llama, two_level(), num_gpu_blocks_override=48,
                             max_num_seqs=4)
     assert tokens == plain(tiny_llama)
+
+
+def test_metrics_beside_spec_decode(tiny_llama):
+    """Per-level TriForce counters appear in LLM.get_metrics() next to vllm:spec_decode_*."""
+    _, stats, metrics = generate(tiny_llama, two_level())
+    assert metrics["vllm:spec_decode_num_draft_tokens"] > 0
+    for name in ("top_proposed", "top_accepted", "middle_rounds", "refreshes"):
+        assert metrics[f"vllm:triforce_{name}"] >= stats[name] > 0

@@ -69,7 +69,7 @@ def _pending_tokens(proposer, batch, state, rnd, row: int, size: int):
                          sink_tokens, max_draft)[0]):
         state.draft_rebase_offset = max(start - sink_tokens, 0)
         state.draft_valid_upto = 0
-        proposer.stats.draft_rebases += 1
+        proposer.stats.add(draft_rebases=1)
     positions = []
     if not state.draft_sinks_valid:
         positions += range(0, min(sink_tokens, end))

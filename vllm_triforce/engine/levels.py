@@ -86,7 +86,7 @@ def refresh_selections(proposer, batch, states, decode_rows: list[int]) -> None:
         st.num_selected = int(sel.num_selected[i])
         st.tail_start = int(sel.tail_start[i])
         proposer.refresh.record_selection(st.refresh, int(batch.committed[r]))
-    proposer.stats.refreshes += len(due)
+    proposer.stats.add(refreshes=len(due))
 
 
 def _selection_of(states, rows: list[int]) -> Selection:
@@ -121,7 +121,7 @@ def draft(proposer, batch, states, num_drafts: int):
             break
         sizes = [min(gamma1, num_drafts - len(rounds[r].tokens)) for r in active]
         _middle_round(proposer, batch, states, rounds, active, sizes)
-        proposer.stats.middle_rounds += 1
+        proposer.stats.add(middle_rounds=1)
     probs = None
     if not bool(batch.greedy[decode_rows].all()):
         vocab = rounds[decode_rows[0]].probs[0].shape[-1]
