@@ -33,6 +33,21 @@ UNCHUNKED_BUDGET = 2048  # >= the sum of all prompt lengths
 CPU_OFFSET_ERROR = "CPU Generator does not use offset"
 
 
+# --- the shared tiny models (tests/tiny_models.py) --------------------------------
+
+def test_tiny_models_are_deterministic_and_not_degenerate(tiny_llama, tiny_qwen2, tiny_draft,
+                                                          tmp_path):
+    rebuilt = tiny_models.build_tiny_llama(tmp_path / "again")
+    for name in ("model.safetensors", "tokenizer.json"):
+        assert (rebuilt / name).read_bytes() == (tiny_llama / name).read_bytes()
+    for path in (tiny_llama, tiny_qwen2, tiny_draft):
+        assert tiny_models.is_non_degenerate(path)
+    assert not tiny_models.is_non_degenerate(  # the usual init scale: nearly uniform
+        tiny_models.build_tiny_llama(tmp_path / "flat", init_scale=0.02))
+
+
+# --- cpu_expand ----------------------------------------------------------------
+
 def _expand_reference(output, input_val, cu_num_tokens, replace_from, replace_to):
     start = 0
     for value, end in zip(input_val.tolist(), cu_num_tokens.tolist()):
