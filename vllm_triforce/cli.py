@@ -84,6 +84,15 @@ def _add_demo_parser(subparsers) -> None:
 SUBCOMMANDS["demo"] = _add_demo_parser
 
 
+def _add_bench_parser(subparsers) -> None:
+    from vllm_triforce.bench.cli import add_bench_parser
+
+    add_bench_parser(subparsers)
+
+
+SUBCOMMANDS["bench"] = _add_bench_parser
+
+
 # --------------------------------------------------------------------- main
 
 def build_parser() -> argparse.ArgumentParser:

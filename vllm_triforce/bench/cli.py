@@ -1,0 +1,82 @@
+"""`vllm-triforce bench {speed,acceptance,selection}`: parsers and handlers.
+
+Each benchmark writes results.json, results.md and PNG plots into --out and prints
+the directory last on stdout. Child-process logs: <out>/logs/.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def add_bench_parser(subparsers) -> None:
+    from vllm_triforce.bench import acceptance, speed
+
+    parser = subparsers.add_parser("bench", help="benchmarks: speed, acceptance, selection")
+    kinds = parser.add_subparsers(dest="kind", required=True,
+                                  metavar="{speed,acceptance,selection}")
+    for name, module, text in (("speed", speed, "every vLLM method vs TriForce"),
+                               ("acceptance", acceptance, "the paper's Table 1 on our data")):
+        p = kinds.add_parser(name, help=text)
+        _common(p)
+        module.add_arguments(p)
+        p.set_defaults(func=_handler(name))
+    sel = kinds.add_parser("selection", help="block-selection micro-benchmark")
+    sel.add_argument("rest", nargs=argparse.REMAINDER, help="selection_bench arguments")
+    sel.set_defaults(func=_selection)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, type=Path, help="output directory")
+    p.add_argument("--quick", action="store_true", help="tiny inputs (smoke test)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="asset name or model directory")
+    p.add_argument("--draft", default=None,
+                   help="small draft (asset name or directory): adds draft_model and "
+                        "three-level TriForce")
+
+
+def resolve_model(name: str | None) -> str | None:
+    if name is None:
+        return None
+    from vllm_triforce import assets
+
+    if name in assets.MODEL_SPECS:
+        return str(assets.ensure_model(name))
+    if not Path(name).is_dir():
+        from vllm_triforce.cli import CommandError
+
+        raise CommandError(f"{name!r} is neither a known model ({', '.join(assets.MODEL_SPECS)})"
+                           " nor a model directory")
+    return str(Path(name).resolve())
+
+
+def _handler(kind: str):
+    def handle(args: argparse.Namespace) -> int:
+        from vllm_triforce.bench import acceptance, speed
+        from vllm_triforce.bench.runner import BenchError
+        from vllm_triforce.cli import CommandError
+
+        args.out.mkdir(parents=True, exist_ok=True)
+        model, draft = resolve_model(args.model), resolve_model(args.draft)
+        try:
+            if kind == "speed":
+                data = speed.run_speed(args, model, draft, args.out)
+                ok = data["all_identical"]
+            else:
+                acceptance.run_acceptance(args, model, args.out)
+                ok = True
+        except BenchError as err:
+            raise CommandError(str(err)) from None
+        print((args.out / "results.md").read_text())
+        print(args.out)
+        return 0 if ok else 1
+    return handle
+
+
+def _selection(args: argparse.Namespace) -> int:
+    from vllm_triforce.bench import selection_bench
+
+    return selection_bench.main(args.rest) or 0

@@ -1,0 +1,111 @@
+"""`vllm-triforce bench speed`: every vLLM decoding method against TriForce, same prompts.
+
+Methods: plain vLLM, vLLM `draft_model` (with --draft), vLLM `ngram`, TriForce two-level,
+TriForce three-level (with --draft). Greedy; Moby-Dick slices of --prompt-tokens tokens,
+--batch requests, --max-tokens new tokens. Prefill is timed on its own (1 new token),
+then the timed generations hit the prefix cache; decode tok/s and per-token latency are
+medians over --repeats. Every method's greedy tokens are compared with plain vLLM's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+from vllm_triforce.bench import prompts as bench_prompts
+from vllm_triforce.bench import report
+from vllm_triforce.bench.runner import run_methods
+
+QUICK = dict(prompt_tokens=256, batch=2, max_tokens=8, repeats=1, budget=192)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt-tokens", type=int, default=8192)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--budget", type=int, default=512, help="TriForce retrieval_budget")
+    p.add_argument("--gamma", type=int, default=6, help="num_speculative_tokens")
+    p.add_argument("--methods", nargs="+", default=None,
+                   help="subset of: plain draft_model ngram triforce2 triforce3")
+
+
+def method_runs(args, draft: str | None) -> list[dict]:
+    k = args.gamma
+    tri = {"method": "triforce", "num_speculative_tokens": k, "retrieval_budget": args.budget}
+    runs = [{"name": "plain", "spec": None}]
+    if draft:
+        runs.append({"name": "draft_model", "spec": {"method": "draft_model", "model": draft,
+                                                     "num_speculative_tokens": k}})
+    runs.append({"name": "ngram", "spec": {"method": "ngram", "num_speculative_tokens": k,
+                                           "prompt_lookup_max": 4, "prompt_lookup_min": 2}})
+    runs.append({"name": "triforce2", "spec": tri})
+    if draft:
+        runs.append({"name": "triforce3", "spec": {**tri, "model": draft}})
+    if args.methods:
+        runs = [r for r in runs if r["name"] in args.methods]
+    return runs
+
+
+def run_speed(args, model: str, draft: str | None, out: Path) -> dict:
+    if args.quick:
+        for key, value in QUICK.items():
+            setattr(args, key, value)
+    ids = bench_prompts.book_prompts(model, args.prompt_tokens, args.batch)
+    job = {"model": model, "prompts": ids, "max_tokens": args.max_tokens,
+           "repeats": args.repeats, "temperature": 0.0,
+           "max_model_len": args.prompt_tokens + args.max_tokens + 2 * args.gamma + 64}
+    results = run_methods(job, method_runs(args, draft), out, isolate=not args.quick,
+                          desc="bench speed")
+    rows = summarize(results, args.batch, args.max_tokens)
+    data = {"config": {k: getattr(args, k) for k in
+                       ("prompt_tokens", "batch", "max_tokens", "repeats", "budget", "gamma")}
+            | {"model": model, "draft": draft}, "rows": rows,
+            "all_identical": all(r["identical"] for r in rows), "raw": results}
+    report.write_json(out / "results.json", data)
+    _write_md(out / "results.md", data)
+    report.bar_plot(out / "speed.png", [r["method"] for r in rows],
+                    [r["decode_tok_s"] for r in rows], "decode tokens/s (median)",
+                    f"{Path(model).name}: {args.batch} x {args.prompt_tokens} tokens, "
+                    f"{args.max_tokens} new")
+    return data
+
+
+def summarize(results: list[dict], batch: int, max_tokens: int) -> list[dict]:
+    reference = results[0]["tokens"]
+    rows = []
+    for r in results:
+        decode = statistics.median(r["decode_s"])
+        tri = r.get("triforce") or {}
+        spec = r.get("vllm_spec") or {}
+        drafted = spec.get("vllm:spec_decode_num_draft_tokens")
+        accepted = spec.get("vllm:spec_decode_num_accepted_tokens")
+        rows.append({
+            "method": r["name"], "prefill_s": r["prefill_s"], "decode_s": decode,
+            "decode_tok_s": batch * max_tokens / decode,
+            "ms_per_token": 1000 * decode / max_tokens,
+            "top_acceptance": (accepted / drafted) if drafted else None,
+            "middle_acceptance": (tri["middle_accepted"] / tri["middle_proposed"])
+            if tri.get("middle_proposed") else None,
+            "identical": r["tokens"] == reference})
+    base = rows[0]["decode_tok_s"]
+    for row in rows:
+        row["speedup"] = row["decode_tok_s"] / base
+    return rows
+
+
+def _write_md(path: Path, data: dict) -> None:
+    c = data["config"]
+    header = ["method", "prefill s", "decode tok/s", "ms / token (per request)",
+              f"speedup vs {data['rows'][0]['method']}", "accepted/proposed (full-cache verify)",
+              "middle accepted/proposed", "greedy output = plain"]
+    rows = [[r["method"], r["prefill_s"], r["decode_tok_s"], r["ms_per_token"],
+             f"{r['speedup']:.2f}x", r["top_acceptance"], r["middle_acceptance"],
+             "yes" if r["identical"] else "NO"] for r in data["rows"]]
+    intro = (f"Target `{Path(c['model']).name}`, draft `{c['draft'] and Path(c['draft']).name}`; "
+             f"{c['batch']} x {c['prompt_tokens']}-token Moby-Dick prompts, {c['max_tokens']} new "
+             f"tokens, greedy; medians over {c['repeats']} repeat(s); gamma={c['gamma']}, "
+             f"retrieval_budget={c['budget']}. Decode time excludes prefill (prefix-cache hit). "
+             f"All greedy outputs identical: **{'yes' if data['all_identical'] else 'NO'}**.")
+    report.write_markdown(path, "bench speed", [intro, report.markdown_table(header, rows)])

@@ -1,0 +1,114 @@
+"""One benchmark process: build engines for a list of runs, time them, write JSON.
+
+    python -m vllm_triforce.bench.worker JOB.json RESULT.json
+
+JOB.json: {"model": DIR, "prompts": [[token ids], ...], "max_tokens": M,
+"repeats": R, "temperature": T, "max_model_len": L, "block_size": 32,
+"runs": [{"name": str, "spec": speculative_config or null}, ...]}.
+RESULT.json: a list with one dict per run (same order): tokens, prefill_s,
+decode_s (one per repeat), and for spec runs vLLM's spec-decode counters and,
+for TriForce, the drafter's per-level counters (`stats.snapshot()`).
+
+The parent (`vllm_triforce.bench.runner`) starts one process per run by default:
+memory is returned between methods and an ngram engine (numba) cannot spoil the
+next engine (CPU_VLLM.md). vLLM logs to stdout, so results go to a file.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import time
+
+ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_TARGET_DEVICE": "cpu",
+              "VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1",
+              "NUMBA_THREADING_LAYER": "workqueue"}
+
+
+def run_job(job: dict) -> list[dict]:
+    for key, value in ENGINE_ENV.items():
+        os.environ.setdefault(key, value)
+    # ngram last: a later engine in this process would fail (CPU_VLLM.md).
+    order = sorted(range(len(job["runs"])), key=lambda i: _is_ngram(job["runs"][i]))
+    results: list[dict | None] = [None] * len(job["runs"])
+    for i in order:
+        results[i] = run_one(job, job["runs"][i])
+    return results
+
+
+def _is_ngram(run: dict) -> bool:
+    return bool(run.get("spec")) and run["spec"].get("method") == "ngram"
+
+
+def run_one(job: dict, run: dict) -> dict:
+    from vllm import LLM, SamplingParams
+
+    spec = run.get("spec")
+    llm = LLM(job["model"], dtype=job.get("dtype", "float32"), enforce_eager=True,
+              block_size=job.get("block_size", 32), seed=job.get("seed", 0),
+              max_model_len=job["max_model_len"], speculative_config=spec,
+              disable_log_stats=False, enable_prefix_caching=True)
+    prompts = [{"prompt_token_ids": ids} for ids in run.get("prompts", job["prompts"])]
+    temperature = job.get("temperature", 0.0)
+    params = SamplingParams(temperature=temperature, max_tokens=job["max_tokens"],
+                            ignore_eos=True, seed=None)
+    first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    # Prefill alone (1 new token); the timed runs then hit the prefix cache.
+    start = time.perf_counter()
+    llm.generate(prompts, first, use_tqdm=False)
+    prefill_s = time.perf_counter() - start
+    # Untimed warm-up decode (first decode steps pay one-off initialisation).
+    warm = SamplingParams(temperature=0.0, max_tokens=min(job["max_tokens"], 8), ignore_eos=True)
+    llm.generate(prompts, warm, use_tqdm=False)
+    drafter = _drafter(llm) if spec and spec.get("method") == "triforce" else None
+    before = drafter.stats.snapshot() if drafter else None
+    decode_s, tokens = [], None
+    for _ in range(job.get("repeats", 1)):
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        decode_s.append(time.perf_counter() - start)
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+    result = {"name": run["name"], "spec": spec, "tokens": tokens, "prefill_s": prefill_s,
+              "decode_s": decode_s, "vllm_spec": _spec_metrics(llm)}
+    if drafter is not None:
+        after = drafter.stats.snapshot()
+        result["triforce"] = {k: after[k] - before[k] for k in after}
+    _free(llm)
+    return result
+
+
+def _spec_metrics(llm) -> dict:
+    out = {}
+    for m in llm.get_metrics():
+        if m.name.startswith("vllm:spec_decode_num_"):
+            out[m.name] = getattr(m, "value", None)
+    return out
+
+
+def _drafter(llm):
+    core = llm.llm_engine.engine_core.engine_core
+    return core.model_executor.driver_worker.worker.model_runner.drafter
+
+
+def _free(llm) -> None:
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    cleanup_dist_env_and_memory()
+    gc.collect()
+
+
+def main(argv: list[str]) -> int:
+    with open(argv[0]) as f:
+        job = json.load(f)
+    results = run_job(job)
+    with open(argv[1], "w") as f:
+        json.dump(results, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
