@@ -49,11 +49,12 @@ def _make_wrapper(original):
             **cfg.passthrough,
         }
         self.additional_config = {**(self.additional_config or {}), "triforce": cfg.to_dict()}
+        _check_vocab(cfg, _draft_vocab_size(cfg, target_model_config), target_model_config)
         try:
             result = original(self, target_model_config, target_parallel_config)
         finally:
             self.speculative_config = spec
-        _check_vocab(cfg, result, target_model_config)
+        _check_vocab(cfg, result.draft_model_config.get_vocab_size(), target_model_config)
         result.draft_model_config.max_model_len = target_model_config.max_model_len
         return result
 
@@ -70,12 +71,24 @@ def _check_parallel(parallel_config) -> None:
             "rank only. Use tensor parallelism (pipeline_parallel_size=1) with method 'triforce'.")
 
 
-def _check_vocab(cfg, spec_config, target_model_config) -> None:
+def _draft_vocab_size(cfg, target_model_config) -> int | None:
+    """The draft's vocabulary from its config, read before vLLM's own (less clear) check."""
+    if cfg.model is None:
+        return None
+    from vllm.transformers_utils.config import get_config
+
+    try:
+        hf_config = get_config(cfg.model, trust_remote_code=target_model_config.trust_remote_code)
+    except Exception:  # unreadable here: vLLM's SpeculativeConfig will report it
+        return None
+    return getattr(hf_config.get_text_config(), "vocab_size", None)
+
+
+def _check_vocab(cfg, draft_vocab, target_model_config) -> None:
     from vllm_triforce.config import TriForceConfigError
 
-    if cfg.model is None:
+    if cfg.model is None or draft_vocab is None:
         return
-    draft_vocab = spec_config.draft_model_config.get_vocab_size()
     target_vocab = target_model_config.get_vocab_size()
     if draft_vocab != target_vocab:
         raise TriForceConfigError(
