@@ -40,6 +40,7 @@ def _make_wrapper(original):
         from vllm_triforce.config import TriForceConfig
 
         cfg = TriForceConfig.from_speculative_config(spec)
+        cfg.model = _resolve_asset(cfg.model)
         _check_parallel(target_parallel_config)
         _select_v1_runner()
         self.speculative_config = {
@@ -59,6 +60,19 @@ def _make_wrapper(original):
         return result
 
     return create_speculative_config
+
+
+ASSET_PREFIX = "vllm-triforce:"
+
+
+def _resolve_asset(model):
+    """`"model": "vllm-triforce:NAME"` names a model `vllm-triforce models fetch` prepares
+    (fetched and converted on first use), so example configs run as written."""
+    if not (isinstance(model, str) and model.startswith(ASSET_PREFIX)):
+        return model
+    from vllm_triforce.assets import ensure_model
+
+    return str(ensure_model(model[len(ASSET_PREFIX):]))
 
 
 def _check_parallel(parallel_config) -> None:
