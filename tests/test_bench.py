@@ -1,0 +1,46 @@
+"""`vllm-triforce bench speed|acceptance --quick` on a tiny random model: files written,
+greedy outputs of every method identical to plain vLLM. (Each benchmark runs its
+engines in one child process in --quick mode.)"""
+
+import json
+
+import pytest
+
+from vllm_triforce import cli
+
+
+@pytest.mark.engine
+def test_bench_speed_quick(tiny_llama, tmp_path):
+    out = tmp_path / "speed"
+    rc = cli.main(["bench", "speed", "--quick", "--out", str(out), "--model", str(tiny_llama),
+                   "--methods", "plain", "triforce2"])
+    assert rc == 0
+    data = json.loads((out / "results.json").read_text())
+    assert [r["method"] for r in data["rows"]] == ["plain", "triforce2"]
+    raw = {r["name"]: r for r in data["raw"]}
+    assert raw["triforce2"]["tokens"] == raw["plain"]["tokens"]
+    assert all(len(t) == 8 for t in raw["plain"]["tokens"])
+    assert data["all_identical"] is True
+    assert raw["triforce2"]["triforce"]["top_proposed"] > 0
+    assert "| triforce2 |" in (out / "results.md").read_text()
+    assert (out / "speed.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.engine
+def test_bench_acceptance_quick(tiny_llama, tmp_path):
+    out = tmp_path / "acc"
+    rc = cli.main(["bench", "acceptance", "--quick", "--out", str(out), "--model",
+                   str(tiny_llama), "--policies", "retrieval"])
+    assert rc == 0
+    data = json.loads((out / "results.json").read_text())
+    assert set(data["table"]) == {"Moby-Dick", "SOTU needle"}
+    for row in data["table"].values():
+        cell = row["retrieval"]
+        assert cell["identical"] is True
+        assert cell["counters"]["top_proposed"] > 0
+        assert 0.0 <= cell["acceptance"] <= 1.0
+        assert cell["acceptance"] == cell["counters"]["top_accepted"] / cell["counters"][
+            "top_proposed"]
+    md = (out / "results.md").read_text()
+    assert "accepted / proposed ratio at the top level" in md and "| Moby-Dick |" in md
+    assert (out / "acceptance.png").read_bytes()[:4] == b"\x89PNG"
