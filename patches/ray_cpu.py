@@ -33,7 +33,7 @@ from vllm.logger import init_logger
 
 from vllm_triforce.patches import _util
 
-logger = init_logger(__name__)
+logger = init_logger("vllm.triforce")
 
 NAME = "ray_cpu"
 RAY_CPU_KEY = "CPU"

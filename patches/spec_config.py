@@ -118,5 +118,5 @@ def _select_v1_runner() -> None:
     if current_platform.is_cpu() or "VLLM_USE_V2_MODEL_RUNNER" in os.environ:
         return
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-    init_logger(__name__).info(
+    init_logger("vllm.triforce").info(
         "TriForce runs on vLLM's V1 model runner; set VLLM_USE_V2_MODEL_RUNNER=0.")

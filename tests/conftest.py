@@ -25,6 +25,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))  # `import tiny_models` from tests
 
 import tiny_models  # noqa: E402
+from engine_helpers import DEFAULT_MAX_MODEL_LEN, free_llm, make_engine_kwargs  # noqa: E402,F401
 
 ENGINE_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core + worker in this process
@@ -33,7 +34,6 @@ ENGINE_ENV = {
     "HF_HUB_OFFLINE": "1",
     # VLLM_CACHE_ROOT is a per-session temp dir, added in pytest_configure.
 }
-DEFAULT_MAX_MODEL_LEN = 1024
 
 
 def pytest_configure(config):
@@ -54,31 +54,10 @@ def engine_env() -> dict[str, str]:
     return {key: os.environ[key] for key in (*ENGINE_ENV, "VLLM_CACHE_ROOT")}
 
 
-def make_engine_kwargs(**over) -> dict:
-    """Deterministic, fast `vllm.LLM` kwargs for tiny CPU models; `over` wins."""
-    kwargs = dict(dtype="float32", enforce_eager=True, block_size=32, seed=0,
-                  max_model_len=DEFAULT_MAX_MODEL_LEN)
-    kwargs.update(over)
-    return kwargs
-
-
 @pytest.fixture(scope="session")
 def engine_kwargs():
     """The `make_engine_kwargs` function: `LLM(path, **engine_kwargs(max_model_len=512))`."""
     return make_engine_kwargs
-
-
-def free_llm(llm) -> None:
-    """Shut an in-process engine down and release its memory before the next one."""
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-    engine = getattr(llm, "llm_engine", None)
-    core = getattr(engine, "engine_core", None)
-    if core is not None:
-        core.shutdown()
-    del llm, engine, core
-    cleanup_dist_env_and_memory()
-    gc.collect()
 
 
 @pytest.fixture

@@ -205,7 +205,7 @@ def test_seeded_chunked_prefill_matches_plain_unchunked(tiny_llama, llm_factory)
 
 def _main(argv: list[str]) -> None:
     """`seeded MODEL BUDGET`: print the seeded tokens of one engine as JSON."""
-    from conftest import make_engine_kwargs
+    from engine_helpers import make_engine_kwargs
     from vllm import LLM
 
     _, model, budget = argv

@@ -231,10 +231,9 @@ def wait_healthy(base: str, proc: subprocess.Popen, log: Path, timeout_s: float)
 
 @pytest.fixture
 def served_tiny(vllm_command, tiny_llama, tmp_path):
-    """`vllm serve tiny --speculative-config spec.json` (self-draft, k=2) on a free port."""
+    """`vllm serve tiny --speculative-config spec.json` (TriForce, two levels) on a free port."""
     spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps(
-        {"method": "draft_model", "model": str(tiny_llama), "num_speculative_tokens": 2}))
+    spec.write_text(json.dumps(TRIFORCE_SPEC))
     port, log = free_port(), tmp_path / "server.log"
     cmd = [str(vllm_command), "serve", str(tiny_llama), "--served-model-name", "tiny",
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
@@ -294,6 +293,9 @@ def test_vllm_serve_spec_config_file_and_bad_requests(served_tiny):
 
 # ------------------------------------------------------- tensor parallelism on CPU
 
+# Two-level TriForce; the tiny prompts fit the budget, so every level attends exactly.
+TRIFORCE_SPEC = {"method": "triforce", "num_speculative_tokens": 2, "retrieval_budget": 128,
+                 "retrieval_recent_tokens": 32}
 TP_ENGINE_KWARGS = dict(dtype="float32", enforce_eager=True, block_size=32, seed=0,
                         max_model_len=256, max_num_seqs=4)
 TP_PROMPTS = ["The model", "Green river under the bright stone", "North"]
@@ -316,7 +318,7 @@ def run_tp2(tmp_path: Path, model: Path, backend: str) -> tuple[list[list[int]],
     script = tmp_path / "tp_run.py"
     script.write_text(TP_SCRIPT)
     engine_kwargs = dict(TP_ENGINE_KWARGS, tensor_parallel_size=2,
-                         distributed_executor_backend=backend)
+                         distributed_executor_backend=backend, speculative_config=TRIFORCE_SPEC)
     # One core per rank; without it the CPU worker refuses ("Not enough allowed NUMA nodes").
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1", RAY_USAGE_STATS_ENABLED="0")
     log = tmp_path / f"tp2_{backend}.log"
@@ -342,7 +344,7 @@ def run_tp2(tmp_path: Path, model: Path, backend: str) -> tuple[list[list[int]],
 @pytest.fixture(scope="module")
 def tp1_tokens(tiny_llama) -> list[list[int]]:
     """The reference: TP=1, in this process (uniproc executor)."""
-    from conftest import free_llm
+    from engine_helpers import free_llm
     from vllm import LLM, SamplingParams
 
     llm = LLM(str(tiny_llama), **TP_ENGINE_KWARGS)
@@ -359,19 +361,19 @@ def tp1_tokens(tiny_llama) -> list[list[int]]:
 def test_tp2_mp_matches_tp1(tiny_llama, tp1_tokens, tmp_path):
     tokens, log = run_tp2(tmp_path, tiny_llama, "mp")
     assert "Worker_TP1" in log  # a second rank really ran
+    assert "TriForce: 2 levels" in log
     assert tokens == tp1_tokens
 
 
 @pytest.mark.engine
 def test_tp2_ray_matches_tp1(tiny_llama, tp1_tokens, tmp_path):
-    pytest.importorskip("ray")
     tokens, log = run_tp2(tmp_path, tiny_llama, "ray")
     assert "(CpuAwareRayWorkerProc pid=" in log and "Worker_TP1" in log  # ranks = Ray actors
+    assert "TriForce: 2 levels" in log
     assert tokens == tp1_tokens
 
 
 def test_ray_cpu_patch_took_effect():
-    pytest.importorskip("ray")
     from ray import cloudpickle
     from vllm.platforms import current_platform
     from vllm.v1.executor import ray_executor_v2

@@ -7,7 +7,7 @@ max_position_embeddings (256), so every level runs sparse and the draft re-bases
 import pytest
 
 import tiny_models
-from conftest import free_llm, make_engine_kwargs
+from engine_helpers import free_llm, make_engine_kwargs
 
 pytestmark = pytest.mark.engine
 

@@ -6,7 +6,7 @@ import collections
 import pytest
 
 import tiny_models
-from conftest import free_llm, make_engine_kwargs
+from engine_helpers import free_llm, make_engine_kwargs
 from test_triforce_engine import drafter_of, two_level
 
 pytestmark = pytest.mark.engine

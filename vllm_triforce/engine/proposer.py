@@ -42,7 +42,7 @@ from vllm_triforce.engine.stats import TriForceStats
 from vllm_triforce.patches import attention_capture
 from vllm_triforce.patches.runner import triforce_settings
 
-logger = init_logger(__name__)
+logger = init_logger("vllm.triforce")
 
 
 class TriForceProposer(DraftModelProposer):

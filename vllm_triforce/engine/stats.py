@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 
 from vllm.logger import init_logger
 
-logger = init_logger(__name__)
+logger = init_logger("vllm.triforce")
 
 LOG_INTERVAL_S = 10.0
 
