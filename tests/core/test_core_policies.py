@@ -89,9 +89,10 @@ def test_streamingllm_keeps_sinks_and_recent_window():
     assert sel.logical_blocks[1, 1].tolist() == [0, 1, -1, -1, -1, -1]
 
 
-def test_topk_oracle_matches_exact_attention_mass():
+@pytest.mark.parametrize("strategy", ["gather", "all"])
+def test_topk_oracle_matches_exact_attention_mass(strategy):
     summaries, table, keys, query, lengths = setup(12, 2)
-    policy = make_policy("topk_oracle")
+    policy = make_policy("topk_oracle", strategy=strategy)
     assert policy.needs_keys
     scores = policy.block_scores(query, summaries, table, lengths, None)
     for r, n in enumerate(lengths.tolist()):

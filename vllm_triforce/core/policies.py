@@ -116,9 +116,10 @@ class RetrievalPolicy(SelectionPolicy):
         """candidates [R, max_blocks] bool optionally restricts the softmax domain."""
         q = group_query(query, summaries.num_kv_heads)  # [R, L, H, G, D]
         q = q * (self.scale or 1.0 / math.sqrt(q.shape[-1]))
+        ids = block_table.to(summaries.device, torch.long).clamp(min=0)  # [R, B]
         if self.aggregation == "sum":
-            return self._mean_key_scores(q.sum(3, keepdim=True), summaries, block_table).sum((2, 3))
-        per_head = self._mean_key_scores(q, summaries, block_table)  # [R, L, H, G, B]
+            return self._summed_scores(q.sum(3).flatten(2), summaries, ids)
+        per_head = self._per_head_scores(q, summaries, ids)  # [R, L, H, G, B]
         if candidates is None:
             candidates = full_block_mask(num_committed.to(q.device), summaries.block_size,
                                          block_table.shape[1])
@@ -126,30 +127,46 @@ class RetrievalPolicy(SelectionPolicy):
         probs = per_head.masked_fill(~mask, float("-inf")).softmax(-1).nan_to_num(0.0)
         return probs.sum((2, 3))
 
-    def _mean_key_scores(self, q: Tensor, summaries: BlockSummaries, block_table: Tensor) -> Tensor:
+    def _use_all_blocks(self, summaries: BlockSummaries, ids: Tensor) -> bool:
+        if self.strategy == "auto":
+            return summaries.num_blocks <= 2 * ids.numel()
+        return self.strategy == "all"
+
+    def _summed_scores(self, q: Tensor, summaries: BlockSummaries, ids: Tensor) -> Tensor:
+        """q [R, L, H*D] (summed over each group) -> [R, L, B] q . mean key over H*D."""
+        num_layers, num_blocks = summaries.sums.shape[:2]
+        if not self._use_all_blocks(summaries, ids):
+            means = summaries.gather_mean_keys(ids).flatten(3)  # [R, L, B, H*D]
+            return torch.einsum("rlk,rlbk->rlb", q, means.float())
+        sums = summaries.sums.float().view(num_layers, num_blocks, -1)  # [L, N, H*D], no copy
+        dots = torch.bmm(sums, q.permute(1, 2, 0))  # [L, N, R]
+        dots = dots / summaries.counts.clamp(min=1).float()[:, None]
+        index = ids.t()[None].expand(num_layers, -1, -1)  # [L, B, R]
+        return dots.gather(1, index).permute(2, 0, 1)  # [R, L, B]
+
+    def _per_head_scores(self, q: Tensor, summaries: BlockSummaries, ids: Tensor) -> Tensor:
         """q [R, L, H, G, D] -> [R, L, H, G, B]: q . mean key of each table block."""
-        ids = block_table.to(summaries.device, torch.long).clamp(min=0)  # [R, B]
-        strategy = self.strategy
-        if strategy == "auto":
-            strategy = "all" if summaries.num_blocks <= 2 * ids.numel() else "gather"
-        if strategy == "gather":
+        if not self._use_all_blocks(summaries, ids):
             means = summaries.gather_mean_keys(ids)  # [R, L, B, H, D]
             return torch.einsum("rlhgd,rlbhd->rlhgb", q, means.float())
-        # every physical block, then pick the table's: [R, L, H, G, num_blocks]
         dots = torch.einsum("rlhgd,lnhd->rlhgn", q, summaries.sums.float())
         dots = dots / summaries.counts.clamp(min=1).float()
-        index = ids[:, None, None, None, :].expand(*dots.shape[:4], -1)
-        return dots.gather(-1, index)
+        return dots.gather(-1, ids[:, None, None, None, :].expand(*dots.shape[:4], -1))
 
 
 class TopKOraclePolicy(SelectionPolicy):
     """Exact attention mass per block: softmax over all committed keys, per query head,
-    summed within each block and over all heads. Reference only (reads every key)."""
+    summed within each block and over all heads. Reference only (reads every key).
+    strategy as RetrievalPolicy: "all" scores every physical block's keys once per
+    layer for the whole batch, "gather" reads each request's keys, "auto" picks."""
     name = "topk_oracle"
     needs_keys = True
 
-    def __init__(self, scale: float | None = None):
+    def __init__(self, scale: float | None = None, strategy: str = "auto"):
+        if strategy not in ("auto", "gather", "all"):
+            raise ValueError(f"strategy must be 'auto', 'gather' or 'all', not {strategy!r}")
         self.scale = scale  # None: 1 / sqrt(head_dim)
+        self.strategy = strategy
 
     def block_scores(self, query, summaries, block_table, num_committed, state=None):
         return self.block_mass(query, summaries, block_table, num_committed)
@@ -163,23 +180,30 @@ class TopKOraclePolicy(SelectionPolicy):
         q = q * (self.scale or 1.0 / math.sqrt(q.shape[-1]))
         ids = block_table.to(summaries.device, torch.long).clamp(min=0)  # [R, B]
         num_committed = num_committed.to(summaries.device, torch.long)
+        use_all = (self.strategy == "all" or
+                   self.strategy == "auto" and summaries.num_blocks <= 2 * ids.numel())
         mass = torch.zeros(*q.shape[:2], ids.shape[1], device=q.device)  # [R, L, B]
-        # one request and layer at a time: the gathered keys are the big tensor
-        for r in range(q.shape[0]):
-            for layer in range(q.shape[1]):
-                mass[r, layer] = self._one_mass(q[r, layer], summaries.keys[layer][ids[r]],
-                                                num_committed[r])
+        for layer in range(q.shape[1]):  # one layer at a time: keys are the big tensor
+            keys = summaries.keys[layer]  # [N, bs, H, D]
+            if use_all:
+                logits = torch.einsum("rhgd,nthd->rhgnt", q[:, layer], keys.float())
+                index = ids[:, None, None, :, None].expand(*logits.shape[:3], -1, logits.shape[-1])
+                mass[:, layer] = _mass(logits.gather(3, index), num_committed)
+                continue
+            for r in range(q.shape[0]):
+                logits = torch.einsum("hgd,bthd->hgbt", q[r, layer], keys[ids[r]].float())
+                mass[r, layer] = _mass(logits[None], num_committed[r:r + 1])[0]
         return mass
 
-    @staticmethod
-    def _one_mass(q: Tensor, keys: Tensor, num_committed: Tensor) -> Tensor:
-        """q [H, G, D], keys [B, bs, H, D] -> [B] mass summed over the H*G query heads."""
-        num_blocks, block_size = keys.shape[:2]
-        logits = torch.einsum("hgd,bthd->hgbt", q, keys.float()).flatten(2)  # [H, G, B*bs]
-        token = torch.arange(num_blocks * block_size, device=q.device)
-        logits = logits.masked_fill(token >= num_committed, float("-inf"))
-        probs = logits.softmax(-1).nan_to_num(0.0)
-        return probs.view(-1, num_blocks, block_size).sum((0, 2))
+
+def _mass(logits: Tensor, num_committed: Tensor) -> Tensor:
+    """logits [R, H, G, B, bs] of every table token -> [R, B] softmax mass per block,
+    summed over the H*G query heads; tokens at or past num_committed get none."""
+    num_blocks, block_size = logits.shape[-2:]
+    token = torch.arange(num_blocks * block_size, device=logits.device)
+    flat = logits.flatten(3).masked_fill(token >= num_committed[:, None, None, None], float("-inf"))
+    probs = flat.softmax(-1).nan_to_num(0.0)
+    return probs.view(logits.shape).sum((1, 2, 4))
 
 
 class H2OPolicy(TopKOraclePolicy):

@@ -1,0 +1,153 @@
+"""Micro-benchmark: cost of one block selection (score + select + build tables).
+
+A 32K-token request, block size 32, 30 layers, with SmolLM2-135M shapes (9 query /
+3 KV heads, head_dim 64) and Qwen2.5-1.5B shapes (12 / 2, head_dim 128), batch 1 and
+8; prints the median milliseconds per selection for each policy. For scale it also
+times what one target decode step spends on attention alone over the same context
+(one query token, every layer): a selection should cost far less than that, and a
+real decode step also reads all the weights. On a shared, loaded machine pass
+--threads 1: spinning intra-op threads make multi-threaded timings erratic.
+
+Requests of a batch share one pool of physical blocks through different random
+block tables (the contents only matter for timing), so memory stays at one request's
+worth. The exact-mass policies (topk_oracle, h2o) keep a copy of every key; the
+benchmark stores it in bfloat16 to halve that (they are reference policies).
+
+    python -m vllm_triforce.bench.selection_bench            # full (about a minute)
+    python -m vllm_triforce.bench.selection_bench --quick    # tiny shapes, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from vllm_triforce.core.selection import (POLICIES, SelectionState, build_block_tables,
+                                          make_policy, select_blocks)
+from vllm_triforce.core.summaries import BlockSummaries
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+SHAPES = (Shape("smollm2-135m", 9, 3, 64), Shape("qwen2.5-1.5b", 12, 2, 128))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny shapes (smoke test)")
+    parser.add_argument("--tokens", type=int, default=32768, help="committed tokens per request")
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--budget", type=int, default=4096, help="middle-level budget in tokens")
+    parser.add_argument("--sink-blocks", type=int, default=1)
+    parser.add_argument("--recent-blocks", type=int, default=4)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--policies", nargs="+", default=sorted(POLICIES), choices=sorted(POLICIES))
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.quick:
+        args.tokens, args.layers, args.budget, args.batch, args.repeat = 2048, 4, 512, [1, 2], 2
+    return args
+
+
+def make_inputs(shape: Shape, args, batch: int, keep_keys: bool):
+    """Summaries filled with random full blocks + per-request tables and queries."""
+    bs, device = args.block_size, torch.device(args.device)
+    num_blocks = args.tokens // bs + 1  # room for the query token of the next pass
+    summaries = BlockSummaries(args.layers, num_blocks + 1, shape.num_kv_heads, shape.head_dim, bs,
+                               device=device, keep_keys=keep_keys, key_dtype=torch.bfloat16)
+    summaries.sums.normal_()
+    summaries.counts.fill_(bs)
+    if summaries.keys is not None:
+        summaries.keys.normal_()
+    table = torch.stack([torch.randperm(num_blocks + 1, device=device)[:num_blocks]
+                         for _ in range(batch)]).to(torch.int32)  # [R, max_blocks]
+    query = torch.randn(batch, args.layers, shape.num_q_heads, shape.head_dim, device=device)
+    num_committed = torch.full((batch,), args.tokens, device=device)
+    return summaries, table, query, num_committed
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_ms(fn, repeat: int, device: torch.device) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeat):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(times)
+
+
+def time_selection(policy_name: str, shape: Shape, args, batch: int) -> float:
+    policy = make_policy(policy_name)
+    summaries, table, query, num_committed = make_inputs(shape, args, batch, policy.needs_keys)
+    states = [SelectionState() for _ in range(batch)]
+    seq_lens = num_committed + 1
+    budget_blocks = args.budget // args.block_size
+
+    def one_selection():
+        scores = policy.block_scores(query, summaries, table, num_committed, states)
+        selection = select_blocks(scores, num_committed, args.block_size, budget_blocks,
+                                  args.sink_blocks, args.recent_blocks)
+        return build_block_tables(selection, table, seq_lens, args.block_size)
+
+    return median_ms(one_selection, args.repeat, summaries.device)
+
+
+def time_attention_floor(shape: Shape, args, batch: int) -> float:
+    """One decode step's attention over the whole context (one query token, all layers):
+    grouped q.K^T, softmax, .V, reading each K/V once; one layer's K/V is reused for
+    every layer to bound memory."""
+    device = torch.device(args.device)
+    kv_shape = (batch, shape.num_kv_heads, args.tokens, shape.head_dim)
+    k, v = torch.randn(kv_shape, device=device), torch.randn(kv_shape, device=device)
+    group = shape.num_q_heads // shape.num_kv_heads
+    q = torch.randn(batch, shape.num_kv_heads, group, shape.head_dim, device=device)
+
+    def step():
+        for _ in range(args.layers):
+            probs = (q @ k.transpose(-1, -2) / shape.head_dim ** 0.5).softmax(-1)  # [R, H, G, T]
+            probs @ v
+
+    return median_ms(step, args.repeat, device)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    print(f"selection cost: {args.tokens} tokens, block {args.block_size}, {args.layers} layers, "
+          f"budget {args.budget} tokens ({args.sink_blocks} sink + {args.recent_blocks} recent "
+          f"blocks), device {args.device}, {torch.get_num_threads()} threads, "
+          f"median of {args.repeat}")
+    print(f"{'shape':<14} {'batch':>5} {'policy':<13} {'ms/selection':>12}")
+    for shape in SHAPES:
+        for batch in args.batch:
+            for name in args.policies:
+                ms = time_selection(name, shape, args, batch)
+                print(f"{shape.name:<14} {batch:>5} {name:<13} {ms:>12.2f}", flush=True)
+            floor = time_attention_floor(shape, args, batch)
+            print(f"{shape.name:<14} {batch:>5} {'(attn/step)':<13} {floor:>12.2f}"
+                  "   <- target decode step, attention only", flush=True)
+
+
+if __name__ == "__main__":
+    main()
