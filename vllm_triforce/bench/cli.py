@@ -1,4 +1,4 @@
-"""`vllm-triforce bench {speed,acceptance,selection}`: parsers and handlers.
+"""`vllm-triforce bench {speed,acceptance,sweep,selection}`: parsers and handlers.
 
 Each benchmark writes results.json, results.md and PNG plots into --out and prints
 the directory last on stdout. Child-process logs: <out>/logs/.
@@ -13,13 +13,14 @@ DEFAULT_MODEL = "smollm2-135m"
 
 
 def add_bench_parser(subparsers) -> None:
-    from vllm_triforce.bench import acceptance, speed
+    from vllm_triforce.bench import acceptance, speed, sweep
 
     parser = subparsers.add_parser("bench", help="benchmarks: speed, acceptance, selection")
     kinds = parser.add_subparsers(dest="kind", required=True,
-                                  metavar="{speed,acceptance,selection}")
+                                  metavar="{speed,acceptance,sweep,selection}")
     for name, module, text in (("speed", speed, "every vLLM method vs TriForce"),
-                               ("acceptance", acceptance, "the paper's Table 1 on our data")):
+                               ("acceptance", acceptance, "the paper's Table 1 on our data"),
+                               ("sweep", sweep, "TriForce vs plain while one knob varies")):
         p = kinds.add_parser(name, help=text)
         _common(p)
         module.add_arguments(p)
@@ -55,7 +56,7 @@ def resolve_model(name: str | None) -> str | None:
 
 def _handler(kind: str):
     def handle(args: argparse.Namespace) -> int:
-        from vllm_triforce.bench import acceptance, speed
+        from vllm_triforce.bench import acceptance, speed, sweep
         from vllm_triforce.bench.runner import BenchError
         from vllm_triforce.cli import CommandError
 
@@ -65,6 +66,9 @@ def _handler(kind: str):
             if kind == "speed":
                 data = speed.run_speed(args, model, draft, args.out)
                 ok = data["all_identical"]
+            elif kind == "sweep":
+                sweep.run_sweep(args, model, args.out)
+                ok = True
             else:
                 acceptance.run_acceptance(args, model, args.out)
                 ok = True

@@ -47,7 +47,7 @@ def run_one(job: dict, run: dict) -> dict:
 
     spec = run.get("spec")
     llm = LLM(job["model"], dtype=job.get("dtype", "float32"), enforce_eager=True,
-              block_size=job.get("block_size", 32), seed=job.get("seed", 0),
+              block_size=run.get("block_size", job.get("block_size", 32)), seed=job.get("seed", 0),
               max_model_len=job["max_model_len"], speculative_config=spec,
               disable_log_stats=False, enable_prefix_caching=True)
     prompts = [{"prompt_token_ids": ids} for ids in run.get("prompts", job["prompts"])]
