@@ -3,7 +3,8 @@
 `run_methods(job, runs, out_dir, isolate=True)` starts one child per run (memory is
 freed between methods; an ngram engine cannot break the next engine). With
 `isolate=False` all runs share one child (ngram last), which saves the ~10 s
-start-up per run in `--quick` mode. Child logs go to `<out_dir>/logs/<name>.log`.
+start-up per run in `--quick` mode. Child logs go to `<out_dir>/logs/<name>.log`, each child's results
+to `<out_dir>/logs/<name>.json`.
 """
 
 from __future__ import annotations
@@ -52,4 +53,6 @@ def _run_child(job: dict, out_dir: Path, name: str) -> list[dict]:
             tail = log_path.read_text().splitlines()[-15:]
             raise BenchError(f"run {name!r} failed (exit {proc.returncode}); log {log_path}:\n"
                              + "\n".join(tail))
+        # Kept beside the log: a long run that fails later still leaves these results.
+        (log_dir / f"{name}.json").write_text(result_path.read_text())
         return json.loads(result_path.read_text())

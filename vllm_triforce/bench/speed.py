@@ -38,11 +38,12 @@ def method_runs(args, draft: str | None) -> list[dict]:
     if draft:
         runs.append({"name": "draft_model", "spec": {"method": "draft_model", "model": draft,
                                                      "num_speculative_tokens": k}})
-    runs.append({"name": "ngram", "spec": {"method": "ngram", "num_speculative_tokens": k,
-                                           "prompt_lookup_max": 4, "prompt_lookup_min": 2}})
     runs.append({"name": "triforce2", "spec": tri})
     if draft:
         runs.append({"name": "triforce3", "spec": {**tri, "model": draft}})
+    # Last: after an ngram engine a process cannot build another one (CPU_VLLM.md).
+    runs.append({"name": "ngram", "spec": {"method": "ngram", "num_speculative_tokens": k,
+                                           "prompt_lookup_max": 4, "prompt_lookup_min": 2}})
     if args.methods:
         runs = [r for r in runs if r["name"] in args.methods]
     return runs
