@@ -258,6 +258,13 @@ def completion(base: str, **over) -> tuple[int, str]:
     return http(f"{base}/v1/completions", body)
 
 
+def metric_total(base: str, name: str) -> float:
+    status, text = http(f"{base}/metrics")
+    assert status == 200
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+               if ln.split("{")[0].split(" ")[0] == name)
+
+
 def spec_drafts(base: str) -> float:
     status, text = http(f"{base}/metrics")
     assert status == 200
@@ -273,6 +280,9 @@ def test_vllm_serve_spec_config_file_and_bad_requests(served_tiny):
     first = json.loads(text)
     assert first["usage"]["completion_tokens"] == 8
     assert spec_drafts(base) > 0  # the file's speculative config reached the engine
+    # TriForce's per-level counters cross from the worker process to the server's /metrics
+    assert metric_total(base, "vllm:triforce_top_proposed_total") > 0
+    assert metric_total(base, "vllm:triforce_middle_rounds_total") > 0
 
     bad_requests = {
         "not JSON": ('{"model": "tiny", "prompt": ', 400),

@@ -29,7 +29,9 @@ def register() -> None:
     import vllm
 
     check_vllm_version(vllm.__version__)
+    from vllm_triforce.metrics import register_collector
     from vllm_triforce.patches import apply
 
     apply()
+    register_collector()
     _registered = True

@@ -24,6 +24,8 @@ take the same decisions.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import Attention
@@ -31,6 +33,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.config import get_layers_from_vllm_config
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
+from vllm_triforce import metrics
 from vllm_triforce.config import TriForceConfig, TriForceConfigError
 from vllm_triforce.core.refresh import RefreshPolicy
 from vllm_triforce.core.selection import SelectionState, make_policy
@@ -129,8 +132,15 @@ class TriForceProposer(DraftModelProposer):
             self.capture.enabled = True
             self.capture.clear()
         self._last_draft_probs = probs
-        self.stats.maybe_log()
+        self._publish_stats()
         return drafts.to(self.device)
+
+    def _publish_stats(self) -> None:
+        """Log and export the counters from TP rank 0 (every rank holds the same ones)."""
+        if self.vllm_config.parallel_config.rank != 0:
+            return
+        self.stats.maybe_log()
+        metrics.write_snapshot(f"{os.getpid()}-{id(self)}", self.stats.snapshot())
 
     def _new_state(self, req_id: str) -> RequestState:
         state = RequestState(refresh=self.refresh.new_state(), policy_state=SelectionState())

@@ -3,7 +3,8 @@
 vLLM's `vllm:spec_decode_*` counters see only the top level (full-cache verification of
 the gamma2 drafts). These add the middle level (small draft vs. target on the retrieval
 cache), middle rounds, selection refreshes and draft re-bases. They live in the worker;
-`snapshot()` is what the plugin reports through logs and metrics.
+`snapshot()` is what the plugin reports through logs and (vllm_triforce/metrics.py)
+Prometheus.
 """
 
 from __future__ import annotations
@@ -16,37 +17,6 @@ from vllm.logger import init_logger
 logger = init_logger("vllm.triforce")
 
 LOG_INTERVAL_S = 10.0
-
-# Prometheus counters published next to vLLM's vllm:spec_decode_* ones. They are registered
-# in the process that runs the worker: visible to LLM.get_metrics() and /metrics when the
-# engine runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0); with a separate engine-core
-# process they stay in that process and only the log lines reach the user (README).
-COUNTERS = {
-    "middle_proposed": "Tokens the small draft proposed to the target over its retrieval cache",
-    "middle_accepted": "Of those, tokens the retrieval-cache target accepted",
-    "middle_rounds": "Batched middle-level (retrieval-cache) target passes",
-    "refreshes": "Per-request re-selections of retrieval blocks",
-    "draft_rebases": "StreamingLLM position re-bases of the small draft",
-    "top_proposed": "Middle-level tokens verified by the target over its full cache",
-    "top_accepted": "Of those, tokens accepted by the full-cache verification",
-}
-_prometheus: dict = {}
-
-
-def _publish(name: str, amount: int) -> None:
-    if amount <= 0:
-        return
-    counter = _prometheus.get(name)
-    if counter is None:
-        import prometheus_client
-
-        try:
-            counter = prometheus_client.Counter(f"vllm:triforce_{name}", COUNTERS[name])
-        except ValueError:  # already registered in this process (a second engine)
-            counter = prometheus_client.REGISTRY._names_to_collectors[f"vllm:triforce_{name}"]
-        _prometheus[name] = counter
-    counter.inc(amount)
-
 
 @dataclass
 class TriForceStats:
@@ -62,7 +32,6 @@ class TriForceStats:
     def add(self, **amounts: int) -> None:
         for name, amount in amounts.items():
             setattr(self, name, getattr(self, name) + amount)
-            _publish(name, amount)
 
     def record_middle(self, proposed: int, accepted: int) -> None:
         self.add(middle_proposed=proposed, middle_accepted=accepted)

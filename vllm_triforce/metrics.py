@@ -1,0 +1,96 @@
+"""`vllm:triforce_*` Prometheus counters, from the worker to whichever process serves metrics.
+
+The counters are kept by the proposer inside vLLM's worker, which is often not the process
+that answers `/metrics` or `LLM.get_metrics()` (engine core and workers are separate
+processes by default; Ray actors may be on other hosts' processes). vLLM 0.32 has no channel
+from a worker's proposer to the front end's stat loggers, so:
+
+- the worker (TP rank 0 only: all ranks take identical decisions) writes its counters as a
+  small JSON file into a directory after every step (atomic rename);
+- the directory is created by the first process that loads the plugin (the front end, which
+  starts engine core and workers afterwards) and passed down in `VLLM_TRIFORCE_METRICS_DIR`
+  (vLLM forwards `VLLM_*` variables to its workers, Ray actors included);
+- a Prometheus collector registered in every process that loads the plugin sums the files on
+  scrape, so `/metrics` and `LLM.get_metrics()` show them beside `vllm:spec_decode_*`.
+Counters are cumulative over every engine started from the same front-end process.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+ENV_DIR = "VLLM_TRIFORCE_METRICS_DIR"
+PREFIX = "vllm:triforce_"
+COUNTERS = {
+    "middle_proposed": "Tokens the small draft proposed to the target over its retrieval cache",
+    "middle_accepted": "Of those, tokens the retrieval-cache target accepted",
+    "middle_rounds": "Batched middle-level (retrieval-cache) target passes",
+    "refreshes": "Per-request re-selections of retrieval blocks",
+    "draft_rebases": "StreamingLLM position re-bases of the small draft",
+    "top_proposed": "Middle-level tokens verified by the target over its full cache",
+    "top_accepted": "Of those, tokens accepted by the full-cache verification",
+}
+_registered = False
+
+
+def metrics_dir() -> Path:
+    """The shared directory, created (and removed at exit) by the first process to ask."""
+    path = os.environ.get(ENV_DIR)
+    if path is None:
+        path = tempfile.mkdtemp(prefix="vllm-triforce-metrics-")
+        os.environ[ENV_DIR] = path
+        owner = os.getpid()
+        atexit.register(lambda: os.getpid() == owner and shutil.rmtree(path, ignore_errors=True))
+    Path(path).mkdir(parents=True, exist_ok=True)
+    return Path(path)
+
+
+def write_snapshot(source_id: str, snapshot: dict[str, int]) -> None:
+    """Called by the worker: publish this engine's cumulative counters."""
+    directory = metrics_dir()
+    tmp = directory / f".{source_id}.tmp"
+    tmp.write_text(json.dumps({k: snapshot[k] for k in COUNTERS}))
+    os.replace(tmp, directory / f"{source_id}.json")
+
+
+def read_totals() -> dict[str, int]:
+    totals = dict.fromkeys(COUNTERS, 0)
+    path = os.environ.get(ENV_DIR)
+    if path is None or not os.path.isdir(path):
+        return totals
+    for file in Path(path).glob("*.json"):
+        try:
+            values = json.loads(file.read_text())
+        except (OSError, ValueError):  # being replaced right now: next scrape has it
+            continue
+        for name in COUNTERS:
+            totals[name] += int(values.get(name, 0))
+    return totals
+
+
+class TriForceCollector:
+    """Prometheus collector: one counter family per TriForce counter."""
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        totals = read_totals()
+        for name, doc in COUNTERS.items():
+            yield CounterMetricFamily(PREFIX + name, doc, value=totals[name])
+
+
+def register_collector() -> None:
+    """Register the collector in this process's default registry, once."""
+    global _registered
+    if _registered:
+        return
+    import prometheus_client
+
+    metrics_dir()
+    prometheus_client.REGISTRY.register(TriForceCollector())
+    _registered = True
