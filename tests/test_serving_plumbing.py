@@ -7,6 +7,7 @@ Ray cluster cannot outlive the test. Servers listen on 127.0.0.1 only.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -229,26 +230,35 @@ def wait_healthy(base: str, proc: subprocess.Popen, log: Path, timeout_s: float)
     pytest.fail(f"server not healthy after {timeout_s} s:\n{log.read_text()[-3000:]}")
 
 
-@pytest.fixture
-def served_tiny(vllm_command, tiny_llama, tmp_path):
-    """`vllm serve tiny --speculative-config spec.json` (TriForce, two levels) on a free port."""
-    spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps(TRIFORCE_SPEC))
-    port, log = free_port(), tmp_path / "server.log"
-    cmd = [str(vllm_command), "serve", str(tiny_llama), "--served-model-name", "tiny",
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-           "--enforce-eager", "--block-size", "32", "--max-model-len", "256",
-           "--max-num-seqs", "4", "--speculative-config", str(spec)]
+@contextlib.contextmanager
+def start_server(vllm_command, model, tmp_path, name: str, spec: dict | None,
+                 max_num_seqs: int = 4):
+    """`vllm serve model [--speculative-config FILE]` on a free loopback port; yields its URL."""
+    cmd = [str(vllm_command), "serve", str(model), "--served-model-name", "tiny",
+           "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--block-size", "32",
+           "--max-model-len", "256", "--max-num-seqs", str(max_num_seqs)]
+    if spec is not None:
+        spec_file = tmp_path / f"{name}.json"
+        spec_file.write_text(json.dumps(spec))
+        cmd += ["--speculative-config", str(spec_file)]
+    port, log = free_port(), tmp_path / f"{name}.log"
     with open(log, "w") as log_file:
-        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd + ["--port", str(port)], stdout=log_file,
+                                stderr=subprocess.STDOUT, start_new_session=True)
     try:
         base = f"http://127.0.0.1:{port}"
         startup_s = wait_healthy(base, proc, log, SERVER_START_TIMEOUT_S)
-        print(f"server healthy after {startup_s:.1f} s")
+        print(f"{name} server healthy after {startup_s:.1f} s")
         yield base
     finally:
         stop_group(proc)
+
+
+@pytest.fixture
+def served_tiny(vllm_command, tiny_llama, tmp_path):
+    """`vllm serve tiny --speculative-config spec.json` (TriForce, two levels) on a free port."""
+    with start_server(vllm_command, tiny_llama, tmp_path, "triforce", TRIFORCE_SPEC) as base:
+        yield base
 
 
 def completion(base: str, **over) -> tuple[int, str]:

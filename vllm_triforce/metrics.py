@@ -35,6 +35,9 @@ COUNTERS = {
     "top_proposed": "Middle-level tokens verified by the target over its full cache",
     "top_accepted": "Of those, tokens accepted by the full-cache verification",
 }
+GAUGES = {
+    "live_requests": "Requests holding TriForce per-request state (freed with the request)",
+}
 _registered = False
 
 
@@ -54,12 +57,12 @@ def write_snapshot(source_id: str, snapshot: dict[str, int]) -> None:
     """Called by the worker: publish this engine's cumulative counters."""
     directory = metrics_dir()
     tmp = directory / f".{source_id}.tmp"
-    tmp.write_text(json.dumps({k: snapshot[k] for k in COUNTERS}))
+    tmp.write_text(json.dumps({k: snapshot[k] for k in (*COUNTERS, *GAUGES)}))
     os.replace(tmp, directory / f"{source_id}.json")
 
 
 def read_totals() -> dict[str, int]:
-    totals = dict.fromkeys(COUNTERS, 0)
+    totals = dict.fromkeys((*COUNTERS, *GAUGES), 0)
     path = os.environ.get(ENV_DIR)
     if path is None or not os.path.isdir(path):
         return totals
@@ -68,7 +71,7 @@ def read_totals() -> dict[str, int]:
             values = json.loads(file.read_text())
         except (OSError, ValueError):  # being replaced right now: next scrape has it
             continue
-        for name in COUNTERS:
+        for name in totals:
             totals[name] += int(values.get(name, 0))
     return totals
 
@@ -77,11 +80,13 @@ class TriForceCollector:
     """Prometheus collector: one counter family per TriForce counter."""
 
     def collect(self):
-        from prometheus_client.core import CounterMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         totals = read_totals()
         for name, doc in COUNTERS.items():
             yield CounterMetricFamily(PREFIX + name, doc, value=totals[name])
+        for name, doc in GAUGES.items():
+            yield GaugeMetricFamily(PREFIX + name, doc, value=totals[name])
 
 
 def register_collector() -> None:

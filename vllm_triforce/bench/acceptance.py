@@ -8,7 +8,8 @@ the config allows). Reference: the target over its full cache (plain vLLM run).
 
 Quantity: two-level TriForce (the target over its retrieval cache drafts gamma tokens
 for the target over its full cache), greedy; the cell is accepted / proposed tokens of
-that full-cache verification (`top_accepted / top_proposed` of the drafter's counters).
+that full-cache verification (vLLM's `spec_decode_num_accepted_tokens / num_draft_tokens`
+over the timed generation).
 Not measured: the per-token Σ min(p, q) of the middle level (it would need both
 distributions per position; the counters only see accept/reject).
 """
@@ -87,10 +88,14 @@ def _summarize(results: list[dict]) -> dict:
     reference = results[0]["tokens"]
     row = {"reference": {"tokens": reference}}
     for r in results[1:]:
-        tri = r["triforce"]
-        row[r["name"].split("-", 1)[1]] = {"acceptance": tri["top_accepted"] / tri["top_proposed"]
-                          if tri["top_proposed"] else None, "counters": tri,
-                          "identical": r["tokens"] == reference}
+        # vLLM's own counters of the full-cache verification (the drafter's top_* counters
+        # also count prompt tokens of chunked/prefix-cached prefills; see RESULTS.md).
+        spec = r["vllm_spec"]
+        drafted = spec.get("vllm:spec_decode_num_draft_tokens") or 0
+        accepted = spec.get("vllm:spec_decode_num_accepted_tokens") or 0
+        row[r["name"].split("-", 1)[1]] = {
+            "acceptance": accepted / drafted if drafted else None, "accepted": accepted,
+            "proposed": drafted, "counters": r["triforce"], "identical": r["tokens"] == reference}
     return row
 
 

@@ -77,6 +77,10 @@ def _point(args, model: str, out: Path, knob: str, value) -> dict:
     counters = tri["triforce"]
     return {"value": value, "plain_tok_s": plain_tps, "triforce_tok_s": tri_tps,
             "speedup": tri_tps / plain_tps, "counters": counters,
-            "acceptance": counters["top_accepted"] / counters["top_proposed"]
-            if counters["top_proposed"] else None,
+            "acceptance": _ratio(tri["vllm_spec"]),
             "identical": (plain["tokens"] == tri["tokens"]) if temperature == 0 else "n/a"}
+
+
+def _ratio(spec: dict) -> float | None:
+    drafted = spec.get("vllm:spec_decode_num_draft_tokens") or 0
+    return (spec.get("vllm:spec_decode_num_accepted_tokens") or 0) / drafted if drafted else None

@@ -6,7 +6,8 @@ JOB.json: {"model": DIR, "prompts": [[token ids], ...], "max_tokens": M,
 "repeats": R, "temperature": T, "max_model_len": L, "block_size": 32,
 "runs": [{"name": str, "spec": speculative_config or null}, ...]}.
 RESULT.json: a list with one dict per run (same order): tokens, prefill_s,
-decode_s (one per repeat), and for spec runs vLLM's spec-decode counters and,
+decode_s (one per repeat), and for spec runs vLLM's spec-decode counters (timed runs
+only) and,
 for TriForce, the drafter's per-level counters (`stats.snapshot()`).
 
 The parent (`vllm_triforce.bench.runner`) starts one process per run by default:
@@ -64,6 +65,7 @@ def run_one(job: dict, run: dict) -> dict:
     llm.generate(prompts, warm, use_tqdm=False)
     drafter = _drafter(llm) if spec and spec.get("method") == "triforce" else None
     before = drafter.stats.snapshot() if drafter else None
+    spec_before = _spec_metrics(llm)
     decode_s, tokens = [], None
     for _ in range(job.get("repeats", 1)):
         start = time.perf_counter()
@@ -71,7 +73,8 @@ def run_one(job: dict, run: dict) -> dict:
         decode_s.append(time.perf_counter() - start)
         tokens = [list(o.outputs[0].token_ids) for o in outs]
     result = {"name": run["name"], "spec": spec, "tokens": tokens, "prefill_s": prefill_s,
-              "decode_s": decode_s, "vllm_spec": _spec_metrics(llm)}
+              "decode_s": decode_s,
+              "vllm_spec": _delta(_spec_metrics(llm), spec_before)}
     if drafter is not None:
         after = drafter.stats.snapshot()
         result["triforce"] = {k: after[k] - before[k] for k in after}
@@ -85,6 +88,11 @@ def _spec_metrics(llm) -> dict:
         if m.name.startswith("vllm:spec_decode_num_"):
             out[m.name] = getattr(m, "value", None)
     return out
+
+
+def _delta(after: dict, before: dict) -> dict:
+    """Counters of the timed runs only (not prefill or warm-up)."""
+    return {k: (v or 0) - (before.get(k) or 0) for k, v in after.items()}
 
 
 def _drafter(llm):

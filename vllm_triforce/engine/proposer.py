@@ -139,6 +139,7 @@ class TriForceProposer(DraftModelProposer):
         """Log and export the counters from TP rank 0 (every rank holds the same ones)."""
         if self.vllm_config.parallel_config.rank != 0:
             return
+        self.stats.live_requests = len(self.states)
         self.stats.maybe_log()
         metrics.write_snapshot(f"{os.getpid()}-{id(self)}", self.stats.snapshot())
 

@@ -27,6 +27,7 @@ class TriForceStats:
     draft_rebases: int = 0     # StreamingLLM window re-bases of the small draft
     top_proposed: int = 0      # level-2 tokens verified by the full cache
     top_accepted: int = 0
+    live_requests: int = 0     # gauge: requests holding per-request state
     _last_log: float = field(default_factory=time.monotonic, repr=False)
 
     def add(self, **amounts: int) -> None:
