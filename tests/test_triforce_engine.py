@@ -133,6 +133,9 @@ def test_metrics_beside_spec_decode(tiny_llama):
     assert metrics["vllm:spec_decode_num_draft_tokens"] > 0
     for name in ("top_proposed", "top_accepted", "middle_rounds", "refreshes"):
         assert metrics[f"vllm:triforce_{name}"] >= stats[name] > 0
+    # our count of full-cache verifications is vLLM's own (prompt chunks are not counted)
+    assert stats["top_proposed"] == metrics["vllm:spec_decode_num_draft_tokens"]
+    assert stats["top_accepted"] == metrics["vllm:spec_decode_num_accepted_tokens"]
 
 
 @pytest.mark.network

@@ -33,10 +33,13 @@ def commit(proposer, batch, states) -> None:
         rows.append(batch.query_start_loc[r] + torch.arange(num_new))
         positions.append(start + torch.arange(num_new))
         states[r].invalidate_draft_from(start, proposer.blocks.draft_sink_blocks * bs)
+        # This pass verified our drafts iff it ran at most the drafts we handed vLLM last
+        # step after the newest token (the scheduler may trim them); a prefill chunk does not.
         num_verified = int(batch.q_lens[r]) - 1
-        if batch.decoding[r] and num_verified > 0 and start > 0:
+        if 0 < num_verified <= states[r].last_num_drafts:
             proposer.stats.record_verification(num_verified,
                                                num_verified - int(batch.num_rejected[r]))
+        states[r].last_num_drafts = 0
     rows, positions = torch.cat(rows), torch.cat(positions)
     keys = proposer.capture.keys
     if rows.numel() == 0 or keys[0] is None:
@@ -129,6 +132,7 @@ def draft(proposer, batch, states, num_drafts: int):
                             device=proposer.device)
     for r in decode_rows:
         drafts[r] = torch.tensor(rounds[r].tokens[:num_drafts])
+        states[r].last_num_drafts = num_drafts
         if probs is not None:
             probs[r] = torch.stack(rounds[r].probs[:num_drafts])
     return drafts, probs
