@@ -13,7 +13,6 @@ Fixtures (keep the names, other test files depend on them):
 Mark tests that build an engine with `@pytest.mark.engine`.
 """
 
-import gc
 import os
 import shutil
 import sys

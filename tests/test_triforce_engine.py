@@ -7,7 +7,7 @@ max_position_embeddings (256), so every level runs sparse and the draft re-bases
 import pytest
 
 import tiny_models
-from engine_helpers import free_llm, make_engine_kwargs
+from engine_helpers import drafter_of, free_llm, make_engine_kwargs
 
 pytestmark = pytest.mark.engine
 
@@ -38,11 +38,6 @@ def generate(model, spec=None, **over):
     finally:
         free_llm(llm)
     return tokens, stats, metrics
-
-
-def drafter_of(llm):
-    core = llm.llm_engine.engine_core.engine_core
-    return core.model_executor.driver_worker.worker.model_runner.drafter
 
 
 def spec_metrics(llm) -> dict:

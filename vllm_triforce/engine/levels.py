@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from vllm_triforce.core.selection import Selection, build_block_tables, select_blocks
-from vllm_triforce.core.verify import sampling_probs, verify
+from vllm_triforce.core.verify import verify
 from vllm_triforce.engine import draft_level
 from vllm_triforce.engine.forward import PassInputs, layer_metadata, run
 
@@ -153,7 +153,7 @@ def _middle_round(proposer, batch, states, rounds, active, sizes) -> None:
     start = 0
     for i, props in enumerate(proposals):
         n = len(props) + 1
-        target_probs[i, :n] = _probs(logits[start:start + n], batch, active[i])
+        target_probs[i, :n] = batch.probs(logits[start:start + n], active[i])
         start += n
     draft_ids = torch.zeros(len(active), max(sizes), dtype=torch.long, device=logits.device)
     for i, props in enumerate(proposals):
@@ -176,15 +176,6 @@ def _advance(proposer, state, rnd: Round, result, target_probs, i: int, num_prop
         draft_level.after_round(proposer, state, rnd, num_proposed, accepted)
         proposer.refresh.record_round(state.refresh, num_proposed, accepted)
         proposer.stats.record_middle(num_proposed, accepted)
-
-
-def _probs(logits: torch.Tensor, batch, row: int) -> torch.Tensor:
-    n = logits.shape[0]
-    top_k = None if batch.top_k is None else batch.top_k[row].expand(n)
-    top_p = None if batch.top_p is None else batch.top_p[row].expand(n)
-    return sampling_probs(logits.float(), batch.temperature[row].expand(n).to(logits.device),
-                          top_k if top_k is None else top_k.to(logits.device),
-                          top_p if top_p is None else top_p.to(logits.device))
 
 
 def _generators(proposer, states, rows):
