@@ -71,9 +71,22 @@ def read_totals() -> dict[str, int]:
             values = json.loads(file.read_text())
         except (OSError, ValueError):  # being replaced right now: next scrape has it
             continue
+        alive = _alive(file.name.split("-", 1)[0])
         for name in totals:
-            totals[name] += int(values.get(name, 0))
+            if name in COUNTERS or alive:  # a dead worker's gauge is no longer current
+                totals[name] += int(values.get(name, 0))
     return totals
+
+
+def _alive(pid: str) -> bool:
+    """Whether the worker that wrote a file (named PID-...) still runs on this host."""
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class TriForceCollector:

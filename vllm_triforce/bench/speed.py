@@ -91,18 +91,47 @@ def summarize(results: list[dict], batch: int, max_tokens: int) -> list[dict]:
             if tri.get("middle_proposed") else None,
             "identical": r["tokens"] == reference})
     base = rows[0]["decode_tok_s"]
-    for row in rows:
+    plain_step_s = rows[0]["decode_s"] / max_tokens
+    for row, r in zip(rows, results):
         row["speedup"] = row["decode_tok_s"] / base
+        row["predicted_speedup"] = cost_model(r, batch, plain_step_s)
     return rows
+
+
+def omega(gamma: int, alpha: float) -> float:
+    """Expected tokens per verification with i.i.d. per-token acceptance alpha."""
+    return gamma + 1.0 if alpha >= 1.0 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+
+
+def cost_model(result: dict, batch: int, plain_step_s: float) -> float | None:
+    """TriForce speedup predicted from measured per-level step times and acceptance:
+    Omega(gamma2, alpha) * T_plain / (rounds_per_cycle * T_middle_round + T_verify), with
+    T_plain the plain decode step, T_middle_round the mean wall time of one middle-level
+    round, T_verify the mean time of the rest of a step (vLLM's full-cache pass, sampling),
+    alpha the full-cache acceptance ratio taken as an i.i.d. per-token rate. It differs from
+    the achieved speedup where acceptance is not i.i.d. or steps vary."""
+    tri, spec = result.get("triforce"), result.get("vllm_spec") or {}
+    drafts = spec.get("vllm:spec_decode_num_drafts")
+    if not tri or not drafts or not tri.get("middle_rounds"):
+        return None
+    steps = drafts / batch
+    decode = statistics.median(result["decode_s"]) * len(result["decode_s"])
+    middle_round_s = tri["middle_seconds"] / tri["middle_rounds"]
+    verify_s = (decode - tri["middle_seconds"]) / steps
+    gamma = result["spec"]["num_speculative_tokens"]
+    alpha = spec["vllm:spec_decode_num_accepted_tokens"] / spec["vllm:spec_decode_num_draft_tokens"]
+    rounds_per_cycle = tri["middle_rounds"] / steps
+    return omega(gamma, alpha) * plain_step_s / (rounds_per_cycle * middle_round_s + verify_s)
 
 
 def _write_md(path: Path, data: dict) -> None:
     c = data["config"]
     header = ["method", "prefill s", "decode tok/s", "ms / token (per request)",
               f"speedup vs {data['rows'][0]['method']}", "accepted/proposed (full-cache verify)",
-              "middle accepted/proposed", "greedy output = plain"]
+              "middle accepted/proposed", "cost-model speedup", "greedy output = plain"]
     rows = [[r["method"], r["prefill_s"], r["decode_tok_s"], r["ms_per_token"],
              f"{r['speedup']:.2f}x", r["top_acceptance"], r["middle_acceptance"],
+             None if r["predicted_speedup"] is None else f"{r['predicted_speedup']:.2f}x",
              "yes" if r["identical"] else "NO"] for r in data["rows"]]
     intro = (f"Target `{Path(c['model']).name}`, draft `{c['draft'] and Path(c['draft']).name}`; "
              f"{c['batch']} x {c['prompt_tokens']}-token Moby-Dick prompts, {c['max_tokens']} new "

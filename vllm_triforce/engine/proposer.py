@@ -25,6 +25,7 @@ take the same decisions.
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 from vllm.logger import init_logger
@@ -119,6 +120,7 @@ class TriForceProposer(DraftModelProposer):
                 common_attn_metadata, sampling_metadata, mm_embed_inputs=None,
                 num_rejected_tokens_gpu=None, slot_mappings=None) -> torch.Tensor:
         self._last_draft_probs = None
+        start = time.perf_counter()
         batch = StepBatch.from_runner(self.runner, common_attn_metadata, target_token_ids,
                                       next_token_ids, num_rejected_tokens_gpu,
                                       sampling_metadata, self.block_size)
@@ -132,6 +134,7 @@ class TriForceProposer(DraftModelProposer):
             self.capture.enabled = True
             self.capture.clear()
         self._last_draft_probs = probs
+        self.stats.add(middle_seconds=time.perf_counter() - start)
         self._publish_stats()
         return drafts.to(self.device)
 

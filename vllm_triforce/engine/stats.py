@@ -28,6 +28,7 @@ class TriForceStats:
     top_proposed: int = 0      # level-2 tokens verified by the full cache
     top_accepted: int = 0
     live_requests: int = 0     # gauge: requests holding per-request state
+    middle_seconds: float = 0.0  # wall time inside the proposer (levels 1-2), cost model
     _last_log: float = field(default_factory=time.monotonic, repr=False)
 
     def add(self, **amounts: int) -> None:
