@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from vllm_triforce.core.selection import Selection, build_block_tables, select_blocks
+from vllm_triforce.core.selection import (Selection, SelectionPolicy, build_block_tables,
+                                          select_blocks)
 from vllm_triforce.core.verify import verify
 from vllm_triforce.engine import draft_level
 from vllm_triforce.engine.forward import PassInputs, layer_metadata, run
@@ -67,7 +68,7 @@ def refresh_selections(proposer, batch, states, decode_rows: list[int]) -> None:
     if proposer.capture.queries[0] is None:
         return
     rest = [r for r in decode_rows if r not in due]
-    if rest and type(proposer.policy).observe is not type(proposer.policy).__mro__[-2].observe:
+    if rest and type(proposer.policy).observe is not SelectionPolicy.observe:  # h2o accumulates
         idx = torch.tensor(rest)
         proposer.policy.observe(last_committed_queries(proposer, batch, idx),
                                 proposer.summaries, batch.block_table[idx].to(proposer.device),
