@@ -52,6 +52,11 @@ class TriForceConfig:
     refresh_interval: int = 64
     refresh_acceptance_threshold: float = 0.5
     selection_policy: str = "retrieval"
+    # Diagnostic (benchmarks): per step, one extra pass of the target over its full cache at
+    # each request's first middle position, to measure the retrieval cache's per-token
+    # acceptance sum_x min(p(x), q(x)) (the paper's Table 1 quantity). Costs one target
+    # pass per step; outputs are unchanged.
+    measure_middle_acceptance: bool = False
     # vLLM keys passed through to the draft-model path.
     passthrough: dict[str, Any] = field(default_factory=dict)
 
@@ -69,6 +74,10 @@ class TriForceConfig:
             raise TriForceConfigError(
                 f"speculative_config['refresh_acceptance_threshold']={thr!r} must be a number "
                 "in [0, 1] (0 disables acceptance-triggered refreshes).")
+        if not isinstance(self.measure_middle_acceptance, bool):
+            raise TriForceConfigError(
+                "speculative_config['measure_middle_acceptance']="
+                f"{self.measure_middle_acceptance!r} must be true or false.")
         if self.selection_policy not in POLICIES:
             raise TriForceConfigError(
                 f"speculative_config['selection_policy']={self.selection_policy!r} is not one "

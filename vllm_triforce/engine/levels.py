@@ -119,6 +119,8 @@ def draft(proposer, batch, states, num_drafts: int):
     refresh_selections(proposer, batch, states, decode_rows)
     rounds = {r: Round(int(batch.next_tokens[r]), int(batch.committed[r])) for r in decode_rows}
     gamma1 = proposer.cfg.draft_tokens_per_round if proposer.has_draft else 0
+    full_probs = (_full_cache_probs(proposer, batch, rounds, decode_rows)
+                  if proposer.cfg.measure_middle_acceptance else None)
     while True:
         active = [r for r in decode_rows if len(rounds[r].tokens) < num_drafts]
         if not active:
@@ -126,6 +128,11 @@ def draft(proposer, batch, states, num_drafts: int):
         sizes = [min(gamma1, num_drafts - len(rounds[r].tokens)) for r in active]
         _middle_round(proposer, batch, states, rounds, active, sizes)
         proposer.stats.add(middle_rounds=1)
+        if full_probs is not None:  # first round: q at the first middle position
+            q = torch.stack([rounds[r].probs[0] for r in decode_rows])
+            proposer.stats.add(middle_pq_sum=float(torch.minimum(full_probs, q).sum()),
+                               middle_pq_count=len(decode_rows))
+            full_probs = None
     probs = None
     if not bool(batch.greedy[decode_rows].all()):
         vocab = rounds[decode_rows[0]].probs[0].shape[-1]
@@ -206,6 +213,28 @@ def _retrieval_pass(proposer, batch, states, rounds, active, proposals) -> torch
     per_layer = {name: tables[l] for l, name in enumerate(proposer.target_layer_names)}
     metas = layer_metadata(_target_groups(proposer), inputs, per_layer, proposer.device)
     return run(proposer.target_model, proposer.vllm_config, metas, inputs, proposer.device)
+
+
+def _full_cache_probs(proposer, batch, rounds, rows: list[int]) -> torch.Tensor:
+    """[len(rows), V]: the target over its FULL cache at each request's first middle position
+    (input: the newest token; every earlier position is committed, so this is exactly the
+    distribution vLLM's verification will use there). Diagnostic for
+    `measure_middle_acceptance`. It writes the newest token's exact KV into its slot; the
+    retrieval pass that follows overwrites that slot as it always does."""
+    bs = proposer.block_size
+    idx = torch.tensor(rows)
+    block_table = batch.block_table[idx]
+    pos = torch.tensor([rounds[r].position for r in rows], dtype=torch.long)
+    slots = block_table[torch.arange(len(rows)), pos // bs].long() * bs + pos % bs
+    inputs = PassInputs(input_ids=torch.tensor([rounds[r].last_token for r in rows],
+                                               dtype=torch.int32),
+                        positions=pos, slot_mapping=slots,
+                        query_start_loc=torch.arange(len(rows) + 1),
+                        seq_lens=pos + 1, sample_rows=torch.arange(len(rows)))
+    per_layer = dict.fromkeys(proposer.target_layer_names, block_table)
+    metas = layer_metadata(_target_groups(proposer), inputs, per_layer, proposer.device)
+    logits = run(proposer.target_model, proposer.vllm_config, metas, inputs, proposer.device)
+    return torch.cat([batch.probs(logits[i:i + 1], r) for i, r in enumerate(rows)])
 
 
 def _target_groups(proposer):

@@ -29,6 +29,10 @@ class TriForceStats:
     top_accepted: int = 0
     live_requests: int = 0     # gauge: requests holding per-request state
     middle_seconds: float = 0.0  # wall time inside the proposer (levels 1-2), cost model
+    # measure_middle_acceptance only: sum over measured positions of sum_x min(p, q), p the
+    # full-cache and q the retrieval-cache distribution, and the number of positions.
+    middle_pq_sum: float = 0.0
+    middle_pq_count: int = 0
     _last_log: float = field(default_factory=time.monotonic, repr=False)
 
     def add(self, **amounts: int) -> None:
@@ -61,4 +65,7 @@ def format_snapshot(s: dict[str, int]) -> str:
             f"({s['middle_accepted']}/{s['middle_proposed']}), "
             f"full-cache acceptance {rate(s['top_accepted'], s['top_proposed']):.3f} "
             f"({s['top_accepted']}/{s['top_proposed']}), middle rounds {s['middle_rounds']}, "
-            f"refreshes {s['refreshes']}, draft re-bases {s['draft_rebases']}")
+            f"refreshes {s['refreshes']}, draft re-bases {s['draft_rebases']}"
+            + (f", retrieval-cache per-token acceptance sum min(p, q) "
+               f"{s['middle_pq_sum'] / s['middle_pq_count']:.3f} ({s['middle_pq_count']} positions)"
+               if s.get("middle_pq_count") else ""))
