@@ -34,12 +34,13 @@ def test_bench_acceptance_quick(tiny_llama, tmp_path):
     assert rc == 0
     data = json.loads((out / "results.json").read_text())
     assert set(data["table"]) == {"Moby-Dick", "SOTU needle"}
+    assert data["config"]["temperature"] == 0.6  # the paper's setting by default
     for row in data["table"].values():
         cell = row["retrieval"]
-        assert cell["identical"] is True
         assert cell["proposed"] > 0 and cell["counters"]["top_proposed"] > 0
         assert 0.0 <= cell["acceptance"] <= 1.0
         assert cell["acceptance"] == cell["accepted"] / cell["proposed"]
+        assert cell["middle_positions"] > 0 and 0.0 < cell["middle"] <= 1.0 + 1e-6
     md = (out / "results.md").read_text()
-    assert "accepted / proposed ratio at the top level" in md and "| Moby-Dick |" in md
+    assert "Σ min(p, q)" in md and "| Moby-Dick |" in md
     assert (out / "acceptance.png").read_bytes()[:4] == b"\x89PNG"

@@ -55,7 +55,7 @@ def run_speed(args, model: str, draft: str | None, out: Path) -> dict:
             setattr(args, key, value)
     ids = bench_prompts.book_prompts(model, args.prompt_tokens, args.batch)
     job = {"model": model, "prompts": ids, "max_tokens": args.max_tokens,
-           "repeats": args.repeats, "temperature": 0.0,
+           "repeats": args.repeats, "dtype": args.dtype, "temperature": 0.0,
            "max_model_len": args.prompt_tokens + args.max_tokens + 2 * args.gamma + 64}
     results = run_methods(job, method_runs(args, draft), out, isolate=not args.quick,
                           desc="bench speed")

@@ -65,7 +65,7 @@ def _point(args, model: str, out: Path, knob: str, value) -> dict:
     spec = {"method": "triforce", "num_speculative_tokens": args.gamma,
             "retrieval_budget": max(budget, 5 * block)}
     job = {"model": model, "prompts": bench_prompts.book_prompts(model, context, args.batch),
-           "max_tokens": args.max_tokens, "repeats": 1, "temperature": temperature,
+           "max_tokens": args.max_tokens, "repeats": 1, "dtype": args.dtype, "temperature": temperature,
            "block_size": block,
            "max_model_len": context + args.max_tokens + 2 * args.gamma + 64}
     runs = [{"name": f"{knob}-{value}-plain", "spec": None},

@@ -3,8 +3,9 @@
     python -m vllm_triforce.bench.worker JOB.json RESULT.json
 
 JOB.json: {"model": DIR, "prompts": [[token ids], ...], "max_tokens": M,
-"repeats": R, "temperature": T, "max_model_len": L, "block_size": 32,
-"runs": [{"name": str, "spec": speculative_config or null}, ...]}.
+"repeats": R, "temperature": T, "top_p": P, "dtype": "auto", "max_model_len": L,
+"block_size": 32, "runs": [{"name": str, "spec": speculative_config or null,
+optional "temperature", "block_size", "prompts"}, ...]}.
 RESULT.json: a list with one dict per run (same order): tokens, prefill_s,
 decode_s (one per repeat), and for spec runs vLLM's spec-decode counters (timed runs
 only) and,
@@ -48,14 +49,14 @@ def run_one(job: dict, run: dict) -> dict:
     from vllm import LLM, SamplingParams
 
     spec = run.get("spec")
-    llm = LLM(job["model"], dtype=job.get("dtype", "float32"), enforce_eager=True,
+    llm = LLM(job["model"], dtype=job.get("dtype", "auto"), enforce_eager=True,
               block_size=run.get("block_size", job.get("block_size", 32)), seed=job.get("seed", 0),
               max_model_len=job["max_model_len"], speculative_config=spec,
               disable_log_stats=False, enable_prefix_caching=True)
     prompts = [{"prompt_token_ids": ids} for ids in run.get("prompts", job["prompts"])]
-    temperature = job.get("temperature", 0.0)
-    params = SamplingParams(temperature=temperature, max_tokens=job["max_tokens"],
-                            ignore_eos=True, seed=None)
+    temperature = run.get("temperature", job.get("temperature", 0.0))
+    params = SamplingParams(temperature=temperature, top_p=job.get("top_p", 1.0),
+                            max_tokens=job["max_tokens"], ignore_eos=True, seed=None)
     first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     # Prefill alone (1 new token); the timed runs then hit the prefix cache.
     start = time.perf_counter()
@@ -94,10 +95,6 @@ def _spec_metrics(llm) -> dict:
 def _delta(after: dict, before: dict) -> dict:
     """Counters of the timed runs only (not prefill or warm-up)."""
     return {k: (v or 0) - (before.get(k) or 0) for k, v in after.items()}
-
-
-
-
 
 
 def main(argv: list[str]) -> int:
