@@ -44,3 +44,24 @@ def test_bench_acceptance_quick(tiny_llama, tmp_path):
     md = (out / "results.md").read_text()
     assert "Σ min(p, q)" in md and "| Moby-Dick |" in md
     assert (out / "acceptance.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.engine
+def test_bench_sweep_quick(tiny_llama, tmp_path):
+    """Two knobs; plain vLLM runs once per (context, block, temperature), not per budget."""
+    out = tmp_path / "sweep"
+    rc = cli.main(["bench", "sweep", "--quick", "--out", str(out), "--model", str(tiny_llama),
+                   "--knobs", "temperature", "budget"])
+    assert rc == 0
+    data = json.loads((out / "results.json").read_text())
+    assert [p["value"] for p in data["temperature"]] == [0.0, 1.0]
+    assert [p["value"] for p in data["budget"]] == [160, 224]
+    assert data["temperature"][0]["identical"] is True  # greedy point
+    assert data["temperature"][1]["identical"] == "n/a"
+    for p in data["temperature"] + data["budget"]:
+        assert p["plain_tok_s"] > 0 and p["triforce_tok_s"] > 0
+        assert 0.0 <= p["acceptance"] <= 1.0
+    logs = sorted(f.name for f in (out / "logs").glob("*.log"))
+    assert sum("plain" in name for name in logs) == 2  # budget points reuse T=0's plain run
+    for knob in ("temperature", "budget"):
+        assert (out / f"sweep_{knob}.png").read_bytes()[:4] == b"\x89PNG"

@@ -36,9 +36,9 @@ def run_sweep(args, model: str, out: Path) -> dict:
     values = QUICK if args.quick else DEFAULTS
     if args.quick:
         args.prompt_tokens, args.batch, args.max_tokens, args.budget = 256, 1, 8, 192
-    data = {}
+    data, plain_runs = {}, {}
     for knob in args.knobs:
-        points = [_point(args, model, out, knob, v) for v in values[knob]]
+        points = [_point(args, model, out, knob, v, plain_runs) for v in values[knob]]
         data[knob] = points
         report.line_plot(out / f"sweep_{knob}.png", values[knob],
                          {"speedup vs plain": [p["speedup"] for p in points],
@@ -57,7 +57,9 @@ def run_sweep(args, model: str, out: Path) -> dict:
     return data
 
 
-def _point(args, model: str, out: Path, knob: str, value) -> dict:
+def _point(args, model: str, out: Path, knob: str, value, plain_runs: dict) -> dict:
+    """One sweep point. Plain vLLM does not depend on the budget, so its run is shared by
+    every point with the same context, block size and temperature (`plain_runs`)."""
     context = value if knob == "context" else args.prompt_tokens
     budget = value if knob == "budget" else args.budget
     block = value if knob == "block_size" else 32
@@ -68,9 +70,14 @@ def _point(args, model: str, out: Path, knob: str, value) -> dict:
            "max_tokens": args.max_tokens, "repeats": 1, "dtype": args.dtype, "temperature": temperature,
            "block_size": block,
            "max_model_len": context + args.max_tokens + 2 * args.gamma + 64}
-    runs = [{"name": f"{knob}-{value}-plain", "spec": None},
-            {"name": f"{knob}-{value}-triforce2", "spec": spec}]
-    plain, tri = run_methods(job, runs, out, isolate=not args.quick, desc=f"{knob}={value}")
+    key = (context, block, temperature)
+    runs = [{"name": f"{knob}-{value}-triforce2", "spec": spec}]
+    if key not in plain_runs:
+        runs.insert(0, {"name": f"{knob}-{value}-plain", "spec": None})
+    results = run_methods(job, runs, out, isolate=not args.quick, desc=f"{knob}={value}")
+    if key not in plain_runs:
+        plain_runs[key] = results[0]
+    plain, tri = plain_runs[key], results[-1]
     n = args.batch * args.max_tokens
     plain_tps = n / statistics.median(plain["decode_s"])
     tri_tps = n / statistics.median(tri["decode_s"])
