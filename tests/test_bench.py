@@ -22,6 +22,10 @@ def test_bench_speed_quick(tiny_llama, tmp_path):
     assert all(len(t) == 8 for t in raw["plain"]["tokens"])
     assert data["all_identical"] is True
     assert raw["triforce2"]["triforce"]["top_proposed"] > 0
+    cost = data["rows"][1]["cost_model"]  # isolated step costs measured by the plain run
+    assert cost["T1"] > 0 and cost["Tv"] > 0 and cost["Tm"] > 0 and cost["Tm_source"] == "isolated"
+    assert cost["L"] >= 1 and cost["predicted_speedup"] > 0
+    assert "achieved / predicted" in (out / "results.md").read_text()
     assert "| triforce2 |" in (out / "results.md").read_text()
     assert (out / "speed.png").read_bytes()[:4] == b"\x89PNG"
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -80,8 +81,60 @@ def run_one(job: dict, run: dict) -> dict:
     if drafter is not None:
         after = drafter.stats.snapshot()
         result["triforce"] = {k: after[k] - before[k] for k in after}
+    if run.get("calibrate"):
+        result["calibration"] = calibrate(llm, [p["prompt_token_ids"] for p in prompts], tokens,
+                                          block_size=llm.llm_engine.vllm_config.cache_config
+                                          .block_size, **run["calibrate"])
     free_llm(llm)
     return result
+
+
+def calibrate(llm, prompts: list[list[int]], continuations: list[list[int]], *,
+              block_size: int, query_tokens: list[int], contexts: list[int],
+              repeats: int = 3) -> dict:
+    """Per-step costs of plain vLLM measured in isolation, for the cost model.
+
+    `step_s[k]`: one step in which every request runs k query tokens over its full
+    (prefix-cached) prompt -- k = 1 is a decode step, k = gamma + 1 a verification step.
+    `context_step_s[c]`: a decode step over only the first c tokens -- the ideal cost of a
+    middle-level round over a c-token retrieval cache. Method: a `generate` of m new tokens
+    costs overhead + step(first) + (m - 1) * step(1); timing m = 1 and m = 9 separates the
+    per-call overhead from the steps. Prompts are cut to whole blocks so every prompt token
+    is a prefix-cache hit and exactly k tokens are computed. Medians over `repeats`.
+    """
+    from vllm import SamplingParams
+
+    def timed(batch: list[list[int]], max_tokens: int) -> float:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        runs = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            llm.generate([{"prompt_token_ids": ids} for ids in batch], params, use_tqdm=False)
+            runs.append(time.perf_counter() - start)
+        return statistics.median(runs)
+
+    def decode_and_overhead(batch):
+        one, nine = timed(batch, 1), timed(batch, 9)
+        step = (nine - one) / 8
+        return step, one - step
+
+    # Whole blocks of prompt + k tokens of the run's own output: the blocks hit the prefix
+    # cache and exactly k tokens are computed (a prompt that is all cache hits would
+    # recompute its whole last block instead).
+    whole = [ids[:len(ids) // block_size * block_size] for ids in prompts]
+
+    def with_queries(k: int) -> list[list[int]]:
+        return [ids + cont[:k] for ids, cont in zip(whole, continuations)]
+
+    step_1, overhead = decode_and_overhead(with_queries(1))
+    out = {"step_s": {1: step_1}, "overhead_s": overhead, "context_step_s": {}}
+    for k in query_tokens:
+        if k > 1:
+            out["step_s"][k] = timed(with_queries(k), 1) - overhead
+    for c in contexts:
+        cut = min(max(c // block_size, 1) * block_size, len(whole[0]) - block_size)
+        out["context_step_s"][c] = decode_and_overhead([ids[:cut + 1] for ids in whole])[0]
+    return out
 
 
 def _spec_metrics(llm) -> dict:
