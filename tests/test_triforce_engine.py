@@ -161,3 +161,16 @@ def test_smollm2_two_level_moby_dick(smollm2):
           f"middle-level drafts {accepted}/{proposed} = {accepted / proposed:.3f}")
     assert tri_tokens == plain_tokens
     assert proposed > 0 and accepted / proposed > 0.3  # a real model drafts for itself well
+
+
+def test_two_level_refreshes_when_full_cache_acceptance_drops(tiny_llama):
+    """Two levels: the full-cache verification judges the retrieval cache, so its rolling
+    acceptance triggers re-selection (stride off here). Threshold 0: only the first
+    selection per request."""
+    tokens, stats, _ = generate(tiny_llama, two_level(refresh_interval=0,
+                                                      refresh_acceptance_threshold=1.0))
+    assert tokens == plain(tiny_llama)
+    _, quiet, _ = generate(tiny_llama, two_level(refresh_interval=0,
+                                                 refresh_acceptance_threshold=0.0))
+    assert quiet["refreshes"] == len(PROMPT_WORDS)
+    assert stats["refreshes"] > len(PROMPT_WORDS)

@@ -45,6 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.6,
                    help="sampling temperature of the TriForce runs (paper: 0.6)")
     p.add_argument("--top-p", type=float, default=0.9, help="top-p of the TriForce runs (paper: 0.9)")
+    p.add_argument("--tasks", nargs="+", default=["moby", "needle"], choices=["moby", "needle"],
+                   help="rows: Moby-Dick passages, SOTU needle in a haystack")
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES,
                    help="columns (selection policies)")
 
@@ -58,16 +60,21 @@ def run_acceptance(args, model: str, out: Path) -> dict:
         for key, value in QUICK.items():
             setattr(args, key, value)
     budget = budget_for(args.context_tokens, args.budget_fraction)
-    needles = bench_prompts.needle_prompts(model, args.context_tokens, args.batch)
-    tasks = {"Moby-Dick": bench_prompts.book_prompts(model, args.context_tokens, args.batch),
-             "SOTU needle": [n["ids"] for n in needles]}
+    needles = (bench_prompts.needle_prompts(model, args.context_tokens, args.batch)
+               if "needle" in args.tasks else [])
+    tasks = {}
+    if "moby" in args.tasks:
+        tasks["Moby-Dick"] = bench_prompts.book_prompts(model, args.context_tokens, args.batch)
+    if needles:
+        tasks["SOTU needle"] = [n["ids"] for n in needles]
     runs = [{"name": "reference", "spec": None, "temperature": 0.0}] + [
         {"name": p, "spec": {"method": "triforce", "num_speculative_tokens": args.gamma,
                              "retrieval_budget": budget, "selection_policy": p,
                              "measure_middle_acceptance": True}}
         for p in args.policies]
     all_runs = [{**run, "name": f"{slug}-{run['name']}", "prompts": ids}
-                for slug, ids in zip(("moby", "needle"), tasks.values()) for run in runs]
+                for slug, ids in zip([t for t in ("moby", "needle") if t in args.tasks],
+                                     tasks.values()) for run in runs]
     job = {"model": model, "prompts": [], "max_tokens": args.max_tokens, "repeats": 1,
            "temperature": args.temperature, "top_p": args.top_p, "dtype": args.dtype,
            "max_model_len": args.context_tokens + args.max_tokens + 2 * args.gamma + 64}
@@ -76,7 +83,7 @@ def run_acceptance(args, model: str, out: Path) -> dict:
     table = {task: _summarize(results[i * len(runs):(i + 1) * len(runs)])
              for i, task in enumerate(tasks)}
     found = [n["passphrase"] in _decode(model, toks) for n, toks in
-             zip(needles, table["SOTU needle"]["reference"]["tokens"])]
+             zip(needles, table["SOTU needle"]["reference"]["tokens"])] if needles else None
     data = {"config": {"model": model, "context_tokens": args.context_tokens,
                        "batch": args.batch, "max_tokens": args.max_tokens, "gamma": args.gamma,
                        "temperature": args.temperature, "top_p": args.top_p, "dtype": args.dtype,

@@ -6,10 +6,12 @@ acceptance rate". We do both:
 
   * the first call for a request always refreshes (there is no selection yet);
   * every `interval` committed tokens since the last selection;
-  * when the middle level's acceptance (accepted / proposed drafts of the small
-    draft, rolled over the last `window` rounds since the last selection) falls
-    below `acceptance_threshold`. The window must fill after each selection first,
-    so a refresh is judged on rounds that used the new selection.
+  * when the acceptance of the retrieval cache's judge falls below
+    `acceptance_threshold`: accepted / proposed, rolled over the last `window` rounds
+    since the last selection. A round is a middle-level round with three levels (the
+    retrieval-cache target judging the small draft) and a full-cache verification with
+    two (the full cache judging the retrieval cache's drafts). The window must fill after
+    each selection first, so a refresh is judged on rounds that used the new selection.
 
 Between refreshes new tokens enter the tail as recent blocks (selection.py).
 interval <= 0 or acceptance_threshold <= 0 switches that trigger off.
@@ -66,8 +68,8 @@ class RefreshPolicy:
         state.num_refreshes += 1
 
     def record_round(self, state: RefreshState, num_proposed: int, num_accepted: int) -> None:
-        """One middle-level round: the small draft proposed num_proposed tokens, the
-        middle level accepted num_accepted of them."""
+        """One judged round: num_proposed tokens proposed to the level above, num_accepted
+        of them accepted (see the module docstring)."""
         if not 0 <= num_accepted <= num_proposed:
             raise ValueError(f"accepted {num_accepted} of {num_proposed} proposed tokens")
         state.rounds.append((num_proposed, num_accepted))

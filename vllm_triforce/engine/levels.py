@@ -38,8 +38,10 @@ def commit(proposer, batch, states) -> None:
         # step after the newest token (the scheduler may trim them); a prefill chunk does not.
         num_verified = int(batch.q_lens[r]) - 1
         if 0 < num_verified <= states[r].last_num_drafts:
-            proposer.stats.record_verification(num_verified,
-                                               num_verified - int(batch.num_rejected[r]))
+            accepted = num_verified - int(batch.num_rejected[r])
+            proposer.stats.record_verification(num_verified, accepted)
+            if not proposer.has_draft:  # two levels: the retrieval cache's drafts were judged
+                proposer.refresh.record_round(states[r].refresh, num_verified, accepted)
         states[r].last_num_drafts = 0
     rows, positions = torch.cat(rows), torch.cat(positions)
     keys = proposer.capture.keys
