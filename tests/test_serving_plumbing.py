@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_triforce import serve_entry
+from vllm_triforce import metrics, serve_entry
 from vllm_triforce.patches.cli_args import parse_speculative_config
 
 VENV_BIN = Path(sys.executable).parent
@@ -230,6 +230,14 @@ def wait_healthy(base: str, proc: subprocess.Popen, log: Path, timeout_s: float)
     pytest.fail(f"server not healthy after {timeout_s} s:\n{log.read_text()[-3000:]}")
 
 
+def server_env() -> dict[str, str]:
+    """This process's environment minus its TriForce metrics directory: a server started
+    from a shell has its own, so its counters must not include this process's engines."""
+    from vllm_triforce import metrics
+
+    return {k: v for k, v in os.environ.items() if k != metrics.ENV_DIR}
+
+
 @contextlib.contextmanager
 def start_server(vllm_command, model, tmp_path, name: str, spec: dict | None,
                  max_num_seqs: int = 4):
@@ -244,7 +252,8 @@ def start_server(vllm_command, model, tmp_path, name: str, spec: dict | None,
     port, log = free_port(), tmp_path / f"{name}.log"
     with open(log, "w") as log_file:
         proc = subprocess.Popen(cmd + ["--port", str(port)], stdout=log_file,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+                                stderr=subprocess.STDOUT, start_new_session=True,
+                                env=server_env())
     try:
         base = f"http://127.0.0.1:{port}"
         startup_s = wait_healthy(base, proc, log, SERVER_START_TIMEOUT_S)

@@ -4,6 +4,8 @@ Prompts are longer than the retrieval budget and than the tiny draft's
 max_position_embeddings (256), so every level runs sparse and the draft re-bases.
 """
 
+import gc
+
 import pytest
 
 import tiny_models
@@ -131,6 +133,29 @@ def test_metrics_beside_spec_decode(tiny_llama):
     # our count of full-cache verifications is vLLM's own (prompt chunks are not counted)
     assert stats["top_proposed"] == metrics["vllm:spec_decode_num_draft_tokens"]
     assert stats["top_accepted"] == metrics["vllm:spec_decode_num_accepted_tokens"]
+
+
+def test_live_requests_gauge_drops_when_the_engine_is_freed(tiny_llama):
+    """The live-requests gauge counts state held by a running engine; once the engine is
+    freed its gauge reads 0 in this process (counters stay cumulative)."""
+    from vllm import LLM
+
+    from vllm_triforce import metrics as triforce_metrics
+
+    llm = LLM(str(tiny_llama), speculative_config=two_level(), disable_log_stats=False,
+              **make_engine_kwargs())
+    try:
+        llm.generate(prompts(), greedy_params(), use_tqdm=False)
+        live = spec_metrics(llm)["vllm:triforce_live_requests"]
+        proposed = triforce_metrics.read_totals()["top_proposed"]
+    finally:
+        free_llm(llm)
+        del llm
+        gc.collect()
+    assert live >= 1  # the last request's state is dropped at the engine's next step
+    totals = triforce_metrics.read_totals()
+    assert totals["live_requests"] == 0
+    assert totals["top_proposed"] == proposed > 0
 
 
 @pytest.mark.network

@@ -11,7 +11,9 @@ from a worker's proposer to the front end's stat loggers, so:
   starts engine core and workers afterwards) and passed down in `VLLM_TRIFORCE_METRICS_DIR`
   (vLLM forwards `VLLM_*` variables to its workers, Ray actors included);
 - a Prometheus collector registered in every process that loads the plugin sums the files on
-  scrape, so `/metrics` and `LLM.get_metrics()` show them beside `vllm:spec_decode_*`.
+  scrape, so `/metrics` and `LLM.get_metrics()` show them beside `vllm:spec_decode_*`;
+- gauges count only while their engine lives: a freed proposer rewrites its file with gauges
+  at 0, and files of workers no longer running are ignored for gauges.
 Counters are cumulative over every engine started from the same front-end process.
 """
 
@@ -59,6 +61,22 @@ def write_snapshot(source_id: str, snapshot: dict[str, int]) -> None:
     tmp = directory / f".{source_id}.tmp"
     tmp.write_text(json.dumps({k: snapshot[k] for k in (*COUNTERS, *GAUGES)}))
     os.replace(tmp, directory / f"{source_id}.json")
+
+
+def retire_snapshot(source_id: str, snapshot) -> None:
+    """Called when an engine's proposer goes away: its gauges drop to 0, its counters stay.
+
+    `snapshot` is a callable returning the final counters. Only a source that published
+    before is rewritten (other TP ranks never publish), and a directory already removed at
+    exit is not re-created.
+    """
+    path = os.environ.get(ENV_DIR)
+    if path is None or not (Path(path) / f"{source_id}.json").exists():
+        return
+    try:
+        write_snapshot(source_id, {**snapshot(), **dict.fromkeys(GAUGES, 0)})
+    except OSError:
+        pass
 
 
 def read_totals() -> dict[str, int]:

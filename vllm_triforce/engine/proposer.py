@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 
 import torch
 from vllm.logger import init_logger
@@ -65,6 +66,9 @@ class TriForceProposer(DraftModelProposer):
                                      self.cfg.refresh_acceptance_threshold)
         self.states = StateTable()
         self.stats = TriForceStats()
+        self._metrics_source = f"{os.getpid()}-{id(self)}"
+        weakref.finalize(self, metrics.retire_snapshot, self._metrics_source,
+                         self.stats.snapshot)
         seed = vllm_config.model_config.seed
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(0 if seed is None else seed)
@@ -144,7 +148,7 @@ class TriForceProposer(DraftModelProposer):
             return
         self.stats.live_requests = len(self.states)
         self.stats.maybe_log()
-        metrics.write_snapshot(f"{os.getpid()}-{id(self)}", self.stats.snapshot())
+        metrics.write_snapshot(self._metrics_source, self.stats.snapshot())
 
     def _new_state(self, req_id: str) -> RequestState:
         state = RequestState(refresh=self.refresh.new_state(), policy_state=SelectionState())
