@@ -37,9 +37,20 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None,
                    help="small draft (asset name or directory): adds draft_model and "
                         "three-level TriForce")
-    p.add_argument("--dtype", default="auto",
-                   help="vLLM dtype for every engine (auto: the checkpoint's, bfloat16 for the "
-                        "converted assets; float32 is ~2.5x slower on this CPU)")
+    p.add_argument("--dtype", default=None,
+                   help="vLLM dtype for every engine (default: the checkpoint's -- bfloat16 for "
+                        "the converted assets -- where the hardware computes bf16 natively, "
+                        "else float32: on CPUs without AVX512-BF16/AMX bf16 is emulated and "
+                        "several times slower than float32)")
+
+
+def default_dtype() -> str:
+    """"auto" (the checkpoint's dtype) on GPUs and bf16-capable CPUs, else "float32"."""
+    import torch
+
+    if torch.cuda.is_available() or torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return "auto"
+    return "float32"
 
 
 def resolve_model(name: str | None) -> str | None:
@@ -64,6 +75,8 @@ def _handler(kind: str):
         from vllm_triforce.cli import CommandError
 
         args.out.mkdir(parents=True, exist_ok=True)
+        if args.dtype is None:
+            args.dtype = default_dtype()
         model, draft = resolve_model(args.model), resolve_model(args.draft)
         try:
             if kind == "speed":
