@@ -19,7 +19,8 @@ def run_bench(kind: str, out, model, *extra: str) -> dict:
 @pytest.mark.engine
 def test_bench_speed_quick(tiny_llama, tmp_path):
     out = tmp_path / "speed"
-    data = run_bench("speed", out, tiny_llama, "--methods", "plain", "triforce2")
+    data = run_bench("speed", out, tiny_llama, "--methods", "plain", "triforce2",
+                     "--dtype", "float32")
     assert [r["method"] for r in data["rows"]] == ["plain", "triforce2"]
     raw = {r["name"]: r for r in data["raw"]}
     assert raw["triforce2"]["tokens"] == raw["plain"]["tokens"]
@@ -29,7 +30,8 @@ def test_bench_speed_quick(tiny_llama, tmp_path):
     cost = data["rows"][1]["cost_model"]  # isolated step costs measured by the plain run
     assert cost["T1"] > 0 and cost["Tv"] > 0 and cost["Tm"] > 0 and cost["Tm_source"] == "isolated"
     assert cost["L"] >= 1 and cost["predicted_speedup"] > 0
-    assert "achieved / predicted" in (out / "results.md").read_text()
+    md = (out / "results.md").read_text()
+    assert "achieved / predicted" in md and "dtype float32" in md
     assert "| triforce2 |" in (out / "results.md").read_text()
     assert (out / "speed.png").read_bytes()[:4] == b"\x89PNG"
 

@@ -63,7 +63,8 @@ def run_speed(args, model: str, draft: str | None, out: Path) -> dict:
                           desc="bench speed")
     rows = summarize(results, args.batch, args.max_tokens)
     data = {"config": {k: getattr(args, k) for k in
-                       ("prompt_tokens", "batch", "max_tokens", "repeats", "budget", "gamma")}
+                       ("prompt_tokens", "batch", "max_tokens", "repeats", "budget", "gamma",
+                        "dtype")}
             | {"model": model, "draft": draft}, "rows": rows,
             "all_identical": all(r["identical"] for r in rows), "raw": results}
     report.write_json(out / "results.json", data)
@@ -149,7 +150,8 @@ def _write_md(path: Path, data: dict) -> None:
              f"{r['speedup']:.2f}x", r["top_acceptance"], r["middle_acceptance"],
              None if r["predicted_speedup"] is None else f"{r['predicted_speedup']:.2f}x",
              "yes" if r["identical"] else "NO"] for r in data["rows"]]
-    intro = (f"Target `{Path(c['model']).name}`, draft `{c['draft'] and Path(c['draft']).name}`; "
+    intro = (f"Target `{Path(c['model']).name}`, draft `{c['draft'] and Path(c['draft']).name}`, "
+             f"dtype {c['dtype']}; "
              f"{c['batch']} x {c['prompt_tokens']}-token Moby-Dick prompts, {c['max_tokens']} new "
              f"tokens, greedy; medians over {c['repeats']} repeat(s); gamma={c['gamma']}, "
              f"retrieval_budget={c['budget']}. Decode time excludes prefill (prefix-cache hit). "
