@@ -233,8 +233,6 @@ def wait_healthy(base: str, proc: subprocess.Popen, log: Path, timeout_s: float)
 def server_env() -> dict[str, str]:
     """This process's environment minus its TriForce metrics directory: a server started
     from a shell has its own, so its counters must not include this process's engines."""
-    from vllm_triforce import metrics
-
     return {k: v for k, v in os.environ.items() if k != metrics.ENV_DIR}
 
 
