@@ -16,6 +16,9 @@ PATCH_MODULES = (
     "cpu_seed",
     "cli_args",
     "ray_cpu",
+    "cpu_defaults",
+    "kv_reservation",
+    "cpu_flex",
 )
 
 

@@ -36,6 +36,12 @@ def is_patched(fn: Any) -> bool:
     return bool(getattr(fn, PATCHED_ATTR, False))
 
 
+def _patch_names(fn: Any) -> tuple:
+    fn = getattr(fn, "__func__", fn)  # staticmethod / classmethod
+    marker = getattr(fn, PATCHED_ATTR, ())
+    return marker if isinstance(marker, tuple) else ()
+
+
 def wrap(module: str, qualname: str, make_wrapper: Callable[[Callable], Callable],
          name: str) -> None:
     """Replace `module.qualname` by `make_wrapper(original)` once.
@@ -44,13 +50,15 @@ def wrap(module: str, qualname: str, make_wrapper: Callable[[Callable], Callable
     """
     owner, attr, current = resolve(module, qualname)
     raw = owner.__dict__.get(attr, current) if isinstance(owner, type) else current
-    if is_patched(raw):
+    applied_names = _patch_names(raw)
+    if name in applied_names:
         APPLIED[name] = True
         return
     original = current
     wrapper = make_wrapper(original)
     functools.update_wrapper(wrapper, original)
-    setattr(wrapper, PATCHED_ATTR, True)
+    # Several patches may wrap one symbol: the marker lists every patch in the chain.
+    setattr(wrapper, PATCHED_ATTR, (*applied_names, name))
     if isinstance(raw, staticmethod):
         wrapper = staticmethod(wrapper)
     elif isinstance(raw, classmethod):

@@ -16,11 +16,10 @@ What the wrapper does for a triforce config, before any weights load:
 5. lifts the draft's `max_model_len` to the target's: the small draft only ever sees
    StreamingLLM-rebased positions (core/streaming.py), so its short trained context must
    not cap the target's context nor stop drafting past it.
-On GPU it selects the V1 model runner (the only runner TriForce is written for) by setting
-`VLLM_USE_V2_MODEL_RUNNER=0` when the user has not chosen, and logs that.
+6. decides the engine settings TriForce needs while they can still change
+   (vllm_triforce/engine_settings.py: PIECEWISE CUDA graphs, async scheduling off, the V1
+   model runner) and refuses explicit settings that break it, naming each and its fix.
 """
-
-import os
 
 from vllm_triforce.patches import _util
 
@@ -37,19 +36,21 @@ def _make_wrapper(original):
         spec = self.speculative_config
         if not (isinstance(spec, dict) and spec.get("method") == "triforce"):
             return original(self, target_model_config, target_parallel_config)
+        from vllm_triforce import engine_settings
         from vllm_triforce.config import TriForceConfig
 
         cfg = TriForceConfig.from_speculative_config(spec)
         cfg.model = _resolve_asset(cfg.model)
         _check_parallel(target_parallel_config)
-        _select_v1_runner()
+        forced = engine_settings.decide(self, target_parallel_config)
         self.speculative_config = {
             "method": "draft_model",
             "model": cfg.model or target_model_config.model,
             "num_speculative_tokens": cfg.num_speculative_tokens,
             **cfg.passthrough,
         }
-        self.additional_config = {**(self.additional_config or {}), "triforce": cfg.to_dict()}
+        self.additional_config = {**(self.additional_config or {}), "triforce": cfg.to_dict(),
+                                  FORCED_SETTINGS_KEY: forced}
         _check_vocab(cfg, _draft_vocab_size(cfg, target_model_config), target_model_config)
         try:
             result = original(self, target_model_config, target_parallel_config)
@@ -63,6 +64,8 @@ def _make_wrapper(original):
 
 
 ASSET_PREFIX = "vllm-triforce:"
+# additional_config key: the engine settings TriForce chose (engine_settings.decide).
+FORCED_SETTINGS_KEY = "triforce_forced_settings"
 
 
 def _resolve_asset(model):
@@ -109,14 +112,3 @@ def _check_vocab(cfg, draft_vocab, target_model_config) -> None:
             f"speculative_config['model']={cfg.model!r} has a vocabulary of {draft_vocab} tokens "
             f"but the target has {target_vocab}. TriForce's levels share token ids: use a draft "
             "with the target's tokenizer, or leave 'model' out for two-level TriForce.")
-
-
-def _select_v1_runner() -> None:
-    from vllm.logger import init_logger
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu() or "VLLM_USE_V2_MODEL_RUNNER" in os.environ:
-        return
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-    init_logger("vllm.triforce").info(
-        "TriForce runs on vLLM's V1 model runner; set VLLM_USE_V2_MODEL_RUNNER=0.")

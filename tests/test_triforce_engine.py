@@ -59,7 +59,8 @@ def plain(model):
 def two_level(policy="retrieval", **extra):
     return {"method": "triforce", "num_speculative_tokens": 4, "retrieval_budget": 160,
             "retrieval_sink_tokens": 16, "retrieval_recent_tokens": 32,
-            "selection_policy": policy, "refresh_interval": 16, **extra}
+            "selection_policy": policy, "refresh_interval": 16,
+            "allow_full_key_copy": policy in ("h2o", "topk_oracle"), **extra}
 
 
 def three_level(draft, policy="retrieval", **extra):

@@ -18,6 +18,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 POLICIES = ("retrieval", "streamingllm", "h2o", "topk_oracle")
+# Policies that keep a copy of every committed key (exact attention mass): benchmarks only,
+# refused unless the user opts in with `allow_full_key_copy` (memory: one more key cache).
+FULL_KEY_POLICIES = ("h2o", "topk_oracle")
+
+# Attention backends whose metadata TriForce builds correctly per layer
+# (engine/forward.py says how each is handled). Anything else is refused at config time.
+SUPPORTED_ATTENTION_BACKENDS = ("CPU_ATTN", "FLASH_ATTN", "TRITON_ATTN", "FLASHINFER",
+                                "FLEX_ATTENTION")
 
 # vLLM speculative-config keys passed through untouched to the draft model path.
 PASSTHROUGH_KEYS = ("draft_tensor_parallel_size", "revision", "code_revision", "quantization",
@@ -52,6 +60,9 @@ class TriForceConfig:
     refresh_interval: int = 64
     refresh_acceptance_threshold: float = 0.5
     selection_policy: str = "retrieval"
+    # h2o / topk_oracle keep a copy of every committed key (as much memory as the key
+    # cache): for benchmarks. Refused unless the user opts in here.
+    allow_full_key_copy: bool = False
     # Diagnostic (benchmarks): per step, one extra pass of the target over its full cache at
     # each request's first middle position, to measure the retrieval cache's per-token
     # acceptance sum_x min(p(x), q(x)) (the paper's Table 1 quantity). Costs one target
@@ -82,6 +93,16 @@ class TriForceConfig:
             raise TriForceConfigError(
                 f"speculative_config['selection_policy']={self.selection_policy!r} is not one "
                 f"of {', '.join(POLICIES)}.")
+        if not isinstance(self.allow_full_key_copy, bool):
+            raise TriForceConfigError(
+                f"speculative_config['allow_full_key_copy']={self.allow_full_key_copy!r} must be "
+                "true or false.")
+        if self.selection_policy in FULL_KEY_POLICIES and not self.allow_full_key_copy:
+            raise TriForceConfigError(
+                f"speculative_config['selection_policy']={self.selection_policy!r} keeps a copy "
+                "of every committed key (as much memory as the key cache, not counted when vLLM "
+                "sizes the KV cache): it is meant for benchmarks. Use 'retrieval' (the default), "
+                "or opt in with \"allow_full_key_copy\": true.")
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
             raise TriForceConfigError(
                 "speculative_config['model'] must be the small draft model's path or name, "

@@ -27,6 +27,7 @@ from pathlib import Path
 from vllm_triforce.bench import prompts as bench_prompts
 from vllm_triforce.bench import report
 from vllm_triforce.bench.runner import run_methods
+from vllm_triforce.config import FULL_KEY_POLICIES
 
 POLICIES = ("topk_oracle", "streamingllm", "h2o", "retrieval")
 LABELS = {"topk_oracle": "Top-K oracle", "streamingllm": "StreamingLLM", "h2o": "H2O",
@@ -70,7 +71,8 @@ def run_acceptance(args, model: str, out: Path) -> dict:
     runs = [{"name": "reference", "spec": None, "temperature": 0.0}] + [
         {"name": p, "spec": {"method": "triforce", "num_speculative_tokens": args.gamma,
                              "retrieval_budget": budget, "selection_policy": p,
-                             "measure_middle_acceptance": True}}
+                             "measure_middle_acceptance": True,
+                             "allow_full_key_copy": p in FULL_KEY_POLICIES}}
         for p in args.policies]
     all_runs = [{**run, "name": f"{slug}-{run['name']}", "prompts": ids}
                 for slug, ids in zip([t for t in ("moby", "needle") if t in args.tasks],

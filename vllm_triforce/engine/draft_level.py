@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from vllm_triforce.core.streaming import draft_positions, needs_rebase, streaming_table, window_start
-from vllm_triforce.engine.forward import PassInputs, layer_metadata, run
+from vllm_triforce.engine.forward import PassInputs, run_pass
 
 
 def propose(proposer, batch, states, rounds, active, sizes):
@@ -110,8 +110,8 @@ def _draft_pass(proposer, batch, states, rows: list[int], chunks) -> torch.Tenso
         positions=draft_positions(pos, torch.tensor(offsets), b.draft_sink_blocks * bs),
         slot_mapping=slots, query_start_loc=torch.tensor(qsl), seq_lens=compact,
         sample_rows=torch.tensor(qsl[1:]) - 1)
-    metas = layer_metadata(proposer.draft_attn_groups, inputs, table, proposer.device)
-    return run(proposer.model, proposer.vllm_config, metas, inputs, proposer.device)
+    return run_pass(proposer.model, proposer.vllm_config, proposer.draft_attn_groups, inputs,
+                    table, proposer.device, proposer.stats)
 
 
 def _sample(q: torch.Tensor, greedy: bool, generator: torch.Generator) -> int:

@@ -20,7 +20,7 @@ from vllm_triforce.core.selection import (Selection, SelectionPolicy, build_bloc
                                           select_blocks)
 from vllm_triforce.core.verify import verify
 from vllm_triforce.engine import draft_level
-from vllm_triforce.engine.forward import PassInputs, layer_metadata, run
+from vllm_triforce.engine.forward import PassInputs, run_pass
 
 
 # ---- 1. commit ------------------------------------------------------------------------
@@ -112,8 +112,9 @@ class Round:
         self.position = position               # its position
 
 
-def draft(proposer, batch, states, num_drafts: int):
-    """Run the hierarchy; returns drafts [R, num_drafts] and probs [R, num_drafts, V] or None."""
+def draft(proposer, batch, states, num_drafts: int, probs_buffer: torch.Tensor):
+    """Run the hierarchy; returns drafts [R, num_drafts] and probs [R, num_drafts, V] (a view
+    of `probs_buffer` [max_num_seqs, gamma2, V], preallocated and reserved) or None."""
     decode_rows = [r for r in range(batch.num_reqs) if bool(batch.decoding[r])]
     drafts = torch.zeros(batch.num_reqs, num_drafts, dtype=torch.long)
     if not decode_rows or num_drafts == 0:
@@ -137,9 +138,8 @@ def draft(proposer, batch, states, num_drafts: int):
             full_probs = None
     probs = None
     if not bool(batch.greedy[decode_rows].all()):
-        vocab = rounds[decode_rows[0]].probs[0].shape[-1]
-        probs = torch.zeros(batch.num_reqs, num_drafts, vocab, dtype=torch.float32,
-                            device=proposer.device)
+        probs = probs_buffer[:batch.num_reqs, :num_drafts]
+        probs.zero_()
     for r in decode_rows:
         drafts[r] = torch.tensor(rounds[r].tokens[:num_drafts])
         states[r].last_num_drafts = num_drafts
@@ -213,8 +213,8 @@ def _retrieval_pass(proposer, batch, states, rounds, active, proposals) -> torch
                         slot_mapping=slots, query_start_loc=torch.tensor(qsl),
                         seq_lens=compact[0], sample_rows=torch.arange(len(ids)))
     per_layer = {name: tables[l] for l, name in enumerate(proposer.target_layer_names)}
-    metas = layer_metadata(_target_groups(proposer), inputs, per_layer, proposer.device)
-    return run(proposer.target_model, proposer.vllm_config, metas, inputs, proposer.device)
+    return run_pass(proposer.target_model, proposer.vllm_config, _target_groups(proposer),
+                    inputs, per_layer, proposer.device, proposer.stats)
 
 
 def _full_cache_probs(proposer, batch, rounds, rows: list[int]) -> torch.Tensor:
@@ -234,8 +234,8 @@ def _full_cache_probs(proposer, batch, rounds, rows: list[int]) -> torch.Tensor:
                         query_start_loc=torch.arange(len(rows) + 1),
                         seq_lens=pos + 1, sample_rows=torch.arange(len(rows)))
     per_layer = dict.fromkeys(proposer.target_layer_names, block_table)
-    metas = layer_metadata(_target_groups(proposer), inputs, per_layer, proposer.device)
-    logits = run(proposer.target_model, proposer.vllm_config, metas, inputs, proposer.device)
+    logits = run_pass(proposer.target_model, proposer.vllm_config, _target_groups(proposer),
+                      inputs, per_layer, proposer.device, proposer.stats)
     return torch.cat([batch.probs(logits[i:i + 1], r) for i, r in enumerate(rows)])
 
 

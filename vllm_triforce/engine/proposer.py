@@ -35,17 +35,19 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.config import get_layers_from_vllm_config
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
-from vllm_triforce import metrics
+from vllm_triforce import engine_settings, metrics
 from vllm_triforce.config import TriForceConfig, TriForceConfigError
 from vllm_triforce.core.refresh import RefreshPolicy
 from vllm_triforce.core.selection import SelectionState, make_policy
 from vllm_triforce.core.summaries import BlockSummaries
 from vllm_triforce.engine import levels
 from vllm_triforce.engine.batch import StepBatch
+from vllm_triforce.engine.memory import MemoryPlan
 from vllm_triforce.engine.state import RequestState, StateTable
 from vllm_triforce.engine.stats import TriForceStats
 from vllm_triforce.patches import attention_capture
 from vllm_triforce.patches.runner import triforce_settings
+from vllm_triforce.patches.spec_config import FORCED_SETTINGS_KEY
 
 logger = init_logger("vllm.triforce")
 
@@ -53,9 +55,13 @@ logger = init_logger("vllm.triforce")
 class TriForceProposer(DraftModelProposer):
 
     def __init__(self, vllm_config, device, runner=None):
+        engine_settings.check_effective(vllm_config)  # before any weights load
         super().__init__(vllm_config=vllm_config, device=device, runner=runner)
         self.runner = runner
         self.cfg = TriForceConfig.from_dict(triforce_settings(vllm_config))
+        self.forced_settings = (vllm_config.additional_config or {}).get(FORCED_SETTINGS_KEY, [])
+        self.reserved_bytes = 0  # set by reserve_memory (patches/kv_reservation.py)
+        self._probs_buffer: torch.Tensor | None = None
         self.has_draft = self.cfg.model is not None
         self.blocks = self.cfg.in_blocks(vllm_config.cache_config.block_size)
         if self.has_draft:
@@ -101,15 +107,50 @@ class TriForceProposer(DraftModelProposer):
                 f"draft); this model has {len(kv_cache_config.kv_cache_groups)} groups.")
         if self.has_draft:
             super().initialize_attn_backend(kv_cache_config, kernel_block_sizes)
-        self.block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        self.block_size = spec.block_size
         layer = self.target_layers[0]
         self.summaries = BlockSummaries(
             num_layers=len(self.target_layers), num_blocks=kv_cache_config.num_blocks,
             num_kv_heads=layer.num_kv_heads, head_dim=layer.head_size,
-            block_size=self.block_size, device=self.device,
+            block_size=self.block_size, dtype=spec.dtype, device=self.device,
             keep_keys=self.policy.needs_keys)
-        logger.info("TriForce block summaries: %.1f MiB for %d blocks",
-                    self.summaries.nbytes() / 2**20, kv_cache_config.num_blocks)
+        sched = self.vllm_config.scheduler_config
+        # [max_num_seqs, gamma2, V]: the draft probabilities handed to vLLM, reused per step.
+        self._probs_buffer = torch.zeros(
+            sched.max_num_seqs, self.cfg.num_speculative_tokens,
+            self.vllm_config.model_config.get_vocab_size(), dtype=torch.float32,
+            device=self.device)
+        backend = self.runner.attn_groups[0][0].backend.get_name()
+        logger.info(engine_settings.describe(self.vllm_config, backend, self.forced_settings))
+        logger.info("TriForce block summaries: %.1f MiB for %d blocks (%s); probability buffers "
+                    "%.1f MiB", self.summaries.nbytes() / 2**20, kv_cache_config.num_blocks,
+                    spec.dtype, self._probs_buffer.nbytes / 2**20)
+
+    def memory_plan(self) -> MemoryPlan:
+        """What this proposer will allocate beside the KV cache (engine/memory.py)."""
+        specs = self.runner.get_kv_cache_spec()
+        target = specs[self.target_layer_names[0]]
+        layer = self.target_layers[0]
+        return MemoryPlan.for_engine(
+            kv_bytes_per_block=sum(s.page_size_bytes for s in specs.values()),
+            num_target_layers=len(self.target_layers), num_kv_heads=layer.num_kv_heads,
+            head_dim=layer.head_size, block_size=target.block_size,
+            kv_dtype_bytes=target.dtype.itemsize, keep_keys=self.policy.needs_keys,
+            max_num_seqs=self.vllm_config.scheduler_config.max_num_seqs,
+            gamma2=self.cfg.num_speculative_tokens,
+            gamma1=self.cfg.draft_tokens_per_round if self.has_draft else 0,
+            vocab_size=self.vllm_config.model_config.get_vocab_size())
+
+    def reserve_memory(self, available: int) -> int:
+        """Called with the bytes vLLM would turn into KV blocks; returns the smaller budget
+        that leaves room for this proposer's own buffers (patches/kv_reservation.py)."""
+        budget = self.memory_plan().kv_budget(available)
+        self.reserved_bytes = available - budget
+        logger.info("TriForce: reserved %.1f MiB of %.1f MiB for block summaries and "
+                    "probability buffers before KV-cache sizing", self.reserved_bytes / 2**20,
+                    available / 2**20)
+        return budget
 
     def dummy_run(self, num_tokens, *args, **kwargs) -> None:
         if self.has_draft:
@@ -133,7 +174,8 @@ class TriForceProposer(DraftModelProposer):
         try:
             states = [self.states.get(r, self._new_state) for r in batch.req_ids]
             levels.commit(self, batch, states)
-            drafts, probs = levels.draft(self, batch, states, num_speculative_tokens)
+            drafts, probs = levels.draft(self, batch, states, num_speculative_tokens,
+                                         self._probs_buffer)
         finally:
             self.capture.enabled = True
             self.capture.clear()

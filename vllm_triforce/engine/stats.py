@@ -29,6 +29,7 @@ class TriForceStats:
     top_accepted: int = 0
     live_requests: int = 0     # gauge: requests holding per-request state
     middle_seconds: float = 0.0  # wall time inside the proposer (levels 1-2), cost model
+    forward_seconds: float = 0.0  # of which: model forwards (levels 1-2), device-synchronised
     # measure_middle_acceptance only: sum over measured positions of sum_x min(p, q), p the
     # full-cache and q the retrieval-cache distribution, and the number of positions.
     middle_pq_sum: float = 0.0
@@ -44,6 +45,11 @@ class TriForceStats:
 
     def record_verification(self, proposed: int, accepted: int) -> None:
         self.add(top_proposed=proposed, top_accepted=accepted)
+
+    def host_ms_per_round(self) -> float:
+        """Proposer time outside model forwards per middle round: the host work a GPU pays."""
+        host = self.middle_seconds - self.forward_seconds
+        return 1000.0 * host / self.middle_rounds if self.middle_rounds else float("nan")
 
     def snapshot(self) -> dict[str, int]:
         return {k: v for k, v in asdict(self).items() if not k.startswith("_")}

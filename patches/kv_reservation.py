@@ -1,0 +1,43 @@
+"""Reserve TriForce's own memory before vLLM sizes the KV cache.
+
+Upstream (vLLM 0.32.0): `Worker.determine_available_memory` (vllm/v1/worker/gpu_worker.py)
+and `CPUWorker.determine_available_memory` (vllm/v1/worker/cpu_worker.py) return the bytes
+the engine core turns into KV blocks (`EngineCore._initialize_kv_caches`). They run after
+the profile run and before `initialize_kv_cache`, so the TriForce proposer's allocations
+(block summaries, probability buffers; vllm_triforce/engine/memory.py) are not in the
+profile and would come on top of `gpu_memory_utilization`.
+
+How: wrap both methods; when the worker's runner holds a TriForce proposer, hand vLLM the
+budget `proposer.reserve_memory(available)` leaves (fewer KV blocks) and log the
+reservation. Any other engine is untouched.
+
+Why a patch: vLLM 0.32 has no hook for a proposer to declare memory it will allocate, and
+its profile run does not call the proposer's allocations (they happen in
+`initialize_attn_backend`, after sizing). Remove when vLLM lets a drafter report extra
+memory to the KV sizing (no upstream issue known).
+"""
+
+from vllm_triforce.patches import _util
+
+NAME = "kv_reservation"
+GPU_TARGET = ("vllm.v1.worker.gpu_worker", "Worker.determine_available_memory")
+# CPUWorker overrides it; its module is imported only on CPU (it sets up CPU shared memory).
+CPU_TARGET = ("vllm.v1.worker.cpu_worker", "CPUWorker.determine_available_memory")
+
+
+def apply() -> None:
+    from vllm.platforms import current_platform
+
+    _util.wrap(*GPU_TARGET, _make_wrapper, NAME)
+    if current_platform.is_cpu():
+        _util.wrap(*CPU_TARGET, _make_wrapper, NAME)
+
+
+def _make_wrapper(original):
+    def determine_available_memory(self, *args, **kwargs):
+        available = original(self, *args, **kwargs)
+        drafter = getattr(getattr(self, "model_runner", None), "drafter", None)
+        reserve = getattr(drafter, "reserve_memory", None)
+        return available if reserve is None else reserve(available)
+
+    return determine_available_memory

@@ -1,0 +1,53 @@
+"""The memory TriForce allocates beside vLLM's KV cache, reserved before vLLM sizes it.
+
+vLLM sizes the KV cache from what is free after its profile run
+(`Worker.determine_available_memory`, vllm/v1/worker/gpu_worker.py; `CPUWorker`'s on CPU),
+which runs before the proposer allocates anything of its own. Unreserved, TriForce's
+buffers would come on top of `gpu_memory_utilization` and could OOM a GPU. So the
+`kv_reservation` patch asks `reserve()` to shrink the budget it hands to vLLM:
+
+* per KV block (scales with the cache): the block summaries, one key-sized vector per
+  target layer and KV head in the KV cache's dtype plus an int32 count (≈ KV bytes /
+  (2 × block_size) for the target's layers); plus, only with `allow_full_key_copy`, a copy
+  of every committed key (h2o, topk_oracle);
+* fixed: float32 distributions over the vocabulary for the largest batch
+  (`max_num_seqs` requests): the [R, gamma2, V] draft probabilities handed to vLLM
+  (preallocated once) and the middle round's temporaries -- target and draft probabilities
+  and logits, [R, gamma1 + 1, V] and [R, gamma1, V] each, and one [R, V] row.
+
+Worked example (SmolLM2-135M float32 on CPU, block 32, 30 layers × 3 KV heads × 64,
+no draft, 1 GiB budget, max_num_seqs 8, gamma2 6, V 49,152): a KV block is
+30 × 2 × 32 × 3 × 64 × 4 = 1,474,560 B and its summary 30 × 3 × 64 × 4 + 4 = 23,044 B;
+fixed = 8 × (6 + 3 × 0 + 3) × 49,152 × 4 = 14,155,776 B; blocks = (2^30 − 14,155,776) //
+1,497,604 = 707, so vLLM gets 707 × 1,474,560 B and 31,227,904 B stay reserved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FLOAT32_BYTES = 4
+COUNT_BYTES = 4  # int32 committed-token count per block
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    kv_bytes_per_block: int       # every layer of the KV-cache group (target and draft)
+    summary_bytes_per_block: int  # TriForce's per-block state
+    fixed_bytes: int              # probability buffers for the largest batch
+
+    @classmethod
+    def for_engine(cls, kv_bytes_per_block: int, num_target_layers: int, num_kv_heads: int,
+                   head_dim: int, block_size: int, kv_dtype_bytes: int, keep_keys: bool,
+                   max_num_seqs: int, gamma2: int, gamma1: int, vocab_size: int) -> "MemoryPlan":
+        key_bytes = num_target_layers * num_kv_heads * head_dim * kv_dtype_bytes
+        summary = key_bytes + COUNT_BYTES + (key_bytes * block_size if keep_keys else 0)
+        rows_per_request = gamma2 + 3 * gamma1 + 3
+        fixed = max_num_seqs * rows_per_request * vocab_size * FLOAT32_BYTES
+        return cls(kv_bytes_per_block, summary, fixed)
+
+    def kv_budget(self, available: int) -> int:
+        """Bytes vLLM may give the KV cache so that KV + summaries + fixed fit `available`."""
+        blocks = max(available - self.fixed_bytes, 0) // (
+            self.kv_bytes_per_block + self.summary_bytes_per_block)
+        return blocks * self.kv_bytes_per_block

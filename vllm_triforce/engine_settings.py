@@ -1,0 +1,135 @@
+"""The engine settings TriForce needs, decided while vLLM's config can still change.
+
+vLLM 0.32.0 on CUDA defaults to settings TriForce cannot run under (read from vLLM's own
+source; CPU forces most of them off, which is why CPU tests never saw them):
+
+| setting | CUDA default | why TriForce breaks | what we do |
+|---|---|---|---|
+| `cudagraph_mode` | FULL_AND_PIECEWISE | a FULL graph replays attention without Python, so the capture hook (engine/capture.py) sees no query/key: summaries miss committed keys and selections never refresh | default PIECEWISE (attention stays an eager custom op, vllm/model_executor/layers/attention/attention.py); refuse FULL, FULL_AND_PIECEWISE, FULL_DECODE_ONLY |
+| async scheduling | on for `draft_model` (vllm/config/vllm.py ~1585) | the proposer reads token ids that are still -1 placeholders | default off; refuse an explicit on |
+| model runner | V2 unless `VLLM_USE_V2_MODEL_RUNNER=0` | the TriForce proposer lives in the V1 runner; V2 would silently run its own draft-model speculator | set 0; refuse an explicit 1 and the features that force V2 (watermarking, HiSparse) |
+| data parallelism | 1 | ranks run different numbers of middle passes; MoE DP collectives then hang (vllm/forward_context.py ~299) | refuse `data_parallel_size > 1` |
+| attention backend | FLASH_ATTN (Hopper), FLASHINFER (Blackwell) | per-layer metadata must not share builder state | refuse backends outside `SUPPORTED_ATTENTION_BACKENDS` |
+
+`decide(engine_args, parallel_config)` runs inside `EngineArgs.create_speculative_config`
+(patches/spec_config.py), i.e. before `VllmConfig` is built and before any weights load; it
+changes only settings the user left at vLLM's default. `check_effective(vllm_config)` runs
+when the proposer is built (still before weights load) and refuses a config in which vLLM
+itself re-enabled something unsafe; `describe(vllm_config)` is the start-up log line.
+"""
+
+from __future__ import annotations
+
+import os
+
+from vllm_triforce.config import SUPPORTED_ATTENTION_BACKENDS, TriForceConfigError
+
+UNSAFE_CUDAGRAPH_MODES = ("FULL", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY")
+V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+def decide(engine_args, parallel_config) -> list[str]:
+    """Refuse unsafe explicit settings, then set the safe defaults on `engine_args`.
+    Returns the names of the settings TriForce chose (for the start-up log)."""
+    _check_cudagraph_mode(engine_args.compilation_config.cudagraph_mode)
+    _check_async_scheduling(engine_args.async_scheduling)
+    _check_v2_runner(engine_args)
+    _check_data_parallel(parallel_config.data_parallel_size)
+    _check_attention_backend(_requested_backend(engine_args))
+    forced = []
+    if engine_args.compilation_config.cudagraph_mode is None:
+        from vllm.config.compilation import CUDAGraphMode
+
+        engine_args.compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
+        forced.append("cudagraph_mode")
+    if engine_args.async_scheduling is None:
+        engine_args.async_scheduling = False
+        forced.append("async_scheduling")
+    if V2_RUNNER_ENV not in os.environ:
+        os.environ[V2_RUNNER_ENV] = "0"
+        forced.append("model_runner")
+    return forced
+
+
+def check_effective(vllm_config) -> None:
+    """The built config must still be safe (vLLM may rewrite cudagraph_mode on its own)."""
+    _check_cudagraph_mode(vllm_config.compilation_config.cudagraph_mode,
+                          "vLLM resolved cudagraph_mode to {mode} for this model")
+    _check_async_scheduling(vllm_config.scheduler_config.async_scheduling)
+    _check_data_parallel(vllm_config.parallel_config.data_parallel_size)
+
+
+def describe(vllm_config, backend_name: str, forced: list[str]) -> str:
+    """One line with the effective choices, for the start-up log."""
+    def tag(setting):
+        return " (forced)" if setting in forced else ""
+
+    mode = vllm_config.compilation_config.cudagraph_mode
+    why = " (enforce_eager)" if vllm_config.model_config.enforce_eager else tag("cudagraph_mode")
+    async_on = vllm_config.scheduler_config.async_scheduling
+    return (f"TriForce: cudagraph_mode={getattr(mode, 'name', mode)}{why}, async scheduling "
+            f"{'on' if async_on else 'off'}{tag('async_scheduling')}, V1 model runner"
+            f"{tag('model_runner')}, attention backend {backend_name}")
+
+
+def _fix(setting: str, why: str, fix: str) -> TriForceConfigError:
+    return TriForceConfigError(f"TriForce cannot run with {setting}: {why}. Fix: {fix}.")
+
+
+def _check_cudagraph_mode(mode, setting: str = "cudagraph_mode={mode}") -> None:
+    name = getattr(mode, "name", mode)
+    if name in UNSAFE_CUDAGRAPH_MODES:
+        raise _fix(setting.format(mode=name),
+                   "full CUDA graphs replay attention without running Python, so TriForce "
+                   "never sees the keys it scores blocks with",
+                   "use compilation_config={'cudagraph_mode': 'PIECEWISE'} "
+                   "(-cc.cudagraph_mode=PIECEWISE), or leave it unset (TriForce then picks "
+                   "PIECEWISE), or --enforce-eager")
+
+
+def _check_async_scheduling(async_scheduling) -> None:
+    if async_scheduling:
+        raise _fix("async_scheduling=True",
+                   "the proposer reads sampled token ids that async scheduling leaves as "
+                   "placeholders",
+                   "drop --async-scheduling (TriForce turns it off by default)")
+
+
+def _check_v2_runner(engine_args) -> None:
+    if os.environ.get(V2_RUNNER_ENV, "").strip().lower() in ("1", "true"):
+        raise _fix(f"{V2_RUNNER_ENV}=1",
+                   "TriForce's proposer runs in vLLM's V1 model runner; the V2 runner would "
+                   "silently run its own draft-model speculator instead",
+                   f"unset {V2_RUNNER_ENV} or set it to 0")
+    if getattr(engine_args, "watermark_config", None) is not None:
+        raise _fix("watermark_config", "watermarking forces vLLM's V2 model runner, and "
+                   "TriForce runs in the V1 runner", "drop the watermark config")
+    attention_config = getattr(engine_args, "attention_config", None)
+    if getattr(attention_config, "hisparse_config", None) is not None:
+        raise _fix("attention_config.hisparse_config", "HiSparse forces vLLM's V2 model "
+                   "runner, and TriForce runs in the V1 runner", "drop hisparse_config")
+
+
+def _check_data_parallel(data_parallel_size: int) -> None:
+    if data_parallel_size > 1:
+        raise _fix(f"data_parallel_size={data_parallel_size}",
+                   "data-parallel ranks would run different numbers of middle-level passes, "
+                   "and vLLM's cross-rank batch coordination would hang",
+                   "run one server per replica behind a load balancer, with "
+                   "data_parallel_size=1 (tensor parallelism is supported)")
+
+
+def _requested_backend(engine_args) -> str | None:
+    backend = engine_args.attention_backend
+    if backend is None:
+        backend = getattr(engine_args.attention_config, "backend", None)
+    return None if backend is None else getattr(backend, "name", str(backend))
+
+
+def _check_attention_backend(name: str | None) -> None:
+    if name is not None and name not in SUPPORTED_ATTENTION_BACKENDS:
+        raise _fix(f"attention backend {name}",
+                   "TriForce builds attention metadata per layer and supports only backends "
+                   "whose metadata it handles correctly",
+                   f"choose one of {', '.join(SUPPORTED_ATTENTION_BACKENDS)} with "
+                   "--attention-backend, or leave it unset")
