@@ -110,7 +110,8 @@ def run_pass(model, vllm_config, groups, inputs: PassInputs, tables, device,
     start = time.perf_counter()
     limit = vllm_config.scheduler_config.max_num_batched_tokens
     logits = []
-    for chunk, rows in split_pass(inputs, limit):
+    chunks = list(split_pass(inputs, limit))
+    for chunk, rows in chunks:
         chunk_tables = ({n: t[rows] for n, t in tables.items()} if isinstance(tables, dict)
                         else tables[rows])
         metas = layer_metadata(groups, chunk, chunk_tables, device)
@@ -119,7 +120,9 @@ def run_pass(model, vllm_config, groups, inputs: PassInputs, tables, device,
     if stats is not None:
         if out.is_cuda:
             torch.cuda.synchronize(out.device)
-        stats.add(forward_seconds=time.perf_counter() - start)
+        stats.add(forward_seconds=time.perf_counter() - start,
+                  split_passes=int(len(chunks) > 1))
+        stats.max_pass_tokens = max(stats.max_pass_tokens, *(c.num_tokens for c, _ in chunks))
     return out
 
 

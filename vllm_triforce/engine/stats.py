@@ -30,6 +30,8 @@ class TriForceStats:
     live_requests: int = 0     # gauge: requests holding per-request state
     middle_seconds: float = 0.0  # wall time inside the proposer (levels 1-2), cost model
     forward_seconds: float = 0.0  # of which: model forwards (levels 1-2), device-synchronised
+    split_passes: int = 0      # passes split to fit max_num_batched_tokens (engine/forward.py)
+    max_pass_tokens: int = 0   # gauge: the largest forward the proposer ran
     # measure_middle_acceptance only: sum over measured positions of sum_x min(p, q), p the
     # full-cache and q the retrieval-cache distribution, and the number of positions.
     middle_pq_sum: float = 0.0

@@ -1,0 +1,201 @@
+"""Safe on GPUs by construction, proven where CPU can prove it.
+
+- Settings that break TriForce on CUDA are refused at config time, before any weights
+  load, with one error naming "TriForce", the setting and the fix; the safe defaults
+  (PIECEWISE CUDA graphs, async scheduling off, V1 runner) are chosen when unset. These
+  checks read the user's request, not the platform, so they fire on CPU too.
+- No pass the proposer builds exceeds `max_num_batched_tokens` (the compiled range on CUDA).
+- TriForce's own buffers are reserved before vLLM sizes the KV cache.
+"""
+
+import types
+
+import pytest
+import torch
+
+import vllm_triforce
+from engine_helpers import drafter_of, free_llm, make_engine_kwargs
+from vllm_triforce.config import TriForceConfig, TriForceConfigError
+from vllm_triforce.engine.forward import PassInputs, run, split_pass
+from vllm_triforce.engine.memory import MemoryPlan
+
+SPEC = {"method": "triforce", "num_speculative_tokens": 4, "retrieval_budget": 160,
+        "retrieval_sink_tokens": 16, "retrieval_recent_tokens": 32}
+
+
+def _engine_args(model, **kw):
+    from vllm.engine.arg_utils import EngineArgs
+
+    vllm_triforce.register()
+    return EngineArgs(model=str(model), speculative_config=dict(SPEC), max_model_len=1024,
+                      **kw)
+
+
+# ---- 1. refusals and safe defaults ----------------------------------------------------
+@pytest.mark.parametrize("mode", ["FULL", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"])
+def test_full_cuda_graphs_refused(tiny_llama, mode):
+    with pytest.raises(TriForceConfigError,
+                       match=rf"TriForce cannot run with cudagraph_mode={mode}.*PIECEWISE"):
+        _engine_args(tiny_llama, compilation_config={"cudagraph_mode": mode}
+                     ).create_engine_config()
+
+
+def test_async_scheduling_refused(tiny_llama):
+    with pytest.raises(TriForceConfigError, match=r"TriForce.*async_scheduling=True.*Fix"):
+        _engine_args(tiny_llama, async_scheduling=True).create_engine_config()
+
+
+def test_v2_model_runner_refused(tiny_llama, monkeypatch):
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(TriForceConfigError, match=r"TriForce.*VLLM_USE_V2_MODEL_RUNNER=1"):
+        _engine_args(tiny_llama).create_engine_config()
+
+
+def test_data_parallel_refused(tiny_llama):
+    with pytest.raises(TriForceConfigError, match=r"TriForce.*data_parallel_size=2.*Fix"):
+        _engine_args(tiny_llama, data_parallel_size=2).create_engine_config()
+
+
+def test_attention_backend_outside_allow_list_refused(tiny_llama):
+    with pytest.raises(TriForceConfigError,
+                       match=r"TriForce cannot run with attention backend TREE_ATTN.*FLASH_ATTN"):
+        _engine_args(tiny_llama, attention_backend="TREE_ATTN").create_engine_config()
+
+
+def test_full_key_copy_policies_need_opt_in():
+    with pytest.raises(TriForceConfigError, match=r"selection_policy.*allow_full_key_copy"):
+        TriForceConfig.from_speculative_config({**SPEC, "selection_policy": "topk_oracle"})
+    TriForceConfig.from_speculative_config({**SPEC, "selection_policy": "h2o",
+                                            "allow_full_key_copy": True})
+
+
+def test_safe_defaults_chosen_when_unset(tiny_llama, monkeypatch):
+    from vllm.config.compilation import CUDAGraphMode
+
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    args = _engine_args(tiny_llama)
+    config = args.create_engine_config()
+    # What TriForce asked vLLM for (CPU then turns CUDA graphs off altogether).
+    assert args.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
+    assert args.async_scheduling is False
+    assert config.scheduler_config.async_scheduling is False
+    assert config.additional_config["triforce_forced_settings"] == [
+        "cudagraph_mode", "async_scheduling", "model_runner"]
+    import os
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+
+
+def test_explicit_safe_choices_are_kept(tiny_llama):
+    from vllm.config.compilation import CUDAGraphMode
+
+    args = _engine_args(tiny_llama, compilation_config={"cudagraph_mode": "NONE"},
+                        async_scheduling=False)
+    config = args.create_engine_config()
+    assert args.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
+    assert "cudagraph_mode" not in config.additional_config["triforce_forced_settings"]
+
+
+# ---- 3. no pass larger than the compiled range ----------------------------------------
+def _inputs(q_lens, seq_lens, sample_rows):
+    n = sum(q_lens)
+    qsl = torch.tensor([0] + q_lens).cumsum(0)
+    return PassInputs(input_ids=torch.arange(n, dtype=torch.int32), positions=torch.arange(n),
+                      slot_mapping=torch.arange(n), query_start_loc=qsl,
+                      seq_lens=torch.tensor(seq_lens), sample_rows=torch.tensor(sample_rows))
+
+
+def test_split_pass_worked_example():
+    # The docstring's example: queries of 3 and 5 tokens, at most 4 tokens per chunk.
+    inputs = _inputs([3, 5], [10, 20], sample_rows=[2, 7])
+    chunks = list(split_pass(inputs, 4))
+    assert [c.num_tokens for c, _ in chunks] == [4, 4]
+    first, rows0 = chunks[0]
+    assert rows0.tolist() == [0, 1] and first.query_start_loc.tolist() == [0, 3, 4]
+    assert first.seq_lens.tolist() == [10, 16]  # request 1 holds 1 of its 5 query tokens
+    assert first.sample_rows.tolist() == [2]
+    second, rows1 = chunks[1]
+    assert rows1.tolist() == [1] and second.seq_lens.tolist() == [20]
+    assert second.input_ids.tolist() == [4, 5, 6, 7] and second.sample_rows.tolist() == [3]
+
+
+def test_split_pass_leaves_small_passes_alone():
+    inputs = _inputs([3, 5], [10, 20], sample_rows=[2, 7])
+    [(chunk, rows)] = list(split_pass(inputs, 8))
+    assert chunk is inputs and rows.tolist() == [0, 1]
+
+
+def test_run_asserts_the_compiled_range():
+    config = types.SimpleNamespace(
+        scheduler_config=types.SimpleNamespace(max_num_batched_tokens=4))
+    with pytest.raises(AssertionError, match="exceeds max_num_batched_tokens=4"):
+        run(model=None, vllm_config=config, metas={}, inputs=_inputs([3, 2], [3, 2], [4]),
+            device="cpu")
+
+
+@pytest.mark.engine
+def test_three_level_refills_larger_than_max_num_batched_tokens(tiny_qwen2, tiny_draft):
+    """A draft window refill (sinks + 96-token window) exceeds a 64-token compiled range."""
+    from vllm import LLM, SamplingParams
+
+    import tiny_models
+
+    prompts = [tiny_models.make_text(n, seed=i) for i, n in enumerate((260, 400, 120))]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    limit = dict(max_num_batched_tokens=64, max_num_seqs=3)
+    spec = {**SPEC, "model": str(tiny_draft), "draft_window_tokens": 96,
+            "draft_tokens_per_round": 2}
+    outputs = {}
+    for name, speculative in (("plain", None), ("triforce", spec)):
+        llm = LLM(str(tiny_qwen2), speculative_config=speculative,
+                  **make_engine_kwargs(**limit))
+        try:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            outputs[name] = [list(o.outputs[0].token_ids) for o in outs]
+            stats = drafter_of(llm).stats.snapshot() if speculative else None
+        finally:
+            free_llm(llm)
+    assert outputs["triforce"] == outputs["plain"]
+    assert stats["split_passes"] > 0  # refills really exceeded the range and were split
+    assert 0 < stats["max_pass_tokens"] <= 64
+
+
+# ---- 4. memory accounted before vLLM sizes the KV cache -------------------------------
+def test_memory_plan_worked_example():
+    """engine/memory.py's docstring example, SmolLM2-135M float32."""
+    plan = MemoryPlan.for_engine(kv_bytes_per_block=30 * 2 * 32 * 3 * 64 * 4,
+                                 num_target_layers=30, num_kv_heads=3, head_dim=64,
+                                 block_size=32, kv_dtype_bytes=4, keep_keys=False,
+                                 max_num_seqs=8, gamma2=6, gamma1=0, vocab_size=49152)
+    assert plan.summary_bytes_per_block == 23_044
+    assert plan.fixed_bytes == 14_155_776
+    assert plan.kv_budget(2**30) == 707 * 1_474_560
+    assert 2**30 - plan.kv_budget(2**30) == 31_227_904
+
+
+@pytest.mark.engine
+def test_reservation_is_computed_and_applied(tiny_llama):
+    """The KV cache vLLM builds under TriForce is the 1 GiB budget less the reservation."""
+    from vllm import LLM
+
+    kwargs = make_engine_kwargs(max_num_seqs=4)
+    blocks = {}
+    for name, spec in (("plain", None), ("triforce", dict(SPEC))):
+        llm = LLM(str(tiny_llama), speculative_config=spec, **kwargs)
+        try:
+            core = llm.llm_engine.engine_core.engine_core
+            blocks[name] = core.model_executor.driver_worker.worker.model_runner \
+                .kv_cache_config.num_blocks
+            if spec:
+                drafter = drafter_of(llm)
+                plan = drafter.memory_plan()
+                reserved = drafter.reserved_bytes
+                summaries = drafter.summaries
+        finally:
+            free_llm(llm)
+    budget = 2**30  # VLLM_CPU_KVCACHE_SPACE=1 in tests/conftest.py
+    assert reserved == budget - plan.kv_budget(budget) > 0
+    assert blocks["triforce"] == plan.kv_budget(budget) // plan.kv_bytes_per_block
+    assert blocks["triforce"] < blocks["plain"]
+    # what was reserved covers what was allocated
+    assert summaries.nbytes() <= blocks["triforce"] * plan.summary_bytes_per_block
+    assert summaries.sums.dtype == torch.float32  # the KV cache's dtype in this engine
