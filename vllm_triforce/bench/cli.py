@@ -1,4 +1,4 @@
-"""`vllm-triforce bench {speed,acceptance,sweep,selection}`: parsers and handlers.
+"""`vllm-triforce bench {speed,acceptance,sweep,serve,selection}`: parsers and handlers.
 
 Each benchmark writes results.json, results.md and PNG plots into --out and prints
 the directory last on stdout. Child-process logs: <out>/logs/.
@@ -13,14 +13,17 @@ DEFAULT_MODEL = "smollm2-135m"
 
 
 def add_bench_parser(subparsers) -> None:
-    from vllm_triforce.bench import acceptance, speed, sweep
+    from vllm_triforce.bench import acceptance, serve, speed, sweep
 
-    parser = subparsers.add_parser("bench", help="benchmarks: speed, acceptance, selection")
+    parser = subparsers.add_parser("bench",
+                                   help="benchmarks: speed, acceptance, serve, selection")
     kinds = parser.add_subparsers(dest="kind", required=True,
-                                  metavar="{speed,acceptance,sweep,selection}")
+                                  metavar="{speed,acceptance,sweep,serve,selection}")
     for name, module, text in (("speed", speed, "every vLLM method vs TriForce"),
                                ("acceptance", acceptance, "the paper's Table 1 on our data"),
-                               ("sweep", sweep, "TriForce vs plain while one knob varies")):
+                               ("sweep", sweep, "TriForce vs plain while one knob varies"),
+                               ("serve", serve, "plain vs TriForce server under vLLM's "
+                                                "`vllm bench serve`")):
         p = kinds.add_parser(name, help=text)
         _common(p)
         module.add_arguments(p)
@@ -70,7 +73,7 @@ def resolve_model(name: str | None) -> str | None:
 
 def _handler(kind: str):
     def handle(args: argparse.Namespace) -> int:
-        from vllm_triforce.bench import acceptance, speed, sweep
+        from vllm_triforce.bench import acceptance, serve, speed, sweep
         from vllm_triforce.bench.runner import BenchError
         from vllm_triforce.cli import CommandError
 
@@ -82,6 +85,8 @@ def _handler(kind: str):
             if kind == "speed":
                 data = speed.run_speed(args, model, draft, args.out)
                 ok = data["all_identical"]
+            elif kind == "serve":
+                ok = serve.run_serve(args, model, draft, args.out)["all_identical"]
             elif kind == "sweep":
                 sweep.run_sweep(args, model, args.out)
                 ok = True

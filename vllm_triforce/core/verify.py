@@ -52,13 +52,15 @@ def sampling_probs(logits: Tensor, temperature: Tensor, top_k: Tensor | None = N
     x = logits.float().nan_to_num(nan=float("-inf"), posinf=big, neginf=float("-inf"))
     temperature = temperature.to(x.device, torch.float32)
     greedy = temperature < _GREEDY_TEMPERATURE  # [N]
+    one_hot = torch.zeros_like(x).scatter_(1, x.argmax(-1, keepdim=True), 1.0)
+    if bool(greedy.all()):  # the common greedy batch: no softmax over the vocabulary
+        return one_hot
     scaled = (x / torch.where(greedy, 1.0, temperature)[:, None]).clamp(max=big)
     if top_k is not None or top_p is not None:
         scaled = _top_k_top_p(scaled, top_k, top_p)
     probs = scaled.softmax(-1)
     bad = ~torch.isfinite(probs).all(-1, keepdim=True)  # [N, 1]
     probs = torch.where(bad, 1.0 / x.shape[-1], probs)
-    one_hot = torch.zeros_like(probs).scatter_(1, x.argmax(-1, keepdim=True), 1.0)
     return torch.where(greedy[:, None], one_hot, probs)
 
 

@@ -57,16 +57,19 @@ class StepBatch:
     def greedy(self) -> torch.Tensor:  # [R] bool
         return self.temperature < _GREEDY_EPS
 
-    def probs(self, logits: torch.Tensor, row: int) -> torch.Tensor:
-        """[n, V] logits of request `row` -> the [n, V] distribution its sampling params give:
-        the same transform at every level (temperature, top-k, top-p; one-hot when greedy)."""
+    def probs(self, logits: torch.Tensor, rows: torch.Tensor | int) -> torch.Tensor:
+        """[n, V] logits -> the [n, V] distributions their requests' sampling params give:
+        the same transform at every level (temperature, top-k, top-p; one-hot when greedy).
+        `rows` [n]: the request row of each logits row (an int: all of one request). One
+        call per pass, not per request: the vocabulary-wide work is batched."""
         n, device = logits.shape[0], logits.device
+        rows = torch.as_tensor(rows, dtype=torch.long).expand(n)
 
-        def per_row(values):
-            return None if values is None else values[row].expand(n).to(device)
+        def per_token(values):
+            return None if values is None else values[rows].to(device)
 
-        return sampling_probs(logits.float(), per_row(self.temperature), per_row(self.top_k),
-                              per_row(self.top_p))
+        return sampling_probs(logits.float(), per_token(self.temperature), per_token(self.top_k),
+                              per_token(self.top_p))
 
     def token_ids(self, row: int, start: int, end: int) -> list[int]:
         """Token ids at positions [start, end) of request `row` (end <= committed + 1)."""
@@ -85,20 +88,25 @@ class StepBatch:
 
     @classmethod
     def from_runner(cls, runner, cad, target_token_ids, next_token_ids, num_rejected_tokens_gpu,
-                    sampling_metadata, block_size: int) -> "StepBatch":
+                    sampling_metadata, block_size: int, max_lookahead: int) -> "StepBatch":
+        """`max_lookahead`: positions past seq_len this step may touch (gamma2); the block
+        table is copied only as wide as that needs, not max_model_len / block_size."""
         num_reqs = cad.num_reqs
+        seq_lens = cad.seq_lens[:num_reqs].to("cpu", torch.long)
+        full = cad.block_table_tensor.shape[1]
+        width = min(full, (int(seq_lens.max()) + max_lookahead) // block_size + 1)
         req_ids = list(runner.input_batch.req_ids[:num_reqs])
         rejected = (torch.zeros(num_reqs, dtype=torch.long) if num_rejected_tokens_gpu is None
                     else num_rejected_tokens_gpu[:num_reqs].to("cpu", torch.long))
         discard = torch.as_tensor(runner.discard_request_mask.np[:num_reqs]).bool()
         return cls(
             req_ids=req_ids,
-            seq_lens=cad.seq_lens[:num_reqs].to("cpu", torch.long),
+            seq_lens=seq_lens,
             query_start_loc=cad.query_start_loc_cpu[: num_reqs + 1].to(torch.long),
             num_rejected=rejected,
             decoding=~discard,
             next_tokens=next_token_ids[:num_reqs].to("cpu", torch.long),
-            block_table=cad.block_table_tensor[:num_reqs].to("cpu", torch.int32),
+            block_table=cad.block_table_tensor[:num_reqs, :width].to("cpu", torch.int32),
             verify_ids=target_token_ids.to("cpu", torch.long),
             temperature=_per_request(sampling_metadata.temperature, num_reqs, 0.0),
             top_k=_optional(sampling_metadata.top_k, num_reqs),

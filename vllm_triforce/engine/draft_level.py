@@ -32,16 +32,16 @@ def propose(proposer, batch, states, rounds, active, sizes):
             chunks = [pending[i] for i in rows]
         else:
             chunks = [([rounds[active[i]].position + step], [proposals[i][-1]]) for i in rows]
-        logits = _draft_pass(proposer, batch, states, [active[i] for i in rows], chunks)
-        for j, i in enumerate(rows):
-            r = active[i]
-            q = batch.probs(logits[j:j + 1], r)[0]  # [V]
-            token = _sample(q, bool(batch.greedy[r]), states[r].generator or proposer.generator)
+        reqs = [active[i] for i in rows]
+        logits = _draft_pass(proposer, batch, states, reqs, chunks)
+        q = batch.probs(logits, torch.tensor(reqs))  # [len(rows), V]
+        tokens = _sample(q, batch.greedy[reqs], [states[r].generator for r in reqs],
+                         proposer.generator)
+        if probs is None:
+            probs = q.new_zeros(len(active), max_size, q.shape[-1])
+        probs[torch.tensor(rows, device=q.device), step] = q
+        for i, token in zip(rows, tokens):
             proposals[i].append(token)
-            if probs is None:
-                probs = torch.zeros(len(active), max_size, q.shape[-1], dtype=torch.float32,
-                                    device=q.device)
-            probs[i, step] = q
     for i, r in enumerate(active):  # the pending tokens now hold current draft KV
         states[r].draft_valid_upto = rounds[r].position + 1
         states[r].draft_sinks_valid = True
@@ -114,7 +114,17 @@ def _draft_pass(proposer, batch, states, rows: list[int], chunks) -> torch.Tenso
                     table, proposer.device, proposer.stats)
 
 
-def _sample(q: torch.Tensor, greedy: bool, generator: torch.Generator) -> int:
-    if greedy:
-        return int(q.argmax())
-    return int(torch.multinomial(q, 1, generator=generator))
+def _sample(q: torch.Tensor, greedy: torch.Tensor, own_generators: list,
+            shared: torch.Generator) -> list[int]:
+    """One token per row of q [n, V]: argmax for greedy rows; a draw for the others, with
+    the request's own generator (seeded requests: reproducible whatever the batch) or one
+    batched draw from the shared generator. One device-to-host copy for the whole batch."""
+    tokens = q.argmax(-1)  # [n]
+    unseeded = [j for j, g in enumerate(own_generators) if g is None and not bool(greedy[j])]
+    if unseeded:
+        idx = torch.tensor(unseeded, device=q.device)
+        tokens[idx] = torch.multinomial(q[idx], 1, generator=shared).squeeze(1)
+    for j, g in enumerate(own_generators):
+        if g is not None and not bool(greedy[j]):
+            tokens[j] = torch.multinomial(q[j], 1, generator=g)[0]
+    return tokens.tolist()

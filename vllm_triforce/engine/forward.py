@@ -10,13 +10,16 @@ exactly the blocks listed, with causal masking bottom-right aligned on the compa
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
 from vllm.forward_context import set_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
+
+from vllm_triforce.config import SUPPORTED_ATTENTION_BACKENDS, TriForceConfigError
 
 
 @dataclass
@@ -53,31 +56,149 @@ def build_common(inputs: PassInputs, block_table: torch.Tensor, device) -> Commo
     )
 
 
-def _own_block_table(meta):
-    """Metadata built through a group whose kernel block size differs from the manager's
-    points into one shared per-group buffer; give each layer its own copy."""
-    if dataclasses.is_dataclass(meta) and hasattr(meta, "block_table"):
-        return dataclasses.replace(meta, block_table=meta.block_table.clone())
-    return meta
+# How each supported backend (config.SUPPORTED_ATTENTION_BACKENDS) gets its own block table
+# per layer. Metadata built by a builder may point into that builder's persistent buffers;
+# a second build() then rewrites the first layer's metadata and every layer attends over
+# the LAST layer's table (outputs stay lossless, acceptance silently drops).
+SWAP_TABLE = "swap table"  # stateless builder: build once per pass, shallow copy per table
+BUILDER_PER_LAYER = "builder per layer"  # stateful builder: one builder (and build) per layer
+METADATA_PATHS = {
+    # cpu_attn.py build(): keeps the table by reference, no buffers.
+    "CPU_ATTN": SWAP_TABLE,
+    # flash_attn.py: table by reference; swapped through its own update_block_table.
+    # (FA3 scheduler_metadata is persistent only under FULL CUDA graphs, which TriForce
+    # refuses, and depends on seq_lens only.)
+    "FLASH_ATTN": SWAP_TABLE,
+    # triton_attn.py: table by reference; its softmax_segm_* buffers are scratch that each
+    # layer's kernel uses in turn.
+    "TRITON_ATTN": SWAP_TABLE,
+    # flashinfer.py ~1234-1390: re-plans one wrapper per builder and fills persistent
+    # paged_kv_indices. Per-layer builders share one workspace, as vLLM's V2 runner does.
+    "FLASHINFER": BUILDER_PER_LAYER,
+    # flex_attention.py ~1026-1072: physical_to_logical (read by the mask), kv_indices,
+    # kv_num_blocks are persistent. Costs [max_num_seqs, num_blocks] int64 per layer.
+    "FLEX_ATTENTION": BUILDER_PER_LAYER,
+}
+# Extra builders, built once: attention group -> layer name -> one-layer group.
+_LAYER_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def layer_metadata(groups, inputs: PassInputs, tables: torch.Tensor | list, device) -> dict:
+def metadata_path(backend_name: str) -> str:
+    """SWAP_TABLE or BUILDER_PER_LAYER for a backend, or an error naming the fix."""
+    if backend_name in SUPPORTED_ATTENTION_BACKENDS and backend_name in METADATA_PATHS:
+        return METADATA_PATHS[backend_name]
+    raise TriForceConfigError(
+        f"TriForce cannot run with attention backend {backend_name}: it gives every layer "
+        "its own block table, which it does correctly only for "
+        f"{', '.join(SUPPORTED_ATTENTION_BACKENDS)}. Choose one of them with "
+        "--attention-backend (Python: attention_config={'backend': NAME}).")
+
+
+def layer_metadata(groups, inputs: PassInputs, tables: torch.Tensor | dict, device) -> dict:
     """Metadata per layer name. `tables` is one [num_reqs, width] table for every layer,
-    or a mapping layer_name -> table."""
+    or a mapping layer_name -> table (layers of a group missing from it belong to another
+    model sharing the KV-cache group and get nothing). Layers handed the same table object
+    share one metadata; distinct tables follow the backend's METADATA_PATHS entry."""
     metas = {}
     for group in groups:
-        shared = None
-        for name in group.layer_names:
-            if isinstance(tables, dict) and name not in tables:
-                continue  # a layer of another model sharing the KV-cache group
-            table = tables[name] if isinstance(tables, dict) else tables
-            if shared is None or isinstance(tables, dict):
-                meta = group.build_metadata(build_common(inputs, table, device))
-                if group.kernel_block_size is not None:
-                    meta = _own_block_table(meta)
-                shared = meta
-            metas[name] = shared
+        path = metadata_path(group.backend.get_name())  # refuse unknown backends on any pass
+        by_table = _layers_by_table(group.layer_names, tables)
+        if not by_table:
+            continue
+        if len(by_table) == 1:  # one build, as vLLM's runner does for a group
+            table, names = by_table[0]
+            meta = group.build_metadata(build_common(inputs, table, device))
+            metas.update(dict.fromkeys(names, meta))
+        elif path == SWAP_TABLE:
+            metas.update(_swap_tables(group, inputs, by_table, device))
+        else:
+            metas.update(_build_per_layer(group, inputs, by_table, device))
     return metas
+
+
+def _layers_by_table(layer_names, tables) -> list[tuple[torch.Tensor, list[str]]]:
+    """[(table, layer names using it)], one entry per distinct table object, in layer order."""
+    if not isinstance(tables, dict):
+        return [(tables, list(layer_names))]
+    by_id: dict[int, tuple[torch.Tensor, list[str]]] = {}
+    for name in layer_names:
+        if name in tables:
+            by_id.setdefault(id(tables[name]), (tables[name], []))[1].append(name)
+    return list(by_id.values())
+
+
+def _swap_tables(group, inputs: PassInputs, by_table, device) -> dict:
+    """Stateless builder: build once, then one shallow copy per table holding that table.
+    Every copy gets its own table, the first one too: with a kernel block size the built
+    metadata's table is a view of the group's one shared `kernel_block_table` buffer."""
+    common = build_common(inputs, by_table[0][0], device)
+    base = group.build_metadata(common)
+    builder = group.get_metadata_builder()
+    metas = {}
+    for table, names in by_table:
+        own = _with_table(builder, base, _own_block_table(group, table, device),
+                          common.slot_mapping)
+        metas.update(dict.fromkeys(names, own))
+    return metas
+
+
+def _own_block_table(group, table: torch.Tensor, device) -> torch.Tensor:
+    """`table` [num_reqs, width] on the device as int32, in the group's kernel blocks. The
+    kernel-block mapping writes into one buffer per group, so that result is cloned."""
+    table = table.to(device=device, dtype=torch.int32)
+    if group.kernel_block_size is None:
+        return table
+    return group.map_to_kernel_block_table(table).clone()  # [num_reqs, width * blocks_per_kv]
+
+
+def _with_table(builder, meta, table: torch.Tensor, slot_mapping: torch.Tensor):
+    """A shallow copy of `meta` attending over `table`: the builder's own
+    `update_block_table` where it has one (FLASH_ATTN), else the same copy-and-set it does
+    (copy.copy, not dataclasses.replace: no __post_init__ runs again)."""
+    if builder.supports_update_block_table:
+        return builder.update_block_table(meta, table, slot_mapping)
+    assert hasattr(meta, "block_table"), type(meta)
+    own = copy.copy(meta)
+    own.block_table = table
+    return own
+
+
+def _build_per_layer(group, inputs: PassInputs, by_table, device) -> dict:
+    """Stateful builder: each table is built by the builder of its first layer, so no two
+    builds of a pass share a builder (each layer has its own, created once)."""
+    metas = {}
+    for table, names in by_table:
+        layer_group = _layer_group(group, names[0])
+        meta = layer_group.build_metadata(build_common(inputs, table, device))
+        metas.update(dict.fromkeys(names, meta))
+    return metas
+
+
+def _layer_group(group, layer_name: str):
+    """A one-layer copy of `group` with its own metadata builder (and kernel-block buffer),
+    created the way vLLM's runner creates a group's builders, cached for the engine's life."""
+    per_layer = _LAYER_GROUPS.setdefault(group, {})
+    if layer_name not in per_layer:
+        from vllm.v1.worker.utils import AttentionGroup
+
+        source = group.get_metadata_builder()
+        layer_group = AttentionGroup(
+            backend=group.backend, layer_names=[layer_name], kv_cache_spec=group.kv_cache_spec,
+            kv_cache_group_id=group.kv_cache_group_id,
+            kernel_block_stride=group.kernel_block_stride)
+        layer_group.create_metadata_builders(source.vllm_config, source.device,
+                                             kernel_block_size=group.kernel_block_size)
+        _share_workspace(source, layer_group.get_metadata_builder())
+        per_layer[layer_name] = layer_group
+    return per_layer[layer_name]
+
+
+def _share_workspace(source, builder) -> None:
+    """FlashInfer builders own a large scratch workspace (hundreds of MiB); layers run one
+    after another, so they can share one, as vLLM's V2 runner shares it across builders
+    (vllm/v1/worker/gpu/attn_utils.py, 0.32.0)."""
+    if hasattr(source, "_get_workspace_buffer") and hasattr(builder, "set_workspace_buffer"):
+        builder.set_workspace_buffer(source._get_workspace_buffer())
 
 
 def run(model, vllm_config, metas: dict, inputs: PassInputs, device) -> torch.Tensor:

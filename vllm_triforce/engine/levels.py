@@ -156,30 +156,41 @@ def _middle_round(proposer, batch, states, rounds, active, sizes) -> None:
         proposals, proposal_probs = [[] for _ in active], None
     logits = _retrieval_pass(proposer, batch, states, rounds, active, proposals)
     rows = torch.tensor(active)
-    width = max(sizes) + 1
-    vocab = logits.shape[-1]
-    target_probs = torch.zeros(len(active), width, vocab, dtype=torch.float32,
-                               device=logits.device)
-    start = 0
-    for i, props in enumerate(proposals):
-        n = len(props) + 1
-        target_probs[i, :n] = batch.probs(logits[start:start + n], active[i])
-        start += n
-    draft_ids = torch.zeros(len(active), max(sizes), dtype=torch.long, device=logits.device)
+    num_inputs = torch.tensor([len(p) + 1 for p in proposals])  # [A] tokens per request
+    target_probs = _per_request(batch.probs(logits, torch.repeat_interleave(rows, num_inputs)),
+                                num_inputs)  # [A, max(sizes) + 1, V]
+    draft_ids = torch.zeros(len(active), max(sizes), dtype=torch.long)
     for i, props in enumerate(proposals):
         draft_ids[i, :len(props)] = torch.tensor(props, dtype=torch.long)
-    result = verify(draft_ids, proposal_probs, target_probs,
-                    torch.tensor([len(p) for p in proposals], device=logits.device),
-                    batch.greedy[rows].to(logits.device), _generators(proposer, states, active))
+    result = verify(draft_ids.to(logits.device), proposal_probs, target_probs,
+                    (num_inputs - 1).to(logits.device), batch.greedy[rows].to(logits.device),
+                    _generators(proposer, states, active))
+    # the round's one device-to-host copy: [A, 1 + G + 1] = num_accepted, then the tokens
+    host = torch.cat([result.num_accepted[:, None], result.output_token_ids], 1).tolist()
     for i, r in enumerate(active):
-        _advance(proposer, states[r], rounds[r], result, target_probs, i, len(proposals[i]))
+        accepted = host[i][0]
+        _advance(proposer, states[r], rounds[r], host[i][1:accepted + 2], target_probs[i],
+                 len(proposals[i]))
 
 
-def _advance(proposer, state, rnd: Round, result, target_probs, i: int, num_proposed: int):
-    accepted = int(result.num_accepted[i])
-    emitted = result.output_token_ids[i, :accepted + 1].tolist()
+def _per_request(token_probs: torch.Tensor, num_inputs: torch.Tensor) -> torch.Tensor:
+    """[T, V] rows of consecutive requests (num_inputs [A] each) -> [A, max, V], zero-padded."""
+    owner = torch.repeat_interleave(torch.arange(num_inputs.numel()), num_inputs)  # [T]
+    starts = torch.cumsum(num_inputs, 0) - num_inputs
+    slot = torch.arange(owner.numel()) - starts[owner]  # [T] index inside its request
+    out = token_probs.new_zeros(num_inputs.numel(), int(num_inputs.max()),
+                                token_probs.shape[-1])
+    device = token_probs.device
+    out[owner.to(device), slot.to(device)] = token_probs
+    return out
+
+
+def _advance(proposer, state, rnd: Round, emitted: list[int], target_probs, num_proposed: int):
+    """`emitted`: the round's accepted drafts then one recovered/bonus token; target_probs
+    [max + 1, V] the distributions they were drawn from."""
+    accepted = len(emitted) - 1
     rnd.tokens += emitted
-    rnd.probs += list(target_probs[i, :accepted + 1])
+    rnd.probs += list(target_probs[:accepted + 1])
     rnd.last_token = emitted[-1]
     rnd.position += accepted + 1
     if num_proposed:
@@ -236,7 +247,7 @@ def _full_cache_probs(proposer, batch, rounds, rows: list[int]) -> torch.Tensor:
     per_layer = dict.fromkeys(proposer.target_layer_names, block_table)
     logits = run_pass(proposer.target_model, proposer.vllm_config, _target_groups(proposer),
                       inputs, per_layer, proposer.device, proposer.stats)
-    return torch.cat([batch.probs(logits[i:i + 1], r) for i, r in enumerate(rows)])
+    return batch.probs(logits, torch.tensor(rows))
 
 
 def _target_groups(proposer):

@@ -107,13 +107,13 @@ class TriForceProposer(DraftModelProposer):
                 f"draft); this model has {len(kv_cache_config.kv_cache_groups)} groups.")
         if self.has_draft:
             super().initialize_attn_backend(kv_cache_config, kernel_block_sizes)
-        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-        self.block_size = spec.block_size
+        self.block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+        kv_dtype = self.runner.get_kv_cache_spec()[self.target_layer_names[0]].dtype
         layer = self.target_layers[0]
         self.summaries = BlockSummaries(
             num_layers=len(self.target_layers), num_blocks=kv_cache_config.num_blocks,
             num_kv_heads=layer.num_kv_heads, head_dim=layer.head_size,
-            block_size=self.block_size, dtype=spec.dtype, device=self.device,
+            block_size=self.block_size, dtype=kv_dtype, device=self.device,
             keep_keys=self.policy.needs_keys)
         sched = self.vllm_config.scheduler_config
         # [max_num_seqs, gamma2, V]: the draft probabilities handed to vLLM, reused per step.
@@ -125,7 +125,7 @@ class TriForceProposer(DraftModelProposer):
         logger.info(engine_settings.describe(self.vllm_config, backend, self.forced_settings))
         logger.info("TriForce block summaries: %.1f MiB for %d blocks (%s); probability buffers "
                     "%.1f MiB", self.summaries.nbytes() / 2**20, kv_cache_config.num_blocks,
-                    spec.dtype, self._probs_buffer.nbytes / 2**20)
+                    kv_dtype, self._probs_buffer.nbytes / 2**20)
 
     def memory_plan(self) -> MemoryPlan:
         """What this proposer will allocate beside the KV cache (engine/memory.py)."""
@@ -168,7 +168,8 @@ class TriForceProposer(DraftModelProposer):
         start = time.perf_counter()
         batch = StepBatch.from_runner(self.runner, common_attn_metadata, target_token_ids,
                                       next_token_ids, num_rejected_tokens_gpu,
-                                      sampling_metadata, self.block_size)
+                                      sampling_metadata, self.block_size,
+                                      num_speculative_tokens)
         self.states.retain(self.runner.requests)
         self.capture.enabled = False
         try:

@@ -48,11 +48,6 @@ class TriForceStats:
     def record_verification(self, proposed: int, accepted: int) -> None:
         self.add(top_proposed=proposed, top_accepted=accepted)
 
-    def host_ms_per_round(self) -> float:
-        """Proposer time outside model forwards per middle round: the host work a GPU pays."""
-        host = self.middle_seconds - self.forward_seconds
-        return 1000.0 * host / self.middle_rounds if self.middle_rounds else float("nan")
-
     def snapshot(self) -> dict[str, int]:
         return {k: v for k, v in asdict(self).items() if not k.startswith("_")}
 
@@ -64,16 +59,33 @@ class TriForceStats:
         logger.info("TriForce metrics: %s", format_snapshot(self.snapshot()))
 
 
+def host_ms_per_round(s: dict) -> float:
+    """Proposer time outside model forwards per middle round: the host work a GPU pays."""
+    host = s["middle_seconds"] - s["forward_seconds"]
+    return 1000.0 * host / s["middle_rounds"] if s["middle_rounds"] else float("nan")
+
+
 def rate(accepted: int, proposed: int) -> float:
     return accepted / proposed if proposed else float("nan")
 
 
 def format_snapshot(s: dict[str, int]) -> str:
-    return (f"middle acceptance {rate(s['middle_accepted'], s['middle_proposed']):.3f} "
-            f"({s['middle_accepted']}/{s['middle_proposed']}), "
-            f"full-cache acceptance {rate(s['top_accepted'], s['top_proposed']):.3f} "
-            f"({s['top_accepted']}/{s['top_proposed']}), middle rounds {s['middle_rounds']}, "
-            f"refreshes {s['refreshes']}, draft re-bases {s['draft_rebases']}"
-            + (f", retrieval-cache per-token acceptance sum min(p, q) "
-               f"{s['middle_pq_sum'] / s['middle_pq_count']:.3f} ({s['middle_pq_count']} positions)"
-               if s.get("middle_pq_count") else ""))
+    """The log line; fields that do not apply (no small draft, nothing verified yet,
+    no middle round, no diagnostic) are left out rather than printed as nan."""
+    parts = []
+    if s["middle_proposed"]:
+        parts.append(f"middle acceptance {rate(s['middle_accepted'], s['middle_proposed']):.3f}"
+                     f" ({s['middle_accepted']}/{s['middle_proposed']})")
+    if s["top_proposed"]:
+        parts.append(f"full-cache acceptance {rate(s['top_accepted'], s['top_proposed']):.3f}"
+                     f" ({s['top_accepted']}/{s['top_proposed']})")
+    parts.append(f"middle rounds {s['middle_rounds']}, refreshes {s['refreshes']}")
+    if s["draft_rebases"]:
+        parts.append(f"draft re-bases {s['draft_rebases']}")
+    if s["middle_rounds"]:
+        parts.append(f"host ms per middle round {host_ms_per_round(s):.2f}")
+    if s.get("middle_pq_count"):
+        parts.append(f"retrieval-cache per-token acceptance sum min(p, q) "
+                     f"{s['middle_pq_sum'] / s['middle_pq_count']:.3f} "
+                     f"({s['middle_pq_count']} positions)")
+    return ", ".join(parts)

@@ -1,0 +1,98 @@
+"""Chat completions through the OpenAI client: a TriForce server answers exactly as plain does.
+
+SmolLM2-135M is an instruct model and keeps its chat template through our GGUF conversion
+(`chat_template.jinja` beside the tokenizer), so this runs by default -- no Qwen download.
+The conversation carries a ~600-token Moby-Dick passage, longer than TriForce's retrieval
+budget here, so the middle level really drafts from a subset of the context; greedy answers
+(non-streamed and streamed) must still equal the plain server's, token for token.
+"""
+
+import contextlib
+import json
+import subprocess
+
+import pytest
+
+from test_serving_plumbing import (free_port, server_env, spec_drafts, stop_group,
+                                   vllm_command, wait_healthy)  # noqa: F401 (fixture)
+
+TRIFORCE_SPEC = {"method": "triforce", "num_speculative_tokens": 4, "retrieval_budget": 256}
+PASSAGE_TOKENS = 600
+MAX_TOKENS = 48
+SERVER_START_TIMEOUT_S = 300
+
+
+@pytest.fixture(scope="module")
+def conversation(smollm2) -> list[dict]:
+    from vllm_triforce.bench.prompts import book_prompts, tokenizer
+
+    passage = tokenizer(smollm2).decode(book_prompts(smollm2, PASSAGE_TOKENS, 1)[0])
+    return [{"role": "system", "content": "You answer questions about books briefly."},
+            {"role": "user", "content": f"Here is a passage from Moby-Dick:\n\n{passage}"},
+            {"role": "assistant", "content": "I have read it. What would you like to know?"},
+            {"role": "user", "content": "Who is speaking in this passage, and where is he?"}]
+
+
+def test_smollm2_has_a_chat_template(smollm2):
+    from vllm_triforce.bench.prompts import tokenizer
+
+    tok = tokenizer(smollm2)
+    assert tok.chat_template
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                   add_generation_prompt=True)
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+@contextlib.contextmanager
+def chat_server(vllm_command, model, tmp_path, name: str, spec: dict | None):
+    """`vllm serve model` for chat (SmolLM2, fp32, eager) on a free loopback port."""
+    cmd = [str(vllm_command), "serve", str(model), "--served-model-name", "smol",
+           "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--block-size", "32",
+           "--max-model-len", "1024", "--max-num-seqs", "4", "--seed", "0"]
+    if spec is not None:
+        spec_file = tmp_path / f"{name}.json"
+        spec_file.write_text(json.dumps(spec))
+        cmd += ["--speculative-config", str(spec_file)]
+    port, log = free_port(), tmp_path / f"{name}.log"
+    with open(log, "w") as log_file:
+        proc = subprocess.Popen(cmd + ["--port", str(port)], stdout=log_file,
+                                stderr=subprocess.STDOUT, start_new_session=True,
+                                env=server_env())
+    try:
+        base = f"http://127.0.0.1:{port}"
+        print(f"{name} server healthy after "
+              f"{wait_healthy(base, proc, log, SERVER_START_TIMEOUT_S):.1f} s")
+        yield base
+    finally:
+        stop_group(proc)
+
+
+def chat_answers(base: str, messages: list[dict]) -> dict:
+    """Greedy chat completion, non-streamed and streamed, through the OpenAI client."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{base}/v1", api_key="EMPTY", timeout=300)
+    kwargs = dict(model="smol", messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+    plain = client.chat.completions.create(**kwargs)
+    stream = client.chat.completions.create(**kwargs, stream=True)
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    return {"text": plain.choices[0].message.content, "streamed": streamed,
+            "finish_reason": plain.choices[0].finish_reason,
+            "prompt_tokens": plain.usage.prompt_tokens,
+            "completion_tokens": plain.usage.completion_tokens}
+
+
+@pytest.mark.engine
+def test_chat_triforce_equals_plain(vllm_command, smollm2, conversation, tmp_path):
+    answers = {}
+    for name, spec in (("plain", None), ("triforce", TRIFORCE_SPEC)):
+        with chat_server(vllm_command, smollm2, tmp_path, name, spec) as base:
+            answers[name] = chat_answers(base, conversation)
+            if spec is not None:
+                assert spec_drafts(base) > 0  # TriForce drafted for the chat requests
+    plain, tri = answers["plain"], answers["triforce"]
+    print(json.dumps(answers, indent=1))
+    assert plain["prompt_tokens"] > TRIFORCE_SPEC["retrieval_budget"]  # retrieval had to choose
+    assert plain["text"] and plain["streamed"] == plain["text"]
+    assert tri["streamed"] == tri["text"]
+    assert tri == plain

