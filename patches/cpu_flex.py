@@ -134,10 +134,21 @@ def _create_block_mask_eager(*args, **kwargs):
 
 def apply() -> None:
     if not enabled():
-        _util.APPLIED.setdefault(NAME, False)
+        _util.APPLIED.setdefault(NAME, False)  # stays True once an earlier apply() patched
         return
     _util.wrap(PLATFORM_MODULE, "CpuPlatform.get_attn_backend_cls",
                _make_get_attn_backend_cls, NAME)
     _util.replace(FLEX_MODULE, "FlexAttentionImpl.do_kv_cache_update", do_kv_cache_update, NAME)
-    _util.replace(FLEX_MODULE, "flex_attention_compiled", flex_attention_eager, NAME)
-    _util.replace(FLEX_MODULE, "create_block_mask_compiled", _create_block_mask_eager, NAME)
+    _util.replace(FLEX_MODULE, "flex_attention_compiled", _delegate(flex_attention_eager), NAME)
+    _util.replace(FLEX_MODULE, "create_block_mask_compiled", _delegate(_create_block_mask_eager),
+                  NAME)
+
+
+def _delegate(fn):
+    """A new function calling `fn`. `_util.replace` copies the replaced torch.compile
+    wrapper's attributes (name, doc, `_torchdynamo_*`) onto what it installs; they land on
+    this delegate and `fn` keeps its own."""
+    def call(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    return call

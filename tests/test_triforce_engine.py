@@ -143,6 +143,9 @@ def test_live_requests_gauge_drops_when_the_engine_is_freed(tiny_llama):
 
     from vllm_triforce import metrics as triforce_metrics
 
+    # Engines of earlier tests that this process has not collected yet keep their gauges;
+    # what this test checks is that *this* engine's share drops back to 0.
+    live_before = triforce_metrics.read_totals()["live_requests"]
     llm = LLM(str(tiny_llama), speculative_config=two_level(), disable_log_stats=False,
               **make_engine_kwargs())
     try:
@@ -153,9 +156,9 @@ def test_live_requests_gauge_drops_when_the_engine_is_freed(tiny_llama):
         free_llm(llm)
         del llm
         gc.collect()
-    assert live >= 1  # the last request's state is dropped at the engine's next step
+    assert live >= live_before + 1  # the last request's state goes at the engine's next step
     totals = triforce_metrics.read_totals()
-    assert totals["live_requests"] == 0
+    assert totals["live_requests"] == live_before
     assert totals["top_proposed"] == proposed > 0
 
 

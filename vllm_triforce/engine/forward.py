@@ -227,24 +227,33 @@ def run_pass(model, vllm_config, groups, inputs: PassInputs, tables, device,
 
     `tables`: one [num_reqs, width] table for every layer, or layer_name -> table.
     Returns the logits of `inputs.sample_rows`, in order. With `stats`, the device-synced
-    forward time goes to `stats.forward_seconds` (the rest of the proposer is host work)."""
-    start = time.perf_counter()
+    time of the model forwards goes to `stats.forward_seconds`; everything else the
+    proposer does (metadata included) is host work."""
     limit = vllm_config.scheduler_config.max_num_batched_tokens
-    logits = []
     chunks = list(split_pass(inputs, limit))
+    logits = []
     for chunk, rows in chunks:
-        chunk_tables = ({n: t[rows] for n, t in tables.items()} if isinstance(tables, dict)
-                        else tables[rows])
+        chunk_tables = tables if len(chunks) == 1 else _rows_of(tables, rows)
         metas = layer_metadata(groups, chunk, chunk_tables, device)
+        start = time.perf_counter()
         logits.append(run(model, vllm_config, metas, chunk, device))
-    out = logits[0] if len(logits) == 1 else torch.cat(logits)
+        if stats is not None:
+            if logits[-1].is_cuda:
+                torch.cuda.synchronize(logits[-1].device)
+            stats.add(forward_seconds=time.perf_counter() - start)
     if stats is not None:
-        if out.is_cuda:
-            torch.cuda.synchronize(out.device)
-        stats.add(forward_seconds=time.perf_counter() - start,
-                  split_passes=int(len(chunks) > 1))
+        stats.add(split_passes=int(len(chunks) > 1))
         stats.max_pass_tokens = max(stats.max_pass_tokens, *(c.num_tokens for c, _ in chunks))
-    return out
+    return logits[0] if len(logits) == 1 else torch.cat(logits)
+
+
+def _rows_of(tables, rows: torch.Tensor):
+    """The chunk's rows of one table, or of each table of a layer -> table mapping (layers
+    that shared one table object still share one)."""
+    if not isinstance(tables, dict):
+        return tables[rows]
+    by_id = {id(t): t[rows] for t in tables.values()}
+    return {name: by_id[id(t)] for name, t in tables.items()}
 
 
 def split_pass(inputs: PassInputs, max_tokens: int):
