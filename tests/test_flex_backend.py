@@ -184,22 +184,10 @@ def test_two_level_greedy_identical(tiny_llama, backend):
     assert stats["top_proposed"] > 0
 
 
-def draft_on(backend: str, monkeypatch) -> dict:
-    """Speculative-config keys putting the small draft on `backend` too. vLLM auto-selects a
-    draft's backend unless `attention_backend` is given (vllm/v1/spec_decode/
-    llm_base_proposer.py `_create_draft_vllm_config`): CPU_ATTN here, whose KV layout
-    (LBHNC) FLEX (LBNHC only) cannot share. TriForce does not pass that key through yet."""
-    from vllm_triforce import config
-
-    if "attention_backend" not in config.PASSTHROUGH_KEYS:
-        monkeypatch.setattr(config, "PASSTHROUGH_KEYS",
-                            (*config.PASSTHROUGH_KEYS, "attention_backend"))
-    return {"attention_backend": backend}
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_three_level_greedy_identical(tiny_qwen2, tiny_draft, backend, monkeypatch):
-    spec = three_level(tiny_draft, **draft_on(backend, monkeypatch))
+def test_three_level_greedy_identical(tiny_qwen2, tiny_draft, backend):
+    """The small draft follows the target's backend (engine_settings.draft_backend)."""
+    spec = three_level(tiny_draft)
     tokens, stats = run(tiny_qwen2, backend, spec)
     assert tokens == run(tiny_qwen2, backend)[0]
     assert stats["middle_proposed"] > 0

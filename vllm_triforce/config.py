@@ -29,7 +29,7 @@ SUPPORTED_ATTENTION_BACKENDS = ("CPU_ATTN", "FLASH_ATTN", "TRITON_ATTN", "FLASHI
 
 # vLLM speculative-config keys passed through untouched to the draft model path.
 PASSTHROUGH_KEYS = ("draft_tensor_parallel_size", "revision", "code_revision", "quantization",
-                    "enforce_eager")
+                    "enforce_eager", "attention_backend")
 
 
 class TriForceConfigError(ValueError):

@@ -129,8 +129,10 @@ def test_two_levels_preserve_target_distribution():
 
 @pytest.mark.parametrize("one_hot_drafts", [False, True])
 def test_draft_always_a_middle_and_target_fifty_fifty(one_hot_drafts):
-    """TRIFORCE_NOTES 1.7 counter-example: the output must be 50/50, the reference code's
-    middle level makes it 75/25. The same test run on the buggy variant must fail."""
+    """Draft always a, middle = target = (1/2, 1/2): the output must be 50/50. The reference
+    code's middle level, resampling a rejection from p instead of the residual, emits a with
+    1/2 + 1/2 * 1/2 = 3/4, and the full level accepts every token (p_t / p_middle = 1): 75/25.
+    The same test run on the buggy variant must fail."""
     draft = torch.tensor([[1.0, 0.0]] * 3)  # always proposes a = token 0
     fifty = torch.full((3, 2), 0.5)
     ids = hierarchy(draft, fifty, fifty, n_out=2, gamma1=1, gamma2=2, one_hot_drafts=one_hot_drafts)

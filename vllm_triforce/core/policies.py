@@ -91,8 +91,8 @@ class RetrievalPolicy(SelectionPolicy):
 
     aggregation="sum" (default) sums the raw scaled dot products over the query heads
     of a group and over KV heads. It is the reference code's score (TriForce, MHA) and
-    the one our calibration measured (TRIFORCE_NOTES section 6); being linear in q it
-    is one dot product with the group-summed query, the cheapest option.
+    the one the engine uses (`bench acceptance` measures it: benchmarks/RESULTS.md); being
+    linear in q it is one dot product with the group-summed query, the cheapest option.
     aggregation="softmax" first normalises each query head with a softmax over the
     blocks (full committed blocks, or `candidates` if given), then sums, so every head
     spends the same unit of mass and heads with large query norms cannot dominate.

@@ -1,8 +1,9 @@
 """When to re-select the middle level's blocks.
 
-The reference code selects once per request (TRIFORCE_NOTES 1.4); its blog suggests
-re-selecting "at regular intervals or adaptively in response to a drop in the
-acceptance rate". We do both:
+The reference code (Infini-AI-Lab/TriForce) selects once per request, after prefill: its
+re-selection path runs only on single-token target passes, and its loop always verifies
+more than one token. Its blog suggests re-selecting "at regular intervals or adaptively
+in response to a drop in the acceptance rate". We do both:
 
   * the first call for a request always refreshes (there is no selection yet);
   * every `interval` committed tokens since the last selection;

@@ -4,7 +4,7 @@ One vLLM KV block is one TriForce retrieval chunk. For every layer, KV head and
 *physical* block we keep the running sum of the block's committed keys (post-RoPE,
 exactly as written to the KV cache) and a count, so a block's mean key costs one
 division. Updating as tokens are committed means a re-selection reads ~1/block_size
-of the keys instead of all of them (TRIFORCE_NOTES 5.3).
+of the keys instead of all of them.
 
 Committed only: speculative tokens may be rejected, so the engine calls
 `add_committed` with only the rows whose tokens were accepted (their KV is exact).

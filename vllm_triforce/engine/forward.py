@@ -4,8 +4,9 @@ Depends on vLLM 0.32.0: `CommonAttentionMetadata` (vllm/v1/attention/backend.py)
 `AttentionGroup.build_metadata` (vllm/v1/worker/utils.py) and `set_forward_context`
 (vllm/forward_context.py). Each attention layer looks up its own metadata by name, so a
 different block table per layer needs no kernel change: the stock backend attends over
-exactly the blocks listed, with causal masking bottom-right aligned on the compacted row
-(the query tokens are always the last tokens of each row, VLLM_INTERNALS Appendix A).
+exactly the blocks listed, with causal masking bottom-right aligned on the compacted row:
+query token i of q_len attends the row's entries [0, seq_len - q_len + i], so the query
+tokens are always the last tokens of each row.
 """
 
 from __future__ import annotations

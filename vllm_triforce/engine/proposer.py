@@ -42,6 +42,7 @@ from vllm_triforce.core.selection import SelectionState, make_policy
 from vllm_triforce.core.summaries import BlockSummaries
 from vllm_triforce.engine import levels
 from vllm_triforce.engine.batch import StepBatch
+from vllm_triforce.engine.forward import metadata_path
 from vllm_triforce.engine.memory import MemoryPlan
 from vllm_triforce.engine.state import RequestState, StateTable
 from vllm_triforce.engine.stats import TriForceStats
@@ -122,6 +123,7 @@ class TriForceProposer(DraftModelProposer):
             self.vllm_config.model_config.get_vocab_size(), dtype=torch.float32,
             device=self.device)
         backend = self.runner.attn_groups[0][0].backend.get_name()
+        metadata_path(backend)  # refuse an unsupported backend now, not at the first pass
         logger.info(engine_settings.describe(self.vllm_config, backend, self.forced_settings))
         logger.info("TriForce block summaries: %.1f MiB for %d blocks (%s); probability buffers "
                     "%.1f MiB", self.summaries.nbytes() / 2**20, kv_cache_config.num_blocks,
