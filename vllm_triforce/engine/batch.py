@@ -90,36 +90,49 @@ class StepBatch:
     def from_runner(cls, runner, cad, target_token_ids, next_token_ids, num_rejected_tokens_gpu,
                     sampling_metadata, block_size: int, max_lookahead: int) -> "StepBatch":
         """`max_lookahead`: positions past seq_len this step may touch (gamma2); the block
-        table is copied only as wide as that needs, not max_model_len / block_size."""
+        table is copied only as wide as that needs, not max_model_len / block_size. Every
+        device tensor comes to the host in ONE copy (`_to_host`): on a GPU each separate
+        `.to("cpu")` would be a sync."""
         num_reqs = cad.num_reqs
-        seq_lens = cad.seq_lens[:num_reqs].to("cpu", torch.long)
-        full = cad.block_table_tensor.shape[1]
-        width = min(full, (int(seq_lens.max()) + max_lookahead) // block_size + 1)
+        width = min(cad.block_table_tensor.shape[1],
+                    (cad.max_seq_len + max_lookahead) // block_size + 1)
         req_ids = list(runner.input_batch.req_ids[:num_reqs])
-        rejected = (torch.zeros(num_reqs, dtype=torch.long) if num_rejected_tokens_gpu is None
-                    else num_rejected_tokens_gpu[:num_reqs].to("cpu", torch.long))
+        rejected = (torch.zeros(num_reqs, dtype=torch.long, device=next_token_ids.device)
+                    if num_rejected_tokens_gpu is None else num_rejected_tokens_gpu[:num_reqs])
+        temperature = sampling_metadata.temperature
+        if temperature is None:
+            temperature = torch.zeros(num_reqs, device=next_token_ids.device)
+        top_k, top_p = sampling_metadata.top_k, sampling_metadata.top_p
+        host = _to_host([cad.seq_lens[:num_reqs], rejected, next_token_ids[:num_reqs],
+                         cad.block_table_tensor[:num_reqs, :width], target_token_ids,
+                         temperature[:num_reqs],
+                         *(v[:num_reqs] for v in (top_k, top_p) if v is not None)])
+        seq_lens, rejected, next_tokens, block_table, verify_ids, temperature, *rest = host
+        top_k = rest.pop(0) if top_k is not None else None
+        top_p = rest.pop(0) if top_p is not None else None
         discard = torch.as_tensor(runner.discard_request_mask.np[:num_reqs]).bool()
         return cls(
             req_ids=req_ids,
-            seq_lens=seq_lens,
+            seq_lens=seq_lens.long(),
             query_start_loc=cad.query_start_loc_cpu[: num_reqs + 1].to(torch.long),
-            num_rejected=rejected,
+            num_rejected=rejected.long(),
             decoding=~discard,
-            next_tokens=next_token_ids[:num_reqs].to("cpu", torch.long),
-            block_table=cad.block_table_tensor[:num_reqs, :width].to("cpu", torch.int32),
-            verify_ids=target_token_ids.to("cpu", torch.long),
-            temperature=_per_request(sampling_metadata.temperature, num_reqs, 0.0),
-            top_k=_optional(sampling_metadata.top_k, num_reqs),
-            top_p=_optional(sampling_metadata.top_p, num_reqs),
+            next_tokens=next_tokens.long(),
+            block_table=block_table.to(torch.int32),
+            verify_ids=verify_ids.long(),
+            temperature=temperature.float(),
+            top_k=top_k,
+            top_p=top_p,
             requests=[runner.requests[r] for r in req_ids],
         )
 
 
-def _per_request(values, num_reqs: int, default: float) -> torch.Tensor:
-    if values is None:
-        return torch.full((num_reqs,), default, dtype=torch.float32)
-    return values[:num_reqs].to("cpu", torch.float32)
-
-
-def _optional(values, num_reqs: int):
-    return None if values is None else values[:num_reqs].to("cpu")
+def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copy device tensors to the host in one transfer: packed as float64 (exact for token
+    and block ids below 2**53 and for float32 values), split and cast back on the host."""
+    flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors]).cpu()
+    out, start = [], 0
+    for t in tensors:
+        out.append(flat[start:start + t.numel()].view(t.shape).to(t.dtype))
+        start += t.numel()
+    return out
