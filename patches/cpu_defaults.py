@@ -38,6 +38,7 @@ import os
 
 from vllm.logger import init_logger
 
+from vllm_triforce.engine.memory import MemoryPlan
 from vllm_triforce.patches import _util
 
 logger = init_logger("vllm.triforce")
@@ -113,6 +114,9 @@ def choose_kv_cache_size(vllm_config) -> int | None:
     max_num_seqs = vllm_config.scheduler_config.max_num_seqs
     ranks = vllm_config.parallel_config.world_size
     size, bound = kv_cache_bytes(per_token, max_model_len, max_num_seqs, free, ranks)
+    plan = MemoryPlan.from_vllm_config(vllm_config, per_token)
+    if plan is not None:  # TriForce reserves its buffers out of this (kv_reservation)
+        size = plan.available_for(size)
     cache.kv_cache_memory_bytes = size
     logger.info(
         "CPU KV cache: %s not set, using %.2f GiB per rank (%s bound: %d seqs x %d tokens x "

@@ -38,7 +38,9 @@ def apply() -> None:
 
 def triforce_settings(vllm_config):
     """The TriForce settings dict carried in additional_config, or None."""
-    return (vllm_config.additional_config or {}).get("triforce")
+    from vllm_triforce.config import ADDITIONAL_CONFIG_KEY
+
+    return (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
 
 
 def _make_wrapper(original):

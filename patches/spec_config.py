@@ -38,7 +38,7 @@ def _make_wrapper(original):
         if not (isinstance(spec, dict) and spec.get("method") == "triforce"):
             return original(self, target_model_config, target_parallel_config)
         from vllm_triforce import engine_settings
-        from vllm_triforce.config import TriForceConfig
+        from vllm_triforce.config import ADDITIONAL_CONFIG_KEY, TriForceConfig
 
         cfg = TriForceConfig.from_speculative_config(spec)
         cfg.model = _resolve_asset(cfg.model)
@@ -51,7 +51,8 @@ def _make_wrapper(original):
             "num_speculative_tokens": cfg.num_speculative_tokens,
             **passthrough,
         }
-        self.additional_config = {**(self.additional_config or {}), "triforce": cfg.to_dict(),
+        self.additional_config = {**(self.additional_config or {}),
+                                  ADDITIONAL_CONFIG_KEY: cfg.to_dict(),
                                   FORCED_SETTINGS_KEY: forced}
         _check_vocab(cfg, _draft_vocab_size(cfg, target_model_config), target_model_config)
         try:

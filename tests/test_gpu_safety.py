@@ -199,3 +199,15 @@ def test_reservation_is_computed_and_applied(tiny_llama):
     # what was reserved covers what was allocated
     assert summaries.nbytes() <= blocks["triforce"] * plan.summary_bytes_per_block
     assert summaries.sums.dtype == torch.float32  # the KV cache's dtype in this engine
+
+
+def test_plugin_chosen_cpu_kv_size_leaves_room_for_the_reservation():
+    """When the plugin sizes the CPU KV cache itself (patches/cpu_defaults.py), it adds what
+    TriForce will reserve, so the KV that remains still holds the size it chose."""
+    plan = MemoryPlan.for_engine(kv_bytes_per_block=1_474_560, num_target_layers=30,
+                                 num_kv_heads=3, head_dim=64, block_size=32, kv_dtype_bytes=4,
+                                 keep_keys=False, max_num_seqs=1, gamma2=6, gamma1=0,
+                                 vocab_size=49152)
+    wanted = 2128 * 46_080  # one 2,128-token request of SmolLM2 float32
+    assert plan.kv_budget(plan.available_for(wanted)) >= wanted
+    assert plan.kv_budget(wanted) < wanted  # without it, one request no longer fits

@@ -17,6 +17,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+# The key of vLLM's `additional_config` that carries the TriForce settings to the workers.
+ADDITIONAL_CONFIG_KEY = "triforce"
+
 POLICIES = ("retrieval", "streamingllm", "h2o", "topk_oracle")
 # Policies that keep a copy of every committed key (exact attention mass): benchmarks only,
 # refused unless the user opts in with `allow_full_key_copy` (memory: one more key cache).

@@ -51,3 +51,34 @@ class MemoryPlan:
         blocks = max(available - self.fixed_bytes, 0) // (
             self.kv_bytes_per_block + self.summary_bytes_per_block)
         return blocks * self.kv_bytes_per_block
+
+    def available_for(self, kv_bytes: int) -> int:
+        """The inverse of `kv_budget`: bytes to hand the sizing so that at least `kv_bytes`
+        of KV cache remain after the reservation (for a KV size chosen before sizing)."""
+        blocks = -(-kv_bytes // self.kv_bytes_per_block)
+        return self.fixed_bytes + blocks * (self.kv_bytes_per_block + self.summary_bytes_per_block)
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config, kv_bytes_per_token: int) -> "MemoryPlan | None":
+        """The plan a TriForce engine will make, from its config alone (before any worker
+        exists), or None for another engine. `kv_bytes_per_token`: every KV layer, one rank."""
+        from vllm_triforce.config import ADDITIONAL_CONFIG_KEY, FULL_KEY_POLICIES, TriForceConfig
+
+        settings = (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
+        if settings is None:
+            return None
+        cfg = TriForceConfig.from_dict(settings)
+        model, parallel = vllm_config.model_config, vllm_config.parallel_config
+        layers, heads = model.get_num_layers(parallel), model.get_num_kv_heads(parallel)
+        head_dim = model.get_head_size()
+        block_size = vllm_config.cache_config.block_size
+        return cls.for_engine(
+            kv_bytes_per_block=kv_bytes_per_token * block_size, num_target_layers=layers,
+            num_kv_heads=heads, head_dim=head_dim, block_size=block_size,
+            kv_dtype_bytes=model.dtype.itemsize,  # >= an fp8 KV cache's: errs on the safe side
+            keep_keys=cfg.selection_policy in FULL_KEY_POLICIES,
+            max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
+            gamma2=cfg.num_speculative_tokens,
+            gamma1=cfg.draft_tokens_per_round if cfg.model is not None else 0,
+            vocab_size=model.get_vocab_size())
+
