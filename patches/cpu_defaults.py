@@ -69,10 +69,12 @@ def _make_wrapper(original):
 # ------------------------------------------------------------------ KV-cache size
 
 def kv_cache_bytes(bytes_per_token: int, max_model_len: int, max_num_seqs: int,
-                   free_bytes: int, num_ranks: int = 1) -> tuple[int, str]:
+                   free_bytes: int, num_ranks: int = 1, block_size: int = 1) -> tuple[int, str]:
     """Per-rank KV-cache bytes when the user chose none, and which bound decided it.
 
-    size = max(min(demand, cap), one_request), rounded down to whole MiB, where
+    size = max(min(demand, cap), one_request), demand and one_request rounded up and cap
+    down to whole MiB (a full-length request that vLLM finds 1 MiB short will not start;
+    token counts in whole blocks of `block_size`), where
 
     - demand = max_num_seqs x max_model_len x bytes_per_token: every sequence the
       scheduler may run at once, each at full length. The scheduler can never use
@@ -94,13 +96,19 @@ def kv_cache_bytes(bytes_per_token: int, max_model_len: int, max_num_seqs: int,
     45 KiB/token; `vllm serve` defaults to 128 sequences; 8192-token context; 7.7 GiB
     free): demand 45 GiB, cap 3.85 GiB -> 3.85 GiB, room for ~87K tokens.
     """
-    demand = max_num_seqs * max_model_len * bytes_per_token
-    cap = int(FREE_FRACTION * free_bytes / max(num_ranks, 1))
-    one_request = max_model_len * bytes_per_token
-    size, bound = (demand, "demand") if demand <= cap else (cap, "free memory")
+    tokens = -(-max_model_len // block_size) * block_size  # a request holds whole blocks
+    demand = max_num_seqs * tokens * bytes_per_token
+    cap = int(FREE_FRACTION * free_bytes / max(num_ranks, 1)) // MiB * MiB
+    one_request = tokens * bytes_per_token
+    size, bound = (_mib_up(demand), "demand") if demand <= cap else (cap, "free memory")
     if size < one_request:
-        size, bound = one_request, "one full-length request"
-    return max(size // MiB, 1) * MiB, bound
+        size, bound = _mib_up(one_request), "one full-length request"
+    return max(size, MiB), bound
+
+
+def _mib_up(n: int) -> int:
+    """Round up to whole MiB: a size the rule must reach is never rounded below it."""
+    return -(-n // MiB) * MiB
 
 
 def choose_kv_cache_size(vllm_config) -> int | None:
@@ -113,7 +121,8 @@ def choose_kv_cache_size(vllm_config) -> int | None:
     max_model_len = vllm_config.model_config.max_model_len
     max_num_seqs = vllm_config.scheduler_config.max_num_seqs
     ranks = vllm_config.parallel_config.world_size
-    size, bound = kv_cache_bytes(per_token, max_model_len, max_num_seqs, free, ranks)
+    size, bound = kv_cache_bytes(per_token, max_model_len, max_num_seqs, free, ranks,
+                                 cache.block_size or 1)
     plan = MemoryPlan.from_vllm_config(vllm_config, per_token)
     if plan is not None:  # TriForce reserves its buffers out of this (kv_reservation)
         size = plan.available_for(size)

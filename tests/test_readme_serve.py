@@ -152,6 +152,14 @@ def test_kv_cache_bytes_hand_worked(seqs, model_len, free, ranks, expected):
                                        ranks) == expected
 
 
+def test_kv_cache_bytes_holds_one_request_in_whole_blocks():
+    """`bench serve` at concurrency 1: 2,128 tokens need 67 blocks of 32 (2,144 tokens x 45
+    KiB = 94.2 MiB); rounding down to 93 MiB kept the server from starting."""
+    size, bound = cpu_defaults.kv_cache_bytes(SMOL_FP32_BYTES_PER_TOKEN, 2128, 1, 8 * GiB, 1,
+                                              block_size=32)
+    assert bound == "demand" and size == 95 * MiB >= 2144 * SMOL_FP32_BYTES_PER_TOKEN
+
+
 class LogRecorder:
     def __init__(self):
         self.records: list[tuple[str, str]] = []
