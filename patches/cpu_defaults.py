@@ -97,9 +97,10 @@ def kv_cache_bytes(bytes_per_token: int, max_model_len: int, max_num_seqs: int,
     free): demand 45 GiB, cap 3.85 GiB -> 3.85 GiB, room for ~87K tokens.
     """
     tokens = -(-max_model_len // block_size) * block_size  # a request holds whole blocks
-    demand = max_num_seqs * tokens * bytes_per_token
+    null_block = block_size  # vLLM's block pool keeps block 0 as the never-allocated null block
+    demand = (max_num_seqs * tokens + null_block) * bytes_per_token
     cap = int(FREE_FRACTION * free_bytes / max(num_ranks, 1)) // MiB * MiB
-    one_request = tokens * bytes_per_token
+    one_request = (tokens + null_block) * bytes_per_token
     size, bound = (_mib_up(demand), "demand") if demand <= cap else (cap, "free memory")
     if size < one_request:
         size, bound = _mib_up(one_request), "one full-length request"

@@ -138,14 +138,15 @@ SMOL_FP32_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 4  # K and V x layers x KV heads x
 
 
 @pytest.mark.parametrize("seqs, model_len, free, ranks, expected", [
-    # demand: 4 x 256 tokens x 45 KiB = 45 MiB, far below half of 8 GiB
-    (4, 256, 8 * GiB, 1, (45 * MiB, "demand")),
+    # demand: (4 x 256 tokens + vLLM's null block) x 45 KiB = 45.04 MiB -> 46, far below 4 GiB
+    (4, 256, 8 * GiB, 1, (46 * MiB, "demand")),
     # `vllm serve` defaults: 128 x 8192 x 45 KiB = 45 GiB wanted, half of 7.7 GiB free given
     (128, 8192, int(7.7 * GiB), 1, (int(0.5 * 7.7 * GiB) // MiB * MiB, "free memory")),
     # two ranks on the node share the half
     (128, 8192, 8 * GiB, 2, (2 * GiB, "free memory")),
-    # too little free for one 8192-token request (360 MiB): ask for it, vLLM names the shortfall
-    (128, 8192, 100 * MiB, 1, (360 * MiB, "one full-length request")),
+    # too little free for one 8192-token request (+ null block: 360.04 MiB): ask for it,
+    # vLLM names the shortfall
+    (128, 8192, 100 * MiB, 1, (361 * MiB, "one full-length request")),
 ])
 def test_kv_cache_bytes_hand_worked(seqs, model_len, free, ranks, expected):
     assert cpu_defaults.kv_cache_bytes(SMOL_FP32_BYTES_PER_TOKEN, model_len, seqs, free,
@@ -153,11 +154,12 @@ def test_kv_cache_bytes_hand_worked(seqs, model_len, free, ranks, expected):
 
 
 def test_kv_cache_bytes_holds_one_request_in_whole_blocks():
-    """`bench serve` at concurrency 1: 2,128 tokens need 67 blocks of 32 (2,144 tokens x 45
-    KiB = 94.2 MiB); rounding down to 93 MiB kept the server from starting."""
+    """`bench serve` at concurrency 1: 2,128 tokens need 67 blocks of 32, plus vLLM's null
+    block: 68 x 32 x 45 KiB = 95.6 MiB; 93 MiB (rounded down) and 95 MiB (no null block)
+    both kept the server from starting."""
     size, bound = cpu_defaults.kv_cache_bytes(SMOL_FP32_BYTES_PER_TOKEN, 2128, 1, 8 * GiB, 1,
                                               block_size=32)
-    assert bound == "demand" and size == 95 * MiB >= 2144 * SMOL_FP32_BYTES_PER_TOKEN
+    assert bound == "demand" and size == 96 * MiB >= 68 * 32 * SMOL_FP32_BYTES_PER_TOKEN
 
 
 class LogRecorder:
@@ -205,7 +207,9 @@ def test_kv_size_chosen_when_user_gave_none(tiny_llama, monkeypatch, log_records
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     config = engine_config(tiny_llama, max_num_seqs=4)
     per_token = cpu_defaults.kv_bytes_per_token(config)
-    assert config.cache_config.kv_cache_memory_bytes == 4 * 256 * per_token // MiB * MiB
+    block = config.cache_config.block_size  # + vLLM's null block, rounded up to MiB
+    assert config.cache_config.kv_cache_memory_bytes == -(-(4 * 256 + block) * per_token
+                                                          // MiB) * MiB
     infos = [msg for level, msg in log_records if level == "info"]
     assert len(infos) == 1 and "VLLM_CPU_KVCACHE_SPACE not set" in infos[0]
     assert "demand bound: 4 seqs x 256 tokens" in infos[0]
