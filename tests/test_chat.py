@@ -7,14 +7,12 @@ budget here, so the middle level really drafts from a subset of the context; gre
 (non-streamed and streamed) must still equal the plain server's, token for token.
 """
 
-import contextlib
 import json
-import subprocess
 
 import pytest
 
-from test_serving_plumbing import (free_port, server_env, spec_drafts, stop_group,
-                                   vllm_command, wait_healthy)  # noqa: F401 (fixture)
+from test_serving_plumbing import (spec_drafts, start_server,  # noqa: F401 (fixture)
+                                   vllm_command)
 
 TRIFORCE_SPEC = {"method": "triforce", "num_speculative_tokens": 4, "retrieval_budget": 256}
 PASSAGE_TOKENS = 600
@@ -43,28 +41,11 @@ def test_smollm2_has_a_chat_template(smollm2):
     assert text.endswith("<|im_start|>assistant\n")
 
 
-@contextlib.contextmanager
 def chat_server(vllm_command, model, tmp_path, name: str, spec: dict | None):
     """`vllm serve model` for chat (SmolLM2, fp32, eager) on a free loopback port."""
-    cmd = [str(vllm_command), "serve", str(model), "--served-model-name", "smol",
-           "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--block-size", "32",
-           "--max-model-len", "1024", "--max-num-seqs", "4", "--seed", "0"]
-    if spec is not None:
-        spec_file = tmp_path / f"{name}.json"
-        spec_file.write_text(json.dumps(spec))
-        cmd += ["--speculative-config", str(spec_file)]
-    port, log = free_port(), tmp_path / f"{name}.log"
-    with open(log, "w") as log_file:
-        proc = subprocess.Popen(cmd + ["--port", str(port)], stdout=log_file,
-                                stderr=subprocess.STDOUT, start_new_session=True,
-                                env=server_env())
-    try:
-        base = f"http://127.0.0.1:{port}"
-        print(f"{name} server healthy after "
-              f"{wait_healthy(base, proc, log, SERVER_START_TIMEOUT_S):.1f} s")
-        yield base
-    finally:
-        stop_group(proc)
+    return start_server(vllm_command, model, tmp_path, name, spec, served_name="smol",
+                        max_model_len=1024, extra_args=("--seed", "0"),
+                        start_timeout_s=SERVER_START_TIMEOUT_S)
 
 
 def chat_answers(base: str, messages: list[dict]) -> dict:

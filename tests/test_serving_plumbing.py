@@ -238,11 +238,13 @@ def server_env() -> dict[str, str]:
 
 @contextlib.contextmanager
 def start_server(vllm_command, model, tmp_path, name: str, spec: dict | None,
-                 max_num_seqs: int = 4):
+                 max_num_seqs: int = 4, served_name: str = "tiny", max_model_len: int = 256,
+                 extra_args: tuple = (), start_timeout_s: float = SERVER_START_TIMEOUT_S):
     """`vllm serve model [--speculative-config FILE]` on a free loopback port; yields its URL."""
-    cmd = [str(vllm_command), "serve", str(model), "--served-model-name", "tiny",
+    cmd = [str(vllm_command), "serve", str(model), "--served-model-name", served_name,
            "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--block-size", "32",
-           "--max-model-len", "256", "--max-num-seqs", str(max_num_seqs)]
+           "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
+           *extra_args]
     if spec is not None:
         spec_file = tmp_path / f"{name}.json"
         spec_file.write_text(json.dumps(spec))
@@ -254,7 +256,7 @@ def start_server(vllm_command, model, tmp_path, name: str, spec: dict | None,
                                 env=server_env())
     try:
         base = f"http://127.0.0.1:{port}"
-        startup_s = wait_healthy(base, proc, log, SERVER_START_TIMEOUT_S)
+        startup_s = wait_healthy(base, proc, log, start_timeout_s)
         print(f"{name} server healthy after {startup_s:.1f} s")
         yield base
     finally:
