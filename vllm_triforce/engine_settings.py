@@ -35,7 +35,7 @@ def decide(engine_args, parallel_config) -> list[str]:
     _check_async_scheduling(engine_args.async_scheduling)
     _check_v2_runner(engine_args)
     _check_data_parallel(parallel_config.data_parallel_size)
-    _check_attention_backend(_requested_backend(engine_args))
+    check_attention_backend(_requested_backend(engine_args))
     forced = []
     if engine_args.compilation_config.cudagraph_mode is None:
         from vllm.config.compilation import CUDAGraphMode
@@ -137,7 +137,9 @@ def _requested_backend(engine_args) -> str | None:
     return None if backend is None else getattr(backend, "name", str(backend))
 
 
-def _check_attention_backend(name: str | None) -> None:
+def check_attention_backend(name: str | None) -> None:
+    """Refuse a backend outside the allow-list: at config time for the requested backend,
+    and again when the attention backend is built (engine/forward.py `metadata_path`)."""
     if name is not None and name not in SUPPORTED_ATTENTION_BACKENDS:
         raise _fix(f"attention backend {name}",
                    "TriForce builds attention metadata per layer and supports only backends "

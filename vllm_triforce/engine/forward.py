@@ -20,7 +20,7 @@ import torch
 from vllm.forward_context import set_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
-from vllm_triforce.config import SUPPORTED_ATTENTION_BACKENDS, TriForceConfigError
+from vllm_triforce.engine_settings import check_attention_backend
 
 
 @dataclass
@@ -85,14 +85,9 @@ _LAYER_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def metadata_path(backend_name: str) -> str:
-    """SWAP_TABLE or BUILDER_PER_LAYER for a backend, or an error naming the fix."""
-    if backend_name in SUPPORTED_ATTENTION_BACKENDS and backend_name in METADATA_PATHS:
-        return METADATA_PATHS[backend_name]
-    raise TriForceConfigError(
-        f"TriForce cannot run with attention backend {backend_name}: it gives every layer "
-        "its own block table, which it does correctly only for "
-        f"{', '.join(SUPPORTED_ATTENTION_BACKENDS)}. Choose one of them with "
-        "--attention-backend (Python: attention_config={'backend': NAME}).")
+    """SWAP_TABLE or BUILDER_PER_LAYER for a backend, or the allow-list's error naming the fix."""
+    check_attention_backend(backend_name)
+    return METADATA_PATHS[backend_name]
 
 
 def layer_metadata(groups, inputs: PassInputs, tables: torch.Tensor | dict, device) -> dict:
