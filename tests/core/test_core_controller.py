@@ -1,0 +1,161 @@
+"""core/controller.py: the depth decision as a pure function, and the estimates it rests on."""
+
+import itertools
+import math
+import random
+
+import pytest
+import torch
+
+from vllm_triforce.core.controller import (DRAFT, RETRIEVAL, DecayedLine, ModeCosts, Plan,
+                                           PositionAcceptance, SpeculationController,
+                                           StepCosts, choose_plan, gains)
+
+MS = 1e-3
+
+
+def costs(step_fixed=10 * MS, step_per_token=1 * MS, round_fixed=4 * MS, per_request=0.0,
+          draft=None, idle=0.0, active=0.0):
+    modes = {RETRIEVAL: ModeCosts(round_fixed, per_request)}
+    if draft is not None:
+        modes[DRAFT] = draft
+    return StepCosts(step_fixed, step_per_token, idle, active, modes)
+
+
+def test_docstring_example_picks_two_then_zero():
+    alphas = torch.full((1, 6), 0.8)
+    plan = choose_plan(alphas, costs(), 6)
+    assert plan.depths == (2,) and plan.mode == RETRIEVAL
+    assert plan.tokens_per_s == pytest.approx(2.44 / 0.021)
+    slow = choose_plan(alphas, costs(round_fixed=9 * MS), 6)
+    assert slow.depths == (0,) and slow.mode is None
+    assert slow.tokens_per_s == pytest.approx(1 / 0.011)
+
+
+def test_gains_are_expected_accepted_drafts():
+    g = gains(torch.tensor([[0.5, 0.5, 1.0]], dtype=torch.float64))
+    assert g.tolist() == [[0.0, 0.5, 0.75, 1.0]]
+
+
+def _brute_force(alphas, c: StepCosts, max_depth):
+    num_reqs = alphas.shape[0]
+    g = gains(alphas.double())
+    best = num_reqs / (c.step_fixed + c.step_per_token * num_reqs + c.idle_overhead)
+    for mode, mc in c.modes.items():
+        for depths in itertools.product(range(max_depth + 1), repeat=num_reqs):
+            K = max(depths)
+            if K == 0:
+                continue
+            tokens = num_reqs + sum(float(g[r, k]) for r, k in enumerate(depths))
+            seconds = (c.step_fixed + c.step_per_token * (num_reqs + sum(depths))
+                       + c.active_overhead + mc.round_fixed * K / mc.tokens_per_round
+                       + sum(mc.round_per_request * k / mc.tokens_per_round for k in depths))
+            best = max(best, tokens / seconds)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_choice_is_the_brute_force_optimum(seed):
+    rnd = random.Random(seed)
+    num_reqs, max_depth = rnd.randint(1, 3), rnd.randint(1, 4)
+    alphas = torch.tensor([[rnd.random() for _ in range(max_depth)] for _ in range(num_reqs)])
+    draft = (ModeCosts(rnd.uniform(1, 8) * MS, rnd.uniform(0, 2) * MS, rnd.uniform(1, 3))
+             if rnd.random() < 0.5 else None)
+    c = costs(step_fixed=rnd.uniform(5, 20) * MS, step_per_token=rnd.uniform(0, 3) * MS,
+              round_fixed=rnd.uniform(1, 15) * MS, per_request=rnd.uniform(0, 2) * MS,
+              draft=draft, idle=rnd.uniform(0, 1) * MS, active=rnd.uniform(0, 3) * MS)
+    plan = choose_plan(alphas, c, max_depth)
+    assert plan.tokens_per_s == pytest.approx(_brute_force(alphas, c, max_depth), rel=1e-9)
+    assert len(plan.depths) == num_reqs and plan.max_depth <= max_depth
+
+
+def test_depth_follows_each_requests_acceptance():
+    alphas = torch.tensor([[0.95] * 6, [0.05] * 6])
+    plan = choose_plan(alphas, costs(step_per_token=0.2 * MS, round_fixed=2 * MS,
+                                     per_request=0.5 * MS), 6)
+    assert plan.depths[0] >= 4 and plan.depths[1] == 0
+
+
+def test_cheaper_mode_wins():
+    alphas = torch.full((2, 6), 0.9)
+    draft = ModeCosts(3 * MS, 0.0, tokens_per_round=2.5)  # 3 ms for 2.5 tokens
+    plan = choose_plan(alphas, costs(round_fixed=4 * MS, step_per_token=0.1 * MS, draft=draft), 6)
+    assert plan.mode == DRAFT
+
+
+def test_position_acceptance_counts():
+    acc = PositionAcceptance(4, decay=1.0)
+    acc.observe(4, 2)  # drafts 1, 2 accepted, 3 rejected, 4 never judged
+    acc.observe(1, 1)
+    assert acc.tried == [2, 1, 1, 0] and acc.accepted == [2, 1, 0, 0]
+    assert acc.alphas([0.5] * 4, strength=2.0) == [0.75, 2 / 3, 1 / 3, 0.5]
+
+
+def test_decayed_line():
+    line = DecayedLine(decay=1.0, prior_slope=0.25)
+    assert line.predict(3) is None
+    line.observe(4, 3.0)
+    assert line.predict(8) == pytest.approx(4.0)  # one x seen: the prior slope
+    for x in (1, 2, 3, 5):
+        line.observe(x, 1 + 0.5 * x)
+    assert line.coefficients() == pytest.approx((1.0, 0.5))
+    falling = DecayedLine(decay=1.0)
+    falling.observe(1, 2.0)
+    falling.observe(3, 1.0)
+    assert falling.coefficients()[1] == 0.0  # costs never fall with more tokens
+
+
+def _feed(ctl: SpeculationController, step_fixed, per_token, round_s, alpha, num_reqs=2,
+          steps=1):
+    """Run `steps` steps of a synthetic engine: the controller plans, costs are observed."""
+    plans = []
+    for _ in range(steps):
+        plan = ctl.plan([f"r{i}" for i in range(num_reqs)], 6)
+        plans.append(plan)
+        for i, k in enumerate(plan.depths):
+            if k:
+                ctl.observe_verification(f"r{i}", k, int(alpha * k))
+        active = [k for k in plan.depths if k]
+        for _ in range(plan.max_depth):
+            ctl.observe_round(plan.mode, len(active), round_s, 1.0)
+        ctl.observe_overhead(plan.max_depth > 0, 0.0)
+        num_tokens = num_reqs + sum(plan.depths)
+        ctl.observe_step(num_tokens, step_fixed + per_token * num_tokens)
+    return plans
+
+
+def test_controller_start_up_probes_then_decides():
+    ctl = SpeculationController(max_depth=6, has_draft=False, probe_interval=8)
+    plans = _feed(ctl, 10 * MS, 0.1 * MS, 2 * MS, alpha=1.0, steps=3)
+    assert [p.max_depth for p in plans[:2]] == [6, 0]  # measure drafting, then a plain step
+    assert plans[2].max_depth > 0 and not math.isnan(plans[2].tokens_per_s)
+
+
+def test_controller_goes_plain_when_rounds_cost_a_step_and_probes_back():
+    ctl = SpeculationController(max_depth=6, has_draft=False, probe_interval=8)
+    plans = _feed(ctl, 10 * MS, 2 * MS, 12 * MS, alpha=0.5, steps=40)
+    depths = [p.max_depth for p in plans]
+    assert depths[5:15].count(0) >= 9  # plain once the costs are known
+    assert any(d > 0 for d in depths[15:])  # ... yet it still probes now and then
+    assert depths[2:].count(0) >= 0.85 * len(depths[2:])
+
+
+def test_hysteresis_keeps_a_near_equal_plan():
+    ctl = SpeculationController(max_depth=6, has_draft=False, probe_interval=1000,
+                                hysteresis=0.5)
+    _feed(ctl, 10 * MS, 0.1 * MS, 2 * MS, alpha=1.0, steps=6)
+    first = ctl.current
+    _feed(ctl, 10 * MS, 0.1 * MS, 2.2 * MS, alpha=1.0, steps=6)  # 10% dearer rounds
+    assert ctl.current.max_depth == first.max_depth
+
+
+def test_forced_schedule_is_followed_and_capped():
+    ctl = SpeculationController(max_depth=4, has_draft=True)
+    ctl.forced = [3, 0, 6]
+    depths = [ctl.plan(["a", "b"], 4).depths for _ in range(4)]
+    assert depths == [(3, 3), (0, 0), (4, 4), (3, 3)]
+
+
+def test_plan_is_a_dataclass_with_max_depth():
+    assert Plan((0, 2, 1), RETRIEVAL, 1.0).max_depth == 2
+    assert Plan((), None, 0.0).max_depth == 0

@@ -1,0 +1,361 @@
+"""Cost-aware speculation depth: how many tokens each request hands vLLM this step.
+
+TriForce pays for its drafts: middle rounds (the target over its retrieval cache, maybe the
+small draft too) and a verification pass over 1 + k tokens instead of 1. Where a middle
+round costs nearly a full step (weight-bound: short contexts, small batches, few KV heads)
+or verifying k tokens costs several decode steps (compute-bound attention), a fixed k is
+slower than plain decoding. This controller measures those costs online and picks, every
+step, the depth k_r of each decoding request (0 = a plain decode step for it, no middle
+work) and whether the small draft is used, to maximise expected tokens per second.
+
+Model of one step (B decoding requests, depths k_r <= K = max_r k_r):
+
+  tokens  = sum_r (1 + A_r(k_r)),      A_r(k) = sum_{i=1..k} prod_{j=1..i} alpha_{r,j}
+  seconds = T_step(B + sum_r k_r) + overhead + rounds(K) * round_fixed
+            + sum_r rounds(k_r) * round_per_request
+
+  alpha_{r,j}  chance the full cache accepts draft j given drafts < j were accepted
+               (decayed counts per request, shrunk towards the batch-wide profile);
+  T_step(n)    vLLM's own step over n query tokens: step_fixed + step_per_token * n;
+  rounds(k)    middle rounds to produce k tokens: k with the retrieval level alone (one
+               token per round), k / tokens_per_round with the small draft.
+  Every K = 0 step has `seconds = T_step(B) + idle_overhead`.
+
+Worked example (one request, alpha = 0.8 at every position, step 10 ms + 1 ms per query
+token, retrieval rounds 4 ms, no overhead): k = 0 gives 1 token in 11 ms (91 tok/s);
+k = 2 gives 1 + 0.8 + 0.64 = 2.44 tokens in 13 + 8 = 21 ms (116 tok/s); k = 4 gives 3.36
+tokens in 15 + 16 = 31 ms (108 tok/s): the controller picks k = 2. With rounds of 9 ms,
+k = 2 takes 31 ms (79 tok/s) and k = 0 wins.
+
+The maximum of tokens / seconds over all (K, mode, k_r) is found exactly by Dinkelbach's
+iteration: for a rate lambda, maximise tokens - lambda * seconds (separable per request
+once K and the mode are fixed), set lambda to the rate of the maximiser, repeat.
+
+Lossless: the depths of step s are decided from costs and acceptance counts of steps
+before s, before any token of step s is drafted; never from the full-cache verification
+of the tokens they cover. Speculative sampling is exact for every fixed k, and a k chosen
+independently of that verification is a mixture of exact procedures, hence exact; the
+drafted tokens and their distributions do not depend on k (a shorter draft is a prefix of
+a longer one).
+
+Estimates stay current: every `probe_interval` steps without drafting the controller
+drafts once (at its best positive depth), and every `probe_interval` steps without a plain
+step it runs one, so both ends of T_step and the acceptance profile keep being measured;
+with a small draft, the mode not in use is probed the same way. A change of plan needs a
+predicted gain of `hysteresis` (default 3%) over the current plan.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+RETRIEVAL = "retrieval"  # middle rounds: the target over its retrieval cache, one token each
+DRAFT = "draft"          # middle rounds: the small draft proposes, the retrieval level verifies
+
+
+# ---- online estimates -----------------------------------------------------------------
+class DecayedLine:
+    """y ~ a + b * x by exponentially decayed least squares (b >= 0: costs grow with x).
+
+    With one distinct x seen so far the slope is `prior_slope`; before any sample,
+    `predict` returns None."""
+
+    def __init__(self, decay: float = 0.95, prior_slope: float = 0.0):
+        self.decay = decay
+        self.prior_slope = prior_slope
+        self.w = self.sx = self.sy = self.sxx = self.sxy = 0.0
+
+    def observe(self, x: float, y: float) -> None:
+        d = self.decay
+        self.w = d * self.w + 1.0
+        self.sx = d * self.sx + x
+        self.sy = d * self.sy + y
+        self.sxx = d * self.sxx + x * x
+        self.sxy = d * self.sxy + x * y
+
+    @property
+    def seen(self) -> bool:
+        return self.w > 0
+
+    def coefficients(self) -> tuple[float, float] | None:
+        """(a, b) or None before any sample."""
+        if not self.seen:
+            return None
+        mx, my = self.sx / self.w, self.sy / self.w
+        var = self.sxx / self.w - mx * mx
+        slope = self.prior_slope
+        if var > 1e-9 * max(1.0, mx * mx):
+            slope = max((self.sxy / self.w - mx * my) / var, 0.0)
+        return my - slope * mx, slope
+
+    def predict(self, x: float) -> float | None:
+        c = self.coefficients()
+        return None if c is None else c[0] + c[1] * x
+
+
+class DecayedMean:
+    def __init__(self, decay: float = 0.95, prior: float | None = None):
+        self.decay, self.prior = decay, prior
+        self.w = self.s = 0.0
+
+    def observe(self, y: float, weight: float = 1.0) -> None:
+        self.w = self.decay * self.w + weight
+        self.s = self.decay * self.s + y * weight
+
+    @property
+    def value(self) -> float | None:
+        return self.s / self.w if self.w > 0 else self.prior
+
+
+class PositionAcceptance:
+    """Decayed per-position counts: alpha_j = P(draft j accepted | drafts < j accepted)."""
+
+    def __init__(self, max_depth: int, decay: float = 0.98):
+        self.decay = decay
+        self.tried = [0.0] * max_depth     # [max_depth] draft j reached the verifier
+        self.accepted = [0.0] * max_depth  # [max_depth] and was accepted
+
+    def observe(self, num_verified: int, num_accepted: int) -> None:
+        """A verification of `num_verified` drafts that accepted the first `num_accepted`."""
+        d = self.decay
+        for j in range(len(self.tried)):
+            reached = j < min(num_verified, num_accepted + 1)
+            self.tried[j] = d * self.tried[j] + reached
+            self.accepted[j] = d * self.accepted[j] + (reached and j < num_accepted)
+
+    def alphas(self, prior: list[float], strength: float) -> list[float]:
+        """Posterior means with `strength` pseudo-observations at `prior` per position."""
+        return [(a + strength * p) / (t + strength)
+                for a, t, p in zip(self.accepted, self.tried, prior)]
+
+
+# ---- the decision: a pure function ------------------------------------------------------
+@dataclass(frozen=True)
+class ModeCosts:
+    """Middle rounds of one mode: round cost = round_fixed + round_per_request * active."""
+    round_fixed: float
+    round_per_request: float
+    tokens_per_round: float = 1.0  # middle tokens one request gains per round
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Seconds. `modes` maps RETRIEVAL / DRAFT to their round costs (absent: unusable)."""
+    step_fixed: float
+    step_per_token: float
+    idle_overhead: float      # proposer time of a step with no drafting
+    active_overhead: float    # proposer time of a drafting step besides its rounds
+    modes: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Plan:
+    depths: tuple[int, ...]   # [num decoding requests] tokens handed to vLLM, 0 allowed
+    mode: str | None          # RETRIEVAL or DRAFT; None when every depth is 0
+    tokens_per_s: float       # predicted
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.depths, default=0)
+
+
+def gains(alphas: torch.Tensor) -> torch.Tensor:
+    """[R, k_max] per-position acceptance -> [R, k_max + 1] A_r(k): expected accepted drafts."""
+    run = torch.cumprod(alphas, dim=1)
+    return torch.cat([torch.zeros(alphas.shape[0], 1, dtype=run.dtype), run.cumsum(1)], 1)
+
+
+def plain_rate(num_reqs: int, costs: StepCosts) -> float:
+    return num_reqs / (costs.step_fixed + costs.step_per_token * num_reqs + costs.idle_overhead)
+
+
+def choose_plan(alphas: torch.Tensor, costs: StepCosts, max_depth: int,
+                only: tuple[str | None, int] | None = None) -> Plan:
+    """The plan maximising predicted tokens/s. alphas [R, >= max_depth]; `only` = (mode,
+    K) restricts the search to one mode and maximum depth (used for hysteresis)."""
+    num_reqs = alphas.shape[0]
+    best = Plan((0,) * num_reqs, None, plain_rate(num_reqs, costs))
+    if only is not None and only[0] is None:
+        return best
+    gain = gains(alphas[:, :max_depth].double())  # [R, max_depth + 1]
+    for mode, mc in costs.modes.items():
+        if only is not None and mode != only[0]:
+            continue
+        plan = _best_in_mode(gain, costs, mode, mc, max_depth if only is None else only[1])
+        if plan is not None and plan.tokens_per_s > best.tokens_per_s:
+            best = plan
+    return best
+
+
+def _best_in_mode(gain, costs: StepCosts, mode: str, mc: ModeCosts, max_depth: int):
+    """Dinkelbach over (K, k_r) for one mode; None if no depth > 0 is possible."""
+    if max_depth < 1:
+        return None
+    num_reqs = gain.shape[0]
+    ks = torch.arange(max_depth + 1, dtype=torch.float64)
+    rounds = ks / mc.tokens_per_round                            # [K + 1]
+    per_req = costs.step_per_token * ks + mc.round_per_request * rounds  # [K + 1] c(k)
+    base = (costs.step_fixed + costs.step_per_token * num_reqs + costs.active_overhead
+            + mc.round_fixed * rounds)                           # [K + 1] C0(K)
+    rate = plain_rate(num_reqs, costs)
+    plan = None
+    for _ in range(20):
+        value = gain[:, :max_depth + 1] - rate * per_req         # [R, K + 1]
+        best_val, best_k = _prefix_argmax(value)                 # best k_r <= K, per K
+        total = num_reqs + best_val.sum(0) - rate * base         # [K + 1]
+        total[0] = -math.inf                                     # K = 0 is the plain plan
+        K = int(total.argmax())
+        depths = best_k[:, K]
+        if int(depths.max()) == 0:
+            return plan
+        K = int(depths.max())
+        tokens = num_reqs + float(gain.gather(1, depths[:, None]).sum())
+        seconds = float(base[K] + per_req[depths].sum())
+        new = Plan(tuple(depths.tolist()), mode, tokens / seconds)
+        if plan is not None and new.tokens_per_s <= plan.tokens_per_s * (1 + 1e-9):
+            return plan if plan.tokens_per_s >= new.tokens_per_s else new
+        plan, rate = new, new.tokens_per_s
+    return plan
+
+
+def _prefix_argmax(value: torch.Tensor):
+    """value [R, K + 1] -> (max over k <= K, its argmax), each [R, K + 1]; ties: smaller k."""
+    best_val = value.clone()
+    best_k = torch.zeros_like(value, dtype=torch.long)
+    for k in range(1, value.shape[1]):
+        better = value[:, k] > best_val[:, k - 1]
+        best_val[:, k] = torch.where(better, value[:, k], best_val[:, k - 1])
+        best_k[:, k] = torch.where(better, torch.full_like(best_k[:, k], k), best_k[:, k - 1])
+    return best_val, best_k
+
+
+# ---- the stateful controller: estimates, probes, hysteresis ------------------------------
+class SpeculationController:
+    """Feeds measurements into the estimates and turns them into a Plan every step.
+
+    The engine calls, per step: `observe_step` (vLLM's step time and its query tokens),
+    `observe_verification` (per request: drafts verified / accepted), `observe_round` (each
+    middle round's time), `observe_overhead` (the rest of the proposer's time), then `plan`.
+    `forced`: a test hook; a list of maximum depths used in turn instead of the decision.
+    """
+
+    def __init__(self, max_depth: int, has_draft: bool, probe_interval: int = 32,
+                 hysteresis: float = 0.03, shrink: float = 4.0, prior_alpha: float = 0.6):
+        self.max_depth = max_depth
+        self.modes = (RETRIEVAL, DRAFT) if has_draft else (RETRIEVAL,)
+        self.probe_interval = probe_interval
+        self.hysteresis = hysteresis
+        self.shrink = shrink
+        self.prior_alpha = prior_alpha
+        self.step = DecayedLine()
+        self.idle = DecayedMean(prior=0.0)
+        self.active = DecayedMean(prior=0.0)
+        self.rounds = {m: DecayedLine() for m in self.modes}
+        self.tokens_per_round = {m: DecayedMean(prior=1.0) for m in self.modes}
+        self.batch_acceptance = PositionAcceptance(max_depth)
+        self.requests: dict[str, PositionAcceptance] = {}
+        self.current: Plan | None = None
+        self.forced: list[int] | None = None
+        self._num_plans = 0
+        self._since_drafting = 0
+        self._since_plain = 0
+        self._since_mode = dict.fromkeys(self.modes, 0)
+
+    # ---- measurements
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        self.step.observe(num_tokens, seconds)
+
+    def observe_verification(self, req_id: str, num_verified: int, num_accepted: int) -> None:
+        self.batch_acceptance.observe(num_verified, num_accepted)
+        acc = self.requests.setdefault(req_id, PositionAcceptance(self.max_depth))
+        acc.observe(num_verified, num_accepted)
+
+    def observe_round(self, mode: str, num_active: int, seconds: float,
+                      tokens_per_request: float) -> None:
+        self.rounds[mode].observe(num_active, seconds)
+        self.tokens_per_round[mode].observe(tokens_per_request, num_active)
+
+    def observe_overhead(self, drafting: bool, seconds: float) -> None:
+        (self.active if drafting else self.idle).observe(seconds)
+
+    def retain(self, req_ids) -> None:
+        keep = set(req_ids)
+        for r in [r for r in self.requests if r not in keep]:
+            del self.requests[r]
+
+    # ---- the decision
+    def costs(self) -> StepCosts | None:
+        """Current estimates, or None while a cost has never been measured."""
+        step = self.step.coefficients()
+        modes = {}
+        for m in self.modes:
+            c = self.rounds[m].coefficients()
+            if c is not None:
+                modes[m] = ModeCosts(c[0], c[1], self.tokens_per_round[m].value)
+        if step is None:
+            return None
+        return StepCosts(step[0], step[1], self.idle.value, self.active.value, modes)
+
+    def alphas(self, req_ids: list[str], max_depth: int) -> torch.Tensor:
+        """[R, max_depth] per-request acceptance profile, shrunk towards the batch's."""
+        prior = self.batch_acceptance.alphas([self.prior_alpha] * self.max_depth, 1.0)
+        rows = [self.requests[r].alphas(prior, self.shrink) if r in self.requests else prior
+                for r in req_ids]
+        return torch.tensor(rows, dtype=torch.float64).reshape(len(req_ids), -1)[:, :max_depth]
+
+    def plan(self, req_ids: list[str], max_depth: int) -> Plan:
+        """Depths for the decoding requests `req_ids` (max_depth: this step's upper bound)."""
+        max_depth = min(max_depth, self.max_depth)
+        if self.forced is not None:
+            depth = min(self.forced[self._num_plans % len(self.forced)], max_depth)
+            plan = Plan((depth,) * len(req_ids), self.modes[-1] if depth else None, math.nan)
+        else:
+            plan = self._probe(req_ids, max_depth) or self._decide(req_ids, max_depth)
+        self._count(plan)
+        return plan
+
+    def _decide(self, req_ids: list[str], max_depth: int) -> Plan:
+        """The best plan, unless the settled one is within `hysteresis` of it."""
+        alphas, costs = self.alphas(req_ids, max_depth), self.costs()
+        best = choose_plan(alphas, costs, max_depth)
+        settled = self.current
+        if settled is not None and (settled.mode, settled.max_depth) != (best.mode,
+                                                                          best.max_depth):
+            keep = choose_plan(alphas, costs, max_depth,
+                               only=(settled.mode, min(settled.max_depth, max_depth)))
+            if best.tokens_per_s <= keep.tokens_per_s * (1 + self.hysteresis):
+                best = keep
+        self.current = best
+        return best
+
+    def _probe(self, req_ids: list[str], max_depth: int) -> Plan | None:
+        """A measuring step when an estimate is missing or stale, else None. Start-up: one
+        step at full depth in every mode, then a plain one."""
+        if max_depth < 1:
+            return None
+        costs = self.costs()
+        num_reqs = len(req_ids)
+        for m in self.modes:
+            if costs is None or m not in costs.modes or self._since_mode[m] >= 2 * self.probe_interval:
+                return Plan((max_depth,) * num_reqs, m, math.nan)
+        if not self.idle.w or self._since_plain >= self.probe_interval:
+            return Plan((0,) * num_reqs, None, math.nan)
+        if self._since_drafting >= self.probe_interval:
+            alphas = self.alphas(req_ids, max_depth)
+            plans = [_best_in_mode(gains(alphas.double()), costs, m, costs.modes[m], max_depth)
+                     for m in costs.modes]
+            best = max((p for p in plans if p is not None), key=lambda p: p.tokens_per_s,
+                       default=None)
+            return best and Plan(best.depths, best.mode, math.nan)
+        return None
+
+    def _count(self, plan: Plan) -> None:
+        self._num_plans += 1
+        drafting = plan.max_depth > 0
+        self._since_drafting = 0 if drafting else self._since_drafting + 1
+        self._since_plain = self._since_plain + 1 if drafting else 0
+        for m in self.modes:
+            self._since_mode[m] = 0 if plan.mode == m else self._since_mode[m] + 1
