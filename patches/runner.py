@@ -36,16 +36,11 @@ def apply() -> None:
     _util.wrap(*TARGET, _make_wrapper, NAME)
 
 
-def triforce_settings(vllm_config):
-    """The TriForce settings dict carried in additional_config, or None."""
-    from vllm_triforce.config import ADDITIONAL_CONFIG_KEY
-
-    return (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
-
-
 def _make_wrapper(original):
     def __init__(self, vllm_config, *args, **kwargs):
         original(self, vllm_config, *args, **kwargs)
+        from vllm_triforce.config import triforce_settings
+
         if triforce_settings(vllm_config) is None or not hasattr(self, "drafter"):
             return
         from vllm_triforce.engine.proposer import TriForceProposer

@@ -38,10 +38,10 @@ def _make_wrapper(original):
         if not (isinstance(spec, dict) and spec.get("method") == "triforce"):
             return original(self, target_model_config, target_parallel_config)
         from vllm_triforce import engine_settings
-        from vllm_triforce.config import ADDITIONAL_CONFIG_KEY, TriForceConfig
+        from vllm_triforce.config import (ADDITIONAL_CONFIG_KEY, FORCED_SETTINGS_KEY,
+                                          TriForceConfig)
 
-        cfg = TriForceConfig.from_speculative_config(spec)
-        cfg.model = _resolve_asset(cfg.model)
+        cfg = TriForceConfig.from_speculative_config(_with_resolved_asset(spec))
         _check_parallel(target_parallel_config)
         forced = engine_settings.decide(self, target_parallel_config)
         passthrough = engine_settings.draft_backend(self, cfg.passthrough)
@@ -67,18 +67,18 @@ def _make_wrapper(original):
 
 
 ASSET_PREFIX = "vllm-triforce:"
-# additional_config key: the engine settings TriForce chose (engine_settings.decide).
-FORCED_SETTINGS_KEY = "triforce_forced_settings"
 
 
-def _resolve_asset(model):
+def _with_resolved_asset(spec: dict) -> dict:
     """`"model": "vllm-triforce:NAME"` names a model `vllm-triforce models fetch` prepares
-    (fetched and converted on first use), so example configs run as written."""
+    (fetched and converted on first use), so example configs run as written. Resolved in
+    the user's dict, so the validated config is final as built."""
+    model = spec.get("model")
     if not (isinstance(model, str) and model.startswith(ASSET_PREFIX)):
-        return model
+        return spec
     from vllm_triforce.assets import ensure_model
 
-    return str(ensure_model(model[len(ASSET_PREFIX):]))
+    return {**spec, "model": str(ensure_model(model[len(ASSET_PREFIX):]))}
 
 
 def _check_parallel(parallel_config) -> None:

@@ -170,6 +170,13 @@ def test_memory_plan_worked_example():
     assert plan.fixed_bytes == 14_155_776
     assert plan.kv_budget(2**30) == 707 * 1_474_560
     assert 2**30 - plan.kv_budget(2**30) == 31_227_904
+    quest = MemoryPlan.for_engine(kv_bytes_per_block=30 * 2 * 32 * 3 * 64 * 4,
+                                  num_target_layers=30, num_kv_heads=3, head_dim=64,
+                                  block_size=32, kv_dtype_bytes=4, keep_keys=False,
+                                  max_num_seqs=8, gamma2=6, gamma1=0, vocab_size=49152,
+                                  keep_bounds=True)  # selection_policy "quest": min + max
+    assert quest.summary_bytes_per_block == 69_124
+    assert quest.kv_budget(2**30) == 686 * 1_474_560
 
 
 @pytest.mark.engine

@@ -8,16 +8,17 @@ import sys
 import pytest
 
 import vllm_triforce
-from vllm_triforce.config import TriForceConfig, TriForceConfigError
+from vllm_triforce.config import ADDITIONAL_CONFIG_KEY, TriForceConfig, TriForceConfigError
 
 
 def test_vllm_discovers_and_runs_register():
     code = ("import vllm.plugins as p; p.load_general_plugins(); import vllm_triforce as t; "
-            "from vllm_triforce.patches import applied; print(t._registered, sorted(applied()))")
+            "from vllm_triforce.patches import PATCH_MODULES, applied; "
+            "print(t._registered, set(applied()) >= set(PATCH_MODULES), sorted(applied()))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**os.environ, "VLLM_PLUGINS": "triforce"}, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1].startswith("True ['attention_capture'")
+    assert out.stdout.strip().splitlines()[-1].startswith("True True ['cli_args'")
 
 
 def test_register_twice_is_harmless():
@@ -76,7 +77,8 @@ def test_triforce_config_reaches_vllm(tiny_llama, tiny_draft):
                                          "num_speculative_tokens": 5, "retrieval_budget": 512})
     spec = config.speculative_config
     assert spec.method == "draft_model" and spec.num_speculative_tokens == 5
-    assert config.additional_config["triforce"]["retrieval_budget"] == 512
+    assert config.additional_config[ADDITIONAL_CONFIG_KEY]["retrieval_budget"] == 512
+    assert TriForceConfig.from_vllm_config(config).retrieval_budget == 512
     # the draft's 256-position context does not cap the target or stop drafting
     assert spec.draft_model_config.max_model_len == config.model_config.max_model_len == 1024
 

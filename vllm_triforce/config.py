@@ -19,8 +19,12 @@ from typing import Any
 
 # The key of vLLM's `additional_config` that carries the TriForce settings to the workers.
 ADDITIONAL_CONFIG_KEY = "triforce"
+# additional_config key: the engine settings TriForce chose (engine_settings.decide).
+FORCED_SETTINGS_KEY = "triforce_forced_settings"
 
-POLICIES = ("retrieval", "streamingllm", "h2o", "topk_oracle")
+POLICIES = ("retrieval", "quest", "streamingllm", "h2o", "topk_oracle")
+# Policies that keep per-block per-channel key bounds (two more key-sized vectors per block).
+BOUND_POLICIES = ("quest",)
 # Policies that keep a copy of every committed key (exact attention mass): benchmarks only,
 # refused unless the user opts in with `allow_full_key_copy` (memory: one more key cache).
 FULL_KEY_POLICIES = ("h2o", "topk_oracle")
@@ -32,20 +36,28 @@ SUPPORTED_ATTENTION_BACKENDS = ("CPU_ATTN", "FLASH_ATTN", "TRITON_ATTN", "FLASHI
 
 # vLLM speculative-config keys passed through untouched to the draft model path.
 PASSTHROUGH_KEYS = ("draft_tensor_parallel_size", "revision", "code_revision", "quantization",
-                    "enforce_eager", "attention_backend")
+                    "enforce_eager", "attention_backend",
+                    # vLLM's Dynamic SD: a batch-size -> k table; its k caps each step's depth.
+                    "num_speculative_tokens_per_batch_size")
 
 
 class TriForceConfigError(ValueError):
     """Invalid TriForce speculative config; the message names the key and the fix."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class TriForceConfig:
     # The small draft (level 1). None: two levels, the target over its retrieval cache
     # drafts for the target over its full cache (the paper's "Retrieval w/o Hierarchy").
     model: str | None = None
-    # gamma2: tokens proposed to the full-cache verification per step.
+    # gamma2: tokens proposed to the full-cache verification per step; with `adaptive`,
+    # the most a request is handed in one step.
     num_speculative_tokens: int = 6
+    # Choose each request's depth (0 .. num_speculative_tokens) and whether the small draft
+    # runs, every step, from measured costs and acceptance (core/controller.py), so TriForce
+    # is not slower than plain decoding where drafting does not pay. False: always
+    # num_speculative_tokens tokens and every level.
+    adaptive: bool = True
     # Tokens in the retrieval cache (sinks + selected + recent), rounded to whole blocks.
     # Paper default 4096.
     retrieval_budget: int = 4096
@@ -88,6 +100,10 @@ class TriForceConfig:
             raise TriForceConfigError(
                 f"speculative_config['refresh_acceptance_threshold']={thr!r} must be a number "
                 "in [0, 1] (0 disables acceptance-triggered refreshes).")
+        if not isinstance(self.adaptive, bool):
+            raise TriForceConfigError(
+                f"speculative_config['adaptive']={self.adaptive!r} must be true (choose the "
+                "depth every step) or false (always num_speculative_tokens).")
         if not isinstance(self.measure_middle_acceptance, bool):
             raise TriForceConfigError(
                 "speculative_config['measure_middle_acceptance']="
@@ -139,6 +155,16 @@ class TriForceConfig:
     def from_dict(cls, d: dict[str, Any]) -> "TriForceConfig":
         return cls(**d)
 
+    @classmethod
+    def from_vllm_config(cls, vllm_config) -> "TriForceConfig":
+        """The config patches/spec_config.py carried to the workers in `additional_config`."""
+        settings = triforce_settings(vllm_config)
+        if settings is None:
+            raise TriForceConfigError(
+                f"vllm_config.additional_config has no {ADDITIONAL_CONFIG_KEY!r} entry: the engine "
+                "was not configured with \"method\": \"triforce\".")
+        return cls.from_dict(settings)
+
     # ---- block-size dependent view, checked at engine start ---------------------------
     def in_blocks(self, block_size: int) -> "BlockCounts":
         return BlockCounts.from_config(self, block_size)
@@ -175,16 +201,10 @@ class BlockCounts:
                 "growing tail block + one retrieved block). Raise retrieval_budget.")
         return counts
 
-    def check_draft_context(self, cfg: TriForceConfig, draft_max_positions: int) -> None:
-        """The draft's StreamingLLM window plus one step's lookahead must fit its context."""
-        used = ((self.draft_sink_blocks + self.draft_window_blocks + 1) * self.block_size
-                + cfg.num_speculative_tokens + cfg.draft_tokens_per_round)
-        if used > draft_max_positions:
-            raise TriForceConfigError(
-                f"speculative_config['draft_window_tokens']={cfg.draft_window_tokens} is too "
-                f"large for the draft's trained context ({draft_max_positions} positions): sinks "
-                f"+ window + one block + lookahead need {used}. Lower draft_window_tokens or "
-                "draft_sink_tokens.")
+
+def triforce_settings(vllm_config) -> dict[str, Any] | None:
+    """The TriForce settings dict in a vLLM config's `additional_config`, or None."""
+    return (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
 
 
 def _check_int(cfg: TriForceConfig, name: str, minimum: int) -> None:

@@ -117,10 +117,10 @@ def test_budget_too_small_is_an_error():
         select_blocks(torch.zeros(1, 1, 4), torch.tensor([16]), 4, 3, 1, 2)
 
 
-def test_selection_index_select_and_dummy():
-    sel = Selection.make_dummy(num_reqs=3, num_layers=2)
-    sub = sel.index_select(torch.tensor([2, 0]))
-    assert sub.logical_blocks.shape == (2, 2, 3) and sub.num_selected.tolist() == [2, 2]
+def test_tables_of_a_hand_written_selection():
+    """Sink 0 + block 2 selected, tail from block 4, three requests, two layers."""
+    sel = Selection(torch.tensor([0, 2, -1]).expand(3, 2, 3).clone(),
+                    torch.tensor([2, 2, 2]), torch.tensor([4, 4, 4]))
     tables, lens = build_block_tables(sel, torch.arange(24, dtype=torch.int32).view(3, 8),
                                       torch.tensor([20, 20, 20]), 4)
     assert tables[1, 2, :3].tolist() == [16, 18, 20] and lens[0].tolist() == [12, 12, 12]

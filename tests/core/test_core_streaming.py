@@ -19,11 +19,14 @@ def ref_table(table_row, seq_len, bs, num_sink, num_window):
 
 def test_hand_worked_docstring_example():
     w = DraftWindow(num_sink_blocks=1, num_window_blocks=4, block_size=32, max_draft_position=256)
-    assert not w.needs_rebase(255) and w.needs_rebase(256)
-    assert w.rebase(256) == 128 and w.rebase_offset == 96
+    assert not w.needs_rebase(255, 0) and w.needs_rebase(256, 0)
+    start, offset = w.rebase(256)
+    assert start == 128 and offset == 96
     pos = draft_positions(torch.tensor([0, 31, 128, 255, 256]), torch.tensor(96), w.sink_tokens)
     assert pos.tolist() == [0, 31, 32, 159, 160]
-    assert not w.needs_rebase(351) and w.needs_rebase(352)
+    assert w.positions(torch.tensor([0, 31, 128, 255, 256]), torch.tensor(96)).tolist() == \
+        [0, 31, 32, 159, 160]
+    assert not w.needs_rebase(351, offset) and w.needs_rebase(352, offset)
 
 
 def test_table_matches_reference():
@@ -53,23 +56,23 @@ def test_long_request_never_exceeds_draft_context(seed):
     w = DraftWindow(num_sink_blocks=1, num_window_blocks=6, block_size=bs,
                     max_draft_position=limit, lookahead=lookahead)
     written = []  # offset each token was written with
-    seq_len, rebases = 0, 0
+    seq_len, rebases, offset = 0, 0, 0
     table = torch.arange(400, dtype=torch.int32)[None]
     while seq_len < 5000:
         step = rng.randint(1, lookahead)
-        if w.needs_rebase(seq_len + step - 1):
-            start = w.rebase(seq_len)
-            written[max(start, w.sink_tokens):] = [w.rebase_offset] * (seq_len - max(start, w.sink_tokens))
+        if w.needs_rebase(seq_len + step - 1, offset):
+            start, offset = w.rebase(seq_len)
+            written[max(start, w.sink_tokens):] = [offset] * (seq_len - max(start, w.sink_tokens))
             rebases += 1
-        written += [w.rebase_offset] * step
+        written += [offset] * step
         seq_len += step
-        _, lens = streaming_table(table, torch.tensor([seq_len]), 1, 6, bs)
+        _, lens = w.table(table, torch.tensor([seq_len]))
         _, _, blocks = ref_table(table[0], seq_len, bs, 1, 6)
         attended = [t for b in blocks for t in range(b * bs, min((b + 1) * bs, seq_len))]
         assert len(attended) == int(lens[0])
-        positions = draft_positions(torch.tensor(attended), torch.tensor(w.rebase_offset), w.sink_tokens)
+        positions = w.positions(torch.tensor(attended), torch.tensor(offset))
         assert int(positions.max()) < limit and int(positions.min()) >= 0
-        assert all(written[t] == w.rebase_offset for t in attended if t >= w.sink_tokens)
+        assert all(written[t] == offset for t in attended if t >= w.sink_tokens)
     assert rebases >= 5000 // limit
 
 

@@ -53,21 +53,6 @@ class Selection:
     # [num_reqs] int64 logical block where the contiguous tail begins
     tail_start: Tensor
 
-    @property
-    def num_layers(self) -> int:
-        return self.logical_blocks.shape[1]
-
-    def index_select(self, rows: Tensor) -> "Selection":
-        """The selection of a subset / reordering of the requests (rows [n] long)."""
-        return Selection(self.logical_blocks[rows], self.num_selected[rows], self.tail_start[rows])
-
-    @classmethod
-    def make_dummy(cls, num_reqs: int = 2, num_layers: int = 2, device=None) -> "Selection":
-        """Sink 0 + block 2 selected, tail from block 4, for tests."""
-        blocks = torch.tensor([0, 2, _PAD], device=device).expand(num_reqs, num_layers, 3)
-        ones = torch.ones(num_reqs, dtype=torch.long, device=device)
-        return cls(blocks.clone(), 2 * ones, 4 * ones)
-
 
 def select_blocks(scores: Tensor, num_committed: Tensor, block_size: int, budget_blocks: int,
                   num_sink_blocks: int, num_recent_blocks: int) -> Selection:

@@ -46,43 +46,58 @@ import torch
 from torch import Tensor
 
 
-@dataclass
+@dataclass(frozen=True)
 class DraftWindow:
-    """Per-request draft window state and the position scheme of the module docstring."""
+    """The draft's window geometry and the position scheme of the module docstring.
+
+    A request's `rebase_offset` is its own state (the engine keeps it per request); these
+    methods take it and return the new one."""
     num_sink_blocks: int
     num_window_blocks: int
     block_size: int
     max_draft_position: int  # positions must stay < this (max_position_embeddings)
     lookahead: int = 16  # most tokens one draft pass adds beyond seq_len (gamma + bonus)
-    rebase_offset: int = 0  # subtracted from absolute positions >= sink_tokens
 
     def __post_init__(self):
         if self.num_sink_blocks < 0 or self.num_window_blocks < 1 or self.block_size < 1:
             raise ValueError("DraftWindow needs num_sink_blocks >= 0, num_window_blocks >= 1, "
                              "block_size >= 1")
-        used = self.sink_tokens + (self.num_window_blocks + 1) * self.block_size + self.lookahead
-        if used > self.max_draft_position:
+        if self.num_tokens_needed > self.max_draft_position:
             raise ValueError(
                 f"draft window does not fit the draft's context: {self.sink_tokens} sink tokens + "
                 f"{self.num_window_blocks + 1} blocks of {self.block_size} (window + the block "
-                f"being filled) + lookahead {self.lookahead} = {used} > max_draft_position "
-                f"{self.max_draft_position}; use fewer sink/window blocks")
+                f"being filled) + lookahead {self.lookahead} = {self.num_tokens_needed} > "
+                f"max_draft_position {self.max_draft_position}; use fewer sink/window blocks")
 
     @property
     def sink_tokens(self) -> int:
         return self.num_sink_blocks * self.block_size
 
-    def needs_rebase(self, max_position: int) -> bool:
-        return bool(needs_rebase(torch.tensor([max_position]), torch.tensor([self.rebase_offset]),
+    @property
+    def num_tokens_needed(self) -> int:
+        """Draft positions the scheme needs: sinks + window + the block being filled + lookahead."""
+        return self.sink_tokens + (self.num_window_blocks + 1) * self.block_size + self.lookahead
+
+    def needs_rebase(self, max_position: int, rebase_offset: int) -> bool:
+        return bool(needs_rebase(torch.tensor([max_position]), torch.tensor([rebase_offset]),
                                  self.sink_tokens, self.max_draft_position)[0])
 
-    def rebase(self, seq_len: int) -> int:
-        """Rebase to the window of a request of seq_len tokens; returns its first token
-        (the engine re-runs the draft from there to seq_len at the new positions)."""
-        start = int(window_start(torch.tensor([seq_len]), self.block_size, self.num_sink_blocks,
-                                 self.num_window_blocks)[0])
-        self.rebase_offset = max(start - self.sink_tokens, 0)
-        return start
+    def window_start(self, seq_len: int) -> int:
+        return int(window_start(torch.tensor([seq_len]), self.block_size, self.num_sink_blocks,
+                                self.num_window_blocks)[0])
+
+    def rebase(self, seq_len: int) -> tuple[int, int]:
+        """(first token of the window, new rebase_offset) for a request of seq_len tokens:
+        the engine re-runs the draft from that token to seq_len at the new positions."""
+        start = self.window_start(seq_len)
+        return start, max(start - self.sink_tokens, 0)
+
+    def table(self, block_table: Tensor, seq_lens: Tensor) -> tuple[Tensor, Tensor]:
+        return streaming_table(block_table, seq_lens, self.num_sink_blocks,
+                               self.num_window_blocks, self.block_size)
+
+    def positions(self, positions: Tensor, rebase_offset: Tensor) -> Tensor:
+        return draft_positions(positions, rebase_offset, self.sink_tokens)
 
 
 def window_start(seq_lens: Tensor, block_size: int, num_sink_blocks: int,

@@ -36,7 +36,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-_GREEDY_TEMPERATURE = 1e-5  # below this a row is greedy (as vLLM's _SAMPLING_EPS)
+GREEDY_TEMPERATURE = 1e-5  # below this a row is greedy (as vLLM's _SAMPLING_EPS)
 
 
 def sampling_probs(logits: Tensor, temperature: Tensor, top_k: Tensor | None = None,
@@ -51,7 +51,7 @@ def sampling_probs(logits: Tensor, temperature: Tensor, top_k: Tensor | None = N
     big = torch.finfo(torch.float32).max
     x = logits.float().nan_to_num(nan=float("-inf"), posinf=big, neginf=float("-inf"))
     temperature = temperature.to(x.device, torch.float32)
-    greedy = temperature < _GREEDY_TEMPERATURE  # [N]
+    greedy = temperature < GREEDY_TEMPERATURE  # [N]
     one_hot = torch.zeros_like(x).scatter_(1, x.argmax(-1, keepdim=True), 1.0)
     if bool(greedy.all()):  # the common greedy batch: no softmax over the vocabulary
         return one_hot

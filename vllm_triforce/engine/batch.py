@@ -17,9 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_triforce.core.verify import sampling_probs
-
-_GREEDY_EPS = 1e-5
+from vllm_triforce.core.verify import GREEDY_TEMPERATURE, sampling_probs
 
 
 @dataclass
@@ -55,7 +53,7 @@ class StepBatch:
 
     @property
     def greedy(self) -> torch.Tensor:  # [R] bool
-        return self.temperature < _GREEDY_EPS
+        return self.temperature < GREEDY_TEMPERATURE
 
     def probs(self, logits: torch.Tensor, rows: torch.Tensor | int) -> torch.Tensor:
         """[n, V] logits -> the [n, V] distributions their requests' sampling params give:

@@ -15,65 +15,108 @@ from __future__ import annotations
 
 import torch
 
-from vllm_triforce.core.streaming import draft_positions, needs_rebase, streaming_table, window_start
-from vllm_triforce.engine.forward import PassInputs, run_pass
+from vllm_triforce.config import BlockCounts, TriForceConfig, TriForceConfigError
+from vllm_triforce.core.streaming import DraftWindow
+from vllm_triforce.engine.forward import build_pass, run_pass
 
 
-def propose(proposer, batch, states, rounds, active, sizes):
-    """Returns proposals (list of token lists, len(active)) and their probs [n, G, V]."""
-    max_size = max(sizes)
-    proposals = [[] for _ in active]
-    probs = None
-    pending = [_pending_tokens(proposer, batch, states[r], rounds[r], r, sizes[i])
-               for i, r in enumerate(active)]
-    for step in range(max_size):
-        rows = [i for i in range(len(active)) if sizes[i] > step]
-        if step == 0:
-            chunks = [pending[i] for i in rows]
-        else:
-            chunks = [([rounds[active[i]].position + step], [proposals[i][-1]]) for i in rows]
-        reqs = [active[i] for i in rows]
-        logits = _draft_pass(proposer, batch, states, reqs, chunks)
-        q = batch.probs(logits, torch.tensor(reqs))  # [len(rows), V]
-        tokens = _sample(q, batch.greedy[reqs], [states[r].generator for r in reqs],
-                         proposer.generator)
-        if probs is None:
-            probs = q.new_zeros(len(active), max_size, q.shape[-1])
-        probs[torch.tensor(rows, device=q.device), step] = q
-        for i, token in zip(rows, tokens):
-            proposals[i].append(token)
-    for i, r in enumerate(active):  # the pending tokens now hold current draft KV
-        states[r].draft_valid_upto = rounds[r].position + 1
-        states[r].draft_sinks_valid = True
-    return proposals, probs
+def draft_window(cfg: TriForceConfig, blocks: BlockCounts, max_draft_position: int) -> DraftWindow:
+    """The draft's window; its StreamingLLM window plus one step's lookahead (gamma2 + gamma1)
+    must fit the draft's trained context, checked before any weights load."""
+    try:
+        return DraftWindow(num_sink_blocks=blocks.draft_sink_blocks,
+                           num_window_blocks=blocks.draft_window_blocks,
+                           block_size=blocks.block_size, max_draft_position=max_draft_position,
+                           lookahead=cfg.num_speculative_tokens + cfg.draft_tokens_per_round)
+    except ValueError as e:
+        raise TriForceConfigError(
+            f"speculative_config['draft_window_tokens']={cfg.draft_window_tokens} is too large "
+            f"for the draft's trained context ({max_draft_position} positions): {e}. Lower "
+            "draft_window_tokens or draft_sink_tokens.") from e
 
 
-def after_round(proposer, state, rnd, num_proposed: int, num_accepted: int) -> None:
-    """Proposals e_1..e_{g-1} were draft inputs; those accepted keep valid draft KV."""
-    round_start = rnd.position - num_accepted - 1  # position of the round's first input
-    state.draft_valid_upto = round_start + 1 + min(num_accepted, num_proposed - 1)
+class DraftLevel:
+    """The small draft: `model` with its attention groups `attn_groups`, over `window`."""
 
+    def __init__(self, model, vllm_config, attn_groups, window: DraftWindow, stats,
+                 generator: torch.Generator, device):
+        self.model = model
+        self.vllm_config = vllm_config
+        self.attn_groups = attn_groups
+        self.window = window
+        self.stats = stats
+        self.generator = generator  # shared by requests without a seed of their own
+        self.device = device
 
-def _pending_tokens(proposer, batch, state, rnd, row: int, size: int):
-    """(positions, token ids) the draft must run before sampling e_1 for one request."""
-    bs = proposer.block_size
-    b = proposer.blocks
-    sink_tokens = b.draft_sink_blocks * bs
-    end = rnd.position + 1  # tokens through the newest one
-    start = int(window_start(torch.tensor([end]), bs, b.draft_sink_blocks,
-                             b.draft_window_blocks)[0])
-    max_position = torch.tensor([rnd.position + size])
-    max_draft = proposer.draft_model_config.hf_config.max_position_embeddings
-    if bool(needs_rebase(max_position, torch.tensor([state.draft_rebase_offset]),
-                         sink_tokens, max_draft)[0]):
-        state.draft_rebase_offset = max(start - sink_tokens, 0)
-        state.draft_valid_upto = 0
-        proposer.stats.add(draft_rebases=1)
-    positions = []
-    if not state.draft_sinks_valid:
-        positions += range(0, min(sink_tokens, end))
-    positions += range(max(state.draft_valid_upto, start, len(positions)), end)
-    return positions, _token_ids(batch, rnd, row, positions)
+    def invalidate(self, batch, states) -> None:
+        """The verification pass recomputed each request's tokens from its verify_start."""
+        for r in range(batch.num_reqs):
+            states[r].invalidate_draft_from(int(batch.verify_start[r]), self.window.sink_tokens)
+
+    def propose(self, batch, states, rounds, active, sizes):
+        """Up to sizes[i] tokens for request active[i]; returns proposals (len(active) lists)
+        and their probs [len(active), max(sizes), V] (zero past each request's size)."""
+        max_size = max(sizes)
+        proposals = [[] for _ in active]
+        probs = None
+        pending = [self._pending_tokens(batch, states[r], rounds[r], r, sizes[i])
+                   for i, r in enumerate(active)]
+        for step in range(max_size):
+            rows = [i for i in range(len(active)) if sizes[i] > step]
+            if step == 0:
+                chunks = [pending[i] for i in rows]
+            else:
+                chunks = [([rounds[active[i]].position + step], [proposals[i][-1]]) for i in rows]
+            reqs = [active[i] for i in rows]
+            logits = self._forward(batch, states, reqs, chunks)
+            q = batch.probs(logits, torch.tensor(reqs))  # [len(rows), V]
+            tokens = sample(q, batch.greedy[reqs], [states[r].generator for r in reqs],
+                            self.generator)
+            if probs is None:
+                probs = q.new_zeros(len(active), max_size, q.shape[-1])
+            probs[torch.tensor(rows, device=q.device), step] = q
+            for i, token in zip(rows, tokens):
+                proposals[i].append(token)
+        for r in active:  # the pending tokens now hold current draft KV
+            states[r].draft_valid_upto = rounds[r].position + 1
+            states[r].draft_sinks_valid = True
+        return proposals, probs
+
+    @staticmethod
+    def after_round(state, rnd, num_proposed: int, num_accepted: int) -> None:
+        """Proposals e_1..e_{g-1} were draft inputs; those accepted keep valid draft KV."""
+        round_start = rnd.position - num_accepted - 1  # position of the round's first input
+        state.draft_valid_upto = round_start + 1 + min(num_accepted, num_proposed - 1)
+
+    def _pending_tokens(self, batch, state, rnd, row: int, size: int):
+        """(positions, token ids) the draft must run before sampling e_1 for one request."""
+        w = self.window
+        end = rnd.position + 1  # tokens through the newest one
+        start = w.window_start(end)
+        if w.needs_rebase(rnd.position + size, state.draft_rebase_offset):
+            start, state.draft_rebase_offset = w.rebase(end)
+            state.draft_valid_upto = 0
+            self.stats.add(draft_rebases=1)
+        positions = []
+        if not state.draft_sinks_valid:
+            positions += range(0, min(w.sink_tokens, end))
+        positions += range(max(state.draft_valid_upto, start, len(positions)), end)
+        return positions, _token_ids(batch, rnd, row, positions)
+
+    def _forward(self, batch, states, rows: list[int], chunks) -> torch.Tensor:
+        """One forward of the small draft; logits at the last token of each request."""
+        positions = [pos for pos, _ in chunks]
+        block_table = batch.block_table[torch.tensor(rows)]
+        seq_ends = torch.tensor([p[-1] + 1 for p in positions])  # [n] through each query
+        table, compact = self.window.table(block_table, seq_ends)
+        inputs = build_pass([toks for _, toks in chunks], positions, block_table,
+                            self.window.block_size, compact, sample_last=True)
+        offsets = torch.repeat_interleave(  # [T] the request's offset at each token
+            torch.tensor([states[r].draft_rebase_offset for r in rows]),
+            torch.tensor([len(p) for p in positions]))
+        inputs.positions = self.window.positions(inputs.positions, offsets)
+        return run_pass(self.model, self.vllm_config, self.attn_groups, inputs, table,
+                        self.device, self.stats)
 
 
 def _token_ids(batch, rnd, row: int, positions: list[int]) -> list[int]:
@@ -88,34 +131,8 @@ def _token_ids(batch, rnd, row: int, positions: list[int]) -> list[int]:
     return out
 
 
-def _draft_pass(proposer, batch, states, rows: list[int], chunks) -> torch.Tensor:
-    """One forward of the small draft; logits at the last token of each request."""
-    bs = proposer.block_size
-    b = proposer.blocks
-    ids, positions, qsl, ends, offsets = [], [], [0], [], []
-    for r, (pos, toks) in zip(rows, chunks):
-        ids += toks
-        positions += pos
-        qsl.append(len(ids))
-        ends.append(pos[-1] + 1)
-        offsets += [states[r].draft_rebase_offset] * len(pos)
-    block_table = batch.block_table[torch.tensor(rows)]
-    pos = torch.tensor(positions, dtype=torch.long)
-    req_of = torch.repeat_interleave(torch.arange(len(rows)), torch.diff(torch.tensor(qsl)))
-    slots = block_table[req_of, pos // bs].long() * bs + pos % bs
-    table, compact = streaming_table(block_table, torch.tensor(ends), b.draft_sink_blocks,
-                                     b.draft_window_blocks, bs)
-    inputs = PassInputs(
-        input_ids=torch.tensor(ids, dtype=torch.int32),
-        positions=draft_positions(pos, torch.tensor(offsets), b.draft_sink_blocks * bs),
-        slot_mapping=slots, query_start_loc=torch.tensor(qsl), seq_lens=compact,
-        sample_rows=torch.tensor(qsl[1:]) - 1)
-    return run_pass(proposer.model, proposer.vllm_config, proposer.draft_attn_groups, inputs,
-                    table, proposer.device, proposer.stats)
-
-
-def _sample(q: torch.Tensor, greedy: torch.Tensor, own_generators: list,
-            shared: torch.Generator) -> list[int]:
+def sample(q: torch.Tensor, greedy: torch.Tensor, own_generators: list,
+           shared: torch.Generator) -> list[int]:
     """One token per row of q [n, V]: argmax for greedy rows; a draw for the others, with
     the request's own generator (seeded requests: reproducible whatever the batch) or one
     batched draw from the shared generator. One device-to-host copy for the whole batch."""

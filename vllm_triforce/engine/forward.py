@@ -38,6 +38,30 @@ class PassInputs:
         return int(self.input_ids.shape[0])
 
 
+def build_pass(token_ids: list[list[int]], positions: list[list[int]], block_table: torch.Tensor,
+               block_size: int, seq_lens: torch.Tensor, sample_last: bool = False) -> PassInputs:
+    """One pass over n requests: request i runs `token_ids[i]` at absolute `positions[i]`.
+
+    block_table [n, width]: each request's physical blocks, used for the true KV slots
+    (slot = block_table[i, p // block_size] * block_size + p % block_size); seq_lens [n]:
+    tokens in each request's compacted row (the caller's table decides them). Samples
+    every token, or with `sample_last` the last token of each request. Example, block_size
+    4, two requests running [7, 8] at 5, 6 and [9] at 2, block_table [[10, 11], [20, 21]]:
+    input_ids [7, 8, 9], slots [45, 46, 82], query_start_loc [0, 2, 3], sample_rows [0, 1, 2]
+    (sample_last: [1, 2]). `positions` stays absolute; a level that rotates with other
+    positions (the small draft, core/streaming.py) replaces it.
+    """
+    lens = torch.tensor([len(p) for p in positions])  # [n]
+    qsl = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])  # [n + 1]
+    pos = torch.tensor([p for ps in positions for p in ps], dtype=torch.long)  # [T]
+    owner = torch.repeat_interleave(torch.arange(len(positions)), lens)  # [T] request of a token
+    slots = block_table[owner, pos // block_size].long() * block_size + pos % block_size
+    ids = torch.tensor([t for ts in token_ids for t in ts], dtype=torch.int32)  # [T]
+    return PassInputs(input_ids=ids, positions=pos, slot_mapping=slots, query_start_loc=qsl,
+                      seq_lens=seq_lens,
+                      sample_rows=qsl[1:] - 1 if sample_last else torch.arange(int(qsl[-1])))
+
+
 def build_common(inputs: PassInputs, block_table: torch.Tensor, device) -> CommonAttentionMetadata:
     qsl_cpu = inputs.query_start_loc.to(torch.int32)
     seq_lens_cpu = inputs.seq_lens.to(torch.int32)

@@ -5,15 +5,22 @@ A subclass of vLLM's `DraftModelProposer` (vllm/v1/spec_decode/draft_model.py) s
 sampler, with our middle-level probabilities as draft probs) and commits. Per step, after
 vLLM's full-cache verification pass:
 
-1. commit   -- keys of tokens that are now final go into the per-block summaries;
-2. select   -- requests due for a refresh re-score their blocks (core/selection.py);
-3. middle loop, until every decoding request holds gamma2 tokens:
-     level 1: the small draft over its StreamingLLM table proposes gamma1 tokens;
+1. commit   -- keys of tokens that are now final go into the per-block summaries
+               (RetrievalLevel.commit, engine/retrieval_level.py);
+2. select   -- requests due for a refresh re-score their blocks (RetrievalLevel.select,
+               core/selection.py);
+3. middle loop (MiddleLoop.run, engine/middle.py), until each decoding request holds its
+   number of drafts (today gamma2 for all):
+     level 1: the small draft over its StreamingLLM table proposes gamma1 tokens
+              (DraftLevel, engine/draft_level.py);
      level 2: the target over per-layer retrieval tables scores them (zero-copy: a
               different block table per layer through the stock attention backend);
      exact speculative sampling between the two (core/verify.py);
-4. hand vLLM gamma2 drafts and, as draft probs, the level-2 distribution each token was
-   drawn from, so level 3 (vLLM's verification over the full cache) stays lossless.
+4. hand-off -- vLLM gets gamma2 drafts and, as draft probs, the level-2 distribution each
+   token was drawn from, so level 3 (vLLM's verification over the full cache) stays lossless.
+
+The levels are built in `initialize_attn_backend`, each with exactly what it uses; only this
+class reads the runner and the `DraftModelProposer` base class's attributes.
 
 Tensor parallelism: every rank runs this code. Selections may differ per rank (each rank
 scores its own KV heads), but every decision that shapes a collective -- which requests
@@ -36,19 +43,19 @@ from vllm.config import get_layers_from_vllm_config
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
 from vllm_triforce import engine_settings, metrics
-from vllm_triforce.config import TriForceConfig, TriForceConfigError
+from vllm_triforce.config import FORCED_SETTINGS_KEY, TriForceConfig, TriForceConfigError
 from vllm_triforce.core.refresh import RefreshPolicy
 from vllm_triforce.core.selection import SelectionState, make_policy
 from vllm_triforce.core.summaries import BlockSummaries
-from vllm_triforce.engine import levels
+from vllm_triforce.engine import capture
 from vllm_triforce.engine.batch import StepBatch
+from vllm_triforce.engine.draft_level import DraftLevel, draft_window
 from vllm_triforce.engine.forward import metadata_path
 from vllm_triforce.engine.memory import MemoryPlan
+from vllm_triforce.engine.middle import MiddleLoop, hand_off
+from vllm_triforce.engine.retrieval_level import RetrievalLevel
 from vllm_triforce.engine.state import RequestState, StateTable
 from vllm_triforce.engine.stats import TriForceStats
-from vllm_triforce.patches import attention_capture
-from vllm_triforce.patches.runner import triforce_settings
-from vllm_triforce.patches.spec_config import FORCED_SETTINGS_KEY
 
 logger = init_logger("vllm.triforce")
 
@@ -59,15 +66,14 @@ class TriForceProposer(DraftModelProposer):
         engine_settings.check_effective(vllm_config)  # before any weights load
         super().__init__(vllm_config=vllm_config, device=device, runner=runner)
         self.runner = runner
-        self.cfg = TriForceConfig.from_dict(triforce_settings(vllm_config))
+        self.cfg = TriForceConfig.from_vllm_config(vllm_config)
         self.forced_settings = (vllm_config.additional_config or {}).get(FORCED_SETTINGS_KEY, [])
         self.reserved_bytes = 0  # set by reserve_memory (patches/kv_reservation.py)
         self._probs_buffer: torch.Tensor | None = None
         self.has_draft = self.cfg.model is not None
         self.blocks = self.cfg.in_blocks(vllm_config.cache_config.block_size)
         if self.has_draft:
-            hf = self.speculative_config.draft_model_config.hf_config
-            self.blocks.check_draft_context(self.cfg, hf.max_position_embeddings)
+            self._draft_window(self.blocks)  # refuse a window the draft's context cannot hold
         self.policy = make_policy(self.cfg.selection_policy)
         self.refresh = RefreshPolicy(self.cfg.refresh_interval,
                                      self.cfg.refresh_acceptance_threshold)
@@ -80,7 +86,12 @@ class TriForceProposer(DraftModelProposer):
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(0 if seed is None else seed)
         self.summaries: BlockSummaries | None = None
-        self.capture: attention_capture.LayerCapture | None = None
+        self.capture: capture.LayerCapture | None = None
+        # The levels, built in initialize_attn_backend (engine/retrieval_level.py,
+        # engine/draft_level.py, engine/middle.py).
+        self.retrieval: RetrievalLevel | None = None
+        self.draft: DraftLevel | None = None
+        self.middle: MiddleLoop | None = None
         logger.info("TriForce: %s levels, gamma2=%d, gamma1=%d, retrieval budget %d blocks of %d "
                     "tokens, policy %s", 3 if self.has_draft else 2,
                     self.cfg.num_speculative_tokens, self.cfg.draft_tokens_per_round,
@@ -98,8 +109,7 @@ class TriForceProposer(DraftModelProposer):
         layers = get_layers_from_vllm_config(self.vllm_config, Attention)
         self.target_layer_names = sorted(target_names, key=extract_layer_index)
         self.target_layers = [layers[n] for n in self.target_layer_names]
-        self.capture = attention_capture.LayerCapture(len(self.target_layers))
-        attention_capture.install(self.target_layers, self.capture)
+        self.capture = capture.install(self.target_layers)
 
     def initialize_attn_backend(self, kv_cache_config, kernel_block_sizes=None) -> None:
         if len(kv_cache_config.kv_cache_groups) != 1:
@@ -124,10 +134,34 @@ class TriForceProposer(DraftModelProposer):
             device=self.device)
         backend = self.runner.attn_groups[0][0].backend.get_name()
         metadata_path(backend)  # refuse an unsupported backend now, not at the first pass
+        self._build_levels()
         logger.info(engine_settings.describe(self.vllm_config, backend, self.forced_settings))
         logger.info("TriForce block summaries: %.1f MiB for %d blocks (%s); probability buffers "
                     "%.1f MiB", self.summaries.nbytes() / 2**20, kv_cache_config.num_blocks,
                     kv_dtype, self._probs_buffer.nbytes / 2**20)
+
+    def _build_levels(self) -> None:
+        """Each level gets exactly what it uses. Counts are in the KV-cache spec's blocks
+        (the same size as cache_config's, which __init__ checked against)."""
+        blocks = self.cfg.in_blocks(self.block_size)
+        layer = self.target_layers[0]
+        target_groups = [g for groups in self.runner.attn_groups for g in groups]
+        self.retrieval = RetrievalLevel(
+            self.target_model, self.vllm_config, target_groups, self.target_layer_names,
+            layer.num_heads, layer.head_size, self.capture, self.summaries, self.policy,
+            self.refresh, blocks, self.stats, self.device)
+        self.draft = None
+        if self.has_draft:
+            self.draft = DraftLevel(self.model, self.vllm_config, self.draft_attn_groups,
+                                    self._draft_window(blocks), self.stats, self.generator,
+                                    self.device)
+        self.middle = MiddleLoop(self.retrieval, self.draft, self.cfg.draft_tokens_per_round,
+                                 self.refresh, self.stats, self.generator,
+                                 self.cfg.measure_middle_acceptance)
+
+    def _draft_window(self, blocks):
+        hf = self.speculative_config.draft_model_config.hf_config
+        return draft_window(self.cfg, blocks, hf.max_position_embeddings)
 
     def memory_plan(self) -> MemoryPlan:
         """What this proposer will allocate beside the KV cache (engine/memory.py)."""
@@ -176,9 +210,7 @@ class TriForceProposer(DraftModelProposer):
         self.capture.enabled = False
         try:
             states = [self.states.get(r, self._new_state) for r in batch.req_ids]
-            levels.commit(self, batch, states)
-            drafts, probs = levels.draft(self, batch, states, num_speculative_tokens,
-                                         self._probs_buffer)
+            drafts, probs = self._step(batch, states, num_speculative_tokens)
         finally:
             self.capture.enabled = True
             self.capture.clear()
@@ -186,6 +218,19 @@ class TriForceProposer(DraftModelProposer):
         self.stats.add(middle_seconds=time.perf_counter() - start)
         self._publish_stats()
         return drafts.to(self.device)
+
+    def _step(self, batch, states, num_drafts: int):
+        """commit -> select -> middle loop -> hand-off; returns drafts [R, num_drafts] and
+        their probs [R, num_drafts, V] (None when every request is greedy or none decodes)."""
+        if self.draft is not None:
+            self.draft.invalidate(batch, states)
+        self.retrieval.commit(batch, states, judged_alone=self.draft is None)
+        rows = [r for r in range(batch.num_reqs) if bool(batch.decoding[r])]
+        if not rows or num_drafts == 0:
+            return torch.zeros(batch.num_reqs, num_drafts, dtype=torch.long), None
+        self.retrieval.select(batch, states, rows)
+        rounds = self.middle.run(batch, states, rows, [num_drafts] * len(rows))
+        return hand_off(batch, states, rounds, rows, num_drafts, self._probs_buffer)
 
     def _publish_stats(self) -> None:
         """Log and export the counters from TP rank 0 (every rank holds the same ones)."""

@@ -8,7 +8,7 @@ stays valid. Draft-KV bookkeeping is reset by the rule in `invalidate_draft_from
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -29,7 +29,6 @@ class RequestState:
     # Middle-level drafts handed to vLLM last step (to count top-level acceptance).
     last_num_drafts: int = 0
     generator: torch.Generator | None = None
-    extra: dict = field(default_factory=dict)
 
     def invalidate_draft_from(self, position: int, sink_tokens: int) -> None:
         """The target recomputed tokens from `position` on (a verification pass, a prefill

@@ -1,0 +1,147 @@
+"""The middle loop: rounds of level 1 proposing and level 2 verifying, then the hand-off.
+
+Terms. *middle tokens*: tokens accepted at level 2 this step, to be handed to vLLM as
+drafts. A *round* is one level-1 proposal of up to gamma1 tokens per request followed by one
+level-2 pass that verifies them and emits one more token (recovered or bonus). With gamma1 = 0
+(no small draft, or the small draft off this step) a round is the retrieval level drafting by
+itself: one token per request, sampled from its distribution.
+
+Worked example, gamma1 = 2, num_drafts = [3, 0, 5] for decoding rows [0, 2, 5]: row 2 does no
+middle work; round 1 proposes 2 tokens for rows 0 and 5 and each keeps the accepted ones plus
+one (say row 0 holds 3, row 5 holds 1); round 2 runs only row 5 (2 proposals); and so on until
+every row holds its count. A row may hold more than asked (a round emits up to gamma1 + 1
+tokens); the hand-off takes the first num_drafts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_triforce.core.verify import verify
+
+
+class Round:
+    """Per decoding request: the middle tokens so far and where the next input sits."""
+
+    def __init__(self, last_token: int, position: int):
+        self.tokens: list[int] = []
+        self.probs: list[torch.Tensor] = []  # [V] each: the distribution the token came from
+        self.last_token = last_token           # newest token, not yet in the target's KV
+        self.position = position               # its position
+
+
+class MiddleLoop:
+    """Runs `retrieval` (level 2), with `draft` (level 1, None in two-level mode) proposing
+    `gamma1` tokens per round; `refresh` hears every round's acceptance, `stats` counts, and
+    `generator` samples for requests without a seed of their own."""
+
+    def __init__(self, retrieval, draft, gamma1: int, refresh, stats,
+                 generator: torch.Generator, measure_middle_acceptance: bool):
+        self.retrieval = retrieval
+        self.draft = draft
+        self.gamma1 = gamma1 if draft is not None else 0
+        self.refresh = refresh
+        self.stats = stats
+        self.generator = generator
+        self.measure = measure_middle_acceptance
+
+    def run(self, batch, states, rows: list[int], num_drafts: list[int],
+            use_draft: bool = True) -> dict[int, Round]:
+        """Middle tokens for decoding `rows`: rows[i] gets at least num_drafts[i] (0: no middle
+        work at all). `use_draft` False: the small draft sits out (gamma1 = 0 this step)."""
+        rounds = {r: Round(int(batch.next_tokens[r]), int(batch.committed[r])) for r in rows}
+        wanted = dict(zip(rows, num_drafts))
+        gamma1 = self.gamma1 if use_draft else 0
+        measured = [r for r in rows if wanted[r] > 0]
+        full_probs = self._full_cache_probs(batch, rounds, measured) if self.measure else None
+        while True:
+            active = [r for r in rows if len(rounds[r].tokens) < wanted[r]]
+            if not active:
+                return rounds
+            sizes = [min(gamma1, wanted[r] - len(rounds[r].tokens)) for r in active]
+            self._round(batch, states, rounds, active, sizes)
+            self.stats.add(middle_rounds=1)
+            if full_probs is not None:  # first round: q at the first middle position
+                q = torch.stack([rounds[r].probs[0] for r in measured])
+                self.stats.add(middle_pq_sum=float(torch.minimum(full_probs, q).sum()),
+                               middle_pq_count=len(measured))
+                full_probs = None
+
+    def _full_cache_probs(self, batch, rounds, rows: list[int]):
+        if not rows:
+            return None
+        return self.retrieval.full_cache_probs(batch, rows, [rounds[r].last_token for r in rows],
+                                               [rounds[r].position for r in rows])
+
+    def _round(self, batch, states, rounds, active: list[int], sizes: list[int]) -> None:
+        """One round for requests `active`, request active[i] proposing sizes[i] tokens."""
+        if max(sizes) > 0:
+            proposals, proposal_probs = self.draft.propose(batch, states, rounds, active, sizes)
+        else:
+            proposals, proposal_probs = [[] for _ in active], None
+        logits = self.retrieval.forward(
+            batch, states, active, [[rounds[r].last_token] + p for r, p in zip(active, proposals)],
+            [list(range(rounds[r].position, rounds[r].position + 1 + len(p)))
+             for r, p in zip(active, proposals)])
+        rows = torch.tensor(active)
+        num_inputs = torch.tensor([len(p) + 1 for p in proposals])  # [A] tokens per request
+        target_probs = _per_request(batch.probs(logits, torch.repeat_interleave(rows, num_inputs)),
+                                    num_inputs)  # [A, max(sizes) + 1, V]
+        draft_ids = torch.zeros(len(active), max(sizes), dtype=torch.long)
+        for i, props in enumerate(proposals):
+            draft_ids[i, :len(props)] = torch.tensor(props, dtype=torch.long)
+        device = logits.device
+        result = verify(draft_ids.to(device), proposal_probs, target_probs,
+                        (num_inputs - 1).to(device), batch.greedy[rows].to(device),
+                        [states[r].generator or self.generator for r in active])
+        # the round's one device-to-host copy: [A, 1 + G + 1] = num_accepted, then the tokens
+        host = torch.cat([result.num_accepted[:, None], result.output_token_ids], 1).tolist()
+        for i, r in enumerate(active):
+            accepted = host[i][0]
+            self._advance(states[r], rounds[r], host[i][1:accepted + 2], target_probs[i],
+                          len(proposals[i]))
+
+    def _advance(self, state, rnd: Round, emitted: list[int], target_probs,
+                 num_proposed: int) -> None:
+        """`emitted`: the round's accepted drafts then one recovered/bonus token; target_probs
+        [max + 1, V] the distributions they were drawn from."""
+        accepted = len(emitted) - 1
+        rnd.tokens += emitted
+        rnd.probs += list(target_probs[:accepted + 1])
+        rnd.last_token = emitted[-1]
+        rnd.position += accepted + 1
+        if num_proposed:
+            self.draft.after_round(state, rnd, num_proposed, accepted)
+            self.refresh.record_round(state.refresh, num_proposed, accepted)
+            self.stats.record_middle(num_proposed, accepted)
+
+
+def _per_request(token_probs: torch.Tensor, num_inputs: torch.Tensor) -> torch.Tensor:
+    """[T, V] rows of consecutive requests (num_inputs [A] each) -> [A, max, V], zero-padded."""
+    owner = torch.repeat_interleave(torch.arange(num_inputs.numel()), num_inputs)  # [T]
+    starts = torch.cumsum(num_inputs, 0) - num_inputs
+    slot = torch.arange(owner.numel()) - starts[owner]  # [T] index inside its request
+    out = token_probs.new_zeros(num_inputs.numel(), int(num_inputs.max()),
+                                token_probs.shape[-1])
+    device = token_probs.device
+    out[owner.to(device), slot.to(device)] = token_probs
+    return out
+
+
+def hand_off(batch, states, rounds: dict[int, Round], rows: list[int], num_drafts: int,
+             probs_buffer: torch.Tensor):
+    """What vLLM gets: drafts [R, num_drafts] (zero for rows not decoding) and, unless every
+    row is greedy, their probs [R, num_drafts, V]: a view of `probs_buffer` [max_num_seqs,
+    gamma2, V], preallocated and reserved (engine/memory.py). Each row in `rows` must hold
+    at least num_drafts middle tokens."""
+    drafts = torch.zeros(batch.num_reqs, num_drafts, dtype=torch.long)
+    probs = None
+    if not bool(batch.greedy[rows].all()):
+        probs = probs_buffer[:batch.num_reqs, :num_drafts]
+        probs.zero_()
+    for r in rows:
+        drafts[r] = torch.tensor(rounds[r].tokens[:num_drafts])
+        states[r].last_num_drafts = num_drafts
+        if probs is not None:
+            probs[r] = torch.stack(rounds[r].probs[:num_drafts])
+    return drafts, probs

@@ -1,0 +1,156 @@
+"""Level 2: the target over per-layer retrieval tables, and the block summaries it selects by.
+
+Per step, after vLLM's full-cache verification pass: `commit` folds the keys that became
+final into the block summaries; `select` re-scores the blocks of requests due for a refresh
+(core/selection.py, core/refresh.py); each middle round then runs `forward`: the target over
+a different compacted block table per layer, through the stock attention backend (zero-copy).
+
+Terms. *committed*: positions whose KV is exact (written by vLLM's full-cache pass and
+accepted). Selections are kept per request as logical blocks (engine/state.py).
+
+Slots: vLLM reserves KV slots for `num_speculative_tokens` (= gamma2) lookahead positions; a
+round never drafts past gamma2 middle tokens, so every pass here writes only slots inside that
+reservation. Level-2 passes write approximate target KV into the real slots of not-yet-verified
+positions; vLLM's next full pass rewrites those slots before they are read, and summaries only
+ever take committed keys.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_triforce.config import BlockCounts
+from vllm_triforce.core.selection import (Selection, SelectionPolicy, build_block_tables,
+                                          select_blocks)
+from vllm_triforce.engine.forward import build_pass, run_pass
+
+
+class RetrievalLevel:
+    """The target (`model`, its attention layers `layer_names` in layer order, `attn_groups`)
+    over retrieval tables chosen by `policy` from `summaries` of the keys `capture` records.
+    `num_heads`, `head_size`: the target's query heads, to read captured queries."""
+
+    def __init__(self, model, vllm_config, attn_groups, layer_names: list[str], num_heads: int,
+                 head_size: int, capture, summaries, policy: SelectionPolicy, refresh,
+                 blocks: BlockCounts, stats, device):
+        self.model = model
+        self.vllm_config = vllm_config
+        self.attn_groups = attn_groups
+        self.layer_names = layer_names
+        self.num_heads, self.head_size = num_heads, head_size
+        self.capture = capture
+        self.summaries = summaries
+        self.policy = policy
+        self.refresh = refresh
+        self.blocks = blocks
+        self.stats = stats
+        self.device = device
+
+    # ---- commit ---------------------------------------------------------------------
+    def commit(self, batch, states, judged_alone: bool) -> None:
+        """Count what vLLM's verification accepted of last step's drafts and fold the keys
+        that became final into the block summaries. `judged_alone`: the drafts were this
+        level's own (no small draft), so they also count toward its refresh acceptance."""
+        for r in range(batch.num_reqs):
+            # This pass verified our drafts iff it ran at most the drafts we handed vLLM last
+            # step after the newest token (the scheduler may trim them); a prefill chunk does not.
+            num_verified = int(batch.q_lens[r]) - 1
+            if 0 < num_verified <= states[r].last_num_drafts:
+                accepted = num_verified - int(batch.num_rejected[r])
+                self.stats.record_verification(num_verified, accepted)
+                if judged_alone:
+                    self.refresh.record_round(states[r].refresh, num_verified, accepted)
+            states[r].last_num_drafts = 0
+        self._add_committed_keys(batch)
+
+    def _add_committed_keys(self, batch) -> None:
+        bs = self.blocks.block_size
+        num_new = batch.q_lens - batch.num_rejected  # [R] tokens committed by this pass
+        rows = torch.cat([batch.query_start_loc[r] + torch.arange(int(num_new[r]))
+                          for r in range(batch.num_reqs)])  # [N] rows of the verification pass
+        positions = torch.cat([batch.verify_start[r] + torch.arange(int(num_new[r]))
+                               for r in range(batch.num_reqs)])  # [N]
+        keys = self.capture.keys
+        if rows.numel() == 0 or keys[0] is None:
+            return
+        req_of_row = torch.repeat_interleave(torch.arange(batch.num_reqs), num_new)
+        block_ids = batch.block_table[req_of_row, positions // bs].long()
+        self.summaries.add_committed(keys, rows, block_ids, positions % bs)
+
+    # ---- select ---------------------------------------------------------------------
+    def select(self, batch, states, rows: list[int]) -> None:
+        """Re-select the blocks of requests due a refresh; the others' policies observe."""
+        due = [r for r in rows
+               if states[r].logical_blocks is None
+               or self.refresh.should_refresh(states[r].refresh, int(batch.committed[r]))]
+        if self.capture.queries[0] is None:
+            return
+        rest = [r for r in rows if r not in due]
+        if rest and type(self.policy).observe is not SelectionPolicy.observe:  # h2o accumulates
+            idx = torch.tensor(rest)
+            self.policy.observe(self._last_committed_queries(batch, idx), self.summaries,
+                                batch.block_table[idx].to(self.device), batch.committed[idx],
+                                [states[r].policy_state for r in rest])
+        if due:
+            self._reselect(batch, states, due)
+
+    def _reselect(self, batch, states, due: list[int]) -> None:
+        idx = torch.tensor(due)
+        committed = batch.committed[idx].to(self.device)
+        scores = self.policy.block_scores(
+            self._last_committed_queries(batch, idx), self.summaries,
+            batch.block_table[idx].to(self.device), committed,
+            [states[r].policy_state for r in due])
+        b = self.blocks
+        sel = select_blocks(scores, committed, b.block_size, b.budget_blocks,
+                            b.retrieval_sink_blocks, b.retrieval_recent_blocks)
+        for i, r in enumerate(due):
+            st = states[r]
+            st.logical_blocks = sel.logical_blocks[i].cpu()
+            st.num_selected = int(sel.num_selected[i])
+            st.tail_start = int(sel.tail_start[i])
+            self.refresh.record_selection(st.refresh, int(batch.committed[r]))
+        self.stats.add(refreshes=len(due))
+
+    def _last_committed_queries(self, batch, rows_idx: torch.Tensor) -> torch.Tensor:
+        """[n, num_layers, Hq, D] query of each request's last committed token, per layer."""
+        rows = (batch.query_start_loc[:-1] + batch.q_lens - batch.num_rejected - 1)[rows_idx]
+        qs = [q.view(q.shape[0], self.num_heads, self.head_size)[rows.to(q.device)]
+              for q in self.capture.queries]
+        return torch.stack(qs, dim=1)
+
+    # ---- the passes -----------------------------------------------------------------
+    def forward(self, batch, states, rows: list[int], token_ids: list[list[int]],
+                positions: list[list[int]]) -> torch.Tensor:
+        """Request rows[i] runs token_ids[i] at positions[i] over its retrieval tables;
+        returns the logits of every input token [sum of lengths, V]."""
+        block_table = batch.block_table[torch.tensor(rows)]
+        seq_ends = torch.tensor([p[-1] + 1 for p in positions], dtype=torch.long)
+        tables, compact = build_block_tables(_selection_of(states, rows), block_table, seq_ends,
+                                             self.blocks.block_size)
+        inputs = build_pass(token_ids, positions, block_table, self.blocks.block_size,
+                            compact[0])
+        per_layer = {name: tables[l] for l, name in enumerate(self.layer_names)}
+        return run_pass(self.model, self.vllm_config, self.attn_groups, inputs, per_layer,
+                        self.device, self.stats)
+
+    def full_cache_probs(self, batch, rows: list[int], token_ids: list[int],
+                         positions: list[int]) -> torch.Tensor:
+        """[len(rows), V]: the target over its FULL cache, request rows[i] running token_ids[i]
+        at positions[i] (its first middle position: every earlier position is committed, so
+        this is exactly the distribution vLLM's verification will use there). Diagnostic for
+        `measure_middle_acceptance`. It writes the token's exact KV into its slot; the
+        retrieval pass that follows overwrites that slot as it always does."""
+        block_table = batch.block_table[torch.tensor(rows)]
+        inputs = build_pass([[t] for t in token_ids], [[p] for p in positions], block_table,
+                            self.blocks.block_size, torch.tensor(positions) + 1)
+        per_layer = dict.fromkeys(self.layer_names, block_table)
+        logits = run_pass(self.model, self.vllm_config, self.attn_groups, inputs, per_layer,
+                          self.device, self.stats)
+        return batch.probs(logits, torch.tensor(rows))
+
+
+def _selection_of(states, rows: list[int]) -> Selection:
+    return Selection(torch.stack([states[r].logical_blocks for r in rows]),
+                     torch.tensor([states[r].num_selected for r in rows]),
+                     torch.tensor([states[r].tail_start for r in rows]))
