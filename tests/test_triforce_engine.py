@@ -27,11 +27,14 @@ def greedy_params():
     return [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in MAX_TOKENS]
 
 
-def generate(model, spec=None, **over):
+def generate(model, spec=None, schedule=None, **over):
+    """`schedule`: depths the controller must use in turn (its test hook)."""
     from vllm import LLM
 
     kwargs = make_engine_kwargs(**over)
     llm = LLM(str(model), speculative_config=spec, disable_log_stats=spec is None, **kwargs)
+    if schedule is not None:
+        drafter_of(llm).depth.controller.forced = schedule
     try:
         outs = llm.generate(prompts(), greedy_params(), use_tqdm=False)
         tokens = [list(o.outputs[0].token_ids) for o in outs]
@@ -57,9 +60,11 @@ def plain(model):
 
 
 def two_level(policy="retrieval", **extra):
+    """Fixed depth (adaptive off) unless asked: the counters these tests compare are then
+    deterministic. The controller's tests below turn it on."""
     return {"method": "triforce", "num_speculative_tokens": 4, "retrieval_budget": 160,
             "retrieval_sink_tokens": 16, "retrieval_recent_tokens": 32,
-            "selection_policy": policy, "refresh_interval": 16,
+            "selection_policy": policy, "refresh_interval": 16, "adaptive": False,
             "allow_full_key_copy": policy in ("h2o", "topk_oracle"), **extra}
 
 
@@ -207,3 +212,49 @@ def test_two_level_refreshes_when_full_cache_acceptance_drops(tiny_llama):
                                                  refresh_acceptance_threshold=0.0))
     assert quiet["refreshes"] == len(PROMPT_WORDS)
     assert stats["refreshes"] > len(PROMPT_WORDS)
+
+
+# ---- the depth controller (core/controller.py, engine/depth.py) --------------------------
+SCHEDULE = [3, 0, 4, 1, 0, 2]  # depths in turn, plain steps among them
+
+
+def test_varying_depth_two_level_greedy_identical(tiny_llama):
+    """Depth changes from step to step (0 included): vLLM's variable-length draft path."""
+    tokens, stats, metrics = generate(tiny_llama, two_level(adaptive=True), schedule=SCHEDULE)
+    assert tokens == plain(tiny_llama)
+    used = {k for k, n in enumerate(stats["depth_counts"]) if n}
+    assert {0, 1, 2, 3, 4} <= used and stats["plain_steps"] > 0
+    assert stats["top_proposed"] == metrics["vllm:spec_decode_num_draft_tokens"] > 0
+
+
+def test_varying_depth_three_level_greedy_identical(tiny_qwen2, tiny_draft):
+    tokens, stats, _ = generate(tiny_qwen2, three_level(tiny_draft, adaptive=True),
+                                schedule=SCHEDULE)
+    assert tokens == plain(tiny_qwen2)
+    assert stats["middle_proposed"] > 0 and stats["plain_steps"] > 0
+
+
+def test_depth_zero_runs_no_middle_pass(tiny_llama):
+    tokens, stats, metrics = generate(tiny_llama, two_level(adaptive=True), schedule=[0])
+    assert tokens == plain(tiny_llama)
+    assert stats["middle_rounds"] == 0 and stats["top_proposed"] == 0
+    assert stats["drafting_steps"] == 0 and stats["plain_steps"] > 0
+    assert not metrics.get("vllm:spec_decode_num_draft_tokens")
+
+
+def test_controller_decides_and_stays_identical(tiny_qwen2, tiny_draft):
+    """The real controller (timing-driven, so its choices vary run to run): output is
+    identical whatever it chooses, and its choices and rates are reported."""
+    tokens, stats, metrics = generate(tiny_qwen2, three_level(tiny_draft, adaptive=True))
+    assert tokens == plain(tiny_qwen2)
+    assert sum(stats["depth_counts"]) >= stats["plain_steps"] + stats["drafting_steps"] > 0
+    assert stats["drafting_steps"] > 0  # start-up measures drafting at least once
+    assert metrics["vllm:triforce_drafting_steps"] >= stats["drafting_steps"]
+
+
+def test_dynamic_sd_table_caps_the_depth(tiny_llama):
+    """vLLM's num_speculative_tokens_per_batch_size passes through; its k bounds each step."""
+    spec = two_level(adaptive=True, num_speculative_tokens_per_batch_size=[[1, 256, 2]])
+    tokens, stats, _ = generate(tiny_llama, spec, schedule=[4])
+    assert tokens == plain(tiny_llama)
+    assert len(stats["depth_counts"]) == 3 and stats["depth_counts"][2] > 0

@@ -15,11 +15,14 @@ NUM_SAMPLES = 400
 ALPHA = 1e-3  # fixed seeds: the outcome is deterministic; ALPHA only sets the bar
 
 
-def _samples(model, spec, temperature, seed=0):
-    """NUM_SAMPLES continuations of one prompt (longer than the retrieval budget)."""
+def _samples(model, spec, temperature, seed=0, schedule=None):
+    """NUM_SAMPLES continuations of one prompt (longer than the retrieval budget).
+    `schedule`: depths the depth controller must use in turn (its test hook)."""
     from vllm import LLM, SamplingParams
 
     llm = LLM(str(model), speculative_config=spec, **make_engine_kwargs(seed=seed))
+    if schedule is not None:
+        drafter_of(llm).depth.controller.forced = schedule
     params = SamplingParams(temperature=temperature, max_tokens=4, ignore_eos=True)
     prompt = tiny_models.make_text(220, seed=7)
     try:
@@ -71,7 +74,9 @@ def test_distribution_test_can_fail(tiny_llama, plain_samples):
 
 @pytest.fixture(scope="module")
 def triforce_samples(tiny_llama):
-    return _samples(tiny_llama, two_level(), 1.0)
+    """The depth controller on, its depths varying per request and per step (0 included):
+    a draft length chosen without looking at its verification keeps sampling exact."""
+    return _samples(tiny_llama, two_level(adaptive=True), 1.0, schedule=[3, 0, 2, 1])
 
 
 def test_seeded_triforce_is_reproducible(tiny_llama):

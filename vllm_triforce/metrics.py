@@ -36,10 +36,17 @@ COUNTERS = {
     "draft_rebases": "StreamingLLM position re-bases of the small draft",
     "top_proposed": "Middle-level tokens verified by the target over its full cache",
     "top_accepted": "Of those, tokens accepted by the full-cache verification",
+    "plain_steps": "Steps in which the depth controller handed vLLM no draft at all",
+    "drafting_steps": "Steps in which at least one request was handed drafts",
 }
 GAUGES = {
     "live_requests": "Requests holding TriForce per-request state (freed with the request)",
+    "predicted_tokens_per_s": "Depth controller: predicted tokens/s of its plans (decayed mean)",
+    "achieved_tokens_per_s": "Depth controller: achieved tokens/s of decode steps (decayed)",
 }
+# Histogram: the depth (tokens handed to vLLM) chosen per decoding request and step.
+HISTOGRAM = ("depth_counts", "chosen_depth",
+             "Tokens handed to vLLM per decoding request and step (0: a plain decode step)")
 _registered = False
 
 
@@ -59,7 +66,7 @@ def write_snapshot(source_id: str, snapshot: dict[str, int]) -> None:
     """Called by the worker: publish this engine's cumulative counters."""
     directory = metrics_dir()
     tmp = directory / f".{source_id}.tmp"
-    tmp.write_text(json.dumps({k: snapshot[k] for k in (*COUNTERS, *GAUGES)}))
+    tmp.write_text(json.dumps({k: snapshot[k] for k in (*COUNTERS, *GAUGES, HISTOGRAM[0])}))
     os.replace(tmp, directory / f"{source_id}.json")
 
 
@@ -79,8 +86,8 @@ def retire_snapshot(source_id: str, snapshot) -> None:
         pass
 
 
-def read_totals() -> dict[str, int]:
-    totals = dict.fromkeys((*COUNTERS, *GAUGES), 0)
+def read_totals() -> dict:
+    totals = {**dict.fromkeys((*COUNTERS, *GAUGES), 0), HISTOGRAM[0]: []}
     path = os.environ.get(ENV_DIR)
     if path is None or not os.path.isdir(path):
         return totals
@@ -90,10 +97,16 @@ def read_totals() -> dict[str, int]:
         except (OSError, ValueError):  # being replaced right now: next scrape has it
             continue
         alive = _alive(file.name.split("-", 1)[0])
-        for name in totals:
+        for name in (*COUNTERS, *GAUGES):
             if name in COUNTERS or alive:  # a dead worker's gauge is no longer current
-                totals[name] += int(values.get(name, 0))
+                totals[name] += values.get(name, 0)
+        totals[HISTOGRAM[0]] = _add_lists(totals[HISTOGRAM[0]], values.get(HISTOGRAM[0], []))
     return totals
+
+
+def _add_lists(a: list, b: list) -> list:
+    return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0)
+            for i in range(max(len(a), len(b)))]
 
 
 def _alive(pid: str) -> bool:
@@ -111,13 +124,19 @@ class TriForceCollector:
     """Prometheus collector: one counter family per TriForce counter."""
 
     def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                            HistogramMetricFamily)
 
         totals = read_totals()
         for name, doc in COUNTERS.items():
             yield CounterMetricFamily(PREFIX + name, doc, value=totals[name])
         for name, doc in GAUGES.items():
             yield GaugeMetricFamily(PREFIX + name, doc, value=totals[name])
+        counts = totals[HISTOGRAM[0]]
+        cumulative = [sum(counts[:k + 1]) for k in range(len(counts))]
+        buckets = [(str(k), c) for k, c in enumerate(cumulative)] + [("+Inf", sum(counts))]
+        yield HistogramMetricFamily(PREFIX + HISTOGRAM[1], HISTOGRAM[2], buckets=buckets,
+                                    sum_value=sum(k * c for k, c in enumerate(counts)))
 
 
 def register_collector() -> None:

@@ -80,7 +80,7 @@ def run_one(job: dict, run: dict) -> dict:
               "vllm_spec": _delta(_spec_metrics(llm), spec_before)}
     if drafter is not None:
         after = drafter.stats.snapshot()
-        result["triforce"] = {k: after[k] - before[k] for k in after}
+        result["triforce"] = {k: _stat_delta(k, after[k], before[k]) for k in after}
     if run.get("calibrate"):
         result["calibration"] = calibrate(llm, [p["prompt_token_ids"] for p in prompts], tokens,
                                           block_size=llm.llm_engine.vllm_config.cache_config
@@ -135,6 +135,16 @@ def calibrate(llm, prompts: list[list[int]], continuations: list[list[int]], *,
         cut = min(max(c // block_size, 1) * block_size, len(whole[0]) - block_size)
         out["context_step_s"][c] = decode_and_overhead([ids[:cut + 1] for ids in whole])[0]
     return out
+
+
+def _stat_delta(name: str, after, before):
+    """Counters of the timed runs: differences (element-wise for the depth histogram);
+    the tokens-per-second rates are decayed gauges, taken as they are at the end."""
+    if isinstance(after, list):
+        return [a - (before[i] if i < len(before) else 0) for i, a in enumerate(after)]
+    if name.endswith("tokens_per_s"):
+        return after
+    return after - before
 
 
 def _spec_metrics(llm) -> dict:

@@ -239,7 +239,8 @@ class SpeculationController:
     The engine calls, per step: `observe_step` (vLLM's step time and its query tokens),
     `observe_verification` (per request: drafts verified / accepted), `observe_round` (each
     middle round's time), `observe_overhead` (the rest of the proposer's time), then `plan`.
-    `forced`: a test hook; a list of maximum depths used in turn instead of the decision.
+    `forced`: a test hook; depths used in turn instead of the decision (request i of the
+    n-th plan gets forced[(n + i) % len(forced)], so depths vary within and across steps).
     """
 
     def __init__(self, max_depth: int, has_draft: bool, probe_interval: int = 32,
@@ -309,9 +310,10 @@ class SpeculationController:
     def plan(self, req_ids: list[str], max_depth: int) -> Plan:
         """Depths for the decoding requests `req_ids` (max_depth: this step's upper bound)."""
         max_depth = min(max_depth, self.max_depth)
-        if self.forced is not None:
-            depth = min(self.forced[self._num_plans % len(self.forced)], max_depth)
-            plan = Plan((depth,) * len(req_ids), self.modes[-1] if depth else None, math.nan)
+        if self.forced is not None:  # request i of plan n: forced[(n + i) % len(forced)]
+            depths = tuple(min(self.forced[(self._num_plans + i) % len(self.forced)], max_depth)
+                           for i in range(len(req_ids)))
+            plan = Plan(depths, self.modes[-1] if max(depths, default=0) else None, math.nan)
         else:
             plan = self._probe(req_ids, max_depth) or self._decide(req_ids, max_depth)
         self._count(plan)

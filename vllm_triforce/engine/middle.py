@@ -15,6 +15,8 @@ tokens); the hand-off takes the first num_drafts.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from vllm_triforce.core.verify import verify
@@ -46,9 +48,11 @@ class MiddleLoop:
         self.measure = measure_middle_acceptance
 
     def run(self, batch, states, rows: list[int], num_drafts: list[int],
-            use_draft: bool = True) -> dict[int, Round]:
+            use_draft: bool = True, on_round=None) -> dict[int, Round]:
         """Middle tokens for decoding `rows`: rows[i] gets at least num_drafts[i] (0: no middle
-        work at all). `use_draft` False: the small draft sits out (gamma1 = 0 this step)."""
+        work at all). `use_draft` False: the small draft sits out (gamma1 = 0 this step).
+        `on_round(use_draft, num_active, seconds, tokens_per_request)` hears every round's
+        wall time (it ends in a device-to-host copy, so device work is included)."""
         rounds = {r: Round(int(batch.next_tokens[r]), int(batch.committed[r])) for r in rows}
         wanted = dict(zip(rows, num_drafts))
         gamma1 = self.gamma1 if use_draft else 0
@@ -59,7 +63,11 @@ class MiddleLoop:
             if not active:
                 return rounds
             sizes = [min(gamma1, wanted[r] - len(rounds[r].tokens)) for r in active]
-            self._round(batch, states, rounds, active, sizes)
+            start = time.perf_counter()
+            emitted = self._round(batch, states, rounds, active, sizes)
+            if on_round is not None:
+                on_round(gamma1 > 0, len(active), time.perf_counter() - start,
+                         emitted / len(active))
             self.stats.add(middle_rounds=1)
             if full_probs is not None:  # first round: q at the first middle position
                 q = torch.stack([rounds[r].probs[0] for r in measured])
@@ -73,8 +81,9 @@ class MiddleLoop:
         return self.retrieval.full_cache_probs(batch, rows, [rounds[r].last_token for r in rows],
                                                [rounds[r].position for r in rows])
 
-    def _round(self, batch, states, rounds, active: list[int], sizes: list[int]) -> None:
-        """One round for requests `active`, request active[i] proposing sizes[i] tokens."""
+    def _round(self, batch, states, rounds, active: list[int], sizes: list[int]) -> int:
+        """One round for requests `active`, request active[i] proposing sizes[i] tokens;
+        returns the middle tokens it added over all of them."""
         if max(sizes) > 0:
             proposals, proposal_probs = self.draft.propose(batch, states, rounds, active, sizes)
         else:
@@ -100,6 +109,7 @@ class MiddleLoop:
             accepted = host[i][0]
             self._advance(states[r], rounds[r], host[i][1:accepted + 2], target_probs[i],
                           len(proposals[i]))
+        return sum(row[0] + 1 for row in host)
 
     def _advance(self, state, rnd: Round, emitted: list[int], target_probs,
                  num_proposed: int) -> None:
@@ -128,20 +138,22 @@ def _per_request(token_probs: torch.Tensor, num_inputs: torch.Tensor) -> torch.T
     return out
 
 
-def hand_off(batch, states, rounds: dict[int, Round], rows: list[int], num_drafts: int,
+def hand_off(batch, states, rounds: dict[int, Round], depths: dict[int, int],
              probs_buffer: torch.Tensor):
-    """What vLLM gets: drafts [R, num_drafts] (zero for rows not decoding) and, unless every
-    row is greedy, their probs [R, num_drafts, V]: a view of `probs_buffer` [max_num_seqs,
-    gamma2, V], preallocated and reserved (engine/memory.py). Each row in `rows` must hold
-    at least num_drafts middle tokens."""
-    drafts = torch.zeros(batch.num_reqs, num_drafts, dtype=torch.long)
+    """What vLLM gets: one draft list per request (`depths[r]` tokens for decoding row r,
+    [] for the others) and, unless every drafting row is greedy, their probs
+    [R, max depth, V], zero-padded: a view of `probs_buffer` [max_num_seqs, gamma2, V],
+    preallocated and reserved (engine/memory.py). vLLM reads row r's first len(drafts[r])
+    entries. Each row must hold at least its depth in middle tokens."""
+    drafts: list[list[int]] = [[] for _ in range(batch.num_reqs)]
+    drafting = [r for r, k in depths.items() if k > 0]
     probs = None
-    if not bool(batch.greedy[rows].all()):
-        probs = probs_buffer[:batch.num_reqs, :num_drafts]
+    if drafting and not bool(batch.greedy[drafting].all()):
+        probs = probs_buffer[:batch.num_reqs, :max(depths.values())]
         probs.zero_()
-    for r in rows:
-        drafts[r] = torch.tensor(rounds[r].tokens[:num_drafts])
-        states[r].last_num_drafts = num_drafts
-        if probs is not None:
-            probs[r] = torch.stack(rounds[r].probs[:num_drafts])
+    for r, k in depths.items():
+        drafts[r] = rounds[r].tokens[:k]
+        states[r].last_num_drafts = k
+        if probs is not None and k:
+            probs[r, :k] = torch.stack(rounds[r].probs[:k])
     return drafts, probs

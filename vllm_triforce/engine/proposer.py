@@ -52,6 +52,7 @@ from vllm_triforce.engine.batch import StepBatch
 from vllm_triforce.engine.draft_level import DraftLevel, draft_window
 from vllm_triforce.engine.forward import metadata_path
 from vllm_triforce.engine.memory import MemoryPlan
+from vllm_triforce.engine.depth import DepthChooser
 from vllm_triforce.engine.middle import MiddleLoop, hand_off
 from vllm_triforce.engine.retrieval_level import RetrievalLevel
 from vllm_triforce.engine.state import RequestState, StateTable
@@ -92,6 +93,7 @@ class TriForceProposer(DraftModelProposer):
         self.retrieval: RetrievalLevel | None = None
         self.draft: DraftLevel | None = None
         self.middle: MiddleLoop | None = None
+        self.depth: DepthChooser | None = None  # the depth controller (engine/depth.py)
         logger.info("TriForce: %s levels, gamma2=%d, gamma1=%d, retrieval budget %d blocks of %d "
                     "tokens, policy %s", 3 if self.has_draft else 2,
                     self.cfg.num_speculative_tokens, self.cfg.draft_tokens_per_round,
@@ -155,6 +157,8 @@ class TriForceProposer(DraftModelProposer):
             self.draft = DraftLevel(self.model, self.vllm_config, self.draft_attn_groups,
                                     self._draft_window(blocks), self.stats, self.generator,
                                     self.device)
+        self.depth = DepthChooser(self.cfg.adaptive, self.cfg.num_speculative_tokens,
+                                  self.has_draft, self.stats)
         self.middle = MiddleLoop(self.retrieval, self.draft, self.cfg.draft_tokens_per_round,
                                  self.refresh, self.stats, self.generator,
                                  self.cfg.measure_middle_acceptance)
@@ -210,27 +214,50 @@ class TriForceProposer(DraftModelProposer):
         self.capture.enabled = False
         try:
             states = [self.states.get(r, self._new_state) for r in batch.req_ids]
-            drafts, probs = self._step(batch, states, num_speculative_tokens)
+            drafts, probs = self._step(batch, states, num_speculative_tokens, start)
         finally:
             self.capture.enabled = True
             self.capture.clear()
         self._last_draft_probs = probs
+        self.depth.end(drafting=any(drafts), start=start)
         self.stats.add(middle_seconds=time.perf_counter() - start)
         self._publish_stats()
-        return drafts.to(self.device)
+        if self.cfg.adaptive:
+            return drafts  # one list per request, [] allowed: vLLM's variable-length path
+        return torch.tensor([d or [0] * num_speculative_tokens for d in drafts],
+                            dtype=torch.long).reshape(batch.num_reqs, -1).to(self.device)
 
-    def _step(self, batch, states, num_drafts: int):
-        """commit -> select -> middle loop -> hand-off; returns drafts [R, num_drafts] and
-        their probs [R, num_drafts, V] (None when every request is greedy or none decodes)."""
+    def _step(self, batch, states, max_depth: int, start: float):
+        """commit -> plan -> select -> middle loop -> hand-off. Returns one draft list per
+        request and their probs [R, max depth, V] (None when every drafting request is greedy
+        or none drafts). `max_depth`: this step's bound from vLLM (num_speculative_tokens,
+        or Dynamic SD's entry for the batch size)."""
         if self.draft is not None:
             self.draft.invalidate(batch, states)
-        self.retrieval.commit(batch, states, judged_alone=self.draft is None)
+        pure_decode = self._pure_decode(batch, states)
+        verified = self.retrieval.commit(batch, states, judged_alone=self.draft is None)
+        self.depth.begin(start, num_tokens=int(batch.q_lens.sum()),
+                         emitted=int((batch.q_lens - batch.num_rejected).sum()),
+                         pure_decode=pure_decode,
+                         verified=[(batch.req_ids[r], n, a) for r, n, a in verified],
+                         live_req_ids=self.runner.requests)
         rows = [r for r in range(batch.num_reqs) if bool(batch.decoding[r])]
-        if not rows or num_drafts == 0:
-            return torch.zeros(batch.num_reqs, num_drafts, dtype=torch.long), None
-        self.retrieval.select(batch, states, rows)
-        rounds = self.middle.run(batch, states, rows, [num_drafts] * len(rows))
-        return hand_off(batch, states, rounds, rows, num_drafts, self._probs_buffer)
+        depths, use_draft = self.depth.plan([batch.req_ids[r] for r in rows], max_depth)
+        drafting = [r for r, k in zip(rows, depths) if k > 0]
+        if not drafting:
+            return [[] for _ in range(batch.num_reqs)], None
+        self.retrieval.select(batch, states, drafting)
+        rounds = self.middle.run(batch, states, rows, depths, use_draft and self.draft is not None,
+                                 on_round=self.depth.round_done)
+        return hand_off(batch, states, rounds, dict(zip(rows, depths)), self._probs_buffer)
+
+    @staticmethod
+    def _pure_decode(batch, states) -> bool:
+        """Every request ran one new token plus at most the drafts it was handed: a step
+        whose cost a draft depth explains (no prefill chunk in it)."""
+        q_lens = batch.q_lens.tolist()
+        return bool(batch.decoding.all()) and all(
+            q - 1 <= s.last_num_drafts for q, s in zip(q_lens, states))
 
     def _publish_stats(self) -> None:
         """Log and export the counters from TP rank 0 (every rank holds the same ones)."""

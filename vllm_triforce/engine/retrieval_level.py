@@ -47,21 +47,25 @@ class RetrievalLevel:
         self.device = device
 
     # ---- commit ---------------------------------------------------------------------
-    def commit(self, batch, states, judged_alone: bool) -> None:
+    def commit(self, batch, states, judged_alone: bool) -> list[tuple[int, int, int]]:
         """Count what vLLM's verification accepted of last step's drafts and fold the keys
         that became final into the block summaries. `judged_alone`: the drafts were this
-        level's own (no small draft), so they also count toward its refresh acceptance."""
+        level's own (no small draft), so they also count toward its refresh acceptance.
+        Returns (row, drafts verified, accepted) for every request whose drafts were judged."""
+        verified = []
         for r in range(batch.num_reqs):
             # This pass verified our drafts iff it ran at most the drafts we handed vLLM last
             # step after the newest token (the scheduler may trim them); a prefill chunk does not.
             num_verified = int(batch.q_lens[r]) - 1
             if 0 < num_verified <= states[r].last_num_drafts:
                 accepted = num_verified - int(batch.num_rejected[r])
+                verified.append((r, num_verified, accepted))
                 self.stats.record_verification(num_verified, accepted)
                 if judged_alone:
                     self.refresh.record_round(states[r].refresh, num_verified, accepted)
             states[r].last_num_drafts = 0
         self._add_committed_keys(batch)
+        return verified
 
     def _add_committed_keys(self, batch) -> None:
         bs = self.blocks.block_size

@@ -36,6 +36,15 @@ class TriForceStats:
     # full-cache and q the retrieval-cache distribution, and the number of positions.
     middle_pq_sum: float = 0.0
     middle_pq_count: int = 0
+    # The depth controller (engine/depth.py): per decoding request and step, the number of
+    # tokens handed to vLLM, as a histogram ([num_speculative_tokens + 1] counts, index =
+    # depth); steps in which no request drafted; predicted and achieved tokens per second
+    # (decayed means; achieved over whole cycles of vLLM's step plus the proposer's).
+    depth_counts: list = field(default_factory=list)
+    plain_steps: int = 0
+    drafting_steps: int = 0
+    predicted_tokens_per_s: float = 0.0
+    achieved_tokens_per_s: float = 0.0
     _last_log: float = field(default_factory=time.monotonic, repr=False)
 
     def add(self, **amounts: int) -> None:
@@ -48,8 +57,18 @@ class TriForceStats:
     def record_verification(self, proposed: int, accepted: int) -> None:
         self.add(top_proposed=proposed, top_accepted=accepted)
 
+    def record_depths(self, depths: list[int]) -> None:
+        if not depths:
+            return
+        grow = max(depths) + 1 - len(self.depth_counts)
+        self.depth_counts.extend([0] * max(grow, 0))
+        for k in depths:
+            self.depth_counts[k] += 1
+        self.add(**{"drafting_steps" if max(depths) else "plain_steps": 1})
+
     def snapshot(self) -> dict[str, int]:
-        return {k: v for k, v in asdict(self).items() if not k.startswith("_")}
+        return {k: (list(v) if isinstance(v, list) else v) for k, v in asdict(self).items()
+                if not k.startswith("_")}
 
     def maybe_log(self) -> None:
         now = time.monotonic()
@@ -84,6 +103,13 @@ def format_snapshot(s: dict[str, int]) -> str:
         parts.append(f"draft re-bases {s['draft_rebases']}")
     if s["middle_rounds"]:
         parts.append(f"host ms per middle round {host_ms_per_round(s):.2f}")
+    if s["plain_steps"] or s["drafting_steps"]:
+        hist = " ".join(f"{k}:{n}" for k, n in enumerate(s["depth_counts"]) if n)
+        parts.append(f"depth histogram {{{hist}}}, plain steps {s['plain_steps']}/"
+                     f"{s['plain_steps'] + s['drafting_steps']}")
+    if s["predicted_tokens_per_s"] or s["achieved_tokens_per_s"]:
+        parts.append(f"tokens/s predicted {s['predicted_tokens_per_s']:.1f}, achieved "
+                     f"{s['achieved_tokens_per_s']:.1f}")
     if s.get("middle_pq_count"):
         parts.append(f"retrieval-cache per-token acceptance sum min(p, q) "
                      f"{s['middle_pq_sum'] / s['middle_pq_count']:.3f} "

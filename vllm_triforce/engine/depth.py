@@ -1,0 +1,82 @@
+"""The engine side of core/controller.py: clocks and counts in, per-request depths out.
+
+Timeline of the proposer inside vLLM's sync loop (vLLM 0.32 V1 runner, async scheduling
+off), step s:
+
+    ... propose(s-1) returns | vLLM step s: schedule, full-cache pass over 1 + k tokens per
+    request, rejection sampling | propose(s) starts: commit, plan, middle rounds | returns
+
+so vLLM's own cost of a step is the wall time from the end of one `propose` to the start
+of the next, and a whole cycle (what tokens per second divide by) runs from one start to
+the next. Only steps whose every request ran a decode or verification are timed: a
+prefill chunk is not what a draft depth buys.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from vllm_triforce.core.controller import DRAFT, RETRIEVAL, DecayedMean, Plan, SpeculationController
+
+
+class DepthChooser:
+    """Per step: `begin` (measurements of the step that just ran), `plan`, one
+    `round_done` per middle round, `end`. With `adaptive` false every decoding request
+    gets the step's full depth and every level, as a fixed-gamma TriForce."""
+
+    def __init__(self, adaptive: bool, max_depth: int, has_draft: bool, stats):
+        self.adaptive = adaptive
+        self.has_draft = has_draft
+        self.controller = SpeculationController(max_depth, has_draft)
+        self.stats = stats
+        self.achieved_tokens = DecayedMean(decay=0.9)  # tokens per cycle ...
+        self.achieved_seconds = DecayedMean(decay=0.9)  # ... and its seconds
+        self.predicted = DecayedMean(decay=0.9)
+        self._last_start: float | None = None
+        self._last_end: float | None = None
+        self._plan: Plan | None = None
+        self._round_seconds = 0.0
+
+    def begin(self, start: float, num_tokens: int, emitted: int, pure_decode: bool,
+              verified: list[tuple[str, int, int]], live_req_ids) -> None:
+        """`num_tokens`: query tokens of vLLM's pass; `emitted`: tokens it committed for
+        decoding requests; `verified`: (req_id, drafts verified, accepted) per request."""
+        self.controller.retain(live_req_ids)
+        for req_id, num_verified, num_accepted in verified:
+            self.controller.observe_verification(req_id, num_verified, num_accepted)
+        if pure_decode and self._last_end is not None:
+            self.controller.observe_step(num_tokens, start - self._last_end)
+            self.achieved_tokens.observe(emitted)
+            self.achieved_seconds.observe(start - self._last_start)
+            if self._plan is not None and not math.isnan(self._plan.tokens_per_s):
+                self.predicted.observe(self._plan.tokens_per_s)
+        self._last_start = start
+        self._round_seconds = 0.0
+        self._plan = None
+
+    def plan(self, req_ids: list[str], max_depth: int) -> tuple[list[int], bool]:
+        """(depth per decoding request, whether the small draft runs this step)."""
+        if not self.adaptive:
+            depths, use_draft = [max_depth] * len(req_ids), self.has_draft
+        else:
+            self._plan = self.controller.plan(req_ids, max_depth)
+            depths, use_draft = list(self._plan.depths), self._plan.mode == DRAFT
+        self.stats.record_depths(depths)
+        return depths, use_draft
+
+    def round_done(self, use_draft: bool, num_active: int, seconds: float,
+                   tokens_per_request: float) -> None:
+        self._round_seconds += seconds
+        if self.adaptive:
+            self.controller.observe_round(DRAFT if use_draft else RETRIEVAL, num_active,
+                                          seconds, tokens_per_request)
+
+    def end(self, drafting: bool, start: float) -> None:
+        self._last_end = time.perf_counter()
+        if self.adaptive:
+            self.controller.observe_overhead(drafting,
+                                             self._last_end - start - self._round_seconds)
+        self.stats.predicted_tokens_per_s = self.predicted.value or 0.0
+        tokens, seconds = self.achieved_tokens.value, self.achieved_seconds.value
+        self.stats.achieved_tokens_per_s = tokens / seconds if tokens and seconds else 0.0
