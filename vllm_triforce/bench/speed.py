@@ -26,29 +26,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--budget", type=int, default=512, help="TriForce retrieval_budget")
-    p.add_argument("--gamma", type=int, default=6, help="num_speculative_tokens")
+    p.add_argument("--gamma", type=int, nargs="+", default=[6],
+                   help="num_speculative_tokens: TriForce runs with the depth controller up to "
+                        "the largest, then the same engine is timed at each fixed depth given "
+                        "(e.g. --gamma 1 2 3 4 6: the controller against every fixed k)")
     p.add_argument("--methods", nargs="+", default=None,
                    help="subset of: plain draft_model ngram triforce2 triforce3")
 
 
 def method_runs(args, draft: str | None) -> list[dict]:
-    k = args.gamma
+    k = max(args.gamma)
     tri = {"method": "triforce", "num_speculative_tokens": k, "retrieval_budget": args.budget}
     # The plain run also measures the isolated per-step costs of the cost model.
     runs = [{"name": "plain", "spec": None,
-             "calibrate": {"query_tokens": [k + 1], "contexts": [args.budget]}}]
+             "calibrate": {"query_tokens": sorted({g + 1 for g in args.gamma}),
+                           "contexts": [args.budget]}}]
     if draft:
         runs.append({"name": "draft_model", "spec": {"method": "draft_model", "model": draft,
                                                      "num_speculative_tokens": k}})
-    runs.append({"name": "triforce2", "spec": tri})
+    runs.append(_with_fixed_depths("triforce2", tri, args.gamma))
     if draft:
-        runs.append({"name": "triforce3", "spec": {**tri, "model": draft}})
+        runs.append(_with_fixed_depths("triforce3", {**tri, "model": draft}, args.gamma))
     # Last: after an ngram engine a process cannot build another one (CPU_VLLM.md).
     runs.append({"name": "ngram", "spec": {"method": "ngram", "num_speculative_tokens": k,
                                            "prompt_lookup_max": 4, "prompt_lookup_min": 2}})
     if args.methods:
         runs = [r for r in runs if r["name"] in args.methods]
     return runs
+
+
+def _with_fixed_depths(name: str, spec: dict, gammas: list[int]) -> dict:
+    """TriForce with its depth controller (`name`), then the same engine at each fixed depth
+    (`name k=G`: every request drafts G tokens every step, today's fixed-gamma TriForce)."""
+    return {"name": name, "spec": spec,
+            "variants": [{"name": f"{name} k={g}", "forced": [g]} for g in sorted(gammas)]}
 
 
 def run_speed(args, model: str, draft: str | None, out: Path) -> dict:
@@ -58,7 +69,7 @@ def run_speed(args, model: str, draft: str | None, out: Path) -> dict:
     ids = bench_prompts.book_prompts(model, args.prompt_tokens, args.batch)
     job = {"model": model, "prompts": ids, "max_tokens": args.max_tokens,
            "repeats": args.repeats, "dtype": args.dtype, "temperature": 0.0,
-           "max_model_len": args.prompt_tokens + args.max_tokens + 2 * args.gamma + 64}
+           "max_model_len": args.prompt_tokens + args.max_tokens + 2 * max(args.gamma) + 64}
     results = run_methods(job, method_runs(args, draft), out, isolate=not args.quick,
                           desc="bench speed")
     rows = summarize(results, args.batch, args.max_tokens)
@@ -92,7 +103,8 @@ def summarize(results: list[dict], batch: int, max_tokens: int) -> list[dict]:
             "top_acceptance": (accepted / drafted) if drafted else None,
             "middle_acceptance": (tri["middle_accepted"] / tri["middle_proposed"])
             if tri.get("middle_proposed") else None,
-            "identical": r["tokens"] == reference})
+            "identical": r["tokens"] == reference,
+            "controller": _controller_summary(tri) if tri and not r.get("forced") else None})
     base = rows[0]["decode_tok_s"]
     calibration = results[0].get("calibration")
     for row, r in zip(rows, results):
@@ -100,6 +112,16 @@ def summarize(results: list[dict], batch: int, max_tokens: int) -> list[dict]:
         row["cost_model"] = cost_model(r, batch, calibration)
         row["predicted_speedup"] = row["cost_model"] and row["cost_model"]["predicted_speedup"]
     return rows
+
+
+def _controller_summary(tri: dict) -> dict:
+    """What the depth controller chose during the timed generations."""
+    counts = tri.get("depth_counts") or []
+    steps = tri.get("plain_steps", 0) + tri.get("drafting_steps", 0)
+    return {"depth_counts": counts, "plain_steps": tri.get("plain_steps", 0), "steps": steps,
+            "mean_depth": sum(k * n for k, n in enumerate(counts)) / max(sum(counts), 1),
+            "predicted_tok_s": tri.get("predicted_tokens_per_s"),
+            "achieved_tok_s": tri.get("achieved_tokens_per_s")}
 
 
 def cost_model(result: dict, batch: int, calibration: dict | None) -> dict | None:
@@ -118,10 +140,13 @@ def cost_model(result: dict, batch: int, calibration: dict | None) -> dict | Non
     `middle_round_s` and `rest_of_step_s` show where the difference goes."""
     tri, spec = result.get("triforce"), result.get("vllm_spec") or {}
     drafts = spec.get("vllm:spec_decode_num_drafts")
+    forced = result.get("forced")
     if not tri or not drafts or not tri.get("middle_rounds") or not calibration:
         return None
+    if not forced or len(set(forced)) != 1:  # the controller: depths vary, no single Tv
+        return None
     settings = result["spec"]
-    gamma = settings["num_speculative_tokens"]
+    gamma = forced[0]
     steps = drafts / batch
     decode_total = statistics.median(result["decode_s"]) * len(result["decode_s"])
     in_situ_round = tri["middle_seconds"] / tri["middle_rounds"]
@@ -166,6 +191,17 @@ def _write_md(path: Path, data: dict) -> None:
                   f"{r['speedup'] / c['predicted_speedup']:.0%}"]
                  for r in data["rows"] if (c := r.get("cost_model"))]
     parts = [intro, report.markdown_table(header, rows)]
+    ctl_rows = [[r["method"], " ".join(f"{k}:{n}" for k, n in enumerate(c["depth_counts"]) if n),
+                 f"{c['mean_depth']:.2f}", f"{c['plain_steps']}/{c['steps']}",
+                 c["predicted_tok_s"], c["achieved_tok_s"]]
+                for r in data["rows"] if (c := r.get("controller"))]
+    if ctl_rows:
+        parts += ["Depth controller (rows without `k=`): depths chosen per request and step "
+                  "(depth:count), steps with no drafts at all, and its own decayed estimates "
+                  "at the end of the run (tokens/s of whole decode cycles, batch total).",
+                  report.markdown_table(["method", "depth histogram", "mean depth",
+                                         "plain steps", "predicted tok/s",
+                                         "achieved tok/s"], ctl_rows)]
     if cost_rows:
         parts += ["Cost model: predicted = L·T1 / (R·Tm + Tv) (see `speed.cost_model`). "
                   "L tokens per full-cache step, R middle rounds per step, T1 plain decode "

@@ -5,8 +5,8 @@
 JOB.json: {"model": DIR, "prompts": [[token ids], ...], "max_tokens": M,
 "repeats": R, "temperature": T, "top_p": P, "dtype": "auto", "max_model_len": L,
 "block_size": 32, "runs": [{"name": str, "spec": speculative_config or null,
-optional "temperature", "block_size", "prompts"}, ...]}.
-RESULT.json: a list with one dict per run (same order): tokens, prefill_s,
+optional "temperature", "block_size", "prompts", "variants"}, ...]}.
+RESULT.json: a list with one dict per run (same order; a run's variants follow it): tokens, prefill_s,
 decode_s (one per repeat), and for spec runs vLLM's spec-decode counters (timed runs
 only) and,
 for TriForce, the drafter's per-level counters (`stats.snapshot()`).
@@ -36,17 +36,21 @@ def run_job(job: dict) -> list[dict]:
         os.environ.setdefault(key, value)
     # ngram last: a later engine in this process would fail (CPU_VLLM.md).
     order = sorted(range(len(job["runs"])), key=lambda i: _is_ngram(job["runs"][i]))
-    results: list[dict | None] = [None] * len(job["runs"])
+    results: list[list[dict] | None] = [None] * len(job["runs"])
     for i in order:
         results[i] = run_one(job, job["runs"][i])
-    return results
+    return [r for group in results for r in group]
 
 
 def _is_ngram(run: dict) -> bool:
     return bool(run.get("spec")) and run["spec"].get("method") == "ngram"
 
 
-def run_one(job: dict, run: dict) -> dict:
+def run_one(job: dict, run: dict) -> list[dict]:
+    """The run's result, then one per entry of `run["variants"]` ({"name", "forced"}): the
+    same TriForce engine timed again with its depth controller forced to `forced` (a
+    list of depths used in turn, e.g. [4]: a fixed depth of 4), so fixed depths and the
+    controller are compared on one engine, one prefill."""
     from vllm import LLM, SamplingParams
 
     spec = run.get("spec")
@@ -67,26 +71,40 @@ def run_one(job: dict, run: dict) -> dict:
     warm = SamplingParams(temperature=0.0, max_tokens=min(job["max_tokens"], 8), ignore_eos=True)
     llm.generate(prompts, warm, use_tqdm=False)
     drafter = drafter_of(llm) if spec and spec.get("method") == "triforce" else None
+    result = {"name": run["name"], "spec": spec, "prefill_s": prefill_s,
+              **_timed(llm, drafter, prompts, params, job.get("repeats", 1))}
+    if run.get("calibrate"):
+        result["calibration"] = calibrate(llm, [p["prompt_token_ids"] for p in prompts],
+                                          result["tokens"], block_size=llm.llm_engine
+                                          .vllm_config.cache_config.block_size,
+                                          **run["calibrate"])
+    results = [result]
+    for variant in run.get("variants", []):
+        drafter.depth.controller.forced = variant["forced"]
+        results.append({"name": variant["name"], "spec": spec, "prefill_s": prefill_s,
+                        "forced": variant["forced"],
+                        **_timed(llm, drafter, prompts, params, job.get("repeats", 1))})
+    free_llm(llm)
+    return results
+
+
+def _timed(llm, drafter, prompts, params, repeats: int) -> dict:
+    """Median-able decode times, the last repeat's tokens, and the counters of these
+    generations only (vLLM's spec-decode ones and, for TriForce, the drafter's)."""
     before = drafter.stats.snapshot() if drafter else None
     spec_before = _spec_metrics(llm)
     decode_s, tokens = [], None
-    for _ in range(job.get("repeats", 1)):
+    for _ in range(repeats):
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         decode_s.append(time.perf_counter() - start)
         tokens = [list(o.outputs[0].token_ids) for o in outs]
-    result = {"name": run["name"], "spec": spec, "tokens": tokens, "prefill_s": prefill_s,
-              "decode_s": decode_s,
-              "vllm_spec": _delta(_spec_metrics(llm), spec_before)}
+    out = {"tokens": tokens, "decode_s": decode_s,
+           "vllm_spec": _delta(_spec_metrics(llm), spec_before)}
     if drafter is not None:
         after = drafter.stats.snapshot()
-        result["triforce"] = {k: _stat_delta(k, after[k], before[k]) for k in after}
-    if run.get("calibrate"):
-        result["calibration"] = calibrate(llm, [p["prompt_token_ids"] for p in prompts], tokens,
-                                          block_size=llm.llm_engine.vllm_config.cache_config
-                                          .block_size, **run["calibrate"])
-    free_llm(llm)
-    return result
+        out["triforce"] = {k: _stat_delta(k, after[k], before[k]) for k in after}
+    return out
 
 
 def calibrate(llm, prompts: list[list[int]], continuations: list[list[int]], *,
