@@ -48,9 +48,10 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"target {target.name}, {args.batch} x {args.prompt_tokens}-token Moby-Dick prompts, "
           f"{args.max_tokens} new tokens, greedy; TriForce {spec}", flush=True)
     plain = _run(target, None, prompts, args)
-    tri = _run(target, spec, prompts, args)
-    _report(plain, tri)
-    return 0 if plain["tokens"] == tri["tokens"] else 1
+    tri, fixed = _run(target, spec, prompts, args)
+    _report(plain, tri, fixed, args.gamma)
+    same = plain["tokens"] == tri["tokens"] == fixed["tokens"]
+    return 0 if same else 1
 
 
 def _book_prompts(model_dir, num_tokens: int, batch: int) -> list[dict]:
@@ -63,7 +64,9 @@ def _book_prompts(model_dir, num_tokens: int, batch: int) -> list[dict]:
     return [{"prompt_token_ids": ids[i * stride: i * stride + num_tokens]} for i in range(batch)]
 
 
-def _run(model_dir, spec, prompts, args) -> dict:
+def _run(model_dir, spec, prompts, args):
+    """Plain: one result. TriForce: the depth controller's result, then the same engine
+    again with every request forced to the full depth (fixed-gamma TriForce)."""
     from vllm import LLM, SamplingParams
 
     max_len = args.prompt_tokens + args.max_tokens + 2 * args.gamma + 64
@@ -76,17 +79,26 @@ def _run(model_dir, spec, prompts, args) -> dict:
     start = time.perf_counter()
     llm.generate(prompts, prefill, use_tqdm=False)
     prefill_s = time.perf_counter() - start
+    result = _decode(llm, prompts, params, prefill_s)
+    if spec is None:
+        free_llm(llm)
+        return result
+    drafter = drafter_of(llm)
+    result["triforce"] = drafter.stats.snapshot()
+    drafter.depth.controller.forced = [args.gamma]
+    fixed = _decode(llm, prompts, params, prefill_s)
+    free_llm(llm)
+    return result, fixed
+
+
+def _decode(llm, prompts, params, prefill_s: float) -> dict:
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     decode_s = time.perf_counter() - start
     tokens = [list(o.outputs[0].token_ids) for o in outs]
-    result = {"tokens": tokens, "prefill_s": prefill_s, "decode_s": decode_s,
-              "tok_s": sum(map(len, tokens)) / decode_s, "metrics": _metrics(llm),
-              "text": outs[0].outputs[0].text}
-    if spec is not None:
-        result["triforce"] = drafter_of(llm).stats.snapshot()
-    free_llm(llm)
-    return result
+    return {"tokens": tokens, "prefill_s": prefill_s, "decode_s": decode_s,
+            "tok_s": sum(map(len, tokens)) / decode_s, "metrics": _metrics(llm),
+            "text": outs[0].outputs[0].text}
 
 
 def _metrics(llm) -> dict:
@@ -97,18 +109,39 @@ def _metrics(llm) -> dict:
 
 
 
-def _report(plain: dict, tri: dict) -> None:
+def _report(plain: dict, tri: dict, fixed: dict, gamma: int) -> None:
     from vllm_triforce.engine.stats import format_snapshot
 
-    print(f"\nplain vLLM : {plain['tok_s']:7.2f} tok/s decode "
+    speedup = tri["tok_s"] / plain["tok_s"]
+    print(f"\nplain vLLM            : {plain['tok_s']:7.2f} tok/s decode "
           f"(prefill {plain['prefill_s']:.1f} s)")
-    print(f"TriForce   : {tri['tok_s']:7.2f} tok/s decode (prefill {tri['prefill_s']:.1f} s), "
-          f"speedup {tri['tok_s'] / plain['tok_s']:.2f}x")
-    print(f"TriForce levels: {format_snapshot(tri['triforce'])}")
+    print(f"TriForce (controller) : {tri['tok_s']:7.2f} tok/s decode "
+          f"(prefill {tri['prefill_s']:.1f} s), speedup {speedup:.2f}x")
+    print(f"TriForce, fixed k={gamma}  : {fixed['tok_s']:7.2f} tok/s decode (same engine, every "
+          f"request drafting {gamma} tokens every step), "
+          f"speedup {fixed['tok_s'] / plain['tok_s']:.2f}x")
+    s = tri["triforce"]
+    print(f"TriForce levels: {format_snapshot(s)}")
+    _explain(s, speedup)
     m = tri["metrics"]
     drafts = m.get("vllm:spec_decode_num_draft_tokens") or 0
     accepted = m.get("vllm:spec_decode_num_accepted_tokens") or 0
-    print(f"vLLM spec-decode counters: {accepted}/{drafts} draft tokens accepted")
-    same = plain["tokens"] == tri["tokens"]
+    print(f"vLLM spec-decode counters (controller run and its warm-up): {accepted}/{drafts} "
+          "draft tokens accepted")
+    same = plain["tokens"] == tri["tokens"] == fixed["tokens"]
     print(f"outputs identical to plain vLLM: {'YES' if same else 'NO'}")
     print(f"first continuation: {tri['text'][:200]!r}")
+
+
+def _explain(s: dict, speedup: float) -> None:
+    """What the depth controller chose, and why, in one or two lines."""
+    steps = s["plain_steps"] + s["drafting_steps"]
+    hist = ", ".join(f"depth {k}: {n}" for k, n in enumerate(s["depth_counts"]) if n)
+    print(f"depth controller: {hist} (request-steps); {s['plain_steps']} of {steps} steps "
+          f"plain; its model predicted {s['predicted_tokens_per_s']:.1f} tok/s, achieved "
+          f"{s['achieved_tokens_per_s']:.1f}")
+    if speedup < 1.0:
+        print("TriForce is not faster than plain vLLM at this size on this machine: drafting "
+              "costs about what it saves (middle rounds or a verification of k tokens cost "
+              "nearly a decode step), so the controller mostly runs plain steps; try a larger "
+              "--batch or --prompt-tokens (KV-bound).")

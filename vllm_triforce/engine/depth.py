@@ -10,6 +10,11 @@ so vLLM's own cost of a step is the wall time from the end of one `propose` to t
 of the next, and a whole cycle (what tokens per second divide by) runs from one start to
 the next. Only steps whose every request ran a decode or verification are timed: a
 prefill chunk is not what a draft depth buys.
+
+Tensor parallelism: the estimates rest on each rank's own clocks, so ranks could choose
+differently, and the middle passes (whose collectives must match across ranks) would then
+differ. Rank 0's plan is broadcast to the others every step (`share`, vLLM's
+`GroupCoordinator.broadcast_object` over the CPU group).
 """
 
 from __future__ import annotations
@@ -25,8 +30,9 @@ class DepthChooser:
     `round_done` per middle round, `end`. With `adaptive` false every decoding request
     gets the step's full depth and every level, as a fixed-gamma TriForce."""
 
-    def __init__(self, adaptive: bool, max_depth: int, has_draft: bool, stats):
+    def __init__(self, adaptive: bool, max_depth: int, has_draft: bool, stats, share=None):
         self.adaptive = adaptive
+        self.share = share  # obj -> rank 0's obj, on every rank (None: one rank)
         self.has_draft = has_draft
         self.controller = SpeculationController(max_depth, has_draft)
         self.stats = stats
@@ -62,6 +68,8 @@ class DepthChooser:
         else:
             self._plan = self.controller.plan(req_ids, max_depth)
             depths, use_draft = list(self._plan.depths), self._plan.mode == DRAFT
+            if self.share is not None:
+                depths, use_draft = self.share((depths, use_draft))
         self.stats.record_depths(depths)
         return depths, use_draft
 

@@ -157,8 +157,10 @@ class TriForceProposer(DraftModelProposer):
             self.draft = DraftLevel(self.model, self.vllm_config, self.draft_attn_groups,
                                     self._draft_window(blocks), self.stats, self.generator,
                                     self.device)
+        tp = self.vllm_config.parallel_config.tensor_parallel_size
         self.depth = DepthChooser(self.cfg.adaptive, self.cfg.num_speculative_tokens,
-                                  self.has_draft, self.stats)
+                                  self.has_draft, self.stats,
+                                  share=_from_tp_rank0 if tp > 1 else None)
         self.middle = MiddleLoop(self.retrieval, self.draft, self.cfg.draft_tokens_per_round,
                                  self.refresh, self.stats, self.generator,
                                  self.cfg.measure_middle_acceptance)
@@ -275,3 +277,10 @@ class TriForceProposer(DraftModelProposer):
             state.generator = torch.Generator(device=self.device)
             state.generator.manual_seed((seed * 1_000_003 + 0x7F4A7C15) % 2**63)
         return state
+
+
+def _from_tp_rank0(obj):
+    """`obj` as TP rank 0 has it, on every rank (vllm/distributed/parallel_state.py, 0.32.0)."""
+    from vllm.distributed import get_tp_group
+
+    return get_tp_group().broadcast_object(obj, src=0)

@@ -1,0 +1,23 @@
+"""The README's demo command (`bash scripts/demo.sh`), run through the script itself with
+small knobs (the default size takes minutes): side-by-side speeds, the depth controller's
+choices, and the identity verdict, exit 0 only when every output equals plain vLLM's."""
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.network
+def test_demo_script_runs_and_outputs_are_identical(smollm2):
+    proc = subprocess.run(
+        ["bash", "scripts/demo.sh", "--prompt-tokens", "512", "--batch", "2",
+         "--max-tokens", "12", "--budget", "192"],
+        cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    for line in ("plain vLLM", "TriForce (controller)", "TriForce, fixed k=6",
+                 "depth controller: ", "outputs identical to plain vLLM: YES"):
+        assert line in out, out

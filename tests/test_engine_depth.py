@@ -1,0 +1,40 @@
+"""engine/depth.py: the glue between the proposer's clocks and core/controller.py."""
+
+from vllm_triforce.engine.depth import DepthChooser
+from vllm_triforce.engine.stats import TriForceStats
+
+
+def test_fixed_depth_when_not_adaptive():
+    chooser = DepthChooser(False, 6, True, TriForceStats())
+    assert chooser.plan(["a", "b"], 4) == ([4, 4], True)
+
+
+def test_tensor_parallel_ranks_follow_rank0():
+    """Every rank plans, then takes rank 0's plan: its own clocks never decide alone."""
+    seen = []
+
+    def share(obj):
+        seen.append(obj)
+        return [1, 0], False  # what rank 0 decided
+
+    chooser = DepthChooser(True, 6, False, TriForceStats(), share=share)
+    assert chooser.plan(["a", "b"], 6) == ([1, 0], False)
+    assert seen and seen[0][0] == [6, 6]  # this rank's own start-up probe was overridden
+
+
+def test_step_time_and_rates_come_from_pure_decode_steps():
+    stats = TriForceStats()
+    chooser = DepthChooser(True, 4, False, stats)
+    chooser.begin(0.0, num_tokens=2048, emitted=2, pure_decode=False, verified=[],
+                  live_req_ids=["a"])  # a prefill: not timed
+    chooser.plan(["a"], 4)
+    chooser.end(drafting=True, start=0.0)
+    assert not chooser.controller.step.seen
+    last_end = chooser._last_end
+    chooser.begin(last_end + 0.5, num_tokens=5, emitted=3, pure_decode=True,
+                  verified=[("a", 4, 2)], live_req_ids=["a"])
+    assert chooser.controller.step.predict(5) == 0.5
+    assert chooser.controller.requests["a"].accepted[:3] == [1.0, 1.0, 0.0]
+    chooser.plan(["a"], 4)
+    chooser.end(drafting=False, start=last_end + 0.5)
+    assert stats.achieved_tokens_per_s > 0 and stats.plain_steps + stats.drafting_steps == 2
