@@ -223,13 +223,9 @@ def _best_in_mode(gain, costs: StepCosts, mode: str, mc: ModeCosts, max_depth: i
 
 def _prefix_argmax(value: torch.Tensor):
     """value [R, K + 1] -> (max over k <= K, its argmax), each [R, K + 1]; ties: smaller k."""
-    best_val = value.clone()
-    best_k = torch.zeros_like(value, dtype=torch.long)
-    for k in range(1, value.shape[1]):
-        better = value[:, k] > best_val[:, k - 1]
-        best_val[:, k] = torch.where(better, value[:, k], best_val[:, k - 1])
-        best_k[:, k] = torch.where(better, torch.full_like(best_k[:, k], k), best_k[:, k - 1])
-    return best_val, best_k
+    ks = torch.arange(value.shape[1], dtype=value.dtype)
+    _, best_k = torch.cummax(value - 1e-12 * ks, dim=1)  # the tilt breaks ties towards small k
+    return value.gather(1, best_k), best_k
 
 
 # ---- the stateful controller: estimates, probes, hysteresis ------------------------------
