@@ -1,12 +1,14 @@
 """`vllm-triforce bench speed|acceptance|sweep --quick` on a tiny random model: files
 written, greedy outputs of every method identical to plain vLLM. (Each benchmark runs its
-engines in one child process per group in --quick mode.)"""
+engines in one child process per group in --quick mode; acceptance runs its one engine
+in this process.)"""
 
 import json
 
 import pytest
 
 from vllm_triforce import cli
+from vllm_triforce.config import TriForceConfig
 
 
 def run_bench(kind: str, out, model, *extra: str) -> dict:
@@ -21,38 +23,57 @@ def test_bench_speed_quick(tiny_llama, tmp_path):
     out = tmp_path / "speed"
     data = run_bench("speed", out, tiny_llama, "--methods", "plain", "triforce2",
                      "--dtype", "float32")
-    assert [r["method"] for r in data["rows"]] == ["plain", "triforce2"]
+    # TriForce with its depth controller, then the same engine at the fixed depth 6
+    assert [r["method"] for r in data["rows"]] == ["plain", "triforce2", "triforce2 k=6"]
     raw = {r["name"]: r for r in data["raw"]}
-    assert raw["triforce2"]["tokens"] == raw["plain"]["tokens"]
+    assert raw["triforce2"]["tokens"] == raw["triforce2 k=6"]["tokens"] == raw["plain"]["tokens"]
     assert all(len(t) == 8 for t in raw["plain"]["tokens"])
     assert data["all_identical"] is True
-    assert raw["triforce2"]["triforce"]["top_proposed"] > 0
-    cost = data["rows"][1]["cost_model"]  # isolated step costs measured by the plain run
+    assert raw["triforce2 k=6"]["triforce"]["top_proposed"] > 0
+    assert raw["triforce2 k=6"]["triforce"]["depth_counts"][6] > 0
+    controller = data["rows"][1]["controller"]
+    assert sum(controller["depth_counts"]) > 0 and data["rows"][2]["controller"] is None
+    cost = data["rows"][2]["cost_model"]  # isolated step costs measured by the plain run
     assert cost["T1"] > 0 and cost["Tv"] > 0 and cost["Tm"] > 0 and cost["Tm_source"] == "isolated"
     assert cost["L"] >= 1 and cost["predicted_speedup"] > 0
     md = (out / "results.md").read_text()
     assert "achieved / predicted" in md and "dtype float32" in md
-    assert "| triforce2 |" in md
+    assert "| triforce2 |" in md and "| triforce2 k=6 |" in md and "depth histogram" in md
     assert (out / "speed.png").read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.engine
 def test_bench_acceptance_quick(tiny_llama, tmp_path):
+    """Teacher-forced acceptance end to end; a sweep budget of 1024 tokens covers the whole
+    512 + 8-token documents, so there every policy's q must be p exactly: that proves the
+    per-layer tables and the exact rewrite of each measured slot."""
+    from vllm_triforce.bench.acceptance import COLUMNS
+
     out = tmp_path / "acc"
-    data = run_bench("acceptance", out, tiny_llama, "--policies", "retrieval")
-    assert set(data["table"]) == {"Moby-Dick", "SOTU needle"}
-    assert data["config"]["temperature"] == 0.6  # the paper's setting by default
-    for row in data["table"].values():
-        cell = row["retrieval"]
-        assert cell["proposed"] > 0 and cell["counters"]["top_proposed"] > 0
-        assert 0.0 <= cell["acceptance"] <= 1.0
-        assert cell["acceptance"] == cell["accepted"] / cell["proposed"]
-        assert cell["middle_positions"] > 0 and 0.0 <= cell["middle"] <= 1.0 + 1e-6
-        # a first draft vLLM accepted had sum min(p, q) > 0 at its (measured) position
-        assert cell["middle"] > 0 or cell["accepted"] == 0
+    data = run_bench("acceptance", out, tiny_llama, "--needle", "--budgets", "1024",
+                     "--dtype", "float32")
+    assert data["default_policy"] == TriForceConfig().selection_policy
+    assert data["config"]["budget_tokens"] == 160  # 3% of 512 -> the minimum 5 blocks
+    cells = data["cells"]
+    assert {(c["task"], c["policy"]) for c in cells} == {
+        (task, policy) for task in ("moby", "needle") for policy in COLUMNS}
+    for cell in cells:
+        assert set(cell) >= {"task", "policy", "acceptance", "ci95", "positions"}
+        lo, hi = cell["ci95"]
+        assert 0.0 <= cell["acceptance"] <= 1.0 + 1e-6 and lo <= cell["acceptance"] <= hi
+        assert cell["positions"] == 32  # 4 documents x 8 positions
+        assert 0.0 <= cell["greedy_agreement"] <= 1.0
+    oracle = {c["task"]: c for c in cells if c["policy"] == "topk_oracle_per_position"}
+    assert "minus_oracle" not in oracle["moby"] and "minus_streamingllm" in oracle["moby"]
+    full = data["sweep"]
+    assert {c["budget_tokens"] for c in full} == {1024} and {c["task"] for c in full} == {"moby"}
+    for cell in full:
+        assert abs(cell["acceptance"] - 1.0) < 1e-5, cell
+        assert cell["greedy_agreement"] == 1.0, cell
     md = (out / "results.md").read_text()
-    assert "Σ min(p, q)" in md and "| Moby-Dick |" in md
-    assert (out / "acceptance.png").read_bytes()[:4] == b"\x89PNG"
+    assert "## moby" in md and "## needle" in md and "budget sweep" in md
+    for plot in ("acceptance.png", "budget_sweep.png"):
+        assert (out / plot).read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.engine
