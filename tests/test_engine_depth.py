@@ -25,16 +25,28 @@ def test_tensor_parallel_ranks_follow_rank0():
 def test_step_time_and_rates_come_from_pure_decode_steps():
     stats = TriForceStats()
     chooser = DepthChooser(True, 4, False, stats)
-    chooser.begin(0.0, num_tokens=2048, emitted=2, pure_decode=False, verified=[],
+    chooser.begin(0.0, ["a"], num_tokens=2048, emitted=2, pure_decode=False, verified=[],
                   live_req_ids=["a"])  # a prefill: not timed
     chooser.plan(["a"], 4)
     chooser.end(drafting=True, start=0.0)
     assert not chooser.controller.step.seen
     last_end = chooser._last_end
-    chooser.begin(last_end + 0.5, num_tokens=5, emitted=3, pure_decode=True,
+    chooser.begin(last_end + 0.5, ["a"], num_tokens=5, emitted=3, pure_decode=True,
                   verified=[("a", 4, 2)], live_req_ids=["a"])
     assert chooser.controller.step.predict(5) == 0.5
     assert chooser.controller.requests["a"].accepted[:3] == [1.0, 1.0, 0.0]
     chooser.plan(["a"], 4)
     chooser.end(drafting=False, start=last_end + 0.5)
     assert stats.achieved_tokens_per_s > 0 and stats.plain_steps + stats.drafting_steps == 2
+
+
+def test_a_joining_request_is_not_timed():
+    """The gap before a step where a request joined may hold idle time."""
+    chooser = DepthChooser(True, 4, False, TriForceStats())
+    chooser.begin(0.0, ["a"], num_tokens=1, emitted=1, pure_decode=True, verified=[],
+                  live_req_ids=["a"])
+    chooser.plan(["a"], 4)
+    chooser.end(drafting=False, start=0.0)
+    chooser.begin(chooser._last_end + 30.0, ["a", "b"], num_tokens=2, emitted=2,
+                  pure_decode=True, verified=[], live_req_ids=["a", "b"])
+    assert not chooser.controller.step.seen

@@ -8,8 +8,10 @@ off), step s:
 
 so vLLM's own cost of a step is the wall time from the end of one `propose` to the start
 of the next, and a whole cycle (what tokens per second divide by) runs from one start to
-the next. Only steps whose every request ran a decode or verification are timed: a
-prefill chunk is not what a draft depth buys.
+the next. Only steps whose every request ran a decode or verification, and ran in the
+previous step too, are timed: a prefill chunk is not what a draft depth buys, and a
+request joining means the engine may have sat idle in between (between two `generate`
+calls, or a server waiting for work).
 
 Tensor parallelism: the estimates rest on each rank's own clocks, so ranks could choose
 differently, and the middle passes (whose collectives must match across ranks) would then
@@ -43,15 +45,18 @@ class DepthChooser:
         self._last_end: float | None = None
         self._plan: Plan | None = None
         self._round_seconds = 0.0
+        self._last_req_ids: set[str] = set()
 
-    def begin(self, start: float, num_tokens: int, emitted: int, pure_decode: bool,
-              verified: list[tuple[str, int, int]], live_req_ids) -> None:
-        """`num_tokens`: query tokens of vLLM's pass; `emitted`: tokens it committed for
-        decoding requests; `verified`: (req_id, drafts verified, accepted) per request."""
+    def begin(self, start: float, req_ids: list[str], num_tokens: int, emitted: int,
+              pure_decode: bool, verified: list[tuple[str, int, int]], live_req_ids) -> None:
+        """`req_ids`: the requests of vLLM's pass; `num_tokens`: its query tokens; `emitted`:
+        tokens it committed; `verified`: (req_id, drafts verified, accepted) per request."""
         self.controller.retain(live_req_ids)
         for req_id, num_verified, num_accepted in verified:
             self.controller.observe_verification(req_id, num_verified, num_accepted)
-        if pure_decode and self._last_end is not None:
+        same_requests = set(req_ids) <= self._last_req_ids
+        self._last_req_ids = set(req_ids)
+        if pure_decode and same_requests and self._last_end is not None:
             self.controller.observe_step(num_tokens, start - self._last_end)
             self.achieved_tokens.observe(emitted)
             self.achieved_seconds.observe(start - self._last_start)

@@ -238,7 +238,7 @@ class TriForceProposer(DraftModelProposer):
             self.draft.invalidate(batch, states)
         pure_decode = self._pure_decode(batch, states)
         verified = self.retrieval.commit(batch, states, judged_alone=self.draft is None)
-        self.depth.begin(start, num_tokens=int(batch.q_lens.sum()),
+        self.depth.begin(start, batch.req_ids, num_tokens=int(batch.q_lens.sum()),
                          emitted=int((batch.q_lens - batch.num_rejected).sum()),
                          pure_decode=pure_decode,
                          verified=[(batch.req_ids[r], n, a) for r, n, a in verified],
