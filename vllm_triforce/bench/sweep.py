@@ -64,7 +64,9 @@ def _point(args, model: str, out: Path, knob: str, value, plain_runs: dict) -> d
     budget = value if knob == "budget" else args.budget
     block = value if knob == "block_size" else 32
     temperature = value if knob == "temperature" else 0.0
-    spec = {"method": "triforce", "num_speculative_tokens": args.gamma,
+    # Fixed depth (adaptive off): a sweep shows how acceptance and speed move with one knob
+    # at a given gamma; the depth controller would change the depth under it.
+    spec = {"method": "triforce", "num_speculative_tokens": args.gamma, "adaptive": False,
             "retrieval_budget": max(budget, 5 * block)}
     job = {"model": model, "prompts": bench_prompts.book_prompts(model, context, args.batch),
            "max_tokens": args.max_tokens, "repeats": 1, "dtype": args.dtype, "temperature": temperature,
