@@ -73,7 +73,7 @@ def three_level(draft, policy="retrieval", **extra):
                      draft_tokens_per_round=2, **extra)
 
 
-@pytest.mark.parametrize("policy", ["retrieval", "streamingllm", "h2o", "topk_oracle"])
+@pytest.mark.parametrize("policy", ["retrieval", "streamingllm", "h2o", "topk_oracle", "quest"])
 def test_two_level_greedy_identical_mha(tiny_llama, policy):
     tokens, stats, _ = generate(tiny_llama, two_level(policy))
     assert tokens == plain(tiny_llama)

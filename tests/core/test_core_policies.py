@@ -16,14 +16,39 @@ def ref_retrieval(query, keys, n, aggregation):
     num_layers, num_q, dim = query.shape
     group = num_q // keys.shape[2]
     n_full = n // BS
-    out = torch.zeros(num_layers, n_full)
+    per_head = torch.zeros(num_layers, num_q, n_full)
     for layer in range(num_layers):
         for h in range(num_q):
-            per_block = torch.tensor([
+            per_head[layer, h] = torch.tensor([
                 float(query[layer, h] @ keys[layer, b * BS:(b + 1) * BS, h // group].mean(0))
                 / math.sqrt(dim) for b in range(n_full)])
-            out[layer] += per_block.softmax(0) if aggregation == "softmax" else per_block
-    return out
+    return ref_aggregate(per_head, aggregation)
+
+
+def ref_aggregate(per_head, aggregation):
+    """[L, Hq, n_full] -> [L, n_full]."""
+    if aggregation == "max":
+        return per_head.amax(1)
+    if aggregation == "softmax":
+        return per_head.softmax(-1).sum(1)
+    return per_head.sum(1)
+
+
+def ref_quest(query, keys, n, aggregation):
+    """Quest bound by loops: per head, sum over channels of the larger of q_d * min_d and
+    q_d * max_d over the block's keys, / sqrt(D) -> [L, n_full]."""
+    num_layers, num_q, dim = query.shape
+    group = num_q // keys.shape[2]
+    per_head = torch.zeros(num_layers, num_q, n // BS)
+    for layer in range(num_layers):
+        for h in range(num_q):
+            for b in range(n // BS):
+                block = keys[layer, b * BS:(b + 1) * BS, h // group]  # [BS, D]
+                lo, hi = block.amin(0), block.amax(0)
+                q = query[layer, h]
+                per_head[layer, h, b] = sum(max(float(q[d] * lo[d]), float(q[d] * hi[d]))
+                                            for d in range(dim)) / math.sqrt(dim)
+    return ref_aggregate(per_head, aggregation)
 
 
 def ref_mass(query, keys, n):
@@ -48,7 +73,7 @@ def setup(num_q, num_kv, lengths=(37, 9, 24), seed=0):
 
 
 @pytest.mark.parametrize("num_q,num_kv", [(14, 2), (12, 2), (9, 3), (4, 4)])
-@pytest.mark.parametrize("aggregation", ["sum", "softmax"])
+@pytest.mark.parametrize("aggregation", ["sum", "max", "softmax"])
 @pytest.mark.parametrize("strategy", ["gather", "all"])
 def test_retrieval_matches_reference(num_q, num_kv, aggregation, strategy):
     summaries, table, keys, query, lengths = setup(num_q, num_kv)
@@ -133,6 +158,60 @@ def test_policy_errors():
     with pytest.raises(ValueError, match="one per request"):
         make_policy("h2o").block_scores(query, summaries, table, lengths, SelectionState())
     with pytest.raises(ValueError, match="unknown selection policy"):
-        make_policy("quest")
-    assert set(POLICIES) == {"retrieval", "streamingllm", "h2o", "topk_oracle"}
-    assert [POLICIES[n].needs_keys for n in sorted(POLICIES)] == [True, False, False, True]
+        make_policy("nope")
+    with pytest.raises(ValueError, match="aggregation"):
+        make_policy("quest", aggregation="mean")
+    summaries.mins = None
+    with pytest.raises(ValueError, match="keep_bounds"):
+        make_policy("quest").block_scores(query, summaries, table, lengths, None)
+    assert set(POLICIES) == {"retrieval", "quest", "streamingllm", "h2o", "topk_oracle"}
+    # sorted: h2o, quest, retrieval, streamingllm, topk_oracle
+    assert [POLICIES[n].needs_keys for n in sorted(POLICIES)] == [True, False, False, False, True]
+    assert [POLICIES[n].needs_bounds for n in sorted(POLICIES)] == [False, True, False, False,
+                                                                    False]
+
+
+@pytest.mark.parametrize("num_q,num_kv", [(14, 2), (9, 3), (4, 4)])
+@pytest.mark.parametrize("aggregation", ["sum", "max", "softmax"])
+def test_quest_matches_reference(num_q, num_kv, aggregation):
+    summaries, table, keys, query, lengths = setup(num_q, num_kv)
+    scores = make_policy("quest", aggregation=aggregation).block_scores(
+        query, summaries, table, lengths, None)
+    assert scores.shape == (3, 2, table.shape[1])
+    for r, n in enumerate(lengths.tolist()):
+        ref = ref_quest(query[r], keys[r], n, aggregation)
+        torch.testing.assert_close(scores[r, :, :n // BS], ref, rtol=1e-4, atol=1e-5)
+
+
+def test_quest_bound_is_an_upper_bound_of_every_key_in_the_block():
+    summaries, table, keys, query, lengths = setup(9, 3, seed=3)
+    policy = make_policy("quest", aggregation="max")
+    scores = policy.block_scores(query, summaries, table, lengths, None)  # [R, L, B]
+    for r, n in enumerate(lengths.tolist()):
+        k = keys[r][:, :n // BS * BS].repeat_interleave(3, dim=2)  # [L, n, Hq, D], GQA
+        dots = torch.einsum("lhd,lthd->lht", query[r], k) / math.sqrt(8)  # [L, Hq, n]
+        best = dots.amax(1).unflatten(-1, (n // BS, BS)).amax(-1)  # [L, n_full] best q.k
+        assert torch.all(scores[r, :, :n // BS] >= best - 1e-5)
+
+
+def test_quest_hand_worked_and_finds_the_outlier_key_mean_keys_miss():
+    """One head, D = 2, block size 4. Block 0 holds one key aligned with q among three
+    that cancel it in the mean; block 1 holds four mildly aligned keys.
+    q = (1, -1): block 0 keys (4, 0), (-4, 0), (0, 2), (0, -2) -> mean (0, 0), q . mean 0;
+    bounds min (-4, -2), max (4, 2): bound = max(1*-4, 1*4) + max(-1*-2, -1*2) = 4 + 2 = 6.
+    Block 1 keys all (1, 0): mean (1, 0), q . mean = 1; bound = 1 + 0 = 1.
+    Exact best q . k: block 0 has (4, 0) -> 4, block 1 -> 1. Quest ranks block 0 first
+    (as the exact maximum does), the mean key ranks block 1 first."""
+    from vllm_triforce.core.summaries import BlockSummaries
+
+    s = BlockSummaries(1, 2, 1, 2, 4, keep_bounds=True)
+    keys = torch.tensor([[4.0, 0], [-4, 0], [0, 2], [0, -2], [1, 0], [1, 0], [1, 0], [1, 0]])
+    s.add_committed([keys], torch.arange(8), torch.tensor([0] * 4 + [1] * 4),
+                    torch.arange(8) % 4)
+    query = torch.tensor([1.0, -1.0]).view(1, 1, 1, 2)
+    table, committed = torch.tensor([[0, 1]]), torch.tensor([8])
+    quest = make_policy("quest", aggregation="max", scale=1.0).block_scores(
+        query, s, table, committed, None)  # one head: max = the bound itself
+    mean = make_policy("retrieval", scale=1.0).block_scores(query, s, table, committed, None)
+    assert quest[0, 0].tolist() == [6.0, 1.0]
+    assert mean[0, 0].tolist() == [0.0, 1.0]

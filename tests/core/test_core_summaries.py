@@ -29,6 +29,9 @@ def test_incremental_equals_brute_force():
             assert int(summaries.counts[phys]) == block_keys.shape[1]
             stored = summaries.keys[:, phys, :block_keys.shape[1]]
             torch.testing.assert_close(stored, block_keys)
+            # per-channel bounds of the committed keys only (speculative rows are 1e3-scale)
+            assert torch.equal(summaries.mins[:, phys], block_keys.amin(1))
+            assert torch.equal(summaries.maxs[:, phys], block_keys.amax(1))
     gathered = summaries.gather_mean_keys(table)  # [R, L, B, H, D]
     torch.testing.assert_close(gathered[0].transpose(0, 1), means[:, table[0].long()].transpose(0, 1))
 
@@ -36,7 +39,7 @@ def test_incremental_equals_brute_force():
 def test_reused_block_starts_over():
     gen = torch.Generator().manual_seed(1)
     s = BlockSummaries(num_layers=2, num_blocks=3, num_kv_heads=2, head_dim=4, block_size=4,
-                       keep_keys=True)
+                       keep_keys=True, keep_bounds=True)
     table = torch.tensor([2, 0])
     old = torch.randn(2, 7, 2, 4, generator=gen)
     write_pass(s, old, table, 0, 4, gen)  # block 2 full, block 0 has 3 tokens
@@ -45,6 +48,8 @@ def test_reused_block_starts_over():
     torch.testing.assert_close(s.mean_keys()[:, 0], new.mean(1))
     assert s.counts.tolist() == [2, 0, 4]
     assert torch.all(s.keys[:, 0, 2:] == 0)  # the old request's keys are gone
+    assert torch.equal(s.mins[:, 0], new.amin(1)) and torch.equal(s.maxs[:, 0], new.amax(1))
+    assert torch.all(s.mins[:, 1] == float("inf")) and torch.all(s.maxs[:, 1] == float("-inf"))
     torch.testing.assert_close(s.mean_keys()[:, 2], old[:, :4].mean(1))
 
 
@@ -56,3 +61,17 @@ def test_accepts_three_dim_keys_and_counts_memory():
     assert s.nbytes() == 1 * 4 * 2 * 3 * 4 + 4 * 4
     with_keys = BlockSummaries(1, 4, 2, 3, 2, keep_keys=True)
     assert with_keys.nbytes() == s.nbytes() + 1 * 4 * 2 * 2 * 3 * 4
+    with_bounds = BlockSummaries(1, 4, 2, 3, 2, keep_bounds=True)
+    assert with_bounds.nbytes() == s.nbytes() + 2 * 1 * 4 * 2 * 3 * 4  # min and max
+    assert s.mins is None and s.maxs is None
+
+
+def test_hand_worked_bounds():
+    s = BlockSummaries(num_layers=1, num_blocks=1, num_kv_heads=1, head_dim=2, block_size=4,
+                       keep_bounds=True)
+    keys = [torch.tensor([[1.0, -2.0], [3.0, 0.5], [-1.0, 4.0]])]
+    s.add_committed(keys, torch.arange(3), torch.zeros(3, dtype=torch.long), torch.arange(3))
+    assert s.mins[0, 0, 0].tolist() == [-1.0, -2.0]
+    assert s.maxs[0, 0, 0].tolist() == [3.0, 4.0]
+    mins, maxs = s.gather_bounds(torch.tensor([[0]]))  # [R, L, B, H, D]
+    assert mins.shape == (1, 1, 1, 1, 2) and maxs[0, 0, 0, 0].tolist() == [3.0, 4.0]

@@ -2,7 +2,9 @@
 
 A 32K-token request, block size 32, 30 layers, with SmolLM2-135M shapes (9 query /
 3 KV heads, head_dim 64) and Qwen2.5-1.5B shapes (12 / 2, head_dim 128), batch 1 and
-8; prints the median milliseconds per selection for each policy. For scale it also
+8; prints the median milliseconds per selection for each policy and the memory its
+block state takes for one request's blocks (summaries: the store indexed by physical
+block; per-request: H2O's accumulated mass, after the timed selections). For scale it also
 times what one target decode step spends on attention alone over the same context
 (one query token, every layer): a selection should cost far less than that, and a
 real decode step also reads all the weights. On a shared, loaded machine pass
@@ -64,13 +66,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def make_inputs(shape: Shape, args, batch: int, keep_keys: bool):
+def make_inputs(shape: Shape, args, batch: int, keep_keys: bool, keep_bounds: bool = False):
     """Summaries filled with random full blocks + per-request tables and queries."""
     bs, device = args.block_size, torch.device(args.device)
     num_blocks = args.tokens // bs + 1  # room for the query token of the next pass
     summaries = BlockSummaries(args.layers, num_blocks + 1, shape.num_kv_heads, shape.head_dim, bs,
-                               device=device, keep_keys=keep_keys, key_dtype=torch.bfloat16)
+                               device=device, keep_keys=keep_keys, key_dtype=torch.bfloat16,
+                               keep_bounds=keep_bounds)
     summaries.sums.normal_()
+    if summaries.mins is not None:
+        summaries.mins.normal_()
+        summaries.maxs.copy_(summaries.mins + summaries.maxs.normal_().abs())
     summaries.counts.fill_(bs)
     if summaries.keys is not None:
         summaries.keys.normal_()
@@ -98,9 +104,11 @@ def median_ms(fn, repeat: int, device: torch.device) -> float:
     return statistics.median(times)
 
 
-def time_selection(policy_name: str, shape: Shape, args, batch: int) -> float:
+def time_selection(policy_name: str, shape: Shape, args, batch: int) -> tuple[float, int, int]:
+    """(median ms per selection, summary bytes of one request's blocks, per-request bytes)."""
     policy = make_policy(policy_name)
-    summaries, table, query, num_committed = make_inputs(shape, args, batch, policy.needs_keys)
+    summaries, table, query, num_committed = make_inputs(shape, args, batch, policy.needs_keys,
+                                                         policy.needs_bounds)
     states = [SelectionState() for _ in range(batch)]
     seq_lens = num_committed + 1
     budget_blocks = args.budget // args.block_size
@@ -111,7 +119,8 @@ def time_selection(policy_name: str, shape: Shape, args, batch: int) -> float:
                                   args.sink_blocks, args.recent_blocks)
         return build_block_tables(selection, table, seq_lens, args.block_size)
 
-    return median_ms(one_selection, args.repeat, summaries.device)
+    ms = median_ms(one_selection, args.repeat, summaries.device)
+    return ms, summaries.nbytes(), max(s.nbytes() for s in states)
 
 
 def time_attention_floor(shape: Shape, args, batch: int) -> float:
@@ -138,12 +147,14 @@ def main(argv=None) -> None:
           f"budget {args.budget} tokens ({args.sink_blocks} sink + {args.recent_blocks} recent "
           f"blocks), device {args.device}, {torch.get_num_threads()} threads, "
           f"median of {args.repeat}")
-    print(f"{'shape':<14} {'batch':>5} {'policy':<13} {'ms/selection':>12}")
+    print(f"{'shape':<14} {'batch':>5} {'policy':<13} {'ms/selection':>12} "
+          f"{'summary MiB':>11} {'per-req MiB':>11}")
     for shape in SHAPES:
         for batch in args.batch:
             for name in args.policies:
-                ms = time_selection(name, shape, args, batch)
-                print(f"{shape.name:<14} {batch:>5} {name:<13} {ms:>12.2f}", flush=True)
+                ms, store, per_request = time_selection(name, shape, args, batch)
+                print(f"{shape.name:<14} {batch:>5} {name:<13} {ms:>12.2f} "
+                      f"{store / 2**20:>11.2f} {per_request / 2**20:>11.2f}", flush=True)
             floor = time_attention_floor(shape, args, batch)
             print(f"{shape.name:<14} {batch:>5} {'(attn/step)':<13} {floor:>12.2f}"
                   "   <- target decode step, attention only", flush=True)

@@ -5,6 +5,9 @@ per logical block and layer, higher = keep; `selection.select_blocks` does the r
 
   retrieval    TriForce: query . mean post-RoPE key of the block, per query head,
                aggregated over the query heads of each KV group and over KV heads.
+  quest        Quest (Tang et al. 2024): per query head, the upper bound
+               sum_d max(q_d min_d, q_d max_d) of q . k over the block's keys, from
+               per-channel key bounds; aggregated over the layer's query heads.
   streamingllm sinks + the most recent blocks (the score is the block index).
   topk_oracle  exact attention mass per block (softmax over all committed keys).
                Reference only: reads every key.
@@ -14,6 +17,11 @@ Shapes: query [num_reqs, num_layers, num_q_heads, head_dim] (post-RoPE);
 block_table [num_reqs, max_blocks] physical ids; num_committed [num_reqs];
 scores [num_reqs, num_layers, max_blocks] float32. GQA: query head h reads KV head
 h // (num_q_heads // num_kv_heads), as in vLLM and HF (repeat_kv).
+
+Aggregation: vLLM's kernels take one block table per layer, so per-head scores
+[R, L, Hkv, G, B] become one score per block: "sum" over all query heads, "max" over
+them (a block one head needs strongly wins), or "softmax" (each head's scores normalised
+over the full committed blocks first, then summed: every head spends one unit of mass).
 """
 
 from __future__ import annotations
@@ -61,10 +69,30 @@ def group_query(query: Tensor, num_kv_heads: int) -> Tensor:
     return query.float().view(num_reqs, num_layers, num_kv_heads, -1, head_dim)
 
 
+AGGREGATIONS = ("sum", "max", "softmax")
+
+
+def aggregate_heads(per_head: Tensor, aggregation: str, candidates: Tensor) -> Tensor:
+    """per_head [R, L, H, G, B] -> [R, L, B]; candidates [R, B] bool is the softmax domain."""
+    if aggregation == "sum":
+        return per_head.sum((2, 3))
+    if aggregation == "max":
+        return per_head.amax((2, 3))
+    mask = candidates[:, None, None, None, :]
+    probs = per_head.masked_fill(~mask, float("-inf")).softmax(-1).nan_to_num(0.0)
+    return probs.sum((2, 3))
+
+
+def _check_aggregation(aggregation: str) -> None:
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, not {aggregation!r}")
+
+
 class SelectionPolicy:
     """Base: one score per logical block and layer; higher = keep."""
     name: str = ""
     needs_keys: bool = False  # the engine must allocate BlockSummaries(keep_keys=True)
+    needs_bounds: bool = False  # ... BlockSummaries(keep_bounds=True)
 
     def block_scores(self, query: Tensor, summaries: BlockSummaries, block_table: Tensor,
                      num_committed: Tensor, state: States = None) -> Tensor:
@@ -95,7 +123,8 @@ class RetrievalPolicy(SelectionPolicy):
     linear in q it is one dot product with the group-summed query, the cheapest option.
     aggregation="softmax" first normalises each query head with a softmax over the
     blocks (full committed blocks, or `candidates` if given), then sums, so every head
-    spends the same unit of mass and heads with large query norms cannot dominate.
+    spends the same unit of mass and heads with large query norms cannot dominate;
+    aggregation="max" keeps each block's best query head.
     strategy: "gather" reads the request's mean keys; "all" scores every physical block
     (one read of the whole store, cheaper when the store is small); "auto" picks.
     """
@@ -103,8 +132,7 @@ class RetrievalPolicy(SelectionPolicy):
 
     def __init__(self, aggregation: str = "sum", strategy: str = "auto",
                  scale: float | None = None):
-        if aggregation not in ("sum", "softmax"):
-            raise ValueError(f"aggregation must be 'sum' or 'softmax', not {aggregation!r}")
+        _check_aggregation(aggregation)
         if strategy not in ("auto", "gather", "all"):
             raise ValueError(f"strategy must be 'auto', 'gather' or 'all', not {strategy!r}")
         self.aggregation = aggregation
@@ -123,9 +151,7 @@ class RetrievalPolicy(SelectionPolicy):
         if candidates is None:
             candidates = full_block_mask(num_committed.to(q.device), summaries.block_size,
                                          block_table.shape[1])
-        mask = candidates[:, None, None, None, :]
-        probs = per_head.masked_fill(~mask, float("-inf")).softmax(-1).nan_to_num(0.0)
-        return probs.sum((2, 3))
+        return aggregate_heads(per_head, self.aggregation, candidates)
 
     def _use_all_blocks(self, summaries: BlockSummaries, ids: Tensor) -> bool:
         if self.strategy == "auto":
@@ -152,6 +178,45 @@ class RetrievalPolicy(SelectionPolicy):
         dots = torch.einsum("rlhgd,lnhd->rlhgn", q, summaries.sums.float())
         dots = dots / summaries.counts.clamp(min=1).float()
         return dots.gather(-1, ids[:, None, None, None, :].expand(*dots.shape[:4], -1))
+
+
+class QuestPolicy(SelectionPolicy):
+    """Quest page scoring: per query head h, bound(h, b) = sum_d max(q_d min_bd, q_d max_bd)
+    / sqrt(d) >= q . k / sqrt(d) for every committed key k of block b (each channel's
+    product is largest at one end of the channel's range), then one score per block by
+    `aggregation`. Quest itself selects per head; one table per layer needs one score, and
+    the default "softmax" (each head's bounds as a distribution over the blocks, summed)
+    measured best over "max" and "sum" (`bench acceptance`, benchmarks/RESULTS.md). Reads
+    2 key-sized vectors per block and layer (the mean-key policy reads one)."""
+    name = "quest"
+    needs_bounds = True
+
+    def __init__(self, aggregation: str = "softmax", scale: float | None = None):
+        _check_aggregation(aggregation)
+        self.aggregation = aggregation
+        self.scale = scale  # None: 1 / sqrt(head_dim)
+
+    def block_scores(self, query, summaries, block_table, num_committed, state=None):
+        q = group_query(query, summaries.num_kv_heads)  # [R, L, H, G, D]
+        q = q * (self.scale or 1.0 / math.sqrt(q.shape[-1]))
+        per_head = torch.stack([self._layer_bounds(q[:, layer], summaries, block_table, layer)
+                                for layer in range(q.shape[1])], dim=1)  # [R, L, H, G, B]
+        candidates = full_block_mask(num_committed.to(q.device), summaries.block_size,
+                                     block_table.shape[1])
+        return aggregate_heads(per_head, self.aggregation, candidates)
+
+    @staticmethod
+    def _layer_bounds(q: Tensor, summaries: BlockSummaries, block_table: Tensor,
+                      layer: int) -> Tensor:
+        """q [R, H, G, D] of one layer -> [R, H, G, B] upper bounds of q . k per block."""
+        if summaries.mins is None:
+            raise ValueError("policy 'quest' needs BlockSummaries(keep_bounds=True)")
+        ids = block_table.to(summaries.device, torch.long).clamp(min=0)  # [R, B]
+        lo, hi = summaries.mins[layer][ids].float(), summaries.maxs[layer][ids].float()
+        # an empty block holds +-inf bounds: score it 0 (it is never a candidate)
+        lo, hi = lo.nan_to_num(0.0, 0.0, 0.0), hi.nan_to_num(0.0, 0.0, 0.0)  # [R, B, H, D]
+        return (torch.einsum("rhgd,rbhd->rhgb", q.clamp(min=0), hi)
+                + torch.einsum("rhgd,rbhd->rhgb", q.clamp(max=0), lo))
 
 
 class TopKOraclePolicy(SelectionPolicy):
@@ -249,7 +314,8 @@ def _per_request(state, num_reqs: int) -> list:
 
 
 POLICIES: dict[str, type[SelectionPolicy]] = {
-    cls.name: cls for cls in (RetrievalPolicy, StreamingLLMPolicy, H2OPolicy, TopKOraclePolicy)
+    cls.name: cls for cls in (RetrievalPolicy, QuestPolicy, StreamingLLMPolicy, H2OPolicy,
+                              TopKOraclePolicy)
 }
 
 

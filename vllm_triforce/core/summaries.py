@@ -1,4 +1,10 @@
-"""Per-block mean keys: the summaries retrieval selection scores queries against.
+"""Per-block key summaries the selection policies score queries against.
+
+Two summaries per (layer, physical block, KV head), both updated from committed keys:
+- the running *sum* of the keys and a count (mean key: `retrieval`);
+- optionally (`keep_bounds=True`, policy `quest`), the per-channel *minimum and maximum*
+  of the keys (Quest, Tang et al. 2024): for any query q, sum_d max(q_d min_d, q_d max_d)
+  is an upper bound of q . k over every key k of the block.
 
 One vLLM KV block is one TriForce retrieval chunk. For every layer, KV head and
 *physical* block we keep the running sum of the block's committed keys (post-RoPE,
@@ -14,9 +20,9 @@ never scores it anyway (it is always attended as part of the tail).
 Memory: the store is indexed by physical block id and shared by all requests, like
 the KV cache itself, so blocks shared through prefix caching are summarised once.
 It is sized once for the whole KV cache (`nbytes()` reports it: ~1/block_size of the
-key cache in float32) and nothing is freed per request: a freed block is simply
-overwritten when it is reused, because the first token written at offset 0 resets
-the block. Per-request state (selection, H2O accumulators) lives in
+key cache for the sums, twice that again with the bounds) and nothing is freed per
+request: a freed block is simply overwritten when it is reused, because the first token
+written at offset 0 resets the block. Per-request state (selection, H2O accumulators) lives in
 `selection.SelectionState` and is dropped with the request.
 """
 
@@ -33,7 +39,8 @@ class BlockSummaries:
 
     def __init__(self, num_layers: int, num_blocks: int, num_kv_heads: int, head_dim: int,
                  block_size: int, dtype: torch.dtype = torch.float32, device=None,
-                 keep_keys: bool = False, key_dtype: torch.dtype | None = None):
+                 keep_keys: bool = False, key_dtype: torch.dtype | None = None,
+                 keep_bounds: bool = False):
         if min(num_layers, num_blocks, num_kv_heads, head_dim, block_size) <= 0:
             raise ValueError("BlockSummaries: all sizes must be positive")
         self.num_layers = num_layers
@@ -52,6 +59,13 @@ class BlockSummaries:
         if keep_keys:
             self.keys = torch.zeros(num_layers, num_blocks, block_size, num_kv_heads, head_dim,
                                     dtype=key_dtype or dtype, device=device)
+        # [num_layers, num_blocks, num_kv_heads, head_dim] per-channel min / max of the
+        # committed keys (quest); an empty block holds +inf / -inf.
+        self.mins: Tensor | None = None
+        self.maxs: Tensor | None = None
+        if keep_bounds:
+            self.mins = torch.full_like(self.sums, float("inf"))
+            self.maxs = torch.full_like(self.sums, float("-inf"))
 
     @property
     def device(self) -> torch.device:
@@ -80,6 +94,10 @@ class BlockSummaries:
         self.counts.index_add_(0, block_ids, torch.ones_like(block_ids, dtype=torch.int32))
         if self.keys is not None:
             self.keys[:, block_ids, offsets] = keys.to(self.keys.dtype)
+        if self.mins is not None:
+            index = block_ids[None, :, None, None].expand_as(keys)  # [L, n, H, D]
+            self.mins.scatter_reduce_(1, index, keys.to(self.mins.dtype), "amin")
+            self.maxs.scatter_reduce_(1, index, keys.to(self.maxs.dtype), "amax")
 
     def _reset_blocks(self, block_ids: Tensor) -> None:
         if block_ids.numel() == 0:
@@ -88,6 +106,9 @@ class BlockSummaries:
         self.counts[block_ids] = 0
         if self.keys is not None:
             self.keys[:, block_ids] = 0
+        if self.mins is not None:
+            self.mins[:, block_ids] = float("inf")
+            self.maxs[:, block_ids] = float("-inf")
 
     def _gather_rows(self, layer_keys: Sequence[Tensor], rows: Tensor) -> Tensor:
         shape = (rows.numel(), self.num_kv_heads, self.head_dim)
@@ -108,6 +129,15 @@ class BlockSummaries:
         means = (sums / denom).unflatten(1, ids.shape)  # [L, R, B, H, D]
         return means.transpose(0, 1)
 
+    def gather_bounds(self, block_table: Tensor) -> tuple[Tensor, Tensor]:
+        """block_table [R, B] physical ids -> (mins, maxs), each [R, L, B, H, D]."""
+        if self.mins is None:
+            raise ValueError("key bounds need BlockSummaries(keep_bounds=True)")
+        ids = block_table.to(self.device, torch.long).clamp(min=0)
+        mins = self.mins[:, ids.flatten()].unflatten(1, ids.shape)  # [L, R, B, H, D]
+        maxs = self.maxs[:, ids.flatten()].unflatten(1, ids.shape)
+        return mins.transpose(0, 1), maxs.transpose(0, 1)
+
     def is_full(self, block_ids: Tensor) -> Tensor:
         """bool, same shape as block_ids: the block holds block_size committed tokens."""
         return self.counts[block_ids.to(self.device, torch.long)] == self.block_size
@@ -116,4 +146,6 @@ class BlockSummaries:
         total = self.sums.nbytes + self.counts.nbytes
         if self.keys is not None:
             total += self.keys.nbytes
+        if self.mins is not None:
+            total += self.mins.nbytes + self.maxs.nbytes
         return total

@@ -1,0 +1,265 @@
+"""Teacher-forced acceptance: the target over each policy's cache against its full cache.
+
+Walks real text. Documents of `C + P` tokens are prefilled by a two-level TriForce engine
+(so the KV cache, the attention capture and the block summaries are filled by the engine's
+own code), then the engine is paused with the requests live and, at every measured
+position t = C + j (j < P, one row per document, one token per row):
+
+  q_c = the target over column c's per-layer retrieval tables (`core/selection.py` from
+        the column's scores), input = the text's token at t;
+  p   = the target over its full table, same input.
+
+Both run through `engine/forward.run_pass`, the one metadata builder the engine uses.
+Every pass writes the token's KV into its real slot t; a q pass writes APPROXIMATE KV, so
+all q passes at t run first and the full pass at t LAST: it reads only exact slots < t
+plus its own slot (each layer writes before it attends) and rewrites slot t exactly, so
+later positions see an exact prefix. Documents live in different blocks and never read
+each other's slots.
+
+Selection follows the engine: scores from the query of the newest committed token
+(position t - 1, captured by the previous full pass), candidates = full blocks before
+the tail, sinks + recent + the growing tail always kept. A column either selects once at
+the span's first position C and keeps that selection for the P positions (the engine
+refreshes every 64 tokens by default, so P = 64 spans staleness 0..63), or re-selects at
+every position (`per_position`, the paper's Top-K oracle). Before C, `warmup` full passes
+at positions C - warmup .. C - 1 give the query at C - 1 and the history H2O accumulates
+(the engine's H2O observes one query per step between refreshes).
+
+Depends on vLLM 0.32.0's in-process layout (`vllm_triforce/offline.py`) and on the
+scheduler's `kv_cache_manager.get_block_ids` (vllm/v1/core/kv_cache_manager.py).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from vllm_triforce.core.policies import SelectionPolicy, SelectionState
+from vllm_triforce.core.selection import Selection, build_block_tables, select_blocks
+from vllm_triforce.core.summaries import BlockSummaries
+from vllm_triforce.core.verify import sampling_probs
+
+
+@dataclass
+class Column:
+    """One q per position: a policy, its budget and when it selects."""
+    name: str
+    policy: SelectionPolicy
+    budget_blocks: int
+    per_position: bool = False
+    # filled during a span
+    selection: Selection | None = None
+    states: list = field(default_factory=list)  # SelectionState per document (h2o)
+
+
+@dataclass
+class SpanResult:
+    """Per column, one value per (document, position), documents outermost."""
+    acceptance: dict[str, list[float]]  # sum_x min(p(x), q(x)) at temperature / top-p
+    agreement: dict[str, list[bool]]    # argmax p == argmax q
+
+
+@dataclass(frozen=True)
+class Geometry:
+    block_size: int
+    sink_blocks: int
+    recent_blocks: int
+
+
+class TeacherForcedEngine:
+    """A paused two-level TriForce engine whose requests are teacher-forced documents."""
+
+    def __init__(self, model: str, dtype: str, max_model_len: int, max_num_seqs: int,
+                 kv_cache_gib: int | None = None, block_size: int = 32):
+        from vllm import LLM
+
+        from vllm_triforce.bench.worker import ENGINE_ENV
+        from vllm_triforce.offline import drafter_of
+
+        for key, value in ENGINE_ENV.items():
+            os.environ.setdefault(key, value)
+        if kv_cache_gib is not None:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
+        spec = {"method": "triforce", "num_speculative_tokens": 1,
+                "retrieval_budget": 8 * block_size}  # the engine's own drafts are not measured
+        self.llm = LLM(model, dtype=dtype, enforce_eager=True, block_size=block_size, seed=0,
+                       max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                       speculative_config=spec, enable_prefix_caching=False)
+        self.drafter = drafter_of(self.llm)
+        self.block_size = block_size
+        cfg = self.drafter.cfg
+        self.geometry = Geometry(block_size, -(-cfg.retrieval_sink_tokens // block_size),
+                                 -(-cfg.retrieval_recent_tokens // block_size))
+        layer = self.drafter.target_layers[0]
+        self.num_q_heads, self.head_dim = layer.num_heads, layer.head_size
+        self.summaries = self._widen_summaries()
+        self._next_id = 0
+
+    def _widen_summaries(self) -> BlockSummaries:
+        """Give the engine's summaries every kind of block state any policy reads (means,
+        bounds and a key copy) before any prompt, so its commit step fills them. In place:
+        the engine's levels hold references to this object."""
+        old = self.drafter.summaries
+        wide = BlockSummaries(
+            old.num_layers, old.num_blocks, old.num_kv_heads, old.head_dim, old.block_size,
+            dtype=old.sums.dtype, device=old.device, keep_keys=True, keep_bounds=True)
+        vars(old).update(vars(wide))
+        return old
+
+    @property
+    def num_blocks(self) -> int:
+        return self.summaries.num_blocks
+
+    def prefill(self, documents: list[list[int]]) -> tuple[list[str], torch.Tensor]:
+        """Prefill the documents as live requests; returns their ids and block table
+        [num_docs, max_blocks] int32 (physical ids, 0-padded)."""
+        from vllm import SamplingParams
+
+        needed = sum(-(-(len(doc) + 1) // self.block_size) for doc in documents)
+        if needed > self.num_blocks - 1:  # vLLM keeps one null block
+            raise RuntimeError(f"{len(documents)} documents need {needed} KV blocks, the cache "
+                               f"has {self.num_blocks}: raise the KV cache size")
+        params = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
+        ids = []
+        for doc in documents:
+            ids.append(f"tf{self._next_id}")
+            self._next_id += 1
+            self.llm.llm_engine.add_request(ids[-1], {"prompt_token_ids": doc}, params)
+        started: set[str] = set()
+        while len(started) < len(ids):  # a request emits its first token once prefilled
+            for out in self.llm.llm_engine.step():
+                if out.outputs and out.outputs[0].token_ids:
+                    started.add(out.request_id)
+        return ids, self._block_table(ids)
+
+    def _block_table(self, ids: list[str]) -> torch.Tensor:
+        scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler
+        internal = {rid.rsplit("-", 1)[0] if rid not in ids else rid: rid
+                    for rid in scheduler.requests}
+        rows = [scheduler.kv_cache_manager.get_block_ids(internal[i])[0] for i in ids]
+        table = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.int32)
+        for r, blocks in enumerate(rows):
+            table[r, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        return table
+
+    def release(self, ids: list[str]) -> None:
+        self.llm.llm_engine.abort_request(ids)
+
+    def close(self) -> None:
+        from vllm_triforce.offline import free_llm
+
+        free_llm(self.llm)
+
+    # ---- passes --------------------------------------------------------------------
+    def _pass(self, tokens: list[int], t: int, block_table: torch.Tensor, tables,
+              seq_lens: torch.Tensor) -> torch.Tensor:
+        """One token per document at position t; returns logits [num_docs, V]."""
+        from vllm_triforce.engine.forward import PassInputs, run_pass
+
+        d, bs = self.drafter, self.block_size
+        num_docs = len(tokens)
+        slots = block_table[:, t // bs].long() * bs + t % bs
+        inputs = PassInputs(input_ids=torch.tensor(tokens, dtype=torch.int32),
+                            positions=torch.full((num_docs,), t, dtype=torch.long),
+                            slot_mapping=slots, query_start_loc=torch.arange(num_docs + 1),
+                            seq_lens=seq_lens, sample_rows=torch.arange(num_docs))
+        groups = [g for per_kind in d.runner.attn_groups for g in per_kind]
+        return run_pass(d.target_model, d.vllm_config, groups, inputs, tables, d.device)
+
+    def full_pass(self, tokens, t, block_table) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target over its full table at t: (logits [D, V], query [D, L, Hq, Dh] of t)."""
+        tables = dict.fromkeys(self.drafter.target_layer_names, block_table)
+        seq_lens = torch.full((len(tokens),), t + 1, dtype=torch.int32)
+        logits = self._pass(tokens, t, block_table, tables, seq_lens)
+        queries = [q.reshape(len(tokens), self.num_q_heads, self.head_dim).float().clone()
+                   for q in self.drafter.capture.queries]
+        return logits, torch.stack(queries, dim=1)
+
+    def retrieval_pass(self, tokens, t, block_table, selection: Selection) -> torch.Tensor:
+        """The target over a selection's per-layer tables at t: logits [D, V]."""
+        seq_end = torch.full((len(tokens),), t + 1, dtype=torch.long)
+        tables, compact = build_block_tables(selection, block_table, seq_end, self.block_size)
+        per_layer = {name: tables[l] for l, name in enumerate(self.drafter.target_layer_names)}
+        return self._pass(tokens, t, block_table, per_layer, compact[0])
+
+    # ---- selection -----------------------------------------------------------------
+    def select(self, column: Column, query: torch.Tensor, block_table: torch.Tensor,
+               committed: int) -> Selection:
+        g = self.geometry
+        num_committed = torch.full((query.shape[0],), committed, dtype=torch.long)
+        states = column.states or None
+        scores = column.policy.block_scores(query, self.summaries, block_table, num_committed,
+                                            states)
+        return select_blocks(scores, num_committed, g.block_size, column.budget_blocks,
+                             g.sink_blocks, g.recent_blocks)
+
+
+def measure_span(engine: TeacherForcedEngine, documents: list[list[int]], context: int,
+                 num_positions: int, columns: list[Column], warmup: int, temperature: float,
+                 top_p: float, progress=None) -> SpanResult:
+    """Measure every column at positions context .. context + num_positions - 1 of each
+    document (each document is at least context + num_positions tokens)."""
+    ids, block_table = engine.prefill(documents)
+    try:
+        _check_committed(engine, block_table, context + num_positions)
+        return _walk(engine, documents, block_table, context, num_positions, columns,
+                     warmup, temperature, top_p, progress)
+    finally:
+        engine.release(ids)
+
+
+def _check_committed(engine: TeacherForcedEngine, block_table: torch.Tensor, length: int):
+    """The engine's commit step summarised every prefilled full block (else the summaries
+    would silently score empty blocks)."""
+    full = block_table[:, :length // engine.block_size].long()
+    counts = engine.summaries.counts[full]
+    if not bool((counts == engine.block_size).all()):
+        raise RuntimeError(f"block summaries incomplete after prefill: counts {counts.tolist()}")
+
+
+def _walk(engine, documents, block_table, context, num_positions, columns, warmup,
+          temperature, top_p, progress) -> SpanResult:
+    num_docs = len(documents)
+    temp = torch.full((num_docs,), temperature)
+    top_ps = torch.full((num_docs,), top_p)
+    h2o_like = [c for c in columns if type(c.policy).observe is not SelectionPolicy.observe]
+    for column in columns:
+        column.selection = None
+        column.states = [SelectionState() for _ in range(num_docs)] if column in h2o_like else []
+    query = None
+    for t in range(context - max(warmup, 1), context):  # exact rewrites: queries, history
+        if query is not None:
+            for column in h2o_like:
+                column.policy.observe(query, engine.summaries, block_table,
+                                      torch.full((num_docs,), t, dtype=torch.long),
+                                      column.states)
+        _, query = engine.full_pass([doc[t] for doc in documents], t, block_table)
+    result = SpanResult({c.name: [] for c in columns}, {c.name: [] for c in columns})
+    per_doc = {c.name: [[] for _ in range(num_docs)] for c in columns}
+    agree_doc = {c.name: [[] for _ in range(num_docs)] for c in columns}
+    for j in range(num_positions):
+        t = context + j
+        tokens = [doc[t] for doc in documents]
+        q_logits = {}
+        for column in columns:
+            if column.per_position or column.selection is None:
+                column.selection = engine.select(column, query, block_table, t)
+            q_logits[column.name] = engine.retrieval_pass(tokens, t, block_table,
+                                                          column.selection)
+        p_logits, query = engine.full_pass(tokens, t, block_table)  # last: exact KV at t
+        p = sampling_probs(p_logits, temp, top_p=top_ps)
+        for name, logits in q_logits.items():
+            q = sampling_probs(logits, temp, top_p=top_ps)
+            acc = torch.minimum(p, q).sum(-1).tolist()
+            agree = (logits.argmax(-1) == p_logits.argmax(-1)).tolist()
+            for r in range(num_docs):
+                per_doc[name][r].append(acc[r])
+                agree_doc[name][r].append(agree[r])
+        if progress is not None:
+            progress(j + 1, num_positions)
+    for column in columns:
+        result.acceptance[column.name] = [x for doc in per_doc[column.name] for x in doc]
+        result.agreement[column.name] = [x for doc in agree_doc[column.name] for x in doc]
+    return result
