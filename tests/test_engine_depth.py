@@ -33,7 +33,8 @@ def test_step_time_and_rates_come_from_pure_decode_steps():
     last_end = chooser._last_end
     chooser.begin(last_end + 0.5, ["a"], num_tokens=5, emitted=3, pure_decode=True,
                   verified=[("a", 4, 2)], live_req_ids=["a"])
-    assert chooser.controller.step.predict(5) == 0.5
+    assert chooser.controller.step.predict(5) == 0.5  # 5 tokens for 1 request: verification
+    assert not chooser.controller.plain_step.seen
     assert chooser.controller.requests["a"].accepted[:3] == [1.0, 1.0, 0.0]
     chooser.plan(["a"], 4)
     chooser.end(drafting=False, start=last_end + 0.5)

@@ -15,11 +15,11 @@ MS = 1e-3
 
 
 def costs(step_fixed=10 * MS, step_per_token=1 * MS, round_fixed=4 * MS, per_request=0.0,
-          draft=None, idle=0.0, active=0.0):
+          draft=None, idle=0.0, active=0.0, plain_step=None):
     modes = {RETRIEVAL: ModeCosts(round_fixed, per_request)}
     if draft is not None:
         modes[DRAFT] = draft
-    return StepCosts(step_fixed, step_per_token, idle, active, modes)
+    return StepCosts(step_fixed, step_per_token, idle, active, modes, plain_step)
 
 
 def test_docstring_example_picks_two_then_zero():
@@ -40,7 +40,8 @@ def test_gains_are_expected_accepted_drafts():
 def _brute_force(alphas, c: StepCosts, max_depth):
     num_reqs = alphas.shape[0]
     g = gains(alphas.double())
-    best = num_reqs / (c.step_fixed + c.step_per_token * num_reqs + c.idle_overhead)
+    plain = c.plain_step if c.plain_step is not None else c.step_fixed + c.step_per_token * num_reqs
+    best = num_reqs / (plain + c.idle_overhead)
     for mode, mc in c.modes.items():
         for depths in itertools.product(range(max_depth + 1), repeat=num_reqs):
             K = max(depths)
@@ -63,10 +64,26 @@ def test_choice_is_the_brute_force_optimum(seed):
              if rnd.random() < 0.5 else None)
     c = costs(step_fixed=rnd.uniform(5, 20) * MS, step_per_token=rnd.uniform(0, 3) * MS,
               round_fixed=rnd.uniform(1, 15) * MS, per_request=rnd.uniform(0, 2) * MS,
-              draft=draft, idle=rnd.uniform(0, 1) * MS, active=rnd.uniform(0, 3) * MS)
+              draft=draft, idle=rnd.uniform(0, 1) * MS, active=rnd.uniform(0, 3) * MS,
+              plain_step=rnd.choice([None, rnd.uniform(5, 25) * MS]))
     plan = choose_plan(alphas, c, max_depth)
     assert plan.tokens_per_s == pytest.approx(_brute_force(alphas, c, max_depth), rel=1e-9)
     assert len(plan.depths) == num_reqs and plan.max_depth <= max_depth
+
+
+def test_first_draft_token_dearer_than_the_next():
+    """Measured on this CPU (SmolLM2, batch 8 x 8K): plain step 211 ms, verification steps
+    399 ms with one draft per request and 630 ms with six; middle rounds 64 ms; acceptance
+    0.93 per position. Full depth wins (it did, 1.07x against 0.90x at depth 2), where a
+    single line through plain and verification steps made depth look dear."""
+    alphas = torch.full((8, 6), 0.93)
+    per_token = (630 - 399) / (56 - 16) * MS
+    split = costs(step_fixed=399 * MS - 16 * per_token, step_per_token=per_token,
+                  round_fixed=64 * MS, plain_step=211 * MS)
+    assert choose_plan(alphas, split, 6).max_depth == 6
+    one_line = costs(step_fixed=211 * MS - 8 * 17.5 * MS, step_per_token=17.5 * MS,
+                     round_fixed=64 * MS)  # through 211 ms at 8 tokens and 492 at 24
+    assert choose_plan(alphas, one_line, 6).max_depth < 6
 
 
 def test_depth_follows_each_requests_acceptance():
@@ -120,7 +137,7 @@ def _feed(ctl: SpeculationController, step_fixed, per_token, round_s, alpha, num
             ctl.observe_round(plan.mode, len(active), round_s, 1.0)
         ctl.observe_overhead(plan.max_depth > 0, 0.0)
         num_tokens = num_reqs + sum(plan.depths)
-        ctl.observe_step(num_tokens, step_fixed + per_token * num_tokens)
+        ctl.observe_step(num_reqs, num_tokens, step_fixed + per_token * num_tokens)
     return plans
 
 

@@ -16,10 +16,15 @@ Model of one step (B decoding requests, depths k_r <= K = max_r k_r):
 
   alpha_{r,j}  chance the full cache accepts draft j given drafts < j were accepted
                (decayed counts per request, shrunk towards the batch-wide profile);
-  T_step(n)    vLLM's own step over n query tokens: step_fixed + step_per_token * n;
+  T_step(n)    vLLM's own step verifying n query tokens: step_fixed + step_per_token * n,
+               fitted on drafting steps only; a step with no drafts has its own cost
+               (plain_step), because the first draft token is not marginal: on a CPU,
+               vLLM's attention leaves its decode path for a multi-token one (measured,
+               SmolLM2 batch 8 at 8K: 211 ms plain, 399 ms with one draft each, 630 ms
+               with six), and a line through both kinds of steps would price depth wrongly;
   rounds(k)    middle rounds to produce k tokens: k with the retrieval level alone (one
                token per round), k / tokens_per_round with the small draft.
-  Every K = 0 step has `seconds = T_step(B) + idle_overhead`.
+  Every K = 0 step has `seconds = plain_step + idle_overhead`.
 
 Worked example (one request, alpha = 0.8 at every position, step 10 ms + 1 ms per query
 token, retrieval rounds 4 ms, no overhead): k = 0 gives 1 token in 11 ms (91 tok/s);
@@ -39,8 +44,10 @@ drafted tokens and their distributions do not depend on k (a shorter draft is a 
 a longer one).
 
 Estimates stay current: every `probe_interval` steps without drafting the controller
-drafts once (at its best positive depth), and every `probe_interval` steps without a plain
-step it runs one, so both ends of T_step and the acceptance profile keep being measured;
+drafts once (at its best positive depth), every `probe_interval` steps without a plain
+step it runs one, and every `probe_interval` drafting steps it drafts once at another
+depth (the maximum, or half of it), so the plain step, the verification line and the
+acceptance profile keep being measured;
 with a small draft, the mode not in use is probed the same way. A change of plan needs a
 predicted gain of `hysteresis` (default 3%) over the current plan.
 """
@@ -144,11 +151,12 @@ class ModeCosts:
 @dataclass(frozen=True)
 class StepCosts:
     """Seconds. `modes` maps RETRIEVAL / DRAFT to their round costs (absent: unusable)."""
-    step_fixed: float
+    step_fixed: float         # a verification step: step_fixed + step_per_token * tokens
     step_per_token: float
     idle_overhead: float      # proposer time of a step with no drafting
     active_overhead: float    # proposer time of a drafting step besides its rounds
     modes: dict = field(default_factory=dict)
+    plain_step: float | None = None  # vLLM's step without drafts; None: the line at B
 
 
 @dataclass(frozen=True)
@@ -169,7 +177,10 @@ def gains(alphas: torch.Tensor) -> torch.Tensor:
 
 
 def plain_rate(num_reqs: int, costs: StepCosts) -> float:
-    return num_reqs / (costs.step_fixed + costs.step_per_token * num_reqs + costs.idle_overhead)
+    step = costs.plain_step
+    if step is None:
+        step = costs.step_fixed + costs.step_per_token * num_reqs
+    return num_reqs / (step + costs.idle_overhead)
 
 
 def choose_plan(alphas: torch.Tensor, costs: StepCosts, max_depth: int,
@@ -247,7 +258,8 @@ class SpeculationController:
         self.hysteresis = hysteresis
         self.shrink = shrink
         self.prior_alpha = prior_alpha
-        self.step = DecayedLine()
+        self.step = DecayedLine()        # drafting steps: seconds over query tokens
+        self.plain_step = DecayedLine()  # steps without drafts: seconds over requests
         self.idle = DecayedMean(prior=0.0)
         self.active = DecayedMean(prior=0.0)
         self.rounds = {m: DecayedLine() for m in self.modes}
@@ -260,10 +272,13 @@ class SpeculationController:
         self._since_drafting = 0
         self._since_plain = 0
         self._since_mode = dict.fromkeys(self.modes, 0)
+        self._since_depth_probe = 0
 
     # ---- measurements
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        self.step.observe(num_tokens, seconds)
+    def observe_step(self, num_reqs: int, num_tokens: int, seconds: float) -> None:
+        """vLLM's step over `num_reqs` requests and `num_tokens` query tokens (more tokens
+        than requests: it verified drafts)."""
+        (self.step if num_tokens > num_reqs else self.plain_step).observe(num_tokens, seconds)
 
     def observe_verification(self, req_id: str, num_verified: int, num_accepted: int) -> None:
         self.batch_acceptance.observe(num_verified, num_accepted)
@@ -284,9 +299,9 @@ class SpeculationController:
             del self.requests[r]
 
     # ---- the decision
-    def costs(self) -> StepCosts | None:
-        """Current estimates, or None while a cost has never been measured."""
-        step = self.step.coefficients()
+    def costs(self, num_reqs: int) -> StepCosts | None:
+        """Current estimates for a batch of `num_reqs`, or None while no step was measured."""
+        step = self.step.coefficients() or self.plain_step.coefficients()
         modes = {}
         for m in self.modes:
             c = self.rounds[m].coefficients()
@@ -294,7 +309,8 @@ class SpeculationController:
                 modes[m] = ModeCosts(c[0], c[1], self.tokens_per_round[m].value)
         if step is None:
             return None
-        return StepCosts(step[0], step[1], self.idle.value, self.active.value, modes)
+        return StepCosts(step[0], step[1], self.idle.value, self.active.value, modes,
+                         self.plain_step.predict(num_reqs))
 
     def alphas(self, req_ids: list[str], max_depth: int) -> torch.Tensor:
         """[R, max_depth] per-request acceptance profile, shrunk towards the batch's."""
@@ -317,7 +333,7 @@ class SpeculationController:
 
     def _decide(self, req_ids: list[str], max_depth: int) -> Plan:
         """The best plan, unless the settled one is within `hysteresis` of it."""
-        alphas, costs = self.alphas(req_ids, max_depth), self.costs()
+        alphas, costs = self.alphas(req_ids, max_depth), self.costs(len(req_ids))
         best = choose_plan(alphas, costs, max_depth)
         settled = self.current
         if settled is not None and (settled.mode, settled.max_depth) != (best.mode,
@@ -334,13 +350,19 @@ class SpeculationController:
         step at full depth in every mode, then a plain one."""
         if max_depth < 1:
             return None
-        costs = self.costs()
         num_reqs = len(req_ids)
+        costs = self.costs(num_reqs)
         for m in self.modes:
             if costs is None or m not in costs.modes or self._since_mode[m] >= 2 * self.probe_interval:
                 return Plan((max_depth,) * num_reqs, m, math.nan)
         if not self.idle.w or self._since_plain >= self.probe_interval:
             return Plan((0,) * num_reqs, None, math.nan)
+        settled = self.current
+        if (settled is not None and settled.max_depth > 0
+                and self._since_depth_probe >= self.probe_interval):
+            other = max_depth if settled.max_depth < max_depth else max(1, max_depth // 2)
+            self._since_depth_probe = 0
+            return Plan((other,) * num_reqs, settled.mode, math.nan)
         if self._since_drafting >= self.probe_interval:
             alphas = self.alphas(req_ids, max_depth)
             plans = [_best_in_mode(gains(alphas.double()), costs, m, costs.modes[m], max_depth)
@@ -355,5 +377,6 @@ class SpeculationController:
         drafting = plan.max_depth > 0
         self._since_drafting = 0 if drafting else self._since_drafting + 1
         self._since_plain = self._since_plain + 1 if drafting else 0
+        self._since_depth_probe += drafting
         for m in self.modes:
             self._since_mode[m] = 0 if plan.mode == m else self._since_mode[m] + 1

@@ -57,7 +57,7 @@ class DepthChooser:
         same_requests = set(req_ids) <= self._last_req_ids
         self._last_req_ids = set(req_ids)
         if pure_decode and same_requests and self._last_end is not None:
-            self.controller.observe_step(num_tokens, start - self._last_end)
+            self.controller.observe_step(len(req_ids), num_tokens, start - self._last_end)
             self.achieved_tokens.observe(emitted)
             self.achieved_seconds.observe(start - self._last_start)
             if self._plan is not None and not math.isnan(self._plan.tokens_per_s):
