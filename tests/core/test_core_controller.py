@@ -176,3 +176,17 @@ def test_forced_schedule_is_followed_and_capped():
 def test_plan_is_a_dataclass_with_max_depth():
     assert Plan((0, 2, 1), RETRIEVAL, 1.0).max_depth == 2
     assert Plan((), None, 0.0).max_depth == 0
+
+
+def test_one_off_costs_do_not_stick():
+    """The first drafting step pays set-up; the overhead estimate is a median, and a line
+    with three samples drops a sample three times its prediction."""
+    ctl = SpeculationController(max_depth=4, has_draft=False)
+    for seconds in (0.2, 0.006, 0.005, 0.006):
+        ctl.observe_overhead(True, seconds)
+    assert ctl.active.value == pytest.approx(0.006)
+    line = DecayedLine(decay=1.0)
+    for x in (1, 2, 3):
+        line.observe(x, 1.0 + x)
+    line.observe(2, 30.0)
+    assert line.coefficients() == pytest.approx((1.0, 1.0))

@@ -55,6 +55,8 @@ predicted gain of `hysteresis` (default 3%) over the current plan.
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -68,14 +70,20 @@ class DecayedLine:
     """y ~ a + b * x by exponentially decayed least squares (b >= 0: costs grow with x).
 
     With one distinct x seen so far the slope is `prior_slope`; before any sample,
-    `predict` returns None."""
+    `predict` returns None. Once three samples are in, one above `outlier` times the
+    prediction is dropped (a first call paying one-off set-up, a pause of the host)."""
 
-    def __init__(self, decay: float = 0.95, prior_slope: float = 0.0):
+    def __init__(self, decay: float = 0.95, prior_slope: float = 0.0, outlier: float = 3.0):
         self.decay = decay
         self.prior_slope = prior_slope
+        self.outlier = outlier
+        self.n = 0
         self.w = self.sx = self.sy = self.sxx = self.sxy = 0.0
 
     def observe(self, x: float, y: float) -> None:
+        if self.n >= 3 and y > self.outlier * max(self.predict(x), 1e-9):
+            return
+        self.n += 1
         d = self.decay
         self.w = d * self.w + 1.0
         self.sx = d * self.sx + x
@@ -115,6 +123,26 @@ class DecayedMean:
     @property
     def value(self) -> float | None:
         return self.s / self.w if self.w > 0 else self.prior
+
+
+class RecentMedian:
+    """Median of the last `window` samples: a one-off cost (the first drafting step sets up
+    per-layer metadata and selections) cannot dominate, as it would a mean."""
+
+    def __init__(self, window: int = 9, prior: float = 0.0):
+        self.samples: deque = deque(maxlen=window)
+        self.prior = prior
+
+    def observe(self, y: float) -> None:
+        self.samples.append(y)
+
+    @property
+    def n(self) -> int:
+        return len(self.samples)
+
+    @property
+    def value(self) -> float:
+        return statistics.median(self.samples) if self.samples else self.prior
 
 
 class PositionAcceptance:
@@ -260,8 +288,8 @@ class SpeculationController:
         self.prior_alpha = prior_alpha
         self.step = DecayedLine()        # drafting steps: seconds over query tokens
         self.plain_step = DecayedLine()  # steps without drafts: seconds over requests
-        self.idle = DecayedMean(prior=0.0)
-        self.active = DecayedMean(prior=0.0)
+        self.idle = RecentMedian()
+        self.active = RecentMedian()
         self.rounds = {m: DecayedLine() for m in self.modes}
         self.tokens_per_round = {m: DecayedMean(prior=1.0) for m in self.modes}
         self.batch_acceptance = PositionAcceptance(max_depth)
@@ -355,7 +383,7 @@ class SpeculationController:
         for m in self.modes:
             if costs is None or m not in costs.modes or self._since_mode[m] >= 2 * self.probe_interval:
                 return Plan((max_depth,) * num_reqs, m, math.nan)
-        if not self.idle.w or self._since_plain >= self.probe_interval:
+        if not self.idle.n or self._since_plain >= self.probe_interval:
             return Plan((0,) * num_reqs, None, math.nan)
         settled = self.current
         if (settled is not None and settled.max_depth > 0
