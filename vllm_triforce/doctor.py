@@ -101,8 +101,10 @@ def _base_job(args, target: str) -> dict:
 
 
 def _triforce_spec(args, draft: str | None) -> dict:
+    # A fixed depth: the doctor checks that every level runs and is verified; the depth
+    # controller may (rightly) decode plainly on a short check and prove nothing.
     spec = {"method": "triforce", "num_speculative_tokens": args.gamma,
-            "retrieval_budget": args.budget}
+            "retrieval_budget": args.budget, "adaptive": False}
     if draft is not None:
         spec["model"] = draft
     return spec

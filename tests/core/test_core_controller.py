@@ -149,12 +149,25 @@ def test_controller_start_up_probes_then_decides():
 
 
 def test_controller_goes_plain_when_rounds_cost_a_step_and_probes_back():
-    ctl = SpeculationController(max_depth=6, has_draft=False, probe_interval=8)
+    ctl = SpeculationController(max_depth=6, has_draft=False, probe_interval=8,
+                                min_evidence=0)
     plans = _feed(ctl, 10 * MS, 2 * MS, 12 * MS, alpha=0.5, steps=40)
     depths = [p.max_depth for p in plans]
     assert depths[5:15].count(0) >= 9  # plain once the costs are known
     assert any(d > 0 for d in depths[15:])  # ... yet it still probes now and then
     assert depths[2:].count(0) >= 0.85 * len(depths[2:])
+
+
+def test_thin_evidence_is_probed_again_soon():
+    """Start-up: both first drafts rejected. Plain wins on that evidence, but the drafting
+    probe returns every probe_interval // 8 steps until `min_evidence` first drafts were
+    verified, then every probe_interval steps."""
+    ctl = SpeculationController(max_depth=6, has_draft=False, probe_interval=32,
+                                min_evidence=8)
+    plans = _feed(ctl, 10 * MS, 0.1 * MS, 5 * MS, alpha=0.0, steps=60)
+    drafting = [i for i, p in enumerate(plans) if p.max_depth > 0]
+    assert drafting[:5] == [0, 5, 10, 15, 20]  # 2 first drafts per probe: 4 probes to 8
+    assert drafting[5] - drafting[4] > 30
 
 
 def test_hysteresis_keeps_a_near_equal_plan():

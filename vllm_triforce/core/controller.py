@@ -48,8 +48,12 @@ drafts once (at its best positive depth), every `probe_interval` steps without a
 step it runs one, and every `probe_interval` drafting steps it drafts once at another
 depth (the maximum, or half of it), so the plain step, the verification line and the
 acceptance profile keep being measured;
-with a small draft, the mode not in use is probed the same way. A change of plan needs a
-predicted gain of `hysteresis` (default 3%) over the current plan.
+with a small draft, the mode not in use is probed the same way. While fewer than
+`min_evidence` first drafts have been verified (start-up), the drafting probe comes every
+`max(2, probe_interval // 8)` steps instead: two unlucky first drafts must not settle a server on
+plain decoding for `probe_interval` steps (measured: SmolLM2 on Moby-Dick, both requests'
+first drafts rejected, then 75% acceptance). A change of plan needs a predicted gain of
+`hysteresis` (default 3%) over the current plan.
 """
 
 from __future__ import annotations
@@ -279,10 +283,12 @@ class SpeculationController:
     """
 
     def __init__(self, max_depth: int, has_draft: bool, probe_interval: int = 32,
-                 hysteresis: float = 0.03, shrink: float = 4.0, prior_alpha: float = 0.6):
+                 hysteresis: float = 0.03, shrink: float = 4.0, prior_alpha: float = 0.6,
+                 min_evidence: float = 16.0):
         self.max_depth = max_depth
         self.modes = (RETRIEVAL, DRAFT) if has_draft else (RETRIEVAL,)
         self.probe_interval = probe_interval
+        self.min_evidence = min_evidence
         self.hysteresis = hysteresis
         self.shrink = shrink
         self.prior_alpha = prior_alpha
@@ -391,7 +397,9 @@ class SpeculationController:
             other = max_depth if settled.max_depth < max_depth else max(1, max_depth // 2)
             self._since_depth_probe = 0
             return Plan((other,) * num_reqs, settled.mode, math.nan)
-        if self._since_drafting >= self.probe_interval:
+        thin = self.batch_acceptance.tried[0] < self.min_evidence
+        if self._since_drafting >= (max(2, self.probe_interval // 8) if thin
+                                    else self.probe_interval):
             alphas = self.alphas(req_ids, max_depth)
             plans = [_best_in_mode(gains(alphas.double()), costs, m, costs.modes[m], max_depth)
                      for m in costs.modes]
