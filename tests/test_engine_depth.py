@@ -23,22 +23,37 @@ def test_tensor_parallel_ranks_follow_rank0():
 
 
 def test_step_time_and_rates_come_from_pure_decode_steps():
+    """A prefill step, the first decode after it, and the proposer's time on a prefill step
+    are not timed; the decode steps after are."""
     stats = TriForceStats()
     chooser = DepthChooser(True, 4, False, stats)
+    ctl = chooser.controller
     chooser.begin(0.0, ["a"], num_tokens=2048, emitted=2, pure_decode=False, verified=[],
                   live_req_ids=["a"])  # a prefill: not timed
     chooser.plan(["a"], 4)
-    chooser.end(drafting=True, start=0.0)
-    assert not chooser.controller.step.seen
+    chooser.end(drafting=True, start=chooser._last_start - 0.3)  # 0.3 s summarising the prompt
+    assert not ctl.step.seen and not ctl.active.n and not ctl.idle.n
+    chooser.begin(chooser._last_end + 0.01, ["a"], num_tokens=5, emitted=3, pure_decode=True,
+                  verified=[("a", 4, 2)], live_req_ids=["a"])  # first decode: still paying
+    assert not ctl.step.seen
+    assert ctl.requests["a"].accepted[:3] == [1.0, 1.0, 0.0]  # acceptance always counts
+    chooser.plan(["a"], 4)
+    chooser.end(drafting=True, start=chooser._last_start)
+    assert ctl.active.n == 1
     last_end = chooser._last_end
     chooser.begin(last_end + 0.5, ["a"], num_tokens=5, emitted=3, pure_decode=True,
                   verified=[("a", 4, 2)], live_req_ids=["a"])
-    assert chooser.controller.step.predict(5) == 0.5  # 5 tokens for 1 request: verification
-    assert not chooser.controller.plain_step.seen
-    assert chooser.controller.requests["a"].accepted[:3] == [1.0, 1.0, 0.0]
+    assert ctl.step.predict(5) == 0.5  # 5 tokens for 1 request: verification
+    assert not ctl.plain_step.seen
     chooser.plan(["a"], 4)
     chooser.end(drafting=False, start=last_end + 0.5)
-    assert stats.achieved_tokens_per_s > 0 and stats.plain_steps + stats.drafting_steps == 2
+    assert stats.achieved_tokens_per_s > 0 and stats.plain_steps + stats.drafting_steps == 3
+
+
+def test_a_prefill_only_step_plans_nothing():
+    chooser = DepthChooser(True, 4, False, TriForceStats())
+    assert chooser.plan([], 4) == ([], False)
+    assert chooser.controller._num_plans == 0  # no start-up probe used up
 
 
 def test_a_joining_request_is_not_timed():

@@ -48,12 +48,13 @@ drafts once (at its best positive depth), every `probe_interval` steps without a
 step it runs one, and every `probe_interval` drafting steps it drafts once at another
 depth (the maximum, or half of it), so the plain step, the verification line and the
 acceptance profile keep being measured;
-with a small draft, the mode not in use is probed the same way. While fewer than
-`min_evidence` first drafts have been verified (start-up), the drafting probe comes every
-`max(2, probe_interval // 8)` steps instead: two unlucky first drafts must not settle a server on
-plain decoding for `probe_interval` steps (measured: SmolLM2 on Moby-Dick, both requests'
-first drafts rejected, then 75% acceptance). A change of plan needs a predicted gain of
-`hysteresis` (default 3%) over the current plan.
+with a small draft, the mode not in use is probed the same way. At start-up, while fewer
+than `min_evidence` first drafts have been verified or fewer than three plain steps timed,
+the drafting (resp. plain) probe comes every `max(2, probe_interval // 8)` steps instead:
+two unlucky first drafts must not settle a server on plain decoding for `probe_interval`
+steps (measured: SmolLM2 on Moby-Dick, both requests' first drafts rejected, then 75%
+acceptance), nor one slow plain step on drafting. A change of plan needs a predicted gain
+of `hysteresis` (default 3%) over the current plan.
 """
 
 from __future__ import annotations
@@ -389,7 +390,9 @@ class SpeculationController:
         for m in self.modes:
             if costs is None or m not in costs.modes or self._since_mode[m] >= 2 * self.probe_interval:
                 return Plan((max_depth,) * num_reqs, m, math.nan)
-        if not self.idle.n or self._since_plain >= self.probe_interval:
+        quick = max(2, self.probe_interval // 8)
+        if not self.idle.n or self._since_plain >= (quick if self.plain_step.n < 3
+                                                    else self.probe_interval):
             return Plan((0,) * num_reqs, None, math.nan)
         settled = self.current
         if (settled is not None and settled.max_depth > 0
@@ -398,8 +401,7 @@ class SpeculationController:
             self._since_depth_probe = 0
             return Plan((other,) * num_reqs, settled.mode, math.nan)
         thin = self.batch_acceptance.tried[0] < self.min_evidence
-        if self._since_drafting >= (max(2, self.probe_interval // 8) if thin
-                                    else self.probe_interval):
+        if self._since_drafting >= (quick if thin else self.probe_interval):
             alphas = self.alphas(req_ids, max_depth)
             plans = [_best_in_mode(gains(alphas.double()), costs, m, costs.modes[m], max_depth)
                      for m in costs.modes]
