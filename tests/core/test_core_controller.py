@@ -170,6 +170,18 @@ def test_thin_evidence_is_probed_again_soon():
     assert drafting[5] - drafting[4] > 30
 
 
+def test_hopeless_drafting_is_probed_rarely():
+    """Weight-bound: a middle round costs a step, so even perfect acceptance loses. Only
+    the costs need re-measuring: one drafting probe per 4 x probe_interval plain steps, and
+    with a small draft no extra probe of the mode not in use while decoding plainly."""
+    ctl = SpeculationController(max_depth=6, has_draft=True, probe_interval=8)
+    plans = _feed(ctl, 10 * MS, 2 * MS, 15 * MS, alpha=1.0, steps=100)
+    drafting = [i for i, p in enumerate(plans) if p.max_depth > 0]
+    assert drafting[:2] == [0, 1]  # start-up: each mode once
+    gaps = [b - a for a, b in zip(drafting[2:], drafting[3:])]
+    assert drafting[2] >= 32 and gaps and min(gaps) >= 32
+
+
 def test_hysteresis_keeps_a_near_equal_plan():
     ctl = SpeculationController(max_depth=6, has_draft=False, probe_interval=1000,
                                 hysteresis=0.5)

@@ -53,8 +53,13 @@ than `min_evidence` first drafts have been verified or fewer than three plain st
 the drafting (resp. plain) probe comes every `max(2, probe_interval // 8)` steps instead:
 two unlucky first drafts must not settle a server on plain decoding for `probe_interval`
 steps (measured: SmolLM2 on Moby-Dick, both requests' first drafts rejected, then 75%
-acceptance), nor one slow plain step on drafting. A change of plan needs a predicted gain
-of `hysteresis` (default 3%) over the current plan.
+acceptance), nor one slow plain step on drafting. Where drafting would lose even if every
+draft were accepted (weight-bound: a middle round costs about a step), the drafting probe
+comes only every `4 * probe_interval` plain steps: each probe is a step slower than plain
+(measured: Qwen2.5 1.5B + 0.5B at 4K, probes cost the three-level controller 5%). A mode
+probe counts drafting steps only: while decoding plainly, the drafting probe picks the
+mode. A change of plan needs a predicted gain of `hysteresis` (default 3%) over the
+current plan.
 """
 
 from __future__ import annotations
@@ -400,8 +405,9 @@ class SpeculationController:
             other = max_depth if settled.max_depth < max_depth else max(1, max_depth // 2)
             self._since_depth_probe = 0
             return Plan((other,) * num_reqs, settled.mode, math.nan)
-        thin = self.batch_acceptance.tried[0] < self.min_evidence
-        if self._since_drafting >= (quick if thin else self.probe_interval):
+        if (self._since_drafting >= quick
+                and self._since_drafting >= self._drafting_probe_interval(costs, num_reqs,
+                                                                          max_depth)):
             alphas = self.alphas(req_ids, max_depth)
             plans = [_best_in_mode(gains(alphas.double()), costs, m, costs.modes[m], max_depth)
                      for m in costs.modes]
@@ -410,6 +416,18 @@ class SpeculationController:
             return best and Plan(best.depths, best.mode, math.nan)
         return None
 
+    def _drafting_probe_interval(self, costs: StepCosts, num_reqs: int, max_depth: int) -> int:
+        """Plain steps between drafting probes: `probe_interval`; 4x that when drafting
+        would lose even if every draft were accepted (only its costs need refreshing, and
+        each probe is a step slower than plain); `max(2, probe_interval // 8)` while the
+        acceptance evidence is thin and could change the decision."""
+        perfect = torch.ones(num_reqs, max_depth, dtype=torch.float64)
+        if choose_plan(perfect, costs, max_depth).max_depth == 0:
+            return 4 * self.probe_interval
+        if self.batch_acceptance.tried[0] < self.min_evidence:
+            return max(2, self.probe_interval // 8)
+        return self.probe_interval
+
     def _count(self, plan: Plan) -> None:
         self._num_plans += 1
         drafting = plan.max_depth > 0
@@ -417,4 +435,4 @@ class SpeculationController:
         self._since_plain = self._since_plain + 1 if drafting else 0
         self._since_depth_probe += drafting
         for m in self.modes:
-            self._since_mode[m] = 0 if plan.mode == m else self._since_mode[m] + 1
+            self._since_mode[m] = 0 if plan.mode == m else self._since_mode[m] + drafting
