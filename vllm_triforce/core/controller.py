@@ -49,8 +49,9 @@ step it runs one, and every `probe_interval` drafting steps it drafts once at an
 depth (the maximum, or half of it), so the plain step, the verification line and the
 acceptance profile keep being measured;
 with a small draft, the mode not in use is probed the same way. At start-up, while fewer
-than `min_evidence` first drafts have been verified or fewer than three plain steps timed,
-the drafting (resp. plain) probe comes every `max(2, probe_interval // 8)` steps instead:
+than `min_evidence` first drafts have been verified or fewer than three verification
+(resp. plain) steps timed, the drafting (resp. plain) probe comes every
+`max(2, probe_interval // 8)` steps instead:
 two unlucky first drafts must not settle a server on plain decoding for `probe_interval`
 steps (measured: SmolLM2 on Moby-Dick, both requests' first drafts rejected, then 75%
 acceptance), nor one slow plain step on drafting. Where drafting would lose even if every
@@ -417,15 +418,20 @@ class SpeculationController:
         return None
 
     def _drafting_probe_interval(self, costs: StepCosts, num_reqs: int, max_depth: int) -> int:
-        """Plain steps between drafting probes: `probe_interval`; 4x that when drafting
-        would lose even if every draft were accepted (only its costs need refreshing, and
-        each probe is a step slower than plain); `max(2, probe_interval // 8)` while the
-        acceptance evidence is thin and could change the decision."""
+        """Plain steps between drafting probes: `max(2, probe_interval // 8)` while fewer
+        than three verification steps are timed (a line through one or two start-up steps
+        once kept the KV-bound case plain for 32 steps where depth 5 was 25% faster); else
+        4x `probe_interval` when drafting would lose even if every draft were accepted (only
+        its costs need refreshing, and each probe is a step slower than plain); quick again
+        while the acceptance evidence is thin and could change the decision."""
+        quick = max(2, self.probe_interval // 8)
+        if self.step.n < 3:
+            return quick
         perfect = torch.ones(num_reqs, max_depth, dtype=torch.float64)
         if choose_plan(perfect, costs, max_depth).max_depth == 0:
             return 4 * self.probe_interval
         if self.batch_acceptance.tried[0] < self.min_evidence:
-            return max(2, self.probe_interval // 8)
+            return quick
         return self.probe_interval
 
     def _count(self, plan: Plan) -> None:
