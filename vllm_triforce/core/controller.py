@@ -394,7 +394,8 @@ class SpeculationController:
         num_reqs = len(req_ids)
         costs = self.costs(num_reqs)
         for m in self.modes:
-            if costs is None or m not in costs.modes or self._since_mode[m] >= 2 * self.probe_interval:
+            if (costs is None or m not in costs.modes
+                    or self._since_mode[m] >= 2 * self.probe_interval):
                 return Plan((max_depth,) * num_reqs, m, math.nan)
         quick = max(2, self.probe_interval // 8)
         if not self.idle.n or self._since_plain >= (quick if self.plain_step.n < 3

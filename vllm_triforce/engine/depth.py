@@ -61,8 +61,10 @@ class DepthChooser:
         for req_id, num_verified, num_accepted in verified:
             self.controller.observe_verification(req_id, num_verified, num_accepted)
         same_requests = set(req_ids) <= self._last_req_ids
-        timed = pure_decode and self._last_pure and same_requests and self._last_end is not None
-        self._last_req_ids, self._last_pure, self._decode_step = set(req_ids), pure_decode, pure_decode
+        timed = (pure_decode and self._last_pure and same_requests
+                 and self._last_end is not None)
+        self._last_req_ids = set(req_ids)
+        self._last_pure = self._decode_step = pure_decode
         if timed:
             self.controller.observe_step(len(req_ids), num_tokens, start - self._last_end)
             self.achieved_tokens.observe(emitted)
