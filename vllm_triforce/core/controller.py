@@ -295,6 +295,7 @@ class SpeculationController:
         self.max_depth = max_depth
         self.modes = (RETRIEVAL, DRAFT) if has_draft else (RETRIEVAL,)
         self.probe_interval = probe_interval
+        self.quick_interval = max(2, probe_interval // 8)  # while an estimate is thin
         self.min_evidence = min_evidence
         self.hysteresis = hysteresis
         self.shrink = shrink
@@ -397,9 +398,8 @@ class SpeculationController:
             if (costs is None or m not in costs.modes
                     or self._since_mode[m] >= 2 * self.probe_interval):
                 return Plan((max_depth,) * num_reqs, m, math.nan)
-        quick = max(2, self.probe_interval // 8)
-        if not self.idle.n or self._since_plain >= (quick if self.plain_step.n < 3
-                                                    else self.probe_interval):
+        plain_interval = self.quick_interval if self.plain_step.n < 3 else self.probe_interval
+        if not self.idle.n or self._since_plain >= plain_interval:
             return Plan((0,) * num_reqs, None, math.nan)
         settled = self.current
         if (settled is not None and settled.max_depth > 0
@@ -407,7 +407,7 @@ class SpeculationController:
             other = max_depth if settled.max_depth < max_depth else max(1, max_depth // 2)
             self._since_depth_probe = 0
             return Plan((other,) * num_reqs, settled.mode, math.nan)
-        if (self._since_drafting >= quick
+        if (self._since_drafting >= self.quick_interval
                 and self._since_drafting >= self._drafting_probe_interval(costs, num_reqs,
                                                                           max_depth)):
             alphas = self.alphas(req_ids, max_depth)
@@ -419,20 +419,19 @@ class SpeculationController:
         return None
 
     def _drafting_probe_interval(self, costs: StepCosts, num_reqs: int, max_depth: int) -> int:
-        """Plain steps between drafting probes: `max(2, probe_interval // 8)` while fewer
+        """Plain steps between drafting probes: `quick_interval` while fewer
         than three verification steps are timed (a line through one or two start-up steps
         once kept the KV-bound case plain for 32 steps where depth 5 was 25% faster); else
         4x `probe_interval` when drafting would lose even if every draft were accepted (only
         its costs need refreshing, and each probe is a step slower than plain); quick again
         while the acceptance evidence is thin and could change the decision."""
-        quick = max(2, self.probe_interval // 8)
         if self.step.n < 3:
-            return quick
+            return self.quick_interval
         perfect = torch.ones(num_reqs, max_depth, dtype=torch.float64)
         if choose_plan(perfect, costs, max_depth).max_depth == 0:
             return 4 * self.probe_interval
         if self.batch_acceptance.tried[0] < self.min_evidence:
-            return quick
+            return self.quick_interval
         return self.probe_interval
 
     def _count(self, plan: Plan) -> None:
