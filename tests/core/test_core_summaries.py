@@ -73,5 +73,5 @@ def test_hand_worked_bounds():
     s.add_committed(keys, torch.arange(3), torch.zeros(3, dtype=torch.long), torch.arange(3))
     assert s.mins[0, 0, 0].tolist() == [-1.0, -2.0]
     assert s.maxs[0, 0, 0].tolist() == [3.0, 4.0]
-    mins, maxs = s.gather_bounds(torch.tensor([[0]]))  # [R, L, B, H, D]
-    assert mins.shape == (1, 1, 1, 1, 2) and maxs[0, 0, 0, 0].tolist() == [3.0, 4.0]
+    mins, maxs = s.bounds(0, torch.tensor([[0]]))  # [R, B, H, D]
+    assert mins.shape == (1, 1, 1, 2) and maxs[0, 0, 0].tolist() == [3.0, 4.0]

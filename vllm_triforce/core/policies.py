@@ -208,13 +208,9 @@ class QuestPolicy(SelectionPolicy):
     @staticmethod
     def _layer_bounds(q: Tensor, summaries: BlockSummaries, block_table: Tensor,
                       layer: int) -> Tensor:
-        """q [R, H, G, D] of one layer -> [R, H, G, B] upper bounds of q . k per block."""
-        if summaries.mins is None:
-            raise ValueError("policy 'quest' needs BlockSummaries(keep_bounds=True)")
-        ids = block_table.to(summaries.device, torch.long).clamp(min=0)  # [R, B]
-        lo, hi = summaries.mins[layer][ids].float(), summaries.maxs[layer][ids].float()
-        # an empty block holds +-inf bounds: score it 0 (it is never a candidate)
-        lo, hi = lo.nan_to_num(0.0, 0.0, 0.0), hi.nan_to_num(0.0, 0.0, 0.0)  # [R, B, H, D]
+        """q [R, H, G, D] of one layer -> [R, H, G, B] upper bounds of q . k per block
+        (an empty block's bounds read as 0: it is never a candidate)."""
+        lo, hi = summaries.bounds(layer, block_table)  # [R, B, H, D]
         return (torch.einsum("rhgd,rbhd->rhgb", q.clamp(min=0), hi)
                 + torch.einsum("rhgd,rbhd->rhgb", q.clamp(max=0), lo))
 

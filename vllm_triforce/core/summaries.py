@@ -129,14 +129,14 @@ class BlockSummaries:
         means = (sums / denom).unflatten(1, ids.shape)  # [L, R, B, H, D]
         return means.transpose(0, 1)
 
-    def gather_bounds(self, block_table: Tensor) -> tuple[Tensor, Tensor]:
-        """block_table [R, B] physical ids -> (mins, maxs), each [R, L, B, H, D]."""
+    def bounds(self, layer: int, block_table: Tensor) -> tuple[Tensor, Tensor]:
+        """One layer's key bounds: block_table [R, B] physical ids -> (mins, maxs), each
+        [R, B, H, D] float32; an empty block's +-inf bounds read as 0."""
         if self.mins is None:
             raise ValueError("key bounds need BlockSummaries(keep_bounds=True)")
         ids = block_table.to(self.device, torch.long).clamp(min=0)
-        mins = self.mins[:, ids.flatten()].unflatten(1, ids.shape)  # [L, R, B, H, D]
-        maxs = self.maxs[:, ids.flatten()].unflatten(1, ids.shape)
-        return mins.transpose(0, 1), maxs.transpose(0, 1)
+        return (self.mins[layer][ids].float().nan_to_num(0.0, 0.0, 0.0),
+                self.maxs[layer][ids].float().nan_to_num(0.0, 0.0, 0.0))
 
     def is_full(self, block_ids: Tensor) -> Tensor:
         """bool, same shape as block_ids: the block holds block_size committed tokens."""
