@@ -34,22 +34,29 @@ from vllm_triforce.config import TriForceConfig
 from vllm_triforce.core.policies import make_policy
 
 BLOCK = 32
-# column -> (policy, constructor kwargs, re-select at every position, label). A bare policy
-# name is the policy as the engine builds it (`make_policy(name)`); suffixes are variants.
+# Positions between a column's selections. The engine re-selects at every drafting step
+# (refresh_interval 1) from the newest committed token's query, and one step's drafts span at
+# most num_speculative_tokens positions, so STEP is the engine's worst-case staleness.
+STEP = TriForceConfig().num_speculative_tokens
+PER_POSITION, ONCE_PER_SPAN = 1, 0
+# column -> (policy, constructor kwargs, positions between selections, label). A bare policy
+# name is the policy as the engine builds and refreshes it (`make_policy(name)`, every step);
+# suffixes are variants.
 COLUMNS = {
-    "topk_oracle_per_position": ("topk_oracle", {}, True, "Top-K oracle, per position"),
-    "topk_oracle": ("topk_oracle", {}, False, "Top-K, at refresh"),
-    "streamingllm": ("streamingllm", {}, False, "StreamingLLM"),
-    "h2o": ("h2o", {}, False, "H2O"),
-    "retrieval": ("retrieval", {}, False, "Retrieval (mean key, sum)"),
-    "retrieval_max": ("retrieval", {"aggregation": "max"}, False, "Retrieval (mean key, max)"),
-    "retrieval_softmax": ("retrieval", {"aggregation": "softmax"}, False,
+    "topk_oracle_per_position": ("topk_oracle", {}, PER_POSITION, "Top-K oracle, per position"),
+    "topk_oracle": ("topk_oracle", {}, STEP, "Top-K, at refresh"),
+    "streamingllm": ("streamingllm", {}, STEP, "StreamingLLM"),
+    "h2o": ("h2o", {}, STEP, "H2O"),
+    "retrieval": ("retrieval", {}, STEP, "Retrieval (mean key, sum)"),
+    "retrieval_max": ("retrieval", {"aggregation": "max"}, STEP, "Retrieval (mean key, max)"),
+    "retrieval_softmax": ("retrieval", {"aggregation": "softmax"}, STEP,
                           "Retrieval (mean key, softmax)"),
-    "quest": ("quest", {}, False, "Quest (min/max, softmax)"),
-    "quest_max": ("quest", {"aggregation": "max"}, False, "Quest (min/max, max)"),
-    "quest_sum": ("quest", {"aggregation": "sum"}, False, "Quest (min/max, sum)"),
-    "retrieval_per_position": ("retrieval", {}, True, "Retrieval, per position"),
-    "quest_per_position": ("quest", {}, True, "Quest (softmax), per position"),
+    "quest": ("quest", {}, STEP, "Quest (min/max, softmax)"),
+    "quest_max": ("quest", {"aggregation": "max"}, STEP, "Quest (min/max, max)"),
+    "quest_sum": ("quest", {"aggregation": "sum"}, STEP, "Quest (min/max, sum)"),
+    "retrieval_per_position": ("retrieval", {}, PER_POSITION, "Retrieval, per position"),
+    "retrieval_once_per_span": ("retrieval", {}, ONCE_PER_SPAN,
+                                "Retrieval, once per span (refresh_interval 64)"),
 }
 # paired differences: against the per-position oracle, StreamingLLM and mean-key retrieval
 ORACLE, BASELINE, MEAN_KEY = "topk_oracle_per_position", "streamingllm", "retrieval"
@@ -68,8 +75,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="measured positions per cell of a prose row (spans of --span "
                         "positions, one span per document, at least 4 documents)")
     p.add_argument("--span", type=int, default=64,
-                   help="positions per document; selections made at a span's first position "
-                        "are kept for the span (the engine's refresh_interval, 64)")
+                   help="positions per document; the `_once_per_span` columns keep the "
+                        "selection made at its first position for all of them")
     p.add_argument("--needle-documents", type=int, default=16,
                    help="needle documents (8 measured positions each)")
     p.add_argument("--budget-fraction", type=float, default=0.03)
@@ -126,7 +133,7 @@ def run_acceptance(args, model: str, out: Path) -> dict:
             "config": {"model": model, "dtype": args.dtype, "context_tokens": args.context_tokens,
                        "budget_tokens": main * BLOCK, "budget_fraction": args.budget_fraction,
                        "block_size": BLOCK, "sink_blocks": g.sink_blocks,
-                       "recent_blocks": g.recent_blocks, "span": args.span,
+                       "recent_blocks": g.recent_blocks, "span": args.span, "step_positions": STEP,
                        "warmup": args.warmup, "temperature": args.temperature,
                        "top_p": args.top_p, "interval": "mean +- 1.96 SE over positions",
                        "wall_seconds": round(wall, 1)},
@@ -147,8 +154,8 @@ def _progress(task: str, start: float):
 
 
 def _column(name: str, budget: int) -> Column:
-    policy, kwargs, per_position, _ = COLUMNS[name]
-    return Column(f"{name}@{budget}", make_policy(policy, **kwargs), budget, per_position)
+    policy, kwargs, refresh_every, _ = COLUMNS[name]
+    return Column(f"{name}@{budget}", make_policy(policy, **kwargs), budget, refresh_every)
 
 
 # ---- rows ------------------------------------------------------------------------------
@@ -259,9 +266,11 @@ def _write_md(path: Path, data: dict) -> None:
              "its full cache, q = over the policy's retrieval cache; acceptance = mean "
              "Σ min(p, q); "
              f"intervals: {c['interval']} (positions of one document are correlated, so these "
-             "are somewhat optimistic). Selections are made once per span of "
-             f"{c['span']} positions (the engine's refresh interval) from the newest committed "
-             "token's query, except the per-position columns. "
+             "are somewhat optimistic). Selections are made from the newest committed "
+             f"token's query every {c['step_positions']} positions (the engine re-selects at "
+             "every drafting step; a step drafts at most that many positions), at every "
+             f"position (`_per_position`) or once per span of {c['span']} positions "
+             "(`_once_per_span`). "
              f"Engine default policy: `{data['default_policy']}`. Wall time "
              f"{c['wall_seconds']:.0f} s.")
     sections = [intro]

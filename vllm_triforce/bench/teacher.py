@@ -18,10 +18,11 @@ each other's slots.
 
 Selection follows the engine: scores from the query of the newest committed token
 (position t - 1, captured by the previous full pass), candidates = full blocks before
-the tail, sinks + recent + the growing tail always kept. A column either selects once at
-the span's first position C and keeps that selection for the P positions (the engine
-refreshes every 64 tokens by default, so P = 64 spans staleness 0..63), or re-selects at
-every position (`per_position`, the paper's Top-K oracle). Before C, `warmup` full passes
+the tail, sinks + recent + the growing tail always kept. A column re-selects every
+`refresh_every` positions from C on: 1 = at every position (the paper's Top-K oracle), the
+engine's drafting depth = as the engine does (it re-selects at every drafting step, and a
+step's drafts span at most num_speculative_tokens positions), 0 = once at C, kept for the P
+positions (staleness 0..P-1: the engine's old 64-token refresh interval). Before C, `warmup` full passes
 at positions C - warmup .. C - 1 give the query at C - 1 and the history H2O accumulates
 (the engine's H2O observes one query per step between refreshes).
 
@@ -48,7 +49,7 @@ class Column:
     name: str
     policy: SelectionPolicy
     budget_blocks: int
-    per_position: bool = False
+    refresh_every: int = 0  # positions between selections; 0: once per span
     # filled during a span
     selection: Selection | None = None
     states: list = field(default_factory=list)  # SelectionState per document (h2o)
@@ -244,7 +245,8 @@ def _walk(engine, documents, block_table, context, num_positions, columns, warmu
         tokens = [doc[t] for doc in documents]
         q_logits = {}
         for column in columns:
-            if column.per_position or column.selection is None:
+            if column.selection is None or (column.refresh_every
+                                             and j % column.refresh_every == 0):
                 column.selection = engine.select(column, query, block_table, t)
             q_logits[column.name] = engine.retrieval_pass(tokens, t, block_table,
                                                           column.selection)
