@@ -42,6 +42,24 @@ def test_bench_speed_quick(tiny_llama, tmp_path):
     assert (out / "speed.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_speed_rounds_pair_each_round_with_its_own_plain_run():
+    """--rounds: round i's speedup divides round i's plain time by round i's method time (a
+    slow process for plain in one round must not decide the others); tokens that differ
+    between rounds are not 'identical'."""
+    from vllm_triforce.bench.speed import merge_rounds, summarize
+
+    def run(name, seconds, tokens=((1, 2),)):
+        return {"name": name, "decode_s": [seconds], "tokens": [list(t) for t in tokens],
+                "prefill_s": 1.0}
+
+    rounds = [[run("plain", 2.0), run("tri", 1.0)], [run("plain", 3.0), run("tri", 2.0)],
+              [run("plain", 2.0), run("tri", 1.0, tokens=((1, 3),))]]
+    rows = summarize(merge_rounds(rounds), batch=1, max_tokens=10)
+    assert rows[1]["round_speedups"] == [2.0, 1.5, 2.0]
+    assert rows[1]["decode_s"] == 1.0  # median over all rounds' repeats
+    assert rows[0]["identical"] and not rows[1]["identical"]
+
+
 @pytest.mark.engine
 def test_bench_acceptance_quick(tiny_llama, tmp_path):
     """Teacher-forced acceptance end to end; a sweep budget of 1024 tokens covers the whole

@@ -122,6 +122,18 @@ def test_decayed_line():
     assert falling.coefficients()[1] == 0.0  # costs never fall with more tokens
 
 
+def test_decayed_line_drops_a_spike_but_follows_a_new_regime():
+    line = DecayedLine(decay=0.95)
+    for _ in range(10):
+        line.observe(1, 1.0)
+    line.observe(1, 10.0)  # one pause of the host: dropped
+    line.observe(1, 1.0)
+    assert line.predict(1) == pytest.approx(1.0)
+    for _ in range(3):  # three in a row: the host is busier now
+        line.observe(1, 10.0)
+    assert line.predict(1) == pytest.approx(10.0)
+
+
 def _feed(ctl: SpeculationController, step_fixed, per_token, round_s, alpha, num_reqs=2,
           steps=1):
     """Run `steps` steps of a synthetic engine: the controller plans, costs are observed."""
@@ -172,15 +184,28 @@ def test_thin_evidence_is_probed_again_soon():
 
 def test_hopeless_drafting_is_probed_rarely():
     """Weight-bound: a middle round costs a step, so even perfect acceptance loses. Only
-    the costs need re-measuring: one drafting probe per 4 x probe_interval plain steps, and
-    with a small draft no extra probe of the mode not in use while decoding plainly."""
+    the costs need re-measuring: one drafting probe after 4 x probe_interval plain steps,
+    the gap doubling with each probe that confirms it (at most 32 x), and with a small draft
+    no extra probe of the mode not in use while decoding plainly."""
     ctl = SpeculationController(max_depth=6, has_draft=True, probe_interval=8)
-    plans = _feed(ctl, 10 * MS, 2 * MS, 15 * MS, alpha=1.0, steps=100)
+    plans = _feed(ctl, 10 * MS, 2 * MS, 15 * MS, alpha=1.0, steps=1200)
     drafting = [i for i, p in enumerate(plans) if p.max_depth > 0]
     assert drafting[:2] == [0, 1]  # start-up: each mode once ...
     assert drafting[2] - drafting[1] <= 4  # ... and a third verification step soon after
     gaps = [b - a for a, b in zip(drafting[2:], drafting[3:])]
-    assert gaps and min(gaps) >= 32, drafting
+    assert [g // 8 for g in gaps[:5]] == [4, 8, 16, 32, 32], gaps  # probe_interval units
+
+
+def test_hopeless_backoff_ends_when_drafting_could_win():
+    """After backing off, plain steps growing dearer (a longer context, a bigger batch) make
+    drafting winnable on the estimates at hand: the back-off ends at once and drafting
+    resumes without waiting out the long interval."""
+    ctl = SpeculationController(max_depth=6, has_draft=False, probe_interval=8, min_evidence=0)
+    _feed(ctl, 10 * MS, 2 * MS, 15 * MS, alpha=1.0, steps=300)
+    assert ctl._hopeless_probes >= 2
+    plans = _feed(ctl, 100 * MS, 2 * MS, 15 * MS, alpha=1.0, steps=40)
+    assert ctl._hopeless_probes == 0
+    assert [p.max_depth for p in plans[-20:]].count(0) <= 3
 
 
 def test_hysteresis_keeps_a_near_equal_plan():

@@ -25,6 +25,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every method's process this many times, alternating methods: "
+                        "separate processes of one configuration differ by up to ~7%% on this "
+                        "kind of host, repeats within a process by ~1%%; the report gives each "
+                        "round's speedup and the median")
     p.add_argument("--budget", type=int, default=512, help="TriForce retrieval_budget")
     p.add_argument("--gamma", type=int, nargs="+", default=[6],
                    help="num_speculative_tokens: TriForce runs with the depth controller up to "
@@ -70,12 +75,15 @@ def run_speed(args, model: str, draft: str | None, out: Path) -> dict:
     job = {"model": model, "prompts": ids, "max_tokens": args.max_tokens,
            "repeats": args.repeats, "dtype": args.dtype, "temperature": 0.0,
            "max_model_len": args.prompt_tokens + args.max_tokens + 2 * max(args.gamma) + 64}
-    results = run_methods(job, method_runs(args, draft), out, isolate=not args.quick,
-                          desc="bench speed")
+    rounds = [run_methods(job, method_runs(args, draft),
+                          out if args.rounds == 1 else out / f"round{i + 1}",
+                          isolate=not args.quick, desc=f"bench speed, round {i + 1}")
+              for i in range(args.rounds)]
+    results = merge_rounds(rounds)
     rows = summarize(results, args.batch, args.max_tokens)
     data = {"config": {k: getattr(args, k) for k in
-                       ("prompt_tokens", "batch", "max_tokens", "repeats", "budget", "gamma",
-                        "dtype")}
+                       ("prompt_tokens", "batch", "max_tokens", "repeats", "rounds", "budget",
+                        "gamma", "dtype")}
             | {"model": model, "draft": draft}, "rows": rows,
             "all_identical": all(r["identical"] for r in rows), "raw": results}
     report.write_json(out / "results.json", data)
@@ -85,6 +93,21 @@ def run_speed(args, model: str, draft: str | None, out: Path) -> dict:
                     f"{Path(model).name}: {args.batch} x {args.prompt_tokens} tokens, "
                     f"{args.max_tokens} new")
     return data
+
+
+def merge_rounds(rounds: list[list[dict]]) -> list[dict]:
+    """One result per run: the first round's, with every round's decode times (`decode_s`,
+    all repeats of all rounds) and each round's median kept as `round_decode_s`. Every
+    round's greedy tokens must equal the first's (else the run is marked by tokens = None)."""
+    merged = []
+    for runs in zip(*rounds):
+        first = dict(runs[0])
+        first["decode_s"] = [t for r in runs for t in r["decode_s"]]
+        first["round_decode_s"] = [statistics.median(r["decode_s"]) for r in runs]
+        if any(r["tokens"] != first["tokens"] for r in runs):
+            first["tokens"] = None
+        merged.append(first)
+    return merged
 
 
 def summarize(results: list[dict], batch: int, max_tokens: int) -> list[dict]:
@@ -103,12 +126,15 @@ def summarize(results: list[dict], batch: int, max_tokens: int) -> list[dict]:
             "top_acceptance": (accepted / drafted) if drafted else None,
             "middle_acceptance": (tri["middle_accepted"] / tri["middle_proposed"])
             if tri.get("middle_proposed") else None,
-            "identical": r["tokens"] == reference,
+            "identical": r["tokens"] is not None and r["tokens"] == reference,
             "controller": _controller_summary(tri) if tri and not r.get("forced") else None})
     base = rows[0]["decode_tok_s"]
     calibration = results[0].get("calibration")
+    plain_rounds = results[0].get("round_decode_s", [])
     for row, r in zip(rows, results):
         row["speedup"] = row["decode_tok_s"] / base
+        # round i: plain's decode time over this method's, both from round i's processes
+        row["round_speedups"] = [p / t for p, t in zip(plain_rounds, r.get("round_decode_s", []))]
         row["cost_model"] = cost_model(r, batch, calibration)
         row["predicted_speedup"] = row["cost_model"] and row["cost_model"]["predicted_speedup"]
     return rows
@@ -178,10 +204,15 @@ def _write_md(path: Path, data: dict) -> None:
              f"{r['speedup']:.2f}x", r["top_acceptance"], r["middle_acceptance"],
              None if r["predicted_speedup"] is None else f"{r['predicted_speedup']:.2f}x",
              "yes" if r["identical"] else "NO"] for r in data["rows"]]
+    if c.get("rounds", 1) > 1:
+        header.insert(5, "speedup per round")
+        for row, r in zip(rows, data["rows"]):
+            row.insert(5, " ".join(f"{x:.2f}" for x in r["round_speedups"]))
     intro = (f"Target `{Path(c['model']).name}`, draft `{c['draft'] and Path(c['draft']).name}`, "
              f"dtype {c['dtype']}; "
              f"{c['batch']} x {c['prompt_tokens']}-token Moby-Dick prompts, {c['max_tokens']} new "
-             f"tokens, greedy; medians over {c['repeats']} repeat(s); gamma={c['gamma']}, "
+             f"tokens, greedy; medians over {c['repeats']} repeat(s) in each of "
+             f"{c.get('rounds', 1)} round(s) of one process per method; gamma={c['gamma']}, "
              f"retrieval_budget={c['budget']}. Decode time excludes prefill (prefix-cache hit). "
              f"All greedy outputs identical: **{'yes' if data['all_identical'] else 'NO'}**.")
     cost_rows = [[r["method"], f"{c['L']:.2f}", f"{c['R']:.2f}", 1000 * c["T1"],

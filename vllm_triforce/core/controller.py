@@ -56,8 +56,10 @@ two unlucky first drafts must not settle a server on plain decoding for `probe_i
 steps (measured: SmolLM2 on Moby-Dick, both requests' first drafts rejected, then 75%
 acceptance), nor one slow plain step on drafting. Where drafting would lose even if every
 draft were accepted (weight-bound: a middle round costs about a step), the drafting probe
-comes only every `4 * probe_interval` plain steps: each probe is a step slower than plain
-(measured: Qwen2.5 1.5B + 0.5B at 4K, probes cost the three-level controller 5%). A mode
+comes only every `4 * probe_interval` plain steps, doubling after each probe that confirms
+it up to `32 * probe_interval` (each probe is a step slower than plain; measured: Qwen2.5
+1.5B + 0.5B at 4K, probes cost the three-level controller 5%); the interval falls back as
+soon as the estimates, re-read every step at the current batch size, let drafting win. A mode
 probe counts drafting steps only: while decoding plainly, the drafting probe picks the
 mode. A change of plan needs a predicted gain of `hysteresis` (default 3%) over the
 current plan.
@@ -82,7 +84,9 @@ class DecayedLine:
 
     With one distinct x seen so far the slope is `prior_slope`; before any sample,
     `predict` returns None. Once three samples are in, one above `outlier` times the
-    prediction is dropped (a first call paying one-off set-up, a pause of the host)."""
+    prediction is dropped (a first call paying one-off set-up, a pause of the host) -- but
+    three such samples in a row are a new regime (the host got busier): the line restarts
+    from them, or it would never move again."""
 
     def __init__(self, decay: float = 0.95, prior_slope: float = 0.0, outlier: float = 3.0):
         self.decay = decay
@@ -90,10 +94,19 @@ class DecayedLine:
         self.outlier = outlier
         self.n = 0
         self.w = self.sx = self.sy = self.sxx = self.sxy = 0.0
+        self._outliers: list[tuple[float, float]] = []  # dropped samples, in a row
 
     def observe(self, x: float, y: float) -> None:
         if self.n >= 3 and y > self.outlier * max(self.predict(x), 1e-9):
+            self._outliers.append((x, y))
+            if len(self._outliers) < 3:
+                return
+            restart, self._outliers = self._outliers, []
+            self.n, self.w, self.sx, self.sy, self.sxx, self.sxy = 0, 0.0, 0.0, 0.0, 0.0, 0.0
+            for sample in restart:
+                self.observe(*sample)
             return
+        self._outliers = []
         self.n += 1
         d = self.decay
         self.w = d * self.w + 1.0
@@ -315,6 +328,7 @@ class SpeculationController:
         self._since_plain = 0
         self._since_mode = dict.fromkeys(self.modes, 0)
         self._since_depth_probe = 0
+        self._hopeless_probes = 0  # drafting probes in a row while even alpha = 1 lost
 
     # ---- measurements
     def observe_step(self, num_reqs: int, num_tokens: int, seconds: float) -> None:
@@ -407,9 +421,10 @@ class SpeculationController:
             other = max_depth if settled.max_depth < max_depth else max(1, max_depth // 2)
             self._since_depth_probe = 0
             return Plan((other,) * num_reqs, settled.mode, math.nan)
-        if (self._since_drafting >= self.quick_interval
-                and self._since_drafting >= self._drafting_probe_interval(costs, num_reqs,
-                                                                          max_depth)):
+        interval, hopeless = self._drafting_probe_interval(costs, num_reqs, max_depth)
+        self._hopeless_probes = self._hopeless_probes if hopeless else 0
+        if self._since_drafting >= max(self.quick_interval, interval):
+            self._hopeless_probes += hopeless
             alphas = self.alphas(req_ids, max_depth)
             plans = [_best_in_mode(gains(alphas.double()), costs, m, costs.modes[m], max_depth)
                      for m in costs.modes]
@@ -418,21 +433,23 @@ class SpeculationController:
             return best and Plan(best.depths, best.mode, math.nan)
         return None
 
-    def _drafting_probe_interval(self, costs: StepCosts, num_reqs: int, max_depth: int) -> int:
-        """Plain steps between drafting probes: `quick_interval` while fewer
-        than three verification steps are timed (a line through one or two start-up steps
-        once kept the KV-bound case plain for 32 steps where depth 5 was 25% faster); else
-        4x `probe_interval` when drafting would lose even if every draft were accepted (only
-        its costs need refreshing, and each probe is a step slower than plain); quick again
-        while the acceptance evidence is thin and could change the decision."""
+    def _drafting_probe_interval(self, costs: StepCosts, num_reqs: int,
+                                 max_depth: int) -> tuple[int, bool]:
+        """(plain steps between drafting probes, whether drafting is hopeless): `quick_interval`
+        while fewer than three verification steps are timed (a line through one or two
+        start-up steps once kept the KV-bound case plain for 32 steps where depth 5 was 25%
+        faster); when drafting would lose even if every draft were accepted (only its costs
+        need refreshing, and each probe is a step slower than plain) 4x `probe_interval`,
+        doubled per probe in a row that found it so, at most 32x; quick again while the
+        acceptance evidence is thin and could change the decision."""
         if self.step.n < 3:
-            return self.quick_interval
+            return self.quick_interval, False
         perfect = torch.ones(num_reqs, max_depth, dtype=torch.float64)
         if choose_plan(perfect, costs, max_depth).max_depth == 0:
-            return 4 * self.probe_interval
+            return (4 << min(self._hopeless_probes, 3)) * self.probe_interval, True
         if self.batch_acceptance.tried[0] < self.min_evidence:
-            return self.quick_interval
-        return self.probe_interval
+            return self.quick_interval, False
+        return self.probe_interval, False
 
     def _count(self, plan: Plan) -> None:
         self._num_plans += 1
