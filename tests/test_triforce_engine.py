@@ -216,6 +216,16 @@ def test_two_level_refreshes_when_full_cache_acceptance_drops(tiny_llama):
     assert stats["refreshes"] > len(PROMPT_WORDS)
 
 
+def test_refresh_every_token_reselects_between_middle_rounds(tiny_llama):
+    """refresh_interval 1 (the default): besides the selection at each step's start, every
+    middle round after the first re-selects with the newest middle token's query -- with a
+    fixed depth of 4 and one token per round, a selection per drafted token (at step starts
+    only it would be one per 4). Outputs stay identical."""
+    tokens, stats, _ = generate(tiny_llama, two_level(refresh_interval=1))
+    assert tokens == plain(tiny_llama)
+    assert stats["refreshes"] >= 0.9 * stats["top_proposed"], stats
+
+
 # ---- the depth controller (core/controller.py, engine/depth.py) --------------------------
 SCHEDULE = [3, 0, 4, 1, 0, 2]  # depths in turn, plain steps among them
 

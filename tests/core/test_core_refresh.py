@@ -1,4 +1,5 @@
-"""RefreshPolicy: first call, interval, rolling acceptance."""
+"""RefreshPolicy: first call, interval (at a step's start and between middle rounds),
+rolling acceptance."""
 
 import pytest
 
@@ -43,3 +44,23 @@ def test_validation():
         policy.record_round(policy.new_state(), 2, 3)
     with pytest.raises(ValueError):
         RefreshPolicy(interval=10, acceptance_threshold=0.3, window=0)
+
+
+def test_middle_rounds_refresh_by_the_same_interval():
+    """Between rounds the newest middle token's query re-selects every `interval` tokens;
+    a selection made from a token vLLM then rejected is replaced at the next step."""
+    every = RefreshPolicy(interval=1, acceptance_threshold=0.0)
+    state = every.new_state()
+    assert not every.due_in_middle(state, 10)  # no selection yet: the step's start makes one
+    every.record_selection(state, 10)          # from the query at position 9 (committed)
+    assert every.due_in_middle(state, 11)      # one middle token later
+    every.record_selection(state, 13)          # from middle token 12
+    assert every.should_refresh(state, 11)     # vLLM kept only up to 10: 12 was rejected
+    sparse = RefreshPolicy(interval=64, acceptance_threshold=0.0)
+    state = sparse.new_state()
+    sparse.record_selection(state, 10)
+    assert not sparse.due_in_middle(state, 73) and sparse.due_in_middle(state, 74)
+    never = RefreshPolicy(interval=0, acceptance_threshold=0.0)
+    state = never.new_state()
+    never.record_selection(state, 10)
+    assert not never.due_in_middle(state, 10**6) and not never.should_refresh(state, 10**6)

@@ -34,28 +34,34 @@ from vllm_triforce.config import TriForceConfig
 from vllm_triforce.core.policies import make_policy
 
 BLOCK = 32
-# Positions between a column's selections. The engine re-selects at every drafting step
+# Positions between a column's full selections. The engine re-selects at every drafting step
 # (refresh_interval 1) from the newest committed token's query, and one step's drafts span at
-# most num_speculative_tokens positions, so STEP is the engine's worst-case staleness.
+# most num_speculative_tokens positions; between its middle rounds it re-selects with the
+# newest middle token's query (MIDDLE). STEP is the longest run of middle selections.
 STEP = TriForceConfig().num_speculative_tokens
-PER_POSITION, ONCE_PER_SPAN = 1, 0
-# column -> (policy, constructor kwargs, positions between selections, label). A bare policy
-# name is the policy as the engine builds and refreshes it (`make_policy(name)`, every step);
-# suffixes are variants.
+PER_POSITION, ONCE_PER_SPAN, MIDDLE = 1, 0, True
+# column -> (policy, constructor kwargs, positions between full selections, re-select between
+# them with the column's own queries, label). A bare policy name is the policy as the engine
+# builds and refreshes it (`make_policy(name)`); suffixes are variants.
 COLUMNS = {
-    "topk_oracle_per_position": ("topk_oracle", {}, PER_POSITION, "Top-K oracle, per position"),
-    "topk_oracle": ("topk_oracle", {}, STEP, "Top-K, at refresh"),
-    "streamingllm": ("streamingllm", {}, STEP, "StreamingLLM"),
-    "h2o": ("h2o", {}, STEP, "H2O"),
-    "retrieval": ("retrieval", {}, STEP, "Retrieval (mean key, sum)"),
-    "retrieval_max": ("retrieval", {"aggregation": "max"}, STEP, "Retrieval (mean key, max)"),
-    "retrieval_softmax": ("retrieval", {"aggregation": "softmax"}, STEP,
+    "topk_oracle_per_position": ("topk_oracle", {}, PER_POSITION, False,
+                                 "Top-K oracle, per position"),
+    "topk_oracle": ("topk_oracle", {}, STEP, MIDDLE, "Top-K, at refresh"),
+    "streamingllm": ("streamingllm", {}, STEP, MIDDLE, "StreamingLLM"),
+    "h2o": ("h2o", {}, STEP, MIDDLE, "H2O"),
+    "retrieval": ("retrieval", {}, STEP, MIDDLE, "Retrieval (mean key, sum)"),
+    "retrieval_max": ("retrieval", {"aggregation": "max"}, STEP, MIDDLE,
+                      "Retrieval (mean key, max)"),
+    "retrieval_softmax": ("retrieval", {"aggregation": "softmax"}, STEP, MIDDLE,
                           "Retrieval (mean key, softmax)"),
-    "quest": ("quest", {}, STEP, "Quest (min/max, softmax)"),
-    "quest_max": ("quest", {"aggregation": "max"}, STEP, "Quest (min/max, max)"),
-    "quest_sum": ("quest", {"aggregation": "sum"}, STEP, "Quest (min/max, sum)"),
-    "retrieval_per_position": ("retrieval", {}, PER_POSITION, "Retrieval, per position"),
-    "retrieval_once_per_span": ("retrieval", {}, ONCE_PER_SPAN,
+    "quest": ("quest", {}, STEP, MIDDLE, "Quest (min/max, softmax)"),
+    "quest_max": ("quest", {"aggregation": "max"}, STEP, MIDDLE, "Quest (min/max, max)"),
+    "quest_sum": ("quest", {"aggregation": "sum"}, STEP, MIDDLE, "Quest (min/max, sum)"),
+    "retrieval_per_position": ("retrieval", {}, PER_POSITION, False,
+                               "Retrieval, per position (exact queries)"),
+    "retrieval_every_step": ("retrieval", {}, STEP, False,
+                             "Retrieval, at step starts only"),
+    "retrieval_once_per_span": ("retrieval", {}, ONCE_PER_SPAN, False,
                                 "Retrieval, once per span (refresh_interval 64)"),
 }
 # paired differences: against the per-position oracle, StreamingLLM and mean-key retrieval
@@ -154,8 +160,9 @@ def _progress(task: str, start: float):
 
 
 def _column(name: str, budget: int) -> Column:
-    policy, kwargs, refresh_every, _ = COLUMNS[name]
-    return Column(f"{name}@{budget}", make_policy(policy, **kwargs), budget, refresh_every)
+    policy, kwargs, refresh_every, middle, _ = COLUMNS[name]
+    return Column(f"{name}@{budget}", make_policy(policy, **kwargs), budget, refresh_every,
+                  middle)
 
 
 # ---- rows ------------------------------------------------------------------------------
@@ -248,7 +255,7 @@ def _diff(cell: dict, key: str) -> str:
 def _table(cells: list[dict]) -> str:
     header = ["policy", "acceptance % [95% CI]", "− StreamingLLM, points", "− oracle, points",
               "− Retrieval, points", "greedy agreement %", "positions"]
-    rows = [[COLUMNS[c["policy"]][3] + f" (`{c['policy']}`)",
+    rows = [[COLUMNS[c["policy"]][-1] + f" (`{c['policy']}`)",
              f"{_pct(c['acceptance'])} {_interval(*c['ci95'])}", _diff(c, "minus_streamingllm"),
              _diff(c, "minus_oracle"), _diff(c, "minus_retrieval"), _pct(c["greedy_agreement"]),
              c["positions"]]
@@ -266,11 +273,12 @@ def _write_md(path: Path, data: dict) -> None:
              "its full cache, q = over the policy's retrieval cache; acceptance = mean "
              "Σ min(p, q); "
              f"intervals: {c['interval']} (positions of one document are correlated, so these "
-             "are somewhat optimistic). Selections are made from the newest committed "
-             f"token's query every {c['step_positions']} positions (the engine re-selects at "
-             "every drafting step; a step drafts at most that many positions), at every "
-             f"position (`_per_position`) or once per span of {c['span']} positions "
-             "(`_once_per_span`). "
+             "are somewhat optimistic). As in the engine, a selection is made from the newest "
+             f"committed token's query every {c['step_positions']} positions (a step drafts at "
+             "most that many) and, in between, from the query the column's own pass computed "
+             "at the previous position (the engine's middle rounds); variants: exact queries "
+             "at every position (`_per_position`), at step starts only (`_every_step`), once "
+             f"per span of {c['span']} positions (`_once_per_span`). "
              f"Engine default policy: `{data['default_policy']}`. Wall time "
              f"{c['wall_seconds']:.0f} s.")
     sections = [intro]
@@ -289,7 +297,7 @@ def _sweep_table(data: dict) -> str:
         for policy in dict.fromkeys(c["policy"] for c in cells):
             by_budget = {c["budget_tokens"]: c for c in cells
                          if c["task"] == task and c["policy"] == policy}
-            rows.append([task, COLUMNS[policy][3]] + [
+            rows.append([task, COLUMNS[policy][-1]] + [
                 f"{_pct(by_budget[b]['acceptance'])} {_interval(*by_budget[b]['ci95'])}"
                 if b in by_budget else "" for b in budgets])
     return report.markdown_table(["task", "policy"] + [f"{b} tokens" for b in budgets], rows)
@@ -299,7 +307,7 @@ def _plots(out: Path, data: dict) -> None:
     tasks = list(dict.fromkeys(c["task"] for c in data["cells"]))
     policies = list(dict.fromkeys(c["policy"] for c in data["cells"]))
     value = {(c["task"], c["policy"]): c["acceptance"] for c in data["cells"]}
-    report.bar_plot(out / "acceptance.png", [COLUMNS[p][3] for p in policies], [],
+    report.bar_plot(out / "acceptance.png", [COLUMNS[p][-1] for p in policies], [],
                     "acceptance, mean Σ min(p, q)", "teacher-forced acceptance by policy",
                     groups={t: [value[(t, p)] for p in policies] for t in tasks})
     if not data["sweep"]:
@@ -307,7 +315,7 @@ def _plots(out: Path, data: dict) -> None:
     cells = [c for c in data["cells"] + data["sweep"] if c["task"] == "moby"]
     budgets = sorted({c["budget_tokens"] for c in cells})
     shown = [p for p in SWEEP_PLOT if p in policies]
-    series = {COLUMNS[p][3]: [next(c["acceptance"] for c in cells if c["policy"] == p
+    series = {COLUMNS[p][-1]: [next(c["acceptance"] for c in cells if c["policy"] == p
                                    and c["budget_tokens"] == b) for b in budgets]
               for p in shown}
     report.line_plot(out / "budget_sweep.png", budgets, series, "retrieval budget (tokens)",

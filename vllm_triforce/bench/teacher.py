@@ -22,7 +22,10 @@ the tail, sinks + recent + the growing tail always kept. A column re-selects eve
 `refresh_every` positions from C on: 1 = at every position (the paper's Top-K oracle), the
 engine's drafting depth = as the engine does (it re-selects at every drafting step, and a
 step's drafts span at most num_speculative_tokens positions), 0 = once at C, kept for the P
-positions (staleness 0..P-1: the engine's old 64-token refresh interval). Before C, `warmup` full passes
+positions (staleness 0..P-1: the engine's old 64-token refresh interval). A `middle_queries`
+column also re-selects at the positions in between, as the engine does between middle
+rounds: with the query its own retrieval pass computed at t - 1 (approximate), candidates
+the blocks committed at the last full selection. Before C, `warmup` full passes
 at positions C - warmup .. C - 1 give the query at C - 1 and the history H2O accumulates
 (the engine's H2O observes one query per step between refreshes).
 
@@ -50,9 +53,11 @@ class Column:
     policy: SelectionPolicy
     budget_blocks: int
     refresh_every: int = 0  # positions between selections; 0: once per span
+    middle_queries: bool = False  # in between: re-select with its own pass's query
     # filled during a span
     selection: Selection | None = None
     states: list = field(default_factory=list)  # SelectionState per document (h2o)
+    middle_query: torch.Tensor | None = None  # [D, L, Hq, Dh] from its last retrieval pass
 
 
 @dataclass
@@ -174,16 +179,23 @@ class TeacherForcedEngine:
         tables = dict.fromkeys(self.drafter.target_layer_names, block_table)
         seq_lens = torch.full((len(tokens),), t + 1, dtype=torch.int32)
         logits = self._pass(tokens, t, block_table, tables, seq_lens)
-        queries = [q.reshape(len(tokens), self.num_q_heads, self.head_dim).float().clone()
-                   for q in self.drafter.capture.queries]
-        return logits, torch.stack(queries, dim=1)
+        return logits, self._queries(len(tokens))
 
-    def retrieval_pass(self, tokens, t, block_table, selection: Selection) -> torch.Tensor:
-        """The target over a selection's per-layer tables at t: logits [D, V]."""
+    def _queries(self, num_docs: int) -> torch.Tensor:
+        """[D, L, Hq, Dh] the last pass's queries (the engine's capture, copied)."""
+        queries = [q.reshape(num_docs, self.num_q_heads, self.head_dim).float().clone()
+                   for q in self.drafter.capture.queries]
+        return torch.stack(queries, dim=1)
+
+    def retrieval_pass(self, tokens, t, block_table,
+                       selection: Selection) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target over a selection's per-layer tables at t: (logits [D, V], query
+        [D, L, Hq, Dh] of t, approximate: computed over those tables)."""
         seq_end = torch.full((len(tokens),), t + 1, dtype=torch.long)
         tables, compact = build_block_tables(selection, block_table, seq_end, self.block_size)
         per_layer = {name: tables[l] for l, name in enumerate(self.drafter.target_layer_names)}
-        return self._pass(tokens, t, block_table, per_layer, compact[0])
+        logits = self._pass(tokens, t, block_table, per_layer, compact[0])
+        return logits, self._queries(len(tokens))
 
     # ---- selection -----------------------------------------------------------------
     def select(self, column: Column, query: torch.Tensor, block_table: torch.Tensor,
@@ -245,11 +257,14 @@ def _walk(engine, documents, block_table, context, num_positions, columns, warmu
         tokens = [doc[t] for doc in documents]
         q_logits = {}
         for column in columns:
-            if column.selection is None or (column.refresh_every
-                                             and j % column.refresh_every == 0):
+            since = j % column.refresh_every if column.refresh_every else j
+            if column.selection is None or (column.refresh_every and since == 0):
                 column.selection = engine.select(column, query, block_table, t)
-            q_logits[column.name] = engine.retrieval_pass(tokens, t, block_table,
-                                                          column.selection)
+            elif column.middle_queries:  # as between middle rounds
+                column.selection = engine.select(column, column.middle_query, block_table,
+                                                 t - since)
+            q_logits[column.name], column.middle_query = engine.retrieval_pass(
+                tokens, t, block_table, column.selection)
         p_logits, query = engine.full_pass(tokens, t, block_table)  # last: exact KV at t
         p = sampling_probs(p_logits, temp, top_p=top_ps)
         for name, logits in q_logits.items():

@@ -30,6 +30,7 @@ class Round:
         self.probs: list[torch.Tensor] = []  # [V] each: the distribution the token came from
         self.last_token = last_token           # newest token, not yet in the target's KV
         self.position = position               # its position
+        self.query_row = -1  # row, in the last level-2 pass, of the token before last_token
 
 
 class MiddleLoop:
@@ -65,6 +66,9 @@ class MiddleLoop:
             sizes = [min(gamma1, wanted[r] - len(rounds[r].tokens)) for r in active]
             start = time.perf_counter()
             emitted = self._round(batch, states, rounds, active, sizes)
+            more = [r for r in active if len(rounds[r].tokens) < wanted[r]]
+            if more:  # next round's blocks, from the newest middle tokens' queries
+                self.retrieval.select_in_middle(batch, states, more, rounds)
             if on_round is not None:
                 on_round(gamma1 > 0, len(active), time.perf_counter() - start,
                          emitted / len(active))
@@ -105,8 +109,10 @@ class MiddleLoop:
                         [states[r].generator or self.generator for r in active])
         # the round's one device-to-host copy: [A, 1 + G + 1] = num_accepted, then the tokens
         host = torch.cat([result.num_accepted[:, None], result.output_token_ids], 1).tolist()
+        first_rows = (torch.cumsum(num_inputs, 0) - num_inputs).tolist()  # [A] in the pass
         for i, r in enumerate(active):
             accepted = host[i][0]
+            rounds[r].query_row = first_rows[i] + accepted  # input `accepted`: newest kept
             self._advance(states[r], rounds[r], host[i][1:accepted + 2], target_probs[i],
                           len(proposals[i]))
         return sum(row[0] + 1 for row in host)

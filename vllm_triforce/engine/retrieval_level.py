@@ -45,6 +45,7 @@ class RetrievalLevel:
         self.blocks = blocks
         self.stats = stats
         self.device = device
+        self._pass_queries: list | None = None  # per layer, the last `forward`'s queries
 
     # ---- commit ---------------------------------------------------------------------
     def commit(self, batch, states, judged_alone: bool) -> list[tuple[int, int, int]]:
@@ -96,14 +97,30 @@ class RetrievalLevel:
                                 batch.block_table[idx].to(self.device), batch.committed[idx],
                                 [states[r].policy_state for r in rest])
         if due:
-            self._reselect(batch, states, due)
+            self._reselect(batch, states, due, self._last_committed_queries(batch, torch.tensor(due)),
+                           [int(batch.committed[r]) for r in due])
 
-    def _reselect(self, batch, states, due: list[int]) -> None:
+    def select_in_middle(self, batch, states, rows: list[int], rounds) -> None:
+        """Between middle rounds: requests `rows` due a refresh re-select with the query of
+        their newest middle token (`rounds[r].query_row` of the pass `forward` just ran, at
+        position `rounds[r].position - 1`). Called right after that pass, before any other
+        target pass can reuse its buffers."""
+        due = [r for r in rows if self.refresh.due_in_middle(states[r].refresh, rounds[r].position)]
+        if not due or self._pass_queries is None:
+            return
+        query_rows = torch.tensor([rounds[r].query_row for r in due])
+        queries = torch.stack([q.view(q.shape[0], self.num_heads, self.head_size)
+                               [query_rows.to(q.device)] for q in self._pass_queries], dim=1)
+        self._reselect(batch, states, due, queries, [rounds[r].position for r in due])
+
+    def _reselect(self, batch, states, due: list[int], queries: torch.Tensor,
+                  prefixes: list[int]) -> None:
+        """queries [len(due), num_layers, Hq, D]: the query of each request's token at
+        position prefixes[i] - 1. Candidates are the committed full blocks either way."""
         idx = torch.tensor(due)
         committed = batch.committed[idx].to(self.device)
         scores = self.policy.block_scores(
-            self._last_committed_queries(batch, idx), self.summaries,
-            batch.block_table[idx].to(self.device), committed,
+            queries, self.summaries, batch.block_table[idx].to(self.device), committed,
             [states[r].policy_state for r in due])
         b = self.blocks
         sel = select_blocks(scores, committed, b.block_size, b.budget_blocks,
@@ -113,7 +130,7 @@ class RetrievalLevel:
             st.logical_blocks = sel.logical_blocks[i].cpu()
             st.num_selected = int(sel.num_selected[i])
             st.tail_start = int(sel.tail_start[i])
-            self.refresh.record_selection(st.refresh, int(batch.committed[r]))
+            self.refresh.record_selection(st.refresh, prefixes[i])
         self.stats.add(refreshes=len(due))
 
     def _last_committed_queries(self, batch, rows_idx: torch.Tensor) -> torch.Tensor:
@@ -135,8 +152,14 @@ class RetrievalLevel:
         inputs = build_pass(token_ids, positions, block_table, self.blocks.block_size,
                             compact[0])
         per_layer = {name: tables[l] for l, name in enumerate(self.layer_names)}
-        return run_pass(self.model, self.vllm_config, self.attn_groups, inputs, per_layer,
-                        self.device, self.stats)
+        self.capture.enabled = True  # its queries may re-select the next round's blocks
+        try:
+            logits = run_pass(self.model, self.vllm_config, self.attn_groups, inputs, per_layer,
+                              self.device, self.stats)
+        finally:
+            self.capture.enabled = False
+        self._pass_queries = list(self.capture.queries)
+        return logits
 
     def full_cache_probs(self, batch, rows: list[int], token_ids: list[int],
                          positions: list[int]) -> torch.Tensor:
