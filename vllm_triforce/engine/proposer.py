@@ -8,7 +8,8 @@ vLLM's full-cache verification pass:
 1. commit   -- keys of tokens that are now final go into the per-block summaries
                (RetrievalLevel.commit, engine/retrieval_level.py);
 2. select   -- requests due for a refresh re-score their blocks (RetrievalLevel.select,
-               core/selection.py);
+               core/selection.py) with the newest committed token's query; between middle
+               rounds, with the newest middle token's (RetrievalLevel.select_in_middle);
 3. middle loop (MiddleLoop.run, engine/middle.py), until each decoding request holds its
    number of drafts (today gamma2 for all):
      level 1: the small draft over its StreamingLLM table proposes gamma1 tokens
