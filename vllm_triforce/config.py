@@ -70,9 +70,9 @@ class TriForceConfig:
     # Retrieval cache: always-kept first tokens (reference keeps chunk 0) and recent tokens.
     retrieval_sink_tokens: int = 16
     retrieval_recent_tokens: int = 64
-    # Re-select the retrieval blocks every N committed tokens (0: never, the reference's
-    # build-once), and when the rolling middle-level acceptance falls below the threshold.
-    # Counted in tokens, middle ones included: 1 = at every drafting step from the newest
+    # Re-select the retrieval blocks every N tokens (0: never, the reference's build-once),
+    # and when the rolling middle-level acceptance falls below the threshold.
+    # Middle tokens count: 1 = at every drafting step from the newest
     # committed token's query and between middle rounds from the newest middle token's.
     # Teacher-forced, Qwen2.5-Coder-0.5B at 8K (benchmarks/RESULTS.md, Acceptance): kept for
     # 64 tokens 70.1%, at step starts only 71.9%, this 73.5%, per-position oracle 75.2%; a
