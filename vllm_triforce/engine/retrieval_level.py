@@ -97,15 +97,16 @@ class RetrievalLevel:
                                 batch.block_table[idx].to(self.device), batch.committed[idx],
                                 [states[r].policy_state for r in rest])
         if due:
-            self._reselect(batch, states, due, self._last_committed_queries(batch, torch.tensor(due)),
-                           [int(batch.committed[r]) for r in due])
+            queries = self._last_committed_queries(batch, torch.tensor(due))
+            self._reselect(batch, states, due, queries, [int(batch.committed[r]) for r in due])
 
     def select_in_middle(self, batch, states, rows: list[int], rounds) -> None:
         """Between middle rounds: requests `rows` due a refresh re-select with the query of
         their newest middle token (`rounds[r].query_row` of the pass `forward` just ran, at
         position `rounds[r].position - 1`). Called right after that pass, before any other
         target pass can reuse its buffers."""
-        due = [r for r in rows if self.refresh.due_in_middle(states[r].refresh, rounds[r].position)]
+        due = [r for r in rows
+               if self.refresh.due_in_middle(states[r].refresh, rounds[r].position)]
         if not due or self._pass_queries is None:
             return
         query_rows = torch.tensor([rounds[r].query_row for r in due])
