@@ -160,6 +160,21 @@ def test_controller_start_up_probes_then_decides():
     assert plans[2].max_depth > 0 and not math.isnan(plans[2].tokens_per_s)
 
 
+def test_start_up_probes_each_mode_once_while_no_step_is_timed():
+    """Steps after a prefill or a change of requests are not timed; until one is, the
+    controller does not repeat full-depth probes (each costs a weight-bound engine more than
+    a plain step) but decodes plainly."""
+    ctl = SpeculationController(max_depth=6, has_draft=True, probe_interval=8)
+    depths = []
+    for _ in range(6):  # the engine times nothing: rounds are measured, steps are not
+        plan = ctl.plan(["r0"], 6)
+        depths.append(plan.max_depth)
+        for _ in range(plan.max_depth):
+            ctl.observe_round(plan.mode, 1, 12 * MS, 1.0)
+        ctl.observe_overhead(plan.max_depth > 0, 0.0)
+    assert depths == [6, 6, 0, 0, 0, 0]  # retrieval once, the small draft once, then plain
+
+
 def test_controller_goes_plain_when_rounds_cost_a_step_and_probes_back():
     ctl = SpeculationController(max_depth=6, has_draft=False, probe_interval=8,
                                 min_evidence=0)
