@@ -19,7 +19,7 @@ def test_tensor_parallel_ranks_follow_rank0():
 
     chooser = DepthChooser(True, 6, False, TriForceStats(), share=share)
     assert chooser.plan(["a", "b"], 6) == ([1, 0], False)
-    assert seen and seen[0][0] == [6, 6]  # this rank's own start-up probe was overridden
+    assert seen and seen[0][0] == [0, 0]  # this rank's own start-up step was overridden
 
 
 def test_step_time_and_rates_come_from_pure_decode_steps():

@@ -156,29 +156,31 @@ def _feed(ctl: SpeculationController, step_fixed, per_token, round_s, alpha, num
 def test_controller_start_up_probes_then_decides():
     ctl = SpeculationController(max_depth=6, has_draft=False, probe_interval=8)
     plans = _feed(ctl, 10 * MS, 0.1 * MS, 2 * MS, alpha=1.0, steps=3)
-    assert [p.max_depth for p in plans[:2]] == [6, 0]  # measure drafting, then a plain step
+    assert [p.max_depth for p in plans[:2]] == [0, 6]  # time a plain step, then drafting
     assert plans[2].max_depth > 0 and not math.isnan(plans[2].tokens_per_s)
 
 
 def test_start_up_probes_each_mode_once_while_no_step_is_timed():
     """Steps after a prefill or a change of requests are not timed; until one is, the
-    controller does not repeat full-depth probes (each costs a weight-bound engine more than
-    a plain step) but decodes plainly."""
+    controller decodes plainly (an untimed full-depth probe teaches it nothing and costs a
+    weight-bound engine more than a plain step), then probes each mode once at full depth."""
     ctl = SpeculationController(max_depth=6, has_draft=True, probe_interval=8)
     depths = []
-    for _ in range(6):  # the engine times nothing: rounds are measured, steps are not
+    for step in range(8):  # the engine times its steps from the fifth on
         plan = ctl.plan(["r0"], 6)
         depths.append(plan.max_depth)
         for _ in range(plan.max_depth):
             ctl.observe_round(plan.mode, 1, 12 * MS, 1.0)
         ctl.observe_overhead(plan.max_depth > 0, 0.0)
-    assert depths == [6, 6, 0, 0, 0, 0]  # retrieval once, the small draft once, then plain
+        if step >= 4:
+            ctl.observe_step(1, 1 + plan.max_depth, 10 * MS)
+    assert depths[:7] == [0, 0, 0, 0, 0, 6, 6]  # plain until timed, then each mode once
 
 
 def test_controller_goes_plain_when_rounds_cost_a_step_and_probes_back():
     ctl = SpeculationController(max_depth=6, has_draft=False, probe_interval=8,
                                 min_evidence=0)
-    plans = _feed(ctl, 10 * MS, 2 * MS, 12 * MS, alpha=0.5, steps=40)
+    plans = _feed(ctl, 10 * MS, 2 * MS, 12 * MS, alpha=0.5, steps=60)
     depths = [p.max_depth for p in plans]
     assert depths[5:15].count(0) >= 9  # plain once the costs are known
     assert any(d > 0 for d in depths[15:])  # ... yet it still probes now and then
@@ -193,7 +195,7 @@ def test_thin_evidence_is_probed_again_soon():
                                 min_evidence=8)
     plans = _feed(ctl, 10 * MS, 0.1 * MS, 5 * MS, alpha=0.0, steps=60)
     drafting = [i for i, p in enumerate(plans) if p.max_depth > 0]
-    assert drafting[:5] == [0, 5, 10, 15, 20]  # 2 first drafts per probe: 4 probes to 8
+    assert drafting[:5] == [1, 6, 11, 16, 21]  # 2 first drafts per probe: 4 probes to 8
     assert drafting[5] - drafting[4] > 30
 
 
@@ -205,7 +207,7 @@ def test_hopeless_drafting_is_probed_rarely():
     ctl = SpeculationController(max_depth=6, has_draft=True, probe_interval=8)
     plans = _feed(ctl, 10 * MS, 2 * MS, 15 * MS, alpha=1.0, steps=1200)
     drafting = [i for i, p in enumerate(plans) if p.max_depth > 0]
-    assert drafting[:2] == [0, 1]  # start-up: each mode once ...
+    assert drafting[:2] == [1, 2]  # start-up: a timed plain step, each mode once ...
     assert drafting[2] - drafting[1] <= 4  # ... and a third verification step soon after
     gaps = [b - a for a, b in zip(drafting[2:], drafting[3:])]
     assert [g // 8 for g in gaps[:5]] == [4, 8, 16, 32, 32], gaps  # probe_interval units

@@ -402,20 +402,22 @@ class SpeculationController:
         return best
 
     def _probe(self, req_ids: list[str], max_depth: int) -> Plan | None:
-        """A measuring step when an estimate is missing or stale, else None. Start-up: one
-        step at full depth in every mode, then plain ones until a step is timed (the engine
-        times no step after a prefill or a change of requests, and every further full-depth
-        step costs a weight-bound engine more than a plain step: measured, Qwen2.5 1.5B at 4K,
-        five of them cost 5% of a 128-token run)."""
+        """A measuring step when an estimate is missing or stale, else None. Start-up: plain
+        steps until one is timed (the engine times no step after a prefill or a change of
+        requests), then one step at full depth in every mode, which is then timed too: it
+        gives the verification line its far end (probes at the best depth alone left the
+        slope at its prior, so weight-bound drafting never looked hopeless and was probed
+        every 4 steps), and untimed full-depth probes were repeated (measured, Qwen2.5 1.5B
+        at 4K: five of them cost 5% of a 128-token run)."""
         if max_depth < 1:
             return None
         num_reqs = len(req_ids)
+        if not self.plain_step.seen:  # until a step is timed: plain (see the docstring)
+            return Plan((0,) * num_reqs, None, math.nan)
         costs = self.costs(num_reqs)
         for m in self.modes:
             if not self.rounds[m].seen or self._since_mode[m] >= 2 * self.probe_interval:
                 return Plan((max_depth,) * num_reqs, m, math.nan)
-        if costs is None:  # no step timed yet: plain steps until one is (not more full depth)
-            return Plan((0,) * num_reqs, None, math.nan)
         plain_interval = self.quick_interval if self.plain_step.n < 3 else self.probe_interval
         if not self.idle.n or self._since_plain >= plain_interval:
             return Plan((0,) * num_reqs, None, math.nan)
