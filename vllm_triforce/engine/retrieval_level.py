@@ -109,9 +109,8 @@ class RetrievalLevel:
                if self.refresh.due_in_middle(states[r].refresh, rounds[r].position)]
         if not due or self._pass_queries is None:
             return
-        query_rows = torch.tensor([rounds[r].query_row for r in due])
-        queries = torch.stack([q.view(q.shape[0], self.num_heads, self.head_size)
-                               [query_rows.to(q.device)] for q in self._pass_queries], dim=1)
+        queries = self._queries_at(self._pass_queries,
+                                   torch.tensor([rounds[r].query_row for r in due]))
         self._reselect(batch, states, due, queries, [rounds[r].position for r in due])
 
     def _reselect(self, batch, states, due: list[int], queries: torch.Tensor,
@@ -137,8 +136,12 @@ class RetrievalLevel:
     def _last_committed_queries(self, batch, rows_idx: torch.Tensor) -> torch.Tensor:
         """[n, num_layers, Hq, D] query of each request's last committed token, per layer."""
         rows = (batch.query_start_loc[:-1] + batch.q_lens - batch.num_rejected - 1)[rows_idx]
+        return self._queries_at(self.capture.queries, rows)
+
+    def _queries_at(self, layer_queries: list, rows: torch.Tensor) -> torch.Tensor:
+        """layer_queries[l] [num_tokens, Hq * D] of one pass, rows [n] -> [n, num_layers, Hq, D]."""
         qs = [q.view(q.shape[0], self.num_heads, self.head_size)[rows.to(q.device)]
-              for q in self.capture.queries]
+              for q in layer_queries]
         return torch.stack(qs, dim=1)
 
     # ---- the passes -----------------------------------------------------------------
