@@ -226,6 +226,32 @@ def test_refresh_every_token_reselects_between_middle_rounds(tiny_llama):
     assert stats["refreshes"] >= 0.9 * stats["top_proposed"], stats
 
 
+@pytest.mark.parametrize("factor", [4, 0])
+def test_middle_rounds_rerank_the_step_start_shortlist(tiny_llama, monkeypatch, factor):
+    """Between middle rounds only each layer's best middle_shortlist x (retrieved blocks)
+    candidates of the step's start are re-scored (budget 160 = 5 blocks: 1 sink, 1 recent,
+    the tail, 2 retrieved -> 8 listed); 0 re-scores every candidate. Outputs identical."""
+    from vllm_triforce.engine import retrieval_level
+
+    listed = []
+    real = retrieval_level.rescore_shortlist
+
+    def counting(policy, query, summaries, block_table, shortlist):
+        listed.append(tuple(shortlist.shape))
+        return real(policy, query, summaries, block_table, shortlist)
+
+    monkeypatch.setattr(retrieval_level, "rescore_shortlist", counting)
+    tokens, stats, _ = generate(tiny_llama, two_level(refresh_interval=1,
+                                                      middle_shortlist=factor))
+    assert tokens == plain(tiny_llama)
+    assert stats["refreshes"] >= 0.9 * stats["top_proposed"], stats
+    if factor:  # every middle re-selection (3 of a step's 4 rounds) used the shortlist
+        assert len(listed) >= stats["middle_rounds"] // 2 > 0
+        assert {shape[1:] for shape in listed} == {(2, 8)}  # tiny_llama: 2 layers
+    else:
+        assert not listed
+
+
 # ---- the depth controller (core/controller.py, engine/depth.py) --------------------------
 SCHEDULE = [3, 0, 4, 1, 0, 2]  # depths in turn, plain steps among them
 

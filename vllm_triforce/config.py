@@ -78,6 +78,10 @@ class TriForceConfig:
     # 64 tokens 70.1%, at step starts only 71.9%, this 73.5%, per-position oracle 75.2%; a
     # mean-key selection costs a few ms.
     refresh_interval: int = 1
+    # Between middle rounds, re-rank only each layer's best `middle_shortlist` x (retrieved
+    # blocks) candidates of the step's start instead of every candidate (0: all of them).
+    # Mean-key scores only; other policies always score every candidate.
+    middle_shortlist: int = 4
     refresh_acceptance_threshold: float = 0.5
     selection_policy: str = "retrieval"
     # h2o / topk_oracle keep a copy of every committed key (as much memory as the key
@@ -100,6 +104,7 @@ class TriForceConfig:
         _check_int(self, "retrieval_sink_tokens", 0)
         _check_int(self, "retrieval_recent_tokens", 0)
         _check_int(self, "refresh_interval", 0)
+        _check_int(self, "middle_shortlist", 0)
         thr = self.refresh_acceptance_threshold
         if isinstance(thr, bool) or not isinstance(thr, (int, float)) or not 0.0 <= thr <= 1.0:
             raise TriForceConfigError(

@@ -215,3 +215,63 @@ def test_quest_hand_worked_and_finds_the_outlier_key_mean_keys_miss():
     mean = make_policy("retrieval", scale=1.0).block_scores(query, s, table, committed, None)
     assert quest[0, 0].tolist() == [6.0, 1.0]
     assert mean[0, 0].tolist() == [0.0, 1.0]
+
+
+@pytest.mark.parametrize("aggregation", ["sum", "max", "softmax"])
+def test_shortlist_rescoring_scores_exactly_the_listed_blocks(aggregation):
+    """Between middle rounds only a shortlist is re-ranked: its scores are block_scores' for
+    those blocks (softmax: normalised over the list), every other block is -inf, and a
+    shortlist of every candidate selects what a full scoring selects."""
+    from vllm_triforce.core.selection import rescore_shortlist, shortlist
+    summaries, table, keys, query, lengths = setup(12, 2, lengths=(37, 9, 29))
+    policy = make_policy("retrieval", aggregation=aggregation)
+    full = policy.block_scores(query, summaries, table, lengths, None)
+    listed = shortlist(full, lengths, BS, 1, 1, size=3)  # [R, L, 3]
+    assert listed.shape == (3, 2, 3)
+    # request 1 (9 tokens: blocks 0, 1 full; sink 0, recent 1): no candidate at all
+    assert listed[1].tolist() == [[-1, -1, -1]] * 2
+    for r, n in enumerate(lengths.tolist()):
+        for layer in range(2):
+            cands = list(range(1, n // BS - 1))
+            best = sorted(cands, key=lambda b: -float(full[r, layer, b]))[:3]
+            assert [b for b in listed[r, layer].tolist() if b >= 0] == best
+    new_query = torch.randn(query.shape, generator=torch.Generator().manual_seed(9))
+    rescored = rescore_shortlist(policy, new_query, summaries, table, listed)
+    again = policy.block_scores(new_query, summaries, table, lengths, None)
+    for r in (0, 2):
+        for layer in range(2):
+            ids = listed[r, layer]
+            mask = torch.zeros(table.shape[1], dtype=torch.bool)
+            mask[ids] = True
+            assert torch.all(rescored[r, layer, ~mask] == float("-inf"))
+            if aggregation != "softmax":
+                torch.testing.assert_close(rescored[r, layer, ids], again[r, layer, ids])
+            else:  # each head's softmax over the listed blocks only, summed
+                per_head = sum_scores(new_query, summaries, table)[r, layer]  # [Hq, B]
+                torch.testing.assert_close(rescored[r, layer, ids],
+                                           per_head[:, ids].softmax(-1).sum(0))
+    everything = shortlist(full, lengths, BS, 1, 1, size=table.shape[1])
+    rescored = rescore_shortlist(policy, new_query, summaries, table, everything)
+    a = select_blocks(rescored, lengths, BS, 4, 1, 1)
+    b = select_blocks(again, lengths, BS, 4, 1, 1)
+    assert torch.equal(a.logical_blocks, b.logical_blocks)
+
+
+def sum_scores(query, summaries, table):
+    """[R, L, Hq, B] each query head's own q . mean key / sqrt(D) (one head at a time)."""
+    policy = make_policy("retrieval", aggregation="sum")
+    heads = []
+    for h in range(query.shape[2]):
+        alone = torch.zeros_like(query)
+        alone[:, :, h] = query[:, :, h]
+        heads.append(policy.block_scores(alone, summaries, table, torch.tensor([0] * len(table))))
+    return torch.stack(heads, dim=2)
+
+
+def test_only_mean_key_policies_rerank_a_shortlist():
+    assert make_policy("retrieval").reranks_shortlist
+    for name in ("quest", "streamingllm", "h2o", "topk_oracle"):
+        policy = make_policy(name)
+        assert not policy.reranks_shortlist
+        with pytest.raises(NotImplementedError, match=name):
+            policy.shortlist_scores(None, None, None)

@@ -37,9 +37,11 @@ BLOCK = 32
 # Positions between a column's full selections. The engine re-selects at every drafting step
 # (refresh_interval 1) from the newest committed token's query, and one step's drafts span at
 # most num_speculative_tokens positions; between its middle rounds it re-selects with the
-# newest middle token's query (MIDDLE). STEP is the longest run of middle selections.
+# newest middle token's query (MIDDLE: re-ranking its `middle_shortlist` if the policy can;
+# MIDDLE_ALL: every candidate). STEP is the longest run of middle selections.
 STEP = TriForceConfig().num_speculative_tokens
-PER_POSITION, ONCE_PER_SPAN, MIDDLE = 1, 0, True
+SHORTLIST = TriForceConfig().middle_shortlist
+PER_POSITION, ONCE_PER_SPAN, MIDDLE, MIDDLE_ALL = 1, 0, "shortlist", "all"
 # column -> (policy, constructor kwargs, positions between full selections, re-select between
 # them with the column's own queries, label). A bare policy name is the policy as the engine
 # builds and refreshes it (`make_policy(name)`); suffixes are variants.
@@ -59,6 +61,8 @@ COLUMNS = {
     "quest_sum": ("quest", {"aggregation": "sum"}, STEP, MIDDLE, "Quest (min/max, sum)"),
     "retrieval_per_position": ("retrieval", {}, PER_POSITION, False,
                                "Retrieval, per position (exact queries)"),
+    "retrieval_all_candidates": ("retrieval", {}, STEP, MIDDLE_ALL,
+                                 "Retrieval, every candidate re-scored between rounds"),
     "retrieval_every_step": ("retrieval", {}, STEP, False,
                              "Retrieval, at step starts only"),
     "retrieval_once_per_span": ("retrieval", {}, ONCE_PER_SPAN, False,
@@ -161,8 +165,9 @@ def _progress(task: str, start: float):
 
 def _column(name: str, budget: int) -> Column:
     policy, kwargs, refresh_every, middle, _ = COLUMNS[name]
-    return Column(f"{name}@{budget}", make_policy(policy, **kwargs), budget, refresh_every,
-                  middle)
+    policy = make_policy(policy, **kwargs)
+    shortlist = SHORTLIST if middle == MIDDLE and policy.reranks_shortlist else 0
+    return Column(f"{name}@{budget}", policy, budget, refresh_every, bool(middle), shortlist)
 
 
 # ---- rows ------------------------------------------------------------------------------

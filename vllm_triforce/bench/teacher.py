@@ -25,7 +25,9 @@ step's drafts span at most num_speculative_tokens positions), 0 = once at C, kep
 positions (staleness 0..P-1: the engine's old 64-token refresh interval). A `middle_queries`
 column also re-selects at the positions in between, as the engine does between middle
 rounds: with the query its own retrieval pass computed at t - 1 (approximate), candidates
-the blocks committed at the last full selection. Before C, `warmup` full passes
+the blocks committed at the last full selection, re-ranking only the `shortlist` x
+(retrieved blocks) best candidates of that selection per layer if `shortlist` > 0 (the
+engine's `middle_shortlist`). Before C, `warmup` full passes
 at positions C - warmup .. C - 1 give the query at C - 1 and the history H2O accumulates
 (the engine's H2O observes one query per step between refreshes).
 
@@ -41,7 +43,8 @@ from dataclasses import dataclass, field
 import torch
 
 from vllm_triforce.core.policies import SelectionPolicy, SelectionState
-from vllm_triforce.core.selection import Selection, build_block_tables, select_blocks
+from vllm_triforce.core.selection import (Selection, build_block_tables, rescore_shortlist,
+                                          select_blocks, shortlist)
 from vllm_triforce.core.summaries import BlockSummaries
 from vllm_triforce.core.verify import sampling_probs
 
@@ -54,10 +57,12 @@ class Column:
     budget_blocks: int
     refresh_every: int = 0  # positions between selections; 0: once per span
     middle_queries: bool = False  # in between: re-select with its own pass's query
+    shortlist: int = 0  # ... re-ranking only this many x num_select blocks (0: all)
     # filled during a span
     selection: Selection | None = None
     states: list = field(default_factory=list)  # SelectionState per document (h2o)
     middle_query: torch.Tensor | None = None  # [D, L, Hq, Dh] from its last retrieval pass
+    listed: torch.Tensor | None = None  # [D, L, S] the last full selection's shortlist
 
 
 @dataclass
@@ -199,12 +204,22 @@ class TeacherForcedEngine:
 
     # ---- selection -----------------------------------------------------------------
     def select(self, column: Column, query: torch.Tensor, block_table: torch.Tensor,
-               committed: int) -> Selection:
+               committed: int, middle: bool = False) -> Selection:
+        """Column's selection for `committed` tokens; `middle`: between middle rounds (the
+        column's shortlist, if it keeps one, is re-ranked instead of every candidate)."""
         g = self.geometry
         num_committed = torch.full((query.shape[0],), committed, dtype=torch.long)
-        states = column.states or None
-        scores = column.policy.block_scores(query, self.summaries, block_table, num_committed,
-                                            states)
+        if middle and column.listed is not None:
+            scores = rescore_shortlist(column.policy, query, self.summaries, block_table,
+                                       column.listed)
+        else:
+            scores = column.policy.block_scores(query, self.summaries, block_table,
+                                                num_committed, column.states or None)
+            if column.shortlist:
+                size = column.shortlist * (column.budget_blocks - g.sink_blocks
+                                           - g.recent_blocks - 1)
+                column.listed = shortlist(scores, num_committed, g.block_size, g.sink_blocks,
+                                          g.recent_blocks, size)
         return select_blocks(scores, num_committed, g.block_size, column.budget_blocks,
                              g.sink_blocks, g.recent_blocks)
 
@@ -240,6 +255,7 @@ def _walk(engine, documents, block_table, context, num_positions, columns, warmu
     h2o_like = [c for c in columns if type(c.policy).observe is not SelectionPolicy.observe]
     for column in columns:
         column.selection = None
+        column.listed = None
         column.states = [SelectionState() for _ in range(num_docs)] if column in h2o_like else []
     query = None
     for t in range(context - max(warmup, 1), context):  # exact rewrites: queries, history
@@ -262,7 +278,7 @@ def _walk(engine, documents, block_table, context, num_positions, columns, warmu
                 column.selection = engine.select(column, query, block_table, t)
             elif column.middle_queries:  # as between middle rounds
                 column.selection = engine.select(column, column.middle_query, block_table,
-                                                 t - since)
+                                                 t - since, middle=True)
             q_logits[column.name], column.middle_query = engine.retrieval_pass(
                 tokens, t, block_table, column.selection)
         p_logits, query = engine.full_pass(tokens, t, block_table)  # last: exact KV at t

@@ -93,6 +93,7 @@ class SelectionPolicy:
     name: str = ""
     needs_keys: bool = False  # the engine must allocate BlockSummaries(keep_keys=True)
     needs_bounds: bool = False  # ... BlockSummaries(keep_bounds=True)
+    reranks_shortlist: bool = False  # implements `shortlist_scores`
 
     def block_scores(self, query: Tensor, summaries: BlockSummaries, block_table: Tensor,
                      num_committed: Tensor, state: States = None) -> Tensor:
@@ -102,6 +103,12 @@ class SelectionPolicy:
     def observe(self, query: Tensor, summaries: BlockSummaries, block_table: Tensor,
                 num_committed: Tensor, state: States = None) -> None:
         """See a query without selecting (only h2o accumulates anything)."""
+
+    def shortlist_scores(self, query: Tensor, summaries: BlockSummaries,
+                         blocks: Tensor) -> Tensor:
+        """blocks [R, L, S] physical ids per layer (-1: padding) -> [R, L, S] float32 scores
+        of only those blocks (between middle rounds: selection.rescore_shortlist)."""
+        raise NotImplementedError(f"policy {self.name!r} does not re-rank a shortlist")
 
 
 class StreamingLLMPolicy(SelectionPolicy):
@@ -129,6 +136,7 @@ class RetrievalPolicy(SelectionPolicy):
     (one read of the whole store, cheaper when the store is small); "auto" picks.
     """
     name = "retrieval"
+    reranks_shortlist = True
 
     def __init__(self, aggregation: str = "sum", strategy: str = "auto",
                  scale: float | None = None):
@@ -152,6 +160,16 @@ class RetrievalPolicy(SelectionPolicy):
             candidates = full_block_mask(num_committed.to(q.device), summaries.block_size,
                                          block_table.shape[1])
         return aggregate_heads(per_head, self.aggregation, candidates)
+
+    def shortlist_scores(self, query, summaries, blocks):
+        """As block_scores, over per-layer block lists (softmax: over the listed blocks)."""
+        q = group_query(query, summaries.num_kv_heads)  # [R, L, H, G, D]
+        q = q * (self.scale or 1.0 / math.sqrt(q.shape[-1]))
+        means = summaries.layer_mean_keys(blocks).float()  # [R, L, S, H, D]
+        if self.aggregation == "sum":
+            return torch.einsum("rlk,rlsk->rls", q.sum(3).flatten(2), means.flatten(3))
+        per_head = torch.einsum("rlhgd,rlshd->rlhgs", q, means)
+        return aggregate_heads(per_head, self.aggregation, blocks[:, 0] >= 0)
 
     def _use_all_blocks(self, summaries: BlockSummaries, ids: Tensor) -> bool:
         if self.strategy == "auto":

@@ -129,6 +129,14 @@ class BlockSummaries:
         means = (sums / denom).unflatten(1, ids.shape)  # [L, R, B, H, D]
         return means.transpose(0, 1)
 
+    def layer_mean_keys(self, blocks: Tensor) -> Tensor:
+        """blocks [R, L, S] physical ids, one list per layer (-1: padding, reads as block 0)
+        -> [R, L, S, H, D] mean keys, contiguous (one gather; no whole-store copy)."""
+        ids = blocks.to(self.device, torch.long).clamp(min=0)
+        layer = torch.arange(self.num_layers, device=self.device)[None, :, None]
+        denom = self.counts[ids].clamp(min=1).to(self.sums.dtype)[..., None, None]
+        return self.sums[layer, ids] / denom
+
     def bounds(self, layer: int, block_table: Tensor) -> tuple[Tensor, Tensor]:
         """One layer's key bounds: block_table [R, B] physical ids -> (mins, maxs), each
         [R, B, H, D] float32; an empty block's +-inf bounds read as 0."""

@@ -152,7 +152,8 @@ class TriForceProposer(DraftModelProposer):
         self.retrieval = RetrievalLevel(
             self.target_model, self.vllm_config, target_groups, self.target_layer_names,
             layer.num_heads, layer.head_size, self.capture, self.summaries, self.policy,
-            self.refresh, blocks, self.stats, self.device)
+            self.refresh, blocks, self.stats, self.device,
+            shortlist=self.cfg.middle_shortlist)
         self.draft = None
         if self.has_draft:
             self.draft = DraftLevel(self.model, self.vllm_config, self.draft_attn_groups,

@@ -21,18 +21,20 @@ import torch
 
 from vllm_triforce.config import BlockCounts
 from vllm_triforce.core.selection import (Selection, SelectionPolicy, build_block_tables,
-                                          select_blocks)
+                                          rescore_shortlist, select_blocks, shortlist)
 from vllm_triforce.engine.forward import build_pass, run_pass
 
 
 class RetrievalLevel:
     """The target (`model`, its attention layers `layer_names` in layer order, `attn_groups`)
     over retrieval tables chosen by `policy` from `summaries` of the keys `capture` records.
-    `num_heads`, `head_size`: the target's query heads, to read captured queries."""
+    `num_heads`, `head_size`: the target's query heads, to read captured queries.
+    `shortlist`: between middle rounds re-rank only each layer's best `shortlist` x
+    (retrieved blocks) candidates of the step's start (0, or a policy that cannot: all)."""
 
     def __init__(self, model, vllm_config, attn_groups, layer_names: list[str], num_heads: int,
                  head_size: int, capture, summaries, policy: SelectionPolicy, refresh,
-                 blocks: BlockCounts, stats, device):
+                 blocks: BlockCounts, stats, device, shortlist: int = 0):
         self.model = model
         self.vllm_config = vllm_config
         self.attn_groups = attn_groups
@@ -45,6 +47,9 @@ class RetrievalLevel:
         self.blocks = blocks
         self.stats = stats
         self.device = device
+        num_select = blocks.budget_blocks - blocks.retrieval_sink_blocks \
+            - blocks.retrieval_recent_blocks - 1
+        self.shortlist_size = shortlist * num_select if policy.reranks_shortlist else 0
         self._pass_queries: list | None = None  # per layer, the last `forward`'s queries
 
     # ---- commit ---------------------------------------------------------------------
@@ -98,31 +103,52 @@ class RetrievalLevel:
                                 [states[r].policy_state for r in rest])
         if due:
             queries = self._last_committed_queries(batch, torch.tensor(due))
-            self._reselect(batch, states, due, queries, [int(batch.committed[r]) for r in due])
+            self._reselect(batch, states, due, queries, [int(batch.committed[r]) for r in due],
+                           make_shortlist=self.shortlist_size > 0)
 
     def select_in_middle(self, batch, states, rows: list[int], rounds) -> None:
         """Between middle rounds: requests `rows` due a refresh re-select with the query of
         their newest middle token (`rounds[r].query_row` of the pass `forward` just ran, at
         position `rounds[r].position - 1`). Called right after that pass, before any other
-        target pass can reuse its buffers."""
+        target pass can reuse its buffers. Requests holding this step's shortlist re-rank
+        only it; any other scores every candidate."""
         due = [r for r in rows
                if self.refresh.due_in_middle(states[r].refresh, rounds[r].position)]
         if not due or self._pass_queries is None:
             return
-        queries = self._queries_at(self._pass_queries,
-                                   torch.tensor([rounds[r].query_row for r in due]))
-        self._reselect(batch, states, due, queries, [rounds[r].position for r in due])
+        rows = torch.tensor([rounds[r].query_row for r in due])
+        listed = [r for r in due if states[r].shortlist_committed == int(batch.committed[r])]
+        rest = [r for r in due if r not in listed]
+        for group, use_list in ((listed, True), (rest, False)):
+            if group:
+                queries = self._queries_at(self._pass_queries,
+                                           rows[[due.index(r) for r in group]])
+                self._reselect(batch, states, group, queries,
+                               [rounds[r].position for r in group], use_shortlist=use_list)
 
     def _reselect(self, batch, states, due: list[int], queries: torch.Tensor,
-                  prefixes: list[int]) -> None:
+                  prefixes: list[int], make_shortlist: bool = False,
+                  use_shortlist: bool = False) -> None:
         """queries [len(due), num_layers, Hq, D]: the query of each request's token at
-        position prefixes[i] - 1. Candidates are the committed full blocks either way."""
+        position prefixes[i] - 1. Candidates are the committed full blocks either way.
+        `make_shortlist`: keep each layer's best candidates for this step's middle rounds;
+        `use_shortlist`: score only those (every request in `due` holds this step's)."""
         idx = torch.tensor(due)
         committed = batch.committed[idx].to(self.device)
-        scores = self.policy.block_scores(
-            queries, self.summaries, batch.block_table[idx].to(self.device), committed,
-            [states[r].policy_state for r in due])
+        block_table = batch.block_table[idx].to(self.device)
         b = self.blocks
+        if use_shortlist:
+            listed = torch.stack([states[r].shortlist for r in due]).to(self.device)
+            scores = rescore_shortlist(self.policy, queries, self.summaries, block_table, listed)
+        else:
+            scores = self.policy.block_scores(queries, self.summaries, block_table, committed,
+                                              [states[r].policy_state for r in due])
+        if make_shortlist:
+            listed = shortlist(scores, committed, b.block_size, b.retrieval_sink_blocks,
+                               b.retrieval_recent_blocks, self.shortlist_size).cpu()
+            for i, r in enumerate(due):
+                states[r].shortlist = listed[i]
+                states[r].shortlist_committed = int(batch.committed[r])
         sel = select_blocks(scores, committed, b.block_size, b.budget_blocks,
                             b.retrieval_sink_blocks, b.retrieval_recent_blocks)
         for i, r in enumerate(due):

@@ -20,6 +20,10 @@ class RequestState:
     logical_blocks: torch.Tensor | None = None  # [num_layers, num_selected] int64
     num_selected: int = 0
     tail_start: int = 0
+    # Each layer's best candidates at the last step-start selection, re-ranked between
+    # middle rounds (core/selection.py), and the committed length they were ranked at.
+    shortlist: torch.Tensor | None = None        # [num_layers, S] int64 logical, -1 padding
+    shortlist_committed: int = -1
     refresh: object = None                       # core.refresh.RefreshState
     policy_state: object = None                  # core.selection.SelectionState (h2o)
     # Small-draft (level 1) KV bookkeeping, in absolute positions.
