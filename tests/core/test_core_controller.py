@@ -9,7 +9,7 @@ import torch
 
 from vllm_triforce.core.controller import (DRAFT, RETRIEVAL, DecayedLine, ModeCosts, Plan,
                                            PositionAcceptance, SpeculationController,
-                                           StepCosts, choose_plan, gains)
+                                           StepCosts, choose_plan, gains, plain_rate)
 
 MS = 1e-3
 
@@ -197,6 +197,38 @@ def test_thin_evidence_is_probed_again_soon():
     drafting = [i for i, p in enumerate(plans) if p.max_depth > 0]
     assert drafting[:5] == [1, 6, 11, 16, 21]  # 2 first drafts per probe: 4 probes to 8
     assert drafting[5] - drafting[4] > 30
+
+
+def test_near_break_even_drafting_is_probed_often():
+    """Drafting predicted within a hair of plain (two of every request's drafts accepted,
+    rounds of 10 ms): the choice rests on estimates noisier than the margin, so the probe
+    comes every shortfall / probe_budget steps (here the floor, probe_interval // 8 + 1)
+    instead of every probe_interval; far short (test_thin_evidence_is_probed_again_soon)
+    it stays at probe_interval."""
+    def probe_gaps(probe_budget):
+        ctl = SpeculationController(max_depth=6, has_draft=False, probe_interval=32,
+                                    min_evidence=0, probe_budget=probe_budget)
+        drafting = []
+        for step in range(300):
+            plan = ctl.plan(["r0", "r1"], 6)
+            if plan.max_depth:
+                drafting.append(step)
+            for i, k in enumerate(plan.depths):
+                if k:
+                    ctl.observe_verification(f"r{i}", k, min(k, 2))
+            for _ in range(plan.max_depth):
+                ctl.observe_round(plan.mode, sum(1 for k in plan.depths if k), 10 * MS, 1.0)
+            ctl.observe_overhead(plan.max_depth > 0, 0.0)
+            num_tokens = 2 + sum(plan.depths)
+            ctl.observe_step(2, num_tokens, 10 * MS + 0.5 * MS * num_tokens)
+        costs = ctl.costs(2)
+        best = ctl._best_drafting(["r0", "r1"], costs, 6)
+        shortfall = 1 - best.tokens_per_s / plain_rate(2, costs)
+        return [b - a for a, b in zip(drafting, drafting[1:])][-6:], shortfall
+
+    gaps, shortfall = probe_gaps(0.01)
+    assert 0 <= shortfall < 0.04 and gaps == [5] * 6
+    assert probe_gaps(0.0)[0] == [33] * 6  # the budget off: every probe_interval
 
 
 def test_hopeless_drafting_is_probed_rarely():

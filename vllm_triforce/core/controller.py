@@ -59,7 +59,13 @@ draft were accepted (weight-bound: a middle round costs about a step), the draft
 comes only every `4 * probe_interval` plain steps, doubling after each probe that confirms
 it up to `32 * probe_interval` (each probe is a step slower than plain; measured: Qwen2.5
 1.5B + 0.5B at 4K, probes cost the three-level controller 5%); the interval falls back as
-soon as the estimates, re-read every step at the current batch size, let drafting win. A mode
+soon as the estimates, re-read every step at the current batch size, let drafting win.
+Between those, a drafting plan predicted to lose by a small margin is probed more often: a
+probe costs about that margin of one step, so the interval is margin / `probe_budget` steps
+(default 1%: a plan 5% short every 5 steps, 32% short or more every `probe_interval`).
+Near the break-even point the decision rests on acceptance estimates whose noise exceeds
+the margin (measured: SmolLM2, 8 x 8K, per-request estimates from one or two probes
+predicted drafting 14% short; probed again it ran 15% faster than plain). A mode
 probe counts drafting steps only: while decoding plainly, the drafting probe picks the
 mode. A change of plan needs a predicted gain of `hysteresis` (default 3%) over the
 current plan.
@@ -304,12 +310,13 @@ class SpeculationController:
 
     def __init__(self, max_depth: int, has_draft: bool, probe_interval: int = 32,
                  hysteresis: float = 0.03, shrink: float = 4.0, prior_alpha: float = 0.6,
-                 min_evidence: float = 16.0):
+                 min_evidence: float = 16.0, probe_budget: float = 0.01):
         self.max_depth = max_depth
         self.modes = (RETRIEVAL, DRAFT) if has_draft else (RETRIEVAL,)
         self.probe_interval = probe_interval
         self.quick_interval = max(2, probe_interval // 8)  # while an estimate is thin
         self.min_evidence = min_evidence
+        self.probe_budget = probe_budget
         self.hysteresis = hysteresis
         self.shrink = shrink
         self.prior_alpha = prior_alpha
@@ -427,27 +434,32 @@ class SpeculationController:
             other = max_depth if settled.max_depth < max_depth else max(1, max_depth // 2)
             self._since_depth_probe = 0
             return Plan((other,) * num_reqs, settled.mode, math.nan)
-        interval, hopeless = self._drafting_probe_interval(costs, num_reqs, max_depth)
+        best = self._best_drafting(req_ids, costs, max_depth)
+        interval, hopeless = self._drafting_probe_interval(costs, num_reqs, max_depth, best)
         self._hopeless_probes = self._hopeless_probes if hopeless else 0
         if self._since_drafting >= max(self.quick_interval, interval):
             self._hopeless_probes += hopeless
-            alphas = self.alphas(req_ids, max_depth)
-            plans = [_best_in_mode(gains(alphas.double()), costs, m, costs.modes[m], max_depth)
-                     for m in costs.modes]
-            best = max((p for p in plans if p is not None), key=lambda p: p.tokens_per_s,
-                       default=None)
             return best and Plan(best.depths, best.mode, math.nan)
         return None
 
-    def _drafting_probe_interval(self, costs: StepCosts, num_reqs: int,
-                                 max_depth: int) -> tuple[int, bool]:
+    def _best_drafting(self, req_ids: list[str], costs: StepCosts, max_depth: int):
+        """The best plan that drafts (any mode), or None."""
+        alphas = self.alphas(req_ids, max_depth)
+        plans = [_best_in_mode(gains(alphas.double()), costs, m, costs.modes[m], max_depth)
+                 for m in costs.modes]
+        return max((p for p in plans if p is not None), key=lambda p: p.tokens_per_s,
+                   default=None)
+
+    def _drafting_probe_interval(self, costs: StepCosts, num_reqs: int, max_depth: int,
+                                 best: Plan | None) -> tuple[int, bool]:
         """(plain steps between drafting probes, whether drafting is hopeless): `quick_interval`
         while fewer than three verification steps are timed (a line through one or two
         start-up steps once kept the KV-bound case plain for 32 steps where depth 5 was 25%
         faster); when drafting would lose even if every draft were accepted (only its costs
         need refreshing, and each probe is a step slower than plain) 4x `probe_interval`,
         doubled per probe in a row that found it so, at most 32x; quick again while the
-        acceptance evidence is thin and could change the decision."""
+        acceptance evidence is thin and could change the decision; in between, the best
+        drafting plan `best`'s predicted shortfall / `probe_budget` (see the docstring)."""
         if self.step.n < 3:
             return self.quick_interval, False
         perfect = torch.ones(num_reqs, max_depth, dtype=torch.float64)
@@ -455,7 +467,11 @@ class SpeculationController:
             return (4 << min(self._hopeless_probes, 3)) * self.probe_interval, True
         if self.batch_acceptance.tried[0] < self.min_evidence:
             return self.quick_interval, False
-        return self.probe_interval, False
+        if best is None or self.probe_budget <= 0:
+            return self.probe_interval, False
+        shortfall = 1.0 - best.tokens_per_s / plain_rate(num_reqs, costs)
+        steps = math.ceil(max(shortfall, 0.0) / self.probe_budget)
+        return min(max(steps, self.quick_interval), self.probe_interval), False
 
     def _count(self, plan: Plan) -> None:
         self._num_plans += 1

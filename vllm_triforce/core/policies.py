@@ -165,10 +165,11 @@ class RetrievalPolicy(SelectionPolicy):
         """As block_scores, over per-layer block lists (softmax: over the listed blocks)."""
         q = group_query(query, summaries.num_kv_heads)  # [R, L, H, G, D]
         q = q * (self.scale or 1.0 / math.sqrt(q.shape[-1]))
-        means = summaries.layer_mean_keys(blocks).float()  # [R, L, S, H, D]
+        sums, counts = summaries.layer_key_sums(blocks)  # [R, L, S, H, D], [R, L, S]
+        sums, counts = sums.float(), counts.float()
         if self.aggregation == "sum":
-            return torch.einsum("rlk,rlsk->rls", q.sum(3).flatten(2), means.flatten(3))
-        per_head = torch.einsum("rlhgd,rlshd->rlhgs", q, means)
+            return torch.einsum("rlk,rlsk->rls", q.sum(3).flatten(2), sums.flatten(3)) / counts
+        per_head = torch.einsum("rlhgd,rlshd->rlhgs", q, sums) / counts[:, :, None, None]
         return aggregate_heads(per_head, self.aggregation, blocks[:, 0] >= 0)
 
     def _use_all_blocks(self, summaries: BlockSummaries, ids: Tensor) -> bool:
