@@ -43,8 +43,8 @@ from dataclasses import dataclass, field
 import torch
 
 from vllm_triforce.core.policies import SelectionPolicy, SelectionState
-from vllm_triforce.core.selection import (Selection, build_block_tables, rescore_shortlist,
-                                          select_blocks, shortlist)
+from vllm_triforce.core.selection import (Selection, build_block_tables, num_retrieved,
+                                          rescore_shortlist, select_blocks, shortlist)
 from vllm_triforce.core.summaries import BlockSummaries
 from vllm_triforce.core.verify import sampling_probs
 
@@ -216,8 +216,8 @@ class TeacherForcedEngine:
             scores = column.policy.block_scores(query, self.summaries, block_table,
                                                 num_committed, column.states or None)
             if column.shortlist:
-                size = column.shortlist * (column.budget_blocks - g.sink_blocks
-                                           - g.recent_blocks - 1)
+                size = column.shortlist * num_retrieved(column.budget_blocks, g.sink_blocks,
+                                                        g.recent_blocks)
                 column.listed = shortlist(scores, num_committed, g.block_size, g.sink_blocks,
                                           g.recent_blocks, size)
         return select_blocks(scores, num_committed, g.block_size, column.budget_blocks,

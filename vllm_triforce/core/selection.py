@@ -63,7 +63,7 @@ class Selection:
 def select_blocks(scores: Tensor, num_committed: Tensor, block_size: int, budget_blocks: int,
                   num_sink_blocks: int, num_recent_blocks: int) -> Selection:
     """scores [num_reqs, num_layers, max_blocks] (higher = keep; non-candidates ignored)."""
-    num_select = budget_blocks - num_sink_blocks - num_recent_blocks - 1
+    num_select = num_retrieved(budget_blocks, num_sink_blocks, num_recent_blocks)
     if num_select < 0 or min(num_sink_blocks, num_recent_blocks) < 0:
         raise ValueError(f"budget_blocks={budget_blocks} must be >= num_sink_blocks "
                          f"({num_sink_blocks}) + num_recent_blocks ({num_recent_blocks}) + 1")
@@ -85,6 +85,11 @@ def select_blocks(scores: Tensor, num_committed: Tensor, block_size: int, budget
     blocks = blocks.masked_fill(blocks == big, _PAD)
     blocks = torch.nn.functional.pad(blocks, (0, max_selected - blocks.shape[-1]), value=_PAD)
     return Selection(blocks, sinks + num_chosen, start)
+
+
+def num_retrieved(budget_blocks: int, num_sink_blocks: int, num_recent_blocks: int) -> int:
+    """Blocks a selection retrieves besides sinks, recent blocks and the growing tail block."""
+    return budget_blocks - num_sink_blocks - num_recent_blocks - 1
 
 
 def shortlist(scores: Tensor, num_committed: Tensor, block_size: int, num_sink_blocks: int,

@@ -21,7 +21,8 @@ import torch
 
 from vllm_triforce.config import BlockCounts
 from vllm_triforce.core.selection import (Selection, SelectionPolicy, build_block_tables,
-                                          rescore_shortlist, select_blocks, shortlist)
+                                          num_retrieved, rescore_shortlist, select_blocks,
+                                          shortlist)
 from vllm_triforce.engine.forward import build_pass, run_pass
 
 
@@ -47,8 +48,8 @@ class RetrievalLevel:
         self.blocks = blocks
         self.stats = stats
         self.device = device
-        num_select = blocks.budget_blocks - blocks.retrieval_sink_blocks \
-            - blocks.retrieval_recent_blocks - 1
+        num_select = num_retrieved(blocks.budget_blocks, blocks.retrieval_sink_blocks,
+                                   blocks.retrieval_recent_blocks)
         self.shortlist_size = shortlist * num_select if policy.reranks_shortlist else 0
         self._pass_queries: list | None = None  # per layer, the last `forward`'s queries
 
