@@ -117,13 +117,12 @@ class RetrievalLevel:
                if self.refresh.due_in_middle(states[r].refresh, rounds[r].position)]
         if not due or self._pass_queries is None:
             return
-        rows = torch.tensor([rounds[r].query_row for r in due])
         listed = [r for r in due if states[r].shortlist_committed == int(batch.committed[r])]
         rest = [r for r in due if r not in listed]
         for group, use_list in ((listed, True), (rest, False)):
             if group:
                 queries = self._queries_at(self._pass_queries,
-                                           rows[[due.index(r) for r in group]])
+                                           torch.tensor([rounds[r].query_row for r in group]))
                 self._reselect(batch, states, group, queries,
                                [rounds[r].position for r in group], use_shortlist=use_list)
 
