@@ -120,3 +120,35 @@ def test_seeded_generators_are_reproducible():
     assert not all(torch.equal(run(1), run(s)) for s in (2, 3, 4))
     with pytest.raises(ValueError):
         verify(*args, generators=[None])
+
+
+def test_final_token_follows_its_distribution():
+    # no drafts: each row's one token is drawn from p itself (unnormalised here), by the
+    # inverse CDF; zero-mass tokens are never drawn, the others within 5 standard errors
+    rows = 40000
+    p = torch.tensor([0.0, 1.0, 0.0, 0.6, 0.4, 0.0]) * 2
+    torch.manual_seed(0)
+    res = verify(torch.zeros(rows, 0, dtype=torch.long), None, p.expand(rows, 1, -1),
+                 torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.bool))
+    counts = torch.bincount(res.output_token_ids[:, 0], minlength=6).double()
+    expected = p.double() / p.sum() * rows
+    assert counts[p == 0].sum() == 0
+    se = (expected * (1 - expected / rows)).sqrt()
+    assert torch.all((counts - expected).abs()[p > 0] < 5 * se[p > 0]), counts.tolist()
+
+
+def test_all_greedy_batch_on_the_host_draws_nothing():
+    target = torch.rand(3, 3, 7).softmax(-1)
+    drafts = torch.randint(0, 7, (3, 2))
+    args = (drafts, None, target, torch.full((3,), 2))
+    state = torch.get_rng_state()
+    greedy = verify(*args, torch.ones(3, dtype=torch.bool))
+    assert torch.equal(torch.get_rng_state(), state)  # the fast path: no draw at all
+    expected = target.argmax(-1)
+    for row in range(3):
+        n = int(greedy.num_accepted[row])
+        assert drafts[row, :n].tolist() == expected[row, :n].tolist()
+        assert n == 2 or int(drafts[row, n]) != int(expected[row, n])
+        assert int(greedy.output_token_ids[row, n]) == int(expected[row, n])
+    verify(*args, torch.tensor([True, False, True]))
+    assert not torch.equal(torch.get_rng_state(), state)

@@ -105,7 +105,7 @@ class MiddleLoop:
             draft_ids[i, :len(props)] = torch.tensor(props, dtype=torch.long)
         device = logits.device
         result = verify(draft_ids.to(device), proposal_probs, target_probs,
-                        (num_inputs - 1).to(device), batch.greedy[rows].to(device),
+                        (num_inputs - 1).to(device), batch.greedy[rows],
                         [states[r].generator or self.generator for r in active])
         # the round's one device-to-host copy: [A, 1 + G + 1] = num_accepted, then the tokens
         host = torch.cat([result.num_accepted[:, None], result.output_token_ids], 1).tolist()
