@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from vllm_triforce.core.verify import sampling_probs, verify
+from vllm_triforce.core.verify import sampling_probs, verify, verify_greedy
 
 
 def one_hot(token, vocab=5):
@@ -152,3 +152,21 @@ def test_all_greedy_batch_on_the_host_draws_nothing():
         assert int(greedy.output_token_ids[row, n]) == int(expected[row, n])
     verify(*args, torch.tensor([True, False, True]))
     assert not torch.equal(torch.get_rng_state(), state)
+
+
+def test_verify_greedy_equals_the_general_path_on_greedy_rows():
+    gen = torch.Generator().manual_seed(3)
+    target = torch.rand(9, 4, 11, generator=gen).softmax(-1)
+    argmax = target.argmax(-1)
+    drafts = argmax[:, :3].clone()
+    drafts[torch.arange(9), torch.arange(9) % 3] += 1  # one mismatch per row, somewhere
+    drafts[::4] = argmax[::4, :3]  # ... or none
+    drafts %= 11
+    num_drafts = torch.tensor([3, 2, 3, 1, 0, 3, 3, 2, 3])
+    mixed = torch.ones(9, dtype=torch.bool)
+    mixed[-1] = False  # one sampled row keeps verify on its general path
+    general = verify(drafts, None, target, num_drafts, mixed)
+    fast = verify_greedy(drafts, argmax, num_drafts)
+    assert torch.equal(fast.output_token_ids[:-1], general.output_token_ids[:-1])
+    assert torch.equal(fast.num_accepted[:-1], general.num_accepted[:-1])
+    assert 0 < int(fast.num_accepted.sum()) < int(num_drafts.sum())

@@ -113,31 +113,52 @@ def verify(draft_token_ids: Tensor, draft_probs: Tensor | None, target_probs: Te
     """
     num_reqs, gamma = draft_token_ids.shape
     device = target_probs.device
-    all_greedy = greedy.device.type == "cpu" and bool(greedy.all())  # no device sync
     p = target_probs.float().nan_to_num(0.0).clamp_(min=0)  # [R, G+1, V], a new tensor
+    if greedy.device.type == "cpu" and bool(greedy.all()):  # checked without a device sync
+        return verify_greedy(draft_token_ids, p.argmax(-1), num_drafts)
     ids = draft_token_ids.to(device, torch.long)
     safe_ids = ids.clamp(0, p.shape[-1] - 1)[..., None]  # [R, G, 1]; padding may be -1
     num_drafts = num_drafts.to(device, torch.long)
     greedy = greedy.to(device, torch.bool)
+    uniform = _draw(num_reqs, gamma + 1, generators, device)  # [R, G+1]
+    p_draft = p[:, :gamma].gather(2, safe_ids).squeeze(-1)  # [R, G] p(x_i)
+    q_draft = (torch.ones_like(p_draft) if draft_probs is None
+               else draft_probs.to(device).float().gather(2, safe_ids).squeeze(-1))
     argmax_p = p.argmax(-1)  # [R, G+1]
-    accept = ids == argmax_p[:, :gamma]
-    if not all_greedy:
-        uniform = _draw(num_reqs, gamma + 1, generators, device)  # [R, G+1]
-        p_draft = p[:, :gamma].gather(2, safe_ids).squeeze(-1)  # [R, G] p(x_i)
-        q_draft = (torch.ones_like(p_draft) if draft_probs is None
-                   else draft_probs.to(device).float().gather(2, safe_ids).squeeze(-1))
-        accept = torch.where(greedy[:, None], accept, uniform[:, :gamma] * q_draft < p_draft)
-    accept &= torch.arange(gamma, device=device) < num_drafts[:, None]
-    accepted = accept.long().cumprod(1)  # [R, G] 1 while every draft so far was accepted
-    num_accepted = accepted.sum(1)  # [R]
+    accept = torch.where(greedy[:, None], ids == argmax_p[:, :gamma],
+                         uniform[:, :gamma] * q_draft < p_draft)
+    num_accepted = _num_accepted(accept, num_drafts)  # [R]
 
-    last = argmax_p.gather(1, num_accepted[:, None]).squeeze(1)  # [R] greedy rows' token
-    if not all_greedy:
-        dist = _final_distribution(p, draft_probs, safe_ids, num_accepted, num_drafts)  # [R, V]
-        last = torch.where(greedy, last, _inverse_cdf(dist, uniform[:, gamma]))
-    out = torch.where(accepted.bool(), ids, -1)
-    out = torch.cat([out, out.new_full((num_reqs, 1), -1)], dim=1)  # [R, G+1]
-    out.scatter_(1, num_accepted[:, None], last[:, None])
+    dist = _final_distribution(p, draft_probs, safe_ids, num_accepted, num_drafts)  # [R, V]
+    greedy_last = argmax_p.gather(1, num_accepted[:, None]).squeeze(1)  # [R]
+    last = torch.where(greedy, greedy_last, _inverse_cdf(dist, uniform[:, gamma]))
+    return _result(ids, num_accepted, last)
+
+
+def verify_greedy(draft_token_ids: Tensor, target_argmax: Tensor,
+                  num_drafts: Tensor) -> VerifyResult:
+    """`verify` when every row is greedy, from the upper level's argmax alone:
+    target_argmax [R, G + 1] (its most likely token at each position). Accept while the
+    draft equals it, then emit it. No vocabulary-wide work, no randomness."""
+    ids = draft_token_ids.to(target_argmax.device, torch.long)
+    num_accepted = _num_accepted(ids == target_argmax[:, :ids.shape[1]],
+                                 num_drafts.to(ids.device, torch.long))
+    return _result(ids, num_accepted, target_argmax.gather(1, num_accepted[:, None]).squeeze(1))
+
+
+def _num_accepted(accept: Tensor, num_drafts: Tensor) -> Tensor:
+    """accept [R, G] per-slot outcomes -> [R] drafts accepted before the first rejection
+    (slots at or past num_drafts [R] count as rejected)."""
+    accept = accept & (torch.arange(accept.shape[1], device=accept.device) < num_drafts[:, None])
+    return accept.long().cumprod(1).sum(1)
+
+
+def _result(ids: Tensor, num_accepted: Tensor, last: Tensor) -> VerifyResult:
+    """ids [R, G] drafts, num_accepted [R], last [R] the token after them -> the result."""
+    num_reqs, gamma = ids.shape
+    kept = torch.arange(gamma, device=ids.device) < num_accepted[:, None]
+    out = torch.cat([torch.where(kept, ids, -1), ids.new_full((num_reqs, 1), -1)], dim=1)
+    out.scatter_(1, num_accepted[:, None], last[:, None])  # [R, G+1]
     return VerifyResult(out, num_accepted)
 
 

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from vllm_triforce.core.verify import verify
+from vllm_triforce.core.verify import verify, verify_greedy
 
 
 class Round:
@@ -28,6 +28,7 @@ class Round:
     def __init__(self, last_token: int, position: int):
         self.tokens: list[int] = []
         self.probs: list[torch.Tensor] = []  # [V] each: the distribution the token came from
+        # (kept empty in an all-greedy step: nobody reads it)
         self.last_token = last_token           # newest token, not yet in the target's KV
         self.position = position               # its position
         self.query_row = -1  # row, in the last level-2 pass, of the token before last_token
@@ -59,13 +60,15 @@ class MiddleLoop:
         gamma1 = self.gamma1 if use_draft else 0
         measured = [r for r in rows if wanted[r] > 0]
         full_probs = self._full_cache_probs(batch, rounds, measured) if self.measure else None
+        # every row greedy: vLLM gets no draft probs and a round needs only argmaxes
+        argmax_only = not self.measure and bool(batch.greedy[rows].all())
         while True:
             active = [r for r in rows if len(rounds[r].tokens) < wanted[r]]
             if not active:
                 return rounds
             sizes = [min(gamma1, wanted[r] - len(rounds[r].tokens)) for r in active]
             start = time.perf_counter()
-            emitted = self._round(batch, states, rounds, active, sizes)
+            emitted = self._round(batch, states, rounds, active, sizes, argmax_only)
             more = [r for r in active if len(rounds[r].tokens) < wanted[r]]
             if more:  # next round's blocks, from the newest middle tokens' queries
                 self.retrieval.select_in_middle(batch, states, more, rounds)
@@ -85,9 +88,11 @@ class MiddleLoop:
         return self.retrieval.full_cache_probs(batch, rows, [rounds[r].last_token for r in rows],
                                                [rounds[r].position for r in rows])
 
-    def _round(self, batch, states, rounds, active: list[int], sizes: list[int]) -> int:
+    def _round(self, batch, states, rounds, active: list[int], sizes: list[int],
+               argmax_only: bool = False) -> int:
         """One round for requests `active`, request active[i] proposing sizes[i] tokens;
-        returns the middle tokens it added over all of them."""
+        returns the middle tokens it added over all of them. `argmax_only`: every request
+        is greedy and nobody reads the middle distributions (Round.probs stays empty)."""
         if max(sizes) > 0:
             proposals, proposal_probs = self.draft.propose(batch, states, rounds, active, sizes)
         else:
@@ -98,32 +103,39 @@ class MiddleLoop:
              for r, p in zip(active, proposals)])
         rows = torch.tensor(active)
         num_inputs = torch.tensor([len(p) + 1 for p in proposals])  # [A] tokens per request
-        target_probs = _per_request(batch.probs(logits, torch.repeat_interleave(rows, num_inputs)),
-                                    num_inputs)  # [A, max(sizes) + 1, V]
         draft_ids = torch.zeros(len(active), max(sizes), dtype=torch.long)
         for i, props in enumerate(proposals):
             draft_ids[i, :len(props)] = torch.tensor(props, dtype=torch.long)
         device = logits.device
-        result = verify(draft_ids.to(device), proposal_probs, target_probs,
-                        (num_inputs - 1).to(device), batch.greedy[rows],
-                        [states[r].generator or self.generator for r in active])
+        if argmax_only:  # no vocabulary-wide probabilities at all
+            target_probs = None
+            argmax = _per_request(logits.argmax(-1, keepdim=True), num_inputs)[..., 0]
+            result = verify_greedy(draft_ids.to(device), argmax, (num_inputs - 1).to(device))
+        else:
+            target_probs = _per_request(
+                batch.probs(logits, torch.repeat_interleave(rows, num_inputs)),
+                num_inputs)  # [A, max(sizes) + 1, V]
+            result = verify(draft_ids.to(device), proposal_probs, target_probs,
+                            (num_inputs - 1).to(device), batch.greedy[rows],
+                            [states[r].generator or self.generator for r in active])
         # the round's one device-to-host copy: [A, 1 + G + 1] = num_accepted, then the tokens
         host = torch.cat([result.num_accepted[:, None], result.output_token_ids], 1).tolist()
         first_rows = (torch.cumsum(num_inputs, 0) - num_inputs).tolist()  # [A] in the pass
         for i, r in enumerate(active):
             accepted = host[i][0]
             rounds[r].query_row = first_rows[i] + accepted  # input `accepted`: newest kept
-            self._advance(states[r], rounds[r], host[i][1:accepted + 2], target_probs[i],
-                          len(proposals[i]))
+            self._advance(states[r], rounds[r], host[i][1:accepted + 2],
+                          None if target_probs is None else target_probs[i], len(proposals[i]))
         return sum(row[0] + 1 for row in host)
 
     def _advance(self, state, rnd: Round, emitted: list[int], target_probs,
                  num_proposed: int) -> None:
         """`emitted`: the round's accepted drafts then one recovered/bonus token; target_probs
-        [max + 1, V] the distributions they were drawn from."""
+        [max + 1, V] the distributions they were drawn from (None: argmax only)."""
         accepted = len(emitted) - 1
         rnd.tokens += emitted
-        rnd.probs += list(target_probs[:accepted + 1])
+        if target_probs is not None:
+            rnd.probs += list(target_probs[:accepted + 1])
         rnd.last_token = emitted[-1]
         rnd.position += accepted + 1
         if num_proposed:
