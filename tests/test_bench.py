@@ -65,12 +65,12 @@ def test_bench_acceptance_quick(tiny_llama, tmp_path):
     """Teacher-forced acceptance end to end; a sweep budget of 1024 tokens covers the whole
     512 + 8-token documents, so there every policy's q must be p exactly: that proves the
     per-layer tables and the exact rewrite of each measured slot."""
-    from vllm_triforce.bench.acceptance import COLUMNS
+    from vllm_triforce.bench.acceptance import COLUMNS, default_column
 
     out = tmp_path / "acc"
     data = run_bench("acceptance", out, tiny_llama, "--needle", "--budgets", "1024",
                      "--dtype", "float32")
-    assert data["default_policy"] == TriForceConfig().selection_policy
+    assert data["default_policy"] == default_column() == "retrieval_var"
     assert data["config"]["budget_tokens"] == 160  # 3% of 512 -> the minimum 5 blocks
     cells = data["cells"]
     assert {(c["task"], c["policy"]) for c in cells} == {

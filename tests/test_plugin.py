@@ -58,6 +58,7 @@ def test_version_gate_refuses_other_vllm(found):
     ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"selection_policy": "random"}, "selection_policy"),
     ({"refresh_acceptance_threshold": 2}, "refresh_acceptance_threshold"),
+    ({"key_variance": "yes"}, "key_variance"),
 ])
 def test_config_errors_name_the_key(spec, key):
     with pytest.raises(TriForceConfigError, match=key):

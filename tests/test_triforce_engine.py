@@ -252,6 +252,26 @@ def test_middle_rounds_rerank_the_step_start_shortlist(tiny_llama, monkeypatch, 
         assert not listed
 
 
+@pytest.mark.parametrize("variance", [True, False])
+def test_key_variance_is_the_default_and_can_be_turned_off(tiny_llama, monkeypatch, variance):
+    """By default `retrieval` scores blocks by mean key + key variance (the squared-key
+    sums are read at every selection); key_variance false reads none. Outputs identical."""
+    from vllm_triforce.core.summaries import BlockSummaries
+
+    reads = []
+    for name in ("gather_key_variances", "layer_key_squares"):
+        real = getattr(BlockSummaries, name)
+        monkeypatch.setattr(BlockSummaries, name,
+                            lambda self, *a, _real=real: reads.append(1) or _real(self, *a))
+    spec = two_level(refresh_interval=1)
+    if not variance:
+        spec["key_variance"] = False
+    tokens, stats, _ = generate(tiny_llama, spec)
+    assert tokens == plain(tiny_llama)
+    assert stats["refreshes"] > 0
+    assert bool(reads) == variance
+
+
 # ---- the depth controller (core/controller.py, engine/depth.py) --------------------------
 SCHEDULE = [3, 0, 4, 1, 0, 2]  # depths in turn, plain steps among them
 

@@ -84,6 +84,12 @@ class TriForceConfig:
     middle_shortlist: int = 4
     refresh_acceptance_threshold: float = 0.5
     selection_policy: str = "retrieval"
+    # `retrieval` only: score a block by its mean key plus half the query-weighted
+    # per-channel variance of its keys (an estimate of log E[exp(q.k)] over the block), not
+    # the mean key alone. Teacher-forced (benchmarks/RESULTS.md, Acceptance): +0.9 points on
+    # Qwen2.5-Coder-0.5B 8K prose, +0.7 on SmolLM2 4K prose, +9.6 on SmolLM2's needle. Costs
+    # a second key-sized summary per block (sums of squared keys: 1/64 of the KV cache).
+    key_variance: bool = True
     # h2o / topk_oracle keep a copy of every committed key (as much memory as the key
     # cache): for benchmarks. Refused unless the user opts in here.
     allow_full_key_copy: bool = False
@@ -122,6 +128,10 @@ class TriForceConfig:
             raise TriForceConfigError(
                 f"speculative_config['selection_policy']={self.selection_policy!r} is not one "
                 f"of {', '.join(POLICIES)}.")
+        if not isinstance(self.key_variance, bool):
+            raise TriForceConfigError(
+                f"speculative_config['key_variance']={self.key_variance!r} must be true (mean "
+                "key + key variance, the default) or false (mean key only).")
         if not isinstance(self.allow_full_key_copy, bool):
             raise TriForceConfigError(
                 f"speculative_config['allow_full_key_copy']={self.allow_full_key_copy!r} must be "
@@ -160,6 +170,10 @@ class TriForceConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def policy_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of `core.policies.make_policy(selection_policy, ...)`."""
+        return {"variance": self.key_variance} if self.selection_policy == "retrieval" else {}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TriForceConfig":

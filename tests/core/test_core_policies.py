@@ -65,9 +65,10 @@ def ref_mass(query, keys, n):
     return out
 
 
-def setup(num_q, num_kv, lengths=(37, 9, 24), seed=0):
+def setup(num_q, num_kv, lengths=(37, 9, 24), seed=0, squares=False):
     summaries, table, keys = make_pool(list(lengths), num_layers=2, num_kv_heads=num_kv,
-                                       head_dim=8, block_size=BS, seed=seed)
+                                       head_dim=8, block_size=BS, seed=seed,
+                                       keep_squares=squares)
     query = torch.randn(len(lengths), 2, num_q, 8, generator=torch.Generator().manual_seed(seed + 1))
     return summaries, table, keys, query, torch.tensor(lengths)
 
@@ -275,3 +276,62 @@ def test_only_mean_key_policies_rerank_a_shortlist():
         assert not policy.reranks_shortlist
         with pytest.raises(NotImplementedError, match=name):
             policy.shortlist_scores(None, None, None)
+
+
+def ref_variance_scores(query, keys, n, aggregation):
+    """Mean + variance by loops, per query head: q . mu / sqrt(D) + 1/2 sum_d q_d^2 var_d / D
+    (the log of E[exp(q . k / sqrt(D))] for keys with that per-channel mean and variance,
+    channels independent) -> [L, n_full]."""
+    num_layers, num_q, dim = query.shape
+    group = num_q // keys.shape[2]
+    per_head = torch.zeros(num_layers, num_q, n // BS)
+    for layer in range(num_layers):
+        for h in range(num_q):
+            for b in range(n // BS):
+                block = keys[layer, b * BS:(b + 1) * BS, h // group]  # [BS, D]
+                q = query[layer, h] / math.sqrt(dim)
+                var = block.var(0, unbiased=False)
+                per_head[layer, h, b] = float(q @ block.mean(0) + 0.5 * (q * q) @ var)
+    return ref_aggregate(per_head, aggregation)
+
+
+@pytest.mark.parametrize("num_q,num_kv", [(14, 2), (9, 3), (4, 4)])
+@pytest.mark.parametrize("aggregation", ["sum", "max", "softmax"])
+def test_retrieval_with_variance_matches_reference(num_q, num_kv, aggregation):
+    from vllm_triforce.core.selection import rescore_shortlist, shortlist
+    summaries, table, keys, query, lengths = setup(num_q, num_kv, squares=True)
+    policy = make_policy("retrieval", aggregation=aggregation, variance=True)
+    assert policy.needs_squares and policy.reranks_shortlist
+    scores = policy.block_scores(query, summaries, table, lengths, None)
+    for r, n in enumerate(lengths.tolist()):
+        ref = ref_variance_scores(query[r], keys[r], n, aggregation)
+        torch.testing.assert_close(scores[r, :, :n // BS], ref, rtol=1e-4, atol=1e-5)
+    if aggregation == "softmax":
+        return
+    listed = shortlist(scores, lengths, BS, 1, 1, size=3)
+    rescored = rescore_shortlist(policy, query, summaries, table, listed)
+    for r in (0, 2):
+        for layer in range(2):
+            ids = listed[r, layer]
+            torch.testing.assert_close(rescored[r, layer, ids], scores[r, layer, ids])
+
+
+def test_variance_finds_the_outlier_key_the_mean_dilutes():
+    """Block 1 holds one key far along the query among small ones; block 2 holds keys
+    uniformly mild. Exact attention mass favours block 1; the mean key favours block 2;
+    mean + variance ranks block 1 first."""
+    from vllm_triforce.core.summaries import BlockSummaries
+    s = BlockSummaries(1, 3, 1, 2, BS, keep_squares=True)
+    keys = torch.zeros(3 * BS, 2)
+    keys[BS] = torch.tensor([6.0, 0.0])  # block 1: one outlier
+    keys[2 * BS:3 * BS] = torch.tensor([2.0, 0.0])  # block 2: uniform
+    rows = torch.arange(3 * BS)
+    s.add_committed([keys], rows, rows // BS, rows % BS)
+    query = torch.tensor([[[[2.0, 0.0]]]])  # [R, L, Hq, D]
+    table, committed = torch.tensor([[0, 1, 2]]), torch.tensor([3 * BS])
+    mass = (keys[:, 0] * 2.0 / math.sqrt(2)).softmax(0).view(3, BS).sum(1)
+    assert int(mass.argmax()) == 1
+    mean = make_policy("retrieval").block_scores(query, s, table, committed)
+    assert int(mean[0, 0].argmax()) == 2
+    both = make_policy("retrieval", variance=True).block_scores(query, s, table, committed)
+    assert int(both[0, 0].argmax()) == 1

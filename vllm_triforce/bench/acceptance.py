@@ -44,18 +44,24 @@ SHORTLIST = TriForceConfig().middle_shortlist
 PER_POSITION, ONCE_PER_SPAN, MIDDLE, MIDDLE_ALL = 1, 0, "shortlist", "all"
 # column -> (policy, constructor kwargs, positions between full selections, re-select between
 # them with the column's own queries, label). A bare policy name is the policy as the engine
-# builds and refreshes it (`make_policy(name)`); suffixes are variants.
+# builds and refreshes it (`make_policy(name)`); suffixes are variants. `retrieval` is
+# TriForce's mean-key score; the engine's default is `default_column()` (`retrieval_var`,
+# mean key + key variance, since key_variance became the default).
 COLUMNS = {
     "topk_oracle_per_position": ("topk_oracle", {}, PER_POSITION, False,
                                  "Top-K oracle, per position"),
     "topk_oracle": ("topk_oracle", {}, STEP, MIDDLE, "Top-K, at refresh"),
     "streamingllm": ("streamingllm", {}, STEP, MIDDLE, "StreamingLLM"),
     "h2o": ("h2o", {}, STEP, MIDDLE, "H2O"),
-    "retrieval": ("retrieval", {}, STEP, MIDDLE, "Retrieval (mean key, sum)"),
+    "retrieval": ("retrieval", {"variance": False}, STEP, MIDDLE, "Retrieval (mean key, sum)"),
     "retrieval_max": ("retrieval", {"aggregation": "max"}, STEP, MIDDLE,
                       "Retrieval (mean key, max)"),
     "retrieval_softmax": ("retrieval", {"aggregation": "softmax"}, STEP, MIDDLE,
                           "Retrieval (mean key, softmax)"),
+    "retrieval_var": ("retrieval", {"variance": True}, STEP, MIDDLE,
+                      "Retrieval (mean key + variance, sum)"),
+    "retrieval_var_softmax": ("retrieval", {"variance": True, "aggregation": "softmax"}, STEP,
+                              MIDDLE, "Retrieval (mean key + variance, softmax)"),
     "quest": ("quest", {}, STEP, MIDDLE, "Quest (min/max, softmax)"),
     "quest_max": ("quest", {"aggregation": "max"}, STEP, MIDDLE, "Quest (min/max, max)"),
     "quest_sum": ("quest", {"aggregation": "sum"}, STEP, MIDDLE, "Quest (min/max, sum)"),
@@ -73,6 +79,14 @@ ORACLE, BASELINE, MEAN_KEY = "topk_oracle_per_position", "streamingllm", "retrie
 SWEEP_PLOT = (ORACLE, "topk_oracle", "h2o", "quest", "retrieval", BASELINE)  # the rest: table
 QUICK = dict(context_tokens=512, positions=32, needle_documents=4, warmup=4)
 Z95 = 1.96
+
+
+def default_column() -> str:
+    """The column that selects as the engine does with its default config."""
+    cfg = TriForceConfig()
+    return next(name for name, (policy, kwargs, every, middle, _) in COLUMNS.items()
+                if (policy, kwargs, every, middle)
+                == (cfg.selection_policy, cfg.policy_kwargs(), STEP, MIDDLE))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -139,7 +153,7 @@ def run_acceptance(args, model: str, out: Path) -> dict:
     finally:
         engine.close()
     wall = time.perf_counter() - start
-    data = {"default_policy": TriForceConfig().selection_policy,
+    data = {"default_policy": default_column(),
             "config": {"model": model, "dtype": args.dtype, "context_tokens": args.context_tokens,
                        "budget_tokens": main * BLOCK, "budget_fraction": args.budget_fraction,
                        "block_size": BLOCK, "sink_blocks": g.sink_blocks,

@@ -54,7 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--sink-blocks", type=int, default=1)
     parser.add_argument("--recent-blocks", type=int, default=4)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--policies", nargs="+", default=sorted(POLICIES), choices=sorted(POLICIES))
+    names = sorted(POLICIES) + sorted(VARIANTS)
+    parser.add_argument("--policies", nargs="+", default=names, choices=names)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
@@ -66,14 +67,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def make_inputs(shape: Shape, args, batch: int, keep_keys: bool, keep_bounds: bool = False):
+# name -> (policy, kwargs): configurations timed besides each policy's defaults
+VARIANTS = {"retrieval_var": ("retrieval", {"variance": True})}  # key_variance: true
+
+
+def make_inputs(shape: Shape, args, batch: int, keep_keys: bool, keep_bounds: bool = False,
+                keep_squares: bool = False):
     """Summaries filled with random full blocks + per-request tables and queries."""
     bs, device = args.block_size, torch.device(args.device)
     num_blocks = args.tokens // bs + 1  # room for the query token of the next pass
     summaries = BlockSummaries(args.layers, num_blocks + 1, shape.num_kv_heads, shape.head_dim, bs,
                                device=device, keep_keys=keep_keys, key_dtype=torch.bfloat16,
-                               keep_bounds=keep_bounds)
+                               keep_bounds=keep_bounds, keep_squares=keep_squares)
     summaries.sums.normal_()
+    if summaries.squares is not None:
+        summaries.squares.copy_(summaries.sums.square() / bs + summaries.squares.normal_().abs())
     if summaries.mins is not None:
         summaries.mins.normal_()
         summaries.maxs.copy_(summaries.mins + summaries.maxs.normal_().abs())
@@ -106,9 +114,10 @@ def median_ms(fn, repeat: int, device: torch.device) -> float:
 
 def time_selection(policy_name: str, shape: Shape, args, batch: int) -> tuple[float, int, int]:
     """(median ms per selection, summary bytes of one request's blocks, per-request bytes)."""
-    policy = make_policy(policy_name)
+    name, kwargs = VARIANTS.get(policy_name, (policy_name, {}))
+    policy = make_policy(name, **kwargs)
     summaries, table, query, num_committed = make_inputs(shape, args, batch, policy.needs_keys,
-                                                         policy.needs_bounds)
+                                                         policy.needs_bounds, policy.needs_squares)
     states = [SelectionState() for _ in range(batch)]
     seq_lens = num_committed + 1
     budget_blocks = args.budget // args.block_size

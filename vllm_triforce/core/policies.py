@@ -4,7 +4,9 @@ Every policy maps the query of each request's latest committed token to one scor
 per logical block and layer, higher = keep; `selection.select_blocks` does the rest.
 
   retrieval    TriForce: query . mean post-RoPE key of the block, per query head,
-               aggregated over the query heads of each KV group and over KV heads.
+               aggregated over the query heads of each KV group and over KV heads;
+               with `variance`, plus 1/2 sum_d q_d^2 var_d (the keys' per-channel
+               variance in the block): a second-order estimate of log E[exp(q . k)].
   quest        Quest (Tang et al. 2024): per query head, the upper bound
                sum_d max(q_d min_d, q_d max_d) of q . k over the block's keys, from
                per-channel key bounds; aggregated over the layer's query heads.
@@ -93,6 +95,7 @@ class SelectionPolicy:
     name: str = ""
     needs_keys: bool = False  # the engine must allocate BlockSummaries(keep_keys=True)
     needs_bounds: bool = False  # ... BlockSummaries(keep_bounds=True)
+    needs_squares: bool = False  # ... BlockSummaries(keep_squares=True)
     reranks_shortlist: bool = False  # implements `shortlist_scores`
 
     def block_scores(self, query: Tensor, summaries: BlockSummaries, block_table: Tensor,
@@ -134,13 +137,21 @@ class RetrievalPolicy(SelectionPolicy):
     aggregation="max" keeps each block's best query head.
     strategy: "gather" reads the request's mean keys; "all" scores every physical block
     (one read of the whole store, cheaper when the store is small); "auto" picks.
+    variance=True adds 1/2 sum_d q_d^2 var_d per query head (q scaled by 1 / sqrt(d), var_d
+    the variance of the block's keys in channel d): the log of E[exp(q . k)] if the block's
+    keys were independent Gaussians per channel, i.e. the block's attention mass up to a
+    constant, where the mean alone is E[q . k]. A block whose mass comes from a few keys far
+    along q (a needle) has a large variance there that its mean dilutes. Needs
+    BlockSummaries(keep_squares=True); always reads each block's means (strategy "gather").
     """
     name = "retrieval"
     reranks_shortlist = True
 
     def __init__(self, aggregation: str = "sum", strategy: str = "auto",
-                 scale: float | None = None):
+                 scale: float | None = None, variance: bool = False):
         _check_aggregation(aggregation)
+        self.variance = variance
+        self.needs_squares = variance
         if strategy not in ("auto", "gather", "all"):
             raise ValueError(f"strategy must be 'auto', 'gather' or 'all', not {strategy!r}")
         self.aggregation = aggregation
@@ -153,9 +164,18 @@ class RetrievalPolicy(SelectionPolicy):
         q = group_query(query, summaries.num_kv_heads)  # [R, L, H, G, D]
         q = q * (self.scale or 1.0 / math.sqrt(q.shape[-1]))
         ids = block_table.to(summaries.device, torch.long).clamp(min=0)  # [R, B]
-        if self.aggregation == "sum":
+        if self.variance:
+            means = summaries.gather_mean_keys(ids).float()  # [R, L, B, H, D]
+            var = summaries.gather_key_variances(ids).float()
+            if self.aggregation == "sum":
+                return (torch.einsum("rlhd,rlbhd->rlb", q.sum(3), means)
+                        + 0.5 * torch.einsum("rlhd,rlbhd->rlb", q.square().sum(3), var))
+            per_head = (torch.einsum("rlhgd,rlbhd->rlhgb", q, means)
+                        + 0.5 * torch.einsum("rlhgd,rlbhd->rlhgb", q.square(), var))
+        elif self.aggregation == "sum":
             return self._summed_scores(q.sum(3).flatten(2), summaries, ids)
-        per_head = self._per_head_scores(q, summaries, ids)  # [R, L, H, G, B]
+        else:
+            per_head = self._per_head_scores(q, summaries, ids)  # [R, L, H, G, B]
         if candidates is None:
             candidates = full_block_mask(num_committed.to(q.device), summaries.block_size,
                                          block_table.shape[1])
@@ -167,6 +187,13 @@ class RetrievalPolicy(SelectionPolicy):
         q = q * (self.scale or 1.0 / math.sqrt(q.shape[-1]))
         sums, counts = summaries.layer_key_sums(blocks)  # [R, L, S, H, D], [R, L, S]
         sums, counts = sums.float(), counts.float()
+        if self.variance:
+            means = sums / counts[..., None, None]
+            var = (summaries.layer_key_squares(blocks).float() / counts[..., None, None]
+                   - means.square()).clamp(min=0)
+            per_head = (torch.einsum("rlhgd,rlshd->rlhgs", q, means)
+                        + 0.5 * torch.einsum("rlhgd,rlshd->rlhgs", q.square(), var))
+            return aggregate_heads(per_head, self.aggregation, blocks[:, 0] >= 0)
         if self.aggregation == "sum":
             return torch.einsum("rlk,rlsk->rls", q.sum(3).flatten(2), sums.flatten(3)) / counts
         per_head = torch.einsum("rlhgd,rlshd->rlhgs", q, sums) / counts[:, :, None, None]

@@ -4,7 +4,9 @@ Two summaries per (layer, physical block, KV head), both updated from committed 
 - the running *sum* of the keys and a count (mean key: `retrieval`);
 - optionally (`keep_bounds=True`, policy `quest`), the per-channel *minimum and maximum*
   of the keys (Quest, Tang et al. 2024): for any query q, sum_d max(q_d min_d, q_d max_d)
-  is an upper bound of q . k over every key k of the block.
+  is an upper bound of q . k over every key k of the block;
+- optionally (`keep_squares=True`, `retrieval` with its key variance, the engine default),
+  the running sum of the squared keys, so each channel's variance is one subtraction.
 
 One vLLM KV block is one TriForce retrieval chunk. For every layer, KV head and
 *physical* block we keep the running sum of the block's committed keys (post-RoPE,
@@ -40,7 +42,7 @@ class BlockSummaries:
     def __init__(self, num_layers: int, num_blocks: int, num_kv_heads: int, head_dim: int,
                  block_size: int, dtype: torch.dtype = torch.float32, device=None,
                  keep_keys: bool = False, key_dtype: torch.dtype | None = None,
-                 keep_bounds: bool = False):
+                 keep_bounds: bool = False, keep_squares: bool = False):
         if min(num_layers, num_blocks, num_kv_heads, head_dim, block_size) <= 0:
             raise ValueError("BlockSummaries: all sizes must be positive")
         self.num_layers = num_layers
@@ -66,6 +68,12 @@ class BlockSummaries:
         if keep_bounds:
             self.mins = torch.full_like(self.sums, float("inf"))
             self.maxs = torch.full_like(self.sums, float("-inf"))
+        # [num_layers, num_blocks, num_kv_heads, head_dim] running sums of the squared
+        # keys (per-channel key variance: retrieval with variance=True). float32 whatever
+        # `dtype`: the variance E[k^2] - E[k]^2 cancels, and bf16 keeps 8 bits.
+        self.squares: Tensor | None = None
+        if keep_squares:
+            self.squares = torch.zeros_like(self.sums, dtype=torch.float32)
 
     @property
     def device(self) -> torch.device:
@@ -94,6 +102,8 @@ class BlockSummaries:
         self.counts.index_add_(0, block_ids, torch.ones_like(block_ids, dtype=torch.int32))
         if self.keys is not None:
             self.keys[:, block_ids, offsets] = keys.to(self.keys.dtype)
+        if self.squares is not None:
+            self.squares.index_add_(1, block_ids, keys.to(self.squares.dtype).square())
         if self.mins is not None:
             index = block_ids[None, :, None, None].expand_as(keys)  # [L, n, H, D]
             self.mins.scatter_reduce_(1, index, keys.to(self.mins.dtype), "amin")
@@ -106,6 +116,8 @@ class BlockSummaries:
         self.counts[block_ids] = 0
         if self.keys is not None:
             self.keys[:, block_ids] = 0
+        if self.squares is not None:
+            self.squares[:, block_ids] = 0
         if self.mins is not None:
             self.mins[:, block_ids] = float("inf")
             self.maxs[:, block_ids] = float("-inf")
@@ -128,6 +140,27 @@ class BlockSummaries:
         denom = self.counts[ids.flatten()].clamp(min=1).to(sums.dtype)[:, None, None]
         means = (sums / denom).unflatten(1, ids.shape)  # [L, R, B, H, D]
         return means.transpose(0, 1)
+
+    def gather_key_variances(self, block_table: Tensor) -> Tensor:
+        """block_table [R, B] physical ids -> [R, L, B, H, D] per-channel variance of each
+        block's committed keys (needs keep_squares)."""
+        if self.squares is None:
+            raise ValueError("key variances need BlockSummaries(keep_squares=True)")
+        ids = block_table.to(self.device, torch.long).clamp(min=0).flatten()
+        denom = self.counts[ids].clamp(min=1).float()[:, None, None]
+        mean = self.sums[:, ids].float() / denom
+        var = (self.squares[:, ids] / denom - mean.square()).clamp_(min=0)
+        return var.unflatten(1, block_table.shape).transpose(0, 1)
+
+    def layer_key_squares(self, blocks: Tensor) -> Tensor:
+        """blocks [R, L, S] as layer_key_sums -> [R, L, S, H, D] sums of squared keys."""
+        if self.squares is None:
+            raise ValueError("key variances need BlockSummaries(keep_squares=True)")
+        ids = blocks.to(self.device, torch.long).clamp(min=0)
+        layer = torch.arange(self.num_layers, device=self.device)[None, :, None]
+        rows = (layer * self.num_blocks + ids).flatten()
+        squares = self.squares.view(self.num_layers * self.num_blocks, -1).index_select(0, rows)
+        return squares.view(*ids.shape, self.num_kv_heads, self.head_dim)
 
     def layer_key_sums(self, blocks: Tensor) -> tuple[Tensor, Tensor]:
         """blocks [R, L, S] physical ids, one list per layer (-1: padding, reads as block 0)
@@ -160,4 +193,6 @@ class BlockSummaries:
             total += self.keys.nbytes
         if self.mins is not None:
             total += self.mins.nbytes + self.maxs.nbytes
+        if self.squares is not None:
+            total += self.squares.nbytes
         return total

@@ -8,21 +8,23 @@ buffers would come on top of `gpu_memory_utilization` and could OOM a GPU. So th
 
 * per KV block (scales with the cache): the block summaries, one key-sized vector per
   target layer and KV head in the KV cache's dtype plus an int32 count (≈ KV bytes /
-  (2 × block_size) for the target's layers); plus, for `quest`, two more such vectors
-  (per-channel key min and max); plus, only with `allow_full_key_copy`, a copy of every
-  committed key (h2o, topk_oracle);
+  (2 × block_size) for the target's layers); plus, with `key_variance` (the default for
+  `retrieval`), one more such vector in float32 (sums of squared keys); plus, for `quest`,
+  two more (per-channel key min and max); plus, only with `allow_full_key_copy`, a copy of
+  every committed key (h2o, topk_oracle);
 * fixed: float32 distributions over the vocabulary for the largest batch
   (`max_num_seqs` requests): the [R, gamma2, V] draft probabilities handed to vLLM
   (preallocated once) and the middle round's temporaries -- target and draft probabilities
   and logits, [R, gamma1 + 1, V] and [R, gamma1, V] each, and one [R, V] row.
 
 Worked example (SmolLM2-135M float32 on CPU, block 32, 30 layers × 3 KV heads × 64,
-no draft, 1 GiB budget, max_num_seqs 8, gamma2 6, V 49,152): a KV block is
-30 × 2 × 32 × 3 × 64 × 4 = 1,474,560 B and its summary 30 × 3 × 64 × 4 + 4 = 23,044 B;
-fixed = 8 × (6 + 3 × 0 + 3) × 49,152 × 4 = 14,155,776 B; blocks = (2^30 − 14,155,776) //
-1,497,604 = 707, so vLLM gets 707 × 1,474,560 B and 31,227,904 B stay reserved.
-With `quest` the summary is 3 × 23,040 + 4 = 69,124 B and blocks = (2^30 − 14,155,776) //
-1,543,684 = 686.
+no draft, 1 GiB budget, max_num_seqs 8, gamma2 6, V 49,152, `key_variance` false): a KV
+block is 30 × 2 × 32 × 3 × 64 × 4 = 1,474,560 B and its summary 30 × 3 × 64 × 4 + 4 =
+23,044 B; fixed = 8 × (6 + 3 × 0 + 3) × 49,152 × 4 = 14,155,776 B; blocks = (2^30 −
+14,155,776) // 1,497,604 = 707, so vLLM gets 707 × 1,474,560 B and 31,227,904 B stay
+reserved. With the default `key_variance` the summary is 2 × 23,040 + 4 = 46,084 B and
+blocks = (2^30 − 14,155,776) // 1,520,644 = 696; with `quest` 3 × 23,040 + 4 = 69,124 B
+and 686 blocks.
 """
 
 from __future__ import annotations
@@ -43,10 +45,11 @@ class MemoryPlan:
     def for_engine(cls, kv_bytes_per_block: int, num_target_layers: int, num_kv_heads: int,
                    head_dim: int, block_size: int, kv_dtype_bytes: int, keep_keys: bool,
                    max_num_seqs: int, gamma2: int, gamma1: int, vocab_size: int,
-                   keep_bounds: bool = False) -> "MemoryPlan":
+                   keep_bounds: bool = False, keep_squares: bool = False) -> "MemoryPlan":
         key_bytes = num_target_layers * num_kv_heads * head_dim * kv_dtype_bytes
         summary = (key_bytes + COUNT_BYTES + (key_bytes * block_size if keep_keys else 0)
-                   + (2 * key_bytes if keep_bounds else 0))
+                   + (2 * key_bytes if keep_bounds else 0)
+                   + (key_bytes // kv_dtype_bytes * FLOAT32_BYTES if keep_squares else 0))
         rows_per_request = gamma2 + 3 * gamma1 + 3
         fixed = max_num_seqs * rows_per_request * vocab_size * FLOAT32_BYTES
         return cls(kv_bytes_per_block, summary, fixed)
@@ -84,6 +87,7 @@ class MemoryPlan:
             kv_dtype_bytes=model.dtype.itemsize,  # >= an fp8 KV cache's: errs on the safe side
             keep_keys=cfg.selection_policy in FULL_KEY_POLICIES,
             keep_bounds=cfg.selection_policy in BOUND_POLICIES,
+            keep_squares=cfg.policy_kwargs().get("variance", False),
             max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
             gamma2=cfg.num_speculative_tokens,
             gamma1=cfg.draft_tokens_per_round if cfg.model is not None else 0,

@@ -76,7 +76,7 @@ class TriForceProposer(DraftModelProposer):
         self.blocks = self.cfg.in_blocks(vllm_config.cache_config.block_size)
         if self.has_draft:
             self._draft_window(self.blocks)  # refuse a window the draft's context cannot hold
-        self.policy = make_policy(self.cfg.selection_policy)
+        self.policy = make_policy(self.cfg.selection_policy, **self.cfg.policy_kwargs())
         self.refresh = RefreshPolicy(self.cfg.refresh_interval,
                                      self.cfg.refresh_acceptance_threshold)
         self.states = StateTable()
@@ -128,7 +128,8 @@ class TriForceProposer(DraftModelProposer):
             num_layers=len(self.target_layers), num_blocks=kv_cache_config.num_blocks,
             num_kv_heads=layer.num_kv_heads, head_dim=layer.head_size,
             block_size=self.block_size, dtype=kv_dtype, device=self.device,
-            keep_keys=self.policy.needs_keys, keep_bounds=self.policy.needs_bounds)
+            keep_keys=self.policy.needs_keys, keep_bounds=self.policy.needs_bounds,
+            keep_squares=self.policy.needs_squares)
         sched = self.vllm_config.scheduler_config
         # [max_num_seqs, gamma2, V]: the draft probabilities handed to vLLM, reused per step.
         self._probs_buffer = torch.zeros(
@@ -181,7 +182,7 @@ class TriForceProposer(DraftModelProposer):
             num_target_layers=len(self.target_layers), num_kv_heads=layer.num_kv_heads,
             head_dim=layer.head_size, block_size=target.block_size,
             kv_dtype_bytes=target.dtype.itemsize, keep_keys=self.policy.needs_keys,
-            keep_bounds=self.policy.needs_bounds,
+            keep_bounds=self.policy.needs_bounds, keep_squares=self.policy.needs_squares,
             max_num_seqs=self.vllm_config.scheduler_config.max_num_seqs,
             gamma2=self.cfg.num_speculative_tokens,
             gamma1=self.cfg.draft_tokens_per_round if self.has_draft else 0,
