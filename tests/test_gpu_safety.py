@@ -181,14 +181,14 @@ def test_memory_plan_worked_example():
                                      num_target_layers=30, num_kv_heads=3, head_dim=64,
                                      block_size=32, kv_dtype_bytes=4, keep_keys=False,
                                      max_num_seqs=8, gamma2=6, gamma1=0, vocab_size=49152,
-                                     keep_squares=True)  # key_variance (the default)
+                                     keep_variance=True)  # key_variance (the default)
     assert variance.summary_bytes_per_block == 46_084
     assert variance.kv_budget(2**30) == 696 * 1_474_560
     bf16 = MemoryPlan.for_engine(kv_bytes_per_block=30 * 2 * 32 * 3 * 64 * 2,
                                  num_target_layers=30, num_kv_heads=3, head_dim=64,
                                  block_size=32, kv_dtype_bytes=2, keep_keys=False,
                                  max_num_seqs=8, gamma2=6, gamma1=0, vocab_size=49152,
-                                 keep_squares=True)  # squares stay float32 under bf16 KV
+                                 keep_variance=True)  # deviations stay float32 under bf16 KV
     assert bf16.summary_bytes_per_block == 11_520 + 23_040 + 4
 
 
@@ -219,7 +219,7 @@ def test_reservation_is_computed_and_applied(tiny_llama):
     # what was reserved covers what was allocated
     assert summaries.nbytes() <= blocks["triforce"] * plan.summary_bytes_per_block
     assert summaries.sums.dtype == torch.float32  # the KV cache's dtype in this engine
-    assert summaries.squares is not None  # key_variance, the default
+    assert summaries.square_deviations is not None  # key_variance, the default
 
 
 def test_plugin_chosen_cpu_kv_size_leaves_room_for_the_reservation():

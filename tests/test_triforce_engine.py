@@ -259,10 +259,9 @@ def test_key_variance_is_the_default_and_can_be_turned_off(tiny_llama, monkeypat
     from vllm_triforce.core.summaries import BlockSummaries
 
     reads = []
-    for name in ("gather_key_variances", "layer_key_squares"):
-        real = getattr(BlockSummaries, name)
-        monkeypatch.setattr(BlockSummaries, name,
-                            lambda self, *a, _real=real: reads.append(1) or _real(self, *a))
+    real = BlockSummaries.deviations
+    monkeypatch.setattr(BlockSummaries, "deviations",
+                        lambda self: reads.append(1) or real(self))
     spec = two_level(refresh_interval=1)
     if not variance:
         spec["key_variance"] = False

@@ -68,7 +68,7 @@ def ref_mass(query, keys, n):
 def setup(num_q, num_kv, lengths=(37, 9, 24), seed=0, squares=False):
     summaries, table, keys = make_pool(list(lengths), num_layers=2, num_kv_heads=num_kv,
                                        head_dim=8, block_size=BS, seed=seed,
-                                       keep_squares=squares)
+                                       keep_variance=squares)
     query = torch.randn(len(lengths), 2, num_q, 8, generator=torch.Generator().manual_seed(seed + 1))
     return summaries, table, keys, query, torch.tensor(lengths)
 
@@ -301,7 +301,7 @@ def test_retrieval_with_variance_matches_reference(num_q, num_kv, aggregation):
     from vllm_triforce.core.selection import rescore_shortlist, shortlist
     summaries, table, keys, query, lengths = setup(num_q, num_kv, squares=True)
     policy = make_policy("retrieval", aggregation=aggregation, variance=True)
-    assert policy.needs_squares and policy.reranks_shortlist
+    assert policy.needs_variance and policy.reranks_shortlist
     scores = policy.block_scores(query, summaries, table, lengths, None)
     for r, n in enumerate(lengths.tolist()):
         ref = ref_variance_scores(query[r], keys[r], n, aggregation)
@@ -321,7 +321,7 @@ def test_variance_finds_the_outlier_key_the_mean_dilutes():
     uniformly mild. Exact attention mass favours block 1; the mean key favours block 2;
     mean + variance ranks block 1 first."""
     from vllm_triforce.core.summaries import BlockSummaries
-    s = BlockSummaries(1, 3, 1, 2, BS, keep_squares=True)
+    s = BlockSummaries(1, 3, 1, 2, BS, keep_variance=True)
     keys = torch.zeros(3 * BS, 2)
     keys[BS] = torch.tensor([6.0, 0.0])  # block 1: one outlier
     keys[2 * BS:3 * BS] = torch.tensor([2.0, 0.0])  # block 2: uniform

@@ -75,3 +75,25 @@ def test_hand_worked_bounds():
     assert s.maxs[0, 0, 0].tolist() == [3.0, 4.0]
     mins, maxs = s.bounds(0, torch.tensor([[0]]))  # [R, B, H, D]
     assert mins.shape == (1, 1, 1, 2) and maxs[0, 0, 0].tolist() == [3.0, 4.0]
+
+
+def test_square_deviations_combine_pass_by_pass():
+    """Keys arriving in passes of 1-3 tokens, a block reused after a reset: deviations() /
+    count is each channel's population variance of the block's committed keys."""
+    gen = torch.Generator().manual_seed(5)
+    s = BlockSummaries(2, 3, 2, 4, 4, keep_variance=True)
+    keys = 3 + torch.randn(2, 12, 2, 4, generator=gen)  # [L, T, H, D], offset: not centred
+    blocks = torch.tensor([0] * 4 + [2] * 4 + [1] * 4)
+    for lo, hi in ((0, 1), (1, 4), (4, 6), (6, 7), (7, 10), (10, 12)):
+        pos = torch.arange(lo, hi)
+        s.add_committed([keys[l, lo:hi] for l in range(2)], torch.arange(hi - lo),
+                        blocks[pos], pos % 4)
+    for block, first in ((0, 0), (2, 4), (1, 8)):
+        expected = keys[:, first:first + 4].var(1, unbiased=False)  # [L, H, D]
+        got = s.deviations()[:, block] / s.counts[block]
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    # block 2 reused: its first token at offset 0 resets it
+    s.add_committed([keys[l, :1] for l in range(2)], torch.arange(1), torch.tensor([2]),
+                    torch.tensor([0]))
+    assert s.counts[2] == 1 and torch.all(s.deviations()[:, 2] == 0)
+    assert s.nbytes() == BlockSummaries(2, 3, 2, 4, 4).nbytes() + 2 * 3 * 2 * 4 * 4

@@ -72,16 +72,16 @@ VARIANTS = {"retrieval_var": ("retrieval", {"variance": True})}  # key_variance:
 
 
 def make_inputs(shape: Shape, args, batch: int, keep_keys: bool, keep_bounds: bool = False,
-                keep_squares: bool = False):
+                keep_variance: bool = False):
     """Summaries filled with random full blocks + per-request tables and queries."""
     bs, device = args.block_size, torch.device(args.device)
     num_blocks = args.tokens // bs + 1  # room for the query token of the next pass
     summaries = BlockSummaries(args.layers, num_blocks + 1, shape.num_kv_heads, shape.head_dim, bs,
                                device=device, keep_keys=keep_keys, key_dtype=torch.bfloat16,
-                               keep_bounds=keep_bounds, keep_squares=keep_squares)
+                               keep_bounds=keep_bounds, keep_variance=keep_variance)
     summaries.sums.normal_()
-    if summaries.squares is not None:
-        summaries.squares.copy_(summaries.sums.square() / bs + summaries.squares.normal_().abs())
+    if summaries.square_deviations is not None:
+        summaries.square_deviations.normal_().abs_()
     if summaries.mins is not None:
         summaries.mins.normal_()
         summaries.maxs.copy_(summaries.mins + summaries.maxs.normal_().abs())
@@ -117,7 +117,7 @@ def time_selection(policy_name: str, shape: Shape, args, batch: int) -> tuple[fl
     name, kwargs = VARIANTS.get(policy_name, (policy_name, {}))
     policy = make_policy(name, **kwargs)
     summaries, table, query, num_committed = make_inputs(shape, args, batch, policy.needs_keys,
-                                                         policy.needs_bounds, policy.needs_squares)
+                                                         policy.needs_bounds, policy.needs_variance)
     states = [SelectionState() for _ in range(batch)]
     seq_lens = num_committed + 1
     budget_blocks = args.budget // args.block_size

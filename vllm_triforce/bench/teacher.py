@@ -116,7 +116,7 @@ class TeacherForcedEngine:
         wide = BlockSummaries(
             old.num_layers, old.num_blocks, old.num_kv_heads, old.head_dim, old.block_size,
             dtype=old.sums.dtype, device=old.device, keep_keys=True, keep_bounds=True,
-            keep_squares=True)
+            keep_variance=True)
         vars(old).update(vars(wide))
         return old
 

@@ -95,7 +95,7 @@ class SelectionPolicy:
     name: str = ""
     needs_keys: bool = False  # the engine must allocate BlockSummaries(keep_keys=True)
     needs_bounds: bool = False  # ... BlockSummaries(keep_bounds=True)
-    needs_squares: bool = False  # ... BlockSummaries(keep_squares=True)
+    needs_variance: bool = False  # ... BlockSummaries(keep_variance=True)
     reranks_shortlist: bool = False  # implements `shortlist_scores`
 
     def block_scores(self, query: Tensor, summaries: BlockSummaries, block_table: Tensor,
@@ -142,7 +142,7 @@ class RetrievalPolicy(SelectionPolicy):
     keys were independent Gaussians per channel, i.e. the block's attention mass up to a
     constant, where the mean alone is E[q . k]. A block whose mass comes from a few keys far
     along q (a needle) has a large variance there that its mean dilutes. Needs
-    BlockSummaries(keep_squares=True); always reads each block's means (strategy "gather").
+    BlockSummaries(keep_variance=True); always reads each block's means (strategy "gather").
     """
     name = "retrieval"
     reranks_shortlist = True
@@ -151,7 +151,7 @@ class RetrievalPolicy(SelectionPolicy):
                  scale: float | None = None, variance: bool = False):
         _check_aggregation(aggregation)
         self.variance = variance
-        self.needs_squares = variance
+        self.needs_variance = variance
         if strategy not in ("auto", "gather", "all"):
             raise ValueError(f"strategy must be 'auto', 'gather' or 'all', not {strategy!r}")
         self.aggregation = aggregation
@@ -164,18 +164,16 @@ class RetrievalPolicy(SelectionPolicy):
         q = group_query(query, summaries.num_kv_heads)  # [R, L, H, G, D]
         q = q * (self.scale or 1.0 / math.sqrt(q.shape[-1]))
         ids = block_table.to(summaries.device, torch.long).clamp(min=0)  # [R, B]
+        if self.aggregation == "sum":  # linear in q: one dot product per KV group
+            scores = self._summed_scores(q.sum(3).flatten(2), summaries, ids, summaries.sums)
+            if self.variance:
+                scores += 0.5 * self._summed_scores(q.square().sum(3).flatten(2), summaries, ids,
+                                                    summaries.deviations())
+            return scores
+        per_head = self._per_head_scores(q, summaries, ids, summaries.sums)  # [R, L, H, G, B]
         if self.variance:
-            means = summaries.gather_mean_keys(ids).float()  # [R, L, B, H, D]
-            var = summaries.gather_key_variances(ids).float()
-            if self.aggregation == "sum":
-                return (torch.einsum("rlhd,rlbhd->rlb", q.sum(3), means)
-                        + 0.5 * torch.einsum("rlhd,rlbhd->rlb", q.square().sum(3), var))
-            per_head = (torch.einsum("rlhgd,rlbhd->rlhgb", q, means)
-                        + 0.5 * torch.einsum("rlhgd,rlbhd->rlhgb", q.square(), var))
-        elif self.aggregation == "sum":
-            return self._summed_scores(q.sum(3).flatten(2), summaries, ids)
-        else:
-            per_head = self._per_head_scores(q, summaries, ids)  # [R, L, H, G, B]
+            per_head += 0.5 * self._per_head_scores(q.square(), summaries, ids,
+                                                    summaries.deviations())
         if candidates is None:
             candidates = full_block_mask(num_committed.to(q.device), summaries.block_size,
                                          block_table.shape[1])
@@ -186,17 +184,15 @@ class RetrievalPolicy(SelectionPolicy):
         q = group_query(query, summaries.num_kv_heads)  # [R, L, H, G, D]
         q = q * (self.scale or 1.0 / math.sqrt(q.shape[-1]))
         sums, counts = summaries.layer_key_sums(blocks)  # [R, L, S, H, D], [R, L, S]
-        sums, counts = sums.float(), counts.float()
+        terms = [(q, sums)]
         if self.variance:
-            means = sums / counts[..., None, None]
-            var = (summaries.layer_key_squares(blocks).float() / counts[..., None, None]
-                   - means.square()).clamp(min=0)
-            per_head = (torch.einsum("rlhgd,rlshd->rlhgs", q, means)
-                        + 0.5 * torch.einsum("rlhgd,rlshd->rlhgs", q.square(), var))
-            return aggregate_heads(per_head, self.aggregation, blocks[:, 0] >= 0)
+            terms.append((0.5 * q.square(), summaries.layer_key_sums(
+                blocks, summaries.deviations())[0]))
         if self.aggregation == "sum":
-            return torch.einsum("rlk,rlsk->rls", q.sum(3).flatten(2), sums.flatten(3)) / counts
-        per_head = torch.einsum("rlhgd,rlshd->rlhgs", q, sums) / counts[:, :, None, None]
+            return sum(torch.einsum("rlk,rlsk->rls", w.sum(3).flatten(2), v.float().flatten(3))
+                       for w, v in terms) / counts.float()
+        per_head = sum(torch.einsum("rlhgd,rlshd->rlhgs", w, v.float()) for w, v in terms)
+        per_head = per_head / counts.float()[:, :, None, None]
         return aggregate_heads(per_head, self.aggregation, blocks[:, 0] >= 0)
 
     def _use_all_blocks(self, summaries: BlockSummaries, ids: Tensor) -> bool:
@@ -204,25 +200,31 @@ class RetrievalPolicy(SelectionPolicy):
             return summaries.num_blocks <= 2 * ids.numel()
         return self.strategy == "all"
 
-    def _summed_scores(self, q: Tensor, summaries: BlockSummaries, ids: Tensor) -> Tensor:
-        """q [R, L, H*D] (summed over each group) -> [R, L, B] q . mean key over H*D."""
-        num_layers, num_blocks = summaries.sums.shape[:2]
+    def _summed_scores(self, q: Tensor, summaries: BlockSummaries, ids: Tensor,
+                       store: Tensor) -> Tensor:
+        """q [R, L, H*D] (summed over each group) -> [R, L, B]: q . (store / count) over
+        H*D for each table block; store = the key sums (q . mean key) or deviations()
+        (q . key variance)."""
+        num_layers, num_blocks = store.shape[:2]
+        counts = summaries.counts.clamp(min=1).float()
         if not self._use_all_blocks(summaries, ids):
-            means = summaries.gather_mean_keys(ids).flatten(3)  # [R, L, B, H*D]
-            return torch.einsum("rlk,rlbk->rlb", q, means.float())
-        sums = summaries.sums.float().view(num_layers, num_blocks, -1)  # [L, N, H*D], no copy
-        dots = torch.bmm(sums, q.permute(1, 2, 0))  # [L, N, R]
-        dots = dots / summaries.counts.clamp(min=1).float()[:, None]
+            rows = store[:, ids.flatten()].float().unflatten(1, ids.shape)  # [L, R, B, H, D]
+            dots = torch.einsum("rlk,lrbk->rlb", q, rows.flatten(3))
+            return dots / counts[ids][:, None, :]
+        dots = torch.bmm(store.float().view(num_layers, num_blocks, -1), q.permute(1, 2, 0))
+        dots = dots / counts[:, None]  # [L, N, R]
         index = ids.t()[None].expand(num_layers, -1, -1)  # [L, B, R]
         return dots.gather(1, index).permute(2, 0, 1)  # [R, L, B]
 
-    def _per_head_scores(self, q: Tensor, summaries: BlockSummaries, ids: Tensor) -> Tensor:
-        """q [R, L, H, G, D] -> [R, L, H, G, B]: q . mean key of each table block."""
+    def _per_head_scores(self, q: Tensor, summaries: BlockSummaries, ids: Tensor,
+                         store: Tensor) -> Tensor:
+        """q [R, L, H, G, D] -> [R, L, H, G, B]: q . (store / count) per query head."""
+        counts = summaries.counts.clamp(min=1).float()
         if not self._use_all_blocks(summaries, ids):
-            means = summaries.gather_mean_keys(ids)  # [R, L, B, H, D]
-            return torch.einsum("rlhgd,rlbhd->rlhgb", q, means.float())
-        dots = torch.einsum("rlhgd,lnhd->rlhgn", q, summaries.sums.float())
-        dots = dots / summaries.counts.clamp(min=1).float()
+            rows = store[:, ids.flatten()].float().unflatten(1, ids.shape)  # [L, R, B, H, D]
+            dots = torch.einsum("rlhgd,lrbhd->rlhgb", q, rows)
+            return dots / counts[ids][:, None, None, None, :]
+        dots = torch.einsum("rlhgd,lnhd->rlhgn", q, store.float()) / counts
         return dots.gather(-1, ids[:, None, None, None, :].expand(*dots.shape[:4], -1))
 
 

@@ -5,8 +5,10 @@ Two summaries per (layer, physical block, KV head), both updated from committed 
 - optionally (`keep_bounds=True`, policy `quest`), the per-channel *minimum and maximum*
   of the keys (Quest, Tang et al. 2024): for any query q, sum_d max(q_d min_d, q_d max_d)
   is an upper bound of q . k over every key k of the block;
-- optionally (`keep_squares=True`, `retrieval` with its key variance, the engine default),
-  the running sum of the squared keys, so each channel's variance is one subtraction.
+- optionally (`keep_variance=True`, `retrieval` with its key variance, the engine default),
+  the sum of squared deviations of the keys from the block's mean, per channel (the
+  variance times the count), combined pass by pass (Chan et al.'s parallel variance), so a
+  score reads it as directly as the sums: no squared-mean term over many blocks.
 
 One vLLM KV block is one TriForce retrieval chunk. For every layer, KV head and
 *physical* block we keep the running sum of the block's committed keys (post-RoPE,
@@ -42,7 +44,7 @@ class BlockSummaries:
     def __init__(self, num_layers: int, num_blocks: int, num_kv_heads: int, head_dim: int,
                  block_size: int, dtype: torch.dtype = torch.float32, device=None,
                  keep_keys: bool = False, key_dtype: torch.dtype | None = None,
-                 keep_bounds: bool = False, keep_squares: bool = False):
+                 keep_bounds: bool = False, keep_variance: bool = False):
         if min(num_layers, num_blocks, num_kv_heads, head_dim, block_size) <= 0:
             raise ValueError("BlockSummaries: all sizes must be positive")
         self.num_layers = num_layers
@@ -68,12 +70,12 @@ class BlockSummaries:
         if keep_bounds:
             self.mins = torch.full_like(self.sums, float("inf"))
             self.maxs = torch.full_like(self.sums, float("-inf"))
-        # [num_layers, num_blocks, num_kv_heads, head_dim] running sums of the squared
-        # keys (per-channel key variance: retrieval with variance=True). float32 whatever
-        # `dtype`: the variance E[k^2] - E[k]^2 cancels, and bf16 keeps 8 bits.
-        self.squares: Tensor | None = None
-        if keep_squares:
-            self.squares = torch.zeros_like(self.sums, dtype=torch.float32)
+        # [num_layers, num_blocks, num_kv_heads, head_dim] per channel, the sum over the
+        # block's committed keys of (k - block mean)^2 (retrieval with variance=True),
+        # float32 whatever `dtype`.
+        self.square_deviations: Tensor | None = None
+        if keep_variance:
+            self.square_deviations = torch.zeros_like(self.sums, dtype=torch.float32)
 
     @property
     def device(self) -> torch.device:
@@ -98,12 +100,12 @@ class BlockSummaries:
         offsets = offsets.to(self.device, torch.long)
         self._reset_blocks(block_ids[offsets == 0])
         keys = self._gather_rows(layer_keys, rows)  # [L, n, H, D]
+        if self.square_deviations is not None:  # before sums and counts take the new keys
+            self._add_deviations(keys, block_ids)
         self.sums.index_add_(1, block_ids, keys.to(self.sums.dtype))
         self.counts.index_add_(0, block_ids, torch.ones_like(block_ids, dtype=torch.int32))
         if self.keys is not None:
             self.keys[:, block_ids, offsets] = keys.to(self.keys.dtype)
-        if self.squares is not None:
-            self.squares.index_add_(1, block_ids, keys.to(self.squares.dtype).square())
         if self.mins is not None:
             index = block_ids[None, :, None, None].expand_as(keys)  # [L, n, H, D]
             self.mins.scatter_reduce_(1, index, keys.to(self.mins.dtype), "amin")
@@ -116,11 +118,29 @@ class BlockSummaries:
         self.counts[block_ids] = 0
         if self.keys is not None:
             self.keys[:, block_ids] = 0
-        if self.squares is not None:
-            self.squares[:, block_ids] = 0
+        if self.square_deviations is not None:
+            self.square_deviations[:, block_ids] = 0
         if self.mins is not None:
             self.mins[:, block_ids] = float("inf")
             self.maxs[:, block_ids] = float("-inf")
+
+    def _add_deviations(self, keys: Tensor, block_ids: Tensor) -> None:
+        """Fold this pass's keys [L, n, H, D] into square_deviations of their blocks: with
+        a block's old count, mean and M2 (n_a, mu_a, M2_a) and the new keys' (n_b, mu_b,
+        M2_b), M2 = M2_a + M2_b + (mu_b - mu_a)^2 n_a n_b / (n_a + n_b). Only the blocks
+        this pass touched are read."""
+        touched, slot = block_ids.unique(return_inverse=True)  # [T], [n]
+        shape = (self.num_layers, touched.numel(), self.num_kv_heads, self.head_dim)
+        keys = keys.float()
+        n_b = torch.zeros(touched.numel(), device=keys.device).index_add_(
+            0, slot, torch.ones_like(slot, dtype=torch.float32))[:, None, None]  # [T, 1, 1]
+        sum_b = keys.new_zeros(shape).index_add_(1, slot, keys)
+        mean_b = sum_b / n_b
+        m2_b = keys.new_zeros(shape).index_add_(1, slot, (keys - mean_b[:, slot]).square())
+        n_a = self.counts[touched].float()[:, None, None]
+        mean_a = self.sums[:, touched].float() / n_a.clamp(min=1)
+        shift = (mean_b - mean_a).square() * (n_a * n_b / (n_a + n_b))
+        self.square_deviations[:, touched] += m2_b + shift
 
     def _gather_rows(self, layer_keys: Sequence[Tensor], rows: Tensor) -> Tensor:
         shape = (rows.numel(), self.num_kv_heads, self.head_dim)
@@ -141,36 +161,25 @@ class BlockSummaries:
         means = (sums / denom).unflatten(1, ids.shape)  # [L, R, B, H, D]
         return means.transpose(0, 1)
 
-    def gather_key_variances(self, block_table: Tensor) -> Tensor:
-        """block_table [R, B] physical ids -> [R, L, B, H, D] per-channel variance of each
-        block's committed keys (needs keep_squares)."""
-        if self.squares is None:
-            raise ValueError("key variances need BlockSummaries(keep_squares=True)")
-        ids = block_table.to(self.device, torch.long).clamp(min=0).flatten()
-        denom = self.counts[ids].clamp(min=1).float()[:, None, None]
-        mean = self.sums[:, ids].float() / denom
-        var = (self.squares[:, ids] / denom - mean.square()).clamp_(min=0)
-        return var.unflatten(1, block_table.shape).transpose(0, 1)
+    def deviations(self) -> Tensor:
+        """square_deviations [L, num_blocks, H, D]; / counts = each channel's key variance."""
+        if self.square_deviations is None:
+            raise ValueError("key variances need BlockSummaries(keep_variance=True)")
+        return self.square_deviations
 
-    def layer_key_squares(self, blocks: Tensor) -> Tensor:
-        """blocks [R, L, S] as layer_key_sums -> [R, L, S, H, D] sums of squared keys."""
-        if self.squares is None:
-            raise ValueError("key variances need BlockSummaries(keep_squares=True)")
-        ids = blocks.to(self.device, torch.long).clamp(min=0)
-        layer = torch.arange(self.num_layers, device=self.device)[None, :, None]
-        rows = (layer * self.num_blocks + ids).flatten()
-        squares = self.squares.view(self.num_layers * self.num_blocks, -1).index_select(0, rows)
-        return squares.view(*ids.shape, self.num_kv_heads, self.head_dim)
-
-    def layer_key_sums(self, blocks: Tensor) -> tuple[Tensor, Tensor]:
+    def layer_key_sums(self, blocks: Tensor,
+                       store: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """blocks [R, L, S] physical ids, one list per layer (-1: padding, reads as block 0)
         -> (key sums [R, L, S, H, D], counts clamped to >= 1 [R, L, S]): the mean keys'
         numerators and denominators, by one row gather (dividing after a dot product
-        touches S scores instead of S * H * D channels: measured 6x faster on a CPU)."""
+        touches S scores instead of S * H * D channels: measured 6x faster on a CPU).
+        `store`: another [L, num_blocks, H, D] per-block state to read instead of the sums
+        (`deviations()`: the variances' numerators)."""
+        store = self.sums if store is None else store
         ids = blocks.to(self.device, torch.long).clamp(min=0)
         layer = torch.arange(self.num_layers, device=self.device)[None, :, None]
         rows = (layer * self.num_blocks + ids).flatten()
-        sums = self.sums.view(self.num_layers * self.num_blocks, -1).index_select(0, rows)
+        sums = store.view(self.num_layers * self.num_blocks, -1).index_select(0, rows)
         return (sums.view(*ids.shape, self.num_kv_heads, self.head_dim),
                 self.counts[ids].clamp(min=1))
 
@@ -193,6 +202,6 @@ class BlockSummaries:
             total += self.keys.nbytes
         if self.mins is not None:
             total += self.mins.nbytes + self.maxs.nbytes
-        if self.squares is not None:
-            total += self.squares.nbytes
+        if self.square_deviations is not None:
+            total += self.square_deviations.nbytes
         return total

@@ -45,11 +45,11 @@ class MemoryPlan:
     def for_engine(cls, kv_bytes_per_block: int, num_target_layers: int, num_kv_heads: int,
                    head_dim: int, block_size: int, kv_dtype_bytes: int, keep_keys: bool,
                    max_num_seqs: int, gamma2: int, gamma1: int, vocab_size: int,
-                   keep_bounds: bool = False, keep_squares: bool = False) -> "MemoryPlan":
+                   keep_bounds: bool = False, keep_variance: bool = False) -> "MemoryPlan":
         key_bytes = num_target_layers * num_kv_heads * head_dim * kv_dtype_bytes
         summary = (key_bytes + COUNT_BYTES + (key_bytes * block_size if keep_keys else 0)
                    + (2 * key_bytes if keep_bounds else 0)
-                   + (key_bytes // kv_dtype_bytes * FLOAT32_BYTES if keep_squares else 0))
+                   + (key_bytes // kv_dtype_bytes * FLOAT32_BYTES if keep_variance else 0))
         rows_per_request = gamma2 + 3 * gamma1 + 3
         fixed = max_num_seqs * rows_per_request * vocab_size * FLOAT32_BYTES
         return cls(kv_bytes_per_block, summary, fixed)
@@ -87,7 +87,7 @@ class MemoryPlan:
             kv_dtype_bytes=model.dtype.itemsize,  # >= an fp8 KV cache's: errs on the safe side
             keep_keys=cfg.selection_policy in FULL_KEY_POLICIES,
             keep_bounds=cfg.selection_policy in BOUND_POLICIES,
-            keep_squares=cfg.policy_kwargs().get("variance", False),
+            keep_variance=cfg.policy_kwargs().get("variance", False),
             max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
             gamma2=cfg.num_speculative_tokens,
             gamma1=cfg.draft_tokens_per_round if cfg.model is not None else 0,

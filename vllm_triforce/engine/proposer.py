@@ -129,7 +129,7 @@ class TriForceProposer(DraftModelProposer):
             num_kv_heads=layer.num_kv_heads, head_dim=layer.head_size,
             block_size=self.block_size, dtype=kv_dtype, device=self.device,
             keep_keys=self.policy.needs_keys, keep_bounds=self.policy.needs_bounds,
-            keep_squares=self.policy.needs_squares)
+            keep_variance=self.policy.needs_variance)
         sched = self.vllm_config.scheduler_config
         # [max_num_seqs, gamma2, V]: the draft probabilities handed to vLLM, reused per step.
         self._probs_buffer = torch.zeros(
@@ -182,7 +182,7 @@ class TriForceProposer(DraftModelProposer):
             num_target_layers=len(self.target_layers), num_kv_heads=layer.num_kv_heads,
             head_dim=layer.head_size, block_size=target.block_size,
             kv_dtype_bytes=target.dtype.itemsize, keep_keys=self.policy.needs_keys,
-            keep_bounds=self.policy.needs_bounds, keep_squares=self.policy.needs_squares,
+            keep_bounds=self.policy.needs_bounds, keep_variance=self.policy.needs_variance,
             max_num_seqs=self.vllm_config.scheduler_config.max_num_seqs,
             gamma2=self.cfg.num_speculative_tokens,
             gamma1=self.cfg.draft_tokens_per_round if self.has_draft else 0,
