@@ -96,9 +96,10 @@ class TriForceProposer(DraftModelProposer):
         self.middle: MiddleLoop | None = None
         self.depth: DepthChooser | None = None  # the depth controller (engine/depth.py)
         logger.info("TriForce: %s levels, gamma2=%d, gamma1=%d, retrieval budget %d blocks of %d "
-                    "tokens, policy %s", 3 if self.has_draft else 2,
+                    "tokens, policy %s%s", 3 if self.has_draft else 2,
                     self.cfg.num_speculative_tokens, self.cfg.draft_tokens_per_round,
-                    self.blocks.budget_blocks, self.blocks.block_size, self.cfg.selection_policy)
+                    self.blocks.budget_blocks, self.blocks.block_size, self.cfg.selection_policy,
+                    " (mean key + key variance)" if self.policy.needs_variance else "")
 
     # ---- vLLM lifecycle ------------------------------------------------------------
     def load_model(self, target_model) -> None:
