@@ -142,7 +142,7 @@ class RetrievalPolicy(SelectionPolicy):
     keys were independent Gaussians per channel, i.e. the block's attention mass up to a
     constant, where the mean alone is E[q . k]. A block whose mass comes from a few keys far
     along q (a needle) has a large variance there that its mean dilutes. Needs
-    BlockSummaries(keep_variance=True); always reads each block's means (strategy "gather").
+    BlockSummaries(keep_variance=True); costs one more dot product per block, either strategy.
     """
     name = "retrieval"
     reranks_shortlist = True

@@ -128,7 +128,7 @@ class BlockSummaries:
         """Fold this pass's keys [L, n, H, D] into square_deviations of their blocks: with
         a block's old count, mean and M2 (n_a, mu_a, M2_a) and the new keys' (n_b, mu_b,
         M2_b), M2 = M2_a + M2_b + (mu_b - mu_a)^2 n_a n_b / (n_a + n_b). Only the blocks
-        this pass touched are read."""
+        this pass touched are read (finding them, `unique`, syncs a GPU once per commit)."""
         touched, slot = block_ids.unique(return_inverse=True)  # [T], [n]
         shape = (self.num_layers, touched.numel(), self.num_kv_heads, self.head_dim)
         keys = keys.float()
