@@ -160,35 +160,29 @@ def test_three_level_refills_larger_than_max_num_batched_tokens(tiny_qwen2, tiny
 
 
 # ---- 4. memory accounted before vLLM sizes the KV cache -------------------------------
+def smollm2_plan(kv_dtype_bytes=4, **summaries):
+    """MemoryPlan of engine/memory.py's worked example (SmolLM2-135M, 8 requests, gamma2 6)."""
+    return MemoryPlan.for_engine(kv_bytes_per_block=30 * 2 * 32 * 3 * 64 * kv_dtype_bytes,
+                                 num_target_layers=30, num_kv_heads=3, head_dim=64,
+                                 block_size=32, kv_dtype_bytes=kv_dtype_bytes, keep_keys=False,
+                                 max_num_seqs=8, gamma2=6, gamma1=0, vocab_size=49152,
+                                 **summaries)
+
+
 def test_memory_plan_worked_example():
     """engine/memory.py's docstring example, SmolLM2-135M float32."""
-    plan = MemoryPlan.for_engine(kv_bytes_per_block=30 * 2 * 32 * 3 * 64 * 4,
-                                 num_target_layers=30, num_kv_heads=3, head_dim=64,
-                                 block_size=32, kv_dtype_bytes=4, keep_keys=False,
-                                 max_num_seqs=8, gamma2=6, gamma1=0, vocab_size=49152)
+    plan = smollm2_plan()
     assert plan.summary_bytes_per_block == 23_044
     assert plan.fixed_bytes == 14_155_776
     assert plan.kv_budget(2**30) == 707 * 1_474_560
     assert 2**30 - plan.kv_budget(2**30) == 31_227_904
-    quest = MemoryPlan.for_engine(kv_bytes_per_block=30 * 2 * 32 * 3 * 64 * 4,
-                                  num_target_layers=30, num_kv_heads=3, head_dim=64,
-                                  block_size=32, kv_dtype_bytes=4, keep_keys=False,
-                                  max_num_seqs=8, gamma2=6, gamma1=0, vocab_size=49152,
-                                  keep_bounds=True)  # selection_policy "quest": min + max
+    quest = smollm2_plan(keep_bounds=True)  # selection_policy "quest": min + max
     assert quest.summary_bytes_per_block == 69_124
     assert quest.kv_budget(2**30) == 686 * 1_474_560
-    variance = MemoryPlan.for_engine(kv_bytes_per_block=30 * 2 * 32 * 3 * 64 * 4,
-                                     num_target_layers=30, num_kv_heads=3, head_dim=64,
-                                     block_size=32, kv_dtype_bytes=4, keep_keys=False,
-                                     max_num_seqs=8, gamma2=6, gamma1=0, vocab_size=49152,
-                                     keep_variance=True)  # key_variance (the default)
+    variance = smollm2_plan(keep_variance=True)  # key_variance (the default)
     assert variance.summary_bytes_per_block == 46_084
     assert variance.kv_budget(2**30) == 696 * 1_474_560
-    bf16 = MemoryPlan.for_engine(kv_bytes_per_block=30 * 2 * 32 * 3 * 64 * 2,
-                                 num_target_layers=30, num_kv_heads=3, head_dim=64,
-                                 block_size=32, kv_dtype_bytes=2, keep_keys=False,
-                                 max_num_seqs=8, gamma2=6, gamma1=0, vocab_size=49152,
-                                 keep_variance=True)  # deviations stay float32 under bf16 KV
+    bf16 = smollm2_plan(kv_dtype_bytes=2, keep_variance=True)  # deviations stay float32
     assert bf16.summary_bytes_per_block == 11_520 + 23_040 + 4
 
 

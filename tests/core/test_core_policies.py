@@ -34,9 +34,9 @@ def ref_aggregate(per_head, aggregation):
     return per_head.sum(1)
 
 
-def ref_quest(query, keys, n, aggregation):
-    """Quest bound by loops: per head, sum over channels of the larger of q_d * min_d and
-    q_d * max_d over the block's keys, / sqrt(D) -> [L, n_full]."""
+def ref_per_block(query, keys, n, aggregation, score):
+    """score(q [D] / sqrt(D), block keys [BS, D]) per query head and full block, by loops,
+    then aggregated -> [L, n_full]."""
     num_layers, num_q, dim = query.shape
     group = num_q // keys.shape[2]
     per_head = torch.zeros(num_layers, num_q, n // BS)
@@ -44,11 +44,17 @@ def ref_quest(query, keys, n, aggregation):
         for h in range(num_q):
             for b in range(n // BS):
                 block = keys[layer, b * BS:(b + 1) * BS, h // group]  # [BS, D]
-                lo, hi = block.amin(0), block.amax(0)
-                q = query[layer, h]
-                per_head[layer, h, b] = sum(max(float(q[d] * lo[d]), float(q[d] * hi[d]))
-                                            for d in range(dim)) / math.sqrt(dim)
+                per_head[layer, h, b] = score(query[layer, h] / math.sqrt(dim), block)
     return ref_aggregate(per_head, aggregation)
+
+
+def ref_quest(query, keys, n, aggregation):
+    """Quest bound: per head, sum over channels of the larger of q_d * min_d and
+    q_d * max_d over the block's keys -> [L, n_full]."""
+    def bound(q, block):
+        lo, hi = block.amin(0), block.amax(0)
+        return sum(max(float(q[d] * lo[d]), float(q[d] * hi[d])) for d in range(len(q)))
+    return ref_per_block(query, keys, n, aggregation, bound)
 
 
 def ref_mass(query, keys, n):
@@ -279,20 +285,12 @@ def test_only_mean_key_policies_rerank_a_shortlist():
 
 
 def ref_variance_scores(query, keys, n, aggregation):
-    """Mean + variance by loops, per query head: q . mu / sqrt(D) + 1/2 sum_d q_d^2 var_d / D
-    (the log of E[exp(q . k / sqrt(D))] for keys with that per-channel mean and variance,
-    channels independent) -> [L, n_full]."""
-    num_layers, num_q, dim = query.shape
-    group = num_q // keys.shape[2]
-    per_head = torch.zeros(num_layers, num_q, n // BS)
-    for layer in range(num_layers):
-        for h in range(num_q):
-            for b in range(n // BS):
-                block = keys[layer, b * BS:(b + 1) * BS, h // group]  # [BS, D]
-                q = query[layer, h] / math.sqrt(dim)
-                var = block.var(0, unbiased=False)
-                per_head[layer, h, b] = float(q @ block.mean(0) + 0.5 * (q * q) @ var)
-    return ref_aggregate(per_head, aggregation)
+    """Mean + variance, per query head: q . mu / sqrt(D) + 1/2 sum_d q_d^2 var_d / D (the log
+    of E[exp(q . k / sqrt(D))] for keys with that per-channel mean and variance, channels
+    independent) -> [L, n_full]."""
+    def score(q, block):
+        return float(q @ block.mean(0) + 0.5 * (q * q) @ block.var(0, unbiased=False))
+    return ref_per_block(query, keys, n, aggregation, score)
 
 
 @pytest.mark.parametrize("num_q,num_kv", [(14, 2), (9, 3), (4, 4)])
