@@ -88,7 +88,8 @@ class TriForceConfig:
     # per-channel variance of its keys (an estimate of log E[exp(q.k)] over the block), not
     # the mean key alone. Teacher-forced (benchmarks/RESULTS.md, Acceptance): +0.9 points on
     # Qwen2.5-Coder-0.5B 8K prose, +0.7 on SmolLM2 4K prose, +9.6 on SmolLM2's needle. Costs
-    # a second key-sized summary per block (sums of squared keys: 1/64 of the KV cache).
+    # a second key-sized summary per block (square deviations, float32: 1/64 of a float32
+    # KV cache).
     key_variance: bool = True
     # h2o / topk_oracle keep a copy of every committed key (as much memory as the key
     # cache): for benchmarks. Refused unless the user opts in here.

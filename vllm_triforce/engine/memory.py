@@ -9,7 +9,7 @@ buffers would come on top of `gpu_memory_utilization` and could OOM a GPU. So th
 * per KV block (scales with the cache): the block summaries, one key-sized vector per
   target layer and KV head in the KV cache's dtype plus an int32 count (≈ KV bytes /
   (2 × block_size) for the target's layers); plus, with `key_variance` (the default for
-  `retrieval`), one more such vector in float32 (sums of squared keys); plus, for `quest`,
+  `retrieval`), one more such vector in float32 (the keys' square deviations); plus, for `quest`,
   two more (per-channel key min and max); plus, only with `allow_full_key_copy`, a copy of
   every committed key (h2o, topk_oracle);
 * fixed: float32 distributions over the vocabulary for the largest batch
