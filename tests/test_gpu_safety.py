@@ -62,9 +62,10 @@ def test_attention_backend_outside_allow_list_refused(tiny_llama):
         _engine_args(tiny_llama, attention_backend="TREE_ATTN").create_engine_config()
 
 
-def test_full_key_copy_policies_need_opt_in():
+@pytest.mark.parametrize("policy", ["topk_oracle", "h2o", "rerank"])
+def test_full_key_copy_policies_need_opt_in(policy):
     with pytest.raises(TriForceConfigError, match=r"selection_policy.*allow_full_key_copy"):
-        TriForceConfig.from_speculative_config({**SPEC, "selection_policy": "topk_oracle"})
+        TriForceConfig.from_speculative_config({**SPEC, "selection_policy": policy})
     TriForceConfig.from_speculative_config({**SPEC, "selection_policy": "h2o",
                                             "allow_full_key_copy": True})
 

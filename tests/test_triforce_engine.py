@@ -65,7 +65,7 @@ def two_level(policy="retrieval", **extra):
     return {"method": "triforce", "num_speculative_tokens": 4, "retrieval_budget": 160,
             "retrieval_sink_tokens": 16, "retrieval_recent_tokens": 32,
             "selection_policy": policy, "refresh_interval": 16, "adaptive": False,
-            "allow_full_key_copy": policy in ("h2o", "topk_oracle"), **extra}
+            "allow_full_key_copy": policy in ("h2o", "topk_oracle", "rerank"), **extra}
 
 
 def three_level(draft, policy="retrieval", **extra):
@@ -78,6 +78,18 @@ def test_two_level_greedy_identical_mha(tiny_llama, policy):
     tokens, stats, _ = generate(tiny_llama, two_level(policy))
     assert tokens == plain(tiny_llama)
     assert stats["top_proposed"] > 0 and stats["refreshes"] > len(PROMPT_WORDS)
+
+
+def test_rerank_runs_its_exact_stage_and_stays_identical(tiny_llama, monkeypatch):
+    from vllm_triforce.engine import retrieval_level
+
+    calls = []
+    exact = retrieval_level.rerank_exactly
+    monkeypatch.setattr(retrieval_level, "rerank_exactly",
+                        lambda *args: calls.append(args[0].factor) or exact(*args))
+    tokens, stats, _ = generate(tiny_llama, two_level("rerank"))
+    assert tokens == plain(tiny_llama)
+    assert calls and set(calls) == {4} and stats["refreshes"] > len(PROMPT_WORDS)
 
 
 @pytest.mark.parametrize("policy", ["retrieval", "topk_oracle"])

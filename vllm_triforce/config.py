@@ -22,12 +22,12 @@ ADDITIONAL_CONFIG_KEY = "triforce"
 # additional_config key: the engine settings TriForce chose (engine_settings.decide).
 FORCED_SETTINGS_KEY = "triforce_forced_settings"
 
-POLICIES = ("retrieval", "quest", "streamingllm", "h2o", "topk_oracle")
+POLICIES = ("retrieval", "quest", "streamingllm", "h2o", "topk_oracle", "rerank")
 # Policies that keep per-block per-channel key bounds (two more key-sized vectors per block).
 BOUND_POLICIES = ("quest",)
 # Policies that keep a copy of every committed key (exact attention mass): benchmarks only,
 # refused unless the user opts in with `allow_full_key_copy` (memory: one more key cache).
-FULL_KEY_POLICIES = ("h2o", "topk_oracle")
+FULL_KEY_POLICIES = ("h2o", "topk_oracle", "rerank")
 
 # Attention backends whose metadata TriForce builds correctly per layer
 # (engine/forward.py says how each is handled). Anything else is refused at config time.
@@ -174,7 +174,9 @@ class TriForceConfig:
 
     def policy_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of `core.policies.make_policy(selection_policy, ...)`."""
-        return {"variance": self.key_variance} if self.selection_policy == "retrieval" else {}
+        if self.selection_policy in ("retrieval", "rerank"):  # rerank's first stage: retrieval
+            return {"variance": self.key_variance}
+        return {}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TriForceConfig":

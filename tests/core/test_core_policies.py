@@ -171,11 +171,18 @@ def test_policy_errors():
     summaries.mins = None
     with pytest.raises(ValueError, match="keep_bounds"):
         make_policy("quest").block_scores(query, summaries, table, lengths, None)
-    assert set(POLICIES) == {"retrieval", "quest", "streamingllm", "h2o", "topk_oracle"}
-    # sorted: h2o, quest, retrieval, streamingllm, topk_oracle
-    assert [POLICIES[n].needs_keys for n in sorted(POLICIES)] == [True, False, False, False, True]
+    with pytest.raises(ValueError, match="factor"):
+        make_policy("rerank", factor=0)
+    with pytest.raises(ValueError, match="keep_keys"):
+        make_policy("rerank").exact_scores(query, summaries, table[:, None, :1],
+                                           table[:, :1], lengths[:, None])
+    assert set(POLICIES) == {"retrieval", "quest", "streamingllm", "h2o", "topk_oracle",
+                             "rerank"}
+    # sorted: h2o, quest, rerank, retrieval, streamingllm, topk_oracle
+    assert [POLICIES[n].needs_keys for n in sorted(POLICIES)] == [True, False, True, False,
+                                                                  False, True]
     assert [POLICIES[n].needs_bounds for n in sorted(POLICIES)] == [False, True, False, False,
-                                                                    False]
+                                                                    False, False]
 
 
 @pytest.mark.parametrize("num_q,num_kv", [(14, 2), (9, 3), (4, 4)])
@@ -262,6 +269,37 @@ def test_shortlist_rescoring_scores_exactly_the_listed_blocks(aggregation):
     a = select_blocks(rescored, lengths, BS, 4, 1, 1)
     b = select_blocks(again, lengths, BS, 4, 1, 1)
     assert torch.equal(a.logical_blocks, b.logical_blocks)
+
+
+@pytest.mark.parametrize("num_q,num_kv", [(12, 2), (4, 4)])
+def test_rerank_of_every_candidate_is_the_exact_mass(num_q, num_kv):
+    """rerank's second stage: with every candidate listed, each candidate's score is the
+    Top-K oracle's exact mass (softmax over every committed key, sinks and tail included);
+    with a short list, exactly the first stage's best candidates are scored, the rest -inf."""
+    from vllm_triforce.core.blocks import candidate_mask
+    from vllm_triforce.core.selection import rerank_exactly, shortlist
+    summaries, table, keys, query, lengths = setup(num_q, num_kv, lengths=(37, 9, 26),
+                                                   squares=True)
+    sinks, recent = 1, 1
+    first = make_policy("rerank").block_scores(query, summaries, table, lengths)
+    torch.testing.assert_close(first, make_policy("retrieval", variance=True).block_scores(
+        query, summaries, table, lengths))
+    every = rerank_exactly(make_policy("rerank", factor=100), first, query, summaries, table,
+                           lengths, BS, sinks, recent, num_select=1)
+    cand = candidate_mask(lengths, BS, table.shape[1], sinks, recent)
+    assert cand.sum(1).tolist() == [7, 0, 4]
+    for r, n in enumerate(lengths.tolist()):
+        ref = ref_mass(query[r], keys[r], n)  # [L, ceil(n / BS)]
+        is_cand = cand[r, :ref.shape[1]]
+        torch.testing.assert_close(every[r, :, :ref.shape[1]][:, is_cand], ref[:, is_cand])
+        assert torch.all(every[r][:, ~cand[r]] == float("-inf"))
+    short = rerank_exactly(make_policy("rerank", factor=1), first, query, summaries, table,
+                           lengths, BS, sinks, recent, num_select=2)
+    listed = shortlist(first, lengths, BS, sinks, recent, size=2)
+    for r in range(3):
+        for layer in range(2):
+            ids = [b for b in listed[r, layer].tolist() if b >= 0]
+            assert torch.isfinite(short[r, layer]).nonzero().flatten().tolist() == sorted(ids)
 
 
 def sum_scores(query, summaries, table):

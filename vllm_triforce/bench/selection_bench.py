@@ -12,7 +12,7 @@ real decode step also reads all the weights. On a shared, loaded machine pass
 
 Requests of a batch share one pool of physical blocks through different random
 block tables (the contents only matter for timing), so memory stays at one request's
-worth. The exact-mass policies (topk_oracle, h2o) keep a copy of every key; the
+worth. The exact-mass policies (topk_oracle, h2o, rerank) keep a copy of every key; the
 benchmark stores it in bfloat16 to halve that (they are reference policies).
 
     python -m vllm_triforce.bench.selection_bench            # full (about a minute)
@@ -28,8 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_triforce.core.policies import RerankPolicy
 from vllm_triforce.core.selection import (POLICIES, SelectionState, build_block_tables,
-                                          make_policy, select_blocks)
+                                          make_policy, num_retrieved, rerank_exactly,
+                                          select_blocks)
 from vllm_triforce.core.summaries import BlockSummaries
 
 
@@ -124,6 +126,11 @@ def time_selection(policy_name: str, shape: Shape, args, batch: int) -> tuple[fl
 
     def one_selection():
         scores = policy.block_scores(query, summaries, table, num_committed, states)
+        if isinstance(policy, RerankPolicy):
+            scores = rerank_exactly(policy, scores, query, summaries, table, num_committed,
+                                    args.block_size, args.sink_blocks, args.recent_blocks,
+                                    num_retrieved(budget_blocks, args.sink_blocks,
+                                                  args.recent_blocks))
         selection = select_blocks(scores, num_committed, args.block_size, budget_blocks,
                                   args.sink_blocks, args.recent_blocks)
         return build_block_tables(selection, table, seq_lens, args.block_size)

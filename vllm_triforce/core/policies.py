@@ -14,6 +14,10 @@ per logical block and layer, higher = keep; `selection.select_blocks` does the r
   topk_oracle  exact attention mass per block (softmax over all committed keys).
                Reference only: reads every key.
   h2o          the oracle's mass accumulated over every query observed so far.
+  rerank       two stages: `retrieval` shortlists `factor` x the blocks to select per
+               layer, the exact attention mass re-ranks the shortlist (reads the keys of
+               the shortlist and of the always-kept blocks only; benchmarks: needs the
+               key copy, see `selection.rerank_exactly`).
 
 Shapes: query [num_reqs, num_layers, num_q_heads, head_dim] (post-RoPE);
 block_table [num_reqs, max_blocks] physical ids; num_committed [num_reqs];
@@ -357,9 +361,59 @@ def _per_request(state, num_reqs: int) -> list:
     return states
 
 
+class RerankPolicy(RetrievalPolicy):
+    """`retrieval`'s scores shortlist, exact attention mass decides.
+
+    block_scores are RetrievalPolicy's; `selection.rerank_exactly` then keeps each layer's
+    best `factor` x num_select candidates by them and replaces their scores by
+    `exact_scores`: per query head, the softmax over the keys of the shortlist and of the
+    blocks every selection keeps (sinks, recent, tail), summed within each listed block
+    and over the heads. With a shortlist holding every candidate this is the Top-K
+    oracle's mass (see tests). Needs BlockSummaries(keep_keys=True); reads
+    (factor x num_select + sinks + recent + 1) blocks of keys per layer and request.
+    """
+    name = "rerank"
+    needs_keys = True
+    reranks_shortlist = False  # between middle rounds: both stages again
+
+    def __init__(self, factor: int = 4, variance: bool = True, scale: float | None = None):
+        super().__init__(variance=variance, scale=scale)
+        if not isinstance(factor, int) or factor < 1:
+            raise ValueError(f"factor must be a positive int, not {factor!r}")
+        self.factor = factor
+
+    def exact_scores(self, query: Tensor, summaries: BlockSummaries, listed: Tensor,
+                     kept: Tensor, kept_tokens: Tensor) -> Tensor:
+        """listed [R, L, S] physical ids (-1: padding) -> [R, L, S] float32 attention mass.
+        kept [R, K] physical ids (-1: padding) of the blocks attended anyway and
+        kept_tokens [R, K] their committed tokens (listed blocks are full)."""
+        if summaries.keys is None:
+            raise ValueError(f"policy {self.name!r} needs BlockSummaries(keep_keys=True)")
+        q = group_query(query, summaries.num_kv_heads)  # [R, L, H, G, D]
+        q = q * (self.scale or 1.0 / math.sqrt(q.shape[-1]))
+        num_reqs, num_layers, size = listed.shape
+        device = summaries.device
+        listed, kept = listed.to(device, torch.long), kept.to(device, torch.long)
+        offset = torch.arange(summaries.block_size, device=device)
+        kept_valid = offset < kept_tokens.to(device)[..., None]  # [R, K, bs]
+        kept_valid &= (kept >= 0)[..., None]
+        mass = torch.zeros(num_reqs, num_layers, size, device=q.device)
+        for layer in range(num_layers):  # one layer at a time: keys are the big tensor
+            keys = summaries.keys[layer]  # [N, bs, H, D]
+            ids = listed[:, layer]  # [R, S]
+            logits = torch.cat([
+                torch.einsum("rhgd,rsthd->rhgst", q[:, layer], keys[ids.clamp(min=0)].float())
+                .masked_fill((ids < 0)[:, None, None, :, None], float("-inf")),
+                torch.einsum("rhgd,rkthd->rhgkt", q[:, layer], keys[kept.clamp(min=0)].float())
+                .masked_fill(~kept_valid[:, None, None], float("-inf"))], dim=3)
+            probs = logits.flatten(3).softmax(-1).nan_to_num(0.0).view(logits.shape)
+            mass[:, layer] = probs[:, :, :, :size].sum((1, 2, 4))
+        return mass
+
+
 POLICIES: dict[str, type[SelectionPolicy]] = {
     cls.name: cls for cls in (RetrievalPolicy, QuestPolicy, StreamingLLMPolicy, H2OPolicy,
-                              TopKOraclePolicy)
+                              TopKOraclePolicy, RerankPolicy)
 }
 
 

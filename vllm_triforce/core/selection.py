@@ -120,6 +120,37 @@ def rescore_shortlist(policy: SelectionPolicy, query: Tensor, summaries, block_t
     return full.scatter_(2, slot, scores.float())[..., :max_blocks]  # padding -> dropped column
 
 
+def rerank_exactly(policy: SelectionPolicy, scores: Tensor, query: Tensor, summaries,
+                   block_table: Tensor, num_committed: Tensor, block_size: int,
+                   num_sink_blocks: int, num_recent_blocks: int, num_select: int) -> Tensor:
+    """Second stage of a two-stage policy (`policies.RerankPolicy`): `scores` (its first
+    stage) shortlist each layer's best policy.factor x num_select candidates, whose scores
+    become their exact attention mass over the shortlist and the always-kept blocks
+    (sinks, recent, tail); every other candidate gets -inf (chosen only when the list
+    runs out, as in rescore_shortlist)."""
+    committed = num_committed.to(scores.device, torch.long)
+    listed = shortlist(scores, committed, block_size, num_sink_blocks, num_recent_blocks,
+                       policy.factor * max(num_select, 1))  # [R, L, S] logical
+    table = block_table.to(scores.device).long()
+    phys = table.gather(1, listed.clamp(min=0).flatten(1)).view_as(listed)
+    # always-kept logical blocks: [0, sinks) then [tail_start, end), -1 padded
+    sinks = num_sinks(committed, block_size, num_sink_blocks)[:, None]
+    start = tail_start(committed, block_size, num_sink_blocks, num_recent_blocks)[:, None]
+    end = (committed[:, None] + block_size - 1) // block_size
+    slot = torch.arange(num_sink_blocks + num_recent_blocks + 1, device=scores.device)
+    kept = torch.where(slot < sinks, slot, start + slot - sinks)
+    kept = kept.masked_fill((slot >= sinks) & (kept >= end), _PAD)
+    kept_tokens = (committed[:, None] - kept * block_size).clamp(0, block_size)
+    kept_phys = table.gather(1, kept.clamp(min=0)).masked_fill(kept < 0, _PAD)
+    exact = policy.exact_scores(query, summaries, phys.masked_fill(listed < 0, _PAD),
+                                kept_phys, kept_tokens)
+    num_reqs, num_layers, max_blocks = scores.shape
+    full = torch.full((num_reqs, num_layers, max_blocks + 1), float("-inf"),
+                      device=exact.device)
+    index = listed.to(exact.device).masked_fill(listed.to(exact.device) < 0, max_blocks)
+    return full.scatter_(2, index, exact)[..., :max_blocks]
+
+
 def _num_chosen(num_committed: Tensor, block_size: int, budget_blocks: int, num_candidates: Tensor,
                 num_select: int) -> Tensor:
     """[R] candidates to keep: all of them when the request fits the budget (exact)."""

@@ -20,9 +20,10 @@ from __future__ import annotations
 import torch
 
 from vllm_triforce.config import BlockCounts
+from vllm_triforce.core.policies import RerankPolicy
 from vllm_triforce.core.selection import (Selection, SelectionPolicy, build_block_tables,
-                                          num_retrieved, rescore_shortlist, select_blocks,
-                                          shortlist)
+                                          num_retrieved, rerank_exactly, rescore_shortlist,
+                                          select_blocks, shortlist)
 from vllm_triforce.engine.forward import build_pass, run_pass
 
 
@@ -51,6 +52,7 @@ class RetrievalLevel:
         num_select = num_retrieved(blocks.budget_blocks, blocks.retrieval_sink_blocks,
                                    blocks.retrieval_recent_blocks)
         self.shortlist_size = shortlist * num_select if policy.reranks_shortlist else 0
+        self.num_select = num_select
         self._pass_queries: list | None = None  # per layer, the last `forward`'s queries
 
     # ---- commit ---------------------------------------------------------------------
@@ -143,6 +145,10 @@ class RetrievalLevel:
         else:
             scores = self.policy.block_scores(queries, self.summaries, block_table, committed,
                                               [states[r].policy_state for r in due])
+            if isinstance(self.policy, RerankPolicy):
+                scores = rerank_exactly(self.policy, scores, queries, self.summaries, block_table,
+                                        committed, b.block_size, b.retrieval_sink_blocks,
+                                        b.retrieval_recent_blocks, self.num_select)
         if make_shortlist:
             listed = shortlist(scores, committed, b.block_size, b.retrieval_sink_blocks,
                                b.retrieval_recent_blocks, self.shortlist_size).cpu()
