@@ -84,14 +84,14 @@ class TriForceConfig:
     middle_shortlist: int = 4
     refresh_acceptance_threshold: float = 0.5
     selection_policy: str = "retrieval"
-    # `retrieval` only: score a block by its mean key plus half the query-weighted
+    # `retrieval` (and `rerank`'s first stage): score a block by its mean key plus half the query-weighted
     # per-channel variance of its keys (an estimate of log E[exp(q.k)] over the block), not
     # the mean key alone. Teacher-forced (benchmarks/RESULTS.md, Acceptance): +0.9 points on
     # Qwen2.5-Coder-0.5B 8K prose, +0.7 on SmolLM2 4K prose, +9.6 on SmolLM2's needle. Costs
     # a second key-sized summary per block (square deviations, float32: 1/64 of a float32
     # KV cache).
     key_variance: bool = True
-    # h2o / topk_oracle keep a copy of every committed key (as much memory as the key
+    # h2o / topk_oracle / rerank keep a copy of every committed key (as much memory as the key
     # cache): for benchmarks. Refused unless the user opts in here.
     allow_full_key_copy: bool = False
     # Diagnostic (benchmarks): per step, one extra pass of the target over its full cache at
