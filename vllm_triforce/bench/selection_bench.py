@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_triforce.core.policies import RerankPolicy
 from vllm_triforce.core.selection import (POLICIES, SelectionState, build_block_tables,
                                           make_policy, num_retrieved, rerank_exactly,
                                           select_blocks)
@@ -126,11 +125,9 @@ def time_selection(policy_name: str, shape: Shape, args, batch: int) -> tuple[fl
 
     def one_selection():
         scores = policy.block_scores(query, summaries, table, num_committed, states)
-        if isinstance(policy, RerankPolicy):
-            scores = rerank_exactly(policy, scores, query, summaries, table, num_committed,
-                                    args.block_size, args.sink_blocks, args.recent_blocks,
-                                    num_retrieved(budget_blocks, args.sink_blocks,
-                                                  args.recent_blocks))
+        scores = rerank_exactly(policy, scores, query, summaries, table, num_committed,
+                                args.block_size, args.sink_blocks, args.recent_blocks,
+                                num_retrieved(budget_blocks, args.sink_blocks, args.recent_blocks))
         selection = select_blocks(scores, num_committed, args.block_size, budget_blocks,
                                   args.sink_blocks, args.recent_blocks)
         return build_block_tables(selection, table, seq_lens, args.block_size)

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm_triforce.core.policies import RerankPolicy, SelectionPolicy, SelectionState
+from vllm_triforce.core.policies import SelectionPolicy, SelectionState
 from vllm_triforce.core.selection import (Selection, build_block_tables, num_retrieved,
                                           rerank_exactly, rescore_shortlist, select_blocks,
                                           shortlist)
@@ -217,11 +217,10 @@ class TeacherForcedEngine:
         else:
             scores = column.policy.block_scores(query, self.summaries, block_table,
                                                 num_committed, column.states or None)
-            if isinstance(column.policy, RerankPolicy):
-                scores = rerank_exactly(
-                    column.policy, scores, query, self.summaries, block_table, num_committed,
-                    g.block_size, g.sink_blocks, g.recent_blocks,
-                    num_retrieved(column.budget_blocks, g.sink_blocks, g.recent_blocks))
+            scores = rerank_exactly(
+                column.policy, scores, query, self.summaries, block_table, num_committed,
+                g.block_size, g.sink_blocks, g.recent_blocks,
+                num_retrieved(column.budget_blocks, g.sink_blocks, g.recent_blocks))
             if column.shortlist:
                 size = column.shortlist * num_retrieved(column.budget_blocks, g.sink_blocks,
                                                         g.recent_blocks)

@@ -41,8 +41,8 @@ import torch
 from torch import Tensor
 
 from vllm_triforce.core.blocks import candidate_mask, num_sinks, tail_start
-from vllm_triforce.core.policies import (POLICIES, H2OPolicy, RetrievalPolicy,  # noqa: F401
-                                         SelectionPolicy, SelectionState,
+from vllm_triforce.core.policies import (POLICIES, H2OPolicy, RerankPolicy,  # noqa: F401
+                                         RetrievalPolicy, SelectionPolicy, SelectionState,
                                          StreamingLLMPolicy, TopKOraclePolicy, make_policy)
 
 _PAD = -1
@@ -123,11 +123,13 @@ def rescore_shortlist(policy: SelectionPolicy, query: Tensor, summaries, block_t
 def rerank_exactly(policy: SelectionPolicy, scores: Tensor, query: Tensor, summaries,
                    block_table: Tensor, num_committed: Tensor, block_size: int,
                    num_sink_blocks: int, num_recent_blocks: int, num_select: int) -> Tensor:
-    """Second stage of a two-stage policy (`policies.RerankPolicy`): `scores` (its first
-    stage) shortlist each layer's best policy.factor x num_select candidates, whose scores
-    become their exact attention mass over the shortlist and the always-kept blocks
-    (sinks, recent, tail); every other candidate gets -inf (chosen only when the list
-    runs out, as in rescore_shortlist)."""
+    """Second stage of a two-stage policy (`policies.RerankPolicy`; any other policy's
+    `scores` are returned as they are): `scores` (its first stage) shortlist each layer's
+    best policy.factor x num_select candidates, whose scores become their exact attention
+    mass over the shortlist and the always-kept blocks (sinks, recent, tail); every other
+    candidate gets -inf (chosen only when the list runs out, as in rescore_shortlist)."""
+    if not isinstance(policy, RerankPolicy):
+        return scores
     committed = num_committed.to(scores.device, torch.long)
     listed = shortlist(scores, committed, block_size, num_sink_blocks, num_recent_blocks,
                        policy.factor * max(num_select, 1))  # [R, L, S] logical

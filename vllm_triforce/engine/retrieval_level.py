@@ -20,7 +20,6 @@ from __future__ import annotations
 import torch
 
 from vllm_triforce.config import BlockCounts
-from vllm_triforce.core.policies import RerankPolicy
 from vllm_triforce.core.selection import (Selection, SelectionPolicy, build_block_tables,
                                           num_retrieved, rerank_exactly, rescore_shortlist,
                                           select_blocks, shortlist)
@@ -145,10 +144,9 @@ class RetrievalLevel:
         else:
             scores = self.policy.block_scores(queries, self.summaries, block_table, committed,
                                               [states[r].policy_state for r in due])
-            if isinstance(self.policy, RerankPolicy):
-                scores = rerank_exactly(self.policy, scores, queries, self.summaries, block_table,
-                                        committed, b.block_size, b.retrieval_sink_blocks,
-                                        b.retrieval_recent_blocks, self.num_select)
+            scores = rerank_exactly(self.policy, scores, queries, self.summaries, block_table,
+                                    committed, b.block_size, b.retrieval_sink_blocks,
+                                    b.retrieval_recent_blocks, self.num_select)
         if make_shortlist:
             listed = shortlist(scores, committed, b.block_size, b.retrieval_sink_blocks,
                                b.retrieval_recent_blocks, self.shortlist_size).cpu()
