@@ -203,3 +203,26 @@ def test_full_cache_acceptance_equals_cpu_attn(tiny_llama):
         accepted[backend] = (stats["top_accepted"], stats["top_proposed"])
     print(f"full-cache acceptance (accepted, proposed): {accepted}")
     assert accepted["FLEX_ATTENTION"] == accepted["CPU_ATTN"], accepted
+
+
+def test_rerank_reads_each_backends_cache(tiny_llama, monkeypatch):
+    """rerank's exact stage reads keys from vLLM's KV cache: CPU_ATTN's ISA-packed layout and
+    FLEX's logical one (engine/paged_keys.py). Each reader passed its check against the
+    captured keys (a reader that fails it is dropped: None would be recorded), and the two
+    backends' selections agree: the same acceptance, greedy identical to plain vLLM."""
+    from vllm_triforce.engine import retrieval_level
+
+    sources = []
+    exact = retrieval_level.rerank_exactly
+    monkeypatch.setattr(retrieval_level, "rerank_exactly",
+                        lambda *args: sources.append(args[3]) or exact(*args))
+    accepted = {}
+    for backend, layout in zip(BACKENDS, ("cpu_transposed", "logical")):
+        sources.clear()
+        tokens, stats = run(tiny_llama, backend, two_level("rerank"))
+        assert tokens == run(tiny_llama, backend)[0]
+        assert sources and {getattr(s, "layout", None) for s in sources} == {layout}
+        assert all(s.checked for s in sources)
+        accepted[backend] = (stats["top_accepted"], stats["top_proposed"])
+    print(f"rerank full-cache acceptance (accepted, proposed): {accepted}")
+    assert accepted["FLEX_ATTENTION"] == accepted["CPU_ATTN"], accepted

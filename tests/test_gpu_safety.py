@@ -16,6 +16,7 @@ import torch
 import vllm_triforce
 from engine_helpers import drafter_of, free_llm, make_engine_kwargs
 from vllm_triforce.config import TriForceConfig, TriForceConfigError
+from vllm_triforce.core.policies import make_policy
 from vllm_triforce.engine.forward import PassInputs, run, split_pass
 from vllm_triforce.engine.memory import MemoryPlan
 
@@ -62,12 +63,17 @@ def test_attention_backend_outside_allow_list_refused(tiny_llama):
         _engine_args(tiny_llama, attention_backend="TREE_ATTN").create_engine_config()
 
 
-@pytest.mark.parametrize("policy", ["topk_oracle", "h2o", "rerank"])
+@pytest.mark.parametrize("policy", ["topk_oracle", "h2o"])
 def test_full_key_copy_policies_need_opt_in(policy):
     with pytest.raises(TriForceConfigError, match=r"selection_policy.*allow_full_key_copy"):
         TriForceConfig.from_speculative_config({**SPEC, "selection_policy": policy})
-    TriForceConfig.from_speculative_config({**SPEC, "selection_policy": "h2o",
+    TriForceConfig.from_speculative_config({**SPEC, "selection_policy": policy,
                                             "allow_full_key_copy": True})
+
+
+def test_rerank_reads_vllms_cache_and_needs_no_key_copy():
+    cfg = TriForceConfig.from_speculative_config({**SPEC, "selection_policy": "rerank"})
+    assert not make_policy(cfg.selection_policy, **cfg.policy_kwargs()).needs_keys
 
 
 def test_safe_defaults_chosen_when_unset(tiny_llama, monkeypatch):

@@ -27,7 +27,8 @@ POLICIES = ("retrieval", "quest", "streamingllm", "h2o", "topk_oracle", "rerank"
 BOUND_POLICIES = ("quest",)
 # Policies that keep a copy of every committed key (exact attention mass): benchmarks only,
 # refused unless the user opts in with `allow_full_key_copy` (memory: one more key cache).
-FULL_KEY_POLICIES = ("h2o", "topk_oracle", "rerank")
+# (`rerank` reads its shortlist's keys from vLLM's own KV cache: engine/paged_keys.py.)
+FULL_KEY_POLICIES = ("h2o", "topk_oracle")
 
 # Attention backends whose metadata TriForce builds correctly per layer
 # (engine/forward.py says how each is handled). Anything else is refused at config time.
@@ -91,7 +92,7 @@ class TriForceConfig:
     # a second key-sized summary per block (square deviations, float32: 1/64 of a float32
     # KV cache).
     key_variance: bool = True
-    # h2o / topk_oracle / rerank keep a copy of every committed key (as much memory as the key
+    # h2o / topk_oracle keep a copy of every committed key (as much memory as the key
     # cache): for benchmarks. Refused unless the user opts in here.
     allow_full_key_copy: bool = False
     # Diagnostic (benchmarks): per step, one extra pass of the target over its full cache at

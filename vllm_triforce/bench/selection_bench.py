@@ -12,8 +12,11 @@ real decode step also reads all the weights. On a shared, loaded machine pass
 
 Requests of a batch share one pool of physical blocks through different random
 block tables (the contents only matter for timing), so memory stays at one request's
-worth. The exact-mass policies (topk_oracle, h2o, rerank) keep a copy of every key; the
-benchmark stores it in bfloat16 to halve that (they are reference policies).
+worth. The exact-mass policies (topk_oracle, h2o) keep a copy of every key; the
+benchmark stores it in bfloat16 to halve that (they are reference policies). `rerank` reads
+its shortlist's keys from vLLM's own KV cache (engine/paged_keys.py): here a random bfloat16
+cache in CPU_ATTN's layout (the logical one on other devices), one layer's reused for every
+layer, not counted as the policy's memory (vLLM allocates it anyway).
 
     python -m vllm_triforce.bench.selection_bench            # full (about a minute)
     python -m vllm_triforce.bench.selection_bench --quick    # tiny shapes, seconds
@@ -25,13 +28,15 @@ import argparse
 import statistics
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
-from vllm_triforce.core.selection import (POLICIES, SelectionState, build_block_tables,
-                                          make_policy, num_retrieved, rerank_exactly,
-                                          select_blocks)
+from vllm_triforce.core.selection import (POLICIES, RerankPolicy, SelectionState,
+                                          build_block_tables, make_policy, num_retrieved,
+                                          rerank_exactly, select_blocks)
 from vllm_triforce.core.summaries import BlockSummaries
+from vllm_triforce.engine.paged_keys import PagedKeys
 
 
 @dataclass(frozen=True)
@@ -96,6 +101,17 @@ def make_inputs(shape: Shape, args, batch: int, keep_keys: bool, keep_bounds: bo
     return summaries, table, query, num_committed
 
 
+def paged_cache(shape: Shape, args, num_blocks: int) -> PagedKeys:
+    """Keys as rerank reads them in the engine: from a [num_blocks, H, bs, 2D] KV cache."""
+    device = torch.device(args.device)
+    kv_cache = torch.randn(num_blocks, shape.num_kv_heads, args.block_size, 2 * shape.head_dim,
+                           dtype=torch.bfloat16, device=device)
+    layer = SimpleNamespace(kv_cache=kv_cache, num_kv_heads=shape.num_kv_heads,
+                            head_size=shape.head_dim)
+    layout = "cpu_transposed" if device.type == "cpu" else "logical"
+    return PagedKeys([layer] * args.layers, layout, args.block_size)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -119,13 +135,15 @@ def time_selection(policy_name: str, shape: Shape, args, batch: int) -> tuple[fl
     policy = make_policy(name, **kwargs)
     summaries, table, query, num_committed = make_inputs(shape, args, batch, policy.needs_keys,
                                                          policy.needs_bounds, policy.needs_variance)
+    rerank = isinstance(policy, RerankPolicy)
+    keys = paged_cache(shape, args, summaries.num_blocks) if rerank else summaries
     states = [SelectionState() for _ in range(batch)]
     seq_lens = num_committed + 1
     budget_blocks = args.budget // args.block_size
 
     def one_selection():
         scores = policy.block_scores(query, summaries, table, num_committed, states)
-        scores = rerank_exactly(policy, scores, query, summaries, table, num_committed,
+        scores = rerank_exactly(policy, scores, query, keys, table, num_committed,
                                 args.block_size, args.sink_blocks, args.recent_blocks,
                                 num_retrieved(budget_blocks, args.sink_blocks, args.recent_blocks))
         selection = select_blocks(scores, num_committed, args.block_size, budget_blocks,

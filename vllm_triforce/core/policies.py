@@ -369,11 +369,11 @@ class RerankPolicy(RetrievalPolicy):
     `exact_scores`: per query head, the softmax over the keys of the shortlist and of the
     blocks every selection keeps (sinks, recent, tail), summed within each listed block
     and over the heads. With a shortlist holding every candidate this is the Top-K
-    oracle's mass (see tests). Needs BlockSummaries(keep_keys=True); reads
+    oracle's mass (see tests). The keys come from a key source: in the engine vLLM's own
+    paged KV cache (engine/paged_keys.py), in the benchmarks BlockSummaries' copy; it reads
     (factor x num_select + sinks + recent + 1) blocks of keys per layer and request.
     """
     name = "rerank"
-    needs_keys = True
     reranks_shortlist = False  # between middle rounds: both stages again
 
     def __init__(self, factor: int = 4, variance: bool = True, scale: float | None = None):
@@ -382,29 +382,30 @@ class RerankPolicy(RetrievalPolicy):
             raise ValueError(f"factor must be a positive int, not {factor!r}")
         self.factor = factor
 
-    def exact_scores(self, query: Tensor, summaries: BlockSummaries, listed: Tensor,
-                     kept: Tensor, kept_tokens: Tensor) -> Tensor:
+    def exact_scores(self, query: Tensor, keys, listed: Tensor, kept: Tensor,
+                     kept_tokens: Tensor) -> Tensor:
         """listed [R, L, S] physical ids (-1: padding) -> [R, L, S] float32 attention mass.
         kept [R, K] physical ids (-1: padding) of the blocks attended anyway and
-        kept_tokens [R, K] their committed tokens (listed blocks are full)."""
-        if summaries.keys is None:
-            raise ValueError(f"policy {self.name!r} needs BlockSummaries(keep_keys=True)")
-        q = group_query(query, summaries.num_kv_heads)  # [R, L, H, G, D]
+        kept_tokens [R, K] their committed tokens (listed blocks are full). `keys`: a key
+        source (`block_keys(layer, ids)` -> [*ids.shape, bs, H, D], `num_kv_heads`,
+        `block_size`, `device`): BlockSummaries(keep_keys=True) or engine PagedKeys."""
+        q = group_query(query, keys.num_kv_heads)  # [R, L, H, G, D]
         q = q * (self.scale or 1.0 / math.sqrt(q.shape[-1]))
         num_reqs, num_layers, size = listed.shape
-        device = summaries.device
+        device = keys.device
         listed, kept = listed.to(device, torch.long), kept.to(device, torch.long)
-        offset = torch.arange(summaries.block_size, device=device)
+        offset = torch.arange(keys.block_size, device=device)
         kept_valid = offset < kept_tokens.to(device)[..., None]  # [R, K, bs]
         kept_valid &= (kept >= 0)[..., None]
         mass = torch.zeros(num_reqs, num_layers, size, device=q.device)
         for layer in range(num_layers):  # one layer at a time: keys are the big tensor
-            keys = summaries.keys[layer]  # [N, bs, H, D]
             ids = listed[:, layer]  # [R, S]
+            listed_keys = keys.block_keys(layer, ids.clamp(min=0)).float()  # [R, S, bs, H, D]
+            kept_keys = keys.block_keys(layer, kept.clamp(min=0)).float()  # [R, K, bs, H, D]
             logits = torch.cat([
-                torch.einsum("rhgd,rsthd->rhgst", q[:, layer], keys[ids.clamp(min=0)].float())
+                torch.einsum("rhgd,rsthd->rhgst", q[:, layer], listed_keys)
                 .masked_fill((ids < 0)[:, None, None, :, None], float("-inf")),
-                torch.einsum("rhgd,rkthd->rhgkt", q[:, layer], keys[kept.clamp(min=0)].float())
+                torch.einsum("rhgd,rkthd->rhgkt", q[:, layer], kept_keys)
                 .masked_fill(~kept_valid[:, None, None], float("-inf"))], dim=3)
             probs = logits.flatten(3).softmax(-1).nan_to_num(0.0).view(logits.shape)
             mass[:, layer] = probs[:, :, :, :size].sum((1, 2, 4))

@@ -109,32 +109,44 @@ def rescore_shortlist(policy: SelectionPolicy, query: Tensor, summaries, block_t
     """Scores for select_blocks [R, L, max_blocks] in which only the blocks of `listed`
     ([R, L, S] logical, from `shortlist`) are scored, by `policy.shortlist_scores` with
     `query`; every other block gets -inf, so it is chosen only when the list runs out."""
-    num_reqs, num_layers, size = listed.shape
-    max_blocks = block_table.shape[1]
+    phys = _physical(block_table, listed)
+    return _scatter_listed(policy.shortlist_scores(query, summaries, phys), listed,
+                           block_table.shape[1])
+
+
+def _physical(block_table: Tensor, listed: Tensor) -> Tensor:
+    """listed [R, L, S] logical blocks (-1: padding) -> their physical ids, -1 kept."""
     logical = listed.to(block_table.device)
     phys = block_table.long().gather(1, logical.clamp(min=0).flatten(1)).view_as(logical)
-    scores = policy.shortlist_scores(query, summaries, phys.masked_fill(logical < 0, _PAD))
+    return phys.masked_fill(logical < 0, _PAD)
+
+
+def _scatter_listed(scores: Tensor, listed: Tensor, max_blocks: int) -> Tensor:
+    """scores [R, L, S] of the logical blocks `listed` [R, L, S] (-1: padding) ->
+    [R, L, max_blocks], -inf wherever nothing is listed (padding lands in a dropped column)."""
+    num_reqs, num_layers, _ = listed.shape
     full = torch.full((num_reqs, num_layers, max_blocks + 1), float("-inf"),
                       device=scores.device)
-    slot = logical.to(scores.device).masked_fill(logical.to(scores.device) < 0, max_blocks)
-    return full.scatter_(2, slot, scores.float())[..., :max_blocks]  # padding -> dropped column
+    slot = listed.to(scores.device)
+    slot = slot.masked_fill(slot < 0, max_blocks)
+    return full.scatter_(2, slot, scores.float())[..., :max_blocks]
 
 
-def rerank_exactly(policy: SelectionPolicy, scores: Tensor, query: Tensor, summaries,
+def rerank_exactly(policy: SelectionPolicy, scores: Tensor, query: Tensor, keys,
                    block_table: Tensor, num_committed: Tensor, block_size: int,
                    num_sink_blocks: int, num_recent_blocks: int, num_select: int) -> Tensor:
     """Second stage of a two-stage policy (`policies.RerankPolicy`; any other policy's
-    `scores` are returned as they are): `scores` (its first stage) shortlist each layer's
-    best policy.factor x num_select candidates, whose scores become their exact attention
-    mass over the shortlist and the always-kept blocks (sinks, recent, tail); every other
+    `scores`, or any with no key source `keys`, are returned as they are): `scores` (its
+    first stage) shortlist each layer's best policy.factor x num_select candidates, whose
+    scores become their exact attention mass over the shortlist and the always-kept blocks
+    (sinks, recent, tail) read from `keys` (RerankPolicy.exact_scores); every other
     candidate gets -inf (chosen only when the list runs out, as in rescore_shortlist)."""
-    if not isinstance(policy, RerankPolicy):
+    if not isinstance(policy, RerankPolicy) or keys is None:
         return scores
     committed = num_committed.to(scores.device, torch.long)
     listed = shortlist(scores, committed, block_size, num_sink_blocks, num_recent_blocks,
                        policy.factor * max(num_select, 1))  # [R, L, S] logical
     table = block_table.to(scores.device).long()
-    phys = table.gather(1, listed.clamp(min=0).flatten(1)).view_as(listed)
     # always-kept logical blocks: [0, sinks) then [tail_start, end), -1 padded
     sinks = num_sinks(committed, block_size, num_sink_blocks)[:, None]
     start = tail_start(committed, block_size, num_sink_blocks, num_recent_blocks)[:, None]
@@ -144,13 +156,8 @@ def rerank_exactly(policy: SelectionPolicy, scores: Tensor, query: Tensor, summa
     kept = kept.masked_fill((slot >= sinks) & (kept >= end), _PAD)
     kept_tokens = (committed[:, None] - kept * block_size).clamp(0, block_size)
     kept_phys = table.gather(1, kept.clamp(min=0)).masked_fill(kept < 0, _PAD)
-    exact = policy.exact_scores(query, summaries, phys.masked_fill(listed < 0, _PAD),
-                                kept_phys, kept_tokens)
-    num_reqs, num_layers, max_blocks = scores.shape
-    full = torch.full((num_reqs, num_layers, max_blocks + 1), float("-inf"),
-                      device=exact.device)
-    index = listed.to(exact.device).masked_fill(listed.to(exact.device) < 0, max_blocks)
-    return full.scatter_(2, index, exact)[..., :max_blocks]
+    exact = policy.exact_scores(query, keys, _physical(table, listed), kept_phys, kept_tokens)
+    return _scatter_listed(exact, listed, scores.shape[-1])
 
 
 def _num_chosen(num_committed: Tensor, block_size: int, budget_blocks: int, num_candidates: Tensor,

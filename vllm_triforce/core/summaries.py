@@ -161,6 +161,14 @@ class BlockSummaries:
         means = (sums / denom).unflatten(1, ids.shape)  # [L, R, B, H, D]
         return means.transpose(0, 1)
 
+    def block_keys(self, layer: int, ids: Tensor) -> Tensor:
+        """ids (any shape, physical block ids >= 0) -> [*ids.shape, block_size, H, D]: one
+        layer's copied keys (keep_keys=True); engine/paged_keys.py reads the same from vLLM's
+        own cache."""
+        if self.keys is None:
+            raise ValueError("block keys need BlockSummaries(keep_keys=True)")
+        return self.keys[layer][ids]
+
     def deviations(self) -> Tensor:
         """square_deviations [L, num_blocks, H, D]; / counts = each channel's key variance."""
         if self.square_deviations is None:

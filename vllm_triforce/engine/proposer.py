@@ -46,7 +46,7 @@ from vllm.v1.spec_decode.draft_model import DraftModelProposer
 from vllm_triforce import engine_settings, metrics
 from vllm_triforce.config import FORCED_SETTINGS_KEY, TriForceConfig, TriForceConfigError
 from vllm_triforce.core.refresh import RefreshPolicy
-from vllm_triforce.core.selection import SelectionState, make_policy
+from vllm_triforce.core.selection import RerankPolicy, SelectionState, make_policy
 from vllm_triforce.core.summaries import BlockSummaries
 from vllm_triforce.engine import capture
 from vllm_triforce.engine.batch import StepBatch
@@ -55,6 +55,7 @@ from vllm_triforce.engine.forward import metadata_path
 from vllm_triforce.engine.memory import MemoryPlan
 from vllm_triforce.engine.depth import DepthChooser
 from vllm_triforce.engine.middle import MiddleLoop, hand_off
+from vllm_triforce.engine.paged_keys import paged_keys_for
 from vllm_triforce.engine.retrieval_level import RetrievalLevel
 from vllm_triforce.engine.state import RequestState, StateTable
 from vllm_triforce.engine.stats import TriForceStats
@@ -139,6 +140,13 @@ class TriForceProposer(DraftModelProposer):
             device=self.device)
         backend = self.runner.attn_groups[0][0].backend.get_name()
         metadata_path(backend)  # refuse an unsupported backend now, not at the first pass
+        self.paged_keys = None
+        if isinstance(self.policy, RerankPolicy):
+            self.paged_keys, why = paged_keys_for(self.target_layers, backend, self.block_size,
+                                                  self.vllm_config.cache_config.cache_dtype)
+            if self.paged_keys is None:
+                logger.warning("TriForce: selection_policy 'rerank' cannot read keys from this "
+                               "KV cache (%s); it keeps its first stage (retrieval) only.", why)
         self._build_levels()
         logger.info(engine_settings.describe(self.vllm_config, backend, self.forced_settings))
         logger.info("TriForce block summaries: %.1f MiB for %d blocks (%s); probability buffers "
@@ -155,7 +163,7 @@ class TriForceProposer(DraftModelProposer):
             self.target_model, self.vllm_config, target_groups, self.target_layer_names,
             layer.num_heads, layer.head_size, self.capture, self.summaries, self.policy,
             self.refresh, blocks, self.stats, self.device,
-            shortlist=self.cfg.middle_shortlist)
+            shortlist=self.cfg.middle_shortlist, keys=self.paged_keys)
         self.draft = None
         if self.has_draft:
             self.draft = DraftLevel(self.model, self.vllm_config, self.draft_attn_groups,

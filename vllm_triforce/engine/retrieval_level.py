@@ -18,6 +18,7 @@ ever take committed keys.
 from __future__ import annotations
 
 import torch
+from vllm.logger import init_logger
 
 from vllm_triforce.config import BlockCounts
 from vllm_triforce.core.selection import (Selection, SelectionPolicy, build_block_tables,
@@ -25,17 +26,22 @@ from vllm_triforce.core.selection import (Selection, SelectionPolicy, build_bloc
                                           select_blocks, shortlist)
 from vllm_triforce.engine.forward import build_pass, run_pass
 
+logger = init_logger("vllm.triforce")
+
 
 class RetrievalLevel:
     """The target (`model`, its attention layers `layer_names` in layer order, `attn_groups`)
     over retrieval tables chosen by `policy` from `summaries` of the keys `capture` records.
     `num_heads`, `head_size`: the target's query heads, to read captured queries.
     `shortlist`: between middle rounds re-rank only each layer's best `shortlist` x
-    (retrieved blocks) candidates of the step's start (0, or a policy that cannot: all)."""
+    (retrieved blocks) candidates of the step's start (0, or a policy that cannot: all).
+    `keys`: where a two-stage policy (`rerank`) reads exact keys, engine/paged_keys.py's
+    reader of vLLM's KV cache (checked against the captured keys at the first commit), or
+    None: the policy's first stage alone."""
 
     def __init__(self, model, vllm_config, attn_groups, layer_names: list[str], num_heads: int,
                  head_size: int, capture, summaries, policy: SelectionPolicy, refresh,
-                 blocks: BlockCounts, stats, device, shortlist: int = 0):
+                 blocks: BlockCounts, stats, device, shortlist: int = 0, keys=None):
         self.model = model
         self.vllm_config = vllm_config
         self.attn_groups = attn_groups
@@ -43,6 +49,7 @@ class RetrievalLevel:
         self.num_heads, self.head_size = num_heads, head_size
         self.capture = capture
         self.summaries = summaries
+        self.keys = keys
         self.policy = policy
         self.refresh = refresh
         self.blocks = blocks
@@ -88,6 +95,13 @@ class RetrievalLevel:
         req_of_row = torch.repeat_interleave(torch.arange(batch.num_reqs), num_new)
         block_ids = batch.block_table[req_of_row, positions // bs].long()
         self.summaries.add_committed(keys, rows, block_ids, positions % bs)
+        if self.keys is not None and not self.keys.checked:
+            why = self.keys.check(keys, rows, block_ids, positions % bs)
+            if why:
+                logger.warning("TriForce: %s selection cannot trust the keys it reads from the "
+                               "KV cache (%s); it keeps its first stage only. Please report "
+                               "this with your GPU and attention backend.", self.policy.name, why)
+                self.keys = None
 
     # ---- select ---------------------------------------------------------------------
     def select(self, batch, states, rows: list[int]) -> None:
@@ -144,7 +158,7 @@ class RetrievalLevel:
         else:
             scores = self.policy.block_scores(queries, self.summaries, block_table, committed,
                                               [states[r].policy_state for r in due])
-            scores = rerank_exactly(self.policy, scores, queries, self.summaries, block_table,
+            scores = rerank_exactly(self.policy, scores, queries, self.keys, block_table,
                                     committed, b.block_size, b.retrieval_sink_blocks,
                                     b.retrieval_recent_blocks, self.num_select)
         if make_shortlist:

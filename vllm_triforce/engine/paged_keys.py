@@ -1,0 +1,121 @@
+"""Read the target's committed keys straight from vLLM's paged KV cache (no key copy).
+
+`rerank` (core/policies.py) scores a shortlist of blocks by their exact attention mass, so
+it needs the keys of those blocks. The KV cache already holds them; what differs per
+backend is the layout, and a wrong guess would not break outputs (the full cache verifies
+every token) but would quietly rank blocks by garbage. So the reader knows a layout only
+where it was established, and checks it against the keys the capture hook saw being written
+before it is trusted (`check`, once, at the first commit).
+
+Each attention layer's `kv_cache` (bound by vLLM's `bind_kv_cache`, 0.32.0) is the logical
+view [num_blocks, num_kv_heads, block_size, 2 * head_size], K in the first head_size
+channels (vllm/v1/kv_cache_interface.py `create_kv_cache_views`). Layouts:
+- `logical`: FLASH_ATTN, TRITON_ATTN, FLEX_ATTENTION, FLASHINFER index that view as it is
+  (each `forward` splits it with `.split(head_size, dim=-1)`), whatever stride order the
+  engine's KV-cache layout gives it. fp8 caches (`fp8`, `fp8_e4m3`, `fp8_e5m2`) hold the
+  keys divided by the layer's `_k_scale_float`.
+- `cpu_transposed`: CPU_ATTN re-views each (block, head) page as [2 * block_size,
+  head_size] and its C++ writer packs K per ISA (cpu_attn.py `forward`). For the `vec` and
+  `vec16` ISAs K is [head_size, block_size] per (block, head): measured here with
+  `cpu_attn_reshape_and_cache` (tests/test_paged_keys.py). `amx` packs tiles differently,
+  other ISAs were not seen: not read.
+Anything else (per-token-head quantised caches, NVFP4, TurboQuant, another ISA, kernel
+blocks smaller than the scheduler's) is `unreadable`: the reason is logged and `rerank`
+keeps its first stage only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+LOGICAL_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION", "FLASHINFER")
+CPU_TRANSPOSED_ISAS = ("vec", "vec16")
+PLAIN_DTYPES = ("auto", "float16", "bfloat16", "float32")
+FP8_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+              "fp8_e5m2": torch.float8_e5m2}
+
+
+class PagedKeys:
+    """Keys of physical blocks, read from each target layer's `layer.kv_cache`.
+
+    layers: the target's attention layers in layer order (`kv_cache`, `num_kv_heads`,
+    `head_size`, and for fp8 `_k_scale_float`); layout: `logical` or `cpu_transposed`.
+    Quacks like BlockSummaries for RerankPolicy.exact_scores: `block_keys`, `num_kv_heads`,
+    `block_size`, `device`.
+    """
+
+    def __init__(self, layers, layout: str, block_size: int, kv_cache_dtype: str = "auto"):
+        if layout not in ("logical", "cpu_transposed"):
+            raise ValueError(f"unknown paged-key layout {layout!r}")
+        self.layers = list(layers)
+        self.layout = layout
+        self.block_size = block_size
+        self.num_kv_heads = self.layers[0].num_kv_heads
+        self.head_dim = self.layers[0].head_size
+        self.fp8 = FP8_DTYPES.get(kv_cache_dtype)
+        self.checked = False
+
+    @property
+    def device(self) -> torch.device:
+        return self.layers[0].kv_cache.device
+
+    def block_keys(self, layer: int, ids: Tensor) -> Tensor:
+        """ids (any shape, physical block ids >= 0) -> [*ids.shape, block_size, H, D]: the
+        keys as the cache holds them (fp8: dequantised to float32)."""
+        kv = self.layers[layer].kv_cache
+        num_blocks, heads, bs, _ = kv.shape
+        d = self.head_dim
+        if self.layout == "logical":
+            keys = kv[..., :d][ids].transpose(-3, -2)  # [*, bs, H, D]
+        else:  # one (block, head) page: K then V, each block_size * head_size values
+            pages = kv.view(num_blocks, heads, 2 * bs * d)[:, :, :bs * d]
+            keys = pages[ids].unflatten(-1, (d, bs)).permute(
+                *range(ids.dim()), -1, -3, -2)  # [*, H, D, bs] -> [*, bs, H, D]
+        if self.fp8 is not None:
+            keys = keys.view(self.fp8).float() * self.layers[layer]._k_scale_float
+        return keys
+
+    def check(self, layer_keys, rows: Tensor, block_ids: Tensor, offsets: Tensor) -> str:
+        """'' when the cache's keys at (block_ids, offsets) equal the keys the capture hook
+        saw written there (layer_keys[l][rows]), else what differs. Exact for plain caches;
+        fp8 within its rounding (relative 2^-4 for e4m3, 2^-3 for e5m2, plus subnormals)."""
+        self.checked = True
+        for index, captured in enumerate(layer_keys):
+            kv = self.layers[index].kv_cache
+            if kv.dim() != 4 or kv.shape[2] != self.block_size:
+                return (f"layer {index}'s cache has shape {tuple(kv.shape)}, not blocks of "
+                        f"{self.block_size} tokens (a kernel-block view?)")
+            ids = block_ids.to(kv.device, torch.long)
+            read = self.block_keys(index, ids)  # [n, bs, H, D]
+            read = read[torch.arange(ids.numel(), device=kv.device), offsets.to(kv.device)]
+            want = captured.to(kv.device)[rows.to(kv.device)].reshape(read.shape)
+            if self.fp8 is None:
+                same = torch.equal(read, want.to(read.dtype))
+            else:
+                tol = 2.0 ** (-4 if self.fp8 == torch.float8_e4m3fn else -3)
+                scale = float(self.layers[index]._k_scale_float)
+                err = (read - want.float()).abs()
+                same = not bool((err > tol * want.float().abs() + 2.0 ** -9 * scale).any())
+            if not same:
+                return f"layer {index}'s keys read from the {self.layout} layout differ"
+        return ""
+
+
+def paged_keys_for(layers, backend: str, block_size: int,
+                   kv_cache_dtype: str) -> tuple[PagedKeys | None, str]:
+    """(a reader, "") when the layout of `backend` is one PagedKeys knows, else (None, why)."""
+    kv_cache_dtype = str(kv_cache_dtype)
+    if backend == "CPU_ATTN":
+        isa = getattr(layers[0], "isa", None)
+        if isa not in CPU_TRANSPOSED_ISAS:
+            return None, (f"CPU_ATTN's {isa!r} ISA packs keys in a layout vllm-triforce does "
+                          f"not read (it reads {', '.join(CPU_TRANSPOSED_ISAS)})")
+        if kv_cache_dtype not in PLAIN_DTYPES:
+            return None, f"CPU_ATTN with kv_cache_dtype {kv_cache_dtype!r}"
+        return PagedKeys(layers, "cpu_transposed", block_size), ""
+    if backend not in LOGICAL_BACKENDS:
+        return None, f"attention backend {backend} (read: CPU_ATTN, {', '.join(LOGICAL_BACKENDS)})"
+    if kv_cache_dtype not in PLAIN_DTYPES and kv_cache_dtype not in FP8_DTYPES:
+        return None, f"kv_cache_dtype {kv_cache_dtype!r} (read: plain and per-tensor fp8)"
+    return PagedKeys(layers, "logical", block_size, kv_cache_dtype), ""
