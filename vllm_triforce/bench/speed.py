@@ -16,6 +16,7 @@ from pathlib import Path
 from vllm_triforce.bench import prompts as bench_prompts
 from vllm_triforce.bench import report
 from vllm_triforce.bench.runner import run_methods
+from vllm_triforce.config import FULL_KEY_POLICIES, POLICIES
 
 QUICK = dict(prompt_tokens=256, batch=2, max_tokens=8, repeats=1, budget=192)
 
@@ -37,6 +38,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(e.g. --gamma 1 2 3 4 6: the controller against every fixed k)")
     p.add_argument("--methods", nargs="+", default=None,
                    help="subset of: plain draft_model ngram triforce2 triforce3")
+    p.add_argument("--policies", nargs="+", default=None, choices=POLICIES,
+                   help="also time TriForce with each of these selection policies (rows "
+                        "`triforce2 <policy>`, `triforce3 <policy>`; the unsuffixed rows use "
+                        "the default policy)")
 
 
 def method_runs(args, draft: str | None) -> list[dict]:
@@ -49,14 +54,19 @@ def method_runs(args, draft: str | None) -> list[dict]:
     if draft:
         runs.append({"name": "draft_model", "spec": {"method": "draft_model", "model": draft,
                                                      "num_speculative_tokens": k}})
-    runs.append(_with_fixed_depths("triforce2", tri, args.gamma))
-    if draft:
-        runs.append(_with_fixed_depths("triforce3", {**tri, "model": draft}, args.gamma))
+    levels = [("triforce2", tri)] + ([("triforce3", {**tri, "model": draft})] if draft else [])
+    for name, spec in levels:
+        runs.append(_with_fixed_depths(name, spec, args.gamma))
+        for policy in args.policies or ():
+            runs.append(_with_fixed_depths(f"{name} {policy}",
+                                           {**spec, "selection_policy": policy,
+                                            "allow_full_key_copy": policy in FULL_KEY_POLICIES},
+                                           []))
     # Last: after an ngram engine a process cannot build another one (CPU_VLLM.md).
     runs.append({"name": "ngram", "spec": {"method": "ngram", "num_speculative_tokens": k,
                                            "prompt_lookup_max": 4, "prompt_lookup_min": 2}})
     if args.methods:
-        runs = [r for r in runs if r["name"] in args.methods]
+        runs = [r for r in runs if r["name"].split()[0] in args.methods]
     return runs
 
 
@@ -83,7 +93,7 @@ def run_speed(args, model: str, draft: str | None, out: Path) -> dict:
     rows = summarize(results, args.batch, args.max_tokens)
     data = {"config": {k: getattr(args, k) for k in
                        ("prompt_tokens", "batch", "max_tokens", "repeats", "rounds", "budget",
-                        "gamma", "dtype")}
+                        "gamma", "policies", "dtype")}
             | {"model": model, "draft": draft}, "rows": rows,
             "all_identical": all(r["identical"] for r in rows), "raw": results}
     report.write_json(out / "results.json", data)

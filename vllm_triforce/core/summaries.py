@@ -161,13 +161,13 @@ class BlockSummaries:
         means = (sums / denom).unflatten(1, ids.shape)  # [L, R, B, H, D]
         return means.transpose(0, 1)
 
-    def block_keys(self, layer: int, ids: Tensor) -> Tensor:
-        """ids (any shape, physical block ids >= 0) -> [*ids.shape, block_size, H, D]: one
-        layer's copied keys (keep_keys=True); engine/paged_keys.py reads the same from vLLM's
-        own cache."""
+    def head_keys(self, layer: int, head: int, ids: Tensor) -> Tensor:
+        """ids (any shape, physical block ids >= 0) -> [*ids.shape, D, block_size]: one
+        layer's and KV head's copied keys (keep_keys=True), transposed (a view);
+        engine/paged_keys.py reads the same from vLLM's own cache."""
         if self.keys is None:
             raise ValueError("block keys need BlockSummaries(keep_keys=True)")
-        return self.keys[layer][ids]
+        return self.keys[layer][:, :, head][ids].transpose(-1, -2)
 
     def deviations(self) -> Tensor:
         """square_deviations [L, num_blocks, H, D]; / counts = each channel's key variance."""

@@ -41,7 +41,7 @@ class PagedKeys:
 
     layers: the target's attention layers in layer order (`kv_cache`, `num_kv_heads`,
     `head_size`, and for fp8 `_k_scale_float`); layout: `logical` or `cpu_transposed`.
-    Quacks like BlockSummaries for RerankPolicy.exact_scores: `block_keys`, `num_kv_heads`,
+    Quacks like BlockSummaries for RerankPolicy.exact_scores: `head_keys`, `num_kv_heads`,
     `block_size`, `device`.
     """
 
@@ -60,21 +60,26 @@ class PagedKeys:
     def device(self) -> torch.device:
         return self.layers[0].kv_cache.device
 
-    def block_keys(self, layer: int, ids: Tensor) -> Tensor:
-        """ids (any shape, physical block ids >= 0) -> [*ids.shape, block_size, H, D]: the
-        keys as the cache holds them (fp8: dequantised to float32)."""
+    def head_keys(self, layer: int, head: int, ids: Tensor) -> Tensor:
+        """ids (any shape, physical block ids >= 0) -> [*ids.shape, D, block_size]: one KV
+        head's keys (what RerankPolicy.exact_scores multiplies by; fp8: dequantised). Only
+        that head's pages are gathered: no copy of the others, no transpose on CPU_ATTN."""
         kv = self.layers[layer].kv_cache
         num_blocks, heads, bs, _ = kv.shape
         d = self.head_dim
         if self.layout == "logical":
-            keys = kv[..., :d][ids].transpose(-3, -2)  # [*, bs, H, D]
-        else:  # one (block, head) page: K then V, each block_size * head_size values
-            pages = kv.view(num_blocks, heads, 2 * bs * d)[:, :, :bs * d]
-            keys = pages[ids].unflatten(-1, (d, bs)).permute(
-                *range(ids.dim()), -1, -3, -2)  # [*, H, D, bs] -> [*, bs, H, D]
+            keys = kv[:, head, :, :d][ids].transpose(-1, -2)  # [*, bs, D] -> [*, D, bs]
+        else:
+            keys = kv.view(num_blocks, heads, 2 * bs * d)[:, head, :bs * d][ids].unflatten(
+                -1, (d, bs))
         if self.fp8 is not None:
             keys = keys.view(self.fp8).float() * self.layers[layer]._k_scale_float
         return keys
+
+    def block_keys(self, layer: int, ids: Tensor) -> Tensor:
+        """ids (any shape) -> [*ids.shape, block_size, H, D]: every head's keys (check)."""
+        heads = [self.head_keys(layer, h, ids) for h in range(self.num_kv_heads)]
+        return torch.stack(heads, dim=-3).movedim(-1, -3)  # [*, H, D, bs] -> [*, bs, H, D]
 
     def check(self, layer_keys, rows: Tensor, block_ids: Tensor, offsets: Tensor) -> str:
         """'' when the cache's keys at (block_ids, offsets) equal the keys the capture hook
