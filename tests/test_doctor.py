@@ -11,7 +11,8 @@ from vllm_triforce.engine.stats import TriForceStats
 ENGINE = {"platform": "cpu", "device_type": "cpu", "vllm_version": "0.32.0",
           "cudagraph_mode": "NONE", "enforce_eager": True, "async_scheduling": False,
           "runner": "V1", "runner_class": "CPUModelRunner", "attention_backends": ["CPU_ATTN"],
-          "drafter": "TriForceProposer", "reserved_bytes": 3 * 2**20}
+          "drafter": "TriForceProposer", "reserved_bytes": 3 * 2**20,
+          "key_reader": "checked (cpu_transposed)"}
 STATS = {**TriForceStats().snapshot(), "middle_rounds": 12, "refreshes": 1, "top_proposed": 12,
          "top_accepted": 9}
 PLAIN = {"tokens": [[5, 6, 7, 8]], "prefill_s": 1.0, "tok_s": 10.0, "logprobs": None,
@@ -49,6 +50,8 @@ def test_healthy_results_pass():
     ({"attention_backends": ["FLASHMLA"]}, "attention backend"),
     ({"vllm_version": "0.33.0"}, "vLLM version"),
     ({"drafter": "DraftModelProposer"}, "TriForce proposer"),
+    ({"key_reader": "check failed: layer 0's keys read from the logical layout differ"},
+     "KV-cache key reader"),
 ])
 def test_each_unsafe_setting_fails(engine, item):
     checks = doctor.evaluate(PLAIN, _tri(**engine))
@@ -61,6 +64,13 @@ def test_zero_acceptance_fails():
     tri = copy.deepcopy(TRI)
     tri["vllm_spec"]["vllm:spec_decode_num_accepted_tokens"] = 0
     assert _verdicts(tri=tri)["acceptance > 0"] == "FAIL"
+
+
+def test_unreadable_kv_layout_is_reported_not_failed():
+    checks = doctor.evaluate(PLAIN, _tri(key_reader="unreadable: CPU_ATTN's 'amx' ISA ..."))
+    line = next(c for c in checks if c.item == "KV-cache key reader")
+    assert line.status == "INFO" and "amx" in line.detail and "retrieval" in line.detail
+    assert doctor.exit_code(checks) == 0
 
 
 def test_missing_reservation_is_reported_not_failed():
@@ -112,6 +122,6 @@ def test_quick_doctor_passes_on_cpu(smollm2, tmp_path, capsys):
     assert code == 0, out + (tmp_path / "triforce.log").read_text()[-3000:]
     for item in ("plain vLLM engine", "TriForce engine", "model runner", "async scheduling",
                  "attention backend", "TriForce proposer", "acceptance > 0",
-                 "greedy identity"):
+                 "greedy identity", "KV-cache key reader"):
         assert f"PASS  {item}" in out, out
     assert "FAIL" not in out and "doctor: all checks passed" in out

@@ -165,6 +165,7 @@ def evaluate(plain: dict, tri: dict) -> list[Check]:
                _async_scheduling(engine["async_scheduling"]),
                _attention_backend(engine["attention_backends"]),
                _reservation(engine["reserved_bytes"]),
+               _key_reader(engine.get("key_reader")),
                _proposer(engine["drafter"], tri["triforce"]),
                _acceptance(tri["triforce"], tri["vllm_spec"])]
     if "error" not in plain:
@@ -237,6 +238,19 @@ def _reservation(reserved_bytes) -> Check:
         return Check(INFO, "memory reservation", "n/a (this build does not report it)")
     return Check(INFO, "memory reservation",
                  f"{reserved_bytes / 2**20:.1f} MiB set aside before KV-cache sizing")
+
+
+def _key_reader(status: str | None) -> Check:
+    """Whether `rerank` can read keys from this backend's KV cache (engine/paged_keys.py):
+    every engine compares what it reads with the keys written, once, at its first commit."""
+    if not status:
+        return Check(INFO, "KV-cache key reader", "n/a (this build does not report it)")
+    if status.startswith("check failed"):
+        return Check(FAIL, "KV-cache key reader",
+                     f"{status} (`rerank` falls back to `retrieval`; please report it)")
+    if status.startswith("checked"):
+        return Check(PASS, "KV-cache key reader", f"{status}: `rerank` reads this cache")
+    return Check(INFO, "KV-cache key reader", f"{status} (`rerank` would keep `retrieval`)")
 
 
 def _proposer(drafter: str, stats: dict | None) -> Check:
@@ -384,7 +398,8 @@ def describe_engine(llm) -> dict:
             "runner_class": type(runner).__name__,
             "attention_backends": _backend_names(runner),
             "drafter": type(drafter).__name__ if drafter is not None else "none",
-            "reserved_bytes": getattr(drafter, "reserved_bytes", None)}
+            "reserved_bytes": getattr(drafter, "reserved_bytes", None),
+            "key_reader": getattr(getattr(drafter, "retrieval", None), "key_status", None)}
 
 
 def _platform_name(platform) -> str:

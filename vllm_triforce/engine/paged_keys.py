@@ -32,6 +32,7 @@ from torch import Tensor
 LOGICAL_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION", "FLASHINFER")
 CPU_TRANSPOSED_ISAS = ("vec", "vec16")
 PLAIN_DTYPES = ("auto", "float16", "bfloat16", "float32")
+CHECKED_TOKENS = 64  # `check` compares the first this many committed tokens of each layer
 FP8_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
               "fp8_e5m2": torch.float8_e5m2}
 
@@ -84,8 +85,10 @@ class PagedKeys:
     def check(self, layer_keys, rows: Tensor, block_ids: Tensor, offsets: Tensor) -> str:
         """'' when the cache's keys at (block_ids, offsets) equal the keys the capture hook
         saw written there (layer_keys[l][rows]), else what differs. Exact for plain caches;
-        fp8 within its rounding (relative 2^-4 for e4m3, 2^-3 for e5m2, plus subnormals)."""
+        fp8 within its rounding (relative 2^-4 for e4m3, 2^-3 for e5m2, plus subnormals).
+        Only the first CHECKED_TOKENS tokens are compared: enough to tell a layout."""
         self.checked = True
+        rows, block_ids, offsets = (t[:CHECKED_TOKENS] for t in (rows, block_ids, offsets))
         for index, captured in enumerate(layer_keys):
             kv = self.layers[index].kv_cache
             if kv.dim() != 4 or kv.shape[2] != self.block_size:

@@ -140,13 +140,14 @@ class TriForceProposer(DraftModelProposer):
             device=self.device)
         backend = self.runner.attn_groups[0][0].backend.get_name()
         metadata_path(backend)  # refuse an unsupported backend now, not at the first pass
-        self.paged_keys = None
-        if isinstance(self.policy, RerankPolicy):
-            self.paged_keys, why = paged_keys_for(self.target_layers, backend, self.block_size,
-                                                  self.vllm_config.cache_config.cache_dtype)
-            if self.paged_keys is None:
-                logger.warning("TriForce: selection_policy 'rerank' cannot read keys from this "
-                               "KV cache (%s); it keeps its first stage (retrieval) only.", why)
+        # Every policy's engine checks the reader once (cheap), so `doctor` can tell whether
+        # `rerank` would read this backend's cache; only rerank reads it after that.
+        self.paged_keys, self.unreadable = paged_keys_for(
+            self.target_layers, backend, self.block_size, self.vllm_config.cache_config.cache_dtype)
+        if self.paged_keys is None and isinstance(self.policy, RerankPolicy):
+            logger.warning("TriForce: selection_policy 'rerank' cannot read keys from this "
+                           "KV cache (%s); it keeps its first stage (retrieval) only.",
+                           self.unreadable)
         self._build_levels()
         logger.info(engine_settings.describe(self.vllm_config, backend, self.forced_settings))
         logger.info("TriForce block summaries: %.1f MiB for %d blocks (%s); probability buffers "
@@ -164,6 +165,8 @@ class TriForceProposer(DraftModelProposer):
             layer.num_heads, layer.head_size, self.capture, self.summaries, self.policy,
             self.refresh, blocks, self.stats, self.device,
             shortlist=self.cfg.middle_shortlist, keys=self.paged_keys)
+        if self.paged_keys is None:
+            self.retrieval.key_status = f"unreadable: {self.unreadable}"
         self.draft = None
         if self.has_draft:
             self.draft = DraftLevel(self.model, self.vllm_config, self.draft_attn_groups,

@@ -36,7 +36,8 @@ class RetrievalLevel:
     `shortlist`: between middle rounds re-rank only each layer's best `shortlist` x
     (retrieved blocks) candidates of the step's start (0, or a policy that cannot: all).
     `keys`: where a two-stage policy (`rerank`) reads exact keys, engine/paged_keys.py's
-    reader of vLLM's KV cache (checked against the captured keys at the first commit), or
+    reader of vLLM's KV cache, checked against the captured keys at the first commit whatever
+    the policy (`key_status` says how that went: `vllm-triforce doctor` reports it), or
     None: the policy's first stage alone."""
 
     def __init__(self, model, vllm_config, attn_groups, layer_names: list[str], num_heads: int,
@@ -50,6 +51,7 @@ class RetrievalLevel:
         self.capture = capture
         self.summaries = summaries
         self.keys = keys
+        self.key_status = "not checked yet" if keys is not None else "no reader"
         self.policy = policy
         self.refresh = refresh
         self.blocks = blocks
@@ -97,10 +99,11 @@ class RetrievalLevel:
         self.summaries.add_committed(keys, rows, block_ids, positions % bs)
         if self.keys is not None and not self.keys.checked:
             why = self.keys.check(keys, rows, block_ids, positions % bs)
+            self.key_status = f"check failed: {why}" if why else f"checked ({self.keys.layout})"
             if why:
-                logger.warning("TriForce: %s selection cannot trust the keys it reads from the "
-                               "KV cache (%s); it keeps its first stage only. Please report "
-                               "this with your GPU and attention backend.", self.policy.name, why)
+                logger.warning("TriForce: keys read back from the KV cache differ from the keys "
+                               "written (%s); `rerank` keeps its first stage only. Please report "
+                               "this with your GPU and attention backend.", why)
                 self.keys = None
 
     # ---- select ---------------------------------------------------------------------
