@@ -24,12 +24,13 @@ def test_bench_speed_quick(tiny_llama, tmp_path):
     data = run_bench("speed", out, tiny_llama, "--methods", "plain", "triforce2",
                      "--dtype", "float32", "--policies", "rerank")
     # TriForce with its depth controller, then the same engine at the fixed depth 6, then
-    # TriForce with the policy asked for
+    # the same two with the policy asked for
     assert [r["method"] for r in data["rows"]] == ["plain", "triforce2", "triforce2 k=6",
-                                                   "triforce2 rerank"]
+                                                   "triforce2 rerank", "triforce2 rerank k=6"]
     raw = {r["name"]: r for r in data["raw"]}
     assert raw["triforce2"]["tokens"] == raw["triforce2 k=6"]["tokens"] == raw["plain"]["tokens"]
-    assert raw["triforce2 rerank"]["tokens"] == raw["plain"]["tokens"]
+    assert raw["triforce2 rerank"]["tokens"] == raw["triforce2 rerank k=6"]["tokens"] \
+        == raw["plain"]["tokens"]
     assert data["config"]["policies"] == ["rerank"]
     assert all(len(t) == 8 for t in raw["plain"]["tokens"])
     assert data["all_identical"] is True

@@ -40,8 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="subset of: plain draft_model ngram triforce2 triforce3")
     p.add_argument("--policies", nargs="+", default=None, choices=POLICIES,
                    help="also time TriForce with each of these selection policies (rows "
-                        "`triforce2 <policy>`, `triforce3 <policy>`; the unsuffixed rows use "
-                        "the default policy)")
+                        "`triforce2 <policy>` and its fixed depths, likewise triforce3; the "
+                        "unsuffixed rows use the default policy)")
 
 
 def method_runs(args, draft: str | None) -> list[dict]:
@@ -61,7 +61,7 @@ def method_runs(args, draft: str | None) -> list[dict]:
             runs.append(_with_fixed_depths(f"{name} {policy}",
                                            {**spec, "selection_policy": policy,
                                             "allow_full_key_copy": policy in FULL_KEY_POLICIES},
-                                           []))
+                                           args.gamma))
     # Last: after an ngram engine a process cannot build another one (CPU_VLLM.md).
     runs.append({"name": "ngram", "spec": {"method": "ngram", "num_speculative_tokens": k,
                                            "prompt_lookup_max": 4, "prompt_lookup_min": 2}})
