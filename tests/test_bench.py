@@ -115,3 +115,19 @@ def test_bench_sweep_quick(tiny_llama, tmp_path):
     assert sum("plain" in name for name in logs) == 2  # budget points reuse T=0's plain run
     for knob in ("temperature", "budget"):
         assert (out / f"sweep_{knob}.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_selection_takes_its_flags(capsys):
+    """`vllm-triforce bench selection` passes its flags to the micro-benchmark (they were
+    once swallowed by the subcommand's parser: `--tokens` was an unknown argument)."""
+    from vllm_triforce.bench import selection_bench
+
+    assert cli.main(["bench", "selection", "--tokens", "256", "--layers", "2", "--budget", "224",
+                     "--recent-blocks", "2", "--batch", "1", "--repeat", "1",
+                     "--policies", "retrieval_var", "rerank"]) == 0
+    out = capsys.readouterr().out
+    assert "selection cost: 256 tokens, block 32, 2 layers, budget 224 tokens (1 sink + 2 recent" \
+        in out
+    for name in ("retrieval_var", "rerank"):
+        assert out.count(f" {name} ") == len(selection_bench.SHAPES)
+    assert " quest " not in out

@@ -79,7 +79,8 @@ COLUMNS = {
 }
 # paired differences: against the per-position oracle, StreamingLLM and mean-key retrieval
 ORACLE, BASELINE, MEAN_KEY = "topk_oracle_per_position", "streamingllm", "retrieval"
-SWEEP_PLOT = (ORACLE, "topk_oracle", "h2o", "quest", "retrieval", BASELINE)  # the rest: table
+SWEEP_PLOT = (ORACLE, "topk_oracle", "h2o", "quest", "retrieval", "retrieval_var", "rerank",
+              BASELINE)  # the rest: table
 QUICK = dict(context_tokens=512, positions=32, needle_documents=4, warmup=4)
 Z95 = 1.96
 

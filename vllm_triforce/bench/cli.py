@@ -13,7 +13,7 @@ DEFAULT_MODEL = "smollm2-135m"
 
 
 def add_bench_parser(subparsers) -> None:
-    from vllm_triforce.bench import acceptance, serve, speed, sweep
+    from vllm_triforce.bench import acceptance, selection_bench, serve, speed, sweep
 
     parser = subparsers.add_parser("bench",
                                    help="benchmarks: speed, acceptance, serve, selection")
@@ -29,7 +29,7 @@ def add_bench_parser(subparsers) -> None:
         module.add_arguments(p)
         p.set_defaults(func=_handler(name))
     sel = kinds.add_parser("selection", help="block-selection micro-benchmark")
-    sel.add_argument("rest", nargs=argparse.REMAINDER, help="selection_bench arguments")
+    selection_bench.add_arguments(sel)
     sel.set_defaults(func=_selection)
 
 
@@ -104,4 +104,5 @@ def _handler(kind: str):
 def _selection(args: argparse.Namespace) -> int:
     from vllm_triforce.bench import selection_bench
 
-    return selection_bench.main(args.rest) or 0
+    selection_bench.run(args)
+    return 0

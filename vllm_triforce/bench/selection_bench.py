@@ -50,8 +50,7 @@ class Shape:
 SHAPES = (Shape("smollm2-135m", 9, 3, 64), Shape("qwen2.5-1.5b", 12, 2, 128))
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny shapes (smoke test)")
     parser.add_argument("--tokens", type=int, default=32768, help="committed tokens per request")
     parser.add_argument("--layers", type=int, default=30)
@@ -65,12 +64,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.quick:
-        args.tokens, args.layers, args.budget, args.batch, args.repeat = 2048, 4, 512, [1, 2], 2
-    return args
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return parser.parse_args(argv)
 
 
 # name -> (policy, kwargs): configurations timed besides each policy's defaults
@@ -172,8 +171,13 @@ def time_attention_floor(shape: Shape, args, batch: int) -> float:
     return median_ms(step, args.repeat, device)
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
+
+def run(args: argparse.Namespace) -> None:
+    """Print the cost table for parsed arguments (`add_arguments`)."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.quick:
+        args.tokens, args.layers, args.budget, args.batch, args.repeat = 2048, 4, 512, [1, 2], 2
     print(f"selection cost: {args.tokens} tokens, block {args.block_size}, {args.layers} layers, "
           f"budget {args.budget} tokens ({args.sink_blocks} sink + {args.recent_blocks} recent "
           f"blocks), device {args.device}, {torch.get_num_threads()} threads, "
@@ -189,6 +193,10 @@ def main(argv=None) -> None:
             floor = time_attention_floor(shape, args, batch)
             print(f"{shape.name:<14} {batch:>5} {'(attn/step)':<13} {floor:>12.2f}"
                   "   <- target decode step, attention only", flush=True)
+
+
+def main(argv=None) -> None:
+    run(parse_args(argv))
 
 
 if __name__ == "__main__":
