@@ -171,7 +171,6 @@ def time_attention_floor(shape: Shape, args, batch: int) -> float:
     return median_ms(step, args.repeat, device)
 
 
-
 def run(args: argparse.Namespace) -> None:
     """Print the cost table for parsed arguments (`add_arguments`)."""
     if args.threads:
