@@ -22,7 +22,7 @@ import types
 import pytest
 import torch
 
-from engine_helpers import free_llm, make_engine_kwargs
+from engine_helpers import free_llm, make_engine_kwargs, record_rerank_calls
 from test_triforce_engine import generate, three_level, two_level
 
 pytestmark = pytest.mark.engine
@@ -210,17 +210,13 @@ def test_rerank_reads_each_backends_cache(tiny_llama, monkeypatch):
     FLEX's logical one (engine/paged_keys.py). Each reader passed its check against the
     captured keys (a reader that fails it is dropped: None would be recorded), and the two
     backends' selections agree: the same acceptance, greedy identical to plain vLLM."""
-    from vllm_triforce.engine import retrieval_level
-
-    sources = []
-    exact = retrieval_level.rerank_exactly
-    monkeypatch.setattr(retrieval_level, "rerank_exactly",
-                        lambda *args: sources.append(args[3]) or exact(*args))
+    calls = record_rerank_calls(monkeypatch)
     accepted = {}
     for backend, layout in zip(BACKENDS, ("cpu_transposed", "logical")):
-        sources.clear()
+        calls.clear()
         tokens, stats = run(tiny_llama, backend, two_level("rerank"))
         assert tokens == run(tiny_llama, backend)[0]
+        sources = [args[3] for args in calls]
         assert sources and {getattr(s, "layout", None) for s in sources} == {layout}
         assert all(s.checked for s in sources)
         accepted[backend] = (stats["top_accepted"], stats["top_proposed"])

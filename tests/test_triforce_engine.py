@@ -9,7 +9,8 @@ import gc
 import pytest
 
 import tiny_models
-from engine_helpers import drafter_of, free_llm, make_engine_kwargs
+from engine_helpers import drafter_of, free_llm, make_engine_kwargs, record_rerank_calls
+from vllm_triforce.config import FULL_KEY_POLICIES
 
 pytestmark = pytest.mark.engine
 
@@ -65,7 +66,7 @@ def two_level(policy="retrieval", **extra):
     return {"method": "triforce", "num_speculative_tokens": 4, "retrieval_budget": 160,
             "retrieval_sink_tokens": 16, "retrieval_recent_tokens": 32,
             "selection_policy": policy, "refresh_interval": 16, "adaptive": False,
-            "allow_full_key_copy": policy in ("h2o", "topk_oracle"), **extra}
+            "allow_full_key_copy": policy in FULL_KEY_POLICIES, **extra}
 
 
 def three_level(draft, policy="retrieval", **extra):
@@ -83,13 +84,9 @@ def test_two_level_greedy_identical_mha(tiny_llama, policy):
 def test_rerank_runs_its_exact_stage_and_stays_identical(tiny_llama, monkeypatch):
     """rerank's second stage runs, reading keys from vLLM's KV cache (no key copy); the
     cache reader passed its check against the captured keys before it was used."""
-    from vllm_triforce.engine import retrieval_level
     from vllm_triforce.engine.paged_keys import PagedKeys
 
-    calls = []
-    exact = retrieval_level.rerank_exactly
-    monkeypatch.setattr(retrieval_level, "rerank_exactly",
-                        lambda *args: calls.append(args) or exact(*args))
+    calls = record_rerank_calls(monkeypatch)
     tokens, stats, _ = generate(tiny_llama, two_level("rerank"))
     assert tokens == plain(tiny_llama)
     assert calls and {args[0].factor for args in calls} == {4}
@@ -100,16 +97,13 @@ def test_rerank_runs_its_exact_stage_and_stays_identical(tiny_llama, monkeypatch
 def test_rerank_drops_a_cache_reader_that_fails_its_check(tiny_llama, monkeypatch):
     """A reader whose keys differ from the captured ones is never used: rerank keeps its
     first stage (rerank_exactly is handed no key source) and outputs stay identical."""
-    from vllm_triforce.engine import paged_keys, retrieval_level
+    from vllm_triforce.engine import paged_keys
 
-    sources = []
-    exact = retrieval_level.rerank_exactly
-    monkeypatch.setattr(retrieval_level, "rerank_exactly",
-                        lambda *args: sources.append(args[3]) or exact(*args))
+    calls = record_rerank_calls(monkeypatch)
     monkeypatch.setattr(paged_keys.PagedKeys, "check", lambda *args: "forced mismatch")
     tokens, stats, _ = generate(tiny_llama, two_level("rerank"))
     assert tokens == plain(tiny_llama)
-    assert sources and set(sources) == {None} and stats["refreshes"] > len(PROMPT_WORDS)
+    assert calls and {args[3] for args in calls} == {None} and stats["refreshes"] > len(PROMPT_WORDS)
 
 
 @pytest.mark.parametrize("policy", ["retrieval", "topk_oracle"])
