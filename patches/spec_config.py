@@ -38,8 +38,7 @@ def _make_wrapper(original):
         if not (isinstance(spec, dict) and spec.get("method") == "triforce"):
             return original(self, target_model_config, target_parallel_config)
         from vllm_triforce import engine_settings
-        from vllm_triforce.config import (ADDITIONAL_CONFIG_KEY, FORCED_SETTINGS_KEY,
-                                          TriForceConfig)
+        from vllm_triforce.config import TriForceConfig, with_settings
 
         cfg = TriForceConfig.from_speculative_config(_with_resolved_asset(spec))
         _check_parallel(target_parallel_config)
@@ -51,9 +50,7 @@ def _make_wrapper(original):
             "num_speculative_tokens": cfg.num_speculative_tokens,
             **passthrough,
         }
-        self.additional_config = {**(self.additional_config or {}),
-                                  ADDITIONAL_CONFIG_KEY: cfg.to_dict(),
-                                  FORCED_SETTINGS_KEY: forced}
+        self.additional_config = with_settings(self.additional_config, cfg, forced)
         _check_vocab(cfg, _draft_vocab_size(cfg, target_model_config), target_model_config)
         try:
             result = original(self, target_model_config, target_parallel_config)

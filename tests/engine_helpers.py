@@ -3,6 +3,7 @@
 from vllm_triforce.offline import drafter_of, free_llm  # noqa: F401
 
 DEFAULT_MAX_MODEL_LEN = 1024
+VLLM_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"  # vLLM's counter of drafts verified
 
 
 def make_engine_kwargs(**over) -> dict:
@@ -13,13 +14,51 @@ def make_engine_kwargs(**over) -> dict:
     return kwargs
 
 
+def assert_drafted(stats: dict, levels: int = 2) -> None:
+    """TriForce drafted: vLLM's full-cache verification saw middle-level drafts
+    (`top_proposed`) and, with three levels, the small draft proposed to the middle level
+    (`middle_proposed`). Every identity or distribution test calls this on the TriForce
+    engine's counters (`drafter_of(llm).stats.snapshot()`): an engine that never drafted
+    decodes plainly, and equals plain vLLM trivially."""
+    assert stats["top_proposed"] > 0, (
+        f"TriForce never drafted: no draft reached vLLM's verification ({_depths(stats)})")
+    if levels == 3:
+        assert stats["middle_proposed"] > 0, (
+            f"the small draft never proposed to the middle level ({_depths(stats)}, "
+            f"{stats['top_proposed']} drafts verified, {stats['middle_rounds']} middle rounds)")
+
+
+def assert_vllm_drafted(metrics: dict) -> None:
+    """vLLM's own counter (`vllm:spec_decode_num_draft_tokens`, stats logging on) saw
+    drafts: for engines whose TriForce counters this process cannot read (TP workers)."""
+    drafted = metrics.get(VLLM_DRAFT_TOKENS) or 0
+    assert drafted > 0, f"no draft token reached vLLM's verification ({VLLM_DRAFT_TOKENS} = " \
+                        f"{metrics.get(VLLM_DRAFT_TOKENS)})"
+
+
+def _depths(stats: dict) -> str:
+    return (f"depth histogram {stats.get('depth_counts')}, plain steps "
+            f"{stats.get('plain_steps')}, drafting steps {stats.get('drafting_steps')}")
+
+
+def force_depths(llm, depths: list[int]) -> None:
+    """The depth controller uses `depths` in turn (request i of plan n gets
+    depths[(n + i) % len(depths)]) through its test hook `controller.forced`. The hook must
+    exist already: set on a renamed hook, the attribute would be ignored and the controller
+    would decide, rarely drafting on a tiny model."""
+    controller = drafter_of(llm).depth.controller
+    assert hasattr(controller, "forced"), "the depth controller's test hook `forced` moved"
+    controller.forced = list(depths)
+
+
 def record_rerank_calls(monkeypatch) -> list[tuple]:
-    """Wrap the retrieval level's `rerank_exactly` so every call's arguments are appended to
-    the returned list (args[0] the policy, args[3] the key source) before it runs as usual."""
-    from vllm_triforce.engine import retrieval_level
+    """Wrap the selector's `rerank_exactly` (core/selection.py) so every call's arguments
+    are appended to the returned list (args[0] the policy, args[3] the key source) before it
+    runs as usual."""
+    from vllm_triforce.core import selection
 
     calls = []
-    exact = retrieval_level.rerank_exactly
-    monkeypatch.setattr(retrieval_level, "rerank_exactly",
+    exact = selection.rerank_exactly
+    monkeypatch.setattr(selection, "rerank_exactly",
                         lambda *args: calls.append(args) or exact(*args))
     return calls

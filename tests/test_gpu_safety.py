@@ -17,6 +17,7 @@ import vllm_triforce
 from engine_helpers import drafter_of, free_llm, make_engine_kwargs
 from vllm_triforce.config import TriForceConfig, TriForceConfigError
 from vllm_triforce.core.policies import make_policy
+from vllm_triforce.core.policy_facts import SummaryKinds
 from vllm_triforce.engine.forward import PassInputs, run, split_pass
 from vllm_triforce.engine.memory import MemoryPlan
 
@@ -171,9 +172,9 @@ def smollm2_plan(kv_dtype_bytes=4, **summaries):
     """MemoryPlan of engine/memory.py's worked example (SmolLM2-135M, 8 requests, gamma2 6)."""
     return MemoryPlan.for_engine(kv_bytes_per_block=30 * 2 * 32 * 3 * 64 * kv_dtype_bytes,
                                  num_target_layers=30, num_kv_heads=3, head_dim=64,
-                                 block_size=32, kv_dtype_bytes=kv_dtype_bytes, keep_keys=False,
-                                 max_num_seqs=8, gamma2=6, gamma1=0, vocab_size=49152,
-                                 **summaries)
+                                 block_size=32, kv_dtype_bytes=kv_dtype_bytes,
+                                 kinds=SummaryKinds(**summaries),
+                                 max_num_seqs=8, gamma2=6, gamma1=0, vocab_size=49152)
 
 
 def test_memory_plan_worked_example():
@@ -228,7 +229,7 @@ def test_plugin_chosen_cpu_kv_size_leaves_room_for_the_reservation():
     TriForce will reserve, so the KV that remains still holds the size it chose."""
     plan = MemoryPlan.for_engine(kv_bytes_per_block=1_474_560, num_target_layers=30,
                                  num_kv_heads=3, head_dim=64, block_size=32, kv_dtype_bytes=4,
-                                 keep_keys=False, max_num_seqs=1, gamma2=6, gamma1=0,
+                                 kinds=SummaryKinds(), max_num_seqs=1, gamma2=6, gamma1=0,
                                  vocab_size=49152)
     wanted = 2128 * 46_080  # one 2,128-token request of SmolLM2 float32
     assert plan.kv_budget(plan.available_for(wanted)) >= wanted

@@ -9,7 +9,8 @@ import gc
 import pytest
 
 import tiny_models
-from engine_helpers import drafter_of, free_llm, make_engine_kwargs, record_rerank_calls
+from engine_helpers import (assert_drafted, drafter_of, force_depths, free_llm,
+                            make_engine_kwargs, record_rerank_calls)
 from vllm_triforce.config import FULL_KEY_POLICIES
 
 pytestmark = pytest.mark.engine
@@ -35,7 +36,7 @@ def generate(model, spec=None, schedule=None, **over):
     kwargs = make_engine_kwargs(**over)
     llm = LLM(str(model), speculative_config=spec, disable_log_stats=spec is None, **kwargs)
     if schedule is not None:
-        drafter_of(llm).depth.controller.forced = schedule
+        force_depths(llm, schedule)
     try:
         outs = llm.generate(prompts(), greedy_params(), use_tqdm=False)
         tokens = [list(o.outputs[0].token_ids) for o in outs]
@@ -78,7 +79,8 @@ def three_level(draft, policy="retrieval", **extra):
 def test_two_level_greedy_identical_mha(tiny_llama, policy):
     tokens, stats, _ = generate(tiny_llama, two_level(policy))
     assert tokens == plain(tiny_llama)
-    assert stats["top_proposed"] > 0 and stats["refreshes"] > len(PROMPT_WORDS)
+    assert_drafted(stats)
+    assert stats["refreshes"] > len(PROMPT_WORDS)
 
 
 def test_rerank_runs_its_exact_stage_and_stays_identical(tiny_llama, monkeypatch):
@@ -89,6 +91,7 @@ def test_rerank_runs_its_exact_stage_and_stays_identical(tiny_llama, monkeypatch
     calls = record_rerank_calls(monkeypatch)
     tokens, stats, _ = generate(tiny_llama, two_level("rerank"))
     assert tokens == plain(tiny_llama)
+    assert_drafted(stats)
     assert calls and {args[0].factor for args in calls} == {4}
     assert all(isinstance(args[3], PagedKeys) and args[3].checked for args in calls)
     assert stats["refreshes"] > len(PROMPT_WORDS)
@@ -103,25 +106,29 @@ def test_rerank_drops_a_cache_reader_that_fails_its_check(tiny_llama, monkeypatc
     monkeypatch.setattr(paged_keys.PagedKeys, "check", lambda *args: "forced mismatch")
     tokens, stats, _ = generate(tiny_llama, two_level("rerank"))
     assert tokens == plain(tiny_llama)
-    assert calls and {args[3] for args in calls} == {None} and stats["refreshes"] > len(PROMPT_WORDS)
+    assert_drafted(stats)
+    assert calls and {args[3] for args in calls} == {None}
+    assert stats["refreshes"] > len(PROMPT_WORDS)
 
 
 @pytest.mark.parametrize("policy", ["retrieval", "topk_oracle"])
 def test_three_level_greedy_identical_gqa(tiny_qwen2, tiny_draft, policy):
     tokens, stats, _ = generate(tiny_qwen2, three_level(tiny_draft, policy))
     assert tokens == plain(tiny_qwen2)
-    assert stats["middle_proposed"] > 0
+    assert_drafted(stats, levels=3)
     assert stats["draft_rebases"] > 0  # prompts exceed the draft's 256 positions
 
 
 def test_three_level_greedy_identical_mha(tiny_llama, tiny_draft):
     tokens, stats, _ = generate(tiny_llama, three_level(tiny_draft, "h2o"))
     assert tokens == plain(tiny_llama)
+    assert_drafted(stats, levels=3)
 
 
 def test_two_level_greedy_identical_gqa(tiny_qwen2):
-    tokens, _, _ = generate(tiny_qwen2, two_level("streamingllm"))
+    tokens, stats, _ = generate(tiny_qwen2, two_level("streamingllm"))
     assert tokens == plain(tiny_qwen2)
+    assert_drafted(stats)
 
 
 def test_full_budget_middle_level_is_the_target(tiny_qwen2):
@@ -130,7 +137,7 @@ def test_full_budget_middle_level_is_the_target(tiny_qwen2):
     positions and causal layout of the retrieval pass."""
     tokens, stats, metrics = generate(tiny_qwen2, two_level(retrieval_budget=4096))
     assert tokens == plain(tiny_qwen2)
-    assert stats["top_proposed"] > 0
+    assert_drafted(stats)
     assert stats["top_accepted"] == stats["top_proposed"]
     assert metrics["vllm:spec_decode_num_accepted_tokens"] == \
         metrics["vllm:spec_decode_num_draft_tokens"]
@@ -143,7 +150,7 @@ def test_self_draft_full_window_accepts_everything(tiny_llama):
                      draft_tokens_per_round=3)
     tokens, stats, _ = generate(tiny_llama, spec, max_model_len=1024)
     assert tokens == plain(tiny_llama)
-    assert stats["middle_proposed"] > 0
+    assert_drafted(stats, levels=3)
     assert stats["middle_accepted"] == stats["middle_proposed"]
     assert stats["top_accepted"] == stats["top_proposed"]
 
@@ -151,15 +158,16 @@ def test_self_draft_full_window_accepts_everything(tiny_llama):
 def test_preemption_and_prefix_sharing_stay_identical(tiny_llama):
     """A KV cache too small for the batch forces preemption and recompute; shared prompt
     prefixes hit the prefix cache. Output must not change."""
-    tokens, _, _ = generate(tiny_llama, two_level(), num_gpu_blocks_override=48,
-                            max_num_seqs=4)
+    tokens, stats, _ = generate(tiny_llama, two_level(), num_gpu_blocks_override=48,
+                                max_num_seqs=4)
     assert tokens == plain(tiny_llama)
+    assert_drafted(stats)
 
 
 def test_metrics_beside_spec_decode(tiny_llama):
     """Per-level TriForce counters appear in LLM.get_metrics() next to vllm:spec_decode_*."""
     _, stats, metrics = generate(tiny_llama, two_level())
-    assert metrics["vllm:spec_decode_num_draft_tokens"] > 0
+    assert_drafted(stats)
     for name in ("top_proposed", "top_accepted", "middle_rounds", "refreshes"):
         assert metrics[f"vllm:triforce_{name}"] >= stats[name] > 0
     # our count of full-cache verifications is vLLM's own (prompt chunks are not counted)
@@ -200,8 +208,9 @@ def test_live_requests_gauge_drops_when_the_engine_is_freed(tiny_llama):
 @pytest.mark.network
 def test_smollm2_two_level_moby_dick(smollm2):
     """A real model on a long book prompt: identical greedy output with the depth controller
-    and at a fixed depth; the fixed depth's acceptance printed and checked (the controller
-    drafts only when it pays, so its counts say nothing about the retrieval cache)."""
+    and at a fixed depth, both having drafted (the controller's start-up probes draft at
+    full depth); the fixed depth's acceptance printed and checked (the controller drafts
+    only when it pays, so its acceptance says nothing about the retrieval cache)."""
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
@@ -221,12 +230,17 @@ def test_smollm2_two_level_moby_dick(smollm2):
         finally:
             free_llm(llm)
         results.append(([list(o.outputs[0].token_ids) for o in outs], stats))
-    (plain_tokens, _), (adaptive_tokens, _), (fixed_tokens, stats) = results
+    (plain_tokens, _), (adaptive_tokens, adaptive), (fixed_tokens, stats) = results
+    assert_drafted(adaptive)
+    assert_drafted(stats)
     accepted, proposed = stats["top_accepted"], stats["top_proposed"]
     print(f"SmolLM2 two-level, 2000/1200-token Moby-Dick prompts, depth 4: full-cache "
-          f"acceptance of middle-level drafts {accepted}/{proposed} = {accepted / proposed:.3f}")
+          f"acceptance of middle-level drafts {accepted}/{proposed} = {accepted / proposed:.3f}; "
+          f"the controller drafted {adaptive['top_proposed']} tokens "
+          f"({adaptive['plain_steps']} plain steps of "
+          f"{adaptive['plain_steps'] + adaptive['drafting_steps']})")
     assert adaptive_tokens == plain_tokens and fixed_tokens == plain_tokens
-    assert proposed > 0 and accepted / proposed > 0.3  # a real model drafts for itself well
+    assert accepted / proposed > 0.3  # a real model drafts for itself well
 
 
 def test_two_level_refreshes_when_full_cache_acceptance_drops(tiny_llama):
@@ -236,6 +250,7 @@ def test_two_level_refreshes_when_full_cache_acceptance_drops(tiny_llama):
     tokens, stats, _ = generate(tiny_llama, two_level(refresh_interval=0,
                                                       refresh_acceptance_threshold=1.0))
     assert tokens == plain(tiny_llama)
+    assert_drafted(stats)
     _, quiet, _ = generate(tiny_llama, two_level(refresh_interval=0,
                                                  refresh_acceptance_threshold=0.0))
     assert quiet["refreshes"] == len(PROMPT_WORDS)
@@ -249,6 +264,7 @@ def test_refresh_every_token_reselects_between_middle_rounds(tiny_llama):
     only it would be one per 4). Outputs stay identical."""
     tokens, stats, _ = generate(tiny_llama, two_level(refresh_interval=1))
     assert tokens == plain(tiny_llama)
+    assert_drafted(stats)
     assert stats["refreshes"] >= 0.9 * stats["top_proposed"], stats
 
 
@@ -257,19 +273,20 @@ def test_middle_rounds_rerank_the_step_start_shortlist(tiny_llama, monkeypatch, 
     """Between middle rounds only each layer's best middle_shortlist x (retrieved blocks)
     candidates of the step's start are re-scored (budget 160 = 5 blocks: 1 sink, 1 recent,
     the tail, 2 retrieved -> 8 listed); 0 re-scores every candidate. Outputs identical."""
-    from vllm_triforce.engine import retrieval_level
+    from vllm_triforce.core import selection
 
     listed = []
-    real = retrieval_level.rescore_shortlist
+    real = selection.rescore_shortlist
 
     def counting(policy, query, summaries, block_table, shortlist):
         listed.append(tuple(shortlist.shape))
         return real(policy, query, summaries, block_table, shortlist)
 
-    monkeypatch.setattr(retrieval_level, "rescore_shortlist", counting)
+    monkeypatch.setattr(selection, "rescore_shortlist", counting)
     tokens, stats, _ = generate(tiny_llama, two_level(refresh_interval=1,
                                                       middle_shortlist=factor))
     assert tokens == plain(tiny_llama)
+    assert_drafted(stats)
     assert stats["refreshes"] >= 0.9 * stats["top_proposed"], stats
     if factor:  # every middle re-selection (3 of a step's 4 rounds) used the shortlist
         assert len(listed) >= stats["middle_rounds"] // 2 > 0
@@ -293,6 +310,7 @@ def test_key_variance_is_the_default_and_can_be_turned_off(tiny_llama, monkeypat
         spec["key_variance"] = False
     tokens, stats, _ = generate(tiny_llama, spec)
     assert tokens == plain(tiny_llama)
+    assert_drafted(stats)
     assert stats["refreshes"] > 0
     assert bool(reads) == variance
 
@@ -307,14 +325,52 @@ def test_varying_depth_two_level_greedy_identical(tiny_llama):
     assert tokens == plain(tiny_llama)
     used = {k for k, n in enumerate(stats["depth_counts"]) if n}
     assert {0, 1, 2, 3, 4} <= used and stats["plain_steps"] > 0
-    assert stats["top_proposed"] == metrics["vllm:spec_decode_num_draft_tokens"] > 0
+    assert_drafted(stats)
+    assert stats["top_proposed"] == metrics["vllm:spec_decode_num_draft_tokens"]
 
 
 def test_varying_depth_three_level_greedy_identical(tiny_qwen2, tiny_draft):
     tokens, stats, _ = generate(tiny_qwen2, three_level(tiny_draft, adaptive=True),
                                 schedule=SCHEDULE)
     assert tokens == plain(tiny_qwen2)
-    assert stats["middle_proposed"] > 0 and stats["plain_steps"] > 0
+    assert_drafted(stats, levels=3)
+    assert stats["plain_steps"] > 0
+
+
+def test_three_level_steps_without_the_small_draft_stay_identical(tiny_qwen2, tiny_draft,
+                                                                   monkeypatch):
+    """Three levels in the controller's other middle mode (RETRIEVAL: the small draft sits
+    out, the retrieval level drafts alone, one token per round) on every other plan, the
+    small draft proposing on the rest: otherwise only the controller's start-up probe runs
+    this mode. Forced through the controller's own Plan, so the engine's mapping of a mode
+    to `use_draft` is what runs; every round records whether the small draft proposed."""
+    import dataclasses
+
+    from vllm_triforce.core import controller
+    from vllm_triforce.engine.depth import DepthChooser
+
+    decide = controller.SpeculationController.plan
+    finish_round = DepthChooser.round_done
+    small_draft_ran = []  # per middle round: did the small draft propose in it
+
+    def every_other_plan_retrieval_only(self, req_ids, max_depth):
+        plan = decide(self, req_ids, max_depth)
+        if plan.mode == controller.DRAFT and self._num_plans % 2:
+            plan = dataclasses.replace(plan, mode=controller.RETRIEVAL)
+        return plan
+
+    def recording(self, use_draft, *args):
+        small_draft_ran.append(use_draft)
+        return finish_round(self, use_draft, *args)
+
+    monkeypatch.setattr(controller.SpeculationController, "plan", every_other_plan_retrieval_only)
+    monkeypatch.setattr(DepthChooser, "round_done", recording)
+    tokens, stats, _ = generate(tiny_qwen2, three_level(tiny_draft, adaptive=True),
+                                schedule=[4])
+    assert tokens == plain(tiny_qwen2)
+    assert_drafted(stats, levels=3)
+    assert small_draft_ran.count(False) > 0, "no middle round ran without the small draft"
+    assert small_draft_ran.count(True) > 0
 
 
 def test_depth_zero_runs_no_middle_pass(tiny_llama):
@@ -331,7 +387,7 @@ def test_controller_decides_and_stays_identical(tiny_qwen2, tiny_draft):
     tokens, stats, metrics = generate(tiny_qwen2, three_level(tiny_draft, adaptive=True))
     assert tokens == plain(tiny_qwen2)
     assert sum(stats["depth_counts"]) >= stats["plain_steps"] + stats["drafting_steps"] > 0
-    assert stats["drafting_steps"] > 0  # start-up measures drafting at least once
+    assert_drafted(stats, levels=3)  # start-up probes drafting in each mode at least once
     assert metrics["vllm:triforce_drafting_steps"] >= stats["drafting_steps"]
 
 
@@ -340,4 +396,5 @@ def test_dynamic_sd_table_caps_the_depth(tiny_llama):
     spec = two_level(adaptive=True, num_speculative_tokens_per_batch_size=[[1, 256, 2]])
     tokens, stats, _ = generate(tiny_llama, spec, schedule=[4])
     assert tokens == plain(tiny_llama)
+    assert_drafted(stats)
     assert len(stats["depth_counts"]) == 3 and stats["depth_counts"][2] > 0

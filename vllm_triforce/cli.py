@@ -11,8 +11,8 @@ calls `subparsers.add_parser(...)`, adds its arguments and
 `set_defaults(func=handler)`; `handler(args)` returns an exit code (or None for
 0). Register it in SUBCOMMANDS below. Keep the parser function light: import
 vLLM and torch inside the handler, so `vllm-triforce models list` stays instant.
-Expected failures raise CommandError (or AssetError): the message goes to
-stderr and the exit code is 2, without a traceback.
+Expected failures raise CommandError (vllm_triforce/errors.py) or AssetError: the
+message goes to stderr and the exit code is 2, without a traceback.
 """
 
 import argparse
@@ -21,11 +21,7 @@ import sys
 from typing import Callable
 
 from vllm_triforce import assets
-
-
-class CommandError(Exception):
-    """An expected failure of a subcommand: printed without a traceback, exit code 2."""
-
+from vllm_triforce.errors import CommandError
 
 EXPECTED_ERRORS = (CommandError, assets.AssetError)
 EXIT_ERROR = 2
@@ -52,7 +48,7 @@ def _add_asset_parser(subparsers, kind: str, specs: dict, fetch: Callable, what:
     parser = subparsers.add_parser(kind, help=f"fetch and list {what}")
     actions = parser.add_subparsers(dest="action", required=True, metavar="{fetch,list}")
     fetch_parser = actions.add_parser(
-        "fetch", help=f"fetch (if not cached) and print the directory as the last line")
+        "fetch", help="fetch (if not cached) and print the directory as the last line")
     fetch_parser.add_argument("name", metavar="NAME", help=f"one of: {', '.join(specs)}")
     fetch_parser.set_defaults(func=fetch)
     list_parser = actions.add_parser("list", help=f"known {what} and their cache state")

@@ -17,18 +17,19 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_triforce.core.policy_facts import (POLICY_FACTS, POLICY_NAMES, SummaryKinds,
+                                             summary_kinds)
+
 # The key of vLLM's `additional_config` that carries the TriForce settings to the workers.
 ADDITIONAL_CONFIG_KEY = "triforce"
 # additional_config key: the engine settings TriForce chose (engine_settings.decide).
 FORCED_SETTINGS_KEY = "triforce_forced_settings"
 
-POLICIES = ("retrieval", "quest", "streamingllm", "h2o", "topk_oracle", "rerank")
-# Policies that keep per-block per-channel key bounds (two more key-sized vectors per block).
-BOUND_POLICIES = ("quest",)
+POLICIES = POLICY_NAMES
 # Policies that keep a copy of every committed key (exact attention mass): benchmarks only,
 # refused unless the user opts in with `allow_full_key_copy` (memory: one more key cache).
 # (`rerank` reads its shortlist's keys from vLLM's own KV cache: engine/paged_keys.py.)
-FULL_KEY_POLICIES = ("h2o", "topk_oracle")
+FULL_KEY_POLICIES = tuple(name for name, f in POLICY_FACTS.items() if f.copies_keys)
 
 # Attention backends whose metadata TriForce builds correctly per layer
 # (engine/forward.py says how each is handled). Anything else is refused at config time.
@@ -75,22 +76,23 @@ class TriForceConfig:
     # and when the rolling middle-level acceptance falls below the threshold.
     # Middle tokens count: 1 = at every drafting step from the newest
     # committed token's query and between middle rounds from the newest middle token's.
-    # Teacher-forced, Qwen2.5-Coder-0.5B at 8K (benchmarks/RESULTS.md, Acceptance): kept for
-    # 64 tokens 70.1%, at step starts only 71.9%, this 73.5%, per-position oracle 75.2%; a
-    # mean-key selection costs a few ms.
+    # Re-selecting this often measured better acceptance than at step starts only or once
+    # per 64 tokens (benchmarks/RESULTS.md, Acceptance); a selection costs a few ms.
     refresh_interval: int = 1
     # Between middle rounds, re-rank only each layer's best `middle_shortlist` x (retrieved
     # blocks) candidates of the step's start instead of every candidate (0: all of them).
-    # Mean-key scores only; other policies always score every candidate.
+    # Policies with `reranks_shortlist` (core/policy_facts.py) only; the others score every
+    # candidate.
     middle_shortlist: int = 4
     refresh_acceptance_threshold: float = 0.5
     selection_policy: str = "retrieval"
-    # `retrieval` (and `rerank`'s first stage): score a block by its mean key plus half the query-weighted
-    # per-channel variance of its keys (an estimate of log E[exp(q.k)] over the block), not
-    # the mean key alone. Teacher-forced (benchmarks/RESULTS.md, Acceptance): +0.9 points on
-    # Qwen2.5-Coder-0.5B 8K prose, +0.7 on SmolLM2 4K prose, +9.6 on SmolLM2's needle. Costs
-    # a second key-sized summary per block (square deviations, float32: 1/64 of a float32
-    # KV cache).
+    # `retrieval` (and `rerank`'s first stage): score a block by its mean key plus half the
+    # query-weighted per-channel variance of its keys (an estimate of log E[exp(q.k)] over the
+    # block), not the mean key alone: better teacher-forced acceptance on every row
+    # (benchmarks/RESULTS.md, Acceptance). Costs one more key-sized vector per block, float32
+    # whatever the KV cache's dtype (square deviations): 1/(2 x block_size) of a float32 KV
+    # cache, 1/block_size of a bf16 one (at block size 16 with the bf16 key sums, the
+    # summaries are 3/32 of the KV cache).
     key_variance: bool = True
     # h2o / topk_oracle keep a copy of every committed key (as much memory as the key
     # cache): for benchmarks. Refused unless the user opts in here.
@@ -175,9 +177,14 @@ class TriForceConfig:
 
     def policy_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of `core.policies.make_policy(selection_policy, ...)`."""
-        if self.selection_policy in ("retrieval", "rerank"):  # rerank's first stage: retrieval
+        if POLICY_FACTS[self.selection_policy].takes_key_variance:
             return {"variance": self.key_variance}
         return {}
+
+    def summary_kinds(self) -> SummaryKinds:
+        """The block state the policy reads: what the memory plan reserves and the proposer
+        allocates (`BlockSummaries(**dataclasses.asdict(kinds))`)."""
+        return summary_kinds(self.selection_policy, self.key_variance)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TriForceConfig":
@@ -200,13 +207,23 @@ class TriForceConfig:
 
 @dataclass(frozen=True)
 class BlockCounts:
-    """Token counts of a TriForceConfig rounded up to whole KV blocks."""
+    """Token counts of a TriForceConfig rounded up to whole KV blocks: the one geometry
+    that selection (core/selection.py, core/blocks.py), the levels and the benchmarks pass
+    around. The draft's two counts matter to the small draft only; a selection-only user
+    (a benchmark, a test) may leave them at their defaults."""
     block_size: int
     budget_blocks: int
     retrieval_sink_blocks: int
     retrieval_recent_blocks: int
-    draft_sink_blocks: int
-    draft_window_blocks: int
+    draft_sink_blocks: int = 0
+    draft_window_blocks: int = 1
+
+    @property
+    def num_retrieved(self) -> int:
+        """Blocks a selection retrieves besides sinks, recent blocks and the growing tail
+        block: budget = sinks + retrieved + recent + 1."""
+        return (self.budget_blocks - self.retrieval_sink_blocks
+                - self.retrieval_recent_blocks - 1)
 
     @classmethod
     def from_config(cls, cfg: TriForceConfig, block_size: int) -> "BlockCounts":
@@ -233,6 +250,19 @@ class BlockCounts:
 def triforce_settings(vllm_config) -> dict[str, Any] | None:
     """The TriForce settings dict in a vLLM config's `additional_config`, or None."""
     return (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
+
+
+def forced_settings(vllm_config) -> list:
+    """The engine settings TriForce chose for this engine (engine_settings.decide), as
+    carried in `additional_config`; [] for an engine it did not configure."""
+    return (vllm_config.additional_config or {}).get(FORCED_SETTINGS_KEY, [])
+
+
+def with_settings(additional_config: dict | None, cfg: "TriForceConfig", forced: list) -> dict:
+    """`additional_config` with the TriForce settings and the forced engine settings added
+    (patches/spec_config.py carries them to the workers this way)."""
+    return {**(additional_config or {}), ADDITIONAL_CONFIG_KEY: cfg.to_dict(),
+            FORCED_SETTINGS_KEY: forced}
 
 
 def _check_int(cfg: TriForceConfig, name: str, minimum: int) -> None:

@@ -21,7 +21,7 @@ of the engine's (the budget follows --budget-fraction). Usage (from the repo roo
     PROTO_RECENT=0 python benchmarks/explore/block_scores.py bench acceptance \\
         --out /tmp/explore_r0 --dtype float32 --context-tokens 4096 --budget-fraction 0.039
 
-Results and reading: benchmarks/RESULTS.md, "What the SmolLM2 4K row needs".
+Results and reading: benchmarks/HISTORY.md, "What the SmolLM2 4K row needs".
 """
 
 import math

@@ -48,3 +48,11 @@ def write_pass(summaries, committed, table_row, first_pos, block_size, gen, num_
     pos = torch.arange(first_pos, first_pos + n)
     summaries.add_committed(layer_keys, torch.arange(n), table_row.long()[pos // block_size],
                             pos % block_size)
+
+
+def geometry(block_size: int, budget_blocks: int, sinks: int, recent: int):
+    """config.BlockCounts of a retrieval selection (the draft's counts left at defaults)."""
+    from vllm_triforce.config import BlockCounts
+
+    return BlockCounts(block_size=block_size, budget_blocks=budget_blocks,
+                       retrieval_sink_blocks=sinks, retrieval_recent_blocks=recent)

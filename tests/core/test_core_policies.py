@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from core_toys import make_pool
+from core_toys import geometry, make_pool
 from vllm_triforce.core.selection import (POLICIES, SelectionState, make_policy, select_blocks)
 
 BS = 4
@@ -113,7 +113,7 @@ def test_gqa_query_head_reads_its_own_kv_head(num_q, num_kv):
 def test_streamingllm_keeps_sinks_and_recent_window():
     summaries, table, _, query, lengths = setup(4, 2, lengths=(80, 13))
     scores = make_policy("streamingllm").block_scores(query, summaries, table, lengths, None)
-    sel = select_blocks(scores, lengths, BS, budget_blocks=8, num_sink_blocks=2, num_recent_blocks=2)
+    sel = select_blocks(scores, lengths, geometry(BS, budget_blocks=8, sinks=2, recent=2))
     # 80 tokens: 20 full blocks, tail from 18, 3 chosen -> the 3 blocks right before the tail
     assert sel.logical_blocks[0, 0].tolist() == [0, 1, 15, 16, 17, -1]
     assert sel.tail_start.tolist() == [18, 2]  # 13 tokens: 3 full blocks, 2 sinks
@@ -237,11 +237,11 @@ def test_shortlist_rescoring_scores_exactly_the_listed_blocks(aggregation):
     """Between middle rounds only a shortlist is re-ranked: its scores are block_scores' for
     those blocks (softmax: normalised over the list), every other block is -inf, and a
     shortlist of every candidate selects what a full scoring selects."""
-    from vllm_triforce.core.selection import rescore_shortlist, shortlist
+    from vllm_triforce.core.selection import best_candidates, rescore_shortlist
     summaries, table, keys, query, lengths = setup(12, 2, lengths=(37, 9, 29))
     policy = make_policy("retrieval", aggregation=aggregation)
     full = policy.block_scores(query, summaries, table, lengths, None)
-    listed = shortlist(full, lengths, BS, 1, 1, size=3)  # [R, L, 3]
+    listed = best_candidates(full, lengths, geometry(BS, 4, 1, 1), size=3)  # [R, L, 3]
     assert listed.shape == (3, 2, 3)
     # request 1 (9 tokens: blocks 0, 1 full; sink 0, recent 1): no candidate at all
     assert listed[1].tolist() == [[-1, -1, -1]] * 2
@@ -265,10 +265,10 @@ def test_shortlist_rescoring_scores_exactly_the_listed_blocks(aggregation):
                 per_head = sum_scores(new_query, summaries, table)[r, layer]  # [Hq, B]
                 torch.testing.assert_close(rescored[r, layer, ids],
                                            per_head[:, ids].softmax(-1).sum(0))
-    everything = shortlist(full, lengths, BS, 1, 1, size=table.shape[1])
+    everything = best_candidates(full, lengths, geometry(BS, 4, 1, 1), size=table.shape[1])
     rescored = rescore_shortlist(policy, new_query, summaries, table, everything)
-    a = select_blocks(rescored, lengths, BS, 4, 1, 1)
-    b = select_blocks(again, lengths, BS, 4, 1, 1)
+    a = select_blocks(rescored, lengths, geometry(BS, 4, 1, 1))
+    b = select_blocks(again, lengths, geometry(BS, 4, 1, 1))
     assert torch.equal(a.logical_blocks, b.logical_blocks)
 
 
@@ -278,16 +278,17 @@ def test_rerank_of_every_candidate_is_the_exact_mass(num_q, num_kv):
     Top-K oracle's exact mass (softmax over every committed key, sinks and tail included);
     with a short list, exactly the first stage's best candidates are scored, the rest -inf."""
     from vllm_triforce.core.blocks import candidate_mask
-    from vllm_triforce.core.selection import rerank_exactly, shortlist
+    from vllm_triforce.core.selection import best_candidates, rerank_exactly
     summaries, table, keys, query, lengths = setup(num_q, num_kv, lengths=(37, 9, 26),
                                                    squares=True)
     sinks, recent = 1, 1
     first = make_policy("rerank").block_scores(query, summaries, table, lengths)
     torch.testing.assert_close(first, make_policy("retrieval", variance=True).block_scores(
         query, summaries, table, lengths))
+    # num_retrieved = budget - sinks - recent - 1: 1, then 2
     every = rerank_exactly(make_policy("rerank", factor=100), first, query, summaries, table,
-                           lengths, BS, sinks, recent, num_select=1)
-    cand = candidate_mask(lengths, BS, table.shape[1], sinks, recent)
+                           lengths, geometry(BS, 4, sinks, recent))
+    cand = candidate_mask(lengths, table.shape[1], geometry(BS, 4, sinks, recent))
     assert cand.sum(1).tolist() == [7, 0, 4]
     for r, n in enumerate(lengths.tolist()):
         ref = ref_mass(query[r], keys[r], n)  # [L, ceil(n / BS)]
@@ -295,8 +296,8 @@ def test_rerank_of_every_candidate_is_the_exact_mass(num_q, num_kv):
         torch.testing.assert_close(every[r, :, :ref.shape[1]][:, is_cand], ref[:, is_cand])
         assert torch.all(every[r][:, ~cand[r]] == float("-inf"))
     short = rerank_exactly(make_policy("rerank", factor=1), first, query, summaries, table,
-                           lengths, BS, sinks, recent, num_select=2)
-    listed = shortlist(first, lengths, BS, sinks, recent, size=2)
+                           lengths, geometry(BS, 5, sinks, recent))
+    listed = best_candidates(first, lengths, geometry(BS, 5, sinks, recent), size=2)
     for r in range(3):
         for layer in range(2):
             ids = [b for b in listed[r, layer].tolist() if b >= 0]
@@ -335,7 +336,7 @@ def ref_variance_scores(query, keys, n, aggregation):
 @pytest.mark.parametrize("num_q,num_kv", [(14, 2), (9, 3), (4, 4)])
 @pytest.mark.parametrize("aggregation", ["sum", "max", "softmax"])
 def test_retrieval_with_variance_matches_reference(num_q, num_kv, aggregation):
-    from vllm_triforce.core.selection import rescore_shortlist, shortlist
+    from vllm_triforce.core.selection import best_candidates, rescore_shortlist
     summaries, table, keys, query, lengths = setup(num_q, num_kv, squares=True)
     policy = make_policy("retrieval", aggregation=aggregation, variance=True)
     assert policy.needs_variance and policy.reranks_shortlist
@@ -345,7 +346,7 @@ def test_retrieval_with_variance_matches_reference(num_q, num_kv, aggregation):
         torch.testing.assert_close(scores[r, :, :n // BS], ref, rtol=1e-4, atol=1e-5)
     if aggregation == "softmax":
         return
-    listed = shortlist(scores, lengths, BS, 1, 1, size=3)
+    listed = best_candidates(scores, lengths, geometry(BS, 4, 1, 1), size=3)
     rescored = rescore_shortlist(policy, query, summaries, table, listed)
     for r in (0, 2):
         for layer in range(2):

@@ -5,6 +5,7 @@ import random
 import pytest
 import torch
 
+from core_toys import geometry
 from vllm_triforce.core.selection import Selection, build_block_tables, select_blocks
 
 
@@ -33,8 +34,7 @@ def test_hand_worked_docstring_example():
     # block_size 4, 1 sink, no recent block, budget 3 -> 1 selected; 26 committed tokens
     scores = torch.zeros(1, 1, 8)
     scores[0, 0, 3] = 5.0
-    sel = select_blocks(scores, torch.tensor([26]), 4, budget_blocks=3, num_sink_blocks=1,
-                        num_recent_blocks=0)
+    sel = select_blocks(scores, torch.tensor([26]), geometry(4, budget_blocks=3, sinks=1, recent=0))
     assert sel.logical_blocks.tolist() == [[[0, 3, -1]]]
     assert sel.num_selected.tolist() == [2] and sel.tail_start.tolist() == [6]
     table = torch.tensor([[10, 11, 12, 13, 14, 15, 16, 17]], dtype=torch.int32)
@@ -53,7 +53,7 @@ def test_matches_reference(seed):
     num_layers, max_blocks = 3, max(-(-n // bs) for n in lengths) + 2
     scores = torch.randn(len(lengths), num_layers, max_blocks, generator=torch.Generator().manual_seed(seed))
     table = torch.randint(0, 1000, (len(lengths), max_blocks), dtype=torch.int32)
-    sel = select_blocks(scores, torch.tensor(lengths), bs, budget, num_sink, num_recent)
+    sel = select_blocks(scores, torch.tensor(lengths), geometry(bs, budget, num_sink, num_recent))
     grow = [rng.choice([0, 1, bs + 1]) for _ in lengths]
     seq_lens = torch.tensor([min(n + g, max_blocks * bs) for n, g in zip(lengths, grow)])
     tables, lens = build_block_tables(sel, table, seq_lens, bs)
@@ -78,7 +78,7 @@ def test_invariants_mixed_batch():
     num_committed = torch.tensor(lengths)
     physical = torch.stack([torch.randperm(5000, generator=gen)[:max_blocks] for _ in lengths])
     table = physical.to(torch.int32)  # [R, max_blocks] all ids distinct per row
-    sel = select_blocks(scores, num_committed, bs, budget, num_sink, num_recent)
+    sel = select_blocks(scores, num_committed, geometry(bs, budget, num_sink, num_recent))
     for seq_lens in (num_committed, num_committed + 1, num_committed + 70):
         tables, lens = build_block_tables(sel, table, seq_lens, bs)
         for r, n in enumerate(lengths):
@@ -105,8 +105,8 @@ def test_invariants_mixed_batch():
 
 def test_nan_scores_never_displace_candidates_or_pick_non_candidates():
     scores = torch.full((1, 1, 12), float("nan"))
-    sel = select_blocks(scores, torch.tensor([12 * 4]), 4, budget_blocks=6, num_sink_blocks=1,
-                        num_recent_blocks=2)
+    sel = select_blocks(scores, torch.tensor([12 * 4]),
+                        geometry(4, budget_blocks=6, sinks=1, recent=2))
     blocks = sel.logical_blocks[0, 0]
     chosen = blocks[blocks >= 0].tolist()
     assert chosen[0] == 0 and len(chosen) == 1 + 2 and all(1 <= b < 10 for b in chosen[1:])
@@ -114,7 +114,7 @@ def test_nan_scores_never_displace_candidates_or_pick_non_candidates():
 
 def test_budget_too_small_is_an_error():
     with pytest.raises(ValueError, match="budget_blocks"):
-        select_blocks(torch.zeros(1, 1, 4), torch.tensor([16]), 4, 3, 1, 2)
+        select_blocks(torch.zeros(1, 1, 4), torch.tensor([16]), geometry(4, 3, 1, 2))
 
 
 def test_tables_of_a_hand_written_selection():

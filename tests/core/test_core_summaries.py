@@ -6,21 +6,32 @@ from core_toys import make_pool, write_pass
 from vllm_triforce.core.summaries import BlockSummaries
 
 
+def mean_keys(summaries, layer=None):
+    """[L, num_blocks, H, D] (or [num_blocks, H, D] for one layer); empty blocks -> 0."""
+    sums = summaries.sums if layer is None else summaries.sums[layer]
+    return sums / summaries.counts.clamp(min=1).to(sums.dtype)[:, None, None]
+
+
+def is_full(summaries, block_ids):
+    """bool, same shape as block_ids: the block holds block_size committed tokens."""
+    return summaries.counts[block_ids] == summaries.block_size
+
+
 def test_hand_worked_mean():
     s = BlockSummaries(num_layers=1, num_blocks=2, num_kv_heads=1, head_dim=1, block_size=2)
     keys = [torch.tensor([[1.0], [3.0], [100.0]])]  # row 2 is speculative
     s.add_committed(keys, rows=torch.tensor([0, 1]), block_ids=torch.tensor([1, 1]),
                     offsets=torch.tensor([0, 1]))
-    assert s.mean_keys(0)[1].item() == 2.0
+    assert mean_keys(s, 0)[1].item() == 2.0
     assert s.counts.tolist() == [0, 2]
-    assert s.is_full(torch.tensor([0, 1])).tolist() == [False, True]
+    assert is_full(s, torch.tensor([0, 1])).tolist() == [False, True]
 
 
 def test_incremental_equals_brute_force():
     lengths = [23, 8, 3]
     block_size = 4
     summaries, table, keys = make_pool(lengths, block_size=block_size, chunk=5)
-    means = summaries.mean_keys()  # [L, num_blocks, H, D]
+    means = mean_keys(summaries)  # [L, num_blocks, H, D]
     for r, n in enumerate(lengths):
         for b in range(-(-n // block_size)):
             phys = int(table[r, b])
@@ -32,8 +43,11 @@ def test_incremental_equals_brute_force():
             # per-channel bounds of the committed keys only (speculative rows are 1e3-scale)
             assert torch.equal(summaries.mins[:, phys], block_keys.amin(1))
             assert torch.equal(summaries.maxs[:, phys], block_keys.amax(1))
-    gathered = summaries.gather_mean_keys(table)  # [R, L, B, H, D]
-    torch.testing.assert_close(gathered[0].transpose(0, 1), means[:, table[0].long()].transpose(0, 1))
+    # the gather the retrieval scores use: one block list per layer, [R, L, B]
+    blocks = table.long()[:, None].expand(-1, summaries.num_layers, -1)
+    sums, counts = summaries.layer_key_sums(blocks)  # [R, L, B, H, D], [R, L, B]
+    gathered = means[:, table.long()].transpose(0, 1)  # [R, L, B, H, D]
+    torch.testing.assert_close(sums / counts[..., None, None], gathered)
 
 
 def test_reused_block_starts_over():
@@ -45,19 +59,19 @@ def test_reused_block_starts_over():
     write_pass(s, old, table, 0, 4, gen)  # block 2 full, block 0 has 3 tokens
     new = torch.randn(2, 2, 2, 4, generator=gen)
     write_pass(s, new, torch.tensor([0]), 0, 4, gen)  # block 0 freed and reused from offset 0
-    torch.testing.assert_close(s.mean_keys()[:, 0], new.mean(1))
+    torch.testing.assert_close(mean_keys(s)[:, 0], new.mean(1))
     assert s.counts.tolist() == [2, 0, 4]
     assert torch.all(s.keys[:, 0, 2:] == 0)  # the old request's keys are gone
     assert torch.equal(s.mins[:, 0], new.amin(1)) and torch.equal(s.maxs[:, 0], new.amax(1))
     assert torch.all(s.mins[:, 1] == float("inf")) and torch.all(s.maxs[:, 1] == float("-inf"))
-    torch.testing.assert_close(s.mean_keys()[:, 2], old[:, :4].mean(1))
+    torch.testing.assert_close(mean_keys(s)[:, 2], old[:, :4].mean(1))
 
 
 def test_accepts_three_dim_keys_and_counts_memory():
     s = BlockSummaries(num_layers=1, num_blocks=4, num_kv_heads=2, head_dim=3, block_size=2)
     keys = [torch.arange(12.0).view(2, 2, 3)]  # [T, H, D]
     s.add_committed(keys, torch.tensor([0, 1]), torch.tensor([3, 3]), torch.tensor([0, 1]))
-    torch.testing.assert_close(s.mean_keys(0)[3], keys[0].mean(0))
+    torch.testing.assert_close(mean_keys(s, 0)[3], keys[0].mean(0))
     assert s.nbytes() == 1 * 4 * 2 * 3 * 4 + 4 * 4
     with_keys = BlockSummaries(1, 4, 2, 3, 2, keep_keys=True)
     assert with_keys.nbytes() == s.nbytes() + 1 * 4 * 2 * 2 * 3 * 4

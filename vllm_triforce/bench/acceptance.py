@@ -23,6 +23,7 @@ blocks, at least the engine's minimum (sinks + recent + tail + one selected bloc
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import time
 from pathlib import Path
@@ -30,8 +31,9 @@ from pathlib import Path
 from vllm_triforce.bench import prompts as bench_prompts
 from vllm_triforce.bench import report
 from vllm_triforce.bench.teacher import Column, TeacherForcedEngine, measure_span
-from vllm_triforce.config import TriForceConfig
+from vllm_triforce.config import BlockCounts, TriForceConfig
 from vllm_triforce.core.policies import make_policy
+from vllm_triforce.core.selection import Selector
 
 BLOCK = 32
 # Positions between a column's full selections. The engine re-selects at every drafting step
@@ -138,14 +140,16 @@ def run_acceptance(args, model: str, out: Path) -> dict:
                                  max_num_seqs=max(len(docs) for docs, _, _ in tasks.values()),
                                  kv_cache_gib=args.kv_cache_gib, block_size=BLOCK)
     try:
-        g = engine.geometry
-        min_blocks = g.sink_blocks + g.recent_blocks + 2  # + tail + one selected block
+        g = engine.blocks
+        # sinks + recent + the growing tail + one retrieved block
+        min_blocks = g.retrieval_sink_blocks + g.retrieval_recent_blocks + 2
         main = budget_blocks(args.context_tokens, args.budget_fraction, min_blocks)
         sweep = sorted({max(b // BLOCK, min_blocks) for b in args.budgets} - {main})
         cells, sweep_cells = [], []
         for task, (docs, context, span) in tasks.items():
             budgets = [main] + (sweep if task != "needle" else [])
-            columns = [_column(name, b) for b in budgets for name in args.policies]
+            columns = [_column(name, dataclasses.replace(g, budget_blocks=b), engine.summaries)
+                       for b in budgets for name in args.policies]
             t0 = time.perf_counter()
             result = measure_span(engine, docs, context, span, columns, args.warmup,
                                   args.temperature, args.top_p, _progress(task, t0))
@@ -160,8 +164,8 @@ def run_acceptance(args, model: str, out: Path) -> dict:
     data = {"default_policy": default_column(),
             "config": {"model": model, "dtype": args.dtype, "context_tokens": args.context_tokens,
                        "budget_tokens": main * BLOCK, "budget_fraction": args.budget_fraction,
-                       "block_size": BLOCK, "sink_blocks": g.sink_blocks,
-                       "recent_blocks": g.recent_blocks, "span": args.span, "step_positions": STEP,
+                       "block_size": BLOCK, "sink_blocks": g.retrieval_sink_blocks,
+                       "recent_blocks": g.retrieval_recent_blocks, "span": args.span, "step_positions": STEP,
                        "warmup": args.warmup, "temperature": args.temperature,
                        "top_p": args.top_p, "interval": "mean +- 1.96 SE over positions",
                        "wall_seconds": round(wall, 1)},
@@ -181,11 +185,14 @@ def _progress(task: str, start: float):
     return show
 
 
-def _column(name: str, budget: int) -> Column:
+def _column(name: str, blocks: BlockCounts, keys) -> Column:
+    """Column `name` of COLUMNS at the budget of `blocks`; `keys`: the exact keys a
+    two-stage policy reads (the teacher's key copy)."""
     policy, kwargs, refresh_every, middle, _ = COLUMNS[name]
     policy = make_policy(policy, **kwargs)
-    shortlist = SHORTLIST if middle == MIDDLE and policy.reranks_shortlist else 0
-    return Column(f"{name}@{budget}", policy, budget, refresh_every, bool(middle), shortlist)
+    shortlist = SHORTLIST if middle == MIDDLE else 0  # the Selector ignores it if it cannot
+    return Column(f"{name}@{blocks.budget_blocks}", Selector(policy, blocks, shortlist, keys),
+                  refresh_every, bool(middle))
 
 
 # ---- rows ------------------------------------------------------------------------------

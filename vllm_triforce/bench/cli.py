@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from vllm_triforce.errors import CommandError
+
 DEFAULT_MODEL = "smollm2-135m"
 
 
@@ -64,8 +66,6 @@ def resolve_model(name: str | None) -> str | None:
     if name in assets.MODEL_SPECS:
         return str(assets.ensure_model(name))
     if not Path(name).is_dir():
-        from vllm_triforce.cli import CommandError
-
         raise CommandError(f"{name!r} is neither a known model ({', '.join(assets.MODEL_SPECS)})"
                            " nor a model directory")
     return str(Path(name).resolve())
@@ -75,7 +75,6 @@ def _handler(kind: str):
     def handle(args: argparse.Namespace) -> int:
         from vllm_triforce.bench import acceptance, serve, speed, sweep
         from vllm_triforce.bench.runner import BenchError
-        from vllm_triforce.cli import CommandError
 
         args.out.mkdir(parents=True, exist_ok=True)
         if args.dtype is None:

@@ -32,9 +32,9 @@ from types import SimpleNamespace
 
 import torch
 
-from vllm_triforce.core.selection import (POLICIES, RerankPolicy, SelectionState,
-                                          build_block_tables, make_policy, num_retrieved,
-                                          rerank_exactly, select_blocks)
+from vllm_triforce.config import BlockCounts
+from vllm_triforce.core.selection import (POLICIES, RerankPolicy, SelectionState, Selector,
+                                          build_block_tables, make_policy)
 from vllm_triforce.core.summaries import BlockSummaries
 from vllm_triforce.engine.paged_keys import PagedKeys
 
@@ -56,8 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--budget", type=int, default=4096, help="middle-level budget in tokens")
-    parser.add_argument("--sink-blocks", type=int, default=1)
-    parser.add_argument("--recent-blocks", type=int, default=4)
+    # The engine's retrieval_sink_blocks / retrieval_recent_blocks (config.BlockCounts).
+    parser.add_argument("--retrieval-sink-blocks", "--sink-blocks", type=int, default=1,
+                        dest="retrieval_sink_blocks")
+    parser.add_argument("--retrieval-recent-blocks", "--recent-blocks", type=int, default=4,
+                        dest="retrieval_recent_blocks")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     names = sorted(POLICIES) + sorted(VARIANTS)
     parser.add_argument("--policies", nargs="+", default=names, choices=names)
@@ -138,16 +141,14 @@ def time_selection(policy_name: str, shape: Shape, args, batch: int) -> tuple[fl
     keys = paged_cache(shape, args, summaries.num_blocks) if rerank else summaries
     states = [SelectionState() for _ in range(batch)]
     seq_lens = num_committed + 1
-    budget_blocks = args.budget // args.block_size
+    blocks = BlockCounts(block_size=args.block_size, budget_blocks=args.budget // args.block_size,
+                         retrieval_sink_blocks=args.retrieval_sink_blocks,
+                         retrieval_recent_blocks=args.retrieval_recent_blocks)
+    selector = Selector(policy, blocks, keys=keys)  # the engine's selection, step start
 
     def one_selection():
-        scores = policy.block_scores(query, summaries, table, num_committed, states)
-        scores = rerank_exactly(policy, scores, query, keys, table, num_committed,
-                                args.block_size, args.sink_blocks, args.recent_blocks,
-                                num_retrieved(budget_blocks, args.sink_blocks, args.recent_blocks))
-        selection = select_blocks(scores, num_committed, args.block_size, budget_blocks,
-                                  args.sink_blocks, args.recent_blocks)
-        return build_block_tables(selection, table, seq_lens, args.block_size)
+        choice = selector.choose(query, summaries, table, num_committed, states)
+        return build_block_tables(choice.selection, table, seq_lens, args.block_size)
 
     ms = median_ms(one_selection, args.repeat, summaries.device)
     return ms, summaries.nbytes(), max(s.nbytes() for s in states)
@@ -178,7 +179,7 @@ def run(args: argparse.Namespace) -> None:
     if args.quick:
         args.tokens, args.layers, args.budget, args.batch, args.repeat = 2048, 4, 512, [1, 2], 2
     print(f"selection cost: {args.tokens} tokens, block {args.block_size}, {args.layers} layers, "
-          f"budget {args.budget} tokens ({args.sink_blocks} sink + {args.recent_blocks} recent "
+          f"budget {args.budget} tokens ({args.retrieval_sink_blocks} sink + {args.retrieval_recent_blocks} recent "
           f"blocks), device {args.device}, {torch.get_num_threads()} threads, "
           f"median of {args.repeat}")
     print(f"{'shape':<14} {'batch':>5} {'policy':<13} {'ms/selection':>12} "

@@ -62,7 +62,7 @@ def method_runs(args, draft: str | None) -> list[dict]:
                                            {**spec, "selection_policy": policy,
                                             "allow_full_key_copy": policy in FULL_KEY_POLICIES},
                                            args.gamma))
-    # Last: after an ngram engine a process cannot build another one (CPU_VLLM.md).
+    # Last: after an ngram engine a process cannot build another one (bench/worker.py).
     runs.append({"name": "ngram", "spec": {"method": "ngram", "num_speculative_tokens": k,
                                            "prompt_lookup_max": 4, "prompt_lookup_min": 2}})
     if args.methods:

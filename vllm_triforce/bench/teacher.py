@@ -16,7 +16,8 @@ plus its own slot (each layer writes before it attends) and rewrites slot t exac
 later positions see an exact prefix. Documents live in different blocks and never read
 each other's slots.
 
-Selection follows the engine: scores from the query of the newest committed token
+Selection is the engine's: each column's `core.selection.Selector` (the object the
+engine's retrieval level calls), scoring with the query of the newest committed token
 (position t - 1, captured by the previous full pass), candidates = full blocks before
 the tail, sinks + recent + the growing tail always kept. A column re-selects every
 `refresh_every` positions from C on: 1 = at every position (the paper's Top-K oracle), the
@@ -42,23 +43,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm_triforce.core.policies import SelectionPolicy, SelectionState
-from vllm_triforce.core.selection import (Selection, build_block_tables, num_retrieved,
-                                          rerank_exactly, rescore_shortlist, select_blocks,
-                                          shortlist)
+from vllm_triforce.config import BlockCounts
+from vllm_triforce.core.policies import SelectionState
+from vllm_triforce.core.selection import Selection, Selector, build_block_tables
 from vllm_triforce.core.summaries import BlockSummaries
 from vllm_triforce.core.verify import sampling_probs
 
 
 @dataclass
 class Column:
-    """One q per position: a policy, its budget and when it selects."""
+    """One q per position: a selector (policy, geometry with the column's budget,
+    shortlist factor, key source) and when it selects."""
     name: str
-    policy: SelectionPolicy
-    budget_blocks: int
+    selector: Selector
     refresh_every: int = 0  # positions between selections; 0: once per span
     middle_queries: bool = False  # in between: re-select with its own pass's query
-    shortlist: int = 0  # ... re-ranking only this many x num_select blocks (0: all)
     # filled during a span
     selection: Selection | None = None
     states: list = field(default_factory=list)  # SelectionState per document (h2o)
@@ -71,13 +70,6 @@ class SpanResult:
     """Per column, one value per (document, position), documents outermost."""
     acceptance: dict[str, list[float]]  # sum_x min(p(x), q(x)) at temperature / top-p
     agreement: dict[str, list[bool]]    # argmax p == argmax q
-
-
-@dataclass(frozen=True)
-class Geometry:
-    block_size: int
-    sink_blocks: int
-    recent_blocks: int
 
 
 class TeacherForcedEngine:
@@ -101,9 +93,8 @@ class TeacherForcedEngine:
                        speculative_config=spec, enable_prefix_caching=False)
         self.drafter = drafter_of(self.llm)
         self.block_size = block_size
-        cfg = self.drafter.cfg
-        self.geometry = Geometry(block_size, -(-cfg.retrieval_sink_tokens // block_size),
-                                 -(-cfg.retrieval_recent_tokens // block_size))
+        # the engine's geometry; each column sets its own budget_blocks
+        self.blocks: BlockCounts = self.drafter.cfg.in_blocks(block_size)
         layer = self.drafter.target_layers[0]
         self.num_q_heads, self.head_dim = layer.num_heads, layer.head_size
         self.summaries = self._widen_summaries()
@@ -209,25 +200,14 @@ class TeacherForcedEngine:
                committed: int, middle: bool = False) -> Selection:
         """Column's selection for `committed` tokens; `middle`: between middle rounds (the
         column's shortlist, if it keeps one, is re-ranked instead of every candidate)."""
-        g = self.geometry
         num_committed = torch.full((query.shape[0],), committed, dtype=torch.long)
-        if middle and column.listed is not None:
-            scores = rescore_shortlist(column.policy, query, self.summaries, block_table,
-                                       column.listed)
-        else:
-            scores = column.policy.block_scores(query, self.summaries, block_table,
-                                                num_committed, column.states or None)
-            scores = rerank_exactly(
-                column.policy, scores, query, self.summaries, block_table, num_committed,
-                g.block_size, g.sink_blocks, g.recent_blocks,
-                num_retrieved(column.budget_blocks, g.sink_blocks, g.recent_blocks))
-            if column.shortlist:
-                size = column.shortlist * num_retrieved(column.budget_blocks, g.sink_blocks,
-                                                        g.recent_blocks)
-                column.listed = shortlist(scores, num_committed, g.block_size, g.sink_blocks,
-                                          g.recent_blocks, size)
-        return select_blocks(scores, num_committed, g.block_size, column.budget_blocks,
-                             g.sink_blocks, g.recent_blocks)
+        choice = column.selector.choose(query, self.summaries, block_table, num_committed,
+                                        column.states or None,
+                                        shortlist=column.listed if middle else None,
+                                        keep_shortlist=not middle)
+        if not middle:
+            column.listed = choice.shortlist
+        return choice.selection
 
 
 def measure_span(engine: TeacherForcedEngine, documents: list[list[int]], context: int,
@@ -258,7 +238,7 @@ def _walk(engine, documents, block_table, context, num_positions, columns, warmu
     num_docs = len(documents)
     temp = torch.full((num_docs,), temperature)
     top_ps = torch.full((num_docs,), top_p)
-    h2o_like = [c for c in columns if type(c.policy).observe is not SelectionPolicy.observe]
+    h2o_like = [c for c in columns if c.selector.observes]
     for column in columns:
         column.selection = None
         column.listed = None
@@ -267,9 +247,9 @@ def _walk(engine, documents, block_table, context, num_positions, columns, warmu
     for t in range(context - max(warmup, 1), context):  # exact rewrites: queries, history
         if query is not None:
             for column in h2o_like:
-                column.policy.observe(query, engine.summaries, block_table,
-                                      torch.full((num_docs,), t, dtype=torch.long),
-                                      column.states)
+                column.selector.observe(query, engine.summaries, block_table,
+                                        torch.full((num_docs,), t, dtype=torch.long),
+                                        column.states)
         _, query = engine.full_pass([doc[t] for doc in documents], t, block_table)
     result = SpanResult({c.name: [] for c in columns}, {c.name: [] for c in columns})
     per_doc = {c.name: [[] for _ in range(num_docs)] for c in columns}

@@ -6,14 +6,18 @@ JOB.json: {"model": DIR, "prompts": [[token ids], ...], "max_tokens": M,
 "repeats": R, "temperature": T, "top_p": P, "dtype": "auto", "max_model_len": L,
 "block_size": 32, "runs": [{"name": str, "spec": speculative_config or null,
 optional "temperature", "block_size", "prompts", "variants"}, ...]}.
-RESULT.json: a list with one dict per run (same order; a run's variants follow it): tokens, prefill_s,
-decode_s (one per repeat), and for spec runs vLLM's spec-decode counters (timed runs
-only) and,
-for TriForce, the drafter's per-level counters (`stats.snapshot()`).
+RESULT.json: a list with one dict per run (same order; a run's variants follow it):
+tokens, prefill_s, decode_s (one per repeat), and for spec runs vLLM's spec-decode
+counters (timed runs only) and, for TriForce, the drafter's per-level counters
+(`stats.snapshot()`).
 
 The parent (`vllm_triforce.bench.runner`) starts one process per run by default:
-memory is returned between methods and an ngram engine (numba) cannot spoil the
-next engine (CPU_VLLM.md). vLLM logs to stdout, so results go to a file.
+memory is returned between methods and an ngram engine cannot spoil the next engine.
+(vLLM 0.32 on a CPU: once an ngram engine has loaded numba, building another `LLM` in
+the same process fails with `'_lib_fn_wrapper' object has no attribute 'get'`, raised
+in vllm/triton_utils/dispatcher.py; in-process ngram also wants
+NUMBA_THREADING_LAYER=workqueue, measured 15 -> 1,515 tok/s.) vLLM logs to stdout,
+so results go to a file.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_TARGET_DEVICE": "cpu"
 def run_job(job: dict) -> list[dict]:
     for key, value in ENGINE_ENV.items():
         os.environ.setdefault(key, value)
-    # ngram last: a later engine in this process would fail (CPU_VLLM.md).
+    # ngram last: a later engine in this process would fail (module docstring).
     order = sorted(range(len(job["runs"])), key=lambda i: _is_ngram(job["runs"][i]))
     results: list[list[dict] | None] = [None] * len(job["runs"])
     for i in order:

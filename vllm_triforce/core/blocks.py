@@ -4,12 +4,15 @@ Terms (one vLLM block = one retrieval chunk; "logical block" = index in a reques
 block table). A request has `num_committed` tokens with exact KV, n_full of its
 blocks are full.
 
+Counts come as a `config.BlockCounts` (block_size, retrieval_sink_blocks,
+retrieval_recent_blocks, budget_blocks), the one geometry every caller passes.
+
   sinks       logical [0, num_sinks): always attended (attention sinks). Only full
-              blocks count, so num_sinks = min(num_sink_blocks, n_full).
-  tail        logical [tail_start, end): always attended; the last num_recent_blocks
+              blocks count, so num_sinks = min(retrieval_sink_blocks, n_full).
+  tail        logical [tail_start, end): always attended; the last retrieval_recent_blocks
               full blocks, the partial block and every token appended after the
               selection (between refreshes new tokens simply extend the tail).
-              tail_start = max(n_full - num_recent_blocks, num_sinks).
+              tail_start = max(n_full - retrieval_recent_blocks, num_sinks).
   candidates  logical [num_sinks, tail_start): the full blocks a policy scores.
 
 Worked example, block_size 4, 2 sink blocks, 1 recent block, num_committed 22:
@@ -22,26 +25,25 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from vllm_triforce.config import BlockCounts
 
-def num_sinks(num_committed: Tensor, block_size: int, num_sink_blocks: int) -> Tensor:
+
+def num_sinks(num_committed: Tensor, blocks: BlockCounts) -> Tensor:
     """[R] sink blocks actually present (a sink must be a full block)."""
-    return (num_committed // block_size).clamp(max=num_sink_blocks)
+    return (num_committed // blocks.block_size).clamp(max=blocks.retrieval_sink_blocks)
 
 
-def tail_start(num_committed: Tensor, block_size: int, num_sink_blocks: int,
-               num_recent_blocks: int) -> Tensor:
+def tail_start(num_committed: Tensor, blocks: BlockCounts) -> Tensor:
     """[R] first logical block of the contiguous tail."""
-    n_full = num_committed // block_size
-    sinks = num_sinks(num_committed, block_size, num_sink_blocks)
-    return torch.maximum(n_full - num_recent_blocks, sinks)
+    n_full = num_committed // blocks.block_size
+    return torch.maximum(n_full - blocks.retrieval_recent_blocks, num_sinks(num_committed, blocks))
 
 
-def candidate_mask(num_committed: Tensor, block_size: int, max_blocks: int,
-                   num_sink_blocks: int, num_recent_blocks: int) -> Tensor:
+def candidate_mask(num_committed: Tensor, max_blocks: int, blocks: BlockCounts) -> Tensor:
     """[R, max_blocks] bool: logical block j is a selection candidate of request r."""
     num_committed = num_committed.long()
-    first = num_sinks(num_committed, block_size, num_sink_blocks)  # [R]
-    end = tail_start(num_committed, block_size, num_sink_blocks, num_recent_blocks)  # [R]
+    first = num_sinks(num_committed, blocks)  # [R]
+    end = tail_start(num_committed, blocks)  # [R]
     j = torch.arange(max_blocks, device=num_committed.device)  # [max_blocks]
     return (j >= first[:, None]) & (j < end[:, None])
 

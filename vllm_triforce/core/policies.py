@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from vllm_triforce.core.blocks import full_block_mask
+from vllm_triforce.core.policy_facts import POLICY_FACTS
 from vllm_triforce.core.summaries import BlockSummaries
 
 States = "SelectionState | Sequence[SelectionState | None] | None"
@@ -95,12 +96,20 @@ def _check_aggregation(aggregation: str) -> None:
 
 
 class SelectionPolicy:
-    """Base: one score per logical block and layer; higher = keep."""
+    """Base: one score per logical block and layer; higher = keep. A subclass registered in
+    `policy_facts.POLICY_FACTS` under its `name` takes its flags from there."""
     name: str = ""
-    needs_keys: bool = False  # the engine must allocate BlockSummaries(keep_keys=True)
+    needs_keys: bool = False  # reads BlockSummaries(keep_keys=True)
     needs_bounds: bool = False  # ... BlockSummaries(keep_bounds=True)
-    needs_variance: bool = False  # ... BlockSummaries(keep_variance=True)
+    needs_variance: bool = False  # ... BlockSummaries(keep_variance=True) (per instance)
     reranks_shortlist: bool = False  # implements `shortlist_scores`
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        facts = POLICY_FACTS.get(cls.name)
+        if facts is not None:
+            cls.needs_keys, cls.needs_bounds = facts.copies_keys, facts.keeps_bounds
+            cls.reranks_shortlist = facts.reranks_shortlist
 
     def block_scores(self, query: Tensor, summaries: BlockSummaries, block_table: Tensor,
                      num_committed: Tensor, state: States = None) -> Tensor:
@@ -149,7 +158,6 @@ class RetrievalPolicy(SelectionPolicy):
     BlockSummaries(keep_variance=True); costs one more dot product per block, either strategy.
     """
     name = "retrieval"
-    reranks_shortlist = True
 
     def __init__(self, aggregation: str = "sum", strategy: str = "auto",
                  scale: float | None = None, variance: bool = False):
@@ -241,7 +249,6 @@ class QuestPolicy(SelectionPolicy):
     measured best over "max" and "sum" (`bench acceptance`, benchmarks/RESULTS.md). Reads
     2 key-sized vectors per block and layer (the mean-key policy reads one)."""
     name = "quest"
-    needs_bounds = True
 
     def __init__(self, aggregation: str = "softmax", scale: float | None = None):
         _check_aggregation(aggregation)
@@ -273,7 +280,6 @@ class TopKOraclePolicy(SelectionPolicy):
     strategy as RetrievalPolicy: "all" scores every physical block's keys once per
     layer for the whole batch, "gather" reads each request's keys, "auto" picks."""
     name = "topk_oracle"
-    needs_keys = True
 
     def __init__(self, scale: float | None = None, strategy: str = "auto"):
         if strategy not in ("auto", "gather", "all"):
@@ -373,8 +379,7 @@ class RerankPolicy(RetrievalPolicy):
     paged KV cache (engine/paged_keys.py), in the benchmarks BlockSummaries' copy; it reads
     (factor x num_select + sinks + recent + 1) blocks of keys per layer and request.
     """
-    name = "rerank"
-    reranks_shortlist = False  # between middle rounds: both stages again
+    name = "rerank"  # between middle rounds: both stages again (no shortlist re-ranking)
 
     def __init__(self, factor: int = 4, variance: bool = True, scale: float | None = None):
         super().__init__(variance=variance, scale=scale)

@@ -1,15 +1,18 @@
 """Which KV blocks the middle level (the target on a retrieval cache) attends to.
 
-Pipeline per refresh: a policy scores the candidate blocks (`policies.py`),
-`select_blocks` keeps the sinks plus the best candidates within the budget, and
-`build_block_tables` turns that into what vLLM's attention metadata takes: one
-block table and one sequence length per layer and request. No KV is copied: the
-compacted table points at the target's own physical blocks.
+`Selector` is the one owner of that decision: the engine (engine/retrieval_level.py) and
+the teacher-forced acceptance benchmark (bench/teacher.py) both call `Selector.choose`.
+Per refresh: the policy scores the candidate blocks (`policies.py`), a two-stage policy
+re-ranks its shortlist exactly (`rerank_exactly`), `select_blocks` keeps the sinks plus the
+best candidates within the budget; `build_block_tables` then turns that into what vLLM's
+attention metadata takes: one block table and one sequence length per layer and request.
+No KV is copied: the compacted table points at the target's own physical blocks. The
+geometry (block size, budget, sinks, recent blocks) is one `config.BlockCounts`.
 
 Budget (in blocks) = sinks + selected + recent + 1, the "+1" being the partial,
-growing block: num_select = budget_blocks - num_sink_blocks - num_recent_blocks - 1.
+growing block: num_retrieved = budget_blocks - retrieval_sink_blocks - retrieval_recent_blocks - 1.
 A request whose ceil(num_committed / block_size) <= budget_blocks, or with no more
-candidates than num_select, selects every candidate: its table is the full table
+candidates than num_retrieved, selects every candidate: its table is the full table
 and its attention exact. Geometry terms (sinks, tail, candidates) are defined in
 `blocks.py`.
 
@@ -24,9 +27,10 @@ tokens): row = [b0, b3, b6, b7], compact_seq_len = 2*4 + (31 - 6*4) = 15.
 
 Between middle rounds (same step, same committed blocks) the engine re-selects with each
 newest middle token's query, but re-ranks only a *shortlist*: each layer's best candidates
-at the step's start (`shortlist`, `rescore_shortlist`). A block outside a layer's top
-few times num_select a moment ago rarely enters its top num_select a few tokens later,
-and re-scoring every candidate cost a CPU middle round ~10% (SmolLM2, 8 x 8K).
+at the step's start (`Selector.choose(keep_shortlist=True)`, then `shortlist=`). A block
+outside a layer's top few times num_retrieved a moment ago rarely enters its top
+num_retrieved a few tokens later, and re-scoring every candidate cost a CPU middle round
+~10% (SmolLM2, 8 x 8K).
 
 Between refreshes the tail simply grows: build_block_tables with the new seq_lens
 appends the new blocks, so a table may hold up to budget + (tokens since the
@@ -40,6 +44,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from vllm_triforce.config import BlockCounts
 from vllm_triforce.core.blocks import candidate_mask, num_sinks, tail_start
 from vllm_triforce.core.policies import (POLICIES, H2OPolicy, RerankPolicy,  # noqa: F401
                                          RetrievalPolicy, SelectionPolicy, SelectionState,
@@ -52,7 +57,7 @@ _PAD = -1
 class Selection:
     """The blocks chosen for each request and layer at one refresh."""
     # [num_reqs, num_layers, max_selected] int64 logical blocks: sinks + selected,
-    # ascending, padded with -1. max_selected = budget_blocks - num_recent_blocks.
+    # ascending, padded with -1. max_selected = budget_blocks - retrieval_recent_blocks.
     logical_blocks: Tensor
     # [num_reqs] int64, same for every layer of a request: sinks + chosen candidates
     num_selected: Tensor
@@ -60,46 +65,102 @@ class Selection:
     tail_start: Tensor
 
 
-def select_blocks(scores: Tensor, num_committed: Tensor, block_size: int, budget_blocks: int,
-                  num_sink_blocks: int, num_recent_blocks: int) -> Selection:
+@dataclass
+class Choice:
+    """What `Selector.choose` decided for a batch of requests."""
+    selection: Selection
+    # [num_reqs, num_layers, S] int64 logical blocks, best first, -1 padded: each layer's
+    # best candidates, kept to be re-ranked between middle rounds; None unless asked for.
+    shortlist: Tensor | None = None
+
+
+class Selector:
+    """Block selection, built once: `policy` scores, `blocks` is the geometry (its
+    budget_blocks the budget), `shortlist_factor` x (retrieved blocks) candidates per layer
+    are kept for the middle rounds when the policy can re-rank a shortlist (0: none),
+    `keys` is where a two-stage policy (`rerank`) reads exact keys (engine: vLLM's paged KV
+    cache, engine/paged_keys.py; benchmarks: BlockSummaries' key copy; None: its first
+    stage alone). The engine may drop `keys` later (a reader that failed its check)."""
+
+    def __init__(self, policy: SelectionPolicy, blocks: BlockCounts, shortlist_factor: int = 0,
+                 keys=None):
+        _check_geometry(blocks)
+        self.policy = policy
+        self.blocks = blocks
+        self.keys = keys
+        self.shortlist_size = (shortlist_factor * blocks.num_retrieved
+                               if policy.reranks_shortlist else 0)
+
+    @property
+    def observes(self) -> bool:
+        """The policy accumulates state from queries between selections (h2o)."""
+        return type(self.policy).observe is not SelectionPolicy.observe
+
+    def observe(self, query: Tensor, summaries, block_table: Tensor, num_committed: Tensor,
+                states) -> None:
+        self.policy.observe(query, summaries, block_table, num_committed, states)
+
+    def choose(self, query: Tensor, summaries, block_table: Tensor, num_committed: Tensor,
+               states=None, shortlist: Tensor | None = None,
+               keep_shortlist: bool = False) -> Choice:
+        """query [R, L, Hq, D] (post-RoPE) of each request's newest token, block_table
+        [R, max_blocks] physical ids, num_committed [R]: candidates are the committed full
+        blocks. `shortlist` [R, L, S] (a previous Choice's, same committed blocks): re-rank
+        only it, as between middle rounds; else every candidate is scored (both stages of a
+        two-stage policy). `keep_shortlist`: also return each layer's best candidates by
+        these scores (when the policy re-ranks shortlists and shortlist_factor > 0)."""
+        committed = num_committed.to(block_table.device, torch.long)
+        if shortlist is not None:
+            scores = rescore_shortlist(self.policy, query, summaries, block_table, shortlist)
+        else:
+            scores = self.policy.block_scores(query, summaries, block_table, committed, states)
+            scores = rerank_exactly(self.policy, scores, query, self.keys, block_table,
+                                    committed, self.blocks)
+        kept = None
+        if keep_shortlist and self.shortlist_size > 0:
+            kept = best_candidates(scores, committed, self.blocks, self.shortlist_size)
+        return Choice(select_blocks(scores, committed, self.blocks), kept)
+
+
+def _check_geometry(blocks: BlockCounts) -> None:
+    if blocks.num_retrieved < 0 or min(blocks.retrieval_sink_blocks,
+                                       blocks.retrieval_recent_blocks) < 0:
+        raise ValueError(f"budget_blocks={blocks.budget_blocks} must be >= retrieval_sink_blocks "
+                         f"({blocks.retrieval_sink_blocks}) + retrieval_recent_blocks "
+                         f"({blocks.retrieval_recent_blocks}) + 1")
+
+
+def select_blocks(scores: Tensor, num_committed: Tensor, blocks: BlockCounts) -> Selection:
     """scores [num_reqs, num_layers, max_blocks] (higher = keep; non-candidates ignored)."""
-    num_select = num_retrieved(budget_blocks, num_sink_blocks, num_recent_blocks)
-    if num_select < 0 or min(num_sink_blocks, num_recent_blocks) < 0:
-        raise ValueError(f"budget_blocks={budget_blocks} must be >= num_sink_blocks "
-                         f"({num_sink_blocks}) + num_recent_blocks ({num_recent_blocks}) + 1")
+    _check_geometry(blocks)
     num_reqs, num_layers, max_blocks = scores.shape
     num_committed = num_committed.to(scores.device, torch.long)
-    sinks = num_sinks(num_committed, block_size, num_sink_blocks)  # [R]
-    start = tail_start(num_committed, block_size, num_sink_blocks, num_recent_blocks)  # [R]
-    num_chosen = _num_chosen(num_committed, block_size, budget_blocks, start - sinks, num_select)
+    sinks = num_sinks(num_committed, blocks)  # [R]
+    start = tail_start(num_committed, blocks)  # [R]
+    num_chosen = _num_chosen(num_committed, blocks, start - sinks)
 
-    max_selected = budget_blocks - num_recent_blocks  # bounds sinks + chosen (see tests)
-    ranked = _rank_candidates(scores, num_committed, block_size, num_sink_blocks,
-                              num_recent_blocks, k=min(max_selected - num_sink_blocks, max_blocks))
+    max_selected = blocks.budget_blocks - blocks.retrieval_recent_blocks  # >= sinks + chosen
+    num_sink_blocks = blocks.retrieval_sink_blocks
+    ranked = _rank_candidates(scores, num_committed, blocks,
+                              k=min(max_selected - num_sink_blocks, max_blocks))
     rank = torch.arange(ranked.shape[-1], device=scores.device)
     big = torch.iinfo(torch.long).max  # sorts after every real block, then becomes _PAD
     chosen = torch.where(rank < num_chosen[:, None, None], ranked, big)  # [R, L, k]
     sink_ids = torch.arange(num_sink_blocks, device=scores.device).expand(num_reqs, num_layers, -1)
     sink_ids = torch.where(sink_ids < sinks[:, None, None], sink_ids, big)  # [R, L, S]
-    blocks = torch.cat([sink_ids, chosen], dim=-1).sort(dim=-1).values
-    blocks = blocks.masked_fill(blocks == big, _PAD)
-    blocks = torch.nn.functional.pad(blocks, (0, max_selected - blocks.shape[-1]), value=_PAD)
-    return Selection(blocks, sinks + num_chosen, start)
+    logical = torch.cat([sink_ids, chosen], dim=-1).sort(dim=-1).values
+    logical = logical.masked_fill(logical == big, _PAD)
+    logical = torch.nn.functional.pad(logical, (0, max_selected - logical.shape[-1]), value=_PAD)
+    return Selection(logical, sinks + num_chosen, start)
 
 
-def num_retrieved(budget_blocks: int, num_sink_blocks: int, num_recent_blocks: int) -> int:
-    """Blocks a selection retrieves besides sinks, recent blocks and the growing tail block."""
-    return budget_blocks - num_sink_blocks - num_recent_blocks - 1
-
-
-def shortlist(scores: Tensor, num_committed: Tensor, block_size: int, num_sink_blocks: int,
-              num_recent_blocks: int, size: int) -> Tensor:
+def best_candidates(scores: Tensor, num_committed: Tensor, blocks: BlockCounts,
+                    size: int) -> Tensor:
     """[R, L, min(size, max_blocks)] int64: each layer's best candidates by `scores` (as
     select_blocks ranks them), best first, -1 past a request's last candidate."""
-    ranked = _rank_candidates(scores, num_committed.to(scores.device, torch.long), block_size,
-                              num_sink_blocks, num_recent_blocks, k=min(size, scores.shape[-1]))
-    mask = candidate_mask(num_committed.to(scores.device, torch.long), block_size,
-                          scores.shape[-1], num_sink_blocks, num_recent_blocks)  # [R, B]
+    committed = num_committed.to(scores.device, torch.long)
+    ranked = _rank_candidates(scores, committed, blocks, k=min(size, scores.shape[-1]))
+    mask = candidate_mask(committed, scores.shape[-1], blocks)  # [R, B]
     is_candidate = mask.gather(1, ranked.flatten(1)).view_as(ranked)
     return ranked.masked_fill(~is_candidate, _PAD)
 
@@ -107,8 +168,8 @@ def shortlist(scores: Tensor, num_committed: Tensor, block_size: int, num_sink_b
 def rescore_shortlist(policy: SelectionPolicy, query: Tensor, summaries, block_table: Tensor,
                       listed: Tensor) -> Tensor:
     """Scores for select_blocks [R, L, max_blocks] in which only the blocks of `listed`
-    ([R, L, S] logical, from `shortlist`) are scored, by `policy.shortlist_scores` with
-    `query`; every other block gets -inf, so it is chosen only when the list runs out."""
+    ([R, L, S] logical, from `best_candidates`) are scored, by `policy.shortlist_scores`
+    with `query`; every other block gets -inf, so it is chosen only when the list runs out."""
     phys = _physical(block_table, listed)
     return _scatter_listed(policy.shortlist_scores(query, summaries, phys), listed,
                            block_table.shape[1])
@@ -133,49 +194,49 @@ def _scatter_listed(scores: Tensor, listed: Tensor, max_blocks: int) -> Tensor:
 
 
 def rerank_exactly(policy: SelectionPolicy, scores: Tensor, query: Tensor, keys,
-                   block_table: Tensor, num_committed: Tensor, block_size: int,
-                   num_sink_blocks: int, num_recent_blocks: int, num_select: int) -> Tensor:
+                   block_table: Tensor, num_committed: Tensor, blocks: BlockCounts) -> Tensor:
     """Second stage of a two-stage policy (`policies.RerankPolicy`; any other policy's
     `scores`, or any with no key source `keys`, are returned as they are): `scores` (its
-    first stage) shortlist each layer's best policy.factor x num_select candidates, whose
+    first stage) shortlist each layer's best policy.factor x num_retrieved candidates, whose
     scores become their exact attention mass over the shortlist and the always-kept blocks
     (sinks, recent, tail) read from `keys` (RerankPolicy.exact_scores); every other
     candidate gets -inf (chosen only when the list runs out, as in rescore_shortlist)."""
     if not isinstance(policy, RerankPolicy) or keys is None:
         return scores
     committed = num_committed.to(scores.device, torch.long)
-    listed = shortlist(scores, committed, block_size, num_sink_blocks, num_recent_blocks,
-                       policy.factor * max(num_select, 1))  # [R, L, S] logical
+    listed = best_candidates(scores, committed, blocks,
+                             policy.factor * max(blocks.num_retrieved, 1))  # [R, L, S] logical
     table = block_table.to(scores.device).long()
+    bs, num_sink_blocks = blocks.block_size, blocks.retrieval_sink_blocks
     # always-kept logical blocks: [0, sinks) then [tail_start, end), -1 padded
-    sinks = num_sinks(committed, block_size, num_sink_blocks)[:, None]
-    start = tail_start(committed, block_size, num_sink_blocks, num_recent_blocks)[:, None]
-    end = (committed[:, None] + block_size - 1) // block_size
-    slot = torch.arange(num_sink_blocks + num_recent_blocks + 1, device=scores.device)
+    sinks = num_sinks(committed, blocks)[:, None]
+    start = tail_start(committed, blocks)[:, None]
+    end = (committed[:, None] + bs - 1) // bs
+    slot = torch.arange(num_sink_blocks + blocks.retrieval_recent_blocks + 1,
+                        device=scores.device)
     kept = torch.where(slot < sinks, slot, start + slot - sinks)
     kept = kept.masked_fill((slot >= sinks) & (kept >= end), _PAD)
-    kept_tokens = (committed[:, None] - kept * block_size).clamp(0, block_size)
+    kept_tokens = (committed[:, None] - kept * bs).clamp(0, bs)
     kept_phys = table.gather(1, kept.clamp(min=0)).masked_fill(kept < 0, _PAD)
     exact = policy.exact_scores(query, keys, _physical(table, listed), kept_phys, kept_tokens)
     return _scatter_listed(exact, listed, scores.shape[-1])
 
 
-def _num_chosen(num_committed: Tensor, block_size: int, budget_blocks: int, num_candidates: Tensor,
-                num_select: int) -> Tensor:
+def _num_chosen(num_committed: Tensor, blocks: BlockCounts, num_candidates: Tensor) -> Tensor:
     """[R] candidates to keep: all of them when the request fits the budget (exact)."""
-    total_blocks = (num_committed + block_size - 1) // block_size
-    dense = (total_blocks <= budget_blocks) | (num_candidates <= num_select)
-    return torch.where(dense, num_candidates, torch.full_like(num_candidates, num_select))
+    total_blocks = (num_committed + blocks.block_size - 1) // blocks.block_size
+    dense = (total_blocks <= blocks.budget_blocks) | (num_candidates <= blocks.num_retrieved)
+    return torch.where(dense, num_candidates,
+                       torch.full_like(num_candidates, blocks.num_retrieved))
 
 
-def _rank_candidates(scores: Tensor, num_committed: Tensor, block_size: int, num_sink_blocks: int,
-                     num_recent_blocks: int, k: int) -> Tensor:
+def _rank_candidates(scores: Tensor, num_committed: Tensor, blocks: BlockCounts,
+                     k: int) -> Tensor:
     """[R, L, k] logical blocks by descending score, candidates before all others."""
     finfo = torch.finfo(torch.float32)
     # NaN / inf scores of candidates still rank above every non-candidate (-inf).
     scores = scores.float().nan_to_num(nan=finfo.min, posinf=finfo.max, neginf=finfo.min)
-    mask = candidate_mask(num_committed, block_size, scores.shape[-1], num_sink_blocks,
-                          num_recent_blocks)  # [R, max_blocks]
+    mask = candidate_mask(num_committed, scores.shape[-1], blocks)  # [R, max_blocks]
     scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
     return scores.topk(k, dim=-1, sorted=True).indices
 

@@ -147,20 +147,6 @@ class BlockSummaries:
         # [L, n, H, D]
         return torch.stack([k.to(self.device)[rows].reshape(shape) for k in layer_keys])
 
-    def mean_keys(self, layer: int | None = None) -> Tensor:
-        """[L, num_blocks, H, D] (or [num_blocks, H, D] for one layer); empty blocks -> 0."""
-        sums = self.sums if layer is None else self.sums[layer]
-        denom = self.counts.clamp(min=1).to(sums.dtype)[:, None, None]  # [num_blocks, 1, 1]
-        return sums / denom
-
-    def gather_mean_keys(self, block_table: Tensor) -> Tensor:
-        """block_table [R, B] physical ids -> [R, L, B, H, D] mean keys (only those blocks)."""
-        ids = block_table.to(self.device, torch.long).clamp(min=0)
-        sums = self.sums[:, ids.flatten()]  # [L, R*B, H, D]
-        denom = self.counts[ids.flatten()].clamp(min=1).to(sums.dtype)[:, None, None]
-        means = (sums / denom).unflatten(1, ids.shape)  # [L, R, B, H, D]
-        return means.transpose(0, 1)
-
     def head_keys(self, layer: int, head: int, ids: Tensor) -> Tensor:
         """ids (any shape, physical block ids >= 0) -> [*ids.shape, D, block_size]: one
         layer's and KV head's copied keys (keep_keys=True), transposed (a view);
@@ -199,10 +185,6 @@ class BlockSummaries:
         ids = block_table.to(self.device, torch.long).clamp(min=0)
         return (self.mins[layer][ids].float().nan_to_num(0.0, 0.0, 0.0),
                 self.maxs[layer][ids].float().nan_to_num(0.0, 0.0, 0.0))
-
-    def is_full(self, block_ids: Tensor) -> Tensor:
-        """bool, same shape as block_ids: the block holds block_size committed tokens."""
-        return self.counts[block_ids.to(self.device, torch.long)] == self.block_size
 
     def nbytes(self) -> int:
         total = self.sums.nbytes + self.counts.nbytes

@@ -94,10 +94,6 @@ class VerifyResult:
     # [R] int64 drafts accepted (tokens emitted = num_accepted + 1)
     num_accepted: Tensor
 
-    @property
-    def num_emitted(self) -> Tensor:
-        return self.num_accepted + 1
-
 
 def verify(draft_token_ids: Tensor, draft_probs: Tensor | None, target_probs: Tensor,
            num_drafts: Tensor, greedy: Tensor,

@@ -28,7 +28,8 @@ from __future__ import annotations
 import math
 import time
 
-from vllm_triforce.core.controller import DRAFT, RETRIEVAL, DecayedMean, Plan, SpeculationController
+from vllm_triforce.core.controller import (DRAFT, RETRIEVAL, DecayedMean, Plan,
+                                            SpeculationController)
 
 
 class DepthChooser:

@@ -53,20 +53,21 @@ class DraftLevel:
         for r in range(batch.num_reqs):
             states[r].invalidate_draft_from(int(batch.verify_start[r]), self.window.sink_tokens)
 
-    def propose(self, batch, states, rounds, active, sizes):
+    def propose(self, batch, states, drafts_by_row, active, sizes):
         """Up to sizes[i] tokens for request active[i]; returns proposals (len(active) lists)
         and their probs [len(active), max(sizes), V] (zero past each request's size)."""
         max_size = max(sizes)
         proposals = [[] for _ in active]
         probs = None
-        pending = [self._pending_tokens(batch, states[r], rounds[r], r, sizes[i])
+        pending = [self._pending_tokens(batch, states[r], drafts_by_row[r], r, sizes[i])
                    for i, r in enumerate(active)]
         for step in range(max_size):
             rows = [i for i in range(len(active)) if sizes[i] > step]
             if step == 0:
                 chunks = [pending[i] for i in rows]
             else:
-                chunks = [([rounds[active[i]].position + step], [proposals[i][-1]]) for i in rows]
+                chunks = [([drafts_by_row[active[i]].position + step], [proposals[i][-1]])
+                          for i in rows]
             reqs = [active[i] for i in rows]
             logits = self._forward(batch, states, reqs, chunks)
             q = batch.probs(logits, torch.tensor(reqs))  # [len(rows), V]
@@ -78,22 +79,22 @@ class DraftLevel:
             for i, token in zip(rows, tokens):
                 proposals[i].append(token)
         for r in active:  # the pending tokens now hold current draft KV
-            states[r].draft_valid_upto = rounds[r].position + 1
+            states[r].draft_valid_upto = drafts_by_row[r].position + 1
             states[r].draft_sinks_valid = True
         return proposals, probs
 
     @staticmethod
-    def after_round(state, rnd, num_proposed: int, num_accepted: int) -> None:
+    def after_round(state, drafts, num_proposed: int, num_accepted: int) -> None:
         """Proposals e_1..e_{g-1} were draft inputs; those accepted keep valid draft KV."""
-        round_start = rnd.position - num_accepted - 1  # position of the round's first input
+        round_start = drafts.position - num_accepted - 1  # position of the round's first input
         state.draft_valid_upto = round_start + 1 + min(num_accepted, num_proposed - 1)
 
-    def _pending_tokens(self, batch, state, rnd, row: int, size: int):
+    def _pending_tokens(self, batch, state, drafts, row: int, size: int):
         """(positions, token ids) the draft must run before sampling e_1 for one request."""
         w = self.window
-        end = rnd.position + 1  # tokens through the newest one
+        end = drafts.position + 1  # tokens through the newest one
         start = w.window_start(end)
-        if w.needs_rebase(rnd.position + size, state.draft_rebase_offset):
+        if w.needs_rebase(drafts.position + size, state.draft_rebase_offset):
             start, state.draft_rebase_offset = w.rebase(end)
             state.draft_valid_upto = 0
             self.stats.add(draft_rebases=1)
@@ -101,7 +102,7 @@ class DraftLevel:
         if not state.draft_sinks_valid:
             positions += range(0, min(w.sink_tokens, end))
         positions += range(max(state.draft_valid_upto, start, len(positions)), end)
-        return positions, _token_ids(batch, rnd, row, positions)
+        return positions, _token_ids(batch, drafts, row, positions)
 
     def _forward(self, batch, states, rows: list[int], chunks) -> torch.Tensor:
         """One forward of the small draft; logits at the last token of each request."""
@@ -119,7 +120,7 @@ class DraftLevel:
                         self.device, self.stats)
 
 
-def _token_ids(batch, rnd, row: int, positions: list[int]) -> list[int]:
+def _token_ids(batch, drafts, row: int, positions: list[int]) -> list[int]:
     """Ids at committed positions come from vLLM; later ones are this step's middle tokens."""
     committed_end = int(batch.committed[row]) + 1  # next_token included
     out = []
@@ -127,7 +128,7 @@ def _token_ids(batch, rnd, row: int, positions: list[int]) -> list[int]:
         if pos < committed_end:
             out.extend(batch.token_ids(row, pos, pos + 1))
         else:
-            out.append(rnd.tokens[pos - committed_end])
+            out.append(drafts.tokens[pos - committed_end])
     return out
 
 

@@ -29,7 +29,11 @@ and 686 blocks.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+
+from vllm_triforce.core.policy_facts import SummaryKinds
+from vllm_triforce.core.summaries import BlockSummaries
 
 FLOAT32_BYTES = 4
 COUNT_BYTES = 4  # int32 committed-token count per block
@@ -43,13 +47,15 @@ class MemoryPlan:
 
     @classmethod
     def for_engine(cls, kv_bytes_per_block: int, num_target_layers: int, num_kv_heads: int,
-                   head_dim: int, block_size: int, kv_dtype_bytes: int, keep_keys: bool,
-                   max_num_seqs: int, gamma2: int, gamma1: int, vocab_size: int,
-                   keep_bounds: bool = False, keep_variance: bool = False) -> "MemoryPlan":
+                   head_dim: int, block_size: int, kv_dtype_bytes: int, kinds: SummaryKinds,
+                   max_num_seqs: int, gamma2: int, gamma1: int,
+                   vocab_size: int) -> "MemoryPlan":
+        """`kinds`: the optional block state kept (TriForceConfig.summary_kinds(), which
+        the proposer also allocates from)."""
         key_bytes = num_target_layers * num_kv_heads * head_dim * kv_dtype_bytes
-        summary = (key_bytes + COUNT_BYTES + (key_bytes * block_size if keep_keys else 0)
-                   + (2 * key_bytes if keep_bounds else 0)
-                   + (key_bytes // kv_dtype_bytes * FLOAT32_BYTES if keep_variance else 0))
+        summary = (key_bytes + COUNT_BYTES + (key_bytes * block_size if kinds.keep_keys else 0)
+                   + (2 * key_bytes if kinds.keep_bounds else 0)
+                   + (key_bytes // kv_dtype_bytes * FLOAT32_BYTES if kinds.keep_variance else 0))
         rows_per_request = gamma2 + 3 * gamma1 + 3
         fixed = max_num_seqs * rows_per_request * vocab_size * FLOAT32_BYTES
         return cls(kv_bytes_per_block, summary, fixed)
@@ -70,10 +76,9 @@ class MemoryPlan:
     def from_vllm_config(cls, vllm_config, kv_bytes_per_token: int) -> "MemoryPlan | None":
         """The plan a TriForce engine will make, from its config alone (before any worker
         exists), or None for another engine. `kv_bytes_per_token`: every KV layer, one rank."""
-        from vllm_triforce.config import (ADDITIONAL_CONFIG_KEY, BOUND_POLICIES, FULL_KEY_POLICIES,
-                                          TriForceConfig)
+        from vllm_triforce.config import TriForceConfig, triforce_settings
 
-        settings = (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
+        settings = triforce_settings(vllm_config)
         if settings is None:
             return None
         cfg = TriForceConfig.from_dict(settings)
@@ -85,11 +90,16 @@ class MemoryPlan:
             kv_bytes_per_block=kv_bytes_per_token * block_size, num_target_layers=layers,
             num_kv_heads=heads, head_dim=head_dim, block_size=block_size,
             kv_dtype_bytes=model.dtype.itemsize,  # >= an fp8 KV cache's: errs on the safe side
-            keep_keys=cfg.selection_policy in FULL_KEY_POLICIES,
-            keep_bounds=cfg.selection_policy in BOUND_POLICIES,
-            keep_variance=cfg.policy_kwargs().get("variance", False),
+            kinds=cfg.summary_kinds(),
             max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
             gamma2=cfg.num_speculative_tokens,
             gamma1=cfg.draft_tokens_per_round if cfg.model is not None else 0,
             vocab_size=model.get_vocab_size())
 
+
+def allocate_summaries(kinds: SummaryKinds, num_layers: int, num_blocks: int,
+                       num_kv_heads: int, head_dim: int, block_size: int, dtype,
+                       device=None) -> BlockSummaries:
+    """The block summaries `MemoryPlan.for_engine(kinds=kinds, ...)` reserved room for."""
+    return BlockSummaries(num_layers, num_blocks, num_kv_heads, head_dim, block_size,
+                          dtype=dtype, device=device, **dataclasses.asdict(kinds))

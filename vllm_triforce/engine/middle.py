@@ -22,8 +22,9 @@ import torch
 from vllm_triforce.core.verify import verify, verify_greedy
 
 
-class Round:
-    """Per decoding request: the middle tokens so far and where the next input sits."""
+class RequestDrafts:
+    """One decoding request's middle tokens, gathered over all the middle rounds of a step,
+    and where its next input sits."""
 
     def __init__(self, last_token: int, position: int):
         self.tokens: list[int] = []
@@ -50,56 +51,62 @@ class MiddleLoop:
         self.measure = measure_middle_acceptance
 
     def run(self, batch, states, rows: list[int], num_drafts: list[int],
-            use_draft: bool = True, on_round=None) -> dict[int, Round]:
+            use_draft: bool = True, on_round=None) -> dict[int, RequestDrafts]:
         """Middle tokens for decoding `rows`: rows[i] gets at least num_drafts[i] (0: no middle
         work at all). `use_draft` False: the small draft sits out (gamma1 = 0 this step).
         `on_round(use_draft, num_active, seconds, tokens_per_request)` hears every round's
         wall time (it ends in a device-to-host copy, so device work is included)."""
-        rounds = {r: Round(int(batch.next_tokens[r]), int(batch.committed[r])) for r in rows}
+        drafts_by_row = {r: RequestDrafts(int(batch.next_tokens[r]), int(batch.committed[r]))
+                         for r in rows}
         wanted = dict(zip(rows, num_drafts))
         gamma1 = self.gamma1 if use_draft else 0
         measured = [r for r in rows if wanted[r] > 0]
-        full_probs = self._full_cache_probs(batch, rounds, measured) if self.measure else None
+        full_probs = (self._full_cache_probs(batch, drafts_by_row, measured) if self.measure
+                      else None)
         # every row greedy: vLLM gets no draft probs and a round needs only argmaxes
         argmax_only = not self.measure and bool(batch.greedy[rows].all())
         while True:
-            active = [r for r in rows if len(rounds[r].tokens) < wanted[r]]
+            active = [r for r in rows if len(drafts_by_row[r].tokens) < wanted[r]]
             if not active:
-                return rounds
-            sizes = [min(gamma1, wanted[r] - len(rounds[r].tokens)) for r in active]
+                return drafts_by_row
+            sizes = [min(gamma1, wanted[r] - len(drafts_by_row[r].tokens)) for r in active]
             start = time.perf_counter()
-            emitted = self._round(batch, states, rounds, active, sizes, argmax_only)
-            more = [r for r in active if len(rounds[r].tokens) < wanted[r]]
+            emitted = self._round(batch, states, drafts_by_row, active, sizes, argmax_only)
+            more = [r for r in active if len(drafts_by_row[r].tokens) < wanted[r]]
             if more:  # next round's blocks, from the newest middle tokens' queries
-                self.retrieval.select_in_middle(batch, states, more, rounds)
+                self.retrieval.select_in_middle(batch, states, more, drafts_by_row)
             if on_round is not None:
                 on_round(gamma1 > 0, len(active), time.perf_counter() - start,
                          emitted / len(active))
             self.stats.add(middle_rounds=1)
             if full_probs is not None:  # first round: q at the first middle position
-                q = torch.stack([rounds[r].probs[0] for r in measured])
+                q = torch.stack([drafts_by_row[r].probs[0] for r in measured])
                 self.stats.add(middle_pq_sum=float(torch.minimum(full_probs, q).sum()),
                                middle_pq_count=len(measured))
                 full_probs = None
 
-    def _full_cache_probs(self, batch, rounds, rows: list[int]):
+    def _full_cache_probs(self, batch, drafts_by_row, rows: list[int]):
         if not rows:
             return None
-        return self.retrieval.full_cache_probs(batch, rows, [rounds[r].last_token for r in rows],
-                                               [rounds[r].position for r in rows])
+        return self.retrieval.full_cache_probs(
+            batch, rows, [drafts_by_row[r].last_token for r in rows],
+            [drafts_by_row[r].position for r in rows])
 
-    def _round(self, batch, states, rounds, active: list[int], sizes: list[int],
+    def _round(self, batch, states, drafts_by_row, active: list[int], sizes: list[int],
                argmax_only: bool = False) -> int:
         """One round for requests `active`, request active[i] proposing sizes[i] tokens;
         returns the middle tokens it added over all of them. `argmax_only`: every request
-        is greedy and nobody reads the middle distributions (Round.probs stays empty)."""
+        is greedy and nobody reads the middle distributions (RequestDrafts.probs stays
+        empty)."""
         if max(sizes) > 0:
-            proposals, proposal_probs = self.draft.propose(batch, states, rounds, active, sizes)
+            proposals, proposal_probs = self.draft.propose(batch, states, drafts_by_row,
+                                                           active, sizes)
         else:
             proposals, proposal_probs = [[] for _ in active], None
         logits = self.retrieval.forward(
-            batch, states, active, [[rounds[r].last_token] + p for r, p in zip(active, proposals)],
-            [list(range(rounds[r].position, rounds[r].position + 1 + len(p)))
+            batch, states, active,
+            [[drafts_by_row[r].last_token] + p for r, p in zip(active, proposals)],
+            [list(range(drafts_by_row[r].position, drafts_by_row[r].position + 1 + len(p)))
              for r, p in zip(active, proposals)])
         rows = torch.tensor(active)
         num_inputs = torch.tensor([len(p) + 1 for p in proposals])  # [A] tokens per request
@@ -123,23 +130,23 @@ class MiddleLoop:
         first_rows = (torch.cumsum(num_inputs, 0) - num_inputs).tolist()  # [A] in the pass
         for i, r in enumerate(active):
             accepted = host[i][0]
-            rounds[r].query_row = first_rows[i] + accepted  # input `accepted`: newest kept
-            self._advance(states[r], rounds[r], host[i][1:accepted + 2],
+            drafts_by_row[r].query_row = first_rows[i] + accepted  # input `accepted`: newest kept
+            self._advance(states[r], drafts_by_row[r], host[i][1:accepted + 2],
                           None if target_probs is None else target_probs[i], len(proposals[i]))
         return sum(row[0] + 1 for row in host)
 
-    def _advance(self, state, rnd: Round, emitted: list[int], target_probs,
+    def _advance(self, state, drafts: RequestDrafts, emitted: list[int], target_probs,
                  num_proposed: int) -> None:
         """`emitted`: the round's accepted drafts then one recovered/bonus token; target_probs
         [max + 1, V] the distributions they were drawn from (None: argmax only)."""
         accepted = len(emitted) - 1
-        rnd.tokens += emitted
+        drafts.tokens += emitted
         if target_probs is not None:
-            rnd.probs += list(target_probs[:accepted + 1])
-        rnd.last_token = emitted[-1]
-        rnd.position += accepted + 1
+            drafts.probs += list(target_probs[:accepted + 1])
+        drafts.last_token = emitted[-1]
+        drafts.position += accepted + 1
         if num_proposed:
-            self.draft.after_round(state, rnd, num_proposed, accepted)
+            self.draft.after_round(state, drafts, num_proposed, accepted)
             self.refresh.record_round(state.refresh, num_proposed, accepted)
             self.stats.record_middle(num_proposed, accepted)
 
@@ -156,7 +163,7 @@ def _per_request(token_probs: torch.Tensor, num_inputs: torch.Tensor) -> torch.T
     return out
 
 
-def hand_off(batch, states, rounds: dict[int, Round], depths: dict[int, int],
+def hand_off(batch, states, drafts_by_row: dict[int, RequestDrafts], depths: dict[int, int],
              probs_buffer: torch.Tensor):
     """What vLLM gets: one draft list per request (`depths[r]` tokens for decoding row r,
     [] for the others) and, unless every drafting row is greedy, their probs
@@ -170,8 +177,8 @@ def hand_off(batch, states, rounds: dict[int, Round], depths: dict[int, int],
         probs = probs_buffer[:batch.num_reqs, :max(depths.values())]
         probs.zero_()
     for r, k in depths.items():
-        drafts[r] = rounds[r].tokens[:k]
+        drafts[r] = drafts_by_row[r].tokens[:k]
         states[r].last_num_drafts = k
         if probs is not None and k:
-            probs[r, :k] = torch.stack(rounds[r].probs[:k])
+            probs[r, :k] = torch.stack(drafts_by_row[r].probs[:k])
     return drafts, probs

@@ -7,27 +7,38 @@ vLLM's full-cache verification pass:
 
 1. commit   -- keys of tokens that are now final go into the per-block summaries
                (RetrievalLevel.commit, engine/retrieval_level.py);
-2. select   -- requests due for a refresh re-score their blocks (RetrievalLevel.select,
-               core/selection.py) with the newest committed token's query; between middle
-               rounds, with the newest middle token's (RetrievalLevel.select_in_middle);
-3. middle loop (MiddleLoop.run, engine/middle.py), until each decoding request holds its
-   number of drafts (today gamma2 for all):
-     level 1: the small draft over its StreamingLLM table proposes gamma1 tokens
-              (DraftLevel, engine/draft_level.py);
+2. plan     -- each decoding request's depth k, 0 .. gamma2 (vLLM's bound for the step:
+               num_speculative_tokens, or Dynamic SD's entry for the batch size), and
+               whether the small draft runs this step (DepthChooser, engine/depth.py, from
+               measured costs and acceptance, core/controller.py). A request at depth 0
+               decodes plainly, with no middle work. With `adaptive` off every decoding
+               request gets gamma2 and every level runs, as in fixed-gamma TriForce;
+3. select   -- drafting requests due for a refresh re-score their blocks
+               (RetrievalLevel.select, core/selection.py) with the newest committed token's
+               query; between middle rounds, with the newest middle token's
+               (RetrievalLevel.select_in_middle);
+4. middle loop (MiddleLoop.run, engine/middle.py), until each decoding request holds its
+   depth in middle tokens:
+     level 1: the small draft over its StreamingLLM table proposes up to gamma1 tokens per
+              round (DraftLevel, engine/draft_level.py); without a small draft, or on a
+              step it sits out, level 2 drafts alone, one token per round;
      level 2: the target over per-layer retrieval tables scores them (zero-copy: a
               different block table per layer through the stock attention backend);
      exact speculative sampling between the two (core/verify.py);
-4. hand-off -- vLLM gets gamma2 drafts and, as draft probs, the level-2 distribution each
-   token was drawn from, so level 3 (vLLM's verification over the full cache) stays lossless.
+5. hand-off -- vLLM gets each request's k drafts (a list per request, [] at depth 0; with
+   `adaptive` off, a [num_reqs, gamma2] tensor) and, as draft probs, the level-2
+   distribution each token was drawn from, so level 3 (vLLM's verification over the full
+   cache) stays lossless.
 
 The levels are built in `initialize_attn_backend`, each with exactly what it uses; only this
 class reads the runner and the `DraftModelProposer` base class's attributes.
 
 Tensor parallelism: every rank runs this code. Selections may differ per rank (each rank
 scores its own KV heads), but every decision that shapes a collective -- which requests
-draft, how many rounds, refreshes -- derives from sampled tokens and acceptance counts,
-which come from all-gathered logits and identically seeded generators, so all ranks
-take the same decisions.
+draft, how many rounds, refreshes -- is the same on all ranks: the depth plan, which rests
+on each rank's own clocks, is rank 0's, broadcast (engine/depth.py); everything else
+derives from sampled tokens and acceptance counts, which come from all-gathered logits
+and identically seeded generators.
 """
 
 from __future__ import annotations
@@ -44,15 +55,15 @@ from vllm.config import get_layers_from_vllm_config
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
 from vllm_triforce import engine_settings, metrics
-from vllm_triforce.config import FORCED_SETTINGS_KEY, TriForceConfig, TriForceConfigError
+from vllm_triforce.config import TriForceConfig, TriForceConfigError, forced_settings
 from vllm_triforce.core.refresh import RefreshPolicy
-from vllm_triforce.core.selection import RerankPolicy, SelectionState, make_policy
+from vllm_triforce.core.selection import RerankPolicy, SelectionState, Selector, make_policy
 from vllm_triforce.core.summaries import BlockSummaries
 from vllm_triforce.engine import capture
 from vllm_triforce.engine.batch import StepBatch
 from vllm_triforce.engine.draft_level import DraftLevel, draft_window
 from vllm_triforce.engine.forward import metadata_path
-from vllm_triforce.engine.memory import MemoryPlan
+from vllm_triforce.engine.memory import MemoryPlan, allocate_summaries
 from vllm_triforce.engine.depth import DepthChooser
 from vllm_triforce.engine.middle import MiddleLoop, hand_off
 from vllm_triforce.engine.paged_keys import paged_keys_for
@@ -70,7 +81,7 @@ class TriForceProposer(DraftModelProposer):
         super().__init__(vllm_config=vllm_config, device=device, runner=runner)
         self.runner = runner
         self.cfg = TriForceConfig.from_vllm_config(vllm_config)
-        self.forced_settings = (vllm_config.additional_config or {}).get(FORCED_SETTINGS_KEY, [])
+        self.forced_settings = forced_settings(vllm_config)
         self.reserved_bytes = 0  # set by reserve_memory (patches/kv_reservation.py)
         self._probs_buffer: torch.Tensor | None = None
         self.has_draft = self.cfg.model is not None
@@ -100,7 +111,8 @@ class TriForceProposer(DraftModelProposer):
                     "tokens, policy %s%s", 3 if self.has_draft else 2,
                     self.cfg.num_speculative_tokens, self.cfg.draft_tokens_per_round,
                     self.blocks.budget_blocks, self.blocks.block_size, self.cfg.selection_policy,
-                    " (mean key + key variance)" if self.policy.needs_variance else "")
+                    " (mean key + key variance)" if self.cfg.summary_kinds().keep_variance
+                    else "")
 
     # ---- vLLM lifecycle ------------------------------------------------------------
     def load_model(self, target_model) -> None:
@@ -126,12 +138,11 @@ class TriForceProposer(DraftModelProposer):
         self.block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
         kv_dtype = self.runner.get_kv_cache_spec()[self.target_layer_names[0]].dtype
         layer = self.target_layers[0]
-        self.summaries = BlockSummaries(
-            num_layers=len(self.target_layers), num_blocks=kv_cache_config.num_blocks,
-            num_kv_heads=layer.num_kv_heads, head_dim=layer.head_size,
-            block_size=self.block_size, dtype=kv_dtype, device=self.device,
-            keep_keys=self.policy.needs_keys, keep_bounds=self.policy.needs_bounds,
-            keep_variance=self.policy.needs_variance)
+        self.summaries = allocate_summaries(  # what memory_plan reserved
+            self.cfg.summary_kinds(), num_layers=len(self.target_layers),
+            num_blocks=kv_cache_config.num_blocks, num_kv_heads=layer.num_kv_heads,
+            head_dim=layer.head_size, block_size=self.block_size, dtype=kv_dtype,
+            device=self.device)
         sched = self.vllm_config.scheduler_config
         # [max_num_seqs, gamma2, V]: the draft probabilities handed to vLLM, reused per step.
         self._probs_buffer = torch.zeros(
@@ -160,11 +171,11 @@ class TriForceProposer(DraftModelProposer):
         blocks = self.cfg.in_blocks(self.block_size)
         layer = self.target_layers[0]
         target_groups = [g for groups in self.runner.attn_groups for g in groups]
+        selector = Selector(self.policy, blocks, self.cfg.middle_shortlist, keys=self.paged_keys)
         self.retrieval = RetrievalLevel(
             self.target_model, self.vllm_config, target_groups, self.target_layer_names,
-            layer.num_heads, layer.head_size, self.capture, self.summaries, self.policy,
-            self.refresh, blocks, self.stats, self.device,
-            shortlist=self.cfg.middle_shortlist, keys=self.paged_keys)
+            layer.num_heads, layer.head_size, self.capture, self.summaries, selector,
+            self.refresh, self.stats, self.device, keys=self.paged_keys)
         if self.paged_keys is None:
             self.retrieval.key_status = f"unreadable: {self.unreadable}"
         self.draft = None
@@ -193,8 +204,7 @@ class TriForceProposer(DraftModelProposer):
             kv_bytes_per_block=sum(s.page_size_bytes for s in specs.values()),
             num_target_layers=len(self.target_layers), num_kv_heads=layer.num_kv_heads,
             head_dim=layer.head_size, block_size=target.block_size,
-            kv_dtype_bytes=target.dtype.itemsize, keep_keys=self.policy.needs_keys,
-            keep_bounds=self.policy.needs_bounds, keep_variance=self.policy.needs_variance,
+            kv_dtype_bytes=target.dtype.itemsize, kinds=self.cfg.summary_kinds(),
             max_num_seqs=self.vllm_config.scheduler_config.max_num_seqs,
             gamma2=self.cfg.num_speculative_tokens,
             gamma1=self.cfg.draft_tokens_per_round if self.has_draft else 0,
@@ -265,9 +275,10 @@ class TriForceProposer(DraftModelProposer):
         if not drafting:
             return [[] for _ in range(batch.num_reqs)], None
         self.retrieval.select(batch, states, drafting)
-        rounds = self.middle.run(batch, states, rows, depths, use_draft and self.draft is not None,
-                                 on_round=self.depth.round_done)
-        return hand_off(batch, states, rounds, dict(zip(rows, depths)), self._probs_buffer)
+        drafts_by_row = self.middle.run(batch, states, rows, depths,
+                                        use_draft and self.draft is not None,
+                                        on_round=self.depth.round_done)
+        return hand_off(batch, states, drafts_by_row, dict(zip(rows, depths)), self._probs_buffer)
 
     @staticmethod
     def _pure_decode(batch, states) -> bool:

@@ -20,10 +20,7 @@ from __future__ import annotations
 import torch
 from vllm.logger import init_logger
 
-from vllm_triforce.config import BlockCounts
-from vllm_triforce.core.selection import (Selection, SelectionPolicy, build_block_tables,
-                                          num_retrieved, rerank_exactly, rescore_shortlist,
-                                          select_blocks, shortlist)
+from vllm_triforce.core.selection import Selection, Selector, build_block_tables
 from vllm_triforce.engine.forward import build_pass, run_pass
 
 logger = init_logger("vllm.triforce")
@@ -31,18 +28,17 @@ logger = init_logger("vllm.triforce")
 
 class RetrievalLevel:
     """The target (`model`, its attention layers `layer_names` in layer order, `attn_groups`)
-    over retrieval tables chosen by `policy` from `summaries` of the keys `capture` records.
-    `num_heads`, `head_size`: the target's query heads, to read captured queries.
-    `shortlist`: between middle rounds re-rank only each layer's best `shortlist` x
-    (retrieved blocks) candidates of the step's start (0, or a policy that cannot: all).
-    `keys`: where a two-stage policy (`rerank`) reads exact keys, engine/paged_keys.py's
-    reader of vLLM's KV cache, checked against the captured keys at the first commit whatever
-    the policy (`key_status` says how that went: `vllm-triforce doctor` reports it), or
-    None: the policy's first stage alone."""
+    over retrieval tables that `selector` (core/selection.py: policy, geometry, shortlist,
+    key source) chooses from `summaries` of the keys `capture` records. `num_heads`,
+    `head_size`: the target's query heads, to read captured queries. `keys`: engine/
+    paged_keys.py's reader of vLLM's KV cache (or None), checked against the captured keys at
+    the first commit whatever the policy (`key_status` says how that went: `vllm-triforce
+    doctor` reports it); a reader that fails its check is taken from the selector, so a
+    two-stage policy (`rerank`) keeps its first stage alone."""
 
     def __init__(self, model, vllm_config, attn_groups, layer_names: list[str], num_heads: int,
-                 head_size: int, capture, summaries, policy: SelectionPolicy, refresh,
-                 blocks: BlockCounts, stats, device, shortlist: int = 0, keys=None):
+                 head_size: int, capture, summaries, selector: Selector, refresh, stats, device,
+                 keys=None):
         self.model = model
         self.vllm_config = vllm_config
         self.attn_groups = attn_groups
@@ -50,17 +46,13 @@ class RetrievalLevel:
         self.num_heads, self.head_size = num_heads, head_size
         self.capture = capture
         self.summaries = summaries
+        self.selector = selector
         self.keys = keys
         self.key_status = "not checked yet" if keys is not None else "no reader"
-        self.policy = policy
         self.refresh = refresh
-        self.blocks = blocks
+        self.blocks = selector.blocks
         self.stats = stats
         self.device = device
-        num_select = num_retrieved(blocks.budget_blocks, blocks.retrieval_sink_blocks,
-                                   blocks.retrieval_recent_blocks)
-        self.shortlist_size = shortlist * num_select if policy.reranks_shortlist else 0
-        self.num_select = num_select
         self._pass_queries: list | None = None  # per layer, the last `forward`'s queries
 
     # ---- commit ---------------------------------------------------------------------
@@ -104,7 +96,7 @@ class RetrievalLevel:
                 logger.warning("TriForce: keys read back from the KV cache differ from the keys "
                                "written (%s); `rerank` keeps its first stage only. Please report "
                                "this with your GPU and attention backend.", why)
-                self.keys = None
+                self.keys = self.selector.keys = None
 
     # ---- select ---------------------------------------------------------------------
     def select(self, batch, states, rows: list[int]) -> None:
@@ -115,63 +107,57 @@ class RetrievalLevel:
         if self.capture.queries[0] is None:
             return
         rest = [r for r in rows if r not in due]
-        if rest and type(self.policy).observe is not SelectionPolicy.observe:  # h2o accumulates
+        if rest and self.selector.observes:  # h2o accumulates
             idx = torch.tensor(rest)
-            self.policy.observe(self._last_committed_queries(batch, idx), self.summaries,
-                                batch.block_table[idx].to(self.device), batch.committed[idx],
-                                [states[r].policy_state for r in rest])
+            self.selector.observe(self._last_committed_queries(batch, idx), self.summaries,
+                                  batch.block_table[idx].to(self.device), batch.committed[idx],
+                                  [states[r].policy_state for r in rest])
         if due:
             queries = self._last_committed_queries(batch, torch.tensor(due))
             self._reselect(batch, states, due, queries, [int(batch.committed[r]) for r in due],
-                           make_shortlist=self.shortlist_size > 0)
+                           keep_shortlist=True)
 
-    def select_in_middle(self, batch, states, rows: list[int], rounds) -> None:
+    def select_in_middle(self, batch, states, rows: list[int], drafts_by_row) -> None:
         """Between middle rounds: requests `rows` due a refresh re-select with the query of
-        their newest middle token (`rounds[r].query_row` of the pass `forward` just ran, at
-        position `rounds[r].position - 1`). Called right after that pass, before any other
-        target pass can reuse its buffers. Requests holding this step's shortlist re-rank
-        only it; any other scores every candidate."""
+        their newest middle token (`drafts_by_row[r].query_row` of the pass `forward` just
+        ran, at position `drafts_by_row[r].position - 1`; engine/middle.RequestDrafts).
+        Called right after that pass, before any other target pass can reuse its buffers.
+        Requests holding this step's shortlist re-rank only it; any other scores every
+        candidate."""
         due = [r for r in rows
-               if self.refresh.due_in_middle(states[r].refresh, rounds[r].position)]
+               if self.refresh.due_in_middle(states[r].refresh, drafts_by_row[r].position)]
         if not due or self._pass_queries is None:
             return
         listed = [r for r in due if states[r].shortlist_committed == int(batch.committed[r])]
         rest = [r for r in due if r not in listed]
         for group, use_list in ((listed, True), (rest, False)):
             if group:
-                queries = self._queries_at(self._pass_queries,
-                                           torch.tensor([rounds[r].query_row for r in group]))
+                query_rows = torch.tensor([drafts_by_row[r].query_row for r in group])
+                queries = self._queries_at(self._pass_queries, query_rows)
                 self._reselect(batch, states, group, queries,
-                               [rounds[r].position for r in group], use_shortlist=use_list)
+                               [drafts_by_row[r].position for r in group], use_shortlist=use_list)
 
     def _reselect(self, batch, states, due: list[int], queries: torch.Tensor,
-                  prefixes: list[int], make_shortlist: bool = False,
+                  prefixes: list[int], keep_shortlist: bool = False,
                   use_shortlist: bool = False) -> None:
         """queries [len(due), num_layers, Hq, D]: the query of each request's token at
         position prefixes[i] - 1. Candidates are the committed full blocks either way.
-        `make_shortlist`: keep each layer's best candidates for this step's middle rounds;
+        `keep_shortlist`: keep each layer's best candidates for this step's middle rounds;
         `use_shortlist`: score only those (every request in `due` holds this step's)."""
         idx = torch.tensor(due)
-        committed = batch.committed[idx].to(self.device)
-        block_table = batch.block_table[idx].to(self.device)
-        b = self.blocks
+        listed = None
         if use_shortlist:
             listed = torch.stack([states[r].shortlist for r in due]).to(self.device)
-            scores = rescore_shortlist(self.policy, queries, self.summaries, block_table, listed)
-        else:
-            scores = self.policy.block_scores(queries, self.summaries, block_table, committed,
-                                              [states[r].policy_state for r in due])
-            scores = rerank_exactly(self.policy, scores, queries, self.keys, block_table,
-                                    committed, b.block_size, b.retrieval_sink_blocks,
-                                    b.retrieval_recent_blocks, self.num_select)
-        if make_shortlist:
-            listed = shortlist(scores, committed, b.block_size, b.retrieval_sink_blocks,
-                               b.retrieval_recent_blocks, self.shortlist_size).cpu()
+        choice = self.selector.choose(
+            queries, self.summaries, batch.block_table[idx].to(self.device),
+            batch.committed[idx].to(self.device), [states[r].policy_state for r in due],
+            shortlist=listed, keep_shortlist=keep_shortlist)
+        if choice.shortlist is not None:
+            kept = choice.shortlist.cpu()
             for i, r in enumerate(due):
-                states[r].shortlist = listed[i]
+                states[r].shortlist = kept[i]
                 states[r].shortlist_committed = int(batch.committed[r])
-        sel = select_blocks(scores, committed, b.block_size, b.budget_blocks,
-                            b.retrieval_sink_blocks, b.retrieval_recent_blocks)
+        sel = choice.selection
         for i, r in enumerate(due):
             st = states[r]
             st.logical_blocks = sel.logical_blocks[i].cpu()

@@ -1,0 +1,101 @@
+"""One selection path: the engine's retrieval level and the teacher-forced acceptance
+benchmark choose the same blocks from the same summaries and queries, at a step's start
+and between middle rounds (both call core.selection.Selector)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_triforce.bench.teacher import Column, TeacherForcedEngine
+from vllm_triforce.config import BlockCounts
+from vllm_triforce.core.policies import SelectionState, make_policy
+from vllm_triforce.core.refresh import RefreshPolicy
+from vllm_triforce.core.selection import Selector
+from vllm_triforce.core.summaries import BlockSummaries
+from vllm_triforce.engine.middle import RequestDrafts
+from vllm_triforce.engine.retrieval_level import RetrievalLevel
+from vllm_triforce.engine.state import RequestState
+from vllm_triforce.engine.stats import TriForceStats
+
+LAYERS, KV_HEADS, Q_HEADS, DIM, BS = 3, 2, 4, 8, 4
+COMMITTED = 64  # 16 full blocks: 14 candidates with 1 sink and 1 recent block
+BLOCKS = BlockCounts(block_size=BS, budget_blocks=6, retrieval_sink_blocks=1,
+                     retrieval_recent_blocks=1)  # 3 retrieved: a 4x shortlist is 12 of 14
+NUM_REQS = 3
+
+
+def summarised_requests(seed: int):
+    """Summaries of NUM_REQS requests of COMMITTED random keys on shuffled physical blocks
+    (every kind of state, the key copy included), and their block table [R, 17]."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = NUM_REQS * 17 + 1
+    table = torch.randperm(num_blocks, generator=gen)[:NUM_REQS * 17].view(NUM_REQS, 17)
+    summaries = BlockSummaries(LAYERS, num_blocks, KV_HEADS, DIM, BS, keep_keys=True,
+                               keep_bounds=True, keep_variance=True)
+    positions = torch.arange(COMMITTED)
+    for r in range(NUM_REQS):
+        keys = [torch.randn(COMMITTED, KV_HEADS * DIM, generator=gen) for _ in range(LAYERS)]
+        summaries.add_committed(keys, positions, table[r, positions // BS], positions % BS)
+    return summaries, table.to(torch.int32), gen
+
+
+def engine_level(summaries, selector, queries):
+    """A RetrievalLevel whose capture holds `queries` [R, L, Hq, D] as the last committed
+    tokens' (one token per request in the verification pass)."""
+    capture = SimpleNamespace(queries=[queries[:, layer].reshape(NUM_REQS, -1)
+                                       for layer in range(LAYERS)])
+    return RetrievalLevel(None, None, None, [f"layer{i}" for i in range(LAYERS)], Q_HEADS, DIM,
+                          capture, summaries, selector, RefreshPolicy(1, 0.5), TriForceStats(),
+                          torch.device("cpu"), keys=summaries)
+
+
+@pytest.mark.parametrize("policy,kwargs", [("retrieval", {"variance": True}),
+                                           ("retrieval", {"variance": False}),
+                                           ("rerank", {}), ("quest", {})])
+def test_engine_and_teacher_choose_the_same_blocks(policy, kwargs):
+    summaries, table, gen = summarised_requests(seed=len(policy))
+    start_query = torch.randn(NUM_REQS, LAYERS, Q_HEADS, DIM, generator=gen)
+    middle_query = torch.randn(NUM_REQS, LAYERS, Q_HEADS, DIM, generator=gen)
+
+    # the engine: a step start, then a middle round's re-selection
+    selector = Selector(make_policy(policy, **kwargs), BLOCKS, shortlist_factor=4, keys=summaries)
+    level = engine_level(summaries, selector, start_query)
+    batch = SimpleNamespace(block_table=table, committed=torch.full((NUM_REQS,), COMMITTED),
+                            q_lens=torch.ones(NUM_REQS, dtype=torch.long),
+                            num_rejected=torch.zeros(NUM_REQS, dtype=torch.long),
+                            query_start_loc=torch.arange(NUM_REQS + 1))
+    states = [RequestState(refresh=level.refresh.new_state(), policy_state=SelectionState())
+              for _ in range(NUM_REQS)]
+    rows = list(range(NUM_REQS))
+    level.select(batch, states, rows)
+    at_start = [(s.logical_blocks.clone(), s.num_selected, s.tail_start) for s in states]
+    level._pass_queries = [middle_query[:, layer].reshape(NUM_REQS, -1)
+                           for layer in range(LAYERS)]
+    drafts = {r: RequestDrafts(0, COMMITTED + 1) for r in rows}
+    for r in rows:
+        drafts[r].query_row = r
+    level.select_in_middle(batch, states, rows, drafts)
+    in_middle = [(s.logical_blocks, s.num_selected, s.tail_start) for s in states]
+
+    # the teacher: the same two selections through a column
+    column = Column("c", Selector(make_policy(policy, **kwargs), BLOCKS, 4, keys=summaries),
+                    refresh_every=6, middle_queries=True)
+    teacher = SimpleNamespace(summaries=summaries)
+    first = TeacherForcedEngine.select(teacher, column, start_query, table, COMMITTED)
+    then = TeacherForcedEngine.select(teacher, column, middle_query, table, COMMITTED,
+                                      middle=True)
+
+    for selection, engine_side in ((first, at_start), (then, in_middle)):
+        for r, (logical, num_selected, tail) in enumerate(engine_side):
+            assert torch.equal(selection.logical_blocks[r], logical)
+            assert (int(selection.num_selected[r]), int(selection.tail_start[r])) == (
+                num_selected, tail)
+    # the middle re-selection saw a new query: for the retrieval policies it re-ranked the
+    # step start's shortlist (12 of the 14 candidates), and the choice moved
+    reranks = selector.shortlist_size > 0
+    assert reranks == (policy == "retrieval")
+    if reranks:
+        assert column.listed is not None and column.listed.shape == (NUM_REQS, LAYERS, 12)
+        assert torch.equal(torch.stack([s.shortlist for s in states]), column.listed)
+    assert any(not torch.equal(a[0], b[0]) for a, b in zip(at_start, in_middle))

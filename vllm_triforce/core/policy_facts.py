@@ -1,0 +1,53 @@
+"""What each selection policy keeps and does, in one table that imports nothing.
+
+Config validation (`config.py`, which must not import torch), the memory plan reserved
+before vLLM sizes its KV cache (`engine/memory.py`) and the allocation of the block
+summaries (`engine/proposer.py`) all read `summary_kinds` below, so the bytes reserved
+are the bytes allocated (tests/core/test_core_policy_facts.py checks it for every policy).
+The policies themselves are in `policies.py`; `POLICIES` there is keyed by these names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PolicyFacts:
+    name: str
+    # Keeps a copy of every committed key (as much memory as the key cache): refused
+    # unless the user sets `allow_full_key_copy` (benchmarks).
+    copies_keys: bool = False
+    # Keeps per-block per-channel key minima and maxima (two key-sized vectors per block).
+    keeps_bounds: bool = False
+    # `key_variance` applies: with it, one float32 key-sized vector per block more.
+    takes_key_variance: bool = False
+    # Between middle rounds, re-ranks the step start's shortlist (`middle_shortlist`).
+    reranks_shortlist: bool = False
+
+
+POLICY_FACTS: dict[str, PolicyFacts] = {f.name: f for f in (
+    PolicyFacts("retrieval", takes_key_variance=True, reranks_shortlist=True),
+    PolicyFacts("quest", keeps_bounds=True),
+    PolicyFacts("streamingllm"),
+    PolicyFacts("h2o", copies_keys=True),
+    PolicyFacts("topk_oracle", copies_keys=True),
+    # Its first stage is `retrieval`; its exact stage reads vLLM's own KV cache, so no copy.
+    PolicyFacts("rerank", takes_key_variance=True),
+)}
+POLICY_NAMES = tuple(POLICY_FACTS)
+
+
+@dataclass(frozen=True)
+class SummaryKinds:
+    """Which optional state `core.summaries.BlockSummaries` keeps (its keep_* arguments)."""
+    keep_keys: bool = False
+    keep_bounds: bool = False
+    keep_variance: bool = False
+
+
+def summary_kinds(policy: str, key_variance: bool) -> SummaryKinds:
+    """The block state policy `policy` reads, `key_variance` as configured."""
+    facts = POLICY_FACTS[policy]
+    return SummaryKinds(keep_keys=facts.copies_keys, keep_bounds=facts.keeps_bounds,
+                        keep_variance=facts.takes_key_variance and key_variance)
