@@ -86,6 +86,16 @@ def _check_parallel(parallel_config) -> None:
             f"pipeline_parallel_size={parallel_config.pipeline_parallel_size}: TriForce's middle "
             "level runs every target layer inside the proposer, which lives on the last pipeline "
             "rank only. Use tensor parallelism (pipeline_parallel_size=1) with method 'triforce'.")
+    # Context parallelism spreads each request's KV blocks over ranks in a virtual block
+    # layout (vllm/v1/worker/block_table.py, 0.32.0); TriForce's compacted per-layer tables
+    # index the local layout, so the middle and draft levels would read the wrong blocks.
+    for setting in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        size = getattr(parallel_config, setting)
+        if size > 1:
+            raise TriForceConfigError(
+                f"TriForce cannot run with {setting}={size}: context parallelism shards each "
+                "request's KV cache across ranks, and TriForce's retrieval tables index one "
+                f"rank's blocks only. Fix: leave {setting}=1 (use tensor parallelism instead).")
 
 
 def _draft_vocab_size(cfg, target_model_config) -> int | None:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import vllm_triforce
-from engine_helpers import drafter_of, free_llm, make_engine_kwargs
+from engine_helpers import assert_drafted, drafter_of, free_llm, make_engine_kwargs
 from vllm_triforce.config import TriForceConfig, TriForceConfigError
 from vllm_triforce.core.policies import make_policy
 from vllm_triforce.core.policy_facts import SummaryKinds
@@ -56,6 +56,17 @@ def test_v2_model_runner_refused(tiny_llama, monkeypatch):
 def test_data_parallel_refused(tiny_llama):
     with pytest.raises(TriForceConfigError, match=r"TriForce.*data_parallel_size=2.*Fix"):
         _engine_args(tiny_llama, data_parallel_size=2).create_engine_config()
+
+
+@pytest.mark.parametrize("setting,kw", [
+    # vLLM needs tensor_parallel_size divisible by the DCP size (vllm/config/parallel.py).
+    ("decode_context_parallel_size", {"tensor_parallel_size": 2}),
+    ("prefill_context_parallel_size", {}),
+])
+def test_context_parallel_refused(tiny_llama, setting, kw):
+    with pytest.raises(TriForceConfigError,
+                       match=rf"TriForce.*{setting}=2.*Fix: leave {setting}=1"):
+        _engine_args(tiny_llama, **{setting: 2}, **kw).create_engine_config()
 
 
 def test_attention_backend_outside_allow_list_refused(tiny_llama):
@@ -142,7 +153,8 @@ def test_run_asserts_the_compiled_range():
 
 @pytest.mark.engine
 def test_three_level_refills_larger_than_max_num_batched_tokens(tiny_qwen2, tiny_draft):
-    """A draft window refill (sinks + 96-token window) exceeds a 64-token compiled range."""
+    """A draft window refill (sinks + 96-token window) exceeds a 64-token compiled range.
+    Fixed depth (adaptive off): every step drafts, so the small draft runs and refills."""
     from vllm import LLM, SamplingParams
 
     import tiny_models
@@ -151,7 +163,7 @@ def test_three_level_refills_larger_than_max_num_batched_tokens(tiny_qwen2, tiny
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     limit = dict(max_num_batched_tokens=64, max_num_seqs=3)
     spec = {**SPEC, "model": str(tiny_draft), "draft_window_tokens": 96,
-            "draft_tokens_per_round": 2}
+            "draft_tokens_per_round": 2, "adaptive": False}
     outputs = {}
     for name, speculative in (("plain", None), ("triforce", spec)):
         llm = LLM(str(tiny_qwen2), speculative_config=speculative,
@@ -163,6 +175,7 @@ def test_three_level_refills_larger_than_max_num_batched_tokens(tiny_qwen2, tiny
         finally:
             free_llm(llm)
     assert outputs["triforce"] == outputs["plain"]
+    assert_drafted(stats, levels=3)
     assert stats["split_passes"] > 0  # refills really exceeded the range and were split
     assert 0 < stats["max_pass_tokens"] <= 64
 

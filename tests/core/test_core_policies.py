@@ -373,3 +373,47 @@ def test_variance_finds_the_outlier_key_the_mean_dilutes():
     assert int(mean[0, 0].argmax()) == 2
     both = make_policy("retrieval", variance=True).block_scores(query, s, table, committed)
     assert int(both[0, 0].argmax()) == 1
+
+
+def integer_summaries(num_blocks=13, num_kv=2, head_dim=8, dtype=torch.float32):
+    """BlockSummaries whose sums, variances and counts are small integers (exact in bf16),
+    so every dot product is exact whatever order a kernel sums in."""
+    from vllm_triforce.core.summaries import BlockSummaries
+    gen = torch.Generator().manual_seed(3)
+    s = BlockSummaries(2, num_blocks, num_kv, head_dim, BS, dtype=dtype, keep_variance=True)
+    s.sums.copy_(torch.randint(-4, 5, s.sums.shape, generator=gen))
+    s.square_deviations.copy_(torch.randint(0, 9, s.sums.shape, generator=gen))
+    s.counts.copy_(torch.randint(1, BS + 1, (num_blocks,), generator=gen))
+    return s
+
+
+def test_block_chunks_bound_the_float32_copy(monkeypatch):
+    from vllm_triforce.core import policies
+    store = torch.zeros(32, 1100, 8, 128, dtype=torch.bfloat16)  # 128 KiB per block in fp32
+    assert [c.stop - c.start for c in policies.block_chunks(store)] == [512, 512, 512]
+    monkeypatch.setattr(policies, "SCORE_CHUNK_BYTES", 3 * 32 * 8 * 128 * 4 + 1)
+    chunks = policies.block_chunks(store)
+    assert len(chunks) == 367 and chunks[-1] == slice(1098, 1101)  # 3 blocks, the last 2
+    monkeypatch.setattr(policies, "SCORE_CHUNK_BYTES", 1)  # a block alone is over: 1 each
+    assert len(policies.block_chunks(store)) == 1100
+
+
+@pytest.mark.parametrize("aggregation", ["sum", "max", "softmax"])
+@pytest.mark.parametrize("variance", [False, True])
+def test_all_blocks_scored_in_chunks_equal_one_chunk(monkeypatch, aggregation, variance):
+    """Chunks of 2 blocks (the last one short) of a bf16 store give the scores of a float32
+    store of the same values (read whole, in place) bit for bit."""
+    from vllm_triforce.core import policies
+    table = torch.tensor([[3, 0, 12, 7], [5, 5, 1, 11]])
+    query = torch.randint(-3, 4, (2, 2, 6, 8), generator=torch.Generator().manual_seed(4))
+    policy = make_policy("retrieval", aggregation=aggregation, strategy="all", scale=1.0,
+                         variance=variance)
+    committed = torch.tensor([4 * BS, 3 * BS])
+    one_chunk = policy.block_scores(query.float(), integer_summaries(), table, committed)
+    monkeypatch.setattr(policies, "SCORE_CHUNK_BYTES", 2 * 2 * 2 * 8 * 4)  # 2 blocks
+    for dtype in (torch.float32, torch.bfloat16):
+        summaries = integer_summaries(dtype=dtype)
+        assert len(policies.score_chunks(summaries.sums)) == (1 if dtype == torch.float32
+                                                              else 7)
+        chunked = policy.block_scores(query.float(), summaries, table, committed)
+        assert torch.equal(chunked, one_chunk)

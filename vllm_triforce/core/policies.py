@@ -137,6 +137,28 @@ class StreamingLLMPolicy(SelectionPolicy):
         return order.expand(num_reqs, num_layers, -1).clone()
 
 
+# Scoring every physical block ("all" strategies) reads the summary store [L, N, H, D] in
+# chunks of blocks, each cast to float32 on its own: with bf16 summaries a whole-store
+# float32 copy would be twice the store (~4 GB for a 60 GB KV cache) at every selection.
+SCORE_CHUNK_BYTES = 64 * 2**20
+
+
+def block_chunks(store: Tensor) -> list[slice]:
+    """Slices of the store's block axis whose float32 copy (all layers, heads and channels)
+    takes at most SCORE_CHUNK_BYTES, or one block when a block alone takes more. Example:
+    L=32, H=8, D=128 -> 128 KiB per block in float32 -> 512 blocks per chunk."""
+    num_blocks = store.shape[1]
+    block_bytes = store[:, :1].numel() * 4  # float32
+    per_chunk = max(1, SCORE_CHUNK_BYTES // max(1, block_bytes))
+    return [slice(start, start + per_chunk) for start in range(0, num_blocks, per_chunk)]
+
+
+def score_chunks(store: Tensor) -> list[slice]:
+    """`block_chunks`, except that a float32 store is read in place, whole (its `.float()`
+    copies nothing), so float32 scores stay what one product gives."""
+    return [slice(None)] if store.dtype == torch.float32 else block_chunks(store)
+
+
 class RetrievalPolicy(SelectionPolicy):
     """TriForce retrieval: q . mean_key / sqrt(d), aggregated to one score per block.
 
@@ -149,7 +171,9 @@ class RetrievalPolicy(SelectionPolicy):
     spends the same unit of mass and heads with large query norms cannot dominate;
     aggregation="max" keeps each block's best query head.
     strategy: "gather" reads the request's mean keys; "all" scores every physical block
-    (one read of the whole store, cheaper when the store is small); "auto" picks.
+    (one read of the whole store, cheaper when the store is small, in chunks whose float32
+    copy is at most SCORE_CHUNK_BYTES = 64 MiB when the store is not float32:
+    `score_chunks`); "auto" picks.
     variance=True adds 1/2 sum_d q_d^2 var_d per query head (q scaled by 1 / sqrt(d), var_d
     the variance of the block's keys in channel d): the log of E[exp(q . k)] if the block's
     keys were independent Gaussians per channel, i.e. the block's attention mass up to a
@@ -216,27 +240,31 @@ class RetrievalPolicy(SelectionPolicy):
                        store: Tensor) -> Tensor:
         """q [R, L, H*D] (summed over each group) -> [R, L, B]: q . (store / count) over
         H*D for each table block; store = the key sums (q . mean key) or deviations()
-        (q . key variance)."""
-        num_layers, num_blocks = store.shape[:2]
+        (q . key variance). The "all" strategy reads the store by `score_chunks`."""
+        num_layers = store.shape[0]
         counts = summaries.counts.clamp(min=1).float()
         if not self._use_all_blocks(summaries, ids):
             rows = store[:, ids.flatten()].float().unflatten(1, ids.shape)  # [L, R, B, H, D]
             dots = torch.einsum("rlk,lrbk->rlb", q, rows.flatten(3))
             return dots / counts[ids][:, None, :]
-        dots = torch.bmm(store.float().view(num_layers, num_blocks, -1), q.permute(1, 2, 0))
+        rhs = q.permute(1, 2, 0)  # [L, H*D, R]
+        dots = torch.cat([torch.bmm(store[:, chunk].float().flatten(2), rhs)
+                          for chunk in score_chunks(store)], dim=1)
         dots = dots / counts[:, None]  # [L, N, R]
         index = ids.t()[None].expand(num_layers, -1, -1)  # [L, B, R]
         return dots.gather(1, index).permute(2, 0, 1)  # [R, L, B]
 
     def _per_head_scores(self, q: Tensor, summaries: BlockSummaries, ids: Tensor,
                          store: Tensor) -> Tensor:
-        """q [R, L, H, G, D] -> [R, L, H, G, B]: q . (store / count) per query head."""
+        """q [R, L, H, G, D] -> [R, L, H, G, B]: q . (store / count) per query head. The
+        "all" strategy reads the store by `score_chunks`."""
         counts = summaries.counts.clamp(min=1).float()
         if not self._use_all_blocks(summaries, ids):
             rows = store[:, ids.flatten()].float().unflatten(1, ids.shape)  # [L, R, B, H, D]
             dots = torch.einsum("rlhgd,lrbhd->rlhgb", q, rows)
             return dots / counts[ids][:, None, None, None, :]
-        dots = torch.einsum("rlhgd,lnhd->rlhgn", q, store.float()) / counts
+        dots = torch.cat([torch.einsum("rlhgd,lnhd->rlhgn", q, store[:, chunk].float())
+                          for chunk in score_chunks(store)], dim=-1) / counts
         return dots.gather(-1, ids[:, None, None, None, :].expand(*dots.shape[:4], -1))
 
 

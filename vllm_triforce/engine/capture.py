@@ -11,6 +11,15 @@ in vLLM changes at class level, which is why this lives here and not in `patches
 The wrapper keeps references, never copies: the proposer consumes them right after the
 verification pass. Under FULL CUDA graphs attention does not run Python, so TriForce needs
 eager or piecewise graphs (engine_settings.py).
+
+Nothing is recorded when `attn_metadata` is None: that is a vLLM dummy run, not a step.
+`GPUModelRunner._dummy_run` (vllm/v1/worker/gpu_model_runner.py, 0.32.0) builds metadata
+only when `force_attention` or a FULL graph asks for it, and sets the forward context's
+metadata to None otherwise, so the profile run (`profile_run`: up to max_num_batched_tokens
+tokens, also the CPU runner's compile warm-up), piecewise graph captures and idle
+data-parallel batches all reach `impl.forward` with None; every backend returns early on it
+("Profiling run.", e.g. vllm/v1/attention/backends/flash_attn.py). Keeping those queries
+and keys alive would inflate the peak memory vLLM measures before it sizes the KV cache.
 """
 
 from __future__ import annotations
@@ -66,11 +75,11 @@ def _unwrapped(forward):
 
 
 def _wrap_forward(forward, index: int, capture: LayerCapture):
-    def captured_forward(layer, query, key, value, *args, **kwargs):
-        if capture.enabled:
+    def captured_forward(layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
+        if capture.enabled and attn_metadata is not None:  # None: a dummy run (see top)
             capture.queries[index] = query
             capture.keys[index] = key
-        return forward(layer, query, key, value, *args, **kwargs)
+        return forward(layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
 
     captured_forward.__wrapped__ = forward
     setattr(captured_forward, PATCHED_ATTR, True)

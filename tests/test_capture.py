@@ -1,0 +1,58 @@
+"""engine/capture.py records nothing during vLLM's dummy and profile runs.
+
+vLLM sizes the KV cache from the peak memory of its profile run (`profile_run`: one dummy
+forward of max_num_batched_tokens tokens, vllm/v1/worker/gpu_model_runner.py, 0.32.0). A
+capture that kept every layer's query and key of that forward would keep them alive and
+inflate the measured peak. On CPU, vLLM runs the profile run at start-up only to warm up
+compiled graphs (`CPUModelRunner.warming_up_model`), so one test starts a compiled engine
+and the other replays the GPU worker's profile run on an eager one.
+"""
+
+import pytest
+
+from engine_helpers import drafter_of
+
+pytestmark = pytest.mark.engine
+
+SPEC = {"method": "triforce", "num_speculative_tokens": 4, "retrieval_budget": 160,
+        "retrieval_sink_tokens": 16, "retrieval_recent_tokens": 32}
+
+
+def assert_nothing_captured(llm) -> None:
+    capture = drafter_of(llm).capture
+    assert all(q is None for q in capture.queries), "queries kept from a dummy run"
+    assert all(k is None for k in capture.keys), "keys kept from a dummy run"
+
+
+def model_runner_of(llm):
+    core = llm.llm_engine.engine_core.engine_core
+    return core.model_executor.driver_worker.worker.model_runner
+
+
+def test_start_up_warm_up_run_is_not_captured(tiny_llama, llm_factory):
+    # Compiled (no enforce_eager): the CPU worker runs `profile_run` at start-up. The eager
+    # dynamo backend keeps compilation cheap.
+    llm = llm_factory(tiny_llama, speculative_config=dict(SPEC), enforce_eager=False,
+                      compilation_config={"mode": "DYNAMO_TRACE_ONCE", "backend": "eager"})
+    assert_nothing_captured(llm)
+
+
+def test_profile_run_is_not_captured_but_real_steps_are(tiny_llama, llm_factory):
+    from vllm import SamplingParams
+
+    llm = llm_factory(tiny_llama, speculative_config=dict(SPEC))
+    model_runner_of(llm).profile_run()  # what the GPU worker runs before sizing the KV cache
+    assert_nothing_captured(llm)
+
+    drafter = drafter_of(llm)
+    captured_at_propose = []
+    propose = drafter.propose
+
+    def recording_propose(*args, **kwargs):
+        captured_at_propose.append(all(q is not None for q in drafter.capture.queries))
+        return propose(*args, **kwargs)
+
+    drafter.propose = recording_propose
+    llm.generate(["a b c d e f g h"], SamplingParams(temperature=0.0, max_tokens=4),
+                 use_tqdm=False)
+    assert captured_at_propose and all(captured_at_propose)
