@@ -12,20 +12,24 @@ from vllm_triforce.config import FULL_KEY_POLICIES, POLICIES, TriForceConfig
 from vllm_triforce.core.policies import POLICIES as POLICY_CLASSES
 from vllm_triforce.core.policies import make_policy
 from vllm_triforce.core.policy_facts import POLICY_FACTS
-from vllm_triforce.engine.memory import MemoryPlan, allocate_summaries
+from vllm_triforce.engine.memory import MemoryPlan, allocate_summaries, summary_dtype
 
 LAYERS, HEADS, DIM, BLOCK, NUM_BLOCKS = 3, 2, 8, 4, 10
 
 
 @pytest.mark.parametrize("key_variance", [True, False])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype,model_dtype", [
+    (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+    (torch.uint8, torch.bfloat16),  # an fp8 KV cache: vLLM's KV spec says uint8
+])
 @pytest.mark.parametrize("policy", POLICIES)
-def test_plan_reserves_what_the_allocation_holds(policy, dtype, key_variance):
+def test_plan_reserves_what_the_allocation_holds(policy, kv_dtype, model_dtype, key_variance):
     cfg = TriForceConfig(selection_policy=policy, key_variance=key_variance,
                          allow_full_key_copy=policy in FULL_KEY_POLICIES)
     kinds = cfg.summary_kinds()
+    dtype = summary_dtype(kv_dtype, model_dtype)  # as the proposer's plan and allocation
     plan = MemoryPlan.for_engine(
-        kv_bytes_per_block=LAYERS * 2 * BLOCK * HEADS * DIM * dtype.itemsize,
+        kv_bytes_per_block=LAYERS * 2 * BLOCK * HEADS * DIM * kv_dtype.itemsize,
         num_target_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, block_size=BLOCK,
         kv_dtype_bytes=dtype.itemsize, kinds=kinds, max_num_seqs=1, gamma2=1, gamma1=0,
         vocab_size=16)

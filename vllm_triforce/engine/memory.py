@@ -7,7 +7,8 @@ buffers would come on top of `gpu_memory_utilization` and could OOM a GPU. So th
 `kv_reservation` patch asks `reserve()` to shrink the budget it hands to vLLM:
 
 * per KV block (scales with the cache): the block summaries, one key-sized vector per
-  target layer and KV head in the KV cache's dtype plus an int32 count (≈ KV bytes /
+  target layer and KV head in `summary_dtype` (the KV cache's, or the model's for an
+  fp8 / int8 cache) plus an int32 count (≈ KV bytes /
   (2 × block_size) for the target's layers); plus, with `key_variance` (the default for
   `retrieval`), one more such vector in float32 (the keys' square deviations); plus, for `quest`,
   two more (per-channel key min and max); plus, only with `allow_full_key_copy`, a copy of
@@ -32,6 +33,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import torch
+
 from vllm_triforce.core.policy_facts import SummaryKinds
 from vllm_triforce.core.summaries import BlockSummaries
 
@@ -51,7 +54,8 @@ class MemoryPlan:
                    max_num_seqs: int, gamma2: int, gamma1: int,
                    vocab_size: int) -> "MemoryPlan":
         """`kinds`: the optional block state kept (TriForceConfig.summary_kinds(), which
-        the proposer also allocates from)."""
+        the proposer also allocates from). `kv_dtype_bytes`: the bytes of `summary_dtype`,
+        the summaries' element (the KV cache's element unless that is fp8 or int8)."""
         key_bytes = num_target_layers * num_kv_heads * head_dim * kv_dtype_bytes
         summary = (key_bytes + COUNT_BYTES + (key_bytes * block_size if kinds.keep_keys else 0)
                    + (2 * key_bytes if kinds.keep_bounds else 0)
@@ -76,6 +80,8 @@ class MemoryPlan:
     def from_vllm_config(cls, vllm_config, kv_bytes_per_token: int) -> "MemoryPlan | None":
         """The plan a TriForce engine will make, from its config alone (before any worker
         exists), or None for another engine. `kv_bytes_per_token`: every KV layer, one rank."""
+        from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
+
         from vllm_triforce.config import TriForceConfig, triforce_settings
 
         settings = triforce_settings(vllm_config)
@@ -86,10 +92,11 @@ class MemoryPlan:
         layers, heads = model.get_num_layers(parallel), model.get_num_kv_heads(parallel)
         head_dim = model.get_head_size()
         block_size = vllm_config.cache_config.block_size
+        kv_dtype = kv_cache_dtype_str_to_dtype(vllm_config.cache_config.cache_dtype, model)
         return cls.for_engine(
             kv_bytes_per_block=kv_bytes_per_token * block_size, num_target_layers=layers,
             num_kv_heads=heads, head_dim=head_dim, block_size=block_size,
-            kv_dtype_bytes=model.dtype.itemsize,  # >= an fp8 KV cache's: errs on the safe side
+            kv_dtype_bytes=summary_dtype(kv_dtype, model.dtype).itemsize,
             kinds=cfg.summary_kinds(),
             max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
             gamma2=cfg.num_speculative_tokens,
@@ -103,3 +110,16 @@ def allocate_summaries(kinds: SummaryKinds, num_layers: int, num_blocks: int,
     """The block summaries `MemoryPlan.for_engine(kinds=kinds, ...)` reserved room for."""
     return BlockSummaries(num_layers, num_blocks, num_kv_heads, head_dim, block_size,
                           dtype=dtype, device=device, **dataclasses.asdict(kinds))
+
+
+def summary_dtype(kv_dtype: torch.dtype, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the block summaries are kept in: the KV cache's if it is a float of at
+    least 2 bytes, else the model's. The captured keys are the model's (vLLM quantises them
+    only as the attention backend writes the cache), and an fp8 cache's KV spec says
+    `torch.uint8` (vLLM 0.32 `STR_DTYPE_TO_TORCH_DTYPE`, vllm/utils/torch_utils.py): summed
+    in uint8 the keys wrap around and every score is noise; summed in fp8 they would lose
+    all but 3 mantissa bits of a block's sum. `MemoryPlan` and the proposer's allocation
+    both take their element size from here."""
+    if kv_dtype.is_floating_point and kv_dtype.itemsize >= 2:
+        return kv_dtype
+    return model_dtype

@@ -63,7 +63,7 @@ from vllm_triforce.engine import capture
 from vllm_triforce.engine.batch import StepBatch
 from vllm_triforce.engine.draft_level import DraftLevel, draft_window
 from vllm_triforce.engine.forward import metadata_path
-from vllm_triforce.engine.memory import MemoryPlan, allocate_summaries
+from vllm_triforce.engine.memory import MemoryPlan, allocate_summaries, summary_dtype
 from vllm_triforce.engine.depth import DepthChooser
 from vllm_triforce.engine.middle import MiddleLoop, hand_off
 from vllm_triforce.engine.paged_keys import paged_keys_for
@@ -141,7 +141,8 @@ class TriForceProposer(DraftModelProposer):
         self.summaries = allocate_summaries(  # what memory_plan reserved
             self.cfg.summary_kinds(), num_layers=len(self.target_layers),
             num_blocks=kv_cache_config.num_blocks, num_kv_heads=layer.num_kv_heads,
-            head_dim=layer.head_size, block_size=self.block_size, dtype=kv_dtype,
+            head_dim=layer.head_size, block_size=self.block_size,
+            dtype=summary_dtype(kv_dtype, self.vllm_config.model_config.dtype),
             device=self.device)
         sched = self.vllm_config.scheduler_config
         # [max_num_seqs, gamma2, V]: the draft probabilities handed to vLLM, reused per step.
@@ -163,7 +164,7 @@ class TriForceProposer(DraftModelProposer):
         logger.info(engine_settings.describe(self.vllm_config, backend, self.forced_settings))
         logger.info("TriForce block summaries: %.1f MiB for %d blocks (%s); probability buffers "
                     "%.1f MiB", self.summaries.nbytes() / 2**20, kv_cache_config.num_blocks,
-                    kv_dtype, self._probs_buffer.nbytes / 2**20)
+                    self.summaries.sums.dtype, self._probs_buffer.nbytes / 2**20)
 
     def _build_levels(self) -> None:
         """Each level gets exactly what it uses. Counts are in the KV-cache spec's blocks
@@ -200,11 +201,12 @@ class TriForceProposer(DraftModelProposer):
         specs = self.runner.get_kv_cache_spec()
         target = specs[self.target_layer_names[0]]
         layer = self.target_layers[0]
+        dtype = summary_dtype(target.dtype, self.vllm_config.model_config.dtype)
         return MemoryPlan.for_engine(
             kv_bytes_per_block=sum(s.page_size_bytes for s in specs.values()),
             num_target_layers=len(self.target_layers), num_kv_heads=layer.num_kv_heads,
             head_dim=layer.head_size, block_size=target.block_size,
-            kv_dtype_bytes=target.dtype.itemsize, kinds=self.cfg.summary_kinds(),
+            kv_dtype_bytes=dtype.itemsize, kinds=self.cfg.summary_kinds(),
             max_num_seqs=self.vllm_config.scheduler_config.max_num_seqs,
             gamma2=self.cfg.num_speculative_tokens,
             gamma1=self.cfg.draft_tokens_per_round if self.has_draft else 0,

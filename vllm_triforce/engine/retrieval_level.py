@@ -172,9 +172,14 @@ class RetrievalLevel:
         return self._queries_at(self.capture.queries, rows)
 
     def _queries_at(self, layer_queries: list, rows: torch.Tensor) -> torch.Tensor:
-        """layer_queries[l] [num_tokens, Hq * D] of one pass, rows [n] -> [n, num_layers, Hq, D]."""
+        """layer_queries[l] [num_tokens, Hq * D] of one pass, rows [n] -> [n, num_layers, Hq, D]
+        (fp8 queries dequantised: `dequantized_query`)."""
         qs = [q.view(q.shape[0], self.num_heads, self.head_size)[rows.to(q.device)]
               for q in layer_queries]
+        if qs[0].dtype.itemsize == 1:
+            layers = self.vllm_config.compilation_config.static_forward_context
+            qs = [dequantized_query(q, layers[name]._q_scale_float)
+                  for q, name in zip(qs, self.layer_names)]
         return torch.stack(qs, dim=1)
 
     # ---- the passes -----------------------------------------------------------------
@@ -218,3 +223,19 @@ def _selection_of(states, rows: list[int]) -> Selection:
     return Selection(torch.stack([states[r].logical_blocks for r in rows]),
                      torch.tensor([states[r].num_selected for r in rows]),
                      torch.tensor([states[r].tail_start for r in rows]))
+
+
+def dequantized_query(query: torch.Tensor, q_scale: float) -> torch.Tensor:
+    """query [n, Hq, D] as an attention impl received it -> the same in a float dtype;
+    `q_scale`: the layer's `_q_scale_float`.
+
+    With an fp8 KV cache ("fp8", "fp8_e4m3") and a backend whose impl
+    `supports_quant_query_input` (FLASH_ATTN off XPU, TRITON_ATTN on CUDA, FLASHINFER with
+    trtllm-gen on SM100; never CPU_ATTN), vLLM 0.32's `Attention.forward`
+    (vllm/model_executor/layers/attention/attention.py, `query_quant`) quantises the query
+    to fp8, clamp(query / `layer._q_scale`), before calling the impl, so the capture records
+    it in fp8. The scale is per tensor (vllm/model_executor/layers/quantization/kv_cache.py
+    refuses others). Scores read the query dequantised, in float32."""
+    if query.dtype.itemsize >= 2:
+        return query
+    return query.float() * q_scale
