@@ -1,7 +1,9 @@
 """The README's demo command (`bash scripts/demo.sh`), run through the script itself with
 small knobs (the default size takes minutes): side-by-side speeds, the depth controller's
-choices, and the identity verdict, exit 0 only when every output equals plain vLLM's."""
+choices, and the identity verdict with the draft counts behind it, exit 0 only when every
+output equals plain vLLM's and the fixed-depth run drafted."""
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -21,3 +23,9 @@ def test_demo_script_runs_and_outputs_are_identical(smollm2):
     for line in ("plain vLLM", "TriForce (controller)", "TriForce, fixed k=6",
                  "depth controller: ", "outputs identical to plain vLLM: YES"):
         assert line in out, out
+    drafts = re.search(r"outputs identical to plain vLLM: YES \(drafts verified by vLLM, "
+                       r"proposed / accepted: controller (\d+) / (\d+), fixed k=6 (\d+) / (\d+)",
+                       out)
+    assert drafts, out
+    proposed, accepted = int(drafts[3]), int(drafts[4])
+    assert proposed >= accepted and proposed > 0  # the fixed-depth run drafted

