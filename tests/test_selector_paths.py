@@ -47,7 +47,7 @@ def engine_level(summaries, selector, queries):
                                        for layer in range(LAYERS)])
     return RetrievalLevel(None, None, None, [f"layer{i}" for i in range(LAYERS)], Q_HEADS, DIM,
                           capture, summaries, selector, RefreshPolicy(1, 0.5), TriForceStats(),
-                          torch.device("cpu"), keys=summaries)
+                          torch.device("cpu"))
 
 
 @pytest.mark.parametrize("policy,kwargs", [("retrieval", {"variance": True}),

@@ -176,7 +176,7 @@ class TriForceProposer(DraftModelProposer):
         self.retrieval = RetrievalLevel(
             self.target_model, self.vllm_config, target_groups, self.target_layer_names,
             layer.num_heads, layer.head_size, self.capture, self.summaries, selector,
-            self.refresh, self.stats, self.device, keys=self.paged_keys)
+            self.refresh, self.stats, self.device)
         if self.paged_keys is None:
             self.retrieval.key_status = f"unreadable: {self.unreadable}"
         self.draft = None

@@ -30,15 +30,14 @@ class RetrievalLevel:
     """The target (`model`, its attention layers `layer_names` in layer order, `attn_groups`)
     over retrieval tables that `selector` (core/selection.py: policy, geometry, shortlist,
     key source) chooses from `summaries` of the keys `capture` records. `num_heads`,
-    `head_size`: the target's query heads, to read captured queries. `keys`: engine/
-    paged_keys.py's reader of vLLM's KV cache (or None), checked against the captured keys at
-    the first commit whatever the policy (`key_status` says how that went: `vllm-triforce
-    doctor` reports it); a reader that fails its check is taken from the selector, so a
-    two-stage policy (`rerank`) keeps its first stage alone."""
+    `head_size`: the target's query heads, to read captured queries. The selector's key
+    source, engine/paged_keys.py's reader of vLLM's KV cache (or None), is checked against
+    the captured keys at the first commit whatever the policy (`key_status` says how that
+    went: `vllm-triforce doctor` reports it); a reader that fails its check is dropped, so
+    a two-stage policy (`rerank`) keeps its first stage alone."""
 
     def __init__(self, model, vllm_config, attn_groups, layer_names: list[str], num_heads: int,
-                 head_size: int, capture, summaries, selector: Selector, refresh, stats, device,
-                 keys=None):
+                 head_size: int, capture, summaries, selector: Selector, refresh, stats, device):
         self.model = model
         self.vllm_config = vllm_config
         self.attn_groups = attn_groups
@@ -47,8 +46,7 @@ class RetrievalLevel:
         self.capture = capture
         self.summaries = summaries
         self.selector = selector
-        self.keys = keys
-        self.key_status = "not checked yet" if keys is not None else "no reader"
+        self.key_status = "not checked yet" if selector.keys is not None else "no reader"
         self.refresh = refresh
         self.blocks = selector.blocks
         self.stats = stats
@@ -89,14 +87,15 @@ class RetrievalLevel:
         req_of_row = torch.repeat_interleave(torch.arange(batch.num_reqs), num_new)
         block_ids = batch.block_table[req_of_row, positions // bs].long()
         self.summaries.add_committed(keys, rows, block_ids, positions % bs)
-        if self.keys is not None and not self.keys.checked:
-            why = self.keys.check(keys, rows, block_ids, positions % bs)
-            self.key_status = f"check failed: {why}" if why else f"checked ({self.keys.layout})"
+        reader = self.selector.keys
+        if reader is not None and not reader.checked:
+            why = reader.check(keys, rows, block_ids, positions % bs)
+            self.key_status = f"check failed: {why}" if why else f"checked ({reader.layout})"
             if why:
                 logger.warning("TriForce: keys read back from the KV cache differ from the keys "
                                "written (%s); `rerank` keeps its first stage only. Please report "
                                "this with your GPU and attention backend.", why)
-                self.keys = self.selector.keys = None
+                self.selector.keys = None
 
     # ---- select ---------------------------------------------------------------------
     def select(self, batch, states, rows: list[int]) -> None:
