@@ -82,11 +82,9 @@ def decode_pass():
     """Two requests decoding one token each; 40 and 70 tokens = 2 and 3 blocks of 32."""
     from vllm_triforce.engine.forward import PassInputs
 
-    seq_lens = torch.tensor([40, 70], dtype=torch.int32)
-    return PassInputs(input_ids=torch.tensor([5, 6], dtype=torch.int32),
-                      positions=(seq_lens - 1).long(), slot_mapping=torch.tensor([39, 101]),
-                      query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32),
-                      seq_lens=seq_lens, sample_rows=torch.tensor([0, 1]))
+    return PassInputs.make([0, 1, 2], [40, 70], [0, 1],
+                           input_ids=torch.tensor([5, 6], dtype=torch.int32),
+                           positions=torch.tensor([39, 69]), slot_mapping=torch.tensor([39, 101]))
 
 
 # Two layers, two different tables [num_reqs, width] (0 pads past each row's blocks).
@@ -111,11 +109,11 @@ def test_flex_layers_keep_their_own_tables(tiny_llama):
     with attention_groups(tiny_llama, "FLEX_ATTENTION") as groups:
         (group,) = groups
         names = group.layer_names
-        metas = layer_metadata(groups, inputs, dict(zip(names, TABLES)), "cpu")
+        metas = layer_metadata(groups, inputs, dict(zip(names, TABLES)))
         for name, table in zip(names, TABLES):
             meta = metas[name]
             num_blocks = meta.physical_to_logical.shape[1]
-            expected = physical_to_logical_mapping(table, inputs.seq_lens, 32, num_blocks)
+            expected = physical_to_logical_mapping(table, inputs.seq_lens_dev, 32, num_blocks)
             assert torch.equal(meta.physical_to_logical[:2], expected), name
             used = meta.block_mask.kv_indices[0, 0, 0, :meta.block_mask.kv_num_blocks[0, 0, 0]]
             assert set(used.tolist()) - {0} == set(table.flatten().tolist()) - {0}, name
@@ -136,7 +134,7 @@ def test_stateless_backend_builds_once_per_pass(tiny_llama, monkeypatch):
 
         monkeypatch.setattr(builder, "build", counting_build)
         names = group.layer_names
-        metas = layer_metadata(groups, decode_pass(), dict(zip(names, TABLES)), "cpu")
+        metas = layer_metadata(groups, decode_pass(), dict(zip(names, TABLES)))
     assert len(builds) == 1
     for name, table in zip(names, TABLES):
         assert torch.equal(metas[name].block_table, table.to(torch.int32)), name
@@ -152,7 +150,7 @@ def test_unknown_backend_is_refused_with_the_fix():
     backend = types.SimpleNamespace(get_name=lambda: "XFORMERS")
     group = types.SimpleNamespace(backend=backend, layer_names=["a", "b"])
     with pytest.raises(TriForceConfigError, match="XFORMERS.*--attention-backend") as err:
-        layer_metadata([group], decode_pass(), {"a": TABLES[0], "b": TABLES[1]}, "cpu")
+        layer_metadata([group], decode_pass(), {"a": TABLES[0], "b": TABLES[1]})
     assert "TriForce" in str(err.value) and "FLEX_ATTENTION" in str(err.value)
 
 

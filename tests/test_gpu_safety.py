@@ -8,6 +8,7 @@
 - TriForce's own buffers are reserved before vLLM sizes the KV cache.
 """
 
+import itertools
 import types
 
 import pytest
@@ -117,10 +118,10 @@ def test_explicit_safe_choices_are_kept(tiny_llama):
 # ---- 3. no pass larger than the compiled range ----------------------------------------
 def _inputs(q_lens, seq_lens, sample_rows):
     n = sum(q_lens)
-    qsl = torch.tensor([0] + q_lens).cumsum(0)
-    return PassInputs(input_ids=torch.arange(n, dtype=torch.int32), positions=torch.arange(n),
-                      slot_mapping=torch.arange(n), query_start_loc=qsl,
-                      seq_lens=torch.tensor(seq_lens), sample_rows=torch.tensor(sample_rows))
+    qsl = [0, *itertools.accumulate(q_lens)]
+    return PassInputs.make(qsl, seq_lens, sample_rows,
+                           input_ids=torch.arange(n, dtype=torch.int32),
+                           positions=torch.arange(n), slot_mapping=torch.arange(n))
 
 
 def test_split_pass_worked_example():
@@ -129,26 +130,26 @@ def test_split_pass_worked_example():
     chunks = list(split_pass(inputs, 4))
     assert [c.num_tokens for c, _ in chunks] == [4, 4]
     first, rows0 = chunks[0]
-    assert rows0.tolist() == [0, 1] and first.query_start_loc.tolist() == [0, 3, 4]
-    assert first.seq_lens.tolist() == [10, 16]  # request 1 holds 1 of its 5 query tokens
-    assert first.sample_rows.tolist() == [2]
+    assert list(rows0) == [0, 1] and first.query_start_loc == [0, 3, 4]
+    assert first.seq_lens == [10, 16]  # request 1 holds 1 of its 5 query tokens
+    assert first.seq_lens_dev.tolist() == [10, 16]
+    assert first.sample_rows == [2] and first.sample_rows_dev.tolist() == [2]
     second, rows1 = chunks[1]
-    assert rows1.tolist() == [1] and second.seq_lens.tolist() == [20]
-    assert second.input_ids.tolist() == [4, 5, 6, 7] and second.sample_rows.tolist() == [3]
+    assert list(rows1) == [1] and second.seq_lens == [20]
+    assert second.input_ids.tolist() == [4, 5, 6, 7] and second.sample_rows == [3]
 
 
 def test_split_pass_leaves_small_passes_alone():
     inputs = _inputs([3, 5], [10, 20], sample_rows=[2, 7])
     [(chunk, rows)] = list(split_pass(inputs, 8))
-    assert chunk is inputs and rows.tolist() == [0, 1]
+    assert chunk is inputs and list(rows) == [0, 1]
 
 
 def test_run_asserts_the_compiled_range():
     config = types.SimpleNamespace(
         scheduler_config=types.SimpleNamespace(max_num_batched_tokens=4))
     with pytest.raises(AssertionError, match="exceeds max_num_batched_tokens=4"):
-        run(model=None, vllm_config=config, metas={}, inputs=_inputs([3, 2], [3, 2], [4]),
-            device="cpu")
+        run(model=None, vllm_config=config, metas={}, inputs=_inputs([3, 2], [3, 2], [4]))
 
 
 @pytest.mark.engine

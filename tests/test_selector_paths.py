@@ -61,10 +61,9 @@ def test_engine_and_teacher_choose_the_same_blocks(policy, kwargs):
     # the engine: a step start, then a middle round's re-selection
     selector = Selector(make_policy(policy, **kwargs), BLOCKS, shortlist_factor=4, keys=summaries)
     level = engine_level(summaries, selector, start_query)
-    batch = SimpleNamespace(block_table=table, committed=torch.full((NUM_REQS,), COMMITTED),
-                            q_lens=torch.ones(NUM_REQS, dtype=torch.long),
-                            num_rejected=torch.zeros(NUM_REQS, dtype=torch.long),
-                            query_start_loc=torch.arange(NUM_REQS + 1))
+    batch = SimpleNamespace(block_table=table, committed=[COMMITTED] * NUM_REQS,
+                            q_lens=[1] * NUM_REQS, num_rejected=[0] * NUM_REQS,
+                            query_start_loc=list(range(NUM_REQS + 1)))
     states = [RequestState(refresh=level.refresh.new_state(), policy_state=SelectionState())
               for _ in range(NUM_REQS)]
     rows = list(range(NUM_REQS))

@@ -290,3 +290,90 @@ def _site() -> str:
             return f"{Path(path).relative_to(Path(_PACKAGE_DIR).parent)}:{frame.lineno} " \
                    f"({frame.name})"
     return "(outside vllm_triforce)"
+
+
+class ProposeSyncs:
+    """Counts the syncs of every `propose` of one TriForce proposer (engine/proposer.py),
+    split into its middle rounds and the rest of the step: a *round* runs from the start of
+    `MiddleLoop._round` to the start of the next one or to the end of `MiddleLoop.run` (so
+    it includes `select_in_middle` and the round's bookkeeping); everything else in
+    `propose` (StepBatch, commit, plan, select, the hand-off) is the *step*, except the
+    KV-cache key reader's one check at the engine's first commit (engine/paged_keys.py),
+    labelled *once*. Wraps the instance's `propose`, its middle loop's `run` / `_round` and
+    the reader's `check` (instance attributes, removed on exit; nothing is changed for
+    other instances). `take()` returns one
+    SyncCounter per propose since the last take; `summarise` condenses them."""
+
+    def __init__(self, proposer, trace: bool = False, strict: bool = False):
+        self.proposer = proposer
+        self.trace, self.strict = trace, strict
+        self.steps: list[SyncCounter] = []
+        self._counter: SyncCounter | None = None
+
+    def __enter__(self):
+        proposer, middle = self.proposer, self.proposer.middle
+        propose, run, round_ = proposer.propose, middle.run, middle._round
+
+        def counted_propose(*args, **kwargs):
+            with SyncCounter(trace=self.trace, strict=self.strict) as self._counter:
+                try:
+                    return propose(*args, **kwargs)
+                finally:
+                    self.steps.append(self._counter)
+                    self._counter = None
+
+        def marked_round(*args, **kwargs):
+            self._counter.mark("round")
+            return round_(*args, **kwargs)
+
+        def marked_run(*args, **kwargs):
+            try:
+                return run(*args, **kwargs)
+            finally:
+                self._counter.mark("step")
+
+        proposer.propose, middle.run, middle._round = counted_propose, marked_run, marked_round
+        self._reader = getattr(proposer, "paged_keys", None)
+        if self._reader is not None:  # its one check at the first commit: label "once"
+            check = self._reader.check
+
+            def marked_check(*args, **kwargs):
+                self._counter.mark("once")
+                try:
+                    return check(*args, **kwargs)
+                finally:
+                    self._counter.mark("step")
+
+            self._reader.check = marked_check
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, name in ((self.proposer, "propose"), (self.proposer.middle, "run"),
+                            (self.proposer.middle, "_round"), (self._reader, "check")):
+            if owner is not None:
+                owner.__dict__.pop(name, None)
+
+    def take(self) -> list[SyncCounter]:
+        steps, self.steps = self.steps, []
+        return steps
+
+
+def summarise(steps: list[SyncCounter]) -> dict:
+    """Max and mean syncs per middle round and per step (outside the rounds), their counts,
+    hits per op and (traced counters) per site, for each label."""
+    rounds = [n for c in steps for n in c.counts_of("round")]
+    per_step = [c.counts.get("step", 0) for c in steps]
+    by_op: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    sites: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for c in steps:
+        for label, ops in c.by_label().items():
+            by_op[label].update(ops)
+        for label, hits in c.sites.items():
+            sites[label].update(hits)
+    return {"max_round": max(rounds, default=0), "max_step": max(per_step, default=0),
+            "num_rounds": len(rounds), "num_steps": len(steps),
+            "mean_round": sum(rounds) / max(len(rounds), 1),
+            "mean_step": sum(per_step) / max(len(per_step), 1),
+            "once": sum(c.counts.get("once", 0) for c in steps),
+            "by_op": {k: dict(v) for k, v in by_op.items()},
+            "sites": {k: dict(v) for k, v in sites.items()}}

@@ -124,3 +124,23 @@ def test_tables_of_a_hand_written_selection():
     tables, lens = build_block_tables(sel, torch.arange(24, dtype=torch.int32).view(3, 8),
                                       torch.tensor([20, 20, 20]), 4)
     assert tables[1, 2, :3].tolist() == [16, 18, 20] and lens[0].tolist() == [12, 12, 12]
+
+
+@pytest.mark.parametrize("sinks,recent,budget", [(1, 1, 4), (2, 1, 6), (0, 2, 5), (1, 3, 5)])
+def test_selection_sizes_on_the_host_equal_select_blocks(sinks, recent, budget):
+    """The engine sizes its passes from core.blocks.selection_sizes (Python ints) instead of
+    reading the device's Selection back: the two must agree at every committed length."""
+    from vllm_triforce.config import BlockCounts
+    from vllm_triforce.core.blocks import selection_sizes
+
+    bs = 4
+    blocks = BlockCounts(block_size=bs, budget_blocks=budget, retrieval_sink_blocks=sinks,
+                         retrieval_recent_blocks=recent)
+    committed = torch.arange(0, 30 * bs + 3)
+    max_blocks = 32
+    scores = torch.randn(committed.numel(), 2, max_blocks,
+                         generator=torch.Generator().manual_seed(0))
+    sel = select_blocks(scores, committed, blocks)
+    host = [selection_sizes(int(n), blocks) for n in committed]
+    assert [h[0] for h in host] == sel.num_selected.tolist()
+    assert [h[1] for h in host] == sel.tail_start.tolist()

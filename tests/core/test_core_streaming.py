@@ -83,3 +83,20 @@ def test_batched_helpers_and_validation():
     assert pos.tolist() == [[3, 20], [3, 50]]
     with pytest.raises(ValueError, match="does not fit"):
         DraftWindow(num_sink_blocks=1, num_window_blocks=7, block_size=32, max_draft_position=256)
+
+
+def test_host_helpers_equal_the_tensor_functions():
+    """DraftWindow's per-request Python helpers (the engine's host side) give what the
+    batched tensor functions give."""
+    w = DraftWindow(num_sink_blocks=1, num_window_blocks=3, block_size=4, max_draft_position=40,
+                    lookahead=4)
+    seq_lens = torch.arange(1, 120)
+    starts = window_start(seq_lens, 4, 1, 3)
+    table = torch.arange(30 * 119).view(119, 30)
+    _, compact = streaming_table(table, seq_lens, 1, 3, 4)
+    for n, start, length in zip(seq_lens.tolist(), starts.tolist(), compact.tolist()):
+        assert w.window_start(n) == start and w.compact_len(n) == length
+        for offset in (0, 8, 20):
+            assert w.position(n, offset) == int(draft_positions(torch.tensor(n), offset, 4))
+            assert w.needs_rebase(n, offset) == bool(
+                needs_rebase(torch.tensor([n]), torch.tensor([offset]), 4, 40)[0])

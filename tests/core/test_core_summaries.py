@@ -111,3 +111,28 @@ def test_square_deviations_combine_pass_by_pass():
                     torch.tensor([0]))
     assert s.counts[2] == 1 and torch.all(s.deviations()[:, 2] == 0)
     assert s.nbytes() == BlockSummaries(2, 3, 2, 4, 4).nbytes() + 2 * 3 * 2 * 4 * 4
+
+
+def test_runs_known_on_the_host_fold_like_unique():
+    """The engine passes each committed token's run (one per block, known on the host, so
+    nothing syncs); the result equals the `unique` path's, reuse of a block included."""
+    gen = torch.Generator().manual_seed(3)
+    kinds = dict(keep_keys=True, keep_bounds=True, keep_variance=True)
+    a = BlockSummaries(num_layers=2, num_blocks=6, num_kv_heads=2, head_dim=3, block_size=4,
+                       **kinds)
+    b = BlockSummaries(num_layers=2, num_blocks=6, num_kv_heads=2, head_dim=3, block_size=4,
+                       **kinds)
+    # two requests: positions 2..9 in blocks [5, 1, 3] and 0..2 in block [4]; then block 1
+    # is freed and reused by a new request starting at offset 0
+    steps = [([5, 5, 1, 1, 1, 1, 3, 3, 4, 4, 4], [2, 3, 0, 1, 2, 3, 0, 1, 0, 1, 2],
+              [0, 0, 1, 1, 1, 1, 2, 2, 3, 3, 3], 4),
+             ([1, 1, 3], [0, 1, 2], [0, 0, 1], 2)]
+    for block_ids, offsets, runs, num_runs in steps:
+        keys = [torch.randn(len(block_ids), 6, generator=gen) for _ in range(2)]
+        rows = torch.arange(len(block_ids))
+        a.add_committed(keys, rows, torch.tensor(block_ids), torch.tensor(offsets))
+        b.add_committed(keys, rows, torch.tensor(block_ids), torch.tensor(offsets),
+                        runs=(torch.tensor(runs), num_runs))
+    for store in ("sums", "counts", "keys", "mins", "maxs", "square_deviations"):
+        assert torch.allclose(getattr(a, store), getattr(b, store)), store
+    assert b.counts[1].item() == 2  # the reused block started over

@@ -137,7 +137,9 @@ def summarize(results: list[dict], batch: int, max_tokens: int) -> list[dict]:
             "middle_acceptance": (tri["middle_accepted"] / tri["middle_proposed"])
             if tri.get("middle_proposed") else None,
             "identical": r["tokens"] is not None and r["tokens"] == reference,
-            "controller": _controller_summary(tri) if tri and not r.get("forced") else None})
+            "controller": _controller_summary(tri) if tri and not r.get("forced") else None,
+            "host_ms_per_round": _host_ms_per_round(tri),
+            "syncs": r.get("syncs")})
     base = rows[0]["decode_tok_s"]
     calibration = results[0].get("calibration")
     plain_rounds = results[0].get("round_decode_s", [])
@@ -148,6 +150,22 @@ def summarize(results: list[dict], batch: int, max_tokens: int) -> list[dict]:
         row["cost_model"] = cost_model(r, batch, calibration)
         row["predicted_speedup"] = row["cost_model"] and row["cost_model"]["predicted_speedup"]
     return rows
+
+
+def _host_ms_per_round(tri: dict) -> float | None:
+    """TriForce's time in `propose` outside model forwards, per middle round: the host work
+    a GPU cannot hide (engine/stats.py; forwards device-timed: VLLM_TRIFORCE_TIME_FORWARDS)."""
+    if not tri.get("middle_rounds"):
+        return None
+    return 1000 * (tri["middle_seconds"] - tri.get("forward_seconds", 0.0)) / tri["middle_rounds"]
+
+
+def _syncs_cell(syncs: dict | None) -> str | None:
+    """"max/round, max/step (mean/round)" from worker._count_syncs, or None."""
+    if not syncs:
+        return None
+    return (f"{syncs['max_round']}, {syncs['max_step']} "
+            f"({syncs['mean_round']:.1f}/round)")
 
 
 def _controller_summary(tri: dict) -> dict:
@@ -209,10 +227,12 @@ def _write_md(path: Path, data: dict) -> None:
     c = data["config"]
     header = ["method", "prefill s", "decode tok/s", "ms / token (per request)",
               f"speedup vs {data['rows'][0]['method']}", "accepted/proposed (full-cache verify)",
-              "middle accepted/proposed", "cost-model speedup", "greedy output = plain"]
+              "middle accepted/proposed", "cost-model speedup", "host ms / round",
+              "syncs: max / round, max / step", "greedy output = plain"]
     rows = [[r["method"], r["prefill_s"], r["decode_tok_s"], r["ms_per_token"],
              f"{r['speedup']:.2f}x", r["top_acceptance"], r["middle_acceptance"],
              None if r["predicted_speedup"] is None else f"{r['predicted_speedup']:.2f}x",
+             r.get("host_ms_per_round"), _syncs_cell(r.get("syncs")),
              "yes" if r["identical"] else "NO"] for r in data["rows"]]
     if c.get("rounds", 1) > 1:
         header.insert(5, "speedup per round")

@@ -32,7 +32,9 @@ from vllm_triforce.offline import drafter_of, free_llm
 
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_TARGET_DEVICE": "cpu",
               "VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1",
-              "NUMBA_THREADING_LAYER": "workqueue"}
+              "NUMBA_THREADING_LAYER": "workqueue",
+              # host ms per round = propose time - forward time: forwards device-timed on a GPU
+              "VLLM_TRIFORCE_TIME_FORWARDS": "1"}
 
 
 def run_job(job: dict) -> list[dict]:
@@ -77,6 +79,8 @@ def run_one(job: dict, run: dict) -> list[dict]:
     drafter = drafter_of(llm) if spec and spec.get("method") == "triforce" else None
     result = {"name": run["name"], "spec": spec, "prefill_s": prefill_s,
               **_timed(llm, drafter, prompts, params, job.get("repeats", 1))}
+    if drafter is not None:
+        result["syncs"] = _count_syncs(llm, drafter, prompts, params)
     if run.get("calibrate"):
         result["calibration"] = calibrate(llm, [p["prompt_token_ids"] for p in prompts],
                                           result["tokens"], block_size=llm.llm_engine
@@ -87,9 +91,24 @@ def run_one(job: dict, run: dict) -> list[dict]:
         drafter.depth.controller.forced = variant["forced"]
         results.append({"name": variant["name"], "spec": spec, "prefill_s": prefill_s,
                         "forced": variant["forced"],
-                        **_timed(llm, drafter, prompts, params, job.get("repeats", 1))})
+                        **_timed(llm, drafter, prompts, params, job.get("repeats", 1)),
+                        "syncs": _count_syncs(llm, drafter, prompts, params)})
     free_llm(llm)
     return results
+
+
+def _count_syncs(llm, drafter, prompts, params, max_tokens: int = 16) -> dict:
+    """Device syncs per middle round and per step (vllm_triforce/syncs.py) in one more,
+    untimed generation of up to `max_tokens` (counting slows every op down)."""
+    from vllm_triforce.syncs import ProposeSyncs, summarise
+
+    short = params.clone()
+    short.max_tokens = min(params.max_tokens, max_tokens)
+    with ProposeSyncs(drafter) as recorder:
+        llm.generate(prompts, short, use_tqdm=False)
+    summary = summarise(recorder.take())
+    return {k: summary[k] for k in ("max_round", "max_step", "mean_round", "mean_step",
+                                    "num_rounds", "num_steps")}
 
 
 def _timed(llm, drafter, prompts, params, repeats: int) -> dict:

@@ -39,6 +39,20 @@ def tail_start(num_committed: Tensor, blocks: BlockCounts) -> Tensor:
     return torch.maximum(n_full - blocks.retrieval_recent_blocks, num_sinks(num_committed, blocks))
 
 
+def selection_sizes(num_committed: int, blocks: BlockCounts) -> tuple[int, int]:
+    """(num_selected, tail_start) that `core/selection.select_blocks` gives a request of
+    num_committed tokens, in Python ints: the host sizes a pass from them without reading
+    the device's Selection back. Same rules as num_sinks / tail_start above; the retrieved
+    count is every candidate when the request fits the budget, else num_retrieved."""
+    n_full = num_committed // blocks.block_size
+    sinks = min(n_full, blocks.retrieval_sink_blocks)
+    start = max(n_full - blocks.retrieval_recent_blocks, sinks)
+    num_candidates = start - sinks
+    total_blocks = -(-num_committed // blocks.block_size)
+    dense = total_blocks <= blocks.budget_blocks or num_candidates <= blocks.num_retrieved
+    return sinks + (num_candidates if dense else blocks.num_retrieved), start
+
+
 def candidate_mask(num_committed: Tensor, max_blocks: int, blocks: BlockCounts) -> Tensor:
     """[R, max_blocks] bool: logical block j is a selection candidate of request r."""
     num_committed = num_committed.long()

@@ -42,6 +42,7 @@ from torch import Tensor
 from vllm_triforce.core.blocks import full_block_mask
 from vllm_triforce.core.policy_facts import POLICY_FACTS
 from vllm_triforce.core.summaries import BlockSummaries
+from vllm_triforce.core.tensors import on_device
 
 States = "SelectionState | Sequence[SelectionState | None] | None"
 
@@ -199,7 +200,7 @@ class RetrievalPolicy(SelectionPolicy):
         """candidates [R, max_blocks] bool optionally restricts the softmax domain."""
         q = group_query(query, summaries.num_kv_heads)  # [R, L, H, G, D]
         q = q * (self.scale or 1.0 / math.sqrt(q.shape[-1]))
-        ids = block_table.to(summaries.device, torch.long).clamp(min=0)  # [R, B]
+        ids = on_device(block_table, summaries.device, torch.long).clamp(min=0)  # [R, B]
         if self.aggregation == "sum":  # linear in q: one dot product per KV group
             scores = self._summed_scores(q.sum(3).flatten(2), summaries, ids, summaries.sums)
             if self.variance:
@@ -211,7 +212,7 @@ class RetrievalPolicy(SelectionPolicy):
             per_head += 0.5 * self._per_head_scores(q.square(), summaries, ids,
                                                     summaries.deviations())
         if candidates is None:
-            candidates = full_block_mask(num_committed.to(q.device), summaries.block_size,
+            candidates = full_block_mask(on_device(num_committed, q.device), summaries.block_size,
                                          block_table.shape[1])
         return aggregate_heads(per_head, self.aggregation, candidates)
 
@@ -288,7 +289,7 @@ class QuestPolicy(SelectionPolicy):
         q = q * (self.scale or 1.0 / math.sqrt(q.shape[-1]))
         per_head = torch.stack([self._layer_bounds(q[:, layer], summaries, block_table, layer)
                                 for layer in range(q.shape[1])], dim=1)  # [R, L, H, G, B]
-        candidates = full_block_mask(num_committed.to(q.device), summaries.block_size,
+        candidates = full_block_mask(on_device(num_committed, q.device), summaries.block_size,
                                      block_table.shape[1])
         return aggregate_heads(per_head, self.aggregation, candidates)
 
@@ -325,8 +326,8 @@ class TopKOraclePolicy(SelectionPolicy):
             raise ValueError(f"policy {self.name!r} needs BlockSummaries(keep_keys=True)")
         q = group_query(query, summaries.num_kv_heads)  # [R, L, H, G, D]
         q = q * (self.scale or 1.0 / math.sqrt(q.shape[-1]))
-        ids = block_table.to(summaries.device, torch.long).clamp(min=0)  # [R, B]
-        num_committed = num_committed.to(summaries.device, torch.long)
+        ids = on_device(block_table, summaries.device, torch.long).clamp(min=0)  # [R, B]
+        num_committed = on_device(num_committed, summaries.device, torch.long)
         use_all = (self.strategy == "all" or
                    self.strategy == "auto" and summaries.num_blocks <= 2 * ids.numel())
         mass = torch.zeros(*q.shape[:2], ids.shape[1], device=q.device)  # [R, L, B]
@@ -428,9 +429,9 @@ class RerankPolicy(RetrievalPolicy):
         q = q * (self.scale or 1.0 / math.sqrt(q.shape[-1]))
         num_reqs, num_layers, size = listed.shape
         device = keys.device
-        listed, kept = listed.to(device, torch.long), kept.to(device, torch.long)
+        listed, kept = on_device(listed, device, torch.long), on_device(kept, device, torch.long)
         offset = torch.arange(keys.block_size, device=device)
-        kept_valid = (offset < kept_tokens.to(device)[..., None]) & (kept >= 0)[..., None]
+        kept_valid = (offset < on_device(kept_tokens, device)[..., None]) & (kept >= 0)[..., None]
         mass = torch.zeros(num_reqs, num_layers, size, device=q.device)
         for layer in range(num_layers):  # one layer at a time: keys are the big tensor
             ids = torch.cat([listed[:, layer], kept], dim=1)  # [R, S + K]

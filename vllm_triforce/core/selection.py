@@ -49,6 +49,7 @@ from vllm_triforce.core.blocks import candidate_mask, num_sinks, tail_start
 from vllm_triforce.core.policies import (POLICIES, H2OPolicy, RerankPolicy,  # noqa: F401
                                          RetrievalPolicy, SelectionPolicy, SelectionState,
                                          StreamingLLMPolicy, TopKOraclePolicy, make_policy)
+from vllm_triforce.core.tensors import on_device
 
 _PAD = -1
 
@@ -109,7 +110,7 @@ class Selector:
         only it, as between middle rounds; else every candidate is scored (both stages of a
         two-stage policy). `keep_shortlist`: also return each layer's best candidates by
         these scores (when the policy re-ranks shortlists and shortlist_factor > 0)."""
-        committed = num_committed.to(block_table.device, torch.long)
+        committed = on_device(num_committed, block_table.device, torch.long)
         if shortlist is not None:
             scores = rescore_shortlist(self.policy, query, summaries, block_table, shortlist)
         else:
@@ -134,7 +135,7 @@ def select_blocks(scores: Tensor, num_committed: Tensor, blocks: BlockCounts) ->
     """scores [num_reqs, num_layers, max_blocks] (higher = keep; non-candidates ignored)."""
     _check_geometry(blocks)
     num_reqs, num_layers, max_blocks = scores.shape
-    num_committed = num_committed.to(scores.device, torch.long)
+    num_committed = on_device(num_committed, scores.device, torch.long)
     sinks = num_sinks(num_committed, blocks)  # [R]
     start = tail_start(num_committed, blocks)  # [R]
     num_chosen = _num_chosen(num_committed, blocks, start - sinks)
@@ -158,7 +159,7 @@ def best_candidates(scores: Tensor, num_committed: Tensor, blocks: BlockCounts,
                     size: int) -> Tensor:
     """[R, L, min(size, max_blocks)] int64: each layer's best candidates by `scores` (as
     select_blocks ranks them), best first, -1 past a request's last candidate."""
-    committed = num_committed.to(scores.device, torch.long)
+    committed = on_device(num_committed, scores.device, torch.long)
     ranked = _rank_candidates(scores, committed, blocks, k=min(size, scores.shape[-1]))
     mask = candidate_mask(committed, scores.shape[-1], blocks)  # [R, B]
     is_candidate = mask.gather(1, ranked.flatten(1)).view_as(ranked)
@@ -177,7 +178,7 @@ def rescore_shortlist(policy: SelectionPolicy, query: Tensor, summaries, block_t
 
 def _physical(block_table: Tensor, listed: Tensor) -> Tensor:
     """listed [R, L, S] logical blocks (-1: padding) -> their physical ids, -1 kept."""
-    logical = listed.to(block_table.device)
+    logical = on_device(listed, block_table.device)
     phys = block_table.long().gather(1, logical.clamp(min=0).flatten(1)).view_as(logical)
     return phys.masked_fill(logical < 0, _PAD)
 
@@ -188,7 +189,7 @@ def _scatter_listed(scores: Tensor, listed: Tensor, max_blocks: int) -> Tensor:
     num_reqs, num_layers, _ = listed.shape
     full = torch.full((num_reqs, num_layers, max_blocks + 1), float("-inf"),
                       device=scores.device)
-    slot = listed.to(scores.device)
+    slot = on_device(listed, scores.device)
     slot = slot.masked_fill(slot < 0, max_blocks)
     return full.scatter_(2, slot, scores.float())[..., :max_blocks]
 
@@ -203,10 +204,10 @@ def rerank_exactly(policy: SelectionPolicy, scores: Tensor, query: Tensor, keys,
     candidate gets -inf (chosen only when the list runs out, as in rescore_shortlist)."""
     if not isinstance(policy, RerankPolicy) or keys is None:
         return scores
-    committed = num_committed.to(scores.device, torch.long)
+    committed = on_device(num_committed, scores.device, torch.long)
     listed = best_candidates(scores, committed, blocks,
                              policy.factor * max(blocks.num_retrieved, 1))  # [R, L, S] logical
-    table = block_table.to(scores.device).long()
+    table = on_device(block_table, scores.device).long()
     bs, num_sink_blocks = blocks.block_size, blocks.retrieval_sink_blocks
     # always-kept logical blocks: [0, sinks) then [tail_start, end), -1 padded
     sinks = num_sinks(committed, blocks)[:, None]
@@ -252,15 +253,16 @@ def build_block_tables(selection: Selection, block_table: Tensor, seq_lens: Tens
     num_selected * block_size + (seq_len - tail_start * block_size).
     """
     device = block_table.device
-    logical = _compact_logical_blocks(selection, seq_lens.to(device, torch.long), block_size,
+    logical = _compact_logical_blocks(selection, on_device(seq_lens, device, torch.long),
+                                      block_size,
                                       width or block_table.shape[1])  # [R, L, W]
     num_reqs, num_layers, w = logical.shape
     phys = block_table.long().gather(1, logical.clamp(min=0).reshape(num_reqs, -1))
     phys = phys.view(num_reqs, num_layers, w).masked_fill(logical < 0, 0)
     tables = phys.transpose(0, 1).to(torch.int32).contiguous()  # [L, R, W]
-    num_selected = selection.num_selected.to(device)
-    start = selection.tail_start.to(device)
-    compact = (num_selected - start) * block_size + seq_lens.to(device, torch.long)  # [R]
+    num_selected = on_device(selection.num_selected, device)
+    start = on_device(selection.tail_start, device)
+    compact = (num_selected - start) * block_size + on_device(seq_lens, device, torch.long)  # [R]
     return tables, compact.to(torch.int32).expand(num_layers, -1).contiguous()
 
 
@@ -268,9 +270,9 @@ def _compact_logical_blocks(selection: Selection, seq_lens: Tensor, block_size: 
                             width: int) -> Tensor:
     """[R, L, width] logical block at each slot of the compacted rows, -1 = padding."""
     device = seq_lens.device
-    selected = selection.logical_blocks.to(device)  # [R, L, max_selected]
-    num_selected = selection.num_selected.to(device)[:, None]  # [R, 1]
-    start = selection.tail_start.to(device)[:, None]  # [R, 1]
+    selected = on_device(selection.logical_blocks, device)  # [R, L, max_selected]
+    num_selected = on_device(selection.num_selected, device)[:, None]  # [R, 1]
+    start = on_device(selection.tail_start, device)[:, None]  # [R, 1]
     num_blocks = ((seq_lens + block_size - 1) // block_size)[:, None]  # [R, 1]
     slot = torch.arange(width, device=device)  # [W]
     # slot j of the row holds the tail block start + (j - num_selected) once past the selection

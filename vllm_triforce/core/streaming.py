@@ -78,13 +78,24 @@ class DraftWindow:
         """Draft positions the scheme needs: sinks + window + the block being filled + lookahead."""
         return self.sink_tokens + (self.num_window_blocks + 1) * self.block_size + self.lookahead
 
+    # Per request, in Python ints (the host's side of the scheme; the functions below do
+    # the same over tensors).
     def needs_rebase(self, max_position: int, rebase_offset: int) -> bool:
-        return bool(needs_rebase(torch.tensor([max_position]), torch.tensor([rebase_offset]),
-                                 self.sink_tokens, self.max_draft_position)[0])
+        return self.position(max_position, rebase_offset) >= self.max_draft_position
 
     def window_start(self, seq_len: int) -> int:
-        return int(window_start(torch.tensor([seq_len]), self.block_size, self.num_sink_blocks,
-                                self.num_window_blocks)[0])
+        num_blocks = -(-seq_len // self.block_size)
+        first_block = max(num_blocks - self.num_window_blocks, self.num_sink_blocks)
+        return first_block * self.block_size
+
+    def position(self, position: int, rebase_offset: int) -> int:
+        """The draft position of absolute `position` (module docstring)."""
+        return position if position < self.sink_tokens else position - rebase_offset
+
+    def compact_len(self, seq_len: int) -> int:
+        """Tokens in the compacted row of `table` for a request of seq_len tokens."""
+        sink_len = min(seq_len, self.sink_tokens)
+        return sink_len + max(seq_len - self.window_start(seq_len), 0)
 
     def rebase(self, seq_len: int) -> tuple[int, int]:
         """(first token of the window, new rebase_offset) for a request of seq_len tokens:
@@ -116,7 +127,8 @@ def streaming_table(block_table: Tensor, seq_lens: Tensor, num_sink_blocks: int,
     Returns (tables [R, num_sink_blocks + num_window_blocks] int32 padded with 0,
     compact_seq_lens [R] int32).
     """
-    seq_lens = seq_lens.to(block_table.device, torch.long)
+    seq_lens = (seq_lens.long() if seq_lens.device == block_table.device
+                else seq_lens.to(block_table.device, torch.long))
     num_blocks = (seq_lens + block_size - 1) // block_size  # [R]
     start = window_start(seq_lens, block_size, num_sink_blocks, num_window_blocks) // block_size
     slot = torch.arange(num_sink_blocks + num_window_blocks, device=block_table.device)  # [W]

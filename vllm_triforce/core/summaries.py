@@ -37,6 +37,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from vllm_triforce.core.tensors import on_device
+
 
 class BlockSummaries:
     """Running sums of committed keys per (layer, physical block, KV head)."""
@@ -82,26 +84,38 @@ class BlockSummaries:
         return self.sums.device
 
     def add_committed(self, layer_keys: Sequence[Tensor], rows: Tensor, block_ids: Tensor,
-                      offsets: Tensor) -> None:
+                      offsets: Tensor, runs: tuple[Tensor, int] | None = None) -> None:
         """Add the committed tokens of one forward pass.
 
         layer_keys[l]: [num_tokens_in_pass, num_kv_heads * head_dim] or [T, H, D], the keys
         layer l wrote in the pass. rows [n] (long): which token rows are committed.
         block_ids [n], offsets [n]: each committed token's physical block and offset in it.
-        A token at offset 0 resets its block first (a freed and reused block starts over).
-        Each token must be committed once; committing the same token twice counts it twice.
+        A block that receives a token at offset 0 starts over first (a freed and reused
+        block). Each token must be committed once; committing the same token twice counts it
+        twice. `runs` = (run_of_token [n], num_runs): the tokens grouped by block, one run per
+        block touched (numbered from 0), when the caller knows it on the host -- the engine
+        does: a request's new tokens fill its own blocks in order. Without it the blocks are
+        found with `unique`, which syncs a GPU.
         """
         if len(layer_keys) != self.num_layers:
             raise ValueError(f"expected keys of {self.num_layers} layers, got {len(layer_keys)}")
         if rows.numel() == 0:
             return
-        rows = rows.to(self.device, torch.long)
-        block_ids = block_ids.to(self.device, torch.long)
-        offsets = offsets.to(self.device, torch.long)
-        self._reset_blocks(block_ids[offsets == 0])
+        rows, block_ids, offsets = (on_device(t, self.device, torch.long)
+                                     for t in (rows, block_ids, offsets))
+        if runs is None:
+            touched, run_of_token = block_ids.unique(return_inverse=True)
+            num_runs = touched.numel()
+        else:
+            run_of_token, num_runs = runs
+            run_of_token = on_device(run_of_token, self.device, torch.long)
+            touched = block_ids.new_zeros(num_runs).scatter_(0, run_of_token, block_ids)
+        starts = torch.zeros(num_runs, dtype=torch.long, device=self.device).scatter_reduce_(
+            0, run_of_token, (offsets == 0).long(), "amax")  # [S] 1: the block starts over
+        self._reset_blocks(touched, starts.bool())
         keys = self._gather_rows(layer_keys, rows)  # [L, n, H, D]
         if self.square_deviations is not None:  # before sums and counts take the new keys
-            self._add_deviations(keys, block_ids)
+            self._add_deviations(keys, touched, run_of_token)
         self.sums.index_add_(1, block_ids, keys.to(self.sums.dtype))
         self.counts.index_add_(0, block_ids, torch.ones_like(block_ids, dtype=torch.int32))
         if self.keys is not None:
@@ -111,25 +125,26 @@ class BlockSummaries:
             self.mins.scatter_reduce_(1, index, keys.to(self.mins.dtype), "amin")
             self.maxs.scatter_reduce_(1, index, keys.to(self.maxs.dtype), "amax")
 
-    def _reset_blocks(self, block_ids: Tensor) -> None:
-        if block_ids.numel() == 0:
-            return
-        self.sums[:, block_ids] = 0
-        self.counts[block_ids] = 0
-        if self.keys is not None:
-            self.keys[:, block_ids] = 0
-        if self.square_deviations is not None:
-            self.square_deviations[:, block_ids] = 0
-        if self.mins is not None:
-            self.mins[:, block_ids] = float("inf")
-            self.maxs[:, block_ids] = float("-inf")
+    def _reset_blocks(self, block_ids: Tensor, starts: Tensor) -> None:
+        """Empty blocks block_ids[i] where starts[i] (both [S]), without a data-dependent
+        shape: every touched block is read and written back, emptied or not."""
+        def reset(store: Tensor, empty: float, dim: int) -> None:
+            index = (slice(None),) * dim + (block_ids,)
+            keep = starts.view(-1, *([1] * (store.dim() - dim - 1)))
+            store[index] = torch.where(keep, torch.full_like(store[index], empty), store[index])
 
-    def _add_deviations(self, keys: Tensor, block_ids: Tensor) -> None:
-        """Fold this pass's keys [L, n, H, D] into square_deviations of their blocks: with
-        a block's old count, mean and M2 (n_a, mu_a, M2_a) and the new keys' (n_b, mu_b,
-        M2_b), M2 = M2_a + M2_b + (mu_b - mu_a)^2 n_a n_b / (n_a + n_b). Only the blocks
-        this pass touched are read (finding them, `unique`, syncs a GPU once per commit)."""
-        touched, slot = block_ids.unique(return_inverse=True)  # [T], [n]
+        reset(self.sums, 0.0, 1)
+        reset(self.counts, 0, 0)
+        for store, empty in ((self.keys, 0.0), (self.square_deviations, 0.0),
+                             (self.mins, float("inf")), (self.maxs, float("-inf"))):
+            if store is not None:
+                reset(store, empty, 1)
+
+    def _add_deviations(self, keys: Tensor, touched: Tensor, slot: Tensor) -> None:
+        """Fold this pass's keys [L, n, H, D] into square_deviations of their blocks
+        `touched` [T] (token i's block is touched[slot[i]]): with a block's old count, mean
+        and M2 (n_a, mu_a, M2_a) and the new keys' (n_b, mu_b, M2_b), M2 = M2_a + M2_b +
+        (mu_b - mu_a)^2 n_a n_b / (n_a + n_b). Only the blocks this pass touched are read."""
         shape = (self.num_layers, touched.numel(), self.num_kv_heads, self.head_dim)
         keys = keys.float()
         n_b = torch.zeros(touched.numel(), device=keys.device).index_add_(
@@ -145,7 +160,7 @@ class BlockSummaries:
     def _gather_rows(self, layer_keys: Sequence[Tensor], rows: Tensor) -> Tensor:
         shape = (rows.numel(), self.num_kv_heads, self.head_dim)
         # [L, n, H, D]
-        return torch.stack([k.to(self.device)[rows].reshape(shape) for k in layer_keys])
+        return torch.stack([on_device(k, self.device)[rows].reshape(shape) for k in layer_keys])
 
     def head_keys(self, layer: int, head: int, ids: Tensor) -> Tensor:
         """ids (any shape, physical block ids >= 0) -> [*ids.shape, D, block_size]: one
@@ -170,7 +185,7 @@ class BlockSummaries:
         `store`: another [L, num_blocks, H, D] per-block state to read instead of the sums
         (`deviations()`: the variances' numerators)."""
         store = self.sums if store is None else store
-        ids = blocks.to(self.device, torch.long).clamp(min=0)
+        ids = on_device(blocks, self.device, torch.long).clamp(min=0)
         layer = torch.arange(self.num_layers, device=self.device)[None, :, None]
         rows = (layer * self.num_blocks + ids).flatten()
         sums = store.view(self.num_layers * self.num_blocks, -1).index_select(0, rows)
@@ -182,7 +197,7 @@ class BlockSummaries:
         [R, B, H, D] float32; an empty block's +-inf bounds read as 0."""
         if self.mins is None:
             raise ValueError("key bounds need BlockSummaries(keep_bounds=True)")
-        ids = block_table.to(self.device, torch.long).clamp(min=0)
+        ids = on_device(block_table, self.device, torch.long).clamp(min=0)
         return (self.mins[layer][ids].float().nan_to_num(0.0, 0.0, 0.0),
                 self.maxs[layer][ids].float().nan_to_num(0.0, 0.0, 0.0))
 
@@ -195,3 +210,4 @@ class BlockSummaries:
         if self.square_deviations is not None:
             total += self.square_deviations.nbytes
         return total
+

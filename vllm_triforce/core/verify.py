@@ -40,24 +40,30 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from vllm_triforce.core.tensors import on_device
+
 GREEDY_TEMPERATURE = 1e-5  # below this a row is greedy (as vLLM's _SAMPLING_EPS)
 
 
 def sampling_probs(logits: Tensor, temperature: Tensor, top_k: Tensor | None = None,
-                   top_p: Tensor | None = None) -> Tensor:
+                   top_p: Tensor | None = None, all_greedy: bool | None = None) -> Tensor:
     """[N, V] logits -> [N, V] float32 probs: logits / T, then top-k, then top-p, softmax.
 
     top-k keeps every token tied with the k-th largest (as vLLM); top-k <= 0 or >= V is
     off. top-p keeps the smallest prefix of the sorted tokens with mass >= p, always
     the argmax; top-p >= 1 is off. Rows with T < 1e-5 are greedy: one-hot argmax.
     NaN logits count as -inf; a row with no finite probability becomes uniform.
+    `all_greedy`: whether every row is greedy, if the caller knows it on the host (else
+    it is read from `temperature`: a device sync on a GPU).
     """
     big = torch.finfo(torch.float32).max
     x = logits.float().nan_to_num(nan=float("-inf"), posinf=big, neginf=float("-inf"))
-    temperature = temperature.to(x.device, torch.float32)
+    temperature = on_device(temperature, x.device, torch.float32)
     greedy = temperature < GREEDY_TEMPERATURE  # [N]
     one_hot = torch.zeros_like(x).scatter_(1, x.argmax(-1, keepdim=True), 1.0)
-    if bool(greedy.all()):  # the common greedy batch: no softmax over the vocabulary
+    if all_greedy is None:
+        all_greedy = bool(greedy.all())
+    if all_greedy:  # the common greedy batch: no softmax over the vocabulary
         return one_hot
     scaled = (x / torch.where(greedy, 1.0, temperature)[:, None]).clamp(max=big)
     if top_k is not None or top_p is not None:
@@ -73,12 +79,12 @@ def _top_k_top_p(scaled: Tensor, top_k: Tensor | None, top_p: Tensor | None) -> 
     vocab = scaled.shape[-1]
     values, order = scaled.sort(-1, descending=True)  # [N, V]
     if top_k is not None:
-        k = top_k.to(scaled.device, torch.long)
+        k = on_device(top_k, scaled.device, torch.long)
         k = torch.where((k <= 0) | (k >= vocab), vocab, k)
         kth = values.gather(1, (k - 1)[:, None])  # [N, 1]
         values = values.masked_fill(values < kth, float("-inf"))
     if top_p is not None:
-        p = top_p.to(scaled.device, torch.float32)[:, None]
+        p = on_device(top_p, scaled.device, torch.float32)[:, None]
         probs = values.softmax(-1)
         mass_before = probs.cumsum(-1) - probs  # mass of the strictly higher-ranked tokens
         drop = (mass_before >= p) & (p < 1)
@@ -97,7 +103,8 @@ class VerifyResult:
 
 def verify(draft_token_ids: Tensor, draft_probs: Tensor | None, target_probs: Tensor,
            num_drafts: Tensor, greedy: Tensor,
-           generators: Sequence[torch.Generator | None] | None = None) -> VerifyResult:
+           generators: Sequence[torch.Generator | None] | None = None,
+           all_greedy: bool | None = None) -> VerifyResult:
     """Standard speculative sampling of one level (module docstring).
 
     draft_token_ids [R, G]; draft_probs [R, G, V] or None (drafts are one-hot, i.e.
@@ -105,21 +112,23 @@ def verify(draft_token_ids: Tensor, draft_probs: Tensor | None, target_probs: Te
     drafts per row (slots past it are ignored); greedy [R] bool: accept while the draft
     equals argmax p, then emit argmax p (pass it on the host: an all-greedy batch then
     draws nothing). generators: one per row (None entries and a None list use the
-    default RNG).
+    default RNG). `all_greedy`: whether every row is greedy, if known on the host.
     """
     num_reqs, gamma = draft_token_ids.shape
     device = target_probs.device
     p = target_probs.float().nan_to_num(0.0).clamp_(min=0)  # [R, G+1, V], a new tensor
-    if greedy.device.type == "cpu" and bool(greedy.all()):  # checked without a device sync
+    if all_greedy is None and greedy.device.type == "cpu":  # checked without a device sync
+        all_greedy = bool(greedy.all())
+    if all_greedy:
         return verify_greedy(draft_token_ids, p.argmax(-1), num_drafts)
-    ids = draft_token_ids.to(device, torch.long)
+    ids = on_device(draft_token_ids, device, torch.long)
     safe_ids = ids.clamp(0, p.shape[-1] - 1)[..., None]  # [R, G, 1]; padding may be -1
-    num_drafts = num_drafts.to(device, torch.long)
-    greedy = greedy.to(device, torch.bool)
+    num_drafts = on_device(num_drafts, device, torch.long)
+    greedy = on_device(greedy, device, torch.bool)
     uniform = _draw(num_reqs, gamma + 1, generators, device)  # [R, G+1]
     p_draft = p[:, :gamma].gather(2, safe_ids).squeeze(-1)  # [R, G] p(x_i)
     q_draft = (torch.ones_like(p_draft) if draft_probs is None
-               else draft_probs.to(device).float().gather(2, safe_ids).squeeze(-1))
+               else on_device(draft_probs, device).float().gather(2, safe_ids).squeeze(-1))
     argmax_p = p.argmax(-1)  # [R, G+1]
     accept = torch.where(greedy[:, None], ids == argmax_p[:, :gamma],
                          uniform[:, :gamma] * q_draft < p_draft)
@@ -136,9 +145,9 @@ def verify_greedy(draft_token_ids: Tensor, target_argmax: Tensor,
     """`verify` when every row is greedy, from the upper level's argmax alone:
     target_argmax [R, G + 1] (its most likely token at each position). Accept while the
     draft equals it, then emit it. No vocabulary-wide work, no randomness."""
-    ids = draft_token_ids.to(target_argmax.device, torch.long)
+    ids = on_device(draft_token_ids, target_argmax.device, torch.long)
     num_accepted = _num_accepted(ids == target_argmax[:, :ids.shape[1]],
-                                 num_drafts.to(ids.device, torch.long))
+                                 on_device(num_drafts, ids.device, torch.long))
     return _result(ids, num_accepted, target_argmax.gather(1, num_accepted[:, None]).squeeze(1))
 
 
@@ -174,7 +183,7 @@ def _final_distribution(p: Tensor, draft_probs: Tensor | None, safe_ids: Tensor,
         q_at = torch.zeros_like(p_at).scatter_(1, token, 1.0)
     else:
         index = draft_at[:, None, None].expand(-1, 1, p.shape[-1])
-        q_at = draft_probs.to(p.device).float().gather(1, index).squeeze(1).nan_to_num(0.0)
+        q_at = on_device(draft_probs, p.device).float().gather(1, index).squeeze(1).nan_to_num(0.0)
     residual = (p_at - q_at).clamp(min=0)
     mass = residual.sum(-1)
     use_residual = (num_accepted < num_drafts) & (mass > 0) & torch.isfinite(mass)

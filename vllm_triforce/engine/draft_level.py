@@ -18,6 +18,7 @@ import torch
 from vllm_triforce.config import BlockCounts, TriForceConfig, TriForceConfigError
 from vllm_triforce.core.streaming import DraftWindow
 from vllm_triforce.engine.forward import build_pass, run_pass
+from vllm_triforce.engine.transfer import to_device
 
 
 def draft_window(cfg: TriForceConfig, blocks: BlockCounts, max_draft_position: int) -> DraftWindow:
@@ -51,33 +52,36 @@ class DraftLevel:
     def invalidate(self, batch, states) -> None:
         """The verification pass recomputed each request's tokens from its verify_start."""
         for r in range(batch.num_reqs):
-            states[r].invalidate_draft_from(int(batch.verify_start[r]), self.window.sink_tokens)
+            states[r].invalidate_draft_from(batch.verify_start[r], self.window.sink_tokens)
 
     def propose(self, batch, states, drafts_by_row, active, sizes):
-        """Up to sizes[i] tokens for request active[i]; returns proposals (len(active) lists)
-        and their probs [len(active), max(sizes), V] (zero past each request's size)."""
+        """sizes[i] tokens for request active[i]; returns the proposals [len(active),
+        max(sizes)] and their probs [len(active), max(sizes), V] (zero past each request's
+        size), both on the device: a draft step feeds the next one without the host
+        reading its tokens (the round reads them once, after verification)."""
         max_size = max(sizes)
-        proposals = [[] for _ in active]
-        probs = None
+        proposals = probs = None
         pending = [self._pending_tokens(batch, states[r], drafts_by_row[r], r, sizes[i])
                    for i, r in enumerate(active)]
         for step in range(max_size):
             rows = [i for i in range(len(active)) if sizes[i] > step]
-            if step == 0:
-                chunks = [pending[i] for i in rows]
-            else:
-                chunks = [([drafts_by_row[active[i]].position + step], [proposals[i][-1]])
-                          for i in rows]
             reqs = [active[i] for i in rows]
-            logits = self._forward(batch, states, reqs, chunks)
-            q = batch.probs(logits, torch.tensor(reqs))  # [len(rows), V]
-            tokens = sample(q, batch.greedy[reqs], [states[r].generator for r in reqs],
-                            self.generator)
+            rows_dev = (slice(None) if len(rows) == len(active)
+                        else to_device(self.device, rows)[0])
+            if step == 0:
+                positions, token_ids = [pending[i][0] for i in rows], [pending[i][1] for i in rows]
+            else:  # each request runs its previous proposal
+                positions = [[drafts_by_row[active[i]].position + step] for i in rows]
+                token_ids = proposals[rows_dev, step - 1]
+            logits = self._forward(batch, states, reqs, positions, token_ids)
+            q = batch.probs(logits, reqs)  # [len(rows), V]
+            tokens = sample(q, [batch.greedy[r] for r in reqs],
+                            [states[r].generator for r in reqs], self.generator)
             if probs is None:
                 probs = q.new_zeros(len(active), max_size, q.shape[-1])
-            probs[torch.tensor(rows, device=q.device), step] = q
-            for i, token in zip(rows, tokens):
-                proposals[i].append(token)
+                proposals = tokens.new_zeros(len(active), max_size)
+            probs[rows_dev, step] = q
+            proposals[rows_dev, step] = tokens
         for r in active:  # the pending tokens now hold current draft KV
             states[r].draft_valid_upto = drafts_by_row[r].position + 1
             states[r].draft_sinks_valid = True
@@ -104,25 +108,28 @@ class DraftLevel:
         positions += range(max(state.draft_valid_upto, start, len(positions)), end)
         return positions, _token_ids(batch, drafts, row, positions)
 
-    def _forward(self, batch, states, rows: list[int], chunks) -> torch.Tensor:
-        """One forward of the small draft; logits at the last token of each request."""
-        positions = [pos for pos, _ in chunks]
-        block_table = batch.block_table[torch.tensor(rows)]
-        seq_ends = torch.tensor([p[-1] + 1 for p in positions])  # [n] through each query
-        table, compact = self.window.table(block_table, seq_ends)
-        inputs = build_pass([toks for _, toks in chunks], positions, block_table,
-                            self.window.block_size, compact, sample_last=True)
-        offsets = torch.repeat_interleave(  # [T] the request's offset at each token
-            torch.tensor([states[r].draft_rebase_offset for r in rows]),
-            torch.tensor([len(p) for p in positions]))
-        inputs.positions = self.window.positions(inputs.positions, offsets)
+    def _forward(self, batch, states, rows: list[int], positions: list[list[int]],
+                 token_ids) -> torch.Tensor:
+        """One forward of the small draft, request rows[i] running positions[i] (absolute)
+        with token_ids[i] (or flat ids on the device); logits at each request's last token.
+        Its table is built on the device; lengths and rebased positions on the host."""
+        w = self.window
+        seq_ends = [p[-1] + 1 for p in positions]  # [n] through each query
+        idx, ends = to_device(self.device, rows, seq_ends)
+        block_table = batch.block_table[idx]
+        table, _ = w.table(block_table, ends)
+        rebased = [[w.position(p, states[r].draft_rebase_offset) for p in ps]
+                   for r, ps in zip(rows, positions)]
+        inputs = build_pass(token_ids, positions, block_table, w.block_size,
+                            [w.compact_len(end) for end in seq_ends], sample_last=True,
+                            model_positions=rebased)
         return run_pass(self.model, self.vllm_config, self.attn_groups, inputs, table,
-                        self.device, self.stats)
+                        self.stats)
 
 
 def _token_ids(batch, drafts, row: int, positions: list[int]) -> list[int]:
     """Ids at committed positions come from vLLM; later ones are this step's middle tokens."""
-    committed_end = int(batch.committed[row]) + 1  # next_token included
+    committed_end = batch.committed[row] + 1  # next_token included
     out = []
     for pos in positions:
         if pos < committed_end:
@@ -132,17 +139,17 @@ def _token_ids(batch, drafts, row: int, positions: list[int]) -> list[int]:
     return out
 
 
-def sample(q: torch.Tensor, greedy: torch.Tensor, own_generators: list,
-           shared: torch.Generator) -> list[int]:
-    """One token per row of q [n, V]: argmax for greedy rows; a draw for the others, with
-    the request's own generator (seeded requests: reproducible whatever the batch) or one
-    batched draw from the shared generator. One device-to-host copy for the whole batch."""
+def sample(q: torch.Tensor, greedy: list[bool], own_generators: list,
+           shared: torch.Generator) -> torch.Tensor:
+    """One token per row of q [n, V], on the device: argmax for greedy rows; a draw for the
+    others, with the request's own generator (seeded requests: reproducible whatever the
+    batch) or one batched draw from the shared generator."""
     tokens = q.argmax(-1)  # [n]
-    unseeded = [j for j, g in enumerate(own_generators) if g is None and not bool(greedy[j])]
+    unseeded = [j for j, g in enumerate(own_generators) if g is None and not greedy[j]]
     if unseeded:
-        idx = torch.tensor(unseeded, device=q.device)
+        idx = to_device(q.device, unseeded)[0]
         tokens[idx] = torch.multinomial(q[idx], 1, generator=shared).squeeze(1)
     for j, g in enumerate(own_generators):
-        if g is not None and not bool(greedy[j]):
+        if g is not None and not greedy[j]:
             tokens[j] = torch.multinomial(q[j], 1, generator=g)[0]
-    return tokens.tolist()
+    return tokens

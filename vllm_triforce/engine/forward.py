@@ -12,6 +12,8 @@ tokens are always the last tokens of each row.
 from __future__ import annotations
 
 import copy
+import itertools
+import os
 import time
 import weakref
 from dataclasses import dataclass
@@ -20,65 +22,97 @@ import torch
 from vllm.forward_context import set_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
+from vllm_triforce.engine.transfer import to_device
 from vllm_triforce.engine_settings import check_attention_backend
 
 
 @dataclass
 class PassInputs:
-    """One forward pass over a batch of requests (host-built, then moved to the device)."""
-    input_ids: torch.Tensor        # [num_tokens] int32
-    positions: torch.Tensor        # [num_tokens] int64: positions the model rotates with
-    slot_mapping: torch.Tensor     # [num_tokens] int64: TRUE KV slots the tokens write to
-    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
-    seq_lens: torch.Tensor         # [num_reqs] int32: tokens in each COMPACTED row
-    sample_rows: torch.Tensor      # [num_samples] int64: token rows whose logits are wanted
+    """One forward pass over a batch of requests: what the host decided, as Python lists,
+    and the device tensors the model and the attention builders read (made once per pass,
+    `PassInputs.make` / `build_pass`)."""
+    query_start_loc: list[int]     # [num_reqs + 1]
+    seq_lens: list[int]            # [num_reqs] tokens in each COMPACTED row
+    sample_rows: list[int]         # [num_samples] token rows whose logits are wanted
+    input_ids: torch.Tensor        # device [num_tokens] int32
+    positions: torch.Tensor        # device [num_tokens] int64: positions the model rotates with
+    slot_mapping: torch.Tensor     # device [num_tokens] int64: TRUE KV slots the tokens write to
+    query_start_loc_dev: torch.Tensor  # device [num_reqs + 1] int32
+    seq_lens_dev: torch.Tensor     # device [num_reqs] int32
+    sample_rows_dev: torch.Tensor  # device [num_samples] int64
 
     @property
     def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
+        return self.query_start_loc[-1]
+
+    @classmethod
+    def make(cls, query_start_loc: list[int], seq_lens: list[int], sample_rows: list[int],
+             input_ids: torch.Tensor, positions: torch.Tensor,
+             slot_mapping: torch.Tensor) -> "PassInputs":
+        """The device copies of the three lists, in one non-blocking copy."""
+        qsl, lens, rows = to_device(input_ids.device, query_start_loc, seq_lens, sample_rows)
+        return cls(list(query_start_loc), list(seq_lens), list(sample_rows), input_ids,
+                   positions, slot_mapping, qsl.to(torch.int32), lens.to(torch.int32), rows)
 
 
-def build_pass(token_ids: list[list[int]], positions: list[list[int]], block_table: torch.Tensor,
-               block_size: int, seq_lens: torch.Tensor, sample_last: bool = False) -> PassInputs:
+def build_pass(token_ids: list[list[int]] | torch.Tensor, positions: list[list[int]],
+               block_table: torch.Tensor, block_size: int, seq_lens: list[int],
+               sample_last: bool = False,
+               model_positions: list[list[int]] | None = None) -> PassInputs:
     """One pass over n requests: request i runs `token_ids[i]` at absolute `positions[i]`.
 
-    block_table [n, width]: each request's physical blocks, used for the true KV slots
-    (slot = block_table[i, p // block_size] * block_size + p % block_size); seq_lens [n]:
-    tokens in each request's compacted row (the caller's table decides them). Samples
-    every token, or with `sample_last` the last token of each request. Example, block_size
+    token_ids: a list per request, or the flat ids already on the device [T]; block_table
+    [n, width] (device): each request's physical blocks, used for the true KV slots
+    (slot = block_table[i, p // block_size] * block_size + p % block_size), computed on the
+    device; seq_lens [n]: tokens in each request's compacted row (the caller's table decides
+    them). Samples every token, or with `sample_last` the last token of each request.
+    Everything the host built goes to the device in one non-blocking copy. Example, block_size
     4, two requests running [7, 8] at 5, 6 and [9] at 2, block_table [[10, 11], [20, 21]]:
     input_ids [7, 8, 9], slots [45, 46, 82], query_start_loc [0, 2, 3], sample_rows [0, 1, 2]
-    (sample_last: [1, 2]). `positions` stays absolute; a level that rotates with other
-    positions (the small draft, core/streaming.py) replaces it.
+    (sample_last: [1, 2]). The model rotates with `positions`, or with `model_positions`
+    where a level sees other positions (the small draft, core/streaming.py).
     """
-    lens = torch.tensor([len(p) for p in positions])  # [n]
-    qsl = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])  # [n + 1]
-    pos = torch.tensor([p for ps in positions for p in ps], dtype=torch.long)  # [T]
-    owner = torch.repeat_interleave(torch.arange(len(positions)), lens)  # [T] request of a token
-    slots = block_table[owner, pos // block_size].long() * block_size + pos % block_size
-    ids = torch.tensor([t for ts in token_ids for t in ts], dtype=torch.int32)  # [T]
-    return PassInputs(input_ids=ids, positions=pos, slot_mapping=slots, query_start_loc=qsl,
-                      seq_lens=seq_lens,
-                      sample_rows=qsl[1:] - 1 if sample_last else torch.arange(int(qsl[-1])))
+    lens = [len(p) for p in positions]
+    qsl = [0, *itertools.accumulate(lens)]  # [n + 1]
+    flat_positions = [p for ps in positions for p in ps]  # [T]
+    owner = [i for i, n in enumerate(lens) for _ in range(n)]  # [T] request of a token
+    sample_rows = [end - 1 for end in qsl[1:]] if sample_last else list(range(qsl[-1]))
+    host_ids = None if isinstance(token_ids, torch.Tensor) else [t for ts in token_ids
+                                                                   for t in ts]
+    rotated = None if model_positions is None else [p for ps in model_positions for p in ps]
+    pos, who, qsl_dev, lens_dev, rows_dev, ids, rot = to_device(
+        block_table.device, flat_positions, owner, qsl, seq_lens, sample_rows, host_ids or [],
+        rotated or [])
+    slots = block_table[who, pos // block_size].long() * block_size + pos % block_size
+    return PassInputs(qsl, list(seq_lens), sample_rows,
+                      input_ids=(ids if host_ids is not None else token_ids).to(torch.int32),
+                      positions=pos if rotated is None else rot, slot_mapping=slots,
+                      query_start_loc_dev=qsl_dev.to(torch.int32),
+                      seq_lens_dev=lens_dev.to(torch.int32), sample_rows_dev=rows_dev)
 
 
-def build_common(inputs: PassInputs, block_table: torch.Tensor, device) -> CommonAttentionMetadata:
-    qsl_cpu = inputs.query_start_loc.to(torch.int32)
-    seq_lens_cpu = inputs.seq_lens.to(torch.int32)
-    q_lens = qsl_cpu[1:] - qsl_cpu[:-1]
+def build_common(inputs: PassInputs, block_table: torch.Tensor) -> CommonAttentionMetadata:
+    """vLLM's metadata of one pass over `block_table` [num_reqs, width] (device, int32):
+    device fields from the pass's device copies, host fields from its lists, no copy."""
+    q_lens = [b - a for a, b in zip(inputs.query_start_loc[:-1], inputs.query_start_loc[1:])]
+    seq_lens_cpu = torch.tensor(inputs.seq_lens, dtype=torch.int32)
     return CommonAttentionMetadata(
-        query_start_loc=qsl_cpu.to(device),
-        query_start_loc_cpu=qsl_cpu,
-        seq_lens=seq_lens_cpu.to(device),
-        num_reqs=int(seq_lens_cpu.shape[0]),
+        query_start_loc=inputs.query_start_loc_dev,
+        query_start_loc_cpu=torch.tensor(inputs.query_start_loc, dtype=torch.int32),
+        seq_lens=inputs.seq_lens_dev,
+        num_reqs=len(inputs.seq_lens),
         num_actual_tokens=inputs.num_tokens,
-        max_query_len=int(q_lens.max()),
-        max_seq_len=int(seq_lens_cpu.max()),
-        block_table_tensor=block_table.to(device=device, dtype=torch.int32),
-        slot_mapping=inputs.slot_mapping.to(device),
+        max_query_len=max(q_lens),
+        max_seq_len=max(inputs.seq_lens),
+        block_table_tensor=_int32(block_table),
+        slot_mapping=inputs.slot_mapping,
         causal=True,
         seq_lens_cpu_upper_bound=seq_lens_cpu,
     )
+
+
+def _int32(table: torch.Tensor) -> torch.Tensor:
+    return table if table.dtype == torch.int32 else table.to(torch.int32)
 
 
 # How each supported backend (config.SUPPORTED_ATTENTION_BACKENDS) gets its own block table
@@ -114,7 +148,7 @@ def metadata_path(backend_name: str) -> str:
     return METADATA_PATHS[backend_name]
 
 
-def layer_metadata(groups, inputs: PassInputs, tables: torch.Tensor | dict, device) -> dict:
+def layer_metadata(groups, inputs: PassInputs, tables: torch.Tensor | dict) -> dict:
     """Metadata per layer name. `tables` is one [num_reqs, width] table for every layer,
     or a mapping layer_name -> table (layers of a group missing from it belong to another
     model sharing the KV-cache group and get nothing). Layers handed the same table object
@@ -127,12 +161,12 @@ def layer_metadata(groups, inputs: PassInputs, tables: torch.Tensor | dict, devi
             continue
         if len(by_table) == 1:  # one build, as vLLM's runner does for a group
             table, names = by_table[0]
-            meta = group.build_metadata(build_common(inputs, table, device))
+            meta = group.build_metadata(build_common(inputs, table))
             metas.update(dict.fromkeys(names, meta))
         elif path == SWAP_TABLE:
-            metas.update(_swap_tables(group, inputs, by_table, device))
+            metas.update(_swap_tables(group, inputs, by_table))
         else:
-            metas.update(_build_per_layer(group, inputs, by_table, device))
+            metas.update(_build_per_layer(group, inputs, by_table))
     return metas
 
 
@@ -147,25 +181,25 @@ def _layers_by_table(layer_names, tables) -> list[tuple[torch.Tensor, list[str]]
     return list(by_id.values())
 
 
-def _swap_tables(group, inputs: PassInputs, by_table, device) -> dict:
+def _swap_tables(group, inputs: PassInputs, by_table) -> dict:
     """Stateless builder: build once, then one shallow copy per table holding that table.
     Every copy gets its own table, the first one too: with a kernel block size the built
     metadata's table is a view of the group's one shared `kernel_block_table` buffer."""
-    common = build_common(inputs, by_table[0][0], device)
+    common = build_common(inputs, by_table[0][0])
     base = group.build_metadata(common)
     builder = group.get_metadata_builder()
     metas = {}
     for table, names in by_table:
-        own = _with_table(builder, base, _own_block_table(group, table, device),
+        own = _with_table(builder, base, _own_block_table(group, table),
                           common.slot_mapping)
         metas.update(dict.fromkeys(names, own))
     return metas
 
 
-def _own_block_table(group, table: torch.Tensor, device) -> torch.Tensor:
-    """`table` [num_reqs, width] on the device as int32, in the group's kernel blocks. The
+def _own_block_table(group, table: torch.Tensor) -> torch.Tensor:
+    """`table` [num_reqs, width] (device) as int32, in the group's kernel blocks. The
     kernel-block mapping writes into one buffer per group, so that result is cloned."""
-    table = table.to(device=device, dtype=torch.int32)
+    table = _int32(table)
     if group.kernel_block_size is None:
         return table
     return group.map_to_kernel_block_table(table).clone()  # [num_reqs, width * blocks_per_kv]
@@ -183,13 +217,13 @@ def _with_table(builder, meta, table: torch.Tensor, slot_mapping: torch.Tensor):
     return own
 
 
-def _build_per_layer(group, inputs: PassInputs, by_table, device) -> dict:
+def _build_per_layer(group, inputs: PassInputs, by_table) -> dict:
     """Stateful builder: each table is built by the builder of its first layer, so no two
     builds of a pass share a builder (each layer has its own, created once)."""
     metas = {}
     for table, names in by_table:
         layer_group = _layer_group(group, names[0])
-        meta = layer_group.build_metadata(build_common(inputs, table, device))
+        meta = layer_group.build_metadata(build_common(inputs, table))
         metas.update(dict.fromkeys(names, meta))
     return metas
 
@@ -221,7 +255,7 @@ def _share_workspace(source, builder) -> None:
         builder.set_workspace_buffer(source._get_workspace_buffer())
 
 
-def run(model, vllm_config, metas: dict, inputs: PassInputs, device) -> torch.Tensor:
+def run(model, vllm_config, metas: dict, inputs: PassInputs) -> torch.Tensor:
     """Forward `model` over `inputs` with per-layer `metas`; returns logits of sample_rows.
 
     The compiled model on CUDA asserts `num_tokens <= max_num_batched_tokens`
@@ -230,35 +264,39 @@ def run(model, vllm_config, metas: dict, inputs: PassInputs, device) -> torch.Te
     limit = vllm_config.scheduler_config.max_num_batched_tokens
     assert inputs.num_tokens <= limit, (
         f"TriForce pass of {inputs.num_tokens} tokens exceeds max_num_batched_tokens={limit}")
-    slots = inputs.slot_mapping.to(device)
     with set_forward_context(metas, vllm_config, num_tokens=inputs.num_tokens,
-                             slot_mapping={name: slots for name in metas}):
-        hidden = model(input_ids=inputs.input_ids.to(device),
-                       positions=inputs.positions.to(device),
+                             slot_mapping={name: inputs.slot_mapping for name in metas}):
+        hidden = model(input_ids=inputs.input_ids, positions=inputs.positions,
                        intermediate_tensors=None, inputs_embeds=None)
     if isinstance(hidden, tuple):
         hidden = hidden[0]
-    return model.compute_logits(hidden[inputs.sample_rows.to(device)])
+    return model.compute_logits(hidden[inputs.sample_rows_dev])
 
 
-def run_pass(model, vllm_config, groups, inputs: PassInputs, tables, device,
+# On a GPU, timing the forwards apart from the host work needs a device sync per pass:
+# only benchmarks ask for it (`vllm-triforce bench speed` sets this variable).
+TIME_FORWARDS_ENV = "VLLM_TRIFORCE_TIME_FORWARDS"
+
+
+def run_pass(model, vllm_config, groups, inputs: PassInputs, tables,
              stats=None) -> torch.Tensor:
     """Build metadata and forward, in chunks of at most max_num_batched_tokens tokens.
 
     `tables`: one [num_reqs, width] table for every layer, or layer_name -> table.
-    Returns the logits of `inputs.sample_rows`, in order. With `stats`, the device-synced
-    time of the model forwards goes to `stats.forward_seconds`; everything else the
-    proposer does (metadata included) is host work."""
+    Returns the logits of `inputs.sample_rows`, in order. With `stats`, the time of the
+    model forwards goes to `stats.forward_seconds`; everything else the proposer does
+    (metadata included) is host work. On a GPU that time is the device's only where
+    VLLM_TRIFORCE_TIME_FORWARDS=1 (a sync per pass); else it is the launches'."""
     limit = vllm_config.scheduler_config.max_num_batched_tokens
     chunks = list(split_pass(inputs, limit))
     logits = []
     for chunk, rows in chunks:
         chunk_tables = tables if len(chunks) == 1 else _rows_of(tables, rows)
-        metas = layer_metadata(groups, chunk, chunk_tables, device)
+        metas = layer_metadata(groups, chunk, chunk_tables)
         start = time.perf_counter()
-        logits.append(run(model, vllm_config, metas, chunk, device))
+        logits.append(run(model, vllm_config, metas, chunk))
         if stats is not None:
-            if logits[-1].is_cuda:
+            if logits[-1].is_cuda and os.environ.get(TIME_FORWARDS_ENV) == "1":
                 torch.cuda.synchronize(logits[-1].device)
             stats.add(forward_seconds=time.perf_counter() - start)
     if stats is not None:
@@ -267,17 +305,18 @@ def run_pass(model, vllm_config, groups, inputs: PassInputs, tables, device,
     return logits[0] if len(logits) == 1 else torch.cat(logits)
 
 
-def _rows_of(tables, rows: torch.Tensor):
-    """The chunk's rows of one table, or of each table of a layer -> table mapping (layers
-    that shared one table object still share one)."""
+def _rows_of(tables, rows: range):
+    """The chunk's rows (consecutive requests) of one table, or of each table of a
+    layer -> table mapping (layers that shared one table object still share one)."""
     if not isinstance(tables, dict):
-        return tables[rows]
-    by_id = {id(t): t[rows] for t in tables.values()}
+        return tables[rows.start:rows.stop]
+    by_id = {id(t): t[rows.start:rows.stop] for t in tables.values()}
     return {name: by_id[id(t)] for name, t in tables.items()}
 
 
 def split_pass(inputs: PassInputs, max_tokens: int):
-    """Yield (chunk, request_rows) with at most `max_tokens` tokens each.
+    """Yield (chunk, request_rows) with at most `max_tokens` tokens each; request_rows is a
+    range of consecutive requests (the chunk's rows are consecutive tokens).
 
     A request's query tokens may be split across chunks, in order. A piece holding query
     tokens [a, b) of a request whose query is [s, e) keeps the request's compacted row up
@@ -288,12 +327,12 @@ def split_pass(inputs: PassInputs, max_tokens: int):
     chunks hold rows {0-2, 3}, {4-7}; the second request's seq_len drops by 4 in chunk 1.
     """
     if inputs.num_tokens <= max_tokens:
-        yield inputs, torch.arange(inputs.query_start_loc.numel() - 1)
+        yield inputs, range(len(inputs.seq_lens))
         return
-    assert bool((inputs.sample_rows[1:] > inputs.sample_rows[:-1]).all())
+    assert all(a < b for a, b in zip(inputs.sample_rows[:-1], inputs.sample_rows[1:]))
     pieces: list[tuple[int, int, int]] = []  # (request, first row, end row)
     room = max_tokens
-    qsl = inputs.query_start_loc.tolist()
+    qsl = inputs.query_start_loc
     for r in range(len(qsl) - 1):
         a, e = qsl[r], qsl[r + 1]
         while a < e:
@@ -308,16 +347,14 @@ def split_pass(inputs: PassInputs, max_tokens: int):
         yield _chunk(inputs, pieces)
 
 
-def _chunk(inputs: PassInputs, pieces) -> tuple[PassInputs, torch.Tensor]:
-    rows = torch.cat([torch.arange(a, b) for _, a, b in pieces])
-    reqs = torch.tensor([r for r, _, _ in pieces])
-    lens = torch.tensor([b - a for _, a, b in pieces])
-    ends = inputs.query_start_loc[1:][reqs]
-    seq_lens = inputs.seq_lens[reqs] - (ends - torch.tensor([b for _, _, b in pieces]))
-    in_chunk = (inputs.sample_rows >= rows[0]) & (inputs.sample_rows <= rows[-1])
-    chunk = PassInputs(input_ids=inputs.input_ids[rows], positions=inputs.positions[rows],
-                       slot_mapping=inputs.slot_mapping[rows],
-                       query_start_loc=torch.cat([torch.zeros(1, dtype=torch.long),
-                                                  lens.cumsum(0)]),
-                       seq_lens=seq_lens, sample_rows=inputs.sample_rows[in_chunk] - rows[0])
-    return chunk, reqs
+def _chunk(inputs: PassInputs, pieces) -> tuple[PassInputs, range]:
+    """The pass of `pieces` [(request, first row, end row)], consecutive rows of `inputs`."""
+    first, end = pieces[0][1], pieces[-1][2]
+    lens = [b - a for _, a, b in pieces]
+    seq_lens = [inputs.seq_lens[r] - (inputs.query_start_loc[r + 1] - b) for r, _, b in pieces]
+    sample_rows = [s - first for s in inputs.sample_rows if first <= s < end]
+    chunk = PassInputs.make([0, *itertools.accumulate(lens)], seq_lens, sample_rows,
+                            input_ids=inputs.input_ids[first:end],
+                            positions=inputs.positions[first:end],
+                            slot_mapping=inputs.slot_mapping[first:end])
+    return chunk, range(pieces[0][0], pieces[-1][0] + 1)

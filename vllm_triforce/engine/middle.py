@@ -15,11 +15,13 @@ tokens); the hand-off takes the first num_drafts.
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import torch
 
-from vllm_triforce.core.verify import verify, verify_greedy
+from vllm_triforce.core.verify import GREEDY_TEMPERATURE, verify, verify_greedy
+from vllm_triforce.engine.transfer import to_device
 
 
 class RequestDrafts:
@@ -56,7 +58,7 @@ class MiddleLoop:
         work at all). `use_draft` False: the small draft sits out (gamma1 = 0 this step).
         `on_round(use_draft, num_active, seconds, tokens_per_request)` hears every round's
         wall time (it ends in a device-to-host copy, so device work is included)."""
-        drafts_by_row = {r: RequestDrafts(int(batch.next_tokens[r]), int(batch.committed[r]))
+        drafts_by_row = {r: RequestDrafts(batch.next_tokens[r], batch.committed[r])
                          for r in rows}
         wanted = dict(zip(rows, num_drafts))
         gamma1 = self.gamma1 if use_draft else 0
@@ -64,7 +66,7 @@ class MiddleLoop:
         full_probs = (self._full_cache_probs(batch, drafts_by_row, measured) if self.measure
                       else None)
         # every row greedy: vLLM gets no draft probs and a round needs only argmaxes
-        argmax_only = not self.measure and bool(batch.greedy[rows].all())
+        argmax_only = not self.measure and all(batch.greedy[r] for r in rows)
         while True:
             active = [r for r in rows if len(drafts_by_row[r].tokens) < wanted[r]]
             if not active:
@@ -97,43 +99,64 @@ class MiddleLoop:
         """One round for requests `active`, request active[i] proposing sizes[i] tokens;
         returns the middle tokens it added over all of them. `argmax_only`: every request
         is greedy and nobody reads the middle distributions (RequestDrafts.probs stays
-        empty)."""
+        empty). Everything stays on the device until the round's one device-to-host copy
+        of what decides the next round: accepted counts and emitted tokens."""
+        proposals, proposal_probs = None, None  # [A, max(sizes)] and [A, max(sizes), V]
         if max(sizes) > 0:
             proposals, proposal_probs = self.draft.propose(batch, states, drafts_by_row,
                                                            active, sizes)
-        else:
-            proposals, proposal_probs = [[] for _ in active], None
+        num_inputs = [size + 1 for size in sizes]  # [A] the newest token, then the proposals
+        first_rows = [0, *itertools.accumulate(num_inputs)][:-1]  # [A] in the pass
         logits = self.retrieval.forward(
-            batch, states, active,
-            [[drafts_by_row[r].last_token] + p for r, p in zip(active, proposals)],
-            [list(range(drafts_by_row[r].position, drafts_by_row[r].position + 1 + len(p)))
-             for r, p in zip(active, proposals)])
-        rows = torch.tensor(active)
-        num_inputs = torch.tensor([len(p) + 1 for p in proposals])  # [A] tokens per request
-        draft_ids = torch.zeros(len(active), max(sizes), dtype=torch.long)
-        for i, props in enumerate(proposals):
-            draft_ids[i, :len(props)] = torch.tensor(props, dtype=torch.long)
-        device = logits.device
+            batch, states, active, self._input_ids(drafts_by_row, active, proposals, sizes,
+                                                   first_rows),
+            [list(range(drafts_by_row[r].position, drafts_by_row[r].position + n))
+             for r, n in zip(active, num_inputs)])
+        device, shape = logits.device, (len(active), max(num_inputs))
+        owner = [i for i, n in enumerate(num_inputs) for _ in range(n)]  # [T] request index
+        slot = [j for n in num_inputs for j in range(n)]  # [T] input index in its request
+        rows, num_drafts, owner, slot = to_device(device, active, sizes, owner, slot)
+        draft_ids = (proposals if proposals is not None
+                     else torch.zeros(len(active), 0, dtype=torch.long, device=device))
         if argmax_only:  # no vocabulary-wide probabilities at all
             target_probs = None
-            argmax = _per_request(logits.argmax(-1, keepdim=True), num_inputs)[..., 0]
-            result = verify_greedy(draft_ids.to(device), argmax, (num_inputs - 1).to(device))
+            argmax = _per_request(logits.argmax(-1, keepdim=True), shape, owner, slot)[..., 0]
+            result = verify_greedy(draft_ids, argmax, num_drafts)
         else:
-            target_probs = _per_request(
-                batch.probs(logits, torch.repeat_interleave(rows, num_inputs)),
-                num_inputs)  # [A, max(sizes) + 1, V]
-            result = verify(draft_ids.to(device), proposal_probs, target_probs,
-                            (num_inputs - 1).to(device), batch.greedy[rows],
-                            [states[r].generator or self.generator for r in active])
+            token_rows = [r for r, n in zip(active, num_inputs) for _ in range(n)]
+            target_probs = _per_request(batch.probs(logits, token_rows), shape, owner,
+                                        slot)  # [A, max(sizes) + 1, V]
+            result = verify(draft_ids, proposal_probs, target_probs, num_drafts,
+                            batch.temperature[rows] < GREEDY_TEMPERATURE,
+                            [states[r].generator or self.generator for r in active],
+                            all_greedy=all(batch.greedy[r] for r in active))
         # the round's one device-to-host copy: [A, 1 + G + 1] = num_accepted, then the tokens
         host = torch.cat([result.num_accepted[:, None], result.output_token_ids], 1).tolist()
-        first_rows = (torch.cumsum(num_inputs, 0) - num_inputs).tolist()  # [A] in the pass
         for i, r in enumerate(active):
             accepted = host[i][0]
             drafts_by_row[r].query_row = first_rows[i] + accepted  # input `accepted`: newest kept
             self._advance(states[r], drafts_by_row[r], host[i][1:accepted + 2],
-                          None if target_probs is None else target_probs[i], len(proposals[i]))
+                          None if target_probs is None else target_probs[i], sizes[i])
         return sum(row[0] + 1 for row in host)
+
+    @staticmethod
+    def _input_ids(drafts_by_row, active: list[int], proposals, sizes: list[int],
+                   first_rows: list[int]):
+        """The round's input ids: per request its newest token, then its proposals. Without
+        proposals a list per request (host values); with them one flat device tensor
+        [sum(sizes) + A], assembled on the device (the host never reads the proposals)."""
+        last_tokens = [drafts_by_row[r].last_token for r in active]
+        if proposals is None:
+            return [[token] for token in last_tokens]
+        width = proposals.shape[1]
+        into = [first + 1 + j for first, size in zip(first_rows, sizes) for j in range(size)]
+        taken = [i * width + j for i, size in enumerate(sizes) for j in range(size)]
+        firsts, lasts, into, taken = to_device(proposals.device, first_rows, last_tokens,
+                                               into, taken)
+        ids = proposals.new_empty(sum(sizes) + len(active))
+        ids[firsts] = lasts
+        ids[into] = proposals.reshape(-1)[taken]
+        return ids
 
     def _advance(self, state, drafts: RequestDrafts, emitted: list[int], target_probs,
                  num_proposed: int) -> None:
@@ -151,15 +174,13 @@ class MiddleLoop:
             self.stats.record_middle(num_proposed, accepted)
 
 
-def _per_request(token_probs: torch.Tensor, num_inputs: torch.Tensor) -> torch.Tensor:
-    """[T, V] rows of consecutive requests (num_inputs [A] each) -> [A, max, V], zero-padded."""
-    owner = torch.repeat_interleave(torch.arange(num_inputs.numel()), num_inputs)  # [T]
-    starts = torch.cumsum(num_inputs, 0) - num_inputs
-    slot = torch.arange(owner.numel()) - starts[owner]  # [T] index inside its request
-    out = token_probs.new_zeros(num_inputs.numel(), int(num_inputs.max()),
-                                token_probs.shape[-1])
-    device = token_probs.device
-    out[owner.to(device), slot.to(device)] = token_probs
+def _per_request(token_rows: torch.Tensor, shape: tuple[int, int], owner: torch.Tensor,
+                 slot: torch.Tensor) -> torch.Tensor:
+    """[T, V] rows of consecutive requests -> [A, width, V] (shape = (A, width)),
+    zero-padded: token t goes to [owner[t], slot[t]] (owner, slot [T] on the device, built
+    by the host)."""
+    out = token_rows.new_zeros(*shape, token_rows.shape[-1])
+    out[owner, slot] = token_rows
     return out
 
 
@@ -173,7 +194,7 @@ def hand_off(batch, states, drafts_by_row: dict[int, RequestDrafts], depths: dic
     drafts: list[list[int]] = [[] for _ in range(batch.num_reqs)]
     drafting = [r for r, k in depths.items() if k > 0]
     probs = None
-    if drafting and not bool(batch.greedy[drafting].all()):
+    if drafting and not all(batch.greedy[r] for r in drafting):
         probs = probs_buffer[:batch.num_reqs, :max(depths.values())]
         probs.zero_()
     for r, k in depths.items():

@@ -70,6 +70,7 @@ from vllm_triforce.engine.paged_keys import paged_keys_for
 from vllm_triforce.engine.retrieval_level import RetrievalLevel
 from vllm_triforce.engine.state import RequestState, StateTable
 from vllm_triforce.engine.stats import TriForceStats
+from vllm_triforce.engine.transfer import to_device
 
 logger = init_logger("vllm.triforce")
 
@@ -254,8 +255,8 @@ class TriForceProposer(DraftModelProposer):
         self._publish_stats()
         if self.cfg.adaptive:
             return drafts  # one list per request, [] allowed: vLLM's variable-length path
-        return torch.tensor([d or [0] * num_speculative_tokens for d in drafts],
-                            dtype=torch.long).reshape(batch.num_reqs, -1).to(self.device)
+        flat = [t for d in drafts for t in (d or [0] * num_speculative_tokens)]
+        return to_device(self.device, flat)[0].reshape(batch.num_reqs, -1)
 
     def _step(self, batch, states, max_depth: int, start: float):
         """commit -> plan -> select -> middle loop -> hand-off. Returns one draft list per
@@ -266,12 +267,12 @@ class TriForceProposer(DraftModelProposer):
             self.draft.invalidate(batch, states)
         pure_decode = self._pure_decode(batch, states)
         verified = self.retrieval.commit(batch, states, judged_alone=self.draft is None)
-        self.depth.begin(start, batch.req_ids, num_tokens=int(batch.q_lens.sum()),
-                         emitted=int((batch.q_lens - batch.num_rejected).sum()),
+        self.depth.begin(start, batch.req_ids, num_tokens=sum(batch.q_lens),
+                         emitted=sum(batch.q_lens) - sum(batch.num_rejected),
                          pure_decode=pure_decode,
                          verified=[(batch.req_ids[r], n, a) for r, n, a in verified],
                          live_req_ids=self.runner.requests)
-        rows = [r for r in range(batch.num_reqs) if bool(batch.decoding[r])]
+        rows = [r for r in range(batch.num_reqs) if batch.decoding[r]]
         depths, use_draft = self.depth.plan([batch.req_ids[r] for r in rows], max_depth)
         drafting = [r for r, k in zip(rows, depths) if k > 0]
         if not drafting:
@@ -286,9 +287,8 @@ class TriForceProposer(DraftModelProposer):
     def _pure_decode(batch, states) -> bool:
         """Every request ran one new token plus at most the drafts it was handed: a step
         whose cost a draft depth explains (no prefill chunk in it)."""
-        q_lens = batch.q_lens.tolist()
-        return bool(batch.decoding.all()) and all(
-            q - 1 <= s.last_num_drafts for q, s in zip(q_lens, states))
+        return all(batch.decoding) and all(
+            q - 1 <= s.last_num_drafts for q, s in zip(batch.q_lens, states))
 
     def _publish_stats(self) -> None:
         """Log and export the counters from TP rank 0 (every rank holds the same ones)."""

@@ -20,8 +20,10 @@ from __future__ import annotations
 import torch
 from vllm.logger import init_logger
 
+from vllm_triforce.core.blocks import selection_sizes
 from vllm_triforce.core.selection import Selection, Selector, build_block_tables
 from vllm_triforce.engine.forward import build_pass, run_pass
+from vllm_triforce.engine.transfer import to_device
 
 logger = init_logger("vllm.triforce")
 
@@ -63,9 +65,9 @@ class RetrievalLevel:
         for r in range(batch.num_reqs):
             # This pass verified our drafts iff it ran at most the drafts we handed vLLM last
             # step after the newest token (the scheduler may trim them); a prefill chunk does not.
-            num_verified = int(batch.q_lens[r]) - 1
+            num_verified = batch.q_lens[r] - 1
             if 0 < num_verified <= states[r].last_num_drafts:
-                accepted = num_verified - int(batch.num_rejected[r])
+                accepted = num_verified - batch.num_rejected[r]
                 verified.append((r, num_verified, accepted))
                 self.stats.record_verification(num_verified, accepted)
                 if judged_alone:
@@ -75,20 +77,32 @@ class RetrievalLevel:
         return verified
 
     def _add_committed_keys(self, batch) -> None:
+        """The keys of every token this pass committed, into the summaries: which rows of
+        the pass, at which positions, in which runs of one block (core/summaries.py) are all
+        known on the host, so the fold itself never waits for the device."""
         bs = self.blocks.block_size
-        num_new = batch.q_lens - batch.num_rejected  # [R] tokens committed by this pass
-        rows = torch.cat([batch.query_start_loc[r] + torch.arange(int(num_new[r]))
-                          for r in range(batch.num_reqs)])  # [N] rows of the verification pass
-        positions = torch.cat([batch.verify_start[r] + torch.arange(int(num_new[r]))
-                               for r in range(batch.num_reqs)])  # [N]
+        rows, positions, owners, runs = [], [], [], []
+        num_runs = 0
+        for r in range(batch.num_reqs):
+            num_new = batch.q_lens[r] - batch.num_rejected[r]  # tokens committed by this pass
+            if num_new <= 0:
+                continue
+            start = batch.verify_start[r]
+            first_block = start // bs
+            rows += range(batch.query_start_loc[r], batch.query_start_loc[r] + num_new)
+            positions += range(start, start + num_new)
+            owners += [r] * num_new
+            # a request's new tokens fill its own blocks in order: one run per block
+            runs += [num_runs + p // bs - first_block for p in range(start, start + num_new)]
+            num_runs += (start + num_new - 1) // bs - first_block + 1
         keys = self.capture.keys
-        if rows.numel() == 0 or keys[0] is None:
+        if not rows or keys[0] is None:
             return
-        req_of_row = torch.repeat_interleave(torch.arange(batch.num_reqs), num_new)
-        block_ids = batch.block_table[req_of_row, positions // bs].long()
-        self.summaries.add_committed(keys, rows, block_ids, positions % bs)
+        rows, positions, owners, runs = to_device(self.device, rows, positions, owners, runs)
+        block_ids = batch.block_table[owners, positions // bs].long()
+        self.summaries.add_committed(keys, rows, block_ids, positions % bs, (runs, num_runs))
         reader = self.selector.keys
-        if reader is not None and not reader.checked:
+        if reader is not None and not reader.checked:  # once, at the first commit
             why = reader.check(keys, rows, block_ids, positions % bs)
             self.key_status = f"check failed: {why}" if why else f"checked ({reader.layout})"
             if why:
@@ -102,19 +116,21 @@ class RetrievalLevel:
         """Re-select the blocks of requests due a refresh; the others' policies observe."""
         due = [r for r in rows
                if states[r].logical_blocks is None
-               or self.refresh.should_refresh(states[r].refresh, int(batch.committed[r]))]
+               or self.refresh.should_refresh(states[r].refresh, batch.committed[r])]
         if self.capture.queries[0] is None:
             return
         rest = [r for r in rows if r not in due]
         if rest and self.selector.observes:  # h2o accumulates
-            idx = torch.tensor(rest)
-            self.selector.observe(self._last_committed_queries(batch, idx), self.summaries,
-                                  batch.block_table[idx].to(self.device), batch.committed[idx],
+            idx, query_rows, committed = to_device(
+                self.device, rest, [_last_committed_row(batch, r) for r in rest],
+                [batch.committed[r] for r in rest])
+            self.selector.observe(self._queries_at(self.capture.queries, query_rows),
+                                  self.summaries, batch.block_table[idx], committed,
                                   [states[r].policy_state for r in rest])
         if due:
-            queries = self._last_committed_queries(batch, torch.tensor(due))
-            self._reselect(batch, states, due, queries, [int(batch.committed[r]) for r in due],
-                           keep_shortlist=True)
+            self._reselect(batch, states, due, self.capture.queries,
+                           [_last_committed_row(batch, r) for r in due],
+                           [batch.committed[r] for r in due], keep_shortlist=True)
 
     def select_in_middle(self, batch, states, rows: list[int], drafts_by_row) -> None:
         """Between middle rounds: requests `rows` due a refresh re-select with the query of
@@ -127,54 +143,46 @@ class RetrievalLevel:
                if self.refresh.due_in_middle(states[r].refresh, drafts_by_row[r].position)]
         if not due or self._pass_queries is None:
             return
-        listed = [r for r in due if states[r].shortlist_committed == int(batch.committed[r])]
+        listed = [r for r in due if states[r].shortlist_committed == batch.committed[r]]
         rest = [r for r in due if r not in listed]
         for group, use_list in ((listed, True), (rest, False)):
             if group:
-                query_rows = torch.tensor([drafts_by_row[r].query_row for r in group])
-                queries = self._queries_at(self._pass_queries, query_rows)
-                self._reselect(batch, states, group, queries,
-                               [drafts_by_row[r].position for r in group], use_shortlist=use_list)
+                self._reselect(batch, states, group, self._pass_queries,
+                               [drafts_by_row[r].query_row for r in group],
+                               [drafts_by_row[r].position for r in group],
+                               use_shortlist=use_list)
 
-    def _reselect(self, batch, states, due: list[int], queries: torch.Tensor,
-                  prefixes: list[int], keep_shortlist: bool = False,
+    def _reselect(self, batch, states, due: list[int], layer_queries: list,
+                  query_rows: list[int], prefixes: list[int], keep_shortlist: bool = False,
                   use_shortlist: bool = False) -> None:
-        """queries [len(due), num_layers, Hq, D]: the query of each request's token at
-        position prefixes[i] - 1. Candidates are the committed full blocks either way.
-        `keep_shortlist`: keep each layer's best candidates for this step's middle rounds;
-        `use_shortlist`: score only those (every request in `due` holds this step's)."""
-        idx = torch.tensor(due)
-        listed = None
-        if use_shortlist:
-            listed = torch.stack([states[r].shortlist for r in due]).to(self.device)
+        """Request due[i] re-selects with the query at row query_rows[i] of the pass whose
+        per-layer queries are `layer_queries`: its token at position prefixes[i] - 1.
+        Candidates are the committed full blocks either way. `keep_shortlist`: keep each
+        layer's best candidates for this step's middle rounds; `use_shortlist`: score only
+        those (every request in `due` holds this step's). The selection stays on the
+        device; its sizes, which the host needs, follow from the committed length alone
+        (core/blocks.selection_sizes)."""
+        idx, query_rows, committed = to_device(self.device, due, query_rows,
+                                               [batch.committed[r] for r in due])
+        listed = (torch.stack([states[r].shortlist for r in due]) if use_shortlist else None)
         choice = self.selector.choose(
-            queries, self.summaries, batch.block_table[idx].to(self.device),
-            batch.committed[idx].to(self.device), [states[r].policy_state for r in due],
-            shortlist=listed, keep_shortlist=keep_shortlist)
-        if choice.shortlist is not None:
-            kept = choice.shortlist.cpu()
-            for i, r in enumerate(due):
-                states[r].shortlist = kept[i]
-                states[r].shortlist_committed = int(batch.committed[r])
-        sel = choice.selection
+            self._queries_at(layer_queries, query_rows), self.summaries, batch.block_table[idx],
+            committed, [states[r].policy_state for r in due], shortlist=listed,
+            keep_shortlist=keep_shortlist)
         for i, r in enumerate(due):
             st = states[r]
-            st.logical_blocks = sel.logical_blocks[i].cpu()
-            st.num_selected = int(sel.num_selected[i])
-            st.tail_start = int(sel.tail_start[i])
+            if choice.shortlist is not None:
+                st.shortlist = choice.shortlist[i]
+                st.shortlist_committed = batch.committed[r]
+            st.logical_blocks = choice.selection.logical_blocks[i]
+            st.num_selected, st.tail_start = selection_sizes(batch.committed[r], self.blocks)
             self.refresh.record_selection(st.refresh, prefixes[i])
         self.stats.add(refreshes=len(due))
 
-    def _last_committed_queries(self, batch, rows_idx: torch.Tensor) -> torch.Tensor:
-        """[n, num_layers, Hq, D] query of each request's last committed token, per layer."""
-        rows = (batch.query_start_loc[:-1] + batch.q_lens - batch.num_rejected - 1)[rows_idx]
-        return self._queries_at(self.capture.queries, rows)
-
     def _queries_at(self, layer_queries: list, rows: torch.Tensor) -> torch.Tensor:
-        """layer_queries[l] [num_tokens, Hq * D] of one pass, rows [n] -> [n, num_layers, Hq, D]
-        (fp8 queries dequantised: `dequantized_query`)."""
-        qs = [q.view(q.shape[0], self.num_heads, self.head_size)[rows.to(q.device)]
-              for q in layer_queries]
+        """layer_queries[l] [num_tokens, Hq * D] of one pass, rows [n] (device) ->
+        [n, num_layers, Hq, D] (fp8 queries dequantised: `dequantized_query`)."""
+        qs = [q.view(q.shape[0], self.num_heads, self.head_size)[rows] for q in layer_queries]
         if qs[0].dtype.itemsize == 1:
             layers = self.vllm_config.compilation_config.static_forward_context
             qs = [dequantized_query(q, layers[name]._q_scale_float)
@@ -182,21 +190,30 @@ class RetrievalLevel:
         return torch.stack(qs, dim=1)
 
     # ---- the passes -----------------------------------------------------------------
-    def forward(self, batch, states, rows: list[int], token_ids: list[list[int]],
+    def forward(self, batch, states, rows: list[int], token_ids: list[list[int]] | torch.Tensor,
                 positions: list[list[int]]) -> torch.Tensor:
-        """Request rows[i] runs token_ids[i] at positions[i] over its retrieval tables;
-        returns the logits of every input token [sum of lengths, V]."""
-        block_table = batch.block_table[torch.tensor(rows)]
-        seq_ends = torch.tensor([p[-1] + 1 for p in positions], dtype=torch.long)
-        tables, compact = build_block_tables(_selection_of(states, rows), block_table, seq_ends,
-                                             self.blocks.block_size)
-        inputs = build_pass(token_ids, positions, block_table, self.blocks.block_size,
-                            compact[0])
+        """Request rows[i] runs positions[i] over its retrieval tables, with ids token_ids[i]
+        (or the flat ids already on the device); returns the logits of every input token
+        [sum of lengths, V]. The per-layer tables are built on the device, only as wide as
+        the widest row needs; their lengths are the host's (`selection_sizes`)."""
+        bs = self.blocks.block_size
+        seq_ends = [p[-1] + 1 for p in positions]  # [n] tokens through each query
+        num_selected = [states[r].num_selected for r in rows]
+        tails = [states[r].tail_start for r in rows]
+        compact = [(n - t) * bs + end for n, t, end in zip(num_selected, tails, seq_ends)]
+        width = max(n + -(-end // bs) - t for n, t, end in zip(num_selected, tails, seq_ends))
+        idx, num_selected, tails, ends = to_device(self.device, rows, num_selected, tails,
+                                                   seq_ends)
+        block_table = batch.block_table[idx]
+        selection = Selection(torch.stack([states[r].logical_blocks for r in rows]),
+                              num_selected, tails)
+        tables, _ = build_block_tables(selection, block_table, ends, bs, width)
+        inputs = build_pass(token_ids, positions, block_table, bs, compact)
         per_layer = {name: tables[l] for l, name in enumerate(self.layer_names)}
         self.capture.enabled = True  # its queries may re-select the next round's blocks
         try:
             logits = run_pass(self.model, self.vllm_config, self.attn_groups, inputs, per_layer,
-                              self.device, self.stats)
+                              self.stats)
         finally:
             self.capture.enabled = False
         self._pass_queries = list(self.capture.queries)
@@ -209,19 +226,19 @@ class RetrievalLevel:
         this is exactly the distribution vLLM's verification will use there). Diagnostic for
         `measure_middle_acceptance`. It writes the token's exact KV into its slot; the
         retrieval pass that follows overwrites that slot as it always does."""
-        block_table = batch.block_table[torch.tensor(rows)]
+        idx = batch.rows_on_device(rows)
+        block_table = batch.block_table[idx]
         inputs = build_pass([[t] for t in token_ids], [[p] for p in positions], block_table,
-                            self.blocks.block_size, torch.tensor(positions) + 1)
+                            self.blocks.block_size, [p + 1 for p in positions])
         per_layer = dict.fromkeys(self.layer_names, block_table)
         logits = run_pass(self.model, self.vllm_config, self.attn_groups, inputs, per_layer,
-                          self.device, self.stats)
-        return batch.probs(logits, torch.tensor(rows))
+                          self.stats)
+        return batch.probs(logits, rows, idx)
 
 
-def _selection_of(states, rows: list[int]) -> Selection:
-    return Selection(torch.stack([states[r].logical_blocks for r in rows]),
-                     torch.tensor([states[r].num_selected for r in rows]),
-                     torch.tensor([states[r].tail_start for r in rows]))
+def _last_committed_row(batch, r: int) -> int:
+    """Row, in the verification pass, of request r's last committed token."""
+    return batch.query_start_loc[r] + batch.q_lens[r] - batch.num_rejected[r] - 1
 
 
 def dequantized_query(query: torch.Tensor, q_scale: float) -> torch.Tensor:

@@ -15,14 +15,15 @@ import torch
 
 @dataclass
 class RequestState:
-    # Retrieval selection (level 2): sinks + selected logical blocks per layer, and where
-    # the contiguous tail begins. None until the first selection.
-    logical_blocks: torch.Tensor | None = None  # [num_layers, num_selected] int64
+    # Retrieval selection (level 2): sinks + selected logical blocks per layer (on the
+    # device), and, on the host, how many and where the contiguous tail begins. None until
+    # the first selection.
+    logical_blocks: torch.Tensor | None = None  # device [num_layers, max_selected] int64
     num_selected: int = 0
     tail_start: int = 0
     # Each layer's best candidates at the last step-start selection, re-ranked between
     # middle rounds (core/selection.py), and the committed length they were ranked at.
-    shortlist: torch.Tensor | None = None        # [num_layers, S] int64 logical, -1 padding
+    shortlist: torch.Tensor | None = None  # device [num_layers, S] int64 logical, -1 padding
     shortlist_committed: int = -1
     refresh: object = None                       # core.refresh.RefreshState
     policy_state: object = None                  # core.selection.SelectionState (h2o)

@@ -1,0 +1,49 @@
+"""Moving values between the host and the device without stalling the device.
+
+The rule the engine follows (issue 25): host values are Python, device values are tensors.
+What the host decides (positions, row indices, lengths) is built as Python lists and sent
+with `to_device`: one copy, non-blocking, from pinned memory on CUDA, so the host never
+waits for the device. What the host must learn from the device (sampled tokens, accepted
+counts) comes back with `to_host`: one blocking copy, the only kind of sync the engine
+makes, once per middle round and once per step (engine/batch.py).
+
+vLLM's runner does the same with its `CpuGpuBuffer`s (vllm/v1/utils.py, 0.32.0): host
+numpy arrays copied with `non_blocking=True` from pinned memory.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+def to_device(device: torch.device, *lists: Sequence[int]) -> list[torch.Tensor]:
+    """Python int lists -> int64 tensors on `device`, in ONE non-blocking copy.
+
+    Example: to_device(dev, [0, 2], [7]) -> [tensor([0, 2]), tensor([7])] on dev. On a
+    CUDA device the packed host tensor is pinned, so the copy is asynchronous; the caching
+    host allocator keeps it alive until the copy has run. On the CPU nothing is copied."""
+    sizes = [len(values) for values in lists]
+    flat = [int(v) for values in lists for v in values]
+    host = torch.tensor(flat, dtype=torch.long, pin_memory=_pinned(device))
+    return list(host.to(device, non_blocking=True).split(sizes))
+
+
+def to_host(*tensors: torch.Tensor) -> list[list]:
+    """Device tensors -> Python lists (each flattened), in ONE blocking copy: packed as
+    float64 (exact for ids and counts below 2**53 and for float32 values) and read back as
+    Python ints where the tensor held integers or bools."""
+    flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors]).tolist()
+    out, start = [], 0
+    for t in tensors:
+        values = flat[start:start + t.numel()]
+        if not t.dtype.is_floating_point:
+            values = [int(v) for v in values]
+        out.append(values)
+        start += t.numel()
+    return out
+
+
+def _pinned(device: torch.device) -> bool:
+    return torch.device(device).type == "cuda"
