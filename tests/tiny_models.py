@@ -106,13 +106,16 @@ def _special_ids(tokenizer) -> dict:
 
 def build_tiny_llama(path, *, num_layers: int = 2, hidden: int = 128, heads: int = 4,
                      kv_heads: int = 4, max_position_embeddings: int = 4096,
-                     seed: int = 0, init_scale: float = INIT_SCALE) -> Path:
-    """Random Llama (MHA by default, head_dim = hidden // heads)."""
+                     seed: int = 0, init_scale: float = INIT_SCALE,
+                     vocab_size: int | None = None) -> Path:
+    """Random Llama (MHA by default, head_dim = hidden // heads). `vocab_size`: a model
+    vocabulary larger than the tokenizer's (the extra ids are never tokenised, only
+    sampled), to give vocabulary-wide work a realistic size."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = _train_tokenizer()
     config = LlamaConfig(
-        vocab_size=_padded_vocab_size(tokenizer), hidden_size=hidden,
+        vocab_size=max(vocab_size or 0, _padded_vocab_size(tokenizer)), hidden_size=hidden,
         intermediate_size=2 * hidden, num_hidden_layers=num_layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads,
         max_position_embeddings=max_position_embeddings,

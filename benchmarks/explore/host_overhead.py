@@ -1,0 +1,80 @@
+"""TriForce's own host time per middle round, on a target whose compute is negligible.
+
+Issue 25's measure of the overhead a GPU cannot hide: a 30-layer Llama of hidden size 64
+and a 1,024-token vocabulary (built here, tests/tiny_models.py), two levels, batch 8,
+fixed depth, greedy. Host ms per round = (time in `propose` - time in model forwards) /
+middle rounds (engine/stats.py), over the timed generations; syncs per round and per step
+come from one more, untimed generation (vllm_triforce/syncs.py), where the tree has it.
+
+    .venv/bin/python benchmarks/explore/host_overhead.py [--rounds 2] [--levels 2]
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--prompt-words", type=int, default=400)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--levels", type=int, choices=(2, 3), default=2)
+    args = parser.parse_args()
+
+    import tiny_models
+    from vllm import LLM, SamplingParams
+
+    from vllm_triforce.offline import drafter_of
+
+    tmp = Path(tempfile.mkdtemp(prefix="host_overhead_"))
+    target = tiny_models.build_tiny_llama(tmp / "target", num_layers=30, hidden=64, heads=2,
+                                          kv_heads=2, vocab_size=1024)
+    spec = {"method": "triforce", "num_speculative_tokens": 6, "retrieval_budget": 256,
+            "retrieval_sink_tokens": 32, "retrieval_recent_tokens": 64, "adaptive": False}
+    if args.levels == 3:
+        draft = tiny_models.build_tiny_llama_draft(tmp / "draft")
+        spec.update(model=str(draft), draft_window_tokens=96)
+    llm = LLM(str(target), dtype="float32", enforce_eager=True, block_size=32,
+              max_model_len=2048, speculative_config=spec, seed=0)
+    prompts = [tiny_models.make_text(args.prompt_words, seed=i) for i in range(args.batch)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    drafter = drafter_of(llm)
+    host_ms, wall = [], []
+    for _ in range(args.repeats):
+        before = drafter.stats.snapshot()
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        wall.append(time.perf_counter() - start)
+        after = drafter.stats.snapshot()
+        d = {k: after[k] - before[k] for k in ("middle_seconds", "forward_seconds",
+                                               "middle_rounds", "top_proposed")}
+        assert d["top_proposed"] > 0, "TriForce never drafted"
+        host_ms.append(1000 * (d["middle_seconds"] - d["forward_seconds"]) / d["middle_rounds"])
+    print(f"{args.levels} levels, batch {args.batch}: host ms per middle round "
+          f"{statistics.median(host_ms):.2f} (repeats {', '.join(f'{h:.2f}' for h in host_ms)}); "
+          f"generate {statistics.median(wall):.2f} s")
+    try:
+        from vllm_triforce.syncs import ProposeSyncs, summarise
+    except ImportError:
+        return
+    with ProposeSyncs(drafter) as recorder:
+        llm.generate(prompts, params, use_tqdm=False)
+    s = summarise(recorder.take())
+    print(f"syncs: max {s['max_round']} per round, max {s['max_step']} per step "
+          f"(mean {s['mean_round']:.1f} / {s['mean_step']:.1f})")
+
+
+if __name__ == "__main__":
+    main()
