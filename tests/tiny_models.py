@@ -126,11 +126,13 @@ def build_tiny_llama(path, *, num_layers: int = 2, hidden: int = 128, heads: int
 
 def build_tiny_llama_draft(path, *, num_layers: int = 1, hidden: int = 64, heads: int = 2,
                            kv_heads: int = 2, max_position_embeddings: int = 256,
-                           seed: int = 1, init_scale: float = INIT_SCALE) -> Path:
+                           seed: int = 1, init_scale: float = INIT_SCALE,
+                           vocab_size: int | None = None) -> Path:
     """Smaller Llama with a SHORT trained context; same tokenizer/vocab as the targets."""
     return build_tiny_llama(
         path, num_layers=num_layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
-        max_position_embeddings=max_position_embeddings, seed=seed, init_scale=init_scale)
+        max_position_embeddings=max_position_embeddings, seed=seed, init_scale=init_scale,
+        vocab_size=vocab_size)
 
 
 def build_tiny_qwen2(path, *, num_layers: int = 2, heads: int = 14, kv_heads: int = 2,

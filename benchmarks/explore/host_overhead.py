@@ -30,6 +30,9 @@ def main() -> None:
     parser.add_argument("--prompt-words", type=int, default=400)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--levels", type=int, choices=(2, 3), default=2)
+    parser.add_argument("--refresh-interval", type=int, default=1,
+                        help="1 (default): re-select between middle rounds; 0: never")
+    parser.add_argument("--no-syncs", action="store_true", help="skip the counted generation")
     args = parser.parse_args()
 
     import tiny_models
@@ -41,9 +44,10 @@ def main() -> None:
     target = tiny_models.build_tiny_llama(tmp / "target", num_layers=30, hidden=64, heads=2,
                                           kv_heads=2, vocab_size=1024)
     spec = {"method": "triforce", "num_speculative_tokens": 6, "retrieval_budget": 256,
-            "retrieval_sink_tokens": 32, "retrieval_recent_tokens": 64, "adaptive": False}
+            "retrieval_sink_tokens": 32, "retrieval_recent_tokens": 64, "adaptive": False,
+            "refresh_interval": args.refresh_interval}
     if args.levels == 3:
-        draft = tiny_models.build_tiny_llama_draft(tmp / "draft")
+        draft = tiny_models.build_tiny_llama_draft(tmp / "draft", vocab_size=1024)
         spec.update(model=str(draft), draft_window_tokens=96)
     llm = LLM(str(target), dtype="float32", enforce_eager=True, block_size=32,
               max_model_len=2048, speculative_config=spec, seed=0)
@@ -62,12 +66,15 @@ def main() -> None:
                                                "middle_rounds", "top_proposed")}
         assert d["top_proposed"] > 0, "TriForce never drafted"
         host_ms.append(1000 * (d["middle_seconds"] - d["forward_seconds"]) / d["middle_rounds"])
-    print(f"{args.levels} levels, batch {args.batch}: host ms per middle round "
+    print(f"{args.levels} levels, batch {args.batch}, refresh_interval "
+          f"{args.refresh_interval}: host ms per middle round "
           f"{statistics.median(host_ms):.2f} (repeats {', '.join(f'{h:.2f}' for h in host_ms)}); "
           f"generate {statistics.median(wall):.2f} s")
     try:
         from vllm_triforce.syncs import ProposeSyncs, summarise
     except ImportError:
+        return
+    if args.no_syncs:
         return
     with ProposeSyncs(drafter) as recorder:
         llm.generate(prompts, params, use_tqdm=False)
