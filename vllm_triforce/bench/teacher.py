@@ -160,17 +160,13 @@ class TeacherForcedEngine:
     def _pass(self, tokens: list[int], t: int, block_table: torch.Tensor, tables,
               seq_lens: torch.Tensor) -> torch.Tensor:
         """One token per document at position t; returns logits [num_docs, V]."""
-        from vllm_triforce.engine.forward import PassInputs, run_pass
+        from vllm_triforce.engine.forward import build_pass, run_pass
 
-        d, bs = self.drafter, self.block_size
-        num_docs = len(tokens)
-        slots = block_table[:, t // bs].long() * bs + t % bs
-        inputs = PassInputs(input_ids=torch.tensor(tokens, dtype=torch.int32),
-                            positions=torch.full((num_docs,), t, dtype=torch.long),
-                            slot_mapping=slots, query_start_loc=torch.arange(num_docs + 1),
-                            seq_lens=seq_lens, sample_rows=torch.arange(num_docs))
+        d = self.drafter
+        inputs = build_pass([[token] for token in tokens], [[t]] * len(tokens), block_table,
+                            self.block_size, seq_lens.tolist())
         groups = [g for per_kind in d.runner.attn_groups for g in per_kind]
-        return run_pass(d.target_model, d.vllm_config, groups, inputs, tables, d.device)
+        return run_pass(d.target_model, d.vllm_config, groups, inputs, tables)
 
     def full_pass(self, tokens, t, block_table) -> tuple[torch.Tensor, torch.Tensor]:
         """The target over its full table at t: (logits [D, V], query [D, L, Hq, Dh] of t)."""
