@@ -26,6 +26,17 @@ block is 30 × 2 × 32 × 3 × 64 × 4 = 1,474,560 B and its summary 30 × 3 × 
 reserved. With the default `key_variance` the summary is 2 × 23,040 + 4 = 46,084 B and
 blocks = (2^30 − 14,155,776) // 1,520,644 = 696; with `quest` 3 × 23,040 + 4 = 69,124 B
 and 686 blocks.
+
+Worked example at scale (Llama-3.1-8B, bf16 KV cache, block 16, 32 layers × 8 KV heads ×
+128, V 128,256, two levels, gamma2 6, default `key_variance`, one 80 GB GPU): a KV block is
+32 × 2 × 16 × 8 × 128 × 2 = 2,097,152 B; its summary 32 × 8 × 128 × 2 (bf16 key sums) + 4 +
+32 × 8 × 128 × 4 (float32 square deviations) = 196,612 B, 3/32 of the block. A 128K-token
+request holds 8,192 blocks: 16 GiB of KV and 1.5 GiB of summaries. Of the ~52 GB left for
+the cache after 16 GB of weights and vLLM's activations at gpu_memory_utilization 0.9,
+about 22,700 blocks fit (≈ 2.8 requests of 128K). The fixed part is max_num_seqs × 9 rows ×
+128,256 × 4 B = 4.6 MB per sequence: 18 MB at `--max-num-seqs 4`, the right setting for
+128K contexts, but 1.2 GB at 256 and 4.7 GB at 1,024, reserved whether or not that many
+requests ever draft at once.
 """
 
 from __future__ import annotations
