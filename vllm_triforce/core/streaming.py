@@ -107,9 +107,6 @@ class DraftWindow:
         return streaming_table(block_table, seq_lens, self.num_sink_blocks,
                                self.num_window_blocks, self.block_size)
 
-    def positions(self, positions: Tensor, rebase_offset: Tensor) -> Tensor:
-        return draft_positions(positions, rebase_offset, self.sink_tokens)
-
 
 def window_start(seq_lens: Tensor, block_size: int, num_sink_blocks: int,
                  num_window_blocks: int) -> Tensor:

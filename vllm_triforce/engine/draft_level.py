@@ -66,8 +66,7 @@ class DraftLevel:
         for step in range(max_size):
             rows = [i for i in range(len(active)) if sizes[i] > step]
             reqs = [active[i] for i in rows]
-            rows_dev = (slice(None) if len(rows) == len(active)
-                        else to_device(self.device, rows)[0])
+            rows_dev = slice(None) if len(rows) == len(active) else batch.rows_on_device(rows)
             if step == 0:
                 positions, token_ids = [pending[i][0] for i in rows], [pending[i][1] for i in rows]
             else:  # each request runs its previous proposal
