@@ -417,3 +417,50 @@ def test_all_blocks_scored_in_chunks_equal_one_chunk(monkeypatch, aggregation, v
                                                               else 7)
         chunked = policy.block_scores(query.float(), summaries, table, committed)
         assert torch.equal(chunked, one_chunk)
+
+
+@pytest.mark.parametrize("aggregation", ["sum", "max", "softmax"])
+@pytest.mark.parametrize("variance", [False, True])
+def test_gathered_blocks_scored_in_chunks_equal_one_gather(monkeypatch, aggregation, variance):
+    """The "gather" strategy reads a request's blocks by `gather_chunks` (a gathered float32
+    copy of at most SCORE_CHUNK_BYTES, not all of a 128K request's blocks at once): chunks of
+    one table column (2 requests' blocks) give the scores of one gather, bit for bit."""
+    from vllm_triforce.core import policies
+    table = torch.tensor([[3, 0, 12, 7], [5, 5, 1, 11]])
+    query = torch.randint(-3, 4, (2, 2, 6, 8), generator=torch.Generator().manual_seed(4))
+    policy = make_policy("retrieval", aggregation=aggregation, strategy="gather", scale=1.0,
+                         variance=variance)
+    committed = torch.tensor([4 * BS, 3 * BS])
+    summaries = integer_summaries(dtype=torch.bfloat16)
+    one_gather = policy.block_scores(query.float(), summaries, table, committed)
+    assert len(policies.gather_chunks(summaries.sums, table)) == 1
+    monkeypatch.setattr(policies, "SCORE_CHUNK_BYTES", 2 * 2 * 2 * 8 * 4)  # one column
+    assert len(policies.gather_chunks(summaries.sums, table)) == 4
+    assert torch.equal(policy.block_scores(query.float(), summaries, table, committed),
+                       one_gather)
+    store = torch.zeros(32, 1, 8, 128, dtype=torch.bfloat16)  # a block of Llama-3.1-8B
+    monkeypatch.setattr(policies, "SCORE_CHUNK_BYTES", 64 * 2**20)
+    chunks = policies.gather_chunks(store, torch.zeros(1, 8192, dtype=torch.long))  # 128K
+    assert [c.stop - c.start for c in chunks] == [512] * 16
+
+
+@pytest.mark.parametrize("aggregation", ["sum", "max", "softmax"])
+@pytest.mark.parametrize("variance", [False, True])
+def test_shortlist_scored_in_chunks_equal_one_gather(monkeypatch, aggregation, variance):
+    """Between middle rounds a shortlist [R, L, S] is read by `gather_chunks` of S: chunks of
+    one listed block per layer give the scores of one gather, bit for bit, and match the
+    same blocks scored by `block_scores`."""
+    from vllm_triforce.core import policies
+    listed = torch.tensor([[[3, 0, 12, -1], [7, 3, 1, 0]], [[5, 1, 11, 2], [2, 11, -1, -1]]])
+    query = torch.randint(-3, 4, (2, 2, 6, 8), generator=torch.Generator().manual_seed(4))
+    policy = make_policy("retrieval", aggregation=aggregation, scale=1.0, variance=variance)
+    summaries = integer_summaries(dtype=torch.bfloat16)
+    one_gather = policy.shortlist_scores(query.float(), summaries, listed)
+    monkeypatch.setattr(policies, "SCORE_CHUNK_BYTES", 2 * 2 * 2 * 8 * 4)  # one block
+    assert len(policies.gather_chunks(summaries.sums, listed[:, 0])) == 4
+    chunked = policy.shortlist_scores(query.float(), summaries, listed)
+    assert torch.equal(chunked, one_gather)
+    if aggregation == "sum":  # linear: the same numbers as scoring the blocks in a table
+        full = policy.block_scores(query.float(), summaries, listed[:, 0].clamp(min=0),
+                                   torch.tensor([4 * BS, 4 * BS]))
+        assert torch.allclose(chunked[:, 0], full[:, 0])

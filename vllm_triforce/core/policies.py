@@ -154,6 +154,21 @@ def block_chunks(store: Tensor) -> list[slice]:
     return [slice(start, start + per_chunk) for start in range(0, num_blocks, per_chunk)]
 
 
+def gather_chunks(store: Tensor, ids: Tensor) -> list[slice]:
+    """Slices of the table axis of ids [R, B] whose gathered float32 copy (every request's
+    blocks, all layers, heads and channels) takes at most SCORE_CHUNK_BYTES. Example:
+    Llama-3.1-8B (L=32, H=8, D=128), one 128K request (B=8,192): 512 blocks per chunk,
+    64 MiB each, where one gather would copy 1 GiB."""
+    column_bytes = store[:, :1].numel() * 4 * max(1, ids.shape[0])  # float32
+    per_chunk = max(1, SCORE_CHUNK_BYTES // max(1, column_bytes))
+    return [slice(start, start + per_chunk) for start in range(0, ids.shape[1], per_chunk)]
+
+
+def _gathered(store: Tensor, ids: Tensor) -> Tensor:
+    """store [L, N, H, D] at ids [R, b] -> [L, R, b, H, D] float32."""
+    return store[:, ids.flatten()].float().unflatten(1, ids.shape)
+
+
 def score_chunks(store: Tensor) -> list[slice]:
     """`block_chunks`, except that a float32 store is read in place, whole (its `.float()`
     copies nothing), so float32 scores stay what one product gives."""
@@ -171,7 +186,8 @@ class RetrievalPolicy(SelectionPolicy):
     blocks (full committed blocks, or `candidates` if given), then sums, so every head
     spends the same unit of mass and heads with large query norms cannot dominate;
     aggregation="max" keeps each block's best query head.
-    strategy: "gather" reads the request's mean keys; "all" scores every physical block
+    strategy: "gather" reads the request's mean keys (by `gather_chunks`, each gathered
+    float32 copy at most SCORE_CHUNK_BYTES); "all" scores every physical block
     (one read of the whole store, cheaper when the store is small, in chunks whose float32
     copy is at most SCORE_CHUNK_BYTES = 64 MiB when the store is not float32:
     `score_chunks`); "auto" picks.
@@ -217,19 +233,28 @@ class RetrievalPolicy(SelectionPolicy):
         return aggregate_heads(per_head, self.aggregation, candidates)
 
     def shortlist_scores(self, query, summaries, blocks):
-        """As block_scores, over per-layer block lists (softmax: over the listed blocks)."""
+        """As block_scores, over per-layer block lists (softmax: over the listed blocks),
+        read by `gather_chunks`: Llama-3.1-8B's default shortlist (4 x 247 blocks per layer)
+        at batch 8 would otherwise gather 2 GiB of float32 rows per re-selection."""
         q = group_query(query, summaries.num_kv_heads)  # [R, L, H, G, D]
         q = q * (self.scale or 1.0 / math.sqrt(q.shape[-1]))
-        sums, counts = summaries.layer_key_sums(blocks)  # [R, L, S, H, D], [R, L, S]
-        terms = [(q, sums)]
+        weights = [(q, summaries.sums)]
         if self.variance:
-            terms.append((0.5 * q.square(), summaries.layer_key_sums(
-                blocks, summaries.deviations())[0]))
+            weights.append((0.5 * q.square(), summaries.deviations()))
+        counts = summaries.counts[blocks.clamp(min=0)].clamp(min=1).float()  # [R, L, S]
+        per_chunk = []  # the listed blocks' rows read by `gather_chunks` of the S axis
+        for c in gather_chunks(summaries.sums, blocks[:, 0]):
+            terms = [(w, summaries.layer_key_sums(blocks[..., c], store)[0])
+                     for w, store in weights]  # [R, L, s, H, D] each
+            if self.aggregation == "sum":
+                per_chunk.append(sum(torch.einsum("rlk,rlsk->rls", w.sum(3).flatten(2),
+                                                  v.float().flatten(3)) for w, v in terms))
+            else:
+                per_chunk.append(sum(torch.einsum("rlhgd,rlshd->rlhgs", w, v.float())
+                                     for w, v in terms))
         if self.aggregation == "sum":
-            return sum(torch.einsum("rlk,rlsk->rls", w.sum(3).flatten(2), v.float().flatten(3))
-                       for w, v in terms) / counts.float()
-        per_head = sum(torch.einsum("rlhgd,rlshd->rlhgs", w, v.float()) for w, v in terms)
-        per_head = per_head / counts.float()[:, :, None, None]
+            return torch.cat(per_chunk, -1) / counts
+        per_head = torch.cat(per_chunk, -1) / counts[:, :, None, None]
         return aggregate_heads(per_head, self.aggregation, blocks[:, 0] >= 0)
 
     def _use_all_blocks(self, summaries: BlockSummaries, ids: Tensor) -> bool:
@@ -245,8 +270,9 @@ class RetrievalPolicy(SelectionPolicy):
         num_layers = store.shape[0]
         counts = summaries.counts.clamp(min=1).float()
         if not self._use_all_blocks(summaries, ids):
-            rows = store[:, ids.flatten()].float().unflatten(1, ids.shape)  # [L, R, B, H, D]
-            dots = torch.einsum("rlk,lrbk->rlb", q, rows.flatten(3))
+            dots = torch.cat([torch.einsum("rlk,lrbk->rlb", q,
+                                           _gathered(store, ids[:, c]).flatten(3))
+                              for c in gather_chunks(store, ids)], dim=-1)
             return dots / counts[ids][:, None, :]
         rhs = q.permute(1, 2, 0)  # [L, H*D, R]
         dots = torch.cat([torch.bmm(store[:, chunk].float().flatten(2), rhs)
@@ -261,8 +287,8 @@ class RetrievalPolicy(SelectionPolicy):
         "all" strategy reads the store by `score_chunks`."""
         counts = summaries.counts.clamp(min=1).float()
         if not self._use_all_blocks(summaries, ids):
-            rows = store[:, ids.flatten()].float().unflatten(1, ids.shape)  # [L, R, B, H, D]
-            dots = torch.einsum("rlhgd,lrbhd->rlhgb", q, rows)
+            dots = torch.cat([torch.einsum("rlhgd,lrbhd->rlhgb", q, _gathered(store, ids[:, c]))
+                              for c in gather_chunks(store, ids)], dim=-1)
             return dots / counts[ids][:, None, None, None, :]
         dots = torch.cat([torch.einsum("rlhgd,lnhd->rlhgn", q, store[:, chunk].float())
                           for chunk in score_chunks(store)], dim=-1) / counts

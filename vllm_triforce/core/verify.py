@@ -190,6 +190,27 @@ def _final_distribution(p: Tensor, draft_probs: Tensor | None, safe_ids: Tensor,
     return torch.where(use_residual[:, None], residual, p_at)
 
 
+def sample_tokens(q: Tensor, greedy: Tensor, generators: Sequence[torch.Generator | None],
+                  shared: torch.Generator | None, all_greedy: bool = False) -> Tensor:
+    """One token per row of q [n, V] (non-negative, unnormalised allowed), on the device:
+    the argmax for rows with greedy [n] (bool, on the device) set, else a draw from q with
+    the row's own generator (seeded requests: reproducible whatever the batch) or, for
+    None entries, one batched draw from `shared`. `all_greedy` (host): no draw at all.
+
+    Drawn by inverting the float64 cumulative sum with one uniform per row (as `verify`'s
+    final token), not with `torch.multinomial`, which synchronises a GPU (vLLM's sampler
+    avoids it for the same reason: vllm/v1/sample/ops/topk_topp_sampler.py, random_sample)."""
+    argmax = q.argmax(-1)  # [n]
+    if all_greedy:
+        return argmax
+    uniform = torch.rand(q.shape[0], dtype=torch.float64, device=q.device, generator=shared)
+    for j, gen in enumerate(generators):
+        if gen is not None:
+            uniform[j] = torch.rand(1, dtype=torch.float64, device=q.device, generator=gen)[0]
+    return torch.where(on_device(greedy, q.device, torch.bool), argmax,
+                       _inverse_cdf(q, uniform))
+
+
 def _draw(num_reqs: int, count: int, generators, device) -> Tensor:
     """[R, count] float64 uniforms in [0, 1), each row from its own generator if it has one."""
     if generators is None:

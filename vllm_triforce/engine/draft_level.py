@@ -17,6 +17,7 @@ import torch
 
 from vllm_triforce.config import BlockCounts, TriForceConfig, TriForceConfigError
 from vllm_triforce.core.streaming import DraftWindow
+from vllm_triforce.core.verify import GREEDY_TEMPERATURE, sample_tokens
 from vllm_triforce.engine.forward import build_pass, run_pass
 from vllm_triforce.engine.transfer import to_device
 
@@ -73,9 +74,11 @@ class DraftLevel:
                 positions = [[drafts_by_row[active[i]].position + step] for i in rows]
                 token_ids = proposals[rows_dev, step - 1]
             logits = self._forward(batch, states, reqs, positions, token_ids)
-            q = batch.probs(logits, reqs)  # [len(rows), V]
-            tokens = sample(q, [batch.greedy[r] for r in reqs],
-                            [states[r].generator for r in reqs], self.generator)
+            reqs_dev = batch.rows_on_device(reqs)
+            q = batch.probs(logits, reqs, reqs_dev)  # [len(rows), V]
+            tokens = sample_tokens(q, batch.temperature[reqs_dev] < GREEDY_TEMPERATURE,
+                                   [states[r].generator for r in reqs], self.generator,
+                                   all_greedy=all(batch.greedy[r] for r in reqs))
             if probs is None:
                 probs = q.new_zeros(len(active), max_size, q.shape[-1])
                 proposals = tokens.new_zeros(len(active), max_size)
@@ -137,18 +140,3 @@ def _token_ids(batch, drafts, row: int, positions: list[int]) -> list[int]:
             out.append(drafts.tokens[pos - committed_end])
     return out
 
-
-def sample(q: torch.Tensor, greedy: list[bool], own_generators: list,
-           shared: torch.Generator) -> torch.Tensor:
-    """One token per row of q [n, V], on the device: argmax for greedy rows; a draw for the
-    others, with the request's own generator (seeded requests: reproducible whatever the
-    batch) or one batched draw from the shared generator."""
-    tokens = q.argmax(-1)  # [n]
-    unseeded = [j for j, g in enumerate(own_generators) if g is None and not greedy[j]]
-    if unseeded:
-        idx = to_device(q.device, unseeded)[0]
-        tokens[idx] = torch.multinomial(q[idx], 1, generator=shared).squeeze(1)
-    for j, g in enumerate(own_generators):
-        if g is not None and not greedy[j]:
-            tokens[j] = torch.multinomial(q[j], 1, generator=g)[0]
-    return tokens

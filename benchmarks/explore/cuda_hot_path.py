@@ -1,0 +1,235 @@
+"""The hot path's device work at Llama-3.1-8B shapes: time, peak memory, syncs (issue 25).
+
+Needs only torch (runs where vLLM is not installed). Shapes: 32 layers, 32 query heads,
+8 KV heads, head dim 128, block 16, bf16 summaries with float32 key variance (the default
+`retrieval` state), vocabulary 128,256, gamma2 6; requests of `--context` tokens each.
+Each operation runs once to warm up, then `--repeats` times; it reports the median device
+time (CUDA events), the host time of the calls (wall clock, the launches), the peak memory
+it allocated beyond its inputs, and its syncs (SyncCounter; on CUDA under
+`set_sync_debug_mode("error")` where the engine allows none).
+
+    python3 benchmarks/explore/cuda_hot_path.py [--batch 8] [--context 32768]
+        [--cache-blocks N] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from vllm_triforce.config import BlockCounts  # noqa: E402
+from vllm_triforce.core.blocks import selection_sizes  # noqa: E402
+from vllm_triforce.core.policies import make_policy  # noqa: E402
+from vllm_triforce.core.selection import Selection, Selector, build_block_tables  # noqa: E402
+from vllm_triforce.core.summaries import BlockSummaries  # noqa: E402
+from vllm_triforce.core.verify import (GREEDY_TEMPERATURE, sample_tokens,  # noqa: E402
+                                       sampling_probs, verify)
+from vllm_triforce.engine.batch import StepBatch  # noqa: E402
+from vllm_triforce.engine.middle import MiddleLoop  # noqa: E402
+from vllm_triforce.engine.transfer import to_device  # noqa: E402
+from vllm_triforce.syncs import SyncCounter  # noqa: E402
+
+LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK, VOCAB, GAMMA2 = 32, 32, 8, 128, 16, 128_256, 6
+
+
+def measure(name: str, fn, repeats: int, strict: bool, device: str, results: list) -> object:
+    fn()  # warm-up
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    with SyncCounter(device_type=device, strict=strict and device == "cuda") as counter:
+        out = fn()
+    syncs = counter.total
+    device_ms, host_ms = [], []
+    for _ in range(repeats):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+        t0 = time.perf_counter()
+        out = fn()
+        host_ms.append(1000 * (time.perf_counter() - t0))
+        if device == "cuda":
+            end.record()
+            torch.cuda.synchronize()
+            device_ms.append(start.elapsed_time(end))
+    peak = (torch.cuda.max_memory_allocated() - base) if device == "cuda" else 0
+    row = {"op": name, "device_ms": statistics.median(device_ms) if device_ms else None,
+           "host_ms": statistics.median(host_ms), "peak_extra_MiB": peak / 2**20,
+           "syncs": syncs}
+    results.append(row)
+    dm = "-" if row["device_ms"] is None else f"{row['device_ms']:.3f}"
+    print(f"{name:<52} device {dm:>8} ms  host {row['host_ms']:7.3f} ms  "
+          f"peak +{row['peak_extra_MiB']:8.1f} MiB  syncs {syncs}", flush=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--context", type=int, default=32768)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--cache-blocks", type=int, default=0,
+                        help="blocks in the whole KV cache (default: the batch's own + 64); "
+                             "about 22,700 on an 80 GB GPU (engine/memory.py)")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    torch.manual_seed(0)
+    R, n = args.batch, args.context
+    per_req = -(-(n + 64) // BLOCK)
+    num_blocks = max(R * per_req + 64, args.cache_blocks)
+    print(f"{device} {torch.cuda.get_device_name() if device == 'cuda' else ''} torch "
+          f"{torch.__version__}: batch {R} x {n} tokens, {num_blocks} blocks, "
+          f"Llama-3.1-8B shapes", flush=True)
+    table = torch.randperm(num_blocks, device=dev)[:R * per_req].view(R, per_req).int()
+    summaries = BlockSummaries(LAYERS, num_blocks, KV_HEADS, HEAD_DIM, BLOCK,
+                               dtype=torch.bfloat16, device=dev, keep_variance=True)
+    summaries.sums.normal_()
+    summaries.square_deviations.uniform_()
+    summaries.counts.fill_(BLOCK)
+    blocks = BlockCounts(block_size=BLOCK, budget_blocks=4096 // BLOCK,
+                         retrieval_sink_blocks=1, retrieval_recent_blocks=8)
+    selector = Selector(make_policy("retrieval", variance=True), blocks, shortlist_factor=4)
+    results: list[dict] = []
+    committed = [n] * R
+    query = torch.randn(R, LAYERS, Q_HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16)
+
+    new = GAMMA2 + 1  # one verification committing every draft and the bonus token
+    keys = [torch.randn(R * new, KV_HEADS * HEAD_DIM, device=dev, dtype=torch.bfloat16)
+            for _ in range(LAYERS)]
+
+    def commit():
+        rows, owners, positions, runs, num_runs = [], [], [], [], 0
+        for r in range(R):
+            start = n - new
+            rows += range(r * new, (r + 1) * new)
+            owners += [r] * new
+            positions += range(start, n)
+            runs += [num_runs + p // BLOCK - start // BLOCK for p in range(start, n)]
+            num_runs += (n - 1) // BLOCK - start // BLOCK + 1
+        rows, owners, positions, runs = to_device(dev, rows, owners, positions, runs)
+        summaries.add_committed(keys, rows, table[owners, positions // BLOCK].long(),
+                                positions % BLOCK, (runs, num_runs))
+
+    measure(f"commit: fold {R}x{new} tokens x 32 layers", commit, args.repeats, True, device,
+            results)
+    committed_dev = to_device(dev, committed)[0]
+    choice = measure(f"select: score {R} x {per_req} blocks, keep shortlist",
+                     lambda: selector.choose(query, summaries, table, committed_dev,
+                                             keep_shortlist=True),
+                     args.repeats, True, device, results)
+    again = measure(f"re-select in the middle: shortlist of {choice.shortlist.shape[-1]}",
+                    lambda: selector.choose(query, summaries, table, committed_dev,
+                                            shortlist=choice.shortlist),
+                    args.repeats, True, device, results)
+    sizes = [selection_sizes(c, blocks) for c in committed]
+    ends = [c + GAMMA2 + 1 for c in committed]
+    width = max(s + -(-e // BLOCK) - t for (s, t), e in zip(sizes, ends))
+
+    def tables():
+        sel, tails, ends_dev = to_device(dev, [s for s, _ in sizes], [t for _, t in sizes],
+                                         ends)
+        return build_block_tables(Selection(again.selection.logical_blocks, sel, tails),
+                                  table, ends_dev, BLOCK, width)
+
+    measure(f"tables: {LAYERS} layers x {R} x {width} on the device", tables, args.repeats,
+            True, device, results)
+
+    rows_v = R * (GAMMA2 + 1)
+    logits = torch.randn(rows_v, VOCAB, device=dev, dtype=torch.bfloat16) * 3
+    temperature = torch.full((rows_v,), 0.8, device=dev)
+    top_k = torch.zeros(rows_v, dtype=torch.long, device=dev)
+    top_p = torch.full((rows_v,), 0.9, device=dev)
+    probs = measure(f"sampling probs, top-p 0.9: {rows_v} rows x {VOCAB}",
+                    lambda: sampling_probs(logits, temperature, top_k, top_p, all_greedy=False),
+                    args.repeats, True, device, results)
+    measure(f"sampling probs, temperature only: {rows_v} rows",
+            lambda: sampling_probs(logits, temperature, None, None, all_greedy=False),
+            args.repeats, True, device, results)
+    target = probs.view(R, GAMMA2 + 1, VOCAB)
+    draft_probs = torch.softmax(torch.randn(R, GAMMA2, VOCAB, device=dev), -1)
+    draft_ids = torch.randint(0, VOCAB, (R, GAMMA2), device=dev)
+    num_drafts = to_device(dev, [GAMMA2] * R)[0]
+    greedy = torch.zeros(R, dtype=torch.bool, device=dev)
+    measure(f"verify, sampled: {R} x {GAMMA2} drafts",
+            lambda: verify(draft_ids, draft_probs, target, num_drafts, greedy, None,
+                           all_greedy=False),
+            args.repeats, True, device, results)
+    shared = torch.Generator(device=dev).manual_seed(0)
+    measure(f"sample_tokens: {R} rows x {VOCAB}",
+            lambda: sample_tokens(probs[:R], greedy, [None] * R, shared),
+            args.repeats, True, device, results)
+    middle_rounds(dev, device, R, args.repeats, results)
+    if args.json:
+        args.json.write_text(json.dumps({"device": device, "torch": torch.__version__,
+                                         "batch": R, "context": n, "results": results},
+                                        indent=1))
+
+
+def middle_rounds(dev, device: str, R: int, repeats: int, results: list) -> None:
+    """The real MiddleLoop, two levels (the retrieval level drafting alone, one token per
+    request per round, depth GAMMA2), over a stand-in retrieval level whose logits are a
+    rank-64 product (so the round's own work dominates): host ms per round."""
+    emb = torch.randn(VOCAB, 64, device=dev, dtype=torch.bfloat16)
+    out = torch.randn(64, VOCAB, device=dev, dtype=torch.bfloat16)
+
+    class Retrieval:
+        def forward(self, batch, states, rows, token_ids, positions):
+            if not isinstance(token_ids, torch.Tensor):
+                token_ids = to_device(dev, [t for ids in token_ids for t in ids])[0]
+            return emb[token_ids] @ out
+
+        def select_in_middle(self, *args):
+            pass
+
+    class Stats:
+        rounds = 0
+
+        def add(self, middle_rounds=0, **_):
+            Stats.rounds += middle_rounds
+
+        def record_middle(self, *args):
+            pass
+
+    for label, temp in (("greedy", 0.0), ("sampled, top-p 0.9", 0.8)):
+        batch = StepBatch(
+            req_ids=[str(r) for r in range(R)], seq_lens=[100] * R,
+            query_start_loc=list(range(R + 1)), num_rejected=[0] * R, decoding=[True] * R,
+            next_tokens=list(range(1, R + 1)), verify_ids=[0] * R, greedy=[temp == 0] * R,
+            block_table=torch.zeros(R, 8, dtype=torch.int32, device=dev),
+            temperature=torch.full((R,), temp, device=dev), top_k=None,
+            top_p=torch.full((R,), 0.9, device=dev), requests=[None] * R)
+        loop = MiddleLoop(Retrieval(), None, 0, types.SimpleNamespace(
+            record_round=lambda *a: None), Stats(), torch.Generator(device=dev).manual_seed(0),
+            False)
+        states = [types.SimpleNamespace(generator=None, refresh=None, last_num_drafts=0)
+                  for _ in range(R)]
+
+        def run():
+            return loop.run(batch, states, list(range(R)), [GAMMA2] * R)
+
+        before = len(results)
+        measure(f"middle loop, 2 levels, {label}: {GAMMA2} rounds", run, repeats, False,
+                device, results)
+        row = results[before]
+        row["per_round_host_ms"] = row["host_ms"] / GAMMA2
+        print(f"{'':<52} = {row['per_round_host_ms']:.3f} ms per round (host), "
+              f"{row['syncs']} syncs = {row['syncs'] / GAMMA2:.0f} per round", flush=True)
+        assert GREEDY_TEMPERATURE > 0
+
+
+if __name__ == "__main__":
+    main()
