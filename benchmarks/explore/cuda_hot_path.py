@@ -218,8 +218,10 @@ def middle_rounds(dev, device: str, R: int, repeats: int, results: list) -> None
         states = [types.SimpleNamespace(generator=None, refresh=None, last_num_drafts=0)
                   for _ in range(R)]
 
+        buffer = torch.zeros(R, GAMMA2, VOCAB, device=dev)
+
         def run():
-            return loop.run(batch, states, list(range(R)), [GAMMA2] * R)
+            return loop.run(batch, states, list(range(R)), [GAMMA2] * R, buffer)
 
         before = len(results)
         measure(f"middle loop, 2 levels, {label}: {GAMMA2} rounds", run, repeats, False,

@@ -244,10 +244,10 @@ def test_middle_rounds_sync_once_each(device, greedy):
                                     last_num_drafts=0) for r in range(len(greedy))]
     rows, depths = [0, 1, 2, 3], [6, 5, 0, 6]
     buffer = torch.zeros(len(greedy), 6, VOCAB, device=device)
-    loop.run(batch, states, rows, depths)  # warm-up
+    loop.run(batch, states, rows, depths, buffer)  # warm-up
     loop.stats.rounds = 0
     with cuda_sync_warnings(device) as caught, SyncCounter(device_type=device) as counter:
-        drafts_by_row = loop.run(batch, states, rows, depths)
+        drafts_by_row = loop.run(batch, states, rows, depths, buffer)
         counter.mark("hand-off")
         drafts, probs = hand_off(batch, states, drafts_by_row, dict(zip(rows, depths)), buffer)
     rounds = loop.stats.rounds

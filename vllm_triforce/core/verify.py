@@ -45,6 +45,9 @@ from vllm_triforce.core.tensors import on_device
 GREEDY_TEMPERATURE = 1e-5  # below this a row is greedy (as vLLM's _SAMPLING_EPS)
 
 
+SAMPLING_CHUNK_ROWS = 32  # rows of logits transformed at once (bounds the temporaries)
+
+
 def sampling_probs(logits: Tensor, temperature: Tensor, top_k: Tensor | None = None,
                    top_p: Tensor | None = None, all_greedy: bool | None = None) -> Tensor:
     """[N, V] logits -> [N, V] float32 probs: logits / T, then top-k, then top-p, softmax.
@@ -55,42 +58,66 @@ def sampling_probs(logits: Tensor, temperature: Tensor, top_k: Tensor | None = N
     NaN logits count as -inf; a row with no finite probability becomes uniform.
     `all_greedy`: whether every row is greedy, if the caller knows it on the host (else
     it is read from `temperature`: a device sync on a GPU).
+
+    Memory: the output, plus the temporaries of at most SAMPLING_CHUNK_ROWS rows at a time
+    (about 14 vocabulary rows each under top-p: sort values and int64 order, softmax,
+    cumulative mass, ...), whatever N: engine/memory.py reserves them as a fixed amount.
+    Rows are independent, so the chunks give the same values as one pass.
     """
-    big = torch.finfo(torch.float32).max
-    x = logits.float().nan_to_num(nan=float("-inf"), posinf=big, neginf=float("-inf"))
-    temperature = on_device(temperature, x.device, torch.float32)
+    temperature = on_device(temperature, logits.device, torch.float32)
     greedy = temperature < GREEDY_TEMPERATURE  # [N]
-    one_hot = torch.zeros_like(x).scatter_(1, x.argmax(-1, keepdim=True), 1.0)
     if all_greedy is None:
         all_greedy = bool(greedy.all())
+    out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    for start in range(0, logits.shape[0], SAMPLING_CHUNK_ROWS):
+        rows = slice(start, start + SAMPLING_CHUNK_ROWS)
+        out[rows] = _rows_probs(logits[rows], temperature[rows], greedy[rows],
+                                None if top_k is None else top_k[rows],
+                                None if top_p is None else top_p[rows], all_greedy)
+    return out
+
+
+def _rows_probs(logits: Tensor, temperature: Tensor, greedy: Tensor, top_k: Tensor | None,
+                top_p: Tensor | None, all_greedy: bool) -> Tensor:
+    """`sampling_probs` of one chunk of rows, working in place on one float32 copy: under
+    top-p at most about 6 vocabulary rows per logits row are alive at once (the copy, sort
+    values, int64 order, softmax and cumulative mass)."""
+    big = torch.finfo(torch.float32).max
+    x = logits.to(torch.float32, copy=True).nan_to_num_(nan=float("-inf"), posinf=big,
+                                                         neginf=float("-inf"))
+    argmax = x.argmax(-1, keepdim=True)  # [n, 1]
     if all_greedy:  # the common greedy batch: no softmax over the vocabulary
-        return one_hot
-    scaled = (x / torch.where(greedy, 1.0, temperature)[:, None]).clamp(max=big)
+        return x.zero_().scatter_(1, argmax, 1.0)
+    x.div_(torch.where(greedy, 1.0, temperature)[:, None]).clamp_(max=big)
     if top_k is not None or top_p is not None:
-        scaled = _top_k_top_p(scaled, top_k, top_p)
-    probs = scaled.softmax(-1)
-    bad = ~torch.isfinite(probs).all(-1, keepdim=True)  # [N, 1]
-    probs = torch.where(bad, 1.0 / x.shape[-1], probs)
-    return torch.where(greedy[:, None], one_hot, probs)
+        _top_k_top_p_(x, top_k, top_p)
+    probs = x.softmax(-1)
+    del x
+    bad = ~torch.isfinite(probs).all(-1, keepdim=True)  # [n, 1]
+    probs.masked_fill_(bad, 1.0 / probs.shape[-1])
+    one = torch.where(greedy[:, None], 1.0, probs.gather(1, argmax))  # [n, 1]
+    return probs.masked_fill_(greedy[:, None], 0.0).scatter_(1, argmax, one)
 
 
-def _top_k_top_p(scaled: Tensor, top_k: Tensor | None, top_p: Tensor | None) -> Tensor:
-    """Mask (to -inf) what top-k then top-p drop, working on the descending sort."""
+def _top_k_top_p_(scaled: Tensor, top_k: Tensor | None, top_p: Tensor | None) -> None:
+    """Mask (to -inf, in place) what top-k then top-p drop, working on the descending sort."""
     vocab = scaled.shape[-1]
     values, order = scaled.sort(-1, descending=True)  # [N, V]
     if top_k is not None:
         k = on_device(top_k, scaled.device, torch.long)
         k = torch.where((k <= 0) | (k >= vocab), vocab, k)
         kth = values.gather(1, (k - 1)[:, None])  # [N, 1]
-        values = values.masked_fill(values < kth, float("-inf"))
+        values.masked_fill_(values < kth, float("-inf"))
     if top_p is not None:
         p = on_device(top_p, scaled.device, torch.float32)[:, None]
         probs = values.softmax(-1)
-        mass_before = probs.cumsum(-1) - probs  # mass of the strictly higher-ranked tokens
+        mass_before = probs.cumsum(-1).sub_(probs)  # mass of the strictly higher-ranked tokens
+        del probs
         drop = (mass_before >= p) & (p < 1)
+        del mass_before
         drop[:, 0] = False  # always keep the argmax
-        values = values.masked_fill(drop, float("-inf"))
-    return torch.empty_like(scaled).scatter_(1, order, values)
+        values.masked_fill_(drop, float("-inf"))
+    scaled.scatter_(1, order, values)
 
 
 @dataclass

@@ -71,7 +71,7 @@ class StepBatch:
         def per_token(values):
             return None if values is None else values[rows_dev]
 
-        return sampling_probs(logits.float(), per_token(self.temperature), per_token(self.top_k),
+        return sampling_probs(logits, per_token(self.temperature), per_token(self.top_k),
                               per_token(self.top_p),
                               all_greedy=all(self.greedy[r] for r in rows))
 

@@ -13,19 +13,19 @@ buffers would come on top of `gpu_memory_utilization` and could OOM a GPU. So th
   `retrieval`), one more such vector in float32 (the keys' square deviations); plus, for `quest`,
   two more (per-channel key min and max); plus, only with `allow_full_key_copy`, a copy of
   every committed key (h2o, topk_oracle);
-* fixed: float32 distributions over the vocabulary for the largest batch
-  (`max_num_seqs` requests): the [R, gamma2, V] draft probabilities handed to vLLM
-  (preallocated once) and the middle round's temporaries -- target and draft probabilities
-  and logits, [R, gamma1 + 1, V] and [R, gamma1, V] each, and one [R, V] row.
+* fixed: float32 distributions over the vocabulary, `vocabulary_rows`: per request of the
+  largest batch (`max_num_seqs`), the [gamma2, V] draft probabilities handed to vLLM
+  (preallocated once) and a middle round's rows; plus the temporaries of one chunk of
+  `sampling_probs`, whatever the batch.
 
 Worked example (SmolLM2-135M float32 on CPU, block 32, 30 layers × 3 KV heads × 64,
 no draft, 1 GiB budget, max_num_seqs 8, gamma2 6, V 49,152, `key_variance` false): a KV
 block is 30 × 2 × 32 × 3 × 64 × 4 = 1,474,560 B and its summary 30 × 3 × 64 × 4 + 4 =
-23,044 B; fixed = 8 × (6 + 3 × 0 + 3) × 49,152 × 4 = 14,155,776 B; blocks = (2^30 −
-14,155,776) // 1,497,604 = 707, so vLLM gets 707 × 1,474,560 B and 31,227,904 B stay
+23,044 B; fixed = (8 × (6 + 3 + 8) + 7 × 8) rows × 49,152 × 4 = 37,748,736 B; blocks =
+(2^30 − 37,748,736) // 1,497,604 = 691, so vLLM gets 691 × 1,474,560 B and 54,820,864 B stay
 reserved. With the default `key_variance` the summary is 2 × 23,040 + 4 = 46,084 B and
-blocks = (2^30 − 14,155,776) // 1,520,644 = 696; with `quest` 3 × 23,040 + 4 = 69,124 B
-and 686 blocks.
+blocks = (2^30 − 37,748,736) // 1,520,644 = 681; with `quest` 3 × 23,040 + 4 = 69,124 B
+and 671 blocks.
 
 Worked example at scale (Llama-3.1-8B, bf16 KV cache, block 16, 32 layers × 8 KV heads ×
 128, V 128,256, two levels, gamma2 6, default `key_variance`, one 80 GB GPU): a KV block is
@@ -33,10 +33,12 @@ Worked example at scale (Llama-3.1-8B, bf16 KV cache, block 16, 32 layers × 8 K
 32 × 8 × 128 × 4 (float32 square deviations) = 196,612 B, 3/32 of the block. A 128K-token
 request holds 8,192 blocks: 16 GiB of KV and 1.5 GiB of summaries. Of the ~52 GB left for
 the cache after 16 GB of weights and vLLM's activations at gpu_memory_utilization 0.9,
-about 22,700 blocks fit (≈ 2.8 requests of 128K). The fixed part is max_num_seqs × 9 rows ×
-128,256 × 4 B = 4.6 MB per sequence: 18 MB at `--max-num-seqs 4`, the right setting for
-128K contexts, but 1.2 GB at 256 and 4.7 GB at 1,024, reserved whether or not that many
-requests ever draft at once.
+about 22,700 blocks fit (≈ 2.8 requests of 128K). The fixed part is 17 vocabulary rows per
+`max_num_seqs` (8.7 MB at 128,256 × 4 B) plus one chunk's temporaries: 12 MB at
+`--max-num-seqs 1`, 49 MB at 4 (the right setting for 128K contexts), but 2.3 GB at 256
+and 9.0 GB at 1,024, reserved whether or not that many requests ever draft at once (not
+capped yet: vLLM 0.32 reads the draft probabilities by request row,
+`GPUModelRunner._get_spec_decode_draft_probs`).
 """
 
 from __future__ import annotations
@@ -48,9 +50,11 @@ import torch
 
 from vllm_triforce.core.policy_facts import SummaryKinds
 from vllm_triforce.core.summaries import BlockSummaries
+from vllm_triforce.core.verify import SAMPLING_CHUNK_ROWS
 
 FLOAT32_BYTES = 4
 COUNT_BYTES = 4  # int32 committed-token count per block
+SAMPLING_ROWS_PER_ROW = 7  # temporaries per row of `sampling_probs` (`vocabulary_rows`)
 
 
 @dataclass(frozen=True)
@@ -71,9 +75,8 @@ class MemoryPlan:
         summary = (key_bytes + COUNT_BYTES + (key_bytes * block_size if kinds.keep_keys else 0)
                    + (2 * key_bytes if kinds.keep_bounds else 0)
                    + (key_bytes // kv_dtype_bytes * FLOAT32_BYTES if kinds.keep_variance else 0))
-        rows_per_request = gamma2 + 3 * gamma1 + 3
-        fixed = max_num_seqs * rows_per_request * vocab_size * FLOAT32_BYTES
-        return cls(kv_bytes_per_block, summary, fixed)
+        return cls(kv_bytes_per_block, summary,
+                   vocabulary_rows(max_num_seqs, gamma2, gamma1) * vocab_size * FLOAT32_BYTES)
 
     def kv_budget(self, available: int) -> int:
         """Bytes vLLM may give the KV cache so that KV + summaries + fixed fit `available`."""
@@ -113,6 +116,28 @@ class MemoryPlan:
             gamma2=cfg.num_speculative_tokens,
             gamma1=cfg.draft_tokens_per_round if cfg.model is not None else 0,
             vocab_size=model.get_vocab_size())
+
+
+def vocabulary_rows(max_num_seqs: int, gamma2: int, gamma1: int) -> int:
+    """Vocabulary-wide float32 rows TriForce may hold at once beyond vLLM's own: an upper
+    bound read from the code, which tests/test_memory_plan.py checks against the peak the
+    torch memory profiler measures in `propose` (152K vocabulary, top-p, gamma2 6).
+
+    Per request (a pass runs gamma1 + 1 tokens of it):
+    * gamma2: the probabilities handed to vLLM (`hand_off`'s buffer, preallocated), which
+      the middle rounds write into as they go (engine/middle.py);
+    * 3 (gamma1 + 1): the retrieval pass's logits, their distributions, and `verify`'s
+      float32 copy of them;
+    * gamma1 + 2 with a small draft: its proposals' distributions, one draft step's logits
+      and distribution;
+    * 8: `verify`'s final distribution (target and draft rows at the first rejection, the
+      residual, the choice) and its float64 cumulative sum (2 rows each, twice).
+    Fixed: `sampling_probs` transforms at most SAMPLING_CHUNK_ROWS rows at once, with about
+    SAMPLING_ROWS_PER_ROW = 7 temporaries each (a float32 copy, sort values, int64 order,
+    softmax, cumulative mass, the mask)."""
+    per_request = gamma2 + 3 * (gamma1 + 1) + (gamma1 + 2 if gamma1 else 0) + 8
+    chunk = SAMPLING_ROWS_PER_ROW * min(SAMPLING_CHUNK_ROWS, max_num_seqs * (gamma1 + 1))
+    return max_num_seqs * per_request + chunk
 
 
 def allocate_summaries(kinds: SummaryKinds, num_layers: int, num_blocks: int,

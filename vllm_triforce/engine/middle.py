@@ -30,8 +30,6 @@ class RequestDrafts:
 
     def __init__(self, last_token: int, position: int):
         self.tokens: list[int] = []
-        self.probs: list[torch.Tensor] = []  # [V] each: the distribution the token came from
-        # (kept empty in an all-greedy step: nobody reads it)
         self.last_token = last_token           # newest token, not yet in the target's KV
         self.position = position               # its position
         self.query_row = -1  # row, in the last level-2 pass, of the token before last_token
@@ -52,12 +50,16 @@ class MiddleLoop:
         self.generator = generator
         self.measure = measure_middle_acceptance
 
-    def run(self, batch, states, rows: list[int], num_drafts: list[int],
+    def run(self, batch, states, rows: list[int], num_drafts: list[int], probs_out: torch.Tensor,
             use_draft: bool = True, on_round=None) -> dict[int, RequestDrafts]:
         """Middle tokens for decoding `rows`: rows[i] gets at least num_drafts[i] (0: no middle
-        work at all). `use_draft` False: the small draft sits out (gamma1 = 0 this step).
-        `on_round(use_draft, num_active, seconds, tokens_per_request)` hears every round's
-        wall time (it ends in a device-to-host copy, so device work is included)."""
+        work at all). `probs_out` [max_num_seqs, gamma2, V] (the reserved buffer `hand_off`
+        gives vLLM): row r's k-th middle token's distribution goes to probs_out[r, k] as the
+        round that emits it ends (k < gamma2; nothing is written when every row is greedy),
+        so no round's distributions stay alive after it. `use_draft` False: the small draft
+        sits out (gamma1 = 0 this step). `on_round(use_draft, num_active, seconds,
+        tokens_per_request)` hears every round's wall time (it ends in a device-to-host
+        copy, so device work is included)."""
         drafts_by_row = {r: RequestDrafts(batch.next_tokens[r], batch.committed[r])
                          for r in rows}
         wanted = dict(zip(rows, num_drafts))
@@ -73,7 +75,8 @@ class MiddleLoop:
                 return drafts_by_row
             sizes = [min(gamma1, wanted[r] - len(drafts_by_row[r].tokens)) for r in active]
             start = time.perf_counter()
-            emitted = self._round(batch, states, drafts_by_row, active, sizes, argmax_only)
+            emitted = self._round(batch, states, drafts_by_row, active, sizes,
+                                  None if argmax_only else probs_out)
             more = [r for r in active if len(drafts_by_row[r].tokens) < wanted[r]]
             if more:  # next round's blocks, from the newest middle tokens' queries
                 self.retrieval.select_in_middle(batch, states, more, drafts_by_row)
@@ -82,7 +85,7 @@ class MiddleLoop:
                          emitted / len(active))
             self.stats.add(middle_rounds=1)
             if full_probs is not None:  # first round: q at the first middle position
-                q = torch.stack([drafts_by_row[r].probs[0] for r in measured])
+                q = probs_out[to_device(probs_out.device, measured)[0], 0]
                 self.stats.add(middle_pq_sum=float(torch.minimum(full_probs, q).sum()),
                                middle_pq_count=len(measured))
                 full_probs = None
@@ -95,12 +98,13 @@ class MiddleLoop:
             [drafts_by_row[r].position for r in rows])
 
     def _round(self, batch, states, drafts_by_row, active: list[int], sizes: list[int],
-               argmax_only: bool = False) -> int:
+               probs_out: torch.Tensor | None) -> int:
         """One round for requests `active`, request active[i] proposing sizes[i] tokens;
-        returns the middle tokens it added over all of them. `argmax_only`: every request
-        is greedy and nobody reads the middle distributions (RequestDrafts.probs stays
-        empty). Everything stays on the device until the round's one device-to-host copy
-        of what decides the next round: accepted counts and emitted tokens."""
+        returns the middle tokens it added over all of them. `probs_out` None: every
+        request is greedy and nobody reads the middle distributions (argmax only); else
+        `run`'s buffer. Everything stays on the device until the round's one device-to-host
+        copy of what decides the next round: accepted counts and emitted tokens."""
+        argmax_only = probs_out is None
         proposals, proposal_probs = None, None  # [A, max(sizes)] and [A, max(sizes), V]
         if max(sizes) > 0:
             proposals, proposal_probs = self.draft.propose(batch, states, drafts_by_row,
@@ -132,12 +136,33 @@ class MiddleLoop:
                             all_greedy=all(batch.greedy[r] for r in active))
         # the round's one device-to-host copy: [A, 1 + G + 1] = num_accepted, then the tokens
         host = torch.cat([result.num_accepted[:, None], result.output_token_ids], 1).tolist()
+        if target_probs is not None:  # each row's new middle tokens' distributions
+            self._keep_probs(drafts_by_row, active, [row[0] + 1 for row in host], target_probs,
+                             probs_out)
         for i, r in enumerate(active):
             accepted = host[i][0]
             drafts_by_row[r].query_row = first_rows[i] + accepted  # input `accepted`: newest kept
-            self._advance(states[r], drafts_by_row[r], host[i][1:accepted + 2],
-                          None if target_probs is None else target_probs[i], sizes[i])
+            self._advance(states[r], drafts_by_row[r], host[i][1:accepted + 2], sizes[i])
         return sum(row[0] + 1 for row in host)
+
+    @staticmethod
+    def _keep_probs(drafts_by_row, active: list[int], emitted: list[int],
+                    target_probs: torch.Tensor, probs_out: torch.Tensor) -> None:
+        """Copy request active[i]'s first emitted[i] rows of target_probs [A, width, V] to
+        probs_out[active[i], k, :] after its earlier middle tokens (k < gamma2), with one
+        index copy: the round's tensors are freed when the round ends."""
+        gamma2 = probs_out.shape[1]
+        src, dst_row, dst_slot = [], [], []
+        width = target_probs.shape[1]
+        for i, (r, n) in enumerate(zip(active, emitted)):
+            first = len(drafts_by_row[r].tokens)
+            for j in range(min(n, gamma2 - first)):
+                src.append(i * width + j)
+                dst_row.append(r)
+                dst_slot.append(first + j)
+        if src:
+            src, dst_row, dst_slot = to_device(probs_out.device, src, dst_row, dst_slot)
+            probs_out[dst_row, dst_slot] = target_probs.flatten(0, 1)[src]
 
     @staticmethod
     def _input_ids(drafts_by_row, active: list[int], proposals, sizes: list[int],
@@ -158,14 +183,11 @@ class MiddleLoop:
         ids[into] = proposals.reshape(-1)[taken]
         return ids
 
-    def _advance(self, state, drafts: RequestDrafts, emitted: list[int], target_probs,
+    def _advance(self, state, drafts: RequestDrafts, emitted: list[int],
                  num_proposed: int) -> None:
-        """`emitted`: the round's accepted drafts then one recovered/bonus token; target_probs
-        [max + 1, V] the distributions they were drawn from (None: argmax only)."""
+        """`emitted`: the round's accepted drafts then one recovered/bonus token."""
         accepted = len(emitted) - 1
         drafts.tokens += emitted
-        if target_probs is not None:
-            drafts.probs += list(target_probs[:accepted + 1])
         drafts.last_token = emitted[-1]
         drafts.position += accepted + 1
         if num_proposed:
@@ -188,18 +210,17 @@ def hand_off(batch, states, drafts_by_row: dict[int, RequestDrafts], depths: dic
              probs_buffer: torch.Tensor):
     """What vLLM gets: one draft list per request (`depths[r]` tokens for decoding row r,
     [] for the others) and, unless every drafting row is greedy, their probs
-    [R, max depth, V], zero-padded: a view of `probs_buffer` [max_num_seqs, gamma2, V],
-    preallocated and reserved (engine/memory.py). vLLM reads row r's first len(drafts[r])
-    entries. Each row must hold at least its depth in middle tokens."""
+    [R, max depth, V]: a view of `probs_buffer` [max_num_seqs, gamma2, V], preallocated and
+    reserved (engine/memory.py), which `MiddleLoop.run` filled. vLLM reads row r's first
+    len(drafts[r]) entries (vllm/v1/worker/gpu_model_runner.py,
+    `_get_spec_decode_draft_probs`, 0.32.0); the others are not cleared. Each row must hold
+    at least its depth in middle tokens."""
     drafts: list[list[int]] = [[] for _ in range(batch.num_reqs)]
     drafting = [r for r, k in depths.items() if k > 0]
     probs = None
     if drafting and not all(batch.greedy[r] for r in drafting):
         probs = probs_buffer[:batch.num_reqs, :max(depths.values())]
-        probs.zero_()
     for r, k in depths.items():
         drafts[r] = drafts_by_row[r].tokens[:k]
         states[r].last_num_drafts = k
-        if probs is not None and k:
-            probs[r, :k] = torch.stack(drafts_by_row[r].probs[:k])
     return drafts, probs

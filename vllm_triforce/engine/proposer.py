@@ -278,7 +278,7 @@ class TriForceProposer(DraftModelProposer):
         if not drafting:
             return [[] for _ in range(batch.num_reqs)], None
         self.retrieval.select(batch, states, drafting)
-        drafts_by_row = self.middle.run(batch, states, rows, depths,
+        drafts_by_row = self.middle.run(batch, states, rows, depths, self._probs_buffer,
                                         use_draft and self.draft is not None,
                                         on_round=self.depth.round_done)
         return hand_off(batch, states, drafts_by_row, dict(zip(rows, depths)), self._probs_buffer)
