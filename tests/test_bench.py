@@ -24,12 +24,16 @@ def test_bench_speed_quick(tiny_llama, tmp_path):
     out = tmp_path / "speed"
     data = run_bench("speed", out, tiny_llama, "--methods", "plain", "triforce2",
                      "--dtype", "float32", "--policies", "rerank")
-    # TriForce with its depth controller, then the same engine at the fixed depth 6, then
-    # the same two with the policy asked for
-    assert [r["method"] for r in data["rows"]] == ["plain", "triforce2", "triforce2 k=6",
-                                                   "triforce2 rerank", "triforce2 rerank k=6"]
+    # TriForce with its depth controller, then the same engine at the fixed depths 0 (always:
+    # what a step without drafts costs) and 6, then the same with the policy asked for
+    assert [r["method"] for r in data["rows"]] == [
+        "plain", "triforce2", "triforce2 k=0", "triforce2 k=6", "triforce2 rerank",
+        "triforce2 rerank k=0", "triforce2 rerank k=6"]
     raw = {r["name"]: r for r in data["raw"]}
     assert raw["triforce2"]["tokens"] == raw["triforce2 k=6"]["tokens"] == raw["plain"]["tokens"]
+    for name in ("triforce2 k=0", "triforce2 rerank k=0"):  # forced plain: nothing drafted
+        assert raw[name]["tokens"] == raw["plain"]["tokens"]
+        assert raw[name]["triforce"]["top_proposed"] == 0
     assert raw["triforce2 rerank"]["tokens"] == raw["triforce2 rerank k=6"]["tokens"] \
         == raw["plain"]["tokens"]
     assert data["config"]["policies"] == ["rerank"]
@@ -44,9 +48,11 @@ def test_bench_speed_quick(tiny_llama, tmp_path):
     for name in ("triforce2", "triforce2 rerank"):
         print(f"{name} (controller): {raw[name]['triforce']}")
         assert_drafted(raw[name]["triforce"])
-    controller = data["rows"][1]["controller"]  # its summary: depth 0 is not drafting
-    assert sum(controller["depth_counts"][1:]) > 0 and data["rows"][2]["controller"] is None
-    cost = data["rows"][2]["cost_model"]  # isolated step costs measured by the plain run
+    rows = {r["method"]: r for r in data["rows"]}
+    controller = rows["triforce2"]["controller"]  # its summary: depth 0 is not drafting
+    assert sum(controller["depth_counts"][1:]) > 0 and rows["triforce2 k=6"]["controller"] is None
+    assert rows["triforce2 k=0"]["cost_model"] is None  # no drafts: nothing to model
+    cost = rows["triforce2 k=6"]["cost_model"]  # isolated step costs measured by the plain run
     assert cost["T1"] > 0 and cost["Tv"] > 0 and cost["Tm"] > 0 and cost["Tm_source"] == "isolated"
     assert cost["L"] >= 1 and cost["predicted_speedup"] > 0
     md = (out / "results.md").read_text()

@@ -1,0 +1,92 @@
+"""Where a step without drafts goes: plain vLLM against TriForce forced to depth 0 (issue 26).
+
+One process per engine (run it twice, alternating `--engine`), the README demo's shape by
+default (SmolLM2-135M, 2 x 4,096-token prompts from the bundled book, greedy). It times the
+decode of `--max-tokens` tokens, then profiles one more decode with cProfile and prints the
+cumulative seconds per step of the functions that differ between the engines: vLLM's
+model forward, sampling and speculative bookkeeping, and TriForce's `propose` with its parts
+(StepBatch, commit, the controller, metrics).
+
+    .venv/bin/python benchmarks/explore/depth0_profile.py --engine plain
+    .venv/bin/python benchmarks/explore/depth0_profile.py --engine triforce2
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+WATCH = ("propose", "from_runner", "commit", "_add_committed_keys", "add_committed", "begin",
+         "plan", "end", "_publish_stats", "write_snapshot", "maybe_log", "_step",
+         "propose_draft_token_ids", "execute_model", "sample_tokens", "_sample",
+         "rejection_sampler", "forward", "_calc_spec_decode_metadata", "schedule",
+         "update_from_output", "_bookkeeping_sync", "step", "_update_states",
+         "_prepare_inputs", "captured_forward", "_model_forward")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engine", choices=("plain", "triforce2"), required=True)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--prompt-tokens", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args()
+
+    from vllm import LLM, SamplingParams
+
+    from vllm_triforce.assets import ensure_model
+    from vllm_triforce.bench import prompts as bench_prompts
+    from vllm_triforce.offline import drafter_of
+
+    model = str(ensure_model(args.model))
+    ids = bench_prompts.book_prompts(model, args.prompt_tokens, args.batch)
+    spec = None
+    if args.engine != "plain":
+        spec = {"method": "triforce", "num_speculative_tokens": 6, "retrieval_budget": 512}
+    llm = LLM(model, dtype="float32", enforce_eager=True, block_size=32, seed=0,
+              max_model_len=args.prompt_tokens + args.max_tokens + 2 * 6 + 64,
+              speculative_config=spec)
+    if spec:
+        drafter_of(llm).depth.controller.forced = [0]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in ids]
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+    def decode_seconds() -> float:
+        start = time.perf_counter()
+        llm.generate(prompts, one, use_tqdm=False)  # prefill (prefix-cached after the first)
+        prefill = time.perf_counter() - start
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - start - prefill
+
+    decode_seconds()  # warm-up, fills the prefix cache
+    timed = [decode_seconds() for _ in range(2)]
+    steps = args.max_tokens - 1
+    print(f"{args.engine}: decode {min(timed):.3f} s for {steps} steps = "
+          f"{1000 * min(timed) / steps:.2f} ms/step (runs {', '.join(f'{t:.3f}' for t in timed)})")
+    profiler = cProfile.Profile()
+    profiler.enable()
+    decode_seconds()
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    rows = []
+    for (path, line, name), (_cc, _nc, _tt, ct, _callers) in stats.stats.items():
+        if name in WATCH and ("vllm" in path):
+            short = path.split("site-packages/")[-1].split("vllm-triforce/")[-1]
+            rows.append((ct, f"{short}:{line} {name}"))
+    for ct, where in sorted(rows, reverse=True)[:args.top]:
+        print(f"  {1000 * ct / steps:8.2f} ms/step  {where}")
+    if spec:
+        print("drafted:", drafter_of(llm).stats.snapshot()["top_proposed"])
+
+
+if __name__ == "__main__":
+    main()
