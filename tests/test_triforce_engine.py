@@ -192,7 +192,9 @@ def test_live_requests_gauge_drops_when_the_engine_is_freed(tiny_llama):
               **make_engine_kwargs())
     try:
         llm.generate(prompts(), greedy_params(), use_tqdm=False)
-        source = drafter_of(llm)._metrics_source
+        publisher = drafter_of(llm)._metrics
+        publisher.flush()  # written at most every PUBLISH_INTERVAL_S: the latest, now
+        source = publisher.source_id
         live, proposed = published(source)["live_requests"], published(source)["top_proposed"]
         exported = spec_metrics(llm)["vllm:triforce_live_requests"]
     finally:

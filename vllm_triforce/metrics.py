@@ -6,7 +6,12 @@ processes by default; Ray actors may be on other hosts' processes). vLLM 0.32 ha
 from a worker's proposer to the front end's stat loggers, so:
 
 - the worker (TP rank 0 only: all ranks take identical decisions) writes its counters as a
-  small JSON file into a directory after every step (atomic rename);
+  small JSON file into a directory (atomic rename), through a `Publisher`: at once after a
+  step that drafted, verified, or saw a request come or go; after a plain step of a steady
+  batch (only `plain_steps`, the depth histogram and the controller's gauges moved) at most
+  every PUBLISH_INTERVAL_S seconds, a timer writing the latest within that time; and at once
+  before a scrape in the same process (`LLM.get_metrics()` offline). A file per plain step
+  cost ~0.2 ms of a ~70 ms CPU step (issue 26);
 - the directory is created by the first process that loads the plugin (the front end, which
   starts engine core and workers afterwards) and passed down in `VLLM_TRIFORCE_METRICS_DIR`
   (vLLM forwards `VLLM_*` variables to its workers, Ray actors included);
@@ -24,6 +29,9 @@ import json
 import os
 import shutil
 import tempfile
+import threading
+import time
+import weakref
 from pathlib import Path
 
 ENV_DIR = "VLLM_TRIFORCE_METRICS_DIR"
@@ -48,6 +56,8 @@ GAUGES = {
 HISTOGRAM = ("depth_counts", "chosen_depth",
              "Tokens handed to vLLM per decoding request and step (0: a plain decode step)")
 _registered = False
+PUBLISH_INTERVAL_S = 0.5
+_publishers: weakref.WeakSet = weakref.WeakSet()  # this process's, flushed before a scrape
 
 
 def metrics_dir() -> Path:
@@ -70,6 +80,60 @@ def write_snapshot(source_id: str, snapshot: dict[str, int]) -> None:
     os.replace(tmp, directory / f"{source_id}.json")
 
 
+class Publisher:
+    """Publishes one source's counters (`snapshot()`, a callable): `publish(at_once=True)`
+    writes now; `publish()` writes now if the last write is `interval` seconds old, else
+    leaves it to a timer, so the file is never more than `interval` behind the counters.
+    `flush()` writes now if anything is pending; `close()` stops it (the engine is gone)."""
+
+    def __init__(self, source_id: str, snapshot, interval: float = PUBLISH_INTERVAL_S):
+        self.source_id = source_id
+        self.snapshot = snapshot
+        self.interval = interval
+        self._last = float("-inf")
+        self._pending = False
+        self._closed = False
+        self._timer: threading.Timer | None = None
+        self._lock = threading.Lock()
+        _publishers.add(self)
+
+    def publish(self, at_once: bool = False) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._pending = True
+            wait = self._last + self.interval - time.monotonic()
+            if wait > 0 and not at_once:
+                if self._timer is None:
+                    self._timer = threading.Timer(wait, self.flush)
+                    self._timer.daemon = True
+                    self._timer.start()
+                return
+        self.flush()
+
+    def flush(self) -> None:
+        with self._lock:
+            self._timer = None
+            if not self._pending or self._closed:
+                return
+            self._pending = False
+            self._last = time.monotonic()
+            write_snapshot(self.source_id, self.snapshot())
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+
+
+def retire(publisher: Publisher) -> None:
+    """The engine's proposer went away: no more writes, and its gauges drop to 0."""
+    publisher.close()
+    retire_snapshot(publisher.source_id, publisher.snapshot)
+
+
 def retire_snapshot(source_id: str, snapshot) -> None:
     """Called when an engine's proposer goes away: its gauges drop to 0, its counters stay.
 
@@ -87,6 +151,8 @@ def retire_snapshot(source_id: str, snapshot) -> None:
 
 
 def read_totals() -> dict:
+    for publisher in list(_publishers):  # an engine in this process: its latest counters
+        publisher.flush()
     totals = {**dict.fromkeys((*COUNTERS, *GAUGES), 0), HISTOGRAM[0]: []}
     path = os.environ.get(ENV_DIR)
     if path is None or not os.path.isdir(path):

@@ -68,7 +68,13 @@ def main() -> None:
         return time.perf_counter() - start - prefill
 
     decode_seconds()  # warm-up, fills the prefix cache
+    before = drafter_of(llm).stats.snapshot() if spec else None
     timed = [decode_seconds() for _ in range(2)]
+    if spec:  # TriForce's own time in `propose`, per step (prefill steps included)
+        after = drafter_of(llm).stats.snapshot()
+        calls = 2 * args.max_tokens
+        print(f"propose: {1000 * (after['middle_seconds'] - before['middle_seconds']) / calls:.3f} "
+              f"ms per call over {calls} calls")
     steps = args.max_tokens - 1
     print(f"{args.engine}: decode {min(timed):.3f} s for {steps} steps = "
           f"{1000 * min(timed) / steps:.2f} ms/step (runs {', '.join(f'{t:.3f}' for t in timed)})")
@@ -79,7 +85,7 @@ def main() -> None:
     stats = pstats.Stats(profiler)
     rows = []
     for (path, line, name), (_cc, _nc, _tt, ct, _callers) in stats.stats.items():
-        if name in WATCH and ("vllm" in path):
+        if (name in WATCH and "vllm" in path) or "vllm_triforce" in path:
             short = path.split("site-packages/")[-1].split("vllm-triforce/")[-1]
             rows.append((ct, f"{short}:{line} {name}"))
     for ct, where in sorted(rows, reverse=True)[:args.top]:

@@ -94,9 +94,9 @@ class TriForceProposer(DraftModelProposer):
                                      self.cfg.refresh_acceptance_threshold)
         self.states = StateTable()
         self.stats = TriForceStats()
-        self._metrics_source = f"{os.getpid()}-{id(self)}"
-        weakref.finalize(self, metrics.retire_snapshot, self._metrics_source,
-                         self.stats.snapshot)
+        self._metrics = metrics.Publisher(f"{os.getpid()}-{id(self)}", self.stats.snapshot)
+        weakref.finalize(self, metrics.retire, self._metrics)
+        self._published_counts: tuple | None = None
         seed = vllm_config.model_config.seed
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(0 if seed is None else seed)
@@ -296,7 +296,9 @@ class TriForceProposer(DraftModelProposer):
             return
         self.stats.live_requests = len(self.states)
         self.stats.maybe_log()
-        metrics.write_snapshot(self._metrics_source, self.stats.snapshot())
+        counts = self.stats.drafting_counts()
+        self._metrics.publish(at_once=counts != self._published_counts)
+        self._published_counts = counts
 
     def _new_state(self, req_id: str) -> RequestState:
         state = RequestState(refresh=self.refresh.new_state(), policy_state=SelectionState())
