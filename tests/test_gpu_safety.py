@@ -195,15 +195,15 @@ def test_memory_plan_worked_example():
     """engine/memory.py's docstring example, SmolLM2-135M float32."""
     plan = smollm2_plan()
     assert plan.summary_bytes_per_block == 23_044
-    assert plan.fixed_bytes == 37_748_736
-    assert plan.kv_budget(2**30) == 691 * 1_474_560
-    assert 2**30 - plan.kv_budget(2**30) == 54_820_864
+    assert plan.fixed_bytes == 47_185_920
+    assert plan.kv_budget(2**30) == 685 * 1_474_560
+    assert 2**30 - plan.kv_budget(2**30) == 63_668_224
     quest = smollm2_plan(keep_bounds=True)  # selection_policy "quest": min + max
     assert quest.summary_bytes_per_block == 69_124
-    assert quest.kv_budget(2**30) == 671 * 1_474_560
+    assert quest.kv_budget(2**30) == 665 * 1_474_560
     variance = smollm2_plan(keep_variance=True)  # key_variance (the default)
     assert variance.summary_bytes_per_block == 46_084
-    assert variance.kv_budget(2**30) == 681 * 1_474_560
+    assert variance.kv_budget(2**30) == 675 * 1_474_560
     bf16 = smollm2_plan(kv_dtype_bytes=2, keep_variance=True)  # deviations stay float32
     assert bf16.summary_bytes_per_block == 11_520 + 23_040 + 4
 

@@ -45,7 +45,11 @@ from vllm_triforce.core.tensors import on_device
 GREEDY_TEMPERATURE = 1e-5  # below this a row is greedy (as vLLM's _SAMPLING_EPS)
 
 
-SAMPLING_CHUNK_ROWS = 32  # rows of logits transformed at once (bounds the temporaries)
+# Rows of logits transformed at once (bounds the temporaries). On an H100 at a 128,256-token
+# vocabulary, top-p (benchmarks/explore/sampling_chunks.py): 224 rows in one pass 5.05 ms and
+# 1,098 MiB above the inputs; by 64 rows 5.90 ms and 490 MiB; by 32 rows 7.27 ms (the host's
+# launches start to dominate) and 302 MiB.
+SAMPLING_CHUNK_ROWS = 64
 
 
 def sampling_probs(logits: Tensor, temperature: Tensor, top_k: Tensor | None = None,
@@ -60,9 +64,11 @@ def sampling_probs(logits: Tensor, temperature: Tensor, top_k: Tensor | None = N
     it is read from `temperature`: a device sync on a GPU).
 
     Memory: the output, plus the temporaries of at most SAMPLING_CHUNK_ROWS rows at a time
-    (about 14 vocabulary rows each under top-p: sort values and int64 order, softmax,
-    cumulative mass, ...), whatever N: engine/memory.py reserves them as a fixed amount.
-    Rows are independent, so the chunks give the same values as one pass.
+    (under top-p about 6 vocabulary rows each on a CPU; 12 on an H100, where the sort keeps
+    its own double buffers), whatever N: engine/memory.py reserves them as a fixed amount.
+    Rows are independent: on a CPU the chunks give the values of one pass bit for bit (tested);
+    CUDA kernels may pick another algorithm for another row count (seen at 448 rows), so
+    there the last bits of a row can depend on its chunk's size.
     """
     temperature = on_device(temperature, logits.device, torch.float32)
     greedy = temperature < GREEDY_TEMPERATURE  # [N]

@@ -21,11 +21,11 @@ buffers would come on top of `gpu_memory_utilization` and could OOM a GPU. So th
 Worked example (SmolLM2-135M float32 on CPU, block 32, 30 layers × 3 KV heads × 64,
 no draft, 1 GiB budget, max_num_seqs 8, gamma2 6, V 49,152, `key_variance` false): a KV
 block is 30 × 2 × 32 × 3 × 64 × 4 = 1,474,560 B and its summary 30 × 3 × 64 × 4 + 4 =
-23,044 B; fixed = (8 × (6 + 3 + 8) + 7 × 8) rows × 49,152 × 4 = 37,748,736 B; blocks =
-(2^30 − 37,748,736) // 1,497,604 = 691, so vLLM gets 691 × 1,474,560 B and 54,820,864 B stay
+23,044 B; fixed = (8 × (6 + 3 + 8) + 13 × 8) rows × 49,152 × 4 = 47,185,920 B; blocks =
+(2^30 − 47,185,920) // 1,497,604 = 685, so vLLM gets 685 × 1,474,560 B and 63,668,224 B stay
 reserved. With the default `key_variance` the summary is 2 × 23,040 + 4 = 46,084 B and
-blocks = (2^30 − 37,748,736) // 1,520,644 = 681; with `quest` 3 × 23,040 + 4 = 69,124 B
-and 671 blocks.
+blocks = (2^30 − 47,185,920) // 1,520,644 = 675; with `quest` 3 × 23,040 + 4 = 69,124 B
+and 665 blocks.
 
 Worked example at scale (Llama-3.1-8B, bf16 KV cache, block 16, 32 layers × 8 KV heads ×
 128, V 128,256, two levels, gamma2 6, default `key_variance`, one 80 GB GPU): a KV block is
@@ -34,9 +34,9 @@ Worked example at scale (Llama-3.1-8B, bf16 KV cache, block 16, 32 layers × 8 K
 request holds 8,192 blocks: 16 GiB of KV and 1.5 GiB of summaries. Of the ~52 GB left for
 the cache after 16 GB of weights and vLLM's activations at gpu_memory_utilization 0.9,
 about 22,700 blocks fit (≈ 2.8 requests of 128K). The fixed part is 17 vocabulary rows per
-`max_num_seqs` (8.7 MB at 128,256 × 4 B) plus one chunk's temporaries: 12 MB at
-`--max-num-seqs 1`, 49 MB at 4 (the right setting for 128K contexts), but 2.3 GB at 256
-and 9.0 GB at 1,024, reserved whether or not that many requests ever draft at once (not
+`max_num_seqs` (8.7 MB at 128,256 × 4 B) plus one chunk's temporaries: 15 MB at
+`--max-num-seqs 1`, 62 MB at 4 (the right setting for 128K contexts), but 2.7 GB at 256
+and 9.4 GB at 1,024, reserved whether or not that many requests ever draft at once (not
 capped yet: vLLM 0.32 reads the draft probabilities by request row,
 `GPUModelRunner._get_spec_decode_draft_probs`).
 """
@@ -54,7 +54,10 @@ from vllm_triforce.core.verify import SAMPLING_CHUNK_ROWS
 
 FLOAT32_BYTES = 4
 COUNT_BYTES = 4  # int32 committed-token count per block
-SAMPLING_ROWS_PER_ROW = 7  # temporaries per row of `sampling_probs` (`vocabulary_rows`)
+# temporaries per row of `sampling_probs` (`vocabulary_rows`): measured 12 on an H100
+# (benchmarks/explore/sampling_chunks.py: 490 MiB above the inputs for 224 rows by 64), 6 on
+# a CPU (tests/test_memory_plan.py)
+SAMPLING_ROWS_PER_ROW = 13
 
 
 @dataclass(frozen=True)
@@ -132,9 +135,9 @@ def vocabulary_rows(max_num_seqs: int, gamma2: int, gamma1: int) -> int:
       and distribution;
     * 8: `verify`'s final distribution (target and draft rows at the first rejection, the
       residual, the choice) and its float64 cumulative sum (2 rows each, twice).
-    Fixed: `sampling_probs` transforms at most SAMPLING_CHUNK_ROWS rows at once, with about
-    SAMPLING_ROWS_PER_ROW = 7 temporaries each (a float32 copy, sort values, int64 order,
-    softmax, cumulative mass, the mask)."""
+    Fixed: `sampling_probs` transforms at most SAMPLING_CHUNK_ROWS rows at once, with at most
+    SAMPLING_ROWS_PER_ROW temporaries each (a float32 copy, sort values, int64 order, softmax,
+    cumulative mass, the mask; on CUDA the sort's own buffers)."""
     per_request = gamma2 + 3 * (gamma1 + 1) + (gamma1 + 2 if gamma1 else 0) + 8
     chunk = SAMPLING_ROWS_PER_ROW * min(SAMPLING_CHUNK_ROWS, max_num_seqs * (gamma1 + 1))
     return max_num_seqs * per_request + chunk
