@@ -98,3 +98,24 @@ def test_syncs_per_round_and_per_step_meet_the_target(levels, tiny_llama, tiny_d
             if s["max_round"] > MAX_PER_ROUND or s["max_step"] > MAX_PER_STEP}
     assert not over, (f"more than {MAX_PER_ROUND} sync(s) per round or {MAX_PER_STEP} per step "
                       f"(measured, by op; TRIFORCE_SYNC_SITES=1 -s shows where): {over}")
+
+
+def test_the_depth_controller_adds_no_device_sync(tiny_llama):
+    """With the depth controller on (`adaptive`, the default), a step outside its rounds
+    still meets the target: the controller plans on CPU tensors it builds itself, counted
+    apart as "host" (no sync on a GPU; on this CPU every tensor counts)."""
+    from vllm import LLM
+
+    from vllm_triforce.syncs import ProposeSyncs
+
+    llm = LLM(str(tiny_llama), speculative_config={**spec(2, None), "adaptive": True},
+              **make_engine_kwargs(enable_prefix_caching=False))
+    try:
+        with ProposeSyncs(drafter_of(llm)) as recorder:
+            s, drafted = measure(llm, recorder, 0.0, 4)
+    finally:
+        free_llm(llm)
+    print(f"\ncontroller: {s['max_round']}/round, {s['max_step']}/step, host {s['host']}")
+    assert s["host"] > 0  # the controller planned (and its tensors were seen)
+    assert s["num_rounds"] > 0 and drafted["top_proposed"] > 0  # and it drafted
+    assert s["max_round"] <= MAX_PER_ROUND and s["max_step"] <= MAX_PER_STEP, s["by_op"]

@@ -299,10 +299,13 @@ class ProposeSyncs:
     it includes `select_in_middle` and the round's bookkeeping); everything else in
     `propose` (StepBatch, commit, plan, select, the hand-off) is the *step*, except the
     KV-cache key reader's one check at the engine's first commit (engine/paged_keys.py),
-    labelled *once*. Wraps the instance's `propose`, its middle loop's `run` / `_round` and
-    the reader's `check` (instance attributes, removed on exit; nothing is changed for
-    other instances). `take()` returns one
-    SyncCounter per propose since the last take; `summarise` condenses them."""
+    labelled *once*, and the depth controller's planning (`DepthChooser.plan`), labelled
+    *host*: core/controller.py computes on small CPU tensors it builds itself, no sync on a
+    GPU (a CUDA counter sees none there), but on a CPU-only machine every tensor counts.
+    Wraps the instance's `propose`, its middle loop's `run` / `_round`, its depth chooser's
+    `plan` and the reader's `check` (instance attributes, removed on exit; nothing is
+    changed for other instances). `take()` returns one SyncCounter per propose since the
+    last take; `summarise` condenses them."""
 
     def __init__(self, proposer, trace: bool = False, strict: bool = False):
         self.proposer = proposer
@@ -333,6 +336,16 @@ class ProposeSyncs:
                 self._counter.mark("step")
 
         proposer.propose, middle.run, middle._round = counted_propose, marked_run, marked_round
+        plan = proposer.depth.plan
+
+        def marked_plan(*args, **kwargs):
+            self._counter.mark("host")
+            try:
+                return plan(*args, **kwargs)
+            finally:
+                self._counter.mark("step")
+
+        proposer.depth.plan = marked_plan
         self._reader = getattr(proposer, "paged_keys", None)
         if self._reader is not None:  # its one check at the first commit: label "once"
             check = self._reader.check
@@ -349,7 +362,8 @@ class ProposeSyncs:
 
     def __exit__(self, *exc) -> None:
         for owner, name in ((self.proposer, "propose"), (self.proposer.middle, "run"),
-                            (self.proposer.middle, "_round"), (self._reader, "check")):
+                            (self.proposer.middle, "_round"), (self.proposer.depth, "plan"),
+                            (self._reader, "check")):
             if owner is not None:
                 owner.__dict__.pop(name, None)
 
@@ -359,8 +373,9 @@ class ProposeSyncs:
 
 
 def summarise(steps: list[SyncCounter]) -> dict:
-    """Max and mean syncs per middle round and per step (outside the rounds), their counts,
-    hits per op and (traced counters) per site, for each label."""
+    """Max and mean syncs per middle round and per step (outside the rounds, the "once" and
+    "host" segments), their counts, hits per op and (traced counters) per site, for each
+    label; "once" and "host" as totals."""
     rounds = [n for c in steps for n in c.counts_of("round")]
     per_step = [c.counts.get("step", 0) for c in steps]
     by_op: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
@@ -375,5 +390,6 @@ def summarise(steps: list[SyncCounter]) -> dict:
             "mean_round": sum(rounds) / max(len(rounds), 1),
             "mean_step": sum(per_step) / max(len(per_step), 1),
             "once": sum(c.counts.get("once", 0) for c in steps),
+            "host": sum(c.counts.get("host", 0) for c in steps),
             "by_op": {k: dict(v) for k, v in by_op.items()},
             "sites": {k: dict(v) for k, v in sites.items()}}
