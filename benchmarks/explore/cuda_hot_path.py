@@ -9,7 +9,7 @@ it allocated beyond its inputs, and its syncs (SyncCounter; on CUDA under
 `set_sync_debug_mode("error")` where the engine allows none).
 
     python3 benchmarks/explore/cuda_hot_path.py [--batch 8] [--context 32768]
-        [--cache-blocks N] [--json F]
+        [--cache-blocks N] [--score-chunk-mib M] [--json F]
 """
 
 from __future__ import annotations
@@ -84,9 +84,14 @@ def main() -> None:
                         help="blocks in the whole KV cache (default: the batch's own + 64); "
                              "about 22,700 on an 80 GB GPU (engine/memory.py)")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--score-chunk-mib", type=int, default=0,
+                        help="override core/policies.SCORE_CHUNK_BYTES (MiB; 0: keep 64)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
+    if args.score_chunk_mib:
+        from vllm_triforce.core import policies
+        policies.SCORE_CHUNK_BYTES = args.score_chunk_mib * 2**20
     torch.manual_seed(0)
     R, n = args.batch, args.context
     per_req = -(-(n + 64) // BLOCK)
