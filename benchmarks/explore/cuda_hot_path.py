@@ -31,7 +31,7 @@ from vllm_triforce.config import BlockCounts  # noqa: E402
 from vllm_triforce.core.blocks import selection_sizes  # noqa: E402
 from vllm_triforce.core.policies import make_policy  # noqa: E402
 from vllm_triforce.core.selection import Selection, Selector, build_block_tables  # noqa: E402
-from vllm_triforce.core.summaries import BlockSummaries  # noqa: E402
+from vllm_triforce.core.summaries import BlockSummaries, committed_runs  # noqa: E402
 from vllm_triforce.core.verify import (GREEDY_TEMPERATURE, sample_tokens,  # noqa: E402
                                        sampling_probs, verify)
 from vllm_triforce.engine.batch import StepBatch  # noqa: E402
@@ -117,15 +117,9 @@ def main() -> None:
             for _ in range(LAYERS)]
 
     def commit():
-        rows, owners, positions, runs, num_runs = [], [], [], [], 0
-        for r in range(R):
-            start = n - new
-            rows += range(r * new, (r + 1) * new)
-            owners += [r] * new
-            positions += range(start, n)
-            runs += [num_runs + p // BLOCK - start // BLOCK for p in range(start, n)]
-            num_runs += (n - 1) // BLOCK - start // BLOCK + 1
-        rows, owners, positions, runs = to_device(dev, rows, owners, positions, runs)
+        positions, owners, runs, num_runs = committed_runs(
+            [(r, n - new, new) for r in range(R)], BLOCK)
+        rows, owners, positions, runs = to_device(dev, range(R * new), owners, positions, runs)
         summaries.add_committed(keys, rows, table[owners, positions // BLOCK].long(),
                                 positions % BLOCK, (runs, num_runs))
 

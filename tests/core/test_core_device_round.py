@@ -26,10 +26,10 @@ from core_toys import geometry, random_block_table
 from vllm_triforce.core.blocks import selection_sizes
 from vllm_triforce.core.policies import make_policy
 from vllm_triforce.core.selection import Selection, Selector, build_block_tables
-from vllm_triforce.core.summaries import BlockSummaries
-from vllm_triforce.core.verify import GREEDY_TEMPERATURE, sample_tokens
+from vllm_triforce.core.summaries import BlockSummaries, committed_runs
+from vllm_triforce.core.verify import sample_tokens
 from vllm_triforce.engine.batch import StepBatch
-from vllm_triforce.engine.middle import MiddleLoop, hand_off
+from vllm_triforce.engine.middle import MiddleLoop, draft_proposals, hand_off
 from vllm_triforce.engine.transfer import to_device, to_host
 from vllm_triforce.syncs import SyncCounter
 
@@ -49,18 +49,11 @@ def no_sync_allowed(device: str):
 
 def commit_lists(lengths: list[int], new: int):
     """Host lists of one verification pass committing the last `new` tokens of each request
-    (the engine's `RetrievalLevel._add_committed_keys`): pass rows, owners, positions and
+    (as the engine's `RetrievalLevel._add_committed_keys`): pass rows, owners, positions and
     the per-block runs."""
-    rows, owners, positions, runs = [], [], [], []
-    num_runs = 0
-    for r, n in enumerate(lengths):
-        start = n - new
-        rows += range(r * new, (r + 1) * new)
-        owners += [r] * new
-        positions += range(start, n)
-        runs += [num_runs + p // BLOCK - start // BLOCK for p in range(start, n)]
-        num_runs += (n - 1) // BLOCK - start // BLOCK + 1
-    return rows, owners, positions, runs, num_runs
+    positions, owners, runs, num_runs = committed_runs(
+        [(r, n - new, new) for r, n in enumerate(lengths)], BLOCK)
+    return list(range(len(positions))), owners, positions, runs, num_runs
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -149,32 +142,21 @@ class StandInRetrieval(_Lookup):
 
 
 class StandInDraft(_Lookup):
-    """engine/draft_level.DraftLevel's interface: proposals and probs stay on the device,
-    each step sampled with `sample_tokens` from the batch's own sampling transform."""
+    """engine/draft_level.DraftLevel's interface, stepping with the engine's own
+    `draft_proposals` (proposals and probs stay on the device); each step's model is the
+    lookup of the request's newest token, then of its previous proposal."""
 
     def __init__(self, logits, generator):
         super().__init__(logits)
         self.generator = generator
 
     def propose(self, batch, states, drafts_by_row, active, sizes):
-        max_size = max(sizes)
-        proposals = probs = None
-        for step in range(max_size):
-            rows = [i for i in range(len(active)) if sizes[i] > step]
-            reqs = [active[i] for i in rows]
-            rows_dev, reqs_dev = to_device(batch.device, rows, reqs)
-            ids = (to_device(batch.device, [drafts_by_row[r].last_token for r in reqs])[0]
-                   if step == 0 else proposals[rows_dev, step - 1])
-            q = batch.probs(self.run(ids), reqs, reqs_dev)
-            tokens = sample_tokens(q, batch.temperature[reqs_dev] < GREEDY_TEMPERATURE,
-                                   [states[r].generator for r in reqs], self.generator,
-                                   all_greedy=all(batch.greedy[r] for r in reqs))
-            if probs is None:
-                probs = q.new_zeros(len(active), max_size, q.shape[-1])
-                proposals = tokens.new_zeros(len(active), max_size)
-            probs[rows_dev, step] = q
-            proposals[rows_dev, step] = tokens
-        return proposals, probs
+        def run_step(step, rows, reqs, previous):
+            if previous is None:
+                previous = to_device(batch.device, [drafts_by_row[r].last_token for r in reqs])[0]
+            return self.run(previous)
+
+        return draft_proposals(batch, states, active, sizes, run_step, self.generator)
 
     def after_round(self, state, drafts, num_proposed, num_accepted):
         pass

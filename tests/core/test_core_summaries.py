@@ -136,3 +136,9 @@ def test_runs_known_on_the_host_fold_like_unique():
     for store in ("sums", "counts", "keys", "mins", "maxs", "square_deviations"):
         assert torch.allclose(getattr(a, store), getattr(b, store)), store
     assert b.counts[1].item() == 2  # the reused block started over
+
+
+def test_committed_runs_docstring_example():
+    from vllm_triforce.core.summaries import committed_runs
+    assert committed_runs([(0, 6, 3), (1, 0, 2)], 4) == ([6, 7, 8, 0, 1], [0, 0, 0, 1, 1],
+                                                         [0, 0, 1, 2, 2], 3)

@@ -17,8 +17,8 @@ import torch
 
 from vllm_triforce.config import BlockCounts, TriForceConfig, TriForceConfigError
 from vllm_triforce.core.streaming import DraftWindow
-from vllm_triforce.core.verify import GREEDY_TEMPERATURE, sample_tokens
 from vllm_triforce.engine.forward import build_pass, run_pass
+from vllm_triforce.engine.middle import draft_proposals
 from vllm_triforce.engine.transfer import to_device
 
 
@@ -60,30 +60,19 @@ class DraftLevel:
         max(sizes)] and their probs [len(active), max(sizes), V] (zero past each request's
         size), both on the device: a draft step feeds the next one without the host
         reading its tokens (the round reads them once, after verification)."""
-        max_size = max(sizes)
-        proposals = probs = None
         pending = [self._pending_tokens(batch, states[r], drafts_by_row[r], r, sizes[i])
                    for i, r in enumerate(active)]
-        for step in range(max_size):
-            rows = [i for i in range(len(active)) if sizes[i] > step]
-            reqs = [active[i] for i in rows]
-            rows_dev = slice(None) if len(rows) == len(active) else batch.rows_on_device(rows)
+
+        def run_step(step, rows, reqs, previous):
             if step == 0:
                 positions, token_ids = [pending[i][0] for i in rows], [pending[i][1] for i in rows]
             else:  # each request runs its previous proposal
                 positions = [[drafts_by_row[active[i]].position + step] for i in rows]
-                token_ids = proposals[rows_dev, step - 1]
-            logits = self._forward(batch, states, reqs, positions, token_ids)
-            reqs_dev = batch.rows_on_device(reqs)
-            q = batch.probs(logits, reqs, reqs_dev)  # [len(rows), V]
-            tokens = sample_tokens(q, batch.temperature[reqs_dev] < GREEDY_TEMPERATURE,
-                                   [states[r].generator for r in reqs], self.generator,
-                                   all_greedy=all(batch.greedy[r] for r in reqs))
-            if probs is None:
-                probs = q.new_zeros(len(active), max_size, q.shape[-1])
-                proposals = tokens.new_zeros(len(active), max_size)
-            probs[rows_dev, step] = q
-            proposals[rows_dev, step] = tokens
+                token_ids = previous
+            return self._forward(batch, states, reqs, positions, token_ids)
+
+        proposals, probs = draft_proposals(batch, states, active, sizes, run_step,
+                                           self.generator)
         for r in active:  # the pending tokens now hold current draft KV
             states[r].draft_valid_upto = drafts_by_row[r].position + 1
             states[r].draft_sinks_valid = True

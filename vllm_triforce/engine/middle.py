@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from vllm_triforce.core.verify import GREEDY_TEMPERATURE, verify, verify_greedy
+from vllm_triforce.core.verify import GREEDY_TEMPERATURE, sample_tokens, verify, verify_greedy
 from vllm_triforce.engine.transfer import to_device
 
 
@@ -194,6 +194,37 @@ class MiddleLoop:
             self.draft.after_round(state, drafts, num_proposed, accepted)
             self.refresh.record_round(state.refresh, num_proposed, accepted)
             self.stats.record_middle(num_proposed, accepted)
+
+
+def draft_proposals(batch, states, active: list[int], sizes: list[int], run_step,
+                    generator: torch.Generator):
+    """Level 1's proposals, step by step on the device: sizes[i] tokens for request
+    active[i]. Step s calls `run_step(s, rows, reqs, previous)` for the requests still
+    proposing (rows: their indices in `active`, reqs: their batch rows, previous: their
+    step s - 1 proposals on the device, None at step 0) and gets their logits
+    [len(rows), V]; each is sampled with its request's own transform (`StepBatch.probs`,
+    `sample_tokens`: its generator, else `generator`). Returns the proposals
+    [len(active), max(sizes)] and their probs [len(active), max(sizes), V] (zero past each
+    size), on the device: a step feeds the next without the host reading its tokens."""
+    max_size = max(sizes)
+    proposals = probs = None
+    for step in range(max_size):
+        rows = [i for i in range(len(active)) if sizes[i] > step]
+        reqs = [active[i] for i in rows]
+        rows_dev = slice(None) if len(rows) == len(active) else batch.rows_on_device(rows)
+        previous = None if step == 0 else proposals[rows_dev, step - 1]
+        logits = run_step(step, rows, reqs, previous)
+        reqs_dev = batch.rows_on_device(reqs)
+        q = batch.probs(logits, reqs, reqs_dev)  # [len(rows), V]
+        tokens = sample_tokens(q, batch.temperature[reqs_dev] < GREEDY_TEMPERATURE,
+                               [states[r].generator for r in reqs], generator,
+                               all_greedy=all(batch.greedy[r] for r in reqs))
+        if probs is None:
+            probs = q.new_zeros(len(active), max_size, q.shape[-1])
+            proposals = tokens.new_zeros(len(active), max_size)
+        probs[rows_dev, step] = q
+        proposals[rows_dev, step] = tokens
+    return proposals, probs
 
 
 def _per_request(token_rows: torch.Tensor, shape: tuple[int, int], owner: torch.Tensor,

@@ -22,6 +22,7 @@ from vllm.logger import init_logger
 
 from vllm_triforce.core.blocks import selection_sizes
 from vllm_triforce.core.selection import Selection, Selector, build_block_tables
+from vllm_triforce.core.summaries import committed_runs
 from vllm_triforce.engine.forward import build_pass, run_pass
 from vllm_triforce.engine.transfer import to_device
 
@@ -81,20 +82,13 @@ class RetrievalLevel:
         the pass, at which positions, in which runs of one block (core/summaries.py) are all
         known on the host, so the fold itself never waits for the device."""
         bs = self.blocks.block_size
-        rows, positions, owners, runs = [], [], [], []
-        num_runs = 0
-        for r in range(batch.num_reqs):
-            num_new = batch.q_lens[r] - batch.num_rejected[r]  # tokens committed by this pass
-            if num_new <= 0:
-                continue
-            start = batch.verify_start[r]
-            first_block = start // bs
-            rows += range(batch.query_start_loc[r], batch.query_start_loc[r] + num_new)
-            positions += range(start, start + num_new)
-            owners += [r] * num_new
-            # a request's new tokens fill its own blocks in order: one run per block
-            runs += [num_runs + p // bs - first_block for p in range(start, start + num_new)]
-            num_runs += (start + num_new - 1) // bs - first_block + 1
+        spans = [(r, batch.verify_start[r], batch.q_lens[r] - batch.num_rejected[r])
+                 for r in range(batch.num_reqs)]  # tokens committed by this pass
+        spans = [span for span in spans if span[2] > 0]
+        rows = [row for r, _, n in spans
+                for row in range(batch.query_start_loc[r], batch.query_start_loc[r] + n)]
+        # a request's new tokens fill its own blocks in order: one run per block
+        positions, owners, runs, num_runs = committed_runs(spans, bs)
         keys = self.capture.keys
         if not rows or keys[0] is None:
             return
