@@ -66,3 +66,19 @@ def test_a_joining_request_is_not_timed():
     chooser.begin(chooser._last_end + 30.0, ["a", "b"], num_tokens=2, emitted=2,
                   pure_decode=True, verified=[], live_req_ids=["a", "b"])
     assert not chooser.controller.step.seen
+
+
+def test_at_most_max_drafting_requests_draft_in_a_step():
+    """The cap engine/memory.py reserves for: the first MAX_DRAFTING_REQUESTS drafting
+    requests keep their depths, the rest run plain; beyond the cap only the hand-off
+    buffer (gamma2 rows per max_num_seqs) grows with max_num_seqs."""
+    from vllm_triforce.engine.depth import MAX_DRAFTING_REQUESTS, cap_drafting
+    from vllm_triforce.engine.memory import vocabulary_rows
+
+    assert cap_drafting([2, 0, 3, 1], 2) == [2, 0, 3, 0]
+    stats = TriForceStats()
+    many = [str(i) for i in range(MAX_DRAFTING_REQUESTS + 8)]
+    depths, _ = DepthChooser(False, 6, True, stats).plan(many, 4)
+    assert depths == [4] * MAX_DRAFTING_REQUESTS + [0] * 8
+    assert stats.depth_counts[4] == MAX_DRAFTING_REQUESTS and stats.depth_counts[0] == 8
+    assert vocabulary_rows(1024, 6, 2) - vocabulary_rows(512, 6, 2) == 512 * 6

@@ -32,10 +32,28 @@ from vllm_triforce.core.controller import (DRAFT, RETRIEVAL, DecayedMean, Plan,
                                             SpeculationController)
 
 
+# At most this many requests draft in one step (engine/memory.py reserves the middle rounds'
+# vocabulary-wide rows for this many, not for every one of max_num_seqs).
+MAX_DRAFTING_REQUESTS = 32
+
+
+def cap_drafting(depths: list[int], cap: int = MAX_DRAFTING_REQUESTS) -> list[int]:
+    """At most `cap` positive depths: the first `cap` drafting requests in batch order
+    (vLLM's, oldest first) keep theirs, the others run a plain step.
+    Example: cap_drafting([2, 0, 3, 1], 2) -> [2, 0, 3, 0]."""
+    out, kept = [], 0
+    for k in depths:
+        keep = k > 0 and kept < cap
+        kept += keep
+        out.append(k if keep else 0)
+    return out
+
+
 class DepthChooser:
     """Per step: `begin` (measurements of the step that just ran), `plan`, one
     `round_done` per middle round, `end`. With `adaptive` false every decoding request
-    gets the step's full depth and every level, as a fixed-gamma TriForce."""
+    gets the step's full depth and every level, as a fixed-gamma TriForce. Either way at
+    most MAX_DRAFTING_REQUESTS requests draft in a step (`cap_drafting`)."""
 
     def __init__(self, adaptive: bool, max_depth: int, has_draft: bool, stats, share=None):
         self.adaptive = adaptive
@@ -87,6 +105,7 @@ class DepthChooser:
             depths, use_draft = list(self._plan.depths), self._plan.mode == DRAFT
             if self.share is not None:
                 depths, use_draft = self.share((depths, use_draft))
+        depths = cap_drafting(depths)
         self.stats.record_depths(depths)
         return depths, use_draft
 

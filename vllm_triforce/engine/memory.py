@@ -33,12 +33,12 @@ Worked example at scale (Llama-3.1-8B, bf16 KV cache, block 16, 32 layers × 8 K
 32 × 8 × 128 × 4 (float32 square deviations) = 196,612 B, 3/32 of the block. A 128K-token
 request holds 8,192 blocks: 16 GiB of KV and 1.5 GiB of summaries. Of the ~52 GB left for
 the cache after 16 GB of weights and vLLM's activations at gpu_memory_utilization 0.9,
-about 22,700 blocks fit (≈ 2.8 requests of 128K). The fixed part is 17 vocabulary rows per
-`max_num_seqs` (8.7 MB at 128,256 × 4 B) plus one chunk's temporaries: 15 MB at
-`--max-num-seqs 1`, 62 MB at 4 (the right setting for 128K contexts), but 2.7 GB at 256
-and 9.4 GB at 1,024, reserved whether or not that many requests ever draft at once (not
-capped yet: vLLM 0.32 reads the draft probabilities by request row,
-`GPUModelRunner._get_spec_decode_draft_probs`).
+about 22,700 blocks fit (≈ 2.8 requests of 128K). The fixed part (`vocabulary_rows`) is
+gamma2 = 6 rows of 128,256 × 4 B per `max_num_seqs` (the hand-off buffer vLLM reads by
+request row) plus the middle rounds' rows for at most 32 drafting requests and one sampling
+chunk: 15 MB at `--max-num-seqs 1`, 62 MB at 4 (the right setting for 128K contexts),
+1.2 GB at 256 and 3.5 GB at 1,024, of which the hand-off buffer is 0.8 and 3.2 GB (a
+compact buffer needs a patch of `GPUModelRunner._get_spec_decode_draft_probs`).
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ import torch
 from vllm_triforce.core.policy_facts import SummaryKinds
 from vllm_triforce.core.summaries import BlockSummaries
 from vllm_triforce.core.verify import SAMPLING_CHUNK_ROWS
+from vllm_triforce.engine.depth import MAX_DRAFTING_REQUESTS
 
 FLOAT32_BYTES = 4
 COUNT_BYTES = 4  # int32 committed-token count per block
@@ -126,9 +127,10 @@ def vocabulary_rows(max_num_seqs: int, gamma2: int, gamma1: int) -> int:
     bound read from the code, which tests/test_memory_plan.py checks against the peak the
     torch memory profiler measures in `propose` (152K vocabulary, top-p, gamma2 6).
 
-    Per request (a pass runs gamma1 + 1 tokens of it):
-    * gamma2: the probabilities handed to vLLM (`hand_off`'s buffer, preallocated), which
-      the middle rounds write into as they go (engine/middle.py);
+    Per request of `max_num_seqs`, gamma2: the probabilities handed to vLLM (`hand_off`'s
+    buffer, preallocated; vLLM 0.32 reads it by request row), which the middle rounds write
+    into as they go (engine/middle.py). Per drafting request, at most MAX_DRAFTING_REQUESTS
+    of them in a step (engine/depth.py `cap_drafting`; a pass runs gamma1 + 1 tokens of one):
     * 3 (gamma1 + 1): the retrieval pass's logits, their distributions, and `verify`'s
       float32 copy of them;
     * gamma1 + 2 with a small draft: its proposals' distributions, one draft step's logits
@@ -138,9 +140,10 @@ def vocabulary_rows(max_num_seqs: int, gamma2: int, gamma1: int) -> int:
     Fixed: `sampling_probs` transforms at most SAMPLING_CHUNK_ROWS rows at once, with at most
     SAMPLING_ROWS_PER_ROW temporaries each (a float32 copy, sort values, int64 order, softmax,
     cumulative mass, the mask; on CUDA the sort's own buffers)."""
-    per_request = gamma2 + 3 * (gamma1 + 1) + (gamma1 + 2 if gamma1 else 0) + 8
-    chunk = SAMPLING_ROWS_PER_ROW * min(SAMPLING_CHUNK_ROWS, max_num_seqs * (gamma1 + 1))
-    return max_num_seqs * per_request + chunk
+    drafting = min(max_num_seqs, MAX_DRAFTING_REQUESTS)
+    per_request = 3 * (gamma1 + 1) + (gamma1 + 2 if gamma1 else 0) + 8
+    chunk = SAMPLING_ROWS_PER_ROW * min(SAMPLING_CHUNK_ROWS, drafting * (gamma1 + 1))
+    return max_num_seqs * gamma2 + drafting * per_request + chunk
 
 
 def allocate_summaries(kinds: SummaryKinds, num_layers: int, num_blocks: int,
