@@ -336,29 +336,22 @@ class ProposeSyncs:
                 self._counter.mark("step")
 
         proposer.propose, middle.run, middle._round = counted_propose, marked_run, marked_round
-        plan = proposer.depth.plan
+        proposer.depth.plan = self._labelled("host", proposer.depth.plan)
+        self._reader = getattr(proposer, "paged_keys", None)
+        if self._reader is not None:  # its one check at the first commit: label "once"
+            self._reader.check = self._labelled("once", self._reader.check)
+        return self
 
-        def marked_plan(*args, **kwargs):
-            self._counter.mark("host")
+    def _labelled(self, label: str, method):
+        """`method`, its syncs counted in a segment `label`, then back to "step"."""
+        def marked(*args, **kwargs):
+            self._counter.mark(label)
             try:
-                return plan(*args, **kwargs)
+                return method(*args, **kwargs)
             finally:
                 self._counter.mark("step")
 
-        proposer.depth.plan = marked_plan
-        self._reader = getattr(proposer, "paged_keys", None)
-        if self._reader is not None:  # its one check at the first commit: label "once"
-            check = self._reader.check
-
-            def marked_check(*args, **kwargs):
-                self._counter.mark("once")
-                try:
-                    return check(*args, **kwargs)
-                finally:
-                    self._counter.mark("step")
-
-            self._reader.check = marked_check
-        return self
+        return marked
 
     def __exit__(self, *exc) -> None:
         for owner, name in ((self.proposer, "propose"), (self.proposer.middle, "run"),
