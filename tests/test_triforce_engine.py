@@ -167,6 +167,82 @@ def test_preemption_and_prefix_sharing_stay_identical(tiny_llama):
     assert_drafted(stats)
 
 
+# ---- block summaries, lazily (engine/retrieval_level.py) ---------------------------------
+def shadow_eager_summaries(monkeypatch) -> list[int]:
+    """Keep, beside the engine's summaries, the ones eager folding would hold (every
+    committed token's captured key, every step), and check at every selection that the
+    engine's summaries of the blocks it scores -- its requests' full committed blocks --
+    equal them. Returns the number of blocks compared per selected request."""
+    import torch
+
+    from vllm_triforce.core.selection import Selector
+    from vllm_triforce.core.summaries import BlockSummaries
+    from vllm_triforce.engine import retrieval_level
+
+    shadows, compared = {}, []
+    commit = retrieval_level.RetrievalLevel.commit
+    choose = Selector.choose
+
+    def commit_and_shadow(self, batch, states, judged_alone):
+        s = self.summaries
+        if id(s) not in shadows:
+            shadows[id(s)] = BlockSummaries(
+                s.num_layers, s.num_blocks, s.num_kv_heads, s.head_dim, s.block_size,
+                keep_bounds=s.mins is not None, keep_variance=s.square_deviations is not None)
+        committed = self._committed_tokens(batch)
+        if committed is not None:
+            retrieval_level.fold_committed(shadows[id(s)], self.capture.keys, committed)
+        return commit(self, batch, states, judged_alone)
+
+    def compare_then_choose(self, queries, summaries, block_tables, committed, *args, **kw):
+        eager = shadows[id(summaries)]
+        for table, n in zip(block_tables, committed.tolist()):
+            ids = table[:n // summaries.block_size].long()
+            assert torch.equal(summaries.counts[ids], eager.counts[ids])
+            for store in ("sums", "square_deviations", "mins", "maxs"):
+                if getattr(eager, store) is not None:
+                    assert torch.allclose(getattr(summaries, store)[:, ids],
+                                          getattr(eager, store)[:, ids],
+                                          rtol=1e-4, atol=1e-4), store
+            compared.append(ids.numel())
+        return choose(self, queries, summaries, block_tables, committed, *args, **kw)
+
+    monkeypatch.setattr(retrieval_level.RetrievalLevel, "commit", commit_and_shadow)
+    monkeypatch.setattr(Selector, "choose", compare_then_choose)
+    return compared
+
+
+@pytest.mark.parametrize("policy, prefix_caching", [("retrieval", False), ("quest", True)])
+def test_lazy_summaries_equal_the_eager_ones(tiny_llama, monkeypatch, policy, prefix_caching):
+    """Every selection reads summaries set from the KV cache just before it, equal to the
+    ones folding every committed key at every step gives. A cache too small for the batch
+    preempts requests: without prefix caching a recomputed request gets new physical blocks
+    (whose summaries must be set again); with it, shared prefixes."""
+    compared = shadow_eager_summaries(monkeypatch)
+    levels = []
+    tokens, stats, _ = generate(tiny_llama, two_level(policy), num_gpu_blocks_override=48,
+                                max_num_seqs=4, enable_prefix_caching=prefix_caching,
+                                on_engine=lambda llm: levels.append(drafter_of(llm).retrieval))
+    assert tokens == plain(tiny_llama)
+    assert_drafted(stats)
+    assert levels[0].lazy and stats["summarised_blocks"] > 0
+    assert len(compared) >= stats["refreshes"] > 0 and sum(compared) > 0
+
+
+def test_plain_steps_leave_the_summaries_untouched(tiny_llama):
+    """Forced plain: the engine decided at its first commit to summarise lazily, and no step
+    touched a summary (no per-layer TriForce work on a plain step)."""
+    levels = []
+    tokens, stats, _ = generate(tiny_llama, two_level(adaptive=True), schedule=[0],
+                                on_engine=lambda llm: levels.append(drafter_of(llm).retrieval))
+    assert tokens == plain(tiny_llama)
+    assert stats["plain_steps"] > 0 and stats["top_proposed"] == 0
+    summaries = levels[0].summaries
+    assert levels[0].lazy and levels[0].key_status.startswith("checked")
+    assert stats["summarised_blocks"] == 0
+    assert not summaries.counts.any() and not summaries.sums.any()
+
+
 def test_metrics_beside_spec_decode(tiny_llama):
     """Per-level TriForce counters appear in LLM.get_metrics() next to vllm:spec_decode_*."""
     _, stats, metrics = generate(tiny_llama, two_level())

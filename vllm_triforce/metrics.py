@@ -42,6 +42,7 @@ COUNTERS = {
     "middle_rounds": "Batched middle-level (retrieval-cache) target passes",
     "refreshes": "Per-request re-selections of retrieval blocks",
     "draft_rebases": "StreamingLLM position re-bases of the small draft",
+    "summarised_blocks": "Full KV blocks whose summaries were set from the KV cache (lazily)",
     "top_proposed": "Middle-level tokens verified by the target over its full cache",
     "top_accepted": "Of those, tokens accepted by the full-cache verification",
     "plain_steps": "Steps in which the depth controller handed vLLM no draft at all",

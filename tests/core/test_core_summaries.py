@@ -142,3 +142,33 @@ def test_committed_runs_docstring_example():
     from vllm_triforce.core.summaries import committed_runs
     assert committed_runs([(0, 6, 3), (1, 0, 2)], 4) == ([6, 7, 8, 0, 1], [0, 0, 0, 1, 1],
                                                          [0, 0, 1, 2, 2], 3)
+
+
+def test_set_blocks_equals_committing_every_offset():
+    """Lazy summaries (engine/retrieval_level.py): a full block's summaries set at once from
+    its keys [n, H, bs, D] equal the ones committing its tokens over several passes gives;
+    setting a block twice changes nothing; a block holding stale state is replaced."""
+    gen = torch.Generator().manual_seed(5)
+    kinds = dict(keep_keys=True, keep_bounds=True, keep_variance=True)
+    L, N, H, D, BS = 2, 6, 2, 3, 4
+    eager = BlockSummaries(num_layers=L, num_blocks=N, num_kv_heads=H, head_dim=D,
+                           block_size=BS, **kinds)
+    lazy = BlockSummaries(num_layers=L, num_blocks=N, num_kv_heads=H, head_dim=D,
+                          block_size=BS, **kinds)
+    blocks = [4, 1, 3]  # a request's blocks in logical order, 12 tokens
+    keys = torch.randn(L, len(blocks) * BS, H, D, generator=gen)
+    positions = torch.arange(len(blocks) * BS)
+    physical = torch.tensor(blocks)[positions // BS]
+    for lo, hi in ((0, 5), (5, 6), (6, 12)):  # three passes, runs crossing block borders
+        eager.add_committed([keys[l, lo:hi].flatten(1) for l in range(L)], positions[lo:hi] - lo,
+                            physical[lo:hi], positions[lo:hi] % BS)
+    lazy.add_committed([torch.randn(2, H * D, generator=gen)] * L, torch.arange(2),
+                       torch.tensor([1, 1]), torch.tensor([0, 1]))  # stale: a block's last owner
+    by_block = keys.unflatten(1, (len(blocks), BS)).transpose(2, 3)  # [L, n, H, BS, D]
+    for _ in range(2):  # twice: idempotent
+        for layer in range(L):
+            lazy.set_blocks(layer, torch.tensor(blocks), by_block[layer])
+    for store in ("sums", "mins", "maxs", "keys"):
+        assert torch.allclose(getattr(lazy, store), getattr(eager, store), atol=1e-6), store
+    assert torch.equal(lazy.counts, eager.counts) and lazy.counts[blocks].tolist() == [BS] * 3
+    assert torch.allclose(lazy.square_deviations, eager.square_deviations, atol=1e-5)

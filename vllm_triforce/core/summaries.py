@@ -21,6 +21,10 @@ Committed only: speculative tokens may be rejected, so the engine calls
 A partially filled block therefore holds only committed keys, but the selection
 never scores it anyway (it is always attended as part of the tail).
 
+Lazily (`set_blocks`): a full block's summaries can also be computed at once from its
+keys read back from the KV cache, the engine's default (engine/retrieval_level.py): then a
+step that selects nothing touches no summary.
+
 Memory: the store is indexed by physical block id and shared by all requests, like
 the KV cache itself, so blocks shared through prefix caching are summarised once.
 It is sized once for the whole KV cache (`nbytes()` reports it: ~1/block_size of the
@@ -141,6 +145,31 @@ class BlockSummaries:
             index = block_ids[None, :, None, None].expand_as(keys)  # [L, n, H, D]
             self.mins.scatter_reduce_(1, index, keys.to(self.mins.dtype), "amin")
             self.maxs.scatter_reduce_(1, index, keys.to(self.maxs.dtype), "amax")
+
+    def set_blocks(self, layer: int, block_ids: Tensor, keys: Tensor) -> None:
+        """Replace layer `layer`'s summaries of the FULL blocks block_ids [n] (distinct
+        physical ids) by those of their keys [n, H, block_size, D] (any float dtype, e.g.
+        read back from the KV cache: engine/paged_keys.py): what `add_committed` would hold
+        after committing every offset of each block, whatever the blocks held before, so
+        setting a block twice changes nothing. The engine's lazy summaries
+        (engine/retrieval_level.py) use it. Counts become block_size."""
+        if keys.shape[2] != self.block_size:
+            raise ValueError(f"set_blocks takes whole blocks of {self.block_size} keys, "
+                             f"got {keys.shape[2]}")
+        ids = on_device(block_ids, self.device, torch.long)
+        keys = keys.to(self.device, torch.float32)  # [n, H, bs, D]
+        sums = keys.sum(2)  # [n, H, D]
+        self.sums[layer].index_copy_(0, ids, sums.to(self.sums.dtype))
+        self.counts.index_fill_(0, ids, self.block_size)
+        if self.square_deviations is not None:
+            mean = sums / self.block_size
+            self.square_deviations[layer].index_copy_(
+                0, ids, (keys - mean[:, :, None]).square().sum(2))
+        if self.mins is not None:
+            self.mins[layer].index_copy_(0, ids, keys.amin(2).to(self.mins.dtype))
+            self.maxs[layer].index_copy_(0, ids, keys.amax(2).to(self.maxs.dtype))
+        if self.keys is not None:  # [num_blocks, bs, H, D] per layer
+            self.keys[layer].index_copy_(0, ids, keys.transpose(1, 2).to(self.keys.dtype))
 
     def _reset_blocks(self, block_ids: Tensor, starts: Tensor) -> None:
         """Empty blocks block_ids[i] where starts[i] (both [S]), without a data-dependent

@@ -77,10 +77,25 @@ class PagedKeys:
             keys = keys.view(self.fp8).float() * self.layers[layer]._k_scale_float
         return keys
 
+    def layer_keys(self, layer: int, ids: Tensor) -> Tensor:
+        """ids (any shape, physical block ids >= 0) -> [*ids.shape, H, block_size, D]: every
+        head's keys of those blocks (fp8: dequantised), one gather per layer (the lazy block
+        summaries read them: BlockSummaries.set_blocks)."""
+        kv = self.layers[layer].kv_cache
+        num_blocks, heads, bs, _ = kv.shape
+        d = self.head_dim
+        if self.layout == "logical":
+            keys = kv[ids][..., :d]  # [*, H, bs, D]
+        else:  # per (block, head): K as [D, bs], then V
+            keys = kv.view(num_blocks, heads, 2 * bs * d)[ids][..., :bs * d].unflatten(
+                -1, (d, bs)).transpose(-1, -2)
+        if self.fp8 is not None:
+            keys = keys.view(self.fp8).float() * self.layers[layer]._k_scale_float
+        return keys
+
     def block_keys(self, layer: int, ids: Tensor) -> Tensor:
         """ids (any shape) -> [*ids.shape, block_size, H, D]: every head's keys (check)."""
-        heads = [self.head_keys(layer, h, ids) for h in range(self.num_kv_heads)]
-        return torch.stack(heads, dim=-3).movedim(-1, -3)  # [*, H, D, bs] -> [*, bs, H, D]
+        return self.layer_keys(layer, ids).transpose(-3, -2)
 
     def check(self, layer_keys, rows: Tensor, block_ids: Tensor, offsets: Tensor) -> str:
         """'' when the cache's keys at (block_ids, offsets) equal the keys the capture hook

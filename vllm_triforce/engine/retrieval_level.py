@@ -1,9 +1,19 @@
 """Level 2: the target over per-layer retrieval tables, and the block summaries it selects by.
 
-Per step, after vLLM's full-cache verification pass: `commit` folds the keys that became
-final into the block summaries; `select` re-scores the blocks of requests due for a refresh
-(core/selection.py, core/refresh.py); each middle round then runs `forward`: the target over
-a different compacted block table per layer, through the stock attention backend (zero-copy).
+Per step, after vLLM's full-cache verification pass: `commit` counts what vLLM accepted;
+`select` re-scores the blocks of requests due for a refresh (core/selection.py,
+core/refresh.py); each middle round then runs `forward`: the target over a different
+compacted block table per layer, through the stock attention backend (zero-copy).
+
+Block summaries, lazily (the default): a selection scores only *full* committed blocks, so
+a block's summaries are needed only once it is full, and then never change. Just before a
+request selects, the summaries of its full blocks not yet summarised are set from their keys
+read back from vLLM's KV cache (engine/paged_keys.py, `BlockSummaries.set_blocks`); a step
+in which nobody selects (every plain step) does no per-layer TriForce work at all. Eagerly
+(every committed token's captured key folded in at every step, `BlockSummaries.add_committed`)
+where the cache cannot be read back exactly: no reader for the backend or ISA, a reader that
+failed its check, an fp8 cache (read back, its keys are rounded), or a policy that keeps
+its own copy of the keys or observes every step (topk_oracle, h2o).
 
 Terms. *committed*: positions whose KV is exact (written by vLLM's full-cache pass and
 accepted). Selections are kept per request as logical blocks (engine/state.py).
@@ -21,6 +31,7 @@ import torch
 from vllm.logger import init_logger
 
 from vllm_triforce.core.blocks import selection_sizes
+from vllm_triforce.core.policies import SCORE_CHUNK_BYTES
 from vllm_triforce.core.selection import Selection, Selector, build_block_tables
 from vllm_triforce.core.summaries import committed_runs
 from vllm_triforce.engine.forward import build_pass, run_pass
@@ -52,6 +63,10 @@ class RetrievalLevel:
         self.key_status = "not checked yet" if selector.keys is not None else "no reader"
         self.refresh = refresh
         self.blocks = selector.blocks
+        self.paged_keys = selector.keys
+        # Summaries set from the KV cache just before a selection (see top); decided at the
+        # first commit, by the reader's check.
+        self.lazy = False
         self.stats = stats
         self.device = device
         self._pass_queries: list | None = None  # per layer, the last `forward`'s queries
@@ -74,36 +89,89 @@ class RetrievalLevel:
                 if judged_alone:
                     self.refresh.record_round(states[r].refresh, num_verified, accepted)
             states[r].last_num_drafts = 0
-        self._add_committed_keys(batch)
+        if not self.lazy:
+            self._add_committed_keys(batch)
         return verified
 
     def _add_committed_keys(self, batch) -> None:
-        """The keys of every token this pass committed, into the summaries: which rows of
-        the pass, at which positions, in which runs of one block (core/summaries.py) are all
-        known on the host, so the fold itself never waits for the device."""
+        """Eager summaries: the keys of every token this pass committed, into the summaries.
+        At the first pass with keys, the cache reader is checked against them first; when
+        it reads the cache exactly and nothing needs eager summaries, the engine turns lazy
+        there and folds nothing (see top)."""
+        committed = self._committed_tokens(batch)
+        if committed is None:
+            return
+        rows, block_ids, offsets, runs = committed
+        reader = self.paged_keys
+        if reader is not None and not reader.checked:  # once, at the first commit
+            self._check_reader(reader, rows, block_ids, offsets)
+            self.lazy = self.paged_keys is not None and self._lazy_possible()
+            if self.lazy:
+                return
+        fold_committed(self.summaries, self.capture.keys, committed)
+
+    def _committed_tokens(self, batch):
+        """Where this pass's committed tokens go, for `fold_committed`: (rows of the pass,
+        physical block ids, offsets, (run of each token, number of runs)), or None. Which
+        rows, at which positions, in which runs of one block (core/summaries.py) are all
+        known on the host, so the fold never waits for the device."""
         bs = self.blocks.block_size
         spans = [(r, batch.verify_start[r], batch.q_lens[r] - batch.num_rejected[r])
                  for r in range(batch.num_reqs)]  # tokens committed by this pass
         spans = [span for span in spans if span[2] > 0]
         rows = [row for r, _, n in spans
                 for row in range(batch.query_start_loc[r], batch.query_start_loc[r] + n)]
+        if not rows or self.capture.keys[0] is None:
+            return None
         # a request's new tokens fill its own blocks in order: one run per block
         positions, owners, runs, num_runs = committed_runs(spans, bs)
-        keys = self.capture.keys
-        if not rows or keys[0] is None:
-            return
         rows, positions, owners, runs = to_device(self.device, rows, positions, owners, runs)
         block_ids = batch.block_table[owners, positions // bs].long()
-        self.summaries.add_committed(keys, rows, block_ids, positions % bs, (runs, num_runs))
-        reader = self.selector.keys
-        if reader is not None and not reader.checked:  # once, at the first commit
-            why = reader.check(keys, rows, block_ids, positions % bs)
-            self.key_status = f"check failed: {why}" if why else f"checked ({reader.layout})"
-            if why:
-                logger.warning("TriForce: keys read back from the KV cache differ from the keys "
-                               "written (%s); `rerank` keeps its first stage only. Please report "
-                               "this with your GPU and attention backend.", why)
-                self.selector.keys = None
+        return rows, block_ids, positions % bs, (runs, num_runs)
+
+    def _check_reader(self, reader, rows, block_ids, offsets) -> None:
+        why = reader.check(self.capture.keys, rows, block_ids, offsets)
+        self.key_status = f"check failed: {why}" if why else f"checked ({reader.layout})"
+        if why:
+            logger.warning("TriForce: keys read back from the KV cache differ from the keys "
+                           "written (%s); `rerank` keeps its first stage only and block "
+                           "summaries are folded eagerly. Please report this with your GPU "
+                           "and attention backend.", why)
+            self.selector.keys = self.paged_keys = None
+
+    def _lazy_possible(self) -> bool:
+        """Summaries set from the cache equal the eager ones (see top)."""
+        return (self.paged_keys.fp8 is None and self.summaries.keys is None
+                and not self.selector.observes)
+
+    def _summarise_full_blocks(self, batch, states, rows: list[int]) -> None:
+        """Lazy summaries: set those of requests `rows`' full committed blocks that are not
+        set yet (a request's blocks are compared by physical id with the ones it last set,
+        so a request recomputed into new blocks after preemption sets them again). Every
+        size is the host's: no sync. Reads at most SCORE_CHUNK_BYTES of keys at a time."""
+        if not self.lazy:
+            return
+        bs = self.blocks.block_size
+        owners, logical = [], []
+        for r in rows:
+            full = batch.committed[r] // bs
+            ids = batch.requests[r].block_ids[0][:full]  # vLLM's host copy, one KV group
+            state = states[r]
+            done = _common_prefix(state.folded_block_ids, ids)
+            owners += [r] * (full - done)
+            logical += range(done, full)
+            state.folded_block_ids = ids
+        if not owners:
+            return
+        owners, logical = to_device(self.device, owners, logical)
+        block_ids = batch.block_table[owners, logical].long()
+        s = self.summaries
+        per_chunk = max(1, SCORE_CHUNK_BYTES // (s.num_kv_heads * bs * s.head_dim * 4))
+        for start in range(0, block_ids.numel(), per_chunk):
+            ids = block_ids[start:start + per_chunk]
+            for layer in range(s.num_layers):
+                s.set_blocks(layer, ids, self.paged_keys.layer_keys(layer, ids))
+        self.stats.add(summarised_blocks=block_ids.numel())
 
     # ---- select ---------------------------------------------------------------------
     def select(self, batch, states, rows: list[int]) -> None:
@@ -114,7 +182,8 @@ class RetrievalLevel:
         if self.capture.queries[0] is None:
             return
         rest = [r for r in rows if r not in due]
-        if rest and self.selector.observes:  # h2o accumulates
+        self._summarise_full_blocks(batch, states, due)
+        if rest and self.selector.observes:  # h2o accumulates (eager summaries)
             idx, query_rows, committed = to_device(
                 self.device, rest, [_last_committed_row(batch, r) for r in rest],
                 [batch.committed[r] for r in rest])
@@ -137,6 +206,7 @@ class RetrievalLevel:
                if self.refresh.due_in_middle(states[r].refresh, drafts_by_row[r].position)]
         if not due or self._pass_queries is None:
             return
+        self._summarise_full_blocks(batch, states, due)
         listed = [r for r in due if states[r].shortlist_committed == batch.committed[r]]
         rest = [r for r in due if r not in listed]
         for group, use_list in ((listed, True), (rest, False)):
@@ -228,6 +298,21 @@ class RetrievalLevel:
         logits = run_pass(self.model, self.vllm_config, self.attn_groups, inputs, per_layer,
                           self.stats)
         return batch.probs(logits, rows, idx)
+
+
+def fold_committed(summaries, layer_keys, committed) -> None:
+    """Eager summaries: `committed` (RetrievalLevel._committed_tokens) into `summaries`."""
+    rows, block_ids, offsets, runs = committed
+    summaries.add_committed(layer_keys, rows, block_ids, offsets, runs)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two lists (the usual case, `a` a prefix of
+    `b`, is one comparison in C)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    return next(i for i in range(n) if a[i] != b[i])
 
 
 def _last_committed_row(batch, r: int) -> int:

@@ -1,14 +1,14 @@
 """Per-request TriForce state, created with the request and freed with it.
 
-Keyed by vLLM's request id. Nothing here refers to physical blocks: selections are kept as
-*logical* block indices (positions // block_size) and mapped through the request's current
-block table at every pass, so a preempted-and-recomputed request (new physical blocks)
-stays valid. Draft-KV bookkeeping is reset by the rule in `invalidate_draft_from`.
+Keyed by vLLM's request id. Selections are kept as *logical* block indices (positions // block_size)
+and mapped through the request's current block table at every pass, so a
+preempted-and-recomputed request (new physical blocks) stays valid; the only physical ids
+kept, `folded_block_ids`, are compared with the request's current blocks before use. Draft-KV bookkeeping is reset by the rule in `invalidate_draft_from`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,6 +25,9 @@ class RequestState:
     # middle rounds (core/selection.py), and the committed length they were ranked at.
     shortlist: torch.Tensor | None = None  # device [num_layers, S] int64 logical, -1 padding
     shortlist_committed: int = -1
+    # Lazy block summaries (engine/retrieval_level.py): the physical ids of the request's
+    # full blocks whose summaries were last set from the KV cache, in logical order.
+    folded_block_ids: list[int] = field(default_factory=list)
     refresh: object = None                       # core.refresh.RefreshState
     policy_state: object = None                  # core.selection.SelectionState (h2o)
     # Small-draft (level 1) KV bookkeeping, in absolute positions.

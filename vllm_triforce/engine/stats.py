@@ -25,6 +25,7 @@ class TriForceStats:
     middle_rounds: int = 0     # batched level-2 passes
     refreshes: int = 0         # request-level re-selections of retrieval blocks
     draft_rebases: int = 0     # StreamingLLM window re-bases of the small draft
+    summarised_blocks: int = 0  # full blocks whose summaries were set from the KV cache
     top_proposed: int = 0      # level-2 tokens verified by the full cache
     top_accepted: int = 0
     live_requests: int = 0     # gauge: requests holding per-request state
