@@ -147,8 +147,9 @@ class BlockSummaries:
             self.maxs.scatter_reduce_(1, index, keys.to(self.maxs.dtype), "amax")
 
     def set_blocks(self, layer: int, block_ids: Tensor, keys: Tensor) -> None:
-        """Replace layer `layer`'s summaries of the FULL blocks block_ids [n] (distinct
-        physical ids) by those of their keys [n, H, block_size, D] (any float dtype, e.g.
+        """Replace layer `layer`'s summaries of the FULL blocks block_ids [n] (physical ids;
+        a block listed twice, shared by two requests, gets the same values twice) by those
+        of their keys [n, H, block_size, D] (any float dtype, e.g.
         read back from the KV cache: engine/paged_keys.py): what `add_committed` would hold
         after committing every offset of each block, whatever the blocks held before, so
         setting a block twice changes nothing. The engine's lazy summaries
