@@ -229,6 +229,33 @@ def test_lazy_summaries_equal_the_eager_ones(tiny_llama, monkeypatch, policy, pr
     assert len(compared) >= stats["refreshes"] > 0 and sum(compared) > 0
 
 
+def test_a_prefix_cache_hit_reuses_the_summaries(tiny_llama, monkeypatch):
+    """The same prompts again, on one engine: their blocks hit the prefix cache, and the
+    summaries set there by the first requests are not set again (same content, same
+    physical block); what the second requests' selections read still equals the eager
+    fold."""
+    from vllm import LLM
+
+    compared = shadow_eager_summaries(monkeypatch)
+    llm = LLM(str(tiny_llama), speculative_config=two_level(),
+              **make_engine_kwargs(enable_prefix_caching=True))
+    try:
+        stats = drafter_of(llm).stats
+        runs, summarised = [], []
+        for _ in range(2):
+            before = stats.summarised_blocks
+            outs = llm.generate(prompts(), greedy_params(), use_tqdm=False)
+            runs.append([list(o.outputs[0].token_ids) for o in outs])
+            summarised.append(stats.summarised_blocks - before)
+        snapshot = stats.snapshot()
+    finally:
+        free_llm(llm)
+    assert runs[0] == runs[1] == plain(tiny_llama)
+    assert_drafted(snapshot)
+    assert summarised[0] > 0 and summarised[1] * 3 < summarised[0], summarised
+    assert compared
+
+
 def test_plain_steps_leave_the_summaries_untouched(tiny_llama):
     """Forced plain: the engine decided at its first commit to summarise lazily, and no step
     touched a summary (no per-layer TriForce work on a plain step)."""

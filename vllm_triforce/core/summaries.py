@@ -165,7 +165,7 @@ class BlockSummaries:
         if self.square_deviations is not None:
             mean = sums / self.block_size
             self.square_deviations[layer].index_copy_(
-                0, ids, (keys - mean[:, :, None]).square().sum(2))
+                0, ids, (keys - mean[:, :, None]).square_().sum(2))
         if self.mins is not None:
             self.mins[layer].index_copy_(0, ids, keys.amin(2).to(self.mins.dtype))
             self.maxs[layer].index_copy_(0, ids, keys.amax(2).to(self.maxs.dtype))

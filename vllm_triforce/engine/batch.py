@@ -90,6 +90,24 @@ class StepBatch:
                 out.append(int(request.get_token_id(pos)))
         return out
 
+    def committed_block_tokens(self, row: int, start: int, end: int) -> list[int] | None:
+        """Token ids at committed positions [start, end) of request `row` (end <= committed),
+        by list slices (`token_ids` goes token by token); None when vLLM holds no prompt ids
+        (prompt embeddings). Positions before the verification pass are in vLLM's
+        `CachedRequestState` lists, the pass's own in `verify_ids`."""
+        request, verify_start = self.requests[row], self.verify_start[row]
+        prompt, num_prompt = request.prompt_token_ids, request.num_prompt_tokens
+        if prompt is None:
+            return None
+        stop = min(end, verify_start)
+        out = list(prompt[start:min(stop, num_prompt)])
+        if stop > num_prompt:
+            out += request.output_token_ids[max(start, num_prompt) - num_prompt:stop - num_prompt]
+        if end > verify_start:
+            first = self.query_start_loc[row] - verify_start
+            out += self.verify_ids[first + max(start, verify_start):first + end]
+        return out if len(out) == end - start else None
+
     @classmethod
     def from_runner(cls, runner, cad, target_token_ids, next_token_ids, num_rejected_tokens_gpu,
                     sampling_metadata, block_size: int, max_lookahead: int) -> "StepBatch":

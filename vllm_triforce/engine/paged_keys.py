@@ -85,7 +85,7 @@ class PagedKeys:
         num_blocks, heads, bs, _ = kv.shape
         d = self.head_dim
         if self.layout == "logical":
-            keys = kv[ids][..., :d]  # [*, H, bs, D]
+            keys = kv[..., :d][ids]  # [*, H, bs, D]: gathers K only
         else:  # per (block, head): K as [D, bs], then V
             keys = kv.view(num_blocks, heads, 2 * bs * d)[ids][..., :bs * d].unflatten(
                 -1, (d, bs)).transpose(-1, -2)

@@ -67,6 +67,9 @@ class RetrievalLevel:
         # Summaries set from the KV cache just before a selection (see top); decided at the
         # first commit, by the reader's check.
         self.lazy = False
+        # physical block id -> content key (`_block_contents`) of the summaries set there:
+        # a block another request summarised (a prefix-cache hit) is not set again
+        self._summarised: dict[int, int] = {}
         self.stats = stats
         self.device = device
         self._pass_queries: list | None = None  # per layer, the last `forward`'s queries
@@ -146,9 +149,12 @@ class RetrievalLevel:
 
     def _summarise_full_blocks(self, batch, states, rows: list[int]) -> None:
         """Lazy summaries: set those of requests `rows`' full committed blocks that are not
-        set yet (a request's blocks are compared by physical id with the ones it last set,
-        so a request recomputed into new blocks after preemption sets them again). Every
-        size is the host's: no sync. Reads at most SCORE_CHUNK_BYTES of keys at a time."""
+        set yet. Which are is the host's to know, so nothing syncs: a request's blocks are
+        first compared by physical id with the ones it last saw set (a request recomputed
+        into new blocks after preemption sets them again); any other block is skipped only
+        when the summaries set at its physical id were set for the same content (same
+        tokens after the same prefix: a prefix-cache hit on a block another request
+        summarised). Reads at most SCORE_CHUNK_BYTES of keys at a time."""
         if not self.lazy:
             return
         bs = self.blocks.block_size
@@ -158,8 +164,14 @@ class RetrievalLevel:
             ids = batch.requests[r].block_ids[0][:full]  # vLLM's host copy, one KV group
             state = states[r]
             done = _common_prefix(state.folded_block_ids, ids)
-            owners += [r] * (full - done)
-            logical += range(done, full)
+            contents = _block_contents(batch, r, state, full, bs) if done < full else None
+            for i in range(done, full):
+                content = None if contents is None else contents[i]
+                if content is not None and self._summarised.get(ids[i]) == content:
+                    continue  # set already, for this very content
+                owners.append(r)
+                logical.append(i)
+                self._summarised[ids[i]] = content
             state.folded_block_ids = ids
         if not owners:
             return
@@ -304,6 +316,31 @@ def fold_committed(summaries, layer_keys, committed) -> None:
     """Eager summaries: `committed` (RetrievalLevel._committed_tokens) into `summaries`."""
     rows, block_ids, offsets, runs = committed
     summaries.add_committed(layer_keys, rows, block_ids, offsets, runs)
+
+
+def _block_contents(batch, row: int, state, full: int, block_size: int) -> list[int] | None:
+    """Content keys of request `row`'s first `full` blocks: a hash chained over each
+    block's token ids after the previous block's key, seeded by what else changes the KV
+    of the same tokens (the LoRA adapter), like vLLM's prefix-cache hashes; kept in
+    `state.block_contents` and extended as blocks fill. None where tokens do not decide
+    the KV (multimodal inputs, prompt embeddings): such blocks are always set."""
+    request = batch.requests[row]
+    if getattr(request, "mm_features", None):
+        return None
+    contents = state.block_contents
+    known = len(contents)
+    if not contents:
+        lora = getattr(request, "lora_request", None)
+        previous = hash(("vllm-triforce", getattr(lora, "lora_int_id", 0)))
+    else:
+        previous = contents[-1]
+    for i in range(known, full):
+        tokens = batch.committed_block_tokens(row, i * block_size, (i + 1) * block_size)
+        if tokens is None:
+            return None
+        previous = hash((previous, tuple(tokens)))
+        contents.append(previous)
+    return contents
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

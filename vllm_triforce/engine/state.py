@@ -26,8 +26,10 @@ class RequestState:
     shortlist: torch.Tensor | None = None  # device [num_layers, S] int64 logical, -1 padding
     shortlist_committed: int = -1
     # Lazy block summaries (engine/retrieval_level.py): the physical ids of the request's
-    # full blocks whose summaries were last set from the KV cache, in logical order.
+    # full blocks whose summaries were known to be set, in logical order, and the content
+    # key of each full block (a hash chained over its tokens and every earlier block's).
     folded_block_ids: list[int] = field(default_factory=list)
+    block_contents: list[int] = field(default_factory=list)
     refresh: object = None                       # core.refresh.RefreshState
     policy_state: object = None                  # core.selection.SelectionState (h2o)
     # Small-draft (level 1) KV bookkeeping, in absolute positions.
