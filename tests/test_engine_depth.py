@@ -70,8 +70,8 @@ def test_a_joining_request_is_not_timed():
 
 def test_at_most_max_drafting_requests_draft_in_a_step():
     """The cap engine/memory.py reserves for: the first MAX_DRAFTING_REQUESTS drafting
-    requests keep their depths, the rest run plain; beyond the cap only the hand-off
-    buffer (gamma2 rows per max_num_seqs) grows with max_num_seqs."""
+    requests keep their depths, the rest run plain; beyond the cap nothing TriForce
+    reserves grows with max_num_seqs (the hand-off buffer has a row per drafting request)."""
     from vllm_triforce.engine.depth import MAX_DRAFTING_REQUESTS, cap_drafting
     from vllm_triforce.engine.memory import vocabulary_rows
 
@@ -81,4 +81,5 @@ def test_at_most_max_drafting_requests_draft_in_a_step():
     depths, _ = DepthChooser(False, 6, True, stats).plan(many, 4)
     assert depths == [4] * MAX_DRAFTING_REQUESTS + [0] * 8
     assert stats.depth_counts[4] == MAX_DRAFTING_REQUESTS and stats.depth_counts[0] == 8
-    assert vocabulary_rows(1024, 6, 2) - vocabulary_rows(512, 6, 2) == 512 * 6
+    assert vocabulary_rows(1024, 6, 2) == vocabulary_rows(MAX_DRAFTING_REQUESTS, 6, 2)
+    assert vocabulary_rows(MAX_DRAFTING_REQUESTS, 6, 2) > vocabulary_rows(16, 6, 2)

@@ -7,7 +7,8 @@ import collections
 import pytest
 
 import tiny_models
-from engine_helpers import assert_drafted, drafter_of, force_depths, free_llm, make_engine_kwargs
+from engine_helpers import (assert_drafted, drafter_of, force_depths, free_llm,
+                            make_engine_kwargs, watch_hand_off)
 from test_triforce_engine import two_level
 from vllm_triforce.engine.depth import MAX_DRAFTING_REQUESTS
 
@@ -38,7 +39,8 @@ WRONG_TEMPERATURE = 0.5
 
 def _samples(model, spec, seed, schedule=None):
     """NUM_SAMPLES continuations of one prompt (longer than the retrieval budget) at
-    temperature 1, and the TriForce counters (None without TriForce).
+    temperature 1, and the TriForce counters (None without TriForce) with `watch_hand_off`'s
+    counts (`hand_off`): every verification read the probabilities handed for its request.
     `schedule`: depths the depth controller must use in turn (its test hook)."""
     from vllm import LLM, SamplingParams
 
@@ -46,11 +48,12 @@ def _samples(model, spec, seed, schedule=None):
               **make_engine_kwargs(seed=seed, max_num_seqs=MAX_DRAFTING_REQUESTS))
     if schedule is not None:
         force_depths(llm, schedule)
+    hand_off_seen = watch_hand_off(llm) if spec else None
     params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
     prompt = tiny_models.make_text(PROMPT_WORDS, seed=7)
     try:
         outs = llm.generate([prompt] * NUM_SAMPLES, params, use_tqdm=False)
-        stats = drafter_of(llm).stats.snapshot() if spec else None
+        stats = dict(drafter_of(llm).stats.snapshot(), hand_off=hand_off_seen) if spec else None
     finally:
         free_llm(llm)
     return [tuple(o.outputs[0].token_ids) for o in outs], stats
@@ -88,9 +91,12 @@ def _triforce_spec() -> dict:
 
 def _assert_ran_the_schedule(stats) -> None:
     assert_drafted(stats)
-    print(f"full-cache acceptance {stats['top_accepted']}/{stats['top_proposed']}")
+    print(f"full-cache acceptance {stats['top_accepted']}/{stats['top_proposed']}; hand-off "
+          f"{stats['hand_off']}")
     used = {k for k, n in enumerate(stats["depth_counts"]) if n}
     assert used == set(SCHEDULE), f"depths {stats['depth_counts']}, forced {SCHEDULE}"
+    # depth-0 requests sit between drafting ones: the compact rows differ from batch rows
+    assert stats["hand_off"]["checked"] > 0 and stats["hand_off"]["moved"] > 0
 
 
 @pytest.fixture(scope="module")
@@ -123,11 +129,11 @@ def wrong_hand_off(hand_off):
     different draft distribution, still verified against its own probs.)"""
 
     def handing_off_wrong_probs(*args, **kwargs):
-        drafts, probs = hand_off(*args, **kwargs)
-        if probs is not None:  # [R, max depth, V], zero rows where a request drafts less
+        drafts, probs, req_ids = hand_off(*args, **kwargs)
+        if probs is not None:  # [D, max depth, V], zero rows where a request drafts less
             sharpened = probs.pow(1.0 / WRONG_TEMPERATURE)
             probs.copy_(sharpened / sharpened.sum(-1, keepdim=True).clamp_min(1e-30))
-        return drafts, probs
+        return drafts, probs, req_ids
 
     return handing_off_wrong_probs
 

@@ -32,7 +32,7 @@ WATCH = ("propose", "from_runner", "commit", "_add_committed_keys", "add_committ
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--engine", choices=("plain", "triforce2"), required=True)
+    parser.add_argument("--engine", choices=("plain", "plain-sync", "triforce2"), required=True)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--prompt-tokens", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=2)
@@ -49,11 +49,12 @@ def main() -> None:
     model = str(ensure_model(args.model))
     ids = bench_prompts.book_prompts(model, args.prompt_tokens, args.batch)
     spec = None
-    if args.engine != "plain":
+    if args.engine.startswith("triforce"):
         spec = {"method": "triforce", "num_speculative_tokens": 6, "retrieval_budget": 512}
     llm = LLM(model, dtype="float32", enforce_eager=True, block_size=32, seed=0,
               max_model_len=args.prompt_tokens + args.max_tokens + 2 * 6 + 64,
-              speculative_config=spec)
+              speculative_config=spec,
+              **({"async_scheduling": False} if args.engine == "plain-sync" else {}))
     if spec:
         drafter_of(llm).depth.controller.forced = [0]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)

@@ -225,13 +225,14 @@ def test_middle_rounds_sync_once_each(device, greedy):
     states = [types.SimpleNamespace(generator=seeded if r == 3 else None, refresh=None,
                                     last_num_drafts=0) for r in range(len(greedy))]
     rows, depths = [0, 1, 2, 3], [6, 5, 0, 6]
-    buffer = torch.zeros(len(greedy), 6, VOCAB, device=device)
+    buffer = torch.zeros(3, 6, VOCAB, device=device)  # a row per drafting request
     loop.run(batch, states, rows, depths, buffer)  # warm-up
     loop.stats.rounds = 0
     with cuda_sync_warnings(device) as caught, SyncCounter(device_type=device) as counter:
         drafts_by_row = loop.run(batch, states, rows, depths, buffer)
         counter.mark("hand-off")
-        drafts, probs = hand_off(batch, states, drafts_by_row, dict(zip(rows, depths)), buffer)
+        drafts, probs, prob_req_ids = hand_off(batch, states, drafts_by_row,
+                                               dict(zip(rows, depths)), buffer)
     rounds = loop.stats.rounds
     assert rounds >= 2  # gamma1 = 2 per round for depth 6
     assert counter.counts_of("step") == [rounds], dict(counter.by_op)
@@ -239,7 +240,12 @@ def test_middle_rounds_sync_once_each(device, greedy):
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
     assert len(syncs) <= rounds, [str(w.message) for w in syncs]
     assert [len(d) for d in drafts] == depths
-    assert (probs is None) == all(greedy)
+    assert (probs is None) == all(greedy) == (prob_req_ids is None)
+    if probs is not None:  # the compact rows: drafting requests in order, each its own q
+        assert prob_req_ids == ["0", "1", "3"] and probs.shape == (3, 6, VOCAB)
+        for i, r in enumerate([0, 1, 3]):
+            q_of_drafts = probs[i, torch.arange(depths[r]), torch.tensor(drafts[r])]
+            assert bool((q_of_drafts > 0).all()), (r, q_of_drafts)
     if all(greedy):  # greedy middle tokens follow the target stand-in's argmax chain
         argmax = target.argmax(-1).tolist()
         for r in rows:

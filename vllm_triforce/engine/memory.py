@@ -13,10 +13,10 @@ buffers would come on top of `gpu_memory_utilization` and could OOM a GPU. So th
   `retrieval`), one more such vector in float32 (the keys' square deviations); plus, for `quest`,
   two more (per-channel key min and max); plus, only with `allow_full_key_copy`, a copy of
   every committed key (h2o, topk_oracle);
-* fixed: float32 distributions over the vocabulary, `vocabulary_rows`: per request of the
-  largest batch (`max_num_seqs`), the [gamma2, V] draft probabilities handed to vLLM
-  (preallocated once) and a middle round's rows; plus the temporaries of one chunk of
-  `sampling_probs`, whatever the batch.
+* fixed: float32 distributions over the vocabulary, `vocabulary_rows`: per drafting
+  request (at most MAX_DRAFTING_REQUESTS = 32 in a step, whatever `max_num_seqs`), the
+  [gamma2, V] draft probabilities handed to vLLM (preallocated once) and a middle round's
+  rows; plus the temporaries of one chunk of `sampling_probs`, whatever the batch.
 
 Worked example (SmolLM2-135M float32 on CPU, block 32, 30 layers × 3 KV heads × 64,
 no draft, 1 GiB budget, max_num_seqs 8, gamma2 6, V 49,152, `key_variance` false): a KV
@@ -34,11 +34,12 @@ Worked example at scale (Llama-3.1-8B, bf16 KV cache, block 16, 32 layers × 8 K
 request holds 8,192 blocks: 16 GiB of KV and 1.5 GiB of summaries. Of the ~52 GB left for
 the cache after 16 GB of weights and vLLM's activations at gpu_memory_utilization 0.9,
 about 22,700 blocks fit (≈ 2.8 requests of 128K). The fixed part (`vocabulary_rows`) is
-gamma2 = 6 rows of 128,256 × 4 B per `max_num_seqs` (the hand-off buffer vLLM reads by
-request row) plus the middle rounds' rows for at most 32 drafting requests and one sampling
-chunk: 15 MB at `--max-num-seqs 1`, 62 MB at 4 (the right setting for 128K contexts),
-1.2 GB at 256 and 3.5 GB at 1,024, of which the hand-off buffer is 0.8 and 3.2 GB (a
-compact buffer needs a patch of `GPUModelRunner._get_spec_decode_draft_probs`).
+17 rows of 128,256 × 4 B per drafting request (gamma2 = 6 of them the hand-off buffer)
+plus one sampling chunk, for at most 32 drafting requests whatever `max_num_seqs`: 15 MB
+at `--max-num-seqs 1`, 62 MB at 4 (the right setting for 128K contexts), 0.49 GB from 32
+sequences up (vLLM's default 1,024 included), of which the hand-off buffer is 0.1 GB.
+(Before the compact hand-off, patches/handoff_rows.py, the buffer had a row per
+`max_num_seqs`: 3.5 GB at 1,024.)
 """
 
 from __future__ import annotations
@@ -127,10 +128,11 @@ def vocabulary_rows(max_num_seqs: int, gamma2: int, gamma1: int) -> int:
     bound read from the code, which tests/test_memory_plan.py checks against the peak the
     torch memory profiler measures in `propose` (152K vocabulary, top-p, gamma2 6).
 
-    Per request of `max_num_seqs`, gamma2: the probabilities handed to vLLM (`hand_off`'s
-    buffer, preallocated; vLLM 0.32 reads it by request row), which the middle rounds write
-    into as they go (engine/middle.py). Per drafting request, at most MAX_DRAFTING_REQUESTS
-    of them in a step (engine/depth.py `cap_drafting`; a pass runs gamma1 + 1 tokens of one):
+    Per drafting request, at most MAX_DRAFTING_REQUESTS of them in a step (engine/depth.py
+    `cap_drafting`; a pass runs gamma1 + 1 tokens of one):
+    * gamma2: the probabilities handed to vLLM (`hand_off`'s buffer, preallocated, one row
+      per drafting request: patches/handoff_rows.py), which the middle rounds write into as
+      they go (engine/middle.py);
     * 3 (gamma1 + 1): the retrieval pass's logits, their distributions, and `verify`'s
       float32 copy of them;
     * gamma1 + 2 with a small draft: its proposals' distributions, one draft step's logits
@@ -141,9 +143,9 @@ def vocabulary_rows(max_num_seqs: int, gamma2: int, gamma1: int) -> int:
     SAMPLING_ROWS_PER_ROW temporaries each (a float32 copy, sort values, int64 order, softmax,
     cumulative mass, the mask; on CUDA the sort's own buffers)."""
     drafting = min(max_num_seqs, MAX_DRAFTING_REQUESTS)
-    per_request = 3 * (gamma1 + 1) + (gamma1 + 2 if gamma1 else 0) + 8
+    per_request = gamma2 + 3 * (gamma1 + 1) + (gamma1 + 2 if gamma1 else 0) + 8
     chunk = SAMPLING_ROWS_PER_ROW * min(SAMPLING_CHUNK_ROWS, drafting * (gamma1 + 1))
-    return max_num_seqs * gamma2 + drafting * per_request + chunk
+    return drafting * per_request + chunk
 
 
 def allocate_summaries(kinds: SummaryKinds, num_layers: int, num_blocks: int,

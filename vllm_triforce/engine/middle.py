@@ -53,10 +53,11 @@ class MiddleLoop:
     def run(self, batch, states, rows: list[int], num_drafts: list[int], probs_out: torch.Tensor,
             use_draft: bool = True, on_round=None) -> dict[int, RequestDrafts]:
         """Middle tokens for decoding `rows`: rows[i] gets at least num_drafts[i] (0: no middle
-        work at all). `probs_out` [max_num_seqs, gamma2, V] (the reserved buffer `hand_off`
-        gives vLLM): row r's k-th middle token's distribution goes to probs_out[r, k] as the
-        round that emits it ends (k < gamma2; nothing is written when every row is greedy),
-        so no round's distributions stay alive after it. `use_draft` False: the small draft
+        work at all). `probs_out` [at least the drafting rows, gamma2, V] (the reserved buffer
+        `hand_off` gives vLLM): the k-th middle token's distribution of the i-th drafting row
+        (`drafting_slots`) goes to probs_out[i, k] as the round that emits it ends (k < gamma2;
+        nothing is written when every row is greedy), so no round's distributions stay alive
+        after it. `use_draft` False: the small draft
         sits out (gamma1 = 0 this step). `on_round(use_draft, num_active, seconds,
         tokens_per_request)` hears every round's wall time (it ends in a device-to-host
         copy, so device work is included)."""
@@ -64,7 +65,8 @@ class MiddleLoop:
                          for r in rows}
         wanted = dict(zip(rows, num_drafts))
         gamma1 = self.gamma1 if use_draft else 0
-        measured = [r for r in rows if wanted[r] > 0]
+        slots = drafting_slots(wanted)
+        measured = list(slots)
         full_probs = (self._full_cache_probs(batch, drafts_by_row, measured) if self.measure
                       else None)
         # every row greedy: vLLM gets no draft probs and a round needs only argmaxes
@@ -75,7 +77,7 @@ class MiddleLoop:
                 return drafts_by_row
             sizes = [min(gamma1, wanted[r] - len(drafts_by_row[r].tokens)) for r in active]
             start = time.perf_counter()
-            emitted = self._round(batch, states, drafts_by_row, active, sizes,
+            emitted = self._round(batch, states, drafts_by_row, active, sizes, slots,
                                   None if argmax_only else probs_out)
             more = [r for r in active if len(drafts_by_row[r].tokens) < wanted[r]]
             if more:  # next round's blocks, from the newest middle tokens' queries
@@ -85,7 +87,7 @@ class MiddleLoop:
                          emitted / len(active))
             self.stats.add(middle_rounds=1)
             if full_probs is not None:  # first round: q at the first middle position
-                q = probs_out[to_device(probs_out.device, measured)[0], 0]
+                q = probs_out[:len(measured), 0]  # the measured rows are the first slots
                 self.stats.add(middle_pq_sum=float(torch.minimum(full_probs, q).sum()),
                                middle_pq_count=len(measured))
                 full_probs = None
@@ -98,11 +100,11 @@ class MiddleLoop:
             [drafts_by_row[r].position for r in rows])
 
     def _round(self, batch, states, drafts_by_row, active: list[int], sizes: list[int],
-               probs_out: torch.Tensor | None) -> int:
+               slots: dict[int, int], probs_out: torch.Tensor | None) -> int:
         """One round for requests `active`, request active[i] proposing sizes[i] tokens;
         returns the middle tokens it added over all of them. `probs_out` None: every
         request is greedy and nobody reads the middle distributions (argmax only); else
-        `run`'s buffer. Everything stays on the device until the round's one device-to-host
+        `run`'s buffer, row r's rows at slots[r]. Everything stays on the device until the round's one device-to-host
         copy of what decides the next round: accepted counts and emitted tokens."""
         argmax_only = probs_out is None
         proposals, proposal_probs = None, None  # [A, max(sizes)] and [A, max(sizes), V]
@@ -138,7 +140,7 @@ class MiddleLoop:
         host = torch.cat([result.num_accepted[:, None], result.output_token_ids], 1).tolist()
         if target_probs is not None:  # each row's new middle tokens' distributions
             self._keep_probs(drafts_by_row, active, [row[0] + 1 for row in host], target_probs,
-                             probs_out)
+                             [slots[r] for r in active], probs_out)
         for i, r in enumerate(active):
             accepted = host[i][0]
             drafts_by_row[r].query_row = first_rows[i] + accepted  # input `accepted`: newest kept
@@ -147,18 +149,19 @@ class MiddleLoop:
 
     @staticmethod
     def _keep_probs(drafts_by_row, active: list[int], emitted: list[int],
-                    target_probs: torch.Tensor, probs_out: torch.Tensor) -> None:
+                    target_probs: torch.Tensor, slots: list[int],
+                    probs_out: torch.Tensor) -> None:
         """Copy request active[i]'s first emitted[i] rows of target_probs [A, width, V] to
-        probs_out[active[i], k, :] after its earlier middle tokens (k < gamma2), with one
+        probs_out[slots[i], k, :] after its earlier middle tokens (k < gamma2), with one
         index copy: the round's tensors are freed when the round ends."""
         gamma2 = probs_out.shape[1]
         src, dst_row, dst_slot = [], [], []
         width = target_probs.shape[1]
-        for i, (r, n) in enumerate(zip(active, emitted)):
+        for i, (r, n, slot) in enumerate(zip(active, emitted, slots)):
             first = len(drafts_by_row[r].tokens)
             for j in range(min(n, gamma2 - first)):
                 src.append(i * width + j)
-                dst_row.append(r)
+                dst_row.append(slot)
                 dst_slot.append(first + j)
         if src:
             src, dst_row, dst_slot = to_device(probs_out.device, src, dst_row, dst_slot)
@@ -237,21 +240,29 @@ def _per_request(token_rows: torch.Tensor, shape: tuple[int, int], owner: torch.
     return out
 
 
+def drafting_slots(depths: dict[int, int]) -> dict[int, int]:
+    """Row -> its row in the hand-off buffer: the drafting rows (depth > 0), in order.
+    Example: {0: 3, 2: 0, 5: 6} -> {0: 0, 5: 1}."""
+    return {r: i for i, r in enumerate(r for r, k in depths.items() if k > 0)}
+
+
 def hand_off(batch, states, drafts_by_row: dict[int, RequestDrafts], depths: dict[int, int],
              probs_buffer: torch.Tensor):
     """What vLLM gets: one draft list per request (`depths[r]` tokens for decoding row r,
     [] for the others) and, unless every drafting row is greedy, their probs
-    [R, max depth, V]: a view of `probs_buffer` [max_num_seqs, gamma2, V], preallocated and
-    reserved (engine/memory.py), which `MiddleLoop.run` filled. vLLM reads row r's first
-    len(drafts[r]) entries (vllm/v1/worker/gpu_model_runner.py,
-    `_get_spec_decode_draft_probs`, 0.32.0); the others are not cleared. Each row must hold
-    at least its depth in middle tokens."""
+    [D, max depth, V] with the request ids of its D rows: a view of `probs_buffer`
+    [MAX_DRAFTING_REQUESTS or fewer, gamma2, V], preallocated and reserved (engine/memory.py),
+    which `MiddleLoop.run` filled by `drafting_slots`. vLLM finds a request's row by its id
+    and reads its first len(drafts[r]) entries (vllm/v1/worker/gpu_model_runner.py,
+    `_get_spec_decode_draft_probs`, 0.32.0; the `handoff_rows` patch hands it these ids);
+    the others are not cleared. Each row must hold at least its depth in middle tokens."""
     drafts: list[list[int]] = [[] for _ in range(batch.num_reqs)]
-    drafting = [r for r, k in depths.items() if k > 0]
-    probs = None
-    if drafting and not all(batch.greedy[r] for r in drafting):
-        probs = probs_buffer[:batch.num_reqs, :max(depths.values())]
+    slots = drafting_slots(depths)
+    probs, req_ids = None, None
+    if slots and not all(batch.greedy[r] for r in slots):
+        probs = probs_buffer[:len(slots), :max(depths.values())]
+        req_ids = [batch.req_ids[r] for r in slots]
     for r, k in depths.items():
         drafts[r] = drafts_by_row[r].tokens[:k]
         states[r].last_num_drafts = k
-    return drafts, probs
+    return drafts, probs, req_ids

@@ -64,13 +64,12 @@ from vllm_triforce.engine.batch import StepBatch
 from vllm_triforce.engine.draft_level import DraftLevel, draft_window
 from vllm_triforce.engine.forward import metadata_path
 from vllm_triforce.engine.memory import MemoryPlan, allocate_summaries, summary_dtype
-from vllm_triforce.engine.depth import DepthChooser
+from vllm_triforce.engine.depth import MAX_DRAFTING_REQUESTS, DepthChooser
 from vllm_triforce.engine.middle import MiddleLoop, hand_off
 from vllm_triforce.engine.paged_keys import paged_keys_for
 from vllm_triforce.engine.retrieval_level import RetrievalLevel
 from vllm_triforce.engine.state import RequestState, StateTable
 from vllm_triforce.engine.stats import TriForceStats
-from vllm_triforce.engine.transfer import to_device
 
 logger = init_logger("vllm.triforce")
 
@@ -88,6 +87,8 @@ class TriForceProposer(DraftModelProposer):
         self.forced_settings = forced_settings(vllm_config)
         self.reserved_bytes = 0  # set by reserve_memory (patches/kv_reservation.py)
         self._probs_buffer: torch.Tensor | None = None
+        self._last_draft_probs = None
+        self._last_draft_prob_req_ids: list[str] | None = None
         self.has_draft = self.cfg.model is not None
         self.blocks = self.cfg.in_blocks(vllm_config.cache_config.block_size)
         if self.has_draft:
@@ -149,9 +150,10 @@ class TriForceProposer(DraftModelProposer):
             dtype=summary_dtype(kv_dtype, self.vllm_config.model_config.dtype),
             device=self.device)
         sched = self.vllm_config.scheduler_config
-        # [max_num_seqs, gamma2, V]: the draft probabilities handed to vLLM, reused per step.
+        # [D, gamma2, V]: the draft probabilities handed to vLLM, one row per drafting request
+        # (at most MAX_DRAFTING_REQUESTS a step), reused per step (patches/handoff_rows.py).
         self._probs_buffer = torch.zeros(
-            sched.max_num_seqs, self.cfg.num_speculative_tokens,
+            min(sched.max_num_seqs, MAX_DRAFTING_REQUESTS), self.cfg.num_speculative_tokens,
             self.vllm_config.model_config.get_vocab_size(), dtype=torch.float32,
             device=self.device)
         backend = self.runner.attn_groups[0][0].backend.get_name()
@@ -233,12 +235,16 @@ class TriForceProposer(DraftModelProposer):
     def take_last_draft_probs(self):
         return self._last_draft_probs
 
+    def last_draft_prob_req_ids(self) -> list[str] | None:
+        """The request of each row of `take_last_draft_probs()` (patches/handoff_rows.py)."""
+        return self._last_draft_prob_req_ids
+
     # ---- one step -------------------------------------------------------------------
     def propose(self, num_speculative_tokens, target_token_ids, target_positions,
                 target_hidden_states, next_token_ids, token_indices_to_sample,
                 common_attn_metadata, sampling_metadata, mm_embed_inputs=None,
-                num_rejected_tokens_gpu=None, slot_mappings=None) -> torch.Tensor:
-        self._last_draft_probs = None
+                num_rejected_tokens_gpu=None, slot_mappings=None) -> list[list[int]]:
+        self._last_draft_probs, self._last_draft_prob_req_ids = None, None
         start = time.perf_counter()
         batch = StepBatch.from_runner(self.runner, common_attn_metadata, target_token_ids,
                                       next_token_ids, num_rejected_tokens_gpu,
@@ -248,23 +254,23 @@ class TriForceProposer(DraftModelProposer):
         self.capture.enabled = False
         try:
             states = [self.states.get(r, self._new_state) for r in batch.req_ids]
-            drafts, probs = self._step(batch, states, num_speculative_tokens, start)
+            drafts, probs, prob_req_ids = self._step(batch, states, num_speculative_tokens,
+                                                     start)
         finally:
             self.capture.enabled = True
             self.capture.clear()
-        self._last_draft_probs = probs
+        self._last_draft_probs, self._last_draft_prob_req_ids = probs, prob_req_ids
         self.depth.end(drafting=any(drafts), start=start)
         self.stats.add(middle_seconds=time.perf_counter() - start)
         self._publish_stats()
-        if self.cfg.adaptive:
-            return drafts  # one list per request, [] allowed: vLLM's variable-length path
-        flat = [t for d in drafts for t in (d or [0] * num_speculative_tokens)]
-        return to_device(self.device, flat)[0].reshape(batch.num_reqs, -1)
+        # one list per request, [] allowed (vLLM's variable-length path), also at a fixed
+        # depth: a request over the drafting cap, or prefilling, gets no draft
+        return drafts
 
     def _step(self, batch, states, max_depth: int, start: float):
         """commit -> plan -> select -> middle loop -> hand-off. Returns one draft list per
-        request and their probs [R, max depth, V] (None when every drafting request is greedy
-        or none drafts). `max_depth`: this step's bound from vLLM (num_speculative_tokens,
+        request, the drafting requests' probs [D, max depth, V] and their request ids (None,
+        None when every drafting request is greedy or none drafts). `max_depth`: this step's bound from vLLM (num_speculative_tokens,
         or Dynamic SD's entry for the batch size)."""
         if self.draft is not None:
             self.draft.invalidate(batch, states)
@@ -279,7 +285,7 @@ class TriForceProposer(DraftModelProposer):
         depths, use_draft = self.depth.plan([batch.req_ids[r] for r in rows], max_depth)
         drafting = [r for r, k in zip(rows, depths) if k > 0]
         if not drafting:
-            return [[] for _ in range(batch.num_reqs)], None
+            return [[] for _ in range(batch.num_reqs)], None, None
         self.retrieval.select(batch, states, drafting)
         drafts_by_row = self.middle.run(batch, states, rows, depths, self._probs_buffer,
                                         use_draft and self.draft is not None,
