@@ -22,7 +22,8 @@ import types
 import pytest
 import torch
 
-from engine_helpers import assert_drafted, free_llm, make_engine_kwargs, record_rerank_calls
+from engine_helpers import (assert_drafted, drafter_of, free_llm, make_engine_kwargs,
+                            record_rerank_calls)
 from test_triforce_engine import generate, three_level, two_level
 
 pytestmark = pytest.mark.engine
@@ -55,13 +56,16 @@ def on(backend: str) -> dict:
 
 
 _RUNS: dict = {}
+_PLANS: dict = {}  # run key -> the TriForce engine's MemoryPlan
 
 
 def run(model, backend, spec=None):
     """(tokens, TriForce stats) of the shared prompts, cached: each engine is built once."""
     key = (model, backend, None if spec is None else repr(sorted(spec.items())))
     if key not in _RUNS:
-        _RUNS[key] = generate(model, spec, **on(backend))[:2]
+        keep_plan = (lambda llm: _PLANS.__setitem__(key, drafter_of(llm).memory_plan())
+                     ) if spec else None
+        _RUNS[key] = generate(model, spec, on_engine=keep_plan, **on(backend))[:2]
     return _RUNS[key]
 
 
@@ -117,6 +121,37 @@ def test_flex_layers_keep_their_own_tables(tiny_llama):
             assert torch.equal(meta.physical_to_logical[:2], expected), name
             used = meta.block_mask.kv_indices[0, 0, 0, :meta.block_mask.kv_num_blocks[0, 0, 0]]
             assert set(used.tolist()) - {0} == set(table.flatten().tolist()) - {0}, name
+        assert_builders_within_plan(group)
+
+
+def assert_builders_within_plan(group) -> None:
+    """The per-layer builders are made for a middle pass's limits (`per_layer_limits`), and
+    what each keeps after a build fits `per_layer_builder_bytes`, which MemoryPlan reserves."""
+    from vllm_triforce.engine import forward
+
+    layer_groups = forward._LAYER_GROUPS[group]
+    assert set(layer_groups) == set(group.layer_names)
+    config = group.get_metadata_builder().vllm_config
+    requests, tokens = forward.per_layer_limits(config)
+    assert requests == min(config.scheduler_config.max_num_seqs, 32) < \
+        config.scheduler_config.max_num_seqs
+    per_block, fixed = forward.per_layer_builder_bytes("FLEX_ATTENTION", config, 32)
+    for layer_group in layer_groups.values():
+        builder = layer_group.get_metadata_builder()
+        assert builder.vllm_config.scheduler_config.max_num_seqs == requests
+        kept = _tensor_bytes(builder)
+        print(f"per-layer builder keeps {kept} B; planned {per_block * NUM_BLOCKS + fixed} B")
+        assert 0 < kept <= per_block * NUM_BLOCKS + fixed
+
+
+def _tensor_bytes(builder) -> int:
+    """Bytes of the tensors a builder holds (CpuGpuBuffer: both copies)."""
+    total = 0
+    for value in vars(builder).values():
+        for tensor in (value, getattr(value, "cpu", None), getattr(value, "gpu", None)):
+            if isinstance(tensor, torch.Tensor):
+                total += tensor.nbytes
+    return total
 
 
 def test_stateless_backend_builds_once_per_pass(tiny_llama, monkeypatch):
@@ -173,6 +208,23 @@ print("unchanged")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0 and "unchanged" in out.stdout, out.stderr[-2000:]
+
+
+def test_plan_reserves_the_per_layer_builders(tiny_llama):
+    """A FLEX engine's MemoryPlan adds, over CPU_ATTN's, one per-layer builder per target
+    layer (and one build's transient block map), as `per_layer_builder_bytes` sizes them."""
+    from vllm_triforce.engine.depth import MAX_DRAFTING_REQUESTS
+
+    run(tiny_llama, "CPU_ATTN", two_level())
+    run(tiny_llama, "FLEX_ATTENTION", two_level())
+    key = repr(sorted(two_level().items()))
+    stateless = _PLANS[(tiny_llama, "CPU_ATTN", key)]
+    flex = _PLANS[(tiny_llama, "FLEX_ATTENTION", key)]
+    layers, requests = 2, MAX_DRAFTING_REQUESTS  # tiny_llama; max_num_seqs is vLLM's 256
+    assert flex.kv_bytes_per_block == stateless.kv_bytes_per_block
+    assert flex.summary_bytes_per_block - stateless.summary_bytes_per_block == \
+        (layers + 1) * 8 * requests
+    assert flex.fixed_bytes > stateless.fixed_bytes
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -145,6 +145,17 @@ def test_split_pass_leaves_small_passes_alone():
     assert chunk is inputs and list(rows) == [0, 1]
 
 
+def test_split_pass_by_requests():
+    """Per-layer builders take at most `max_reqs` requests a pass: five one-token requests,
+    at most two per chunk (and 8 tokens), give chunks of rows 0-1, 2-3, 4."""
+    inputs = _inputs([1] * 5, [10, 11, 12, 13, 14], sample_rows=[0, 1, 2, 3, 4])
+    chunks = list(split_pass(inputs, 8, max_reqs=2))
+    assert [list(rows) for _, rows in chunks] == [[0, 1], [2, 3], [4]]
+    assert [c.seq_lens for c, _ in chunks] == [[10, 11], [12, 13], [14]]
+    assert [c.input_ids.tolist() for c, _ in chunks] == [[0, 1], [2, 3], [4]]
+    assert [c.sample_rows for c, _ in chunks] == [[0, 1], [0, 1], [0]]
+
+
 def test_run_asserts_the_compiled_range():
     config = types.SimpleNamespace(
         scheduler_config=types.SimpleNamespace(max_num_batched_tokens=4))

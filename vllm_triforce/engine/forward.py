@@ -22,6 +22,7 @@ import torch
 from vllm.forward_context import set_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
+from vllm_triforce.engine.depth import MAX_DRAFTING_REQUESTS
 from vllm_triforce.engine.transfer import to_device
 from vllm_triforce.engine_settings import check_attention_backend
 
@@ -135,9 +136,14 @@ METADATA_PATHS = {
     # paged_kv_indices. Per-layer builders share one workspace, as vLLM's V2 runner does.
     "FLASHINFER": BUILDER_PER_LAYER,
     # flex_attention.py ~1026-1072: physical_to_logical (read by the mask), kv_indices,
-    # kv_num_blocks are persistent. Costs [max_num_seqs, num_blocks] int64 per layer.
+    # kv_num_blocks are persistent: [requests, num_blocks] int64 per layer, at
+    # `per_layer_limits` (reserved: `per_layer_builder_bytes`).
     "FLEX_ATTENTION": BUILDER_PER_LAYER,
 }
+# FlashInfer's prefill and decode wrappers each keep an 8 MiB int workspace of their own
+# (the float workspace is shared, `_share_workspace`); an allowance read from FlashInfer's
+# wrapper constructors, not measured here (no GPU in CI).
+FLASHINFER_WRAPPER_BYTES = 2 * 8 * 2**20
 # Extra builders, built once: attention group -> layer name -> one-layer group.
 _LAYER_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -228,9 +234,62 @@ def _build_per_layer(group, inputs: PassInputs, by_table) -> dict:
     return metas
 
 
+def per_layer_limits(vllm_config) -> tuple[int, int]:
+    """(requests, tokens) of one pass through per-layer builders: a middle pass holds at most
+    MAX_DRAFTING_REQUESTS requests (engine/depth.py) of at most draft_tokens_per_round + 1
+    tokens (`run_pass` splits any larger pass, e.g. the acceptance teacher's, to fit). The
+    per-layer builders are made for these limits, not the runner's max_num_seqs and
+    max_num_batched_tokens, which size their persistent buffers: FLEX_ATTENTION's for
+    Llama-3.1-8B at 128K, 1,024 sequences and 8,192 batched tokens would hold ~0.7 GB per
+    layer, ~23 GB for the 32 layers; at these limits ~12 MB per layer."""
+    from vllm_triforce.config import TriForceConfig, triforce_settings
+
+    sched = vllm_config.scheduler_config
+    requests = min(sched.max_num_seqs, MAX_DRAFTING_REQUESTS)
+    gamma1 = 0
+    if triforce_settings(vllm_config) is not None:
+        cfg = TriForceConfig.from_vllm_config(vllm_config)
+        gamma1 = cfg.draft_tokens_per_round if cfg.model is not None else 0
+    return requests, min(sched.max_num_batched_tokens, requests * (gamma1 + 1))
+
+
+def per_layer_builder_bytes(backend_name: str, vllm_config, block_size: int) -> tuple[int, int]:
+    """(bytes per KV block, fixed bytes) that ONE per-layer builder (BUILDER_PER_LAYER) keeps,
+    at `per_layer_limits` (R requests, T tokens), P = pages of a max_model_len request; read
+    from vLLM 0.32.0's builders (tests/test_flex_backend.py measures FLEX's on CPU):
+    FLEX_ATTENTION: physical_to_logical [R, num_blocks] int64 (per block), kv_indices
+    [cdiv(T, q) * q, P] and R-SWA kv_indices [T, P + 1] int32, and [T]- and [R]-sized int32
+    vectors (q = its query block, 16 or 128 or attention_config's, rounded up here to 128);
+    FLASHINFER: paged_kv_indices [R * P] int32, its indptr and last-page vectors (host and
+    device), FLASHINFER_WRAPPER_BYTES. Stateless backends: none."""
+    if METADATA_PATHS.get(backend_name) != BUILDER_PER_LAYER:
+        return 0, 0
+    requests, tokens = per_layer_limits(vllm_config)
+    pages = -(-vllm_config.model_config.max_model_len // block_size)
+    if backend_name == "FLEX_ATTENTION":
+        q_block = max(128, getattr(vllm_config.attention_config, "flex_attn_q_block_size",
+                                   None) or 0)
+        query_groups = -(-tokens // 16)
+        fixed = 4 * ((-(-tokens // q_block) * q_block) * pages + tokens * (pages + 1)
+                     + query_groups + 3 * tokens + 4 * requests + 1)
+        return 8 * requests, fixed
+    return 0, 4 * (requests * pages + 2 * (2 * requests + 1)) + FLASHINFER_WRAPPER_BYTES
+
+
+def _limited_config(vllm_config):
+    """`vllm_config` with the scheduler's limits cut to `per_layer_limits` (shallow copies:
+    everything else is the runner's own)."""
+    requests, tokens = per_layer_limits(vllm_config)
+    limited, sched = copy.copy(vllm_config), copy.copy(vllm_config.scheduler_config)
+    sched.max_num_seqs, sched.max_num_batched_tokens = requests, tokens
+    limited.scheduler_config = sched
+    return limited
+
+
 def _layer_group(group, layer_name: str):
     """A one-layer copy of `group` with its own metadata builder (and kernel-block buffer),
-    created the way vLLM's runner creates a group's builders, cached for the engine's life."""
+    created the way vLLM's runner creates a group's builders but for `per_layer_limits`,
+    cached for the engine's life."""
     per_layer = _LAYER_GROUPS.setdefault(group, {})
     if layer_name not in per_layer:
         from vllm.v1.worker.utils import AttentionGroup
@@ -240,7 +299,7 @@ def _layer_group(group, layer_name: str):
             backend=group.backend, layer_names=[layer_name], kv_cache_spec=group.kv_cache_spec,
             kv_cache_group_id=group.kv_cache_group_id,
             kernel_block_stride=group.kernel_block_stride)
-        layer_group.create_metadata_builders(source.vllm_config, source.device,
+        layer_group.create_metadata_builders(_limited_config(source.vllm_config), source.device,
                                              kernel_block_size=group.kernel_block_size)
         _share_workspace(source, layer_group.get_metadata_builder())
         per_layer[layer_name] = layer_group
@@ -287,8 +346,12 @@ def run_pass(model, vllm_config, groups, inputs: PassInputs, tables,
     model forwards goes to `stats.forward_seconds`; everything else the proposer does
     (metadata included) is host work. On a GPU that time is the device's only where
     VLLM_TRIFORCE_TIME_FORWARDS=1 (a sync per pass); else it is the launches'."""
-    limit = vllm_config.scheduler_config.max_num_batched_tokens
-    chunks = list(split_pass(inputs, limit))
+    limit, max_reqs = vllm_config.scheduler_config.max_num_batched_tokens, None
+    if isinstance(tables, dict) and any(metadata_path(g.backend.get_name()) == BUILDER_PER_LAYER
+                                        for g in groups):  # per-layer builders' limits
+        max_reqs, tokens = per_layer_limits(vllm_config)
+        limit = min(limit, tokens)
+    chunks = list(split_pass(inputs, limit, max_reqs))
     logits = []
     for chunk, rows in chunks:
         chunk_tables = tables if len(chunks) == 1 else _rows_of(tables, rows)
@@ -314,9 +377,10 @@ def _rows_of(tables, rows: range):
     return {name: by_id[id(t)] for name, t in tables.items()}
 
 
-def split_pass(inputs: PassInputs, max_tokens: int):
-    """Yield (chunk, request_rows) with at most `max_tokens` tokens each; request_rows is a
-    range of consecutive requests (the chunk's rows are consecutive tokens).
+def split_pass(inputs: PassInputs, max_tokens: int, max_reqs: int | None = None):
+    """Yield (chunk, request_rows) with at most `max_tokens` tokens (and `max_reqs`
+    requests) each; request_rows is a range of consecutive requests (the chunk's rows are
+    consecutive tokens).
 
     A request's query tokens may be split across chunks, in order. A piece holding query
     tokens [a, b) of a request whose query is [s, e) keeps the request's compacted row up
@@ -326,7 +390,8 @@ def split_pass(inputs: PassInputs, max_tokens: int):
     Example, max_tokens 4, two requests with queries of 3 and 5 tokens (rows 0-2, 3-7):
     chunks hold rows {0-2, 3}, {4-7}; the second request's seq_len drops by 4 in chunk 1.
     """
-    if inputs.num_tokens <= max_tokens:
+    if inputs.num_tokens <= max_tokens and (max_reqs is None
+                                            or len(inputs.seq_lens) <= max_reqs):
         yield inputs, range(len(inputs.seq_lens))
         return
     assert all(a < b for a, b in zip(inputs.sample_rows[:-1], inputs.sample_rows[1:]))
@@ -335,6 +400,9 @@ def split_pass(inputs: PassInputs, max_tokens: int):
     qsl = inputs.query_start_loc
     for r in range(len(qsl) - 1):
         a, e = qsl[r], qsl[r + 1]
+        if pieces and max_reqs is not None and r - pieces[0][0] == max_reqs:
+            yield _chunk(inputs, pieces)
+            pieces, room = [], max_tokens
         while a < e:
             if room == 0:
                 yield _chunk(inputs, pieces)

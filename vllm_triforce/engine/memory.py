@@ -13,6 +13,11 @@ buffers would come on top of `gpu_memory_utilization` and could OOM a GPU. So th
   `retrieval`), one more such vector in float32 (the keys' square deviations); plus, for `quest`,
   two more (per-channel key min and max); plus, only with `allow_full_key_copy`, a copy of
   every committed key (h2o, topk_oracle);
+* with a stateful attention backend (FLEX_ATTENTION, FLASHINFER), one metadata builder per
+  target layer for the middle level's per-layer tables, made for a middle pass's limits
+  (engine/forward.py `per_layer_limits`, `per_layer_builder_bytes`): FLEX's block map is
+  8 B per block per drafting request and layer (Llama-3.1-8B, 32 drafting requests: 8.3 KiB
+  per 2 MiB block), its index tables ~8 MB per layer at 128K;
 * fixed: float32 distributions over the vocabulary, `vocabulary_rows`: per drafting
   request (at most MAX_DRAFTING_REQUESTS = 32 in a step, whatever `max_num_seqs`), the
   [gamma2, V] draft probabilities handed to vLLM (preallocated once) and a middle round's
@@ -65,23 +70,26 @@ SAMPLING_ROWS_PER_ROW = 13
 @dataclass(frozen=True)
 class MemoryPlan:
     kv_bytes_per_block: int       # every layer of the KV-cache group (target and draft)
-    summary_bytes_per_block: int  # TriForce's per-block state
-    fixed_bytes: int              # probability buffers for the largest batch
+    summary_bytes_per_block: int  # TriForce's per-block state (and per-layer builders')
+    fixed_bytes: int              # probability buffers (and per-layer builders' fixed part)
 
     @classmethod
     def for_engine(cls, kv_bytes_per_block: int, num_target_layers: int, num_kv_heads: int,
                    head_dim: int, block_size: int, kv_dtype_bytes: int, kinds: SummaryKinds,
                    max_num_seqs: int, gamma2: int, gamma1: int,
-                   vocab_size: int) -> "MemoryPlan":
+                   vocab_size: int, builders: tuple[int, int] = (0, 0)) -> "MemoryPlan":
         """`kinds`: the optional block state kept (TriForceConfig.summary_kinds(), which
         the proposer also allocates from). `kv_dtype_bytes`: the bytes of `summary_dtype`,
-        the summaries' element (the KV cache's element unless that is fp8 or int8)."""
+        the summaries' element (the KV cache's element unless that is fp8 or int8).
+        `builders`: (bytes per block, fixed bytes) of the per-layer attention-metadata
+        builders a stateful backend needs (engine/forward.py `per_layer_builder_bytes`)."""
         key_bytes = num_target_layers * num_kv_heads * head_dim * kv_dtype_bytes
         summary = (key_bytes + COUNT_BYTES + (key_bytes * block_size if kinds.keep_keys else 0)
                    + (2 * key_bytes if kinds.keep_bounds else 0)
                    + (key_bytes // kv_dtype_bytes * FLOAT32_BYTES if kinds.keep_variance else 0))
-        return cls(kv_bytes_per_block, summary,
-                   vocabulary_rows(max_num_seqs, gamma2, gamma1) * vocab_size * FLOAT32_BYTES)
+        return cls(kv_bytes_per_block, summary + builders[0],
+                   vocabulary_rows(max_num_seqs, gamma2, gamma1) * vocab_size * FLOAT32_BYTES
+                   + builders[1])
 
     def kv_budget(self, available: int) -> int:
         """Bytes vLLM may give the KV cache so that KV + summaries + fixed fit `available`."""

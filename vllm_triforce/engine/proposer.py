@@ -62,7 +62,7 @@ from vllm_triforce.core.summaries import BlockSummaries
 from vllm_triforce.engine import capture
 from vllm_triforce.engine.batch import StepBatch
 from vllm_triforce.engine.draft_level import DraftLevel, draft_window
-from vllm_triforce.engine.forward import metadata_path
+from vllm_triforce.engine.forward import metadata_path, per_layer_builder_bytes
 from vllm_triforce.engine.memory import MemoryPlan, allocate_summaries, summary_dtype
 from vllm_triforce.engine.depth import MAX_DRAFTING_REQUESTS, DepthChooser
 from vllm_triforce.engine.middle import MiddleLoop, hand_off
@@ -216,7 +216,16 @@ class TriForceProposer(DraftModelProposer):
             max_num_seqs=self.vllm_config.scheduler_config.max_num_seqs,
             gamma2=self.cfg.num_speculative_tokens,
             gamma1=self.cfg.draft_tokens_per_round if self.has_draft else 0,
-            vocab_size=self.vllm_config.model_config.get_vocab_size())
+            vocab_size=self.vllm_config.model_config.get_vocab_size(),
+            builders=self._builder_bytes(target.block_size))
+
+    def _builder_bytes(self, block_size: int) -> tuple[int, int]:
+        """The per-layer builders of a stateful backend (one per target layer), plus one
+        build's transient block map (FLEX: `physical_to_logical_mapping`)."""
+        backend = self.target_layers[0].attn_backend.get_name()
+        per_block, fixed = per_layer_builder_bytes(backend, self.vllm_config, block_size)
+        layers = len(self.target_layers)
+        return (layers + 1) * per_block, layers * fixed
 
     def reserve_memory(self, available: int) -> int:
         """Called with the bytes vLLM would turn into KV blocks; returns the smaller budget
