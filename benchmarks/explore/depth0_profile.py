@@ -38,6 +38,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--depth", type=int, default=0,
+                        help="the depth TriForce is forced to (0: the issue-26 case)")
     args = parser.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -56,7 +58,7 @@ def main() -> None:
               speculative_config=spec,
               **({"async_scheduling": False} if args.engine == "plain-sync" else {}))
     if spec:
-        drafter_of(llm).depth.controller.forced = [0]
+        drafter_of(llm).depth.controller.forced = [args.depth]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in ids]
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
