@@ -244,7 +244,8 @@ class RetrievalPolicy(SelectionPolicy):
         counts = summaries.counts[blocks.clamp(min=0)].clamp(min=1).float()  # [R, L, S]
         per_chunk = []  # the listed blocks' rows read by `gather_chunks` of the S axis
         for c in gather_chunks(summaries.sums, blocks[:, 0]):
-            terms = [(w, summaries.layer_key_sums(blocks[..., c], store)[0])
+            rows = summaries.layer_rows(blocks[..., c])  # one index for every store read
+            terms = [(w, summaries.rows_of(store, rows))
                      for w, store in weights]  # [R, L, s, H, D] each
             if self.aggregation == "sum":
                 per_chunk.append(sum(torch.einsum("rlk,rlsk->rls", w.sum(3).flatten(2),

@@ -231,13 +231,22 @@ class BlockSummaries:
         touches S scores instead of S * H * D channels: measured 6x faster on a CPU).
         `store`: another [L, num_blocks, H, D] per-block state to read instead of the sums
         (`deviations()`: the variances' numerators)."""
-        store = self.sums if store is None else store
+        ids = on_device(blocks, self.device, torch.long).clamp(min=0)
+        return (self.rows_of(self.sums if store is None else store, self.layer_rows(ids)),
+                self.counts[ids].clamp(min=1))
+
+    def layer_rows(self, blocks: Tensor) -> Tensor:
+        """blocks [R, L, S] physical ids (-1 reads as block 0) -> [R, L, S] rows of a store
+        viewed as [L * num_blocks, H * D]: compute once, read several stores (`rows_of`)."""
         ids = on_device(blocks, self.device, torch.long).clamp(min=0)
         layer = torch.arange(self.num_layers, device=self.device)[None, :, None]
-        rows = (layer * self.num_blocks + ids).flatten()
-        sums = store.view(self.num_layers * self.num_blocks, -1).index_select(0, rows)
-        return (sums.view(*ids.shape, self.num_kv_heads, self.head_dim),
-                self.counts[ids].clamp(min=1))
+        return layer * self.num_blocks + ids
+
+    def rows_of(self, store: Tensor, rows: Tensor) -> Tensor:
+        """store [L, num_blocks, H, D] at `layer_rows` [R, L, S] -> [R, L, S, H, D], one
+        row gather."""
+        picked = store.view(self.num_layers * self.num_blocks, -1).index_select(0, rows.flatten())
+        return picked.view(*rows.shape, self.num_kv_heads, self.head_dim)
 
     def bounds(self, layer: int, block_table: Tensor) -> tuple[Tensor, Tensor]:
         """One layer's key bounds: block_table [R, B] physical ids -> (mins, maxs), each

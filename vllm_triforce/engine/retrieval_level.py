@@ -70,6 +70,7 @@ class RetrievalLevel:
         # physical block id -> content key (`_block_contents`) of the summaries set there:
         # a block another request summarised (a prefix-cache hit) is not set again
         self._summarised: dict[int, int] = {}
+        self._summarised_rows: set[int] = set()  # rows whose blocks are set, this step
         self.stats = stats
         self.device = device
         self._pass_queries: list | None = None  # per layer, the last `forward`'s queries
@@ -80,6 +81,7 @@ class RetrievalLevel:
         that became final into the block summaries. `judged_alone`: the drafts were this
         level's own (no small draft), so they also count toward its refresh acceptance.
         Returns (row, drafts verified, accepted) for every request whose drafts were judged."""
+        self._summarised_rows.clear()  # a new step: committed lengths and blocks moved
         verified = []
         for r in range(batch.num_reqs):
             # This pass verified our drafts iff it ran at most the drafts we handed vLLM last
@@ -154,9 +156,13 @@ class RetrievalLevel:
         into new blocks after preemption sets them again); any other block is skipped only
         when the summaries set at its physical id were set for the same content (same
         tokens after the same prefix: a prefix-cache hit on a block another request
-        summarised). Reads at most SCORE_CHUNK_BYTES of keys at a time."""
-        if not self.lazy:
+        summarised). Reads at most SCORE_CHUNK_BYTES of keys at a time. A row done earlier
+        in the step is not looked at again (committed tokens and blocks change only between
+        steps; the middle rounds re-select up to once per round)."""
+        rows = [r for r in rows if r not in self._summarised_rows]
+        if not self.lazy or not rows:
             return
+        self._summarised_rows.update(rows)
         bs = self.blocks.block_size
         owners, logical = [], []
         for r in rows:
@@ -257,7 +263,15 @@ class RetrievalLevel:
 
     def _queries_at(self, layer_queries: list, rows: torch.Tensor) -> torch.Tensor:
         """layer_queries[l] [num_tokens, Hq * D] of one pass, rows [n] (device) ->
-        [n, num_layers, Hq, D] (fp8 queries dequantised: `dequantized_query`)."""
+        [n, num_layers, Hq, D] (fp8 queries dequantised: `dequantized_query`). A pass of
+        few tokens (a middle round's) is stacked whole, then gathered once: two operations
+        instead of one per layer; a larger one (vLLM's pass may hold a prefill chunk) is
+        gathered layer by layer, so no copy of every layer's queries is made."""
+        first = layer_queries[0]
+        if (first.dtype.itemsize > 1 and first.numel() * first.element_size()
+                * len(layer_queries) <= STACKED_QUERIES_BYTES):
+            return torch.stack(layer_queries, dim=1)[rows].reshape(
+                rows.shape[0], len(layer_queries), self.num_heads, self.head_size)
         qs = [q.view(q.shape[0], self.num_heads, self.head_size)[rows] for q in layer_queries]
         if qs[0].dtype.itemsize == 1:
             layers = self.vllm_config.compilation_config.static_forward_context
@@ -355,6 +369,12 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 def _last_committed_row(batch, r: int) -> int:
     """Row, in the verification pass, of request r's last committed token."""
     return batch.query_start_loc[r] + batch.q_lens[r] - batch.num_rejected[r] - 1
+
+
+# `_queries_at` stacks a pass's queries whole up to this size (a middle round's: 32 requests
+# of a few tokens, e.g. Llama-3.1-8B 32 x 3 tokens x 32 layers x 4,096 x 2 B = 25 MiB at
+# most with gamma1 = 2; at batch 8 and gamma1 = 0, 2 MiB).
+STACKED_QUERIES_BYTES = 32 * 2**20
 
 
 def dequantized_query(query: torch.Tensor, q_scale: float) -> torch.Tensor:
