@@ -299,7 +299,7 @@ class RetrievalLevel:
                               num_selected, tails)
         tables, _ = build_block_tables(selection, block_table, ends, bs, width)
         inputs = build_pass(token_ids, positions, block_table, bs, compact)
-        per_layer = {name: tables[l] for l, name in enumerate(self.layer_names)}
+        per_layer = dict(zip(self.layer_names, tables.unbind(0)))  # one op, not one per layer
         self.capture.enabled = True  # its queries may re-select the next round's blocks
         try:
             logits = run_pass(self.model, self.vllm_config, self.attn_groups, inputs, per_layer,
