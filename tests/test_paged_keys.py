@@ -46,6 +46,8 @@ def test_cpu_attn_keys_read_back_exactly(isa, dtype, head_dim):
     assert read.shape == (2, 2, BS, H, head_dim)
     flat = read.reshape(4 * BS, H, head_dim)  # blocks 1, 2, 3, 0 in slot order
     assert torch.equal(flat[:T], keys) and not flat[3 * BS:].any()
+    # the lazy summaries' read: every head's keys of the blocks, [*, H, BS, D], K alone
+    assert torch.equal(reader.layer_keys(0, torch.tensor([[1, 2], [3, 0]])), read.transpose(2, 3))
     block_ids, offsets = slots // BS, slots % BS
     assert reader.check([keys.flatten(1)], torch.arange(T), block_ids, offsets) == ""
 

@@ -5,16 +5,21 @@ and a 1,024-token vocabulary (built here, tests/tiny_models.py), two levels, bat
 fixed depth, greedy. Host ms per round = (time in `propose` - time in model forwards) /
 middle rounds (engine/stats.py), over the timed generations; syncs per round and per step
 come from one more, untimed generation (vllm_triforce/syncs.py), where the tree has it.
+`--ops N`: one more generation counts the aten operations per middle round outside the
+model forwards (each a launch on a GPU; unlike milliseconds on a shared host, the count
+does not move between runs), and prints the N busiest vllm_triforce call sites.
 
-    .venv/bin/python benchmarks/explore/host_overhead.py [--rounds 2] [--levels 2]
+    .venv/bin/python benchmarks/explore/host_overhead.py [--rounds 2] [--levels 2] [--ops 40]
 """
 
 import argparse
+import collections
 import os
 import statistics
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -33,6 +38,8 @@ def main() -> None:
     parser.add_argument("--refresh-interval", type=int, default=1,
                         help="1 (default): re-select between middle rounds; 0: never")
     parser.add_argument("--no-syncs", action="store_true", help="skip the counted generation")
+    parser.add_argument("--ops", type=int, default=0, metavar="N",
+                        help="count aten operations per middle round; print N call sites")
     args = parser.parse_args()
 
     import tiny_models
@@ -70,6 +77,8 @@ def main() -> None:
           f"{args.refresh_interval}: host ms per middle round "
           f"{statistics.median(host_ms):.2f} (repeats {', '.join(f'{h:.2f}' for h in host_ms)}); "
           f"generate {statistics.median(wall):.2f} s")
+    if args.ops:
+        count_operations(llm, drafter, prompts, params, args.ops)
     try:
         from vllm_triforce.syncs import ProposeSyncs, summarise
     except ImportError:
@@ -81,6 +90,56 @@ def main() -> None:
     s = summarise(recorder.take())
     print(f"syncs: max {s['max_round']} per round, max {s['max_step']} per step "
           f"(mean {s['mean_round']:.1f} / {s['mean_step']:.1f})")
+
+
+def count_operations(llm, drafter, prompts, params, top: int) -> None:
+    """Aten operations per middle round outside the model forwards, by call site."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from vllm_triforce.engine import forward
+
+    in_model = [0]  # > 0 inside a model forward: its operations are not counted
+    sites: collections.Counter = collections.Counter()
+
+    class Counting(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not in_model[0]:
+                sites[_call_site()] += 1
+            return func(*args, **(kwargs or {}))
+
+    model_forward, propose = forward.run, drafter.propose
+
+    def uncounted_forward(*args, **kwargs):
+        in_model[0] += 1
+        try:
+            return model_forward(*args, **kwargs)
+        finally:
+            in_model[0] -= 1
+
+    def counted_propose(*args, **kwargs):
+        with Counting():
+            return propose(*args, **kwargs)
+
+    forward.run, drafter.propose = uncounted_forward, counted_propose
+    before = drafter.stats.snapshot()["middle_rounds"]
+    try:
+        llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        forward.run, drafter.propose = model_forward, propose
+    rounds = drafter.stats.snapshot()["middle_rounds"] - before
+    total = sum(sites.values())
+    print(f"aten operations outside model forwards: {total / rounds:.1f} per middle round "
+          f"({total} over {rounds} rounds; commit, selection and hand-off included)")
+    for site, count in sites.most_common(top):
+        print(f"{count / rounds:7.1f}  {site}")
+
+
+def _call_site() -> str:
+    """The innermost vllm_triforce frame of the current stack, as file:line function."""
+    for frame in reversed(traceback.extract_stack(limit=30)):
+        if "vllm_triforce" in frame.filename:
+            return f"{frame.filename.split('vllm_triforce/')[-1]}:{frame.lineno} {frame.name}"
+    return "?"
 
 
 if __name__ == "__main__":

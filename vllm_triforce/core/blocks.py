@@ -30,13 +30,20 @@ from vllm_triforce.config import BlockCounts
 
 def num_sinks(num_committed: Tensor, blocks: BlockCounts) -> Tensor:
     """[R] sink blocks actually present (a sink must be a full block)."""
-    return (num_committed // blocks.block_size).clamp(max=blocks.retrieval_sink_blocks)
+    return candidate_bounds(num_committed, blocks)[0]
 
 
 def tail_start(num_committed: Tensor, blocks: BlockCounts) -> Tensor:
     """[R] first logical block of the contiguous tail."""
-    n_full = num_committed // blocks.block_size
-    return torch.maximum(n_full - blocks.retrieval_recent_blocks, num_sinks(num_committed, blocks))
+    return candidate_bounds(num_committed, blocks)[1]
+
+
+def candidate_bounds(num_committed: Tensor, blocks: BlockCounts) -> tuple[Tensor, Tensor]:
+    """([R] num_sinks, [R] tail_start): the candidates are logical [num_sinks, tail_start).
+    Four device operations; callers that need both (and the mask) compute them once."""
+    n_full = num_committed.long() // blocks.block_size
+    sinks = n_full.clamp(max=blocks.retrieval_sink_blocks)
+    return sinks, torch.maximum(n_full - blocks.retrieval_recent_blocks, sinks)
 
 
 def selection_sizes(num_committed: int, blocks: BlockCounts) -> tuple[int, int]:
@@ -53,11 +60,11 @@ def selection_sizes(num_committed: int, blocks: BlockCounts) -> tuple[int, int]:
     return sinks + (num_candidates if dense else blocks.num_retrieved), start
 
 
-def candidate_mask(num_committed: Tensor, max_blocks: int, blocks: BlockCounts) -> Tensor:
-    """[R, max_blocks] bool: logical block j is a selection candidate of request r."""
-    num_committed = num_committed.long()
-    first = num_sinks(num_committed, blocks)  # [R]
-    end = tail_start(num_committed, blocks)  # [R]
+def candidate_mask(num_committed: Tensor, max_blocks: int, blocks: BlockCounts,
+                   bounds: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """[R, max_blocks] bool: logical block j is a selection candidate of request r.
+    `bounds`: `candidate_bounds(num_committed, blocks)` where the caller has them."""
+    first, end = bounds or candidate_bounds(num_committed, blocks)  # [R] each
     j = torch.arange(max_blocks, device=num_committed.device)  # [max_blocks]
     return (j >= first[:, None]) & (j < end[:, None])
 

@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 
 from vllm_triforce.config import BlockCounts
-from vllm_triforce.core.blocks import candidate_mask, num_sinks, tail_start
+from vllm_triforce.core.blocks import candidate_bounds, candidate_mask
 from vllm_triforce.core.policies import (POLICIES, H2OPolicy, RerankPolicy,  # noqa: F401
                                          RetrievalPolicy, SelectionPolicy, SelectionState,
                                          StreamingLLMPolicy, TopKOraclePolicy, make_policy)
@@ -136,14 +136,13 @@ def select_blocks(scores: Tensor, num_committed: Tensor, blocks: BlockCounts) ->
     _check_geometry(blocks)
     num_reqs, num_layers, max_blocks = scores.shape
     num_committed = on_device(num_committed, scores.device, torch.long)
-    sinks = num_sinks(num_committed, blocks)  # [R]
-    start = tail_start(num_committed, blocks)  # [R]
+    sinks, start = bounds = candidate_bounds(num_committed, blocks)  # [R] each
     num_chosen = _num_chosen(num_committed, blocks, start - sinks)
 
     max_selected = blocks.budget_blocks - blocks.retrieval_recent_blocks  # >= sinks + chosen
     num_sink_blocks = blocks.retrieval_sink_blocks
     ranked = _rank_candidates(scores, num_committed, blocks,
-                              k=min(max_selected - num_sink_blocks, max_blocks))
+                              k=min(max_selected - num_sink_blocks, max_blocks), bounds=bounds)
     rank = torch.arange(ranked.shape[-1], device=scores.device)
     big = torch.iinfo(torch.long).max  # sorts after every real block, then becomes _PAD
     chosen = torch.where(rank < num_chosen[:, None, None], ranked, big)  # [R, L, k]
@@ -160,8 +159,10 @@ def best_candidates(scores: Tensor, num_committed: Tensor, blocks: BlockCounts,
     """[R, L, min(size, max_blocks)] int64: each layer's best candidates by `scores` (as
     select_blocks ranks them), best first, -1 past a request's last candidate."""
     committed = on_device(num_committed, scores.device, torch.long)
-    ranked = _rank_candidates(scores, committed, blocks, k=min(size, scores.shape[-1]))
-    mask = candidate_mask(committed, scores.shape[-1], blocks)  # [R, B]
+    bounds = candidate_bounds(committed, blocks)
+    ranked = _rank_candidates(scores, committed, blocks, k=min(size, scores.shape[-1]),
+                              bounds=bounds)
+    mask = candidate_mask(committed, scores.shape[-1], blocks, bounds)  # [R, B]
     is_candidate = mask.gather(1, ranked.flatten(1)).view_as(ranked)
     return ranked.masked_fill(~is_candidate, _PAD)
 
@@ -210,8 +211,7 @@ def rerank_exactly(policy: SelectionPolicy, scores: Tensor, query: Tensor, keys,
     table = on_device(block_table, scores.device).long()
     bs, num_sink_blocks = blocks.block_size, blocks.retrieval_sink_blocks
     # always-kept logical blocks: [0, sinks) then [tail_start, end), -1 padded
-    sinks = num_sinks(committed, blocks)[:, None]
-    start = tail_start(committed, blocks)[:, None]
+    sinks, start = (bound[:, None] for bound in candidate_bounds(committed, blocks))
     end = (committed[:, None] + bs - 1) // bs
     slot = torch.arange(num_sink_blocks + blocks.retrieval_recent_blocks + 1,
                         device=scores.device)
@@ -232,12 +232,13 @@ def _num_chosen(num_committed: Tensor, blocks: BlockCounts, num_candidates: Tens
 
 
 def _rank_candidates(scores: Tensor, num_committed: Tensor, blocks: BlockCounts,
-                     k: int) -> Tensor:
-    """[R, L, k] logical blocks by descending score, candidates before all others."""
+                     k: int, bounds: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """[R, L, k] logical blocks by descending score, candidates before all others
+    (`bounds`: `candidate_bounds`, where the caller has them)."""
     finfo = torch.finfo(torch.float32)
     # NaN / inf scores of candidates still rank above every non-candidate (-inf).
     scores = scores.float().nan_to_num(nan=finfo.min, posinf=finfo.max, neginf=finfo.min)
-    mask = candidate_mask(num_committed, scores.shape[-1], blocks)  # [R, max_blocks]
+    mask = candidate_mask(num_committed, scores.shape[-1], blocks, bounds)  # [R, max_blocks]
     scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
     return scores.topk(k, dim=-1, sorted=True).indices
 

@@ -116,11 +116,14 @@ class DepthChooser:
             self.controller.observe_round(DRAFT if use_draft else RETRIEVAL, num_active,
                                           seconds, tokens_per_request)
 
-    def end(self, drafting: bool, start: float) -> None:
+    def end(self, drafting: bool, start: float, one_time: float = 0.0) -> None:
+        """`one_time`: seconds of this step's work that a request pays once, not per
+        drafting step (the lazy summaries of its prompt's blocks at its first selection):
+        left out of the drafting overhead the controller weighs depths with."""
         self._last_end = time.perf_counter()
         if self.adaptive and self._decode_step:
-            self.controller.observe_overhead(drafting,
-                                             self._last_end - start - self._round_seconds)
+            self.controller.observe_overhead(
+                drafting, self._last_end - start - self._round_seconds - one_time)
         self.stats.predicted_tokens_per_s = self.predicted.value or 0.0
         tokens, seconds = self.achieved_tokens.value, self.achieved_seconds.value
         self.stats.achieved_tokens_per_s = tokens / seconds if tokens and seconds else 0.0

@@ -86,8 +86,8 @@ class PagedKeys:
         d = self.head_dim
         if self.layout == "logical":
             keys = kv[..., :d][ids]  # [*, H, bs, D]: gathers K only
-        else:  # per (block, head): K as [D, bs], then V
-            keys = kv.view(num_blocks, heads, 2 * bs * d)[ids][..., :bs * d].unflatten(
+        else:  # per (block, head): K as [D, bs], then V; the view's K half is gathered alone
+            keys = kv.view(num_blocks, heads, 2, bs * d)[:, :, 0][ids].unflatten(
                 -1, (d, bs)).transpose(-1, -2)
         if self.fp8 is not None:
             keys = keys.view(self.fp8).float() * self.layers[layer]._k_scale_float

@@ -269,7 +269,8 @@ class TriForceProposer(DraftModelProposer):
             self.capture.enabled = True
             self.capture.clear()
         self._last_draft_probs, self._last_draft_prob_req_ids = probs, prob_req_ids
-        self.depth.end(drafting=any(drafts), start=start)
+        self.depth.end(drafting=any(drafts), start=start,
+                       one_time=self.retrieval.summarise_seconds)
         self.stats.add(middle_seconds=time.perf_counter() - start)
         self._publish_stats()
         # one list per request, [] allowed (vLLM's variable-length path), also at a fixed

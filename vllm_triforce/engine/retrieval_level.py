@@ -27,6 +27,8 @@ ever take committed keys.
 
 from __future__ import annotations
 
+import time
+
 import torch
 from vllm.logger import init_logger
 
@@ -71,6 +73,10 @@ class RetrievalLevel:
         # a block another request summarised (a prefix-cache hit) is not set again
         self._summarised: dict[int, int] = {}
         self._summarised_rows: set[int] = set()  # rows whose blocks are set, this step
+        # this step's time in `_summarise_full_blocks`: mostly once per request (its prompt's
+        # blocks at its first selection), so the depth controller does not count it as a
+        # cost of drafting (engine/depth.py `end`)
+        self.summarise_seconds = 0.0
         self.stats = stats
         self.device = device
         self._pass_queries: list | None = None  # per layer, the last `forward`'s queries
@@ -82,6 +88,7 @@ class RetrievalLevel:
         level's own (no small draft), so they also count toward its refresh acceptance.
         Returns (row, drafts verified, accepted) for every request whose drafts were judged."""
         self._summarised_rows.clear()  # a new step: committed lengths and blocks moved
+        self.summarise_seconds = 0.0
         verified = []
         for r in range(batch.num_reqs):
             # This pass verified our drafts iff it ran at most the drafts we handed vLLM last
@@ -163,6 +170,14 @@ class RetrievalLevel:
         if not self.lazy or not rows:
             return
         self._summarised_rows.update(rows)
+        start = time.perf_counter()
+        try:
+            self._set_missing_summaries(batch, states, rows)
+        finally:
+            self.summarise_seconds += time.perf_counter() - start
+
+    def _set_missing_summaries(self, batch, states, rows: list[int]) -> None:
+        """`_summarise_full_blocks`' work for `rows`."""
         bs = self.blocks.block_size
         owners, logical = [], []
         for r in rows:
