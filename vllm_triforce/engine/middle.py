@@ -57,10 +57,9 @@ class MiddleLoop:
         `hand_off` gives vLLM): the k-th middle token's distribution of the i-th drafting row
         (`drafting_slots`) goes to probs_out[i, k] as the round that emits it ends (k < gamma2;
         nothing is written when every row is greedy), so no round's distributions stay alive
-        after it. `use_draft` False: the small draft
-        sits out (gamma1 = 0 this step). `on_round(use_draft, num_active, seconds,
-        tokens_per_request)` hears every round's wall time (it ends in a device-to-host
-        copy, so device work is included)."""
+        after it. `use_draft` False: the small draft sits out (gamma1 = 0 this step).
+        `on_round(use_draft, num_active, seconds, tokens_per_request)` hears every round's
+        wall time (it ends in a device-to-host copy, so device work is included)."""
         drafts_by_row = {r: RequestDrafts(batch.next_tokens[r], batch.committed[r])
                          for r in rows}
         wanted = dict(zip(rows, num_drafts))
@@ -104,8 +103,9 @@ class MiddleLoop:
         """One round for requests `active`, request active[i] proposing sizes[i] tokens;
         returns the middle tokens it added over all of them. `probs_out` None: every
         request is greedy and nobody reads the middle distributions (argmax only); else
-        `run`'s buffer, row r's rows at slots[r]. Everything stays on the device until the round's one device-to-host
-        copy of what decides the next round: accepted counts and emitted tokens."""
+        `run`'s buffer, request r's rows at slots[r]. Everything stays on the device until
+        the round's one device-to-host copy of what decides the next round: accepted counts
+        and emitted tokens."""
         argmax_only = probs_out is None
         proposals, proposal_probs = None, None  # [A, max(sizes)] and [A, max(sizes), V]
         if max(sizes) > 0:

@@ -280,8 +280,8 @@ class TriForceProposer(DraftModelProposer):
     def _step(self, batch, states, max_depth: int, start: float):
         """commit -> plan -> select -> middle loop -> hand-off. Returns one draft list per
         request, the drafting requests' probs [D, max depth, V] and their request ids (None,
-        None when every drafting request is greedy or none drafts). `max_depth`: this step's bound from vLLM (num_speculative_tokens,
-        or Dynamic SD's entry for the batch size)."""
+        None when every drafting request is greedy or none drafts). `max_depth`: this step's
+        bound from vLLM (num_speculative_tokens, or Dynamic SD's entry for the batch size)."""
         if self.draft is not None:
             self.draft.invalidate(batch, states)
         pure_decode = self._pure_decode(batch, states)
