@@ -28,19 +28,11 @@ from torch import Tensor
 from vllm_triforce.config import BlockCounts
 
 
-def num_sinks(num_committed: Tensor, blocks: BlockCounts) -> Tensor:
-    """[R] sink blocks actually present (a sink must be a full block)."""
-    return candidate_bounds(num_committed, blocks)[0]
-
-
-def tail_start(num_committed: Tensor, blocks: BlockCounts) -> Tensor:
-    """[R] first logical block of the contiguous tail."""
-    return candidate_bounds(num_committed, blocks)[1]
-
-
 def candidate_bounds(num_committed: Tensor, blocks: BlockCounts) -> tuple[Tensor, Tensor]:
-    """([R] num_sinks, [R] tail_start): the candidates are logical [num_sinks, tail_start).
-    Four device operations; callers that need both (and the mask) compute them once."""
+    """([R] num_sinks: sink blocks actually present (a sink must be a full block),
+    [R] tail_start: first logical block of the contiguous tail); the candidates are
+    logical [num_sinks, tail_start). Four device operations; callers that need both (and
+    the mask) compute them once."""
     n_full = num_committed.long() // blocks.block_size
     sinks = n_full.clamp(max=blocks.retrieval_sink_blocks)
     return sinks, torch.maximum(n_full - blocks.retrieval_recent_blocks, sinks)
@@ -49,7 +41,7 @@ def candidate_bounds(num_committed: Tensor, blocks: BlockCounts) -> tuple[Tensor
 def selection_sizes(num_committed: int, blocks: BlockCounts) -> tuple[int, int]:
     """(num_selected, tail_start) that `core/selection.select_blocks` gives a request of
     num_committed tokens, in Python ints: the host sizes a pass from them without reading
-    the device's Selection back. Same rules as num_sinks / tail_start above; the retrieved
+    the device's Selection back. Same rules as candidate_bounds above; the retrieved
     count is every candidate when the request fits the budget, else num_retrieved."""
     n_full = num_committed // blocks.block_size
     sinks = min(n_full, blocks.retrieval_sink_blocks)
