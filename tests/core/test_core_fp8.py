@@ -65,11 +65,14 @@ def test_mean_keys_of_fp8_keys_match_float32_within_fp8_rounding():
     # each key is off by at most its fp8 rounding; bfloat16 sums of BLOCK keys add ~BLOCK ulps
     bound = FP8_RELATIVE_ROUNDING * blocks.abs().mean(2) + BLOCK * 2.0**-8 * blocks.abs().amax(2)
     assert ((means - exact).abs() <= bound).all()
-    # ... and the mean keys still tell the blocks apart: scores rank as float32's do
-    query = torch.randn(HEADS, DIM)
-    score = torch.einsum("lbhd,hd->lb", means, query)
-    exact_score = torch.einsum("lbhd,hd->lb", exact, query)
-    assert (score.argmax(1) == exact_score.argmax(1)).all()
+    # ... and the mean keys still tell the blocks apart: over many queries, the top block
+    # is float32's (a query whose two best blocks are nearly tied may flip: 0.99 measured;
+    # keys cast to uint8 agree 0.00, shuffled blocks 0.19). Seeded: the global generator
+    # made this check depend on the tests run before it.
+    queries = torch.randn(256, HEADS, DIM, generator=torch.Generator().manual_seed(0))
+    score = torch.einsum("lbhd,qhd->qlb", means, queries)
+    exact_score = torch.einsum("lbhd,qhd->qlb", exact, queries)
+    assert (score.argmax(-1) == exact_score.argmax(-1)).float().mean() >= 0.95
 
 
 def test_quest_builds_on_an_fp8_cache_and_scores_finite():
