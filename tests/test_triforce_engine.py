@@ -384,13 +384,13 @@ def test_middle_rounds_rerank_the_step_start_shortlist(tiny_llama, monkeypatch, 
     from vllm_triforce.core import selection
 
     listed = []
-    real = selection.rescore_shortlist
+    real = selection.select_listed
 
-    def counting(policy, query, summaries, block_table, shortlist):
+    def counting(scores, shortlist, num_committed, blocks):
         listed.append(tuple(shortlist.shape))
-        return real(policy, query, summaries, block_table, shortlist)
+        return real(scores, shortlist, num_committed, blocks)
 
-    monkeypatch.setattr(selection, "rescore_shortlist", counting)
+    monkeypatch.setattr(selection, "select_listed", counting)
     tokens, stats, _ = generate(tiny_llama, two_level(refresh_interval=1,
                                                       middle_shortlist=factor))
     assert tokens == plain(tiny_llama)

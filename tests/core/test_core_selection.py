@@ -144,3 +144,34 @@ def test_selection_sizes_on_the_host_equal_select_blocks(sinks, recent, budget):
     host = [selection_sizes(int(n), blocks) for n in committed]
     assert [h[0] for h in host] == sel.num_selected.tolist()
     assert [h[1] for h in host] == sel.tail_start.tolist()
+
+
+@pytest.mark.parametrize("factor", [1, 4])
+@pytest.mark.parametrize("seed", range(4))
+def test_a_shortlist_selects_what_every_candidate_would(factor, seed):
+    """Between middle rounds `select_listed` ranks only the shortlist: the Selection equals
+    select_blocks over scores in which every unlisted block is -inf, for every length
+    (dense ones too: a request of num_retrieved + 1 candidates keeps them all, which is why
+    a Selector's shortlist holds at least num_retrieved + 1, also at factor 1)."""
+    from vllm_triforce.core.policies import make_policy
+    from vllm_triforce.core.selection import (Selector, _scatter_listed, best_candidates,
+                                              select_listed)
+
+    rng = random.Random(seed)
+    bs, num_sink, num_recent = 4, rng.choice([0, 1, 2]), rng.choice([0, 1, 3])
+    blocks = geometry(bs, num_sink + num_recent + 1 + rng.choice([1, 3]), num_sink, num_recent)
+    size = Selector(make_policy("retrieval"), blocks, shortlist_factor=factor).shortlist_size
+    full = blocks.budget_blocks * bs  # fits the budget: num_retrieved + 1 candidates, all kept
+    lengths = torch.tensor([full, full + 1, full + 3 * bs, 9 * full, rng.randrange(1, 9 * full)])
+    gen = torch.Generator().manual_seed(seed)
+    num_layers, max_blocks = 3, -(-int(lengths.max()) // bs) + 1
+    at_start = torch.randn(len(lengths), num_layers, max_blocks, generator=gen)
+    listed = best_candidates(at_start, lengths, blocks, size)  # [R, L, S], -1 padded
+    later = torch.randn(listed.shape, generator=gen)  # the next round's scores of the list
+    want = select_blocks(_scatter_listed(later, listed, max_blocks), lengths, blocks)
+    got = select_listed(later, listed, lengths, blocks)
+    assert torch.equal(got.logical_blocks, want.logical_blocks)
+    assert torch.equal(got.num_selected, want.num_selected)
+    assert torch.equal(got.tail_start, want.tail_start)
+    # the dense case is there: the first request keeps all num_retrieved + 1 candidates
+    assert int(want.num_selected[0]) == num_sink + blocks.num_retrieved + 1

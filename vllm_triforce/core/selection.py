@@ -73,6 +73,9 @@ class Choice:
     # [num_reqs, num_layers, S] int64 logical blocks, best first, -1 padded: each layer's
     # best candidates, kept to be re-ranked between middle rounds; None unless asked for.
     shortlist: Tensor | None = None
+    # the same blocks' physical ids (-1 kept): re-ranking reads the summaries by them, and
+    # they do not move while the committed blocks stay the same
+    shortlist_physical: Tensor | None = None
 
 
 class Selector:
@@ -89,8 +92,13 @@ class Selector:
         self.policy = policy
         self.blocks = blocks
         self.keys = keys
-        self.shortlist_size = (shortlist_factor * blocks.num_retrieved
-                               if policy.reranks_shortlist else 0)
+        # At least num_retrieved + 1: the most select_blocks ever keeps of a request's
+        # candidates (every one, when a request of num_retrieved + 1 candidates fits the
+        # budget), so a shortlist always holds every block a selection picks and
+        # `select_listed` never needs the unlisted ones.
+        self.shortlist_size = (max(shortlist_factor * blocks.num_retrieved,
+                                   blocks.num_retrieved + 1)
+                               if policy.reranks_shortlist and shortlist_factor > 0 else 0)
 
     @property
     def observes(self) -> bool:
@@ -103,24 +111,29 @@ class Selector:
 
     def choose(self, query: Tensor, summaries, block_table: Tensor, num_committed: Tensor,
                states=None, shortlist: Tensor | None = None,
-               keep_shortlist: bool = False) -> Choice:
+               keep_shortlist: bool = False, shortlist_physical: Tensor | None = None) -> Choice:
         """query [R, L, Hq, D] (post-RoPE) of each request's newest token, block_table
         [R, max_blocks] physical ids, num_committed [R]: candidates are the committed full
-        blocks. `shortlist` [R, L, S] (a previous Choice's, same committed blocks): re-rank
-        only it, as between middle rounds; else every candidate is scored (both stages of a
-        two-stage policy). `keep_shortlist`: also return each layer's best candidates by
-        these scores (when the policy re-ranks shortlists and shortlist_factor > 0)."""
+        blocks. `shortlist` [R, L, S] (a previous Choice's of this Selector, same committed
+        blocks; `shortlist_physical` its physical ids where the caller kept them): re-rank
+        only it, as between middle rounds (`select_listed`); else every candidate is scored
+        (both stages of a two-stage policy). `keep_shortlist`: also return each layer's best
+        candidates by these scores (when the policy re-ranks shortlists and
+        shortlist_factor > 0)."""
         committed = on_device(num_committed, block_table.device, torch.long)
         if shortlist is not None:
-            scores = rescore_shortlist(self.policy, query, summaries, block_table, shortlist)
-        else:
-            scores = self.policy.block_scores(query, summaries, block_table, committed, states)
-            scores = rerank_exactly(self.policy, scores, query, self.keys, block_table,
-                                    committed, self.blocks)
-        kept = None
+            physical = (shortlist_physical if shortlist_physical is not None
+                        else _physical(block_table, shortlist))
+            scores = self.policy.shortlist_scores(query, summaries, physical)
+            return Choice(select_listed(scores, shortlist, committed, self.blocks))
+        scores = self.policy.block_scores(query, summaries, block_table, committed, states)
+        scores = rerank_exactly(self.policy, scores, query, self.keys, block_table,
+                                committed, self.blocks)
+        kept = physical = None
         if keep_shortlist and self.shortlist_size > 0:
             kept = best_candidates(scores, committed, self.blocks, self.shortlist_size)
-        return Choice(select_blocks(scores, committed, self.blocks), kept)
+            physical = _physical(block_table, kept)
+        return Choice(select_blocks(scores, committed, self.blocks), kept, physical)
 
 
 def _check_geometry(blocks: BlockCounts) -> None:
@@ -134,19 +147,50 @@ def _check_geometry(blocks: BlockCounts) -> None:
 def select_blocks(scores: Tensor, num_committed: Tensor, blocks: BlockCounts) -> Selection:
     """scores [num_reqs, num_layers, max_blocks] (higher = keep; non-candidates ignored)."""
     _check_geometry(blocks)
-    num_reqs, num_layers, max_blocks = scores.shape
     num_committed = on_device(num_committed, scores.device, torch.long)
-    sinks, start = bounds = candidate_bounds(num_committed, blocks)  # [R] each
-    num_chosen = _num_chosen(num_committed, blocks, start - sinks)
+    bounds = candidate_bounds(num_committed, blocks)  # [R] each
+    ranked = _rank_candidates(scores, num_committed, blocks,
+                              k=min(_max_ranked(blocks), scores.shape[-1]), bounds=bounds)
+    return _selection_of(ranked, num_committed, blocks, bounds)
 
+
+def select_listed(scores: Tensor, listed: Tensor, num_committed: Tensor,
+                  blocks: BlockCounts) -> Selection:
+    """select_blocks for a shortlist: scores [R, L, S] of the logical blocks `listed`
+    [R, L, S] (`best_candidates` at the same committed length, -1 padded). The same
+    Selection as select_blocks over scores in which every unlisted block is -inf (as
+    `rescore_shortlist` makes them) whenever the list holds at least as many candidates
+    as a selection keeps, which a Selector's shortlist always does (`shortlist_size`);
+    but it ranks S blocks instead of every block of the table, and needs no candidate
+    mask: a listed block is a candidate."""
+    num_committed = on_device(num_committed, scores.device, torch.long)
+    finfo = torch.finfo(torch.float32)
+    scores = scores.float().nan_to_num(nan=finfo.min, posinf=finfo.max, neginf=finfo.min)
+    scores = scores.masked_fill(listed < 0, float("-inf"))  # padding ranks last
+    best = scores.topk(min(_max_ranked(blocks), scores.shape[-1]), dim=-1, sorted=True).indices
+    return _selection_of(listed.gather(-1, best), num_committed, blocks,
+                         candidate_bounds(num_committed, blocks))
+
+
+def _max_ranked(blocks: BlockCounts) -> int:
+    """Most candidates a selection keeps: max_selected less the sinks."""
+    return blocks.budget_blocks - blocks.retrieval_recent_blocks - blocks.retrieval_sink_blocks
+
+
+def _selection_of(ranked: Tensor, num_committed: Tensor, blocks: BlockCounts,
+                  bounds: tuple[Tensor, Tensor]) -> Selection:
+    """ranked [R, L, k] logical candidates, best first (at least as many as are chosen),
+    num_committed [R] and its `candidate_bounds` -> the Selection: the sinks and the first
+    `_num_chosen` of `ranked`, ascending."""
+    num_reqs, num_layers, _ = ranked.shape
+    sinks, start = bounds
+    num_chosen = _num_chosen(num_committed, blocks, start - sinks)
     max_selected = blocks.budget_blocks - blocks.retrieval_recent_blocks  # >= sinks + chosen
     num_sink_blocks = blocks.retrieval_sink_blocks
-    ranked = _rank_candidates(scores, num_committed, blocks,
-                              k=min(max_selected - num_sink_blocks, max_blocks), bounds=bounds)
-    rank = torch.arange(ranked.shape[-1], device=scores.device)
+    rank = torch.arange(ranked.shape[-1], device=ranked.device)
     big = torch.iinfo(torch.long).max  # sorts after every real block, then becomes _PAD
     chosen = torch.where(rank < num_chosen[:, None, None], ranked, big)  # [R, L, k]
-    sink_ids = torch.arange(num_sink_blocks, device=scores.device).expand(num_reqs, num_layers, -1)
+    sink_ids = torch.arange(num_sink_blocks, device=ranked.device).expand(num_reqs, num_layers, -1)
     sink_ids = torch.where(sink_ids < sinks[:, None, None], sink_ids, big)  # [R, L, S]
     logical = torch.cat([sink_ids, chosen], dim=-1).sort(dim=-1).values
     logical = logical.masked_fill(logical == big, _PAD)

@@ -37,6 +37,7 @@ from vllm_triforce.core.policies import SCORE_CHUNK_BYTES
 from vllm_triforce.core.selection import Selection, Selector, build_block_tables
 from vllm_triforce.core.summaries import committed_runs
 from vllm_triforce.engine.forward import build_pass, run_pass
+from vllm_triforce.engine.state import stacked
 from vllm_triforce.engine.transfer import to_device
 
 logger = init_logger("vllm.triforce")
@@ -210,7 +211,7 @@ class RetrievalLevel:
     def select(self, batch, states, rows: list[int]) -> None:
         """Re-select the blocks of requests due a refresh; the others' policies observe."""
         due = [r for r in rows
-               if states[r].logical_blocks is None
+               if states[r].selection is None
                or self.refresh.should_refresh(states[r].refresh, batch.committed[r])]
         if self.capture.queries[0] is None:
             return
@@ -261,17 +262,26 @@ class RetrievalLevel:
         (core/blocks.selection_sizes)."""
         idx, query_rows, committed = to_device(self.device, due, query_rows,
                                                [batch.committed[r] for r in due])
-        listed = (torch.stack([states[r].shortlist for r in due]) if use_shortlist else None)
+        listed = physical = None
+        if use_shortlist:
+            batches, rows = [states[r].shortlists for r in due], [states[r].shortlist_row
+                                                                  for r in due]
+            listed = stacked([b[0] for b in batches], rows)
+            physical = stacked([b[1] for b in batches], rows)
         choice = self.selector.choose(
             self._queries_at(layer_queries, query_rows), self.summaries, batch.block_table[idx],
             committed, [states[r].policy_state for r in due], shortlist=listed,
-            keep_shortlist=keep_shortlist)
+            keep_shortlist=keep_shortlist, shortlist_physical=physical)
+        # kept whole, each request pointing at its row: no operation per request
+        logical = choice.selection.logical_blocks
+        kept = (None if choice.shortlist is None
+                else (choice.shortlist, choice.shortlist_physical))
         for i, r in enumerate(due):
             st = states[r]
-            if choice.shortlist is not None:
-                st.shortlist = choice.shortlist[i]
+            if kept is not None:
+                st.shortlists, st.shortlist_row = kept, i
                 st.shortlist_committed = batch.committed[r]
-            st.logical_blocks = choice.selection.logical_blocks[i]
+            st.selection, st.selection_row = logical, i
             st.num_selected, st.tail_start = selection_sizes(batch.committed[r], self.blocks)
             self.refresh.record_selection(st.refresh, prefixes[i])
         self.stats.add(refreshes=len(due))
@@ -310,7 +320,8 @@ class RetrievalLevel:
         idx, num_selected, tails, ends = to_device(self.device, rows, num_selected, tails,
                                                    seq_ends)
         block_table = batch.block_table[idx]
-        selection = Selection(torch.stack([states[r].logical_blocks for r in rows]),
+        selection = Selection(stacked([states[r].selection for r in rows],
+                                      [states[r].selection_row for r in rows]),
                               num_selected, tails)
         tables, _ = build_block_tables(selection, block_table, ends, bs, width)
         inputs = build_pass(token_ids, positions, block_table, bs, compact)

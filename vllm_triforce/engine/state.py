@@ -12,18 +12,26 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vllm_triforce.engine.transfer import to_device
+
 
 @dataclass
 class RequestState:
-    # Retrieval selection (level 2): sinks + selected logical blocks per layer (on the
-    # device), and, on the host, how many and where the contiguous tail begins. None until
-    # the first selection.
-    logical_blocks: torch.Tensor | None = None  # device [num_layers, max_selected] int64
+    # Retrieval selection (level 2): sinks + selected logical blocks per layer, row
+    # `selection_row` of the device tensor [requests, num_layers, max_selected] int64 of
+    # the requests that selected together (kept whole: the next pass takes it as it is when
+    # its requests are those, `stacked`), and, on the host, how many and where the
+    # contiguous tail begins. None until the first selection.
+    selection: torch.Tensor | None = None
+    selection_row: int = 0
     num_selected: int = 0
     tail_start: int = 0
     # Each layer's best candidates at the last step-start selection, re-ranked between
-    # middle rounds (core/selection.py), and the committed length they were ranked at.
-    shortlist: torch.Tensor | None = None  # device [num_layers, S] int64 logical, -1 padding
+    # middle rounds (core/selection.py): row `shortlist_row` of (logical, physical), each
+    # device [requests, num_layers, S] int64, -1 padding; and the committed length they
+    # were ranked at.
+    shortlists: tuple[torch.Tensor, torch.Tensor] | None = None
+    shortlist_row: int = 0
     shortlist_committed: int = -1
     # Lazy block summaries (engine/retrieval_level.py): the physical ids of the request's
     # full blocks whose summaries were known to be set, in logical order, and the content
@@ -40,6 +48,16 @@ class RequestState:
     last_num_drafts: int = 0
     generator: torch.Generator | None = None
 
+    @property
+    def logical_blocks(self) -> torch.Tensor | None:
+        """[num_layers, max_selected] this request's selection (None before the first)."""
+        return None if self.selection is None else self.selection[self.selection_row]
+
+    @property
+    def shortlist(self) -> torch.Tensor | None:
+        """[num_layers, S] this request's shortlist, logical blocks (None: none kept)."""
+        return None if self.shortlists is None else self.shortlists[0][self.shortlist_row]
+
     def invalidate_draft_from(self, position: int, sink_tokens: int) -> None:
         """The target recomputed tokens from `position` on (a verification pass, a prefill
         chunk, a recompute after preemption): any draft KV there is stale. Re-running the
@@ -47,6 +65,18 @@ class RequestState:
         self.draft_valid_upto = min(self.draft_valid_upto, position)
         if position < sink_tokens:
             self.draft_sinks_valid = False
+
+
+def stacked(batches: list[torch.Tensor], rows: list[int]) -> torch.Tensor:
+    """[n, ...]: row rows[i] of batches[i], stacked. The batch itself when every row is
+    one batch's, all of it in order (a middle round whose requests selected together:
+    no operation at all), one index when they share a batch, else one stack."""
+    first = batches[0]
+    if all(b is first for b in batches):
+        if rows == list(range(first.shape[0])):
+            return first
+        return first[to_device(first.device, rows)[0]]
+    return torch.stack([b[i] for b, i in zip(batches, rows)])
 
 
 class StateTable:
