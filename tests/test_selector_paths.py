@@ -95,6 +95,7 @@ def test_engine_and_teacher_choose_the_same_blocks(policy, kwargs):
     reranks = selector.shortlist_size > 0
     assert reranks == (policy == "retrieval")
     if reranks:
-        assert column.listed is not None and column.listed.shape == (NUM_REQS, LAYERS, 12)
-        assert torch.equal(torch.stack([s.shortlist for s in states]), column.listed)
+        assert column.listed is not None and column.listed.logical.shape == (
+            NUM_REQS, LAYERS, 12)
+        assert torch.equal(torch.stack([s.shortlist for s in states]), column.listed.logical)
     assert any(not torch.equal(a[0], b[0]) for a, b in zip(at_start, in_middle))

@@ -386,9 +386,9 @@ def test_middle_rounds_rerank_the_step_start_shortlist(tiny_llama, monkeypatch, 
     listed = []
     real = selection.select_listed
 
-    def counting(scores, shortlist, num_committed, blocks):
-        listed.append(tuple(shortlist.shape))
-        return real(scores, shortlist, num_committed, blocks)
+    def counting(scores, shortlist, blocks):
+        listed.append(tuple(shortlist.logical.shape))
+        return real(scores, shortlist, blocks)
 
     monkeypatch.setattr(selection, "select_listed", counting)
     tokens, stats, _ = generate(tiny_llama, two_level(refresh_interval=1,

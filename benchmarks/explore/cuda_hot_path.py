@@ -130,7 +130,7 @@ def main() -> None:
                      lambda: selector.choose(query, summaries, table, committed_dev,
                                              keep_shortlist=True),
                      args.repeats, True, device, results)
-    again = measure(f"re-select in the middle: shortlist of {choice.shortlist.shape[-1]}",
+    again = measure(f"re-select in the middle: shortlist of {choice.shortlist.logical.shape[-1]}",
                     lambda: selector.choose(query, summaries, table, committed_dev,
                                             shortlist=choice.shortlist),
                     args.repeats, True, device, results)

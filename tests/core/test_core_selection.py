@@ -154,8 +154,8 @@ def test_a_shortlist_selects_what_every_candidate_would(factor, seed):
     (dense ones too: a request of num_retrieved + 1 candidates keeps them all, which is why
     a Selector's shortlist holds at least num_retrieved + 1, also at factor 1)."""
     from vllm_triforce.core.policies import make_policy
-    from vllm_triforce.core.selection import (Selector, _scatter_listed, best_candidates,
-                                              select_listed)
+    from vllm_triforce.core.selection import (Selector, Shortlist, _scatter_listed,
+                                              best_candidates, select_listed)
 
     rng = random.Random(seed)
     bs, num_sink, num_recent = 4, rng.choice([0, 1, 2]), rng.choice([0, 1, 3])
@@ -169,7 +169,11 @@ def test_a_shortlist_selects_what_every_candidate_would(factor, seed):
     listed = best_candidates(at_start, lengths, blocks, size)  # [R, L, S], -1 padded
     later = torch.randn(listed.shape, generator=gen)  # the next round's scores of the list
     want = select_blocks(_scatter_listed(later, listed, max_blocks), lengths, blocks)
-    got = select_listed(later, listed, lengths, blocks)
+    table = torch.randperm(len(lengths) * max_blocks, generator=gen).view(len(lengths), -1)
+    shortlist = Shortlist.of(listed, table, lengths, blocks)
+    assert torch.equal(shortlist.physical, table.gather(1, listed.clamp(min=0).flatten(1))
+                       .view_as(listed).masked_fill(listed < 0, -1))
+    got = select_listed(later, shortlist, blocks)
     assert torch.equal(got.logical_blocks, want.logical_blocks)
     assert torch.equal(got.num_selected, want.num_selected)
     assert torch.equal(got.tail_start, want.tail_start)

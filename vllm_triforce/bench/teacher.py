@@ -45,7 +45,7 @@ import torch
 
 from vllm_triforce.config import BlockCounts
 from vllm_triforce.core.policies import SelectionState
-from vllm_triforce.core.selection import Selection, Selector, build_block_tables
+from vllm_triforce.core.selection import Selection, Selector, Shortlist, build_block_tables
 from vllm_triforce.core.summaries import BlockSummaries
 from vllm_triforce.core.verify import sampling_probs
 
@@ -62,7 +62,7 @@ class Column:
     selection: Selection | None = None
     states: list = field(default_factory=list)  # SelectionState per document (h2o)
     middle_query: torch.Tensor | None = None  # [D, L, Hq, Dh] from its last retrieval pass
-    listed: torch.Tensor | None = None  # [D, L, S] the last full selection's shortlist
+    listed: Shortlist | None = None  # the last full selection's shortlist
 
 
 @dataclass

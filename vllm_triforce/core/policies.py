@@ -121,10 +121,12 @@ class SelectionPolicy:
                 num_committed: Tensor, state: States = None) -> None:
         """See a query without selecting (only h2o accumulates anything)."""
 
-    def shortlist_scores(self, query: Tensor, summaries: BlockSummaries,
-                         blocks: Tensor) -> Tensor:
+    def shortlist_scores(self, query: Tensor, summaries: BlockSummaries, blocks: Tensor,
+                         rows: Tensor | None = None, counts: Tensor | None = None) -> Tensor:
         """blocks [R, L, S] physical ids per layer (-1: padding) -> [R, L, S] float32 scores
-        of only those blocks (between middle rounds: selection.rescore_shortlist)."""
+        of only those blocks (between middle rounds: selection.Shortlist). `rows`,
+        `counts`: the blocks' `layer_rows` and token counts (>= 1), where the caller kept
+        them (`Shortlist.summary_rows`)."""
         raise NotImplementedError(f"policy {self.name!r} does not re-rank a shortlist")
 
 
@@ -232,7 +234,7 @@ class RetrievalPolicy(SelectionPolicy):
                                          block_table.shape[1])
         return aggregate_heads(per_head, self.aggregation, candidates)
 
-    def shortlist_scores(self, query, summaries, blocks):
+    def shortlist_scores(self, query, summaries, blocks, rows=None, counts=None):
         """As block_scores, over per-layer block lists (softmax: over the listed blocks),
         read by `gather_chunks`: Llama-3.1-8B's default shortlist (4 x 247 blocks per layer)
         at batch 8 would otherwise gather 2 GiB of float32 rows per re-selection."""
@@ -241,11 +243,13 @@ class RetrievalPolicy(SelectionPolicy):
         weights = [(q, summaries.sums)]
         if self.variance:
             weights.append((0.5 * q.square(), summaries.deviations()))
-        counts = summaries.counts[blocks.clamp(min=0)].clamp(min=1).float()  # [R, L, S]
+        if counts is None:
+            counts = summaries.counts[blocks.clamp(min=0)].clamp(min=1).float()  # [R, L, S]
+        if rows is None:
+            rows = summaries.layer_rows(blocks)  # one index for every store read
         per_chunk = []  # the listed blocks' rows read by `gather_chunks` of the S axis
         for c in gather_chunks(summaries.sums, blocks[:, 0]):
-            rows = summaries.layer_rows(blocks[..., c])  # one index for every store read
-            terms = [(w, summaries.rows_of(store, rows))
+            terms = [(w, summaries.rows_of(store, rows[..., c]))
                      for w, store in weights]  # [R, L, s, H, D] each
             if self.aggregation == "sum":
                 per_chunk.append(sum(torch.einsum("rlk,rlsk->rls", w.sum(3).flatten(2),

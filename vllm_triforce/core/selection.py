@@ -67,15 +67,49 @@ class Selection:
 
 
 @dataclass
+class Frame:
+    """What a selection at one committed length fixes before any score is read, per
+    request (`frame`): how many candidates it keeps, its sink blocks, its sizes."""
+    num_chosen: Tensor    # [R, 1, 1] int64 candidates kept
+    sink_ids: Tensor      # [R, 1, retrieval_sink_blocks] int64 sink blocks, _BIG past its sinks
+    num_selected: Tensor  # [R] int64 sinks + num_chosen
+    tail_start: Tensor    # [R] int64
+
+
+@dataclass
+class Shortlist:
+    """Each layer's best candidates at one committed length (`best_candidates`), kept to be
+    re-ranked between middle rounds (`select_listed`), with what stays fixed while the
+    committed blocks do, so a re-ranking computes none of it again: their physical ids,
+    the selection's Frame, and (filled at the first re-ranking, `summary_rows`) the rows
+    and counts the summaries are read at."""
+    logical: Tensor    # [R, L, S] int64, best first, -1 padded
+    physical: Tensor   # [R, L, S] int64, -1 kept
+    frame: Frame
+    rows: Tensor | None = None    # [R, L, S] `BlockSummaries.layer_rows` of `physical`
+    counts: Tensor | None = None  # [R, L, S] float32 their token counts, >= 1
+
+    @classmethod
+    def of(cls, logical: Tensor, block_table: Tensor, num_committed: Tensor,
+           blocks: BlockCounts) -> "Shortlist":
+        committed = on_device(num_committed, logical.device, torch.long)
+        return cls(logical, _physical(block_table, logical), frame(committed, blocks))
+
+    def summary_rows(self, summaries) -> tuple[Tensor, Tensor]:
+        """(rows, counts) of the listed blocks in `summaries`, computed once."""
+        if self.rows is None:
+            self.rows = summaries.layer_rows(self.physical)
+            self.counts = summaries.counts[self.physical.clamp(min=0)].clamp(min=1).float()
+        return self.rows, self.counts
+
+
+@dataclass
 class Choice:
     """What `Selector.choose` decided for a batch of requests."""
     selection: Selection
-    # [num_reqs, num_layers, S] int64 logical blocks, best first, -1 padded: each layer's
-    # best candidates, kept to be re-ranked between middle rounds; None unless asked for.
-    shortlist: Tensor | None = None
-    # the same blocks' physical ids (-1 kept): re-ranking reads the summaries by them, and
-    # they do not move while the committed blocks stay the same
-    shortlist_physical: Tensor | None = None
+    # each layer's best candidates, kept to be re-ranked between middle rounds; None
+    # unless asked for
+    shortlist: Shortlist | None = None
 
 
 class Selector:
@@ -110,30 +144,30 @@ class Selector:
         self.policy.observe(query, summaries, block_table, num_committed, states)
 
     def choose(self, query: Tensor, summaries, block_table: Tensor, num_committed: Tensor,
-               states=None, shortlist: Tensor | None = None,
-               keep_shortlist: bool = False, shortlist_physical: Tensor | None = None) -> Choice:
+               states=None, shortlist: Shortlist | None = None,
+               keep_shortlist: bool = False) -> Choice:
         """query [R, L, Hq, D] (post-RoPE) of each request's newest token, block_table
         [R, max_blocks] physical ids, num_committed [R]: candidates are the committed full
-        blocks. `shortlist` [R, L, S] (a previous Choice's of this Selector, same committed
-        blocks; `shortlist_physical` its physical ids where the caller kept them): re-rank
-        only it, as between middle rounds (`select_listed`); else every candidate is scored
-        (both stages of a two-stage policy). `keep_shortlist`: also return each layer's best
-        candidates by these scores (when the policy re-ranks shortlists and
+        blocks. `shortlist` (a previous Choice's of this Selector, same committed blocks):
+        re-rank only it, as between middle rounds (`select_listed`); else every candidate
+        is scored (both stages of a two-stage policy). `keep_shortlist`: also return each
+        layer's best candidates by these scores (when the policy re-ranks shortlists and
         shortlist_factor > 0)."""
-        committed = on_device(num_committed, block_table.device, torch.long)
         if shortlist is not None:
-            physical = (shortlist_physical if shortlist_physical is not None
-                        else _physical(block_table, shortlist))
-            scores = self.policy.shortlist_scores(query, summaries, physical)
-            return Choice(select_listed(scores, shortlist, committed, self.blocks))
+            rows, counts = shortlist.summary_rows(summaries)
+            scores = self.policy.shortlist_scores(query, summaries, shortlist.physical,
+                                                  rows=rows, counts=counts)
+            return Choice(select_listed(scores, shortlist, self.blocks))
+        committed = on_device(num_committed, block_table.device, torch.long)
         scores = self.policy.block_scores(query, summaries, block_table, committed, states)
         scores = rerank_exactly(self.policy, scores, query, self.keys, block_table,
                                 committed, self.blocks)
-        kept = physical = None
+        kept = None
         if keep_shortlist and self.shortlist_size > 0:
-            kept = best_candidates(scores, committed, self.blocks, self.shortlist_size)
-            physical = _physical(block_table, kept)
-        return Choice(select_blocks(scores, committed, self.blocks), kept, physical)
+            kept = Shortlist.of(best_candidates(scores, committed, self.blocks,
+                                                self.shortlist_size),
+                                block_table, committed, self.blocks)
+        return Choice(select_blocks(scores, committed, self.blocks), kept)
 
 
 def _check_geometry(blocks: BlockCounts) -> None:
@@ -151,25 +185,21 @@ def select_blocks(scores: Tensor, num_committed: Tensor, blocks: BlockCounts) ->
     bounds = candidate_bounds(num_committed, blocks)  # [R] each
     ranked = _rank_candidates(scores, num_committed, blocks,
                               k=min(_max_ranked(blocks), scores.shape[-1]), bounds=bounds)
-    return _selection_of(ranked, num_committed, blocks, bounds)
+    return _selection_of(ranked, frame(num_committed, blocks, bounds), blocks)
 
 
-def select_listed(scores: Tensor, listed: Tensor, num_committed: Tensor,
-                  blocks: BlockCounts) -> Selection:
-    """select_blocks for a shortlist: scores [R, L, S] of the logical blocks `listed`
-    [R, L, S] (`best_candidates` at the same committed length, -1 padded). The same
+def select_listed(scores: Tensor, shortlist: Shortlist, blocks: BlockCounts) -> Selection:
+    """select_blocks for a shortlist: scores [R, L, S] of its listed blocks. The same
     Selection as select_blocks over scores in which every unlisted block is -inf (as
     `rescore_shortlist` makes them) whenever the list holds at least as many candidates
     as a selection keeps, which a Selector's shortlist always does (`shortlist_size`);
-    but it ranks S blocks instead of every block of the table, and needs no candidate
-    mask: a listed block is a candidate."""
-    num_committed = on_device(num_committed, scores.device, torch.long)
+    but it ranks S blocks instead of every block of the table, needs no candidate mask (a
+    listed block is a candidate) and takes its Frame from the shortlist."""
     finfo = torch.finfo(torch.float32)
     scores = scores.float().nan_to_num(nan=finfo.min, posinf=finfo.max, neginf=finfo.min)
-    scores = scores.masked_fill(listed < 0, float("-inf"))  # padding ranks last
+    scores = scores.masked_fill(shortlist.logical < 0, float("-inf"))  # padding ranks last
     best = scores.topk(min(_max_ranked(blocks), scores.shape[-1]), dim=-1, sorted=True).indices
-    return _selection_of(listed.gather(-1, best), num_committed, blocks,
-                         candidate_bounds(num_committed, blocks))
+    return _selection_of(shortlist.logical.gather(-1, best), shortlist.frame, blocks)
 
 
 def _max_ranked(blocks: BlockCounts) -> int:
@@ -177,25 +207,32 @@ def _max_ranked(blocks: BlockCounts) -> int:
     return blocks.budget_blocks - blocks.retrieval_recent_blocks - blocks.retrieval_sink_blocks
 
 
-def _selection_of(ranked: Tensor, num_committed: Tensor, blocks: BlockCounts,
-                  bounds: tuple[Tensor, Tensor]) -> Selection:
-    """ranked [R, L, k] logical candidates, best first (at least as many as are chosen),
-    num_committed [R] and its `candidate_bounds` -> the Selection: the sinks and the first
-    `_num_chosen` of `ranked`, ascending."""
-    num_reqs, num_layers, _ = ranked.shape
-    sinks, start = bounds
+_BIG = torch.iinfo(torch.long).max  # sorts after every real block, then becomes _PAD
+
+
+def frame(num_committed: Tensor, blocks: BlockCounts,
+          bounds: tuple[Tensor, Tensor] | None = None) -> Frame:
+    """The Frame of requests of num_committed [R] tokens (`bounds`: their
+    `candidate_bounds`, where the caller has them)."""
+    sinks, start = bounds or candidate_bounds(num_committed, blocks)
     num_chosen = _num_chosen(num_committed, blocks, start - sinks)
+    sink_ids = torch.arange(blocks.retrieval_sink_blocks, device=num_committed.device)
+    sink_ids = torch.where(sink_ids < sinks[:, None], sink_ids, _BIG)[:, None, :]
+    return Frame(num_chosen[:, None, None], sink_ids, sinks + num_chosen, start)
+
+
+def _selection_of(ranked: Tensor, frame: Frame, blocks: BlockCounts) -> Selection:
+    """ranked [R, L, k] logical candidates, best first (at least as many as are chosen) ->
+    the Selection: the frame's sinks and the first num_chosen of `ranked`, ascending."""
     max_selected = blocks.budget_blocks - blocks.retrieval_recent_blocks  # >= sinks + chosen
-    num_sink_blocks = blocks.retrieval_sink_blocks
     rank = torch.arange(ranked.shape[-1], device=ranked.device)
-    big = torch.iinfo(torch.long).max  # sorts after every real block, then becomes _PAD
-    chosen = torch.where(rank < num_chosen[:, None, None], ranked, big)  # [R, L, k]
-    sink_ids = torch.arange(num_sink_blocks, device=ranked.device).expand(num_reqs, num_layers, -1)
-    sink_ids = torch.where(sink_ids < sinks[:, None, None], sink_ids, big)  # [R, L, S]
-    logical = torch.cat([sink_ids, chosen], dim=-1).sort(dim=-1).values
-    logical = logical.masked_fill(logical == big, _PAD)
+    chosen = torch.where(rank < frame.num_chosen, ranked, _BIG).sort(dim=-1).values  # [R, L, k]
+    # sinks come before every candidate, and a request with fewer sinks than sink blocks
+    # has no candidate: no sort of the two together
+    logical = torch.cat([frame.sink_ids.expand(-1, ranked.shape[1], -1), chosen], dim=-1)
+    logical = logical.masked_fill(logical == _BIG, _PAD)
     logical = torch.nn.functional.pad(logical, (0, max_selected - logical.shape[-1]), value=_PAD)
-    return Selection(logical, sinks + num_chosen, start)
+    return Selection(logical, frame.num_selected, frame.tail_start)
 
 
 def best_candidates(scores: Tensor, num_committed: Tensor, blocks: BlockCounts,

@@ -37,7 +37,7 @@ from vllm_triforce.core.policies import SCORE_CHUNK_BYTES
 from vllm_triforce.core.selection import Selection, Selector, build_block_tables
 from vllm_triforce.core.summaries import committed_runs
 from vllm_triforce.engine.forward import build_pass, run_pass
-from vllm_triforce.engine.state import stacked
+from vllm_triforce.engine.state import stacked, stacked_shortlist
 from vllm_triforce.engine.transfer import to_device
 
 logger = init_logger("vllm.triforce")
@@ -262,20 +262,15 @@ class RetrievalLevel:
         (core/blocks.selection_sizes)."""
         idx, query_rows, committed = to_device(self.device, due, query_rows,
                                                [batch.committed[r] for r in due])
-        listed = physical = None
-        if use_shortlist:
-            batches, rows = [states[r].shortlists for r in due], [states[r].shortlist_row
-                                                                  for r in due]
-            listed = stacked([b[0] for b in batches], rows)
-            physical = stacked([b[1] for b in batches], rows)
+        listed = (stacked_shortlist([states[r].shortlists for r in due],
+                                    [states[r].shortlist_row for r in due])
+                  if use_shortlist else None)
         choice = self.selector.choose(
             self._queries_at(layer_queries, query_rows), self.summaries, batch.block_table[idx],
             committed, [states[r].policy_state for r in due], shortlist=listed,
-            keep_shortlist=keep_shortlist, shortlist_physical=physical)
+            keep_shortlist=keep_shortlist)
         # kept whole, each request pointing at its row: no operation per request
-        logical = choice.selection.logical_blocks
-        kept = (None if choice.shortlist is None
-                else (choice.shortlist, choice.shortlist_physical))
+        logical, kept = choice.selection.logical_blocks, choice.shortlist
         for i, r in enumerate(due):
             st = states[r]
             if kept is not None:
@@ -321,7 +316,7 @@ class RetrievalLevel:
                                                    seq_ends)
         block_table = batch.block_table[idx]
         selection = Selection(stacked([states[r].selection for r in rows],
-                                      [states[r].selection_row for r in rows]),
+                                      [states[r].selection_row for r in rows])[0],
                               num_selected, tails)
         tables, _ = build_block_tables(selection, block_table, ends, bs, width)
         inputs = build_pass(token_ids, positions, block_table, bs, compact)

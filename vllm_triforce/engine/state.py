@@ -27,10 +27,9 @@ class RequestState:
     num_selected: int = 0
     tail_start: int = 0
     # Each layer's best candidates at the last step-start selection, re-ranked between
-    # middle rounds (core/selection.py): row `shortlist_row` of (logical, physical), each
-    # device [requests, num_layers, S] int64, -1 padding; and the committed length they
-    # were ranked at.
-    shortlists: tuple[torch.Tensor, torch.Tensor] | None = None
+    # middle rounds: row `shortlist_row` of the core/selection.Shortlist of the requests
+    # that selected together; and the committed length they were ranked at.
+    shortlists: object = None
     shortlist_row: int = 0
     shortlist_committed: int = -1
     # Lazy block summaries (engine/retrieval_level.py): the physical ids of the request's
@@ -56,7 +55,8 @@ class RequestState:
     @property
     def shortlist(self) -> torch.Tensor | None:
         """[num_layers, S] this request's shortlist, logical blocks (None: none kept)."""
-        return None if self.shortlists is None else self.shortlists[0][self.shortlist_row]
+        return (None if self.shortlists is None
+                else self.shortlists.logical[self.shortlist_row])
 
     def invalidate_draft_from(self, position: int, sink_tokens: int) -> None:
         """The target recomputed tokens from `position` on (a verification pass, a prefill
@@ -67,16 +67,36 @@ class RequestState:
             self.draft_sinks_valid = False
 
 
-def stacked(batches: list[torch.Tensor], rows: list[int]) -> torch.Tensor:
-    """[n, ...]: row rows[i] of batches[i], stacked. The batch itself when every row is
-    one batch's, all of it in order (a middle round whose requests selected together:
-    no operation at all), one index when they share a batch, else one stack."""
+def stacked(batches: list, rows: list[int], fields=lambda batch: (batch,)) -> list:
+    """Row rows[i] of batches[i], stacked, for each of the tensors `fields(batch)` returns
+    (default: the batch, a tensor, itself). The batch's own tensors when every row is one
+    batch's, all of it in order (a middle round whose requests selected together: no
+    operation at all), one index when they share a batch, else one stack per field."""
     first = batches[0]
     if all(b is first for b in batches):
-        if rows == list(range(first.shape[0])):
-            return first
-        return first[to_device(first.device, rows)[0]]
-    return torch.stack([b[i] for b, i in zip(batches, rows)])
+        tensors = fields(first)
+        if rows == list(range(tensors[0].shape[0])):
+            return list(tensors)
+        index = to_device(tensors[0].device, rows)[0]
+        return [t[index] for t in tensors]
+    per_batch = [fields(b) for b in batches]
+    return [torch.stack([f[k][i] for f, i in zip(per_batch, rows)])
+            for k in range(len(per_batch[0]))]
+
+
+def stacked_shortlist(shortlists: list, rows: list[int]):
+    """`stacked` for core/selection.Shortlists: row rows[i] of shortlists[i], as one (the
+    shortlist itself, its summary rows already read, when it is all of one in order)."""
+    from vllm_triforce.core.selection import Frame, Shortlist
+
+    first = shortlists[0]
+    if all(s is first for s in shortlists) and rows == list(range(first.logical.shape[0])):
+        return first
+    logical, physical, *frame = stacked(
+        shortlists, rows, lambda s: (s.logical, s.physical, s.frame.num_chosen,
+                                     s.frame.sink_ids, s.frame.num_selected,
+                                     s.frame.tail_start))
+    return Shortlist(logical, physical, Frame(*frame))
 
 
 class StateTable:
