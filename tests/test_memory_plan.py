@@ -87,3 +87,42 @@ def test_propose_peak_fits_the_reserved_memory(levels, big_vocab):
           f"rows + buffer {buffer.numel() * 4 / row:.0f}; reserved {plan.fixed_bytes / row:.0f}")
     assert len(peaks) == len(PROFILED_CALLS) and min(peaks) > 0
     assert buffer.nbytes + max(peaks) <= plan.fixed_bytes
+
+
+@pytest.mark.parametrize("strategy", ["gather", "all"])
+def test_selection_scratch_fits_its_reservation(monkeypatch, strategy):
+    """A step-start selection (every candidate scored, the shortlist kept) and a middle
+    re-ranking hold at most `selection_scratch_bytes` at once: profiled on CPU with a small
+    SCORE_CHUNK_BYTES, so the chunked reads are chunked here too (8 requests, 4 layers,
+    96-block tables; no stacked queries: `choose` takes them gathered)."""
+    import torch
+
+    from vllm_triforce.core import policies
+    from vllm_triforce.core.policies import make_policy
+    from vllm_triforce.core.selection import Selector
+    from vllm_triforce.core.summaries import BlockSummaries
+    from vllm_triforce.config import BlockCounts
+    from vllm_triforce.engine import memory, retrieval_level
+
+    monkeypatch.setattr(policies, "SCORE_CHUNK_BYTES", 256 * 2**10)
+    monkeypatch.setattr(retrieval_level, "STACKED_QUERIES_BYTES", 0)
+    reqs, layers, heads, dim, q_heads, bs, width = 8, 4, 2, 64, 4, 16, 96
+    gen = torch.Generator().manual_seed(0)
+    summaries = BlockSummaries(layers, reqs * width, heads, dim, bs, keep_variance=True)
+    summaries.sums.normal_(generator=gen)
+    summaries.square_deviations.uniform_(generator=gen)
+    summaries.counts.fill_(bs)
+    table = torch.randperm(reqs * width, generator=gen).view(reqs, width)
+    committed = torch.full((reqs,), width * bs - 5)
+    selector = Selector(make_policy("retrieval", variance=True, strategy=strategy),
+                        BlockCounts(block_size=bs, budget_blocks=24, retrieval_sink_blocks=1,
+                                    retrieval_recent_blocks=2), shortlist_factor=4)
+    query = torch.randn(reqs, layers, q_heads, dim, generator=gen)
+    choice, at_start = peak_bytes(lambda: selector.choose(query, summaries, table, committed,
+                                                          keep_shortlist=True))
+    _, in_middle = peak_bytes(lambda: selector.choose(query, summaries, table, committed,
+                                                      shortlist=choice.shortlist))
+    bound = memory.selection_scratch_bytes(reqs, layers, width, heads, dim, q_heads)
+    print(f"\n{strategy}: peaks {at_start} (step start), {in_middle} (middle); bound {bound}")
+    assert max(at_start, in_middle) <= bound
+    assert at_start > bound // 4  # the bound is of the right size, not a blanket

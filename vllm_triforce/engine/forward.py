@@ -241,16 +241,26 @@ def per_layer_limits(vllm_config) -> tuple[int, int]:
     per-layer builders are made for these limits, not the runner's max_num_seqs and
     max_num_batched_tokens, which size their persistent buffers: FLEX_ATTENTION's for
     Llama-3.1-8B at 128K, 1,024 sequences and 8,192 batched tokens would hold ~0.7 GB per
-    layer, ~23 GB for the 32 layers; at these limits ~12 MB per layer."""
+    layer, ~23 GB for the 32 layers; at these limits ~12 MB per layer. Worked out once per
+    config (`run_pass` asks at every pass)."""
     from vllm_triforce.config import TriForceConfig, triforce_settings
 
+    cached = _LIMITS.get(id(vllm_config))
+    if cached is not None and cached[0]() is vllm_config:
+        return cached[1]
     sched = vllm_config.scheduler_config
     requests = min(sched.max_num_seqs, MAX_DRAFTING_REQUESTS)
     gamma1 = 0
     if triforce_settings(vllm_config) is not None:
         cfg = TriForceConfig.from_vllm_config(vllm_config)
         gamma1 = cfg.draft_tokens_per_round if cfg.model is not None else 0
-    return requests, min(sched.max_num_batched_tokens, requests * (gamma1 + 1))
+    limits = requests, min(sched.max_num_batched_tokens, requests * (gamma1 + 1))
+    # VllmConfig is not hashable: by id, with a weak reference telling a reused id apart
+    _LIMITS[id(vllm_config)] = (weakref.ref(vllm_config), limits)
+    return limits
+
+
+_LIMITS: dict[int, tuple[weakref.ref, tuple[int, int]]] = {}
 
 
 def per_layer_builder_bytes(backend_name: str, vllm_config, block_size: int) -> tuple[int, int]:

@@ -21,7 +21,10 @@ buffers would come on top of `gpu_memory_utilization` and could OOM a GPU. So th
 * fixed: float32 distributions over the vocabulary, `vocabulary_rows`: per drafting
   request (at most MAX_DRAFTING_REQUESTS = 32 in a step, whatever `max_num_seqs`), the
   [gamma2, V] draft probabilities handed to vLLM (preallocated once) and a middle round's
-  rows; plus the temporaries of one chunk of `sampling_probs`, whatever the batch.
+  rows; plus the temporaries of one chunk of `sampling_probs`, whatever the batch; plus
+  the block selection's scratch (`selection_scratch_bytes`: score tensors of the drafting
+  requests' tables, chunked reads of the summaries or the KV cache, the queries), 0.49 GB
+  for Llama-3.1-8B at 128K and 32 drafting requests.
 
 Worked example (SmolLM2-135M float32 on CPU, block 32, 30 layers × 3 KV heads × 64,
 no draft, 1 GiB budget, max_num_seqs 8, gamma2 6, V 49,152, `key_variance` false): a KV
@@ -77,19 +80,28 @@ class MemoryPlan:
     def for_engine(cls, kv_bytes_per_block: int, num_target_layers: int, num_kv_heads: int,
                    head_dim: int, block_size: int, kv_dtype_bytes: int, kinds: SummaryKinds,
                    max_num_seqs: int, gamma2: int, gamma1: int,
-                   vocab_size: int, builders: tuple[int, int] = (0, 0)) -> "MemoryPlan":
+                   vocab_size: int, builders: tuple[int, int] = (0, 0),
+                   max_blocks: int = 0, num_q_heads: int = 0) -> "MemoryPlan":
         """`kinds`: the optional block state kept (TriForceConfig.summary_kinds(), which
         the proposer also allocates from). `kv_dtype_bytes`: the bytes of `summary_dtype`,
         the summaries' element (the KV cache's element unless that is fp8 or int8).
         `builders`: (bytes per block, fixed bytes) of the per-layer attention-metadata
-        builders a stateful backend needs (engine/forward.py `per_layer_builder_bytes`)."""
+        builders a stateful backend needs (engine/forward.py `per_layer_builder_bytes`).
+        `max_blocks`: blocks of the longest request (max_model_len / block_size, rounded
+        up), `num_q_heads` the target's query heads: with them the plan also holds the
+        block selection's scratch (`selection_scratch_bytes`; 0: left out, as in the
+        worked examples above)."""
         key_bytes = num_target_layers * num_kv_heads * head_dim * kv_dtype_bytes
         summary = (key_bytes + COUNT_BYTES + (key_bytes * block_size if kinds.keep_keys else 0)
                    + (2 * key_bytes if kinds.keep_bounds else 0)
                    + (key_bytes // kv_dtype_bytes * FLOAT32_BYTES if kinds.keep_variance else 0))
+        scratch = (selection_scratch_bytes(min(max_num_seqs, MAX_DRAFTING_REQUESTS),
+                                           num_target_layers, max_blocks, num_kv_heads,
+                                           head_dim, num_q_heads or num_kv_heads)
+                   if max_blocks > 0 else 0)
         return cls(kv_bytes_per_block, summary + builders[0],
                    vocabulary_rows(max_num_seqs, gamma2, gamma1) * vocab_size * FLOAT32_BYTES
-                   + builders[1])
+                   + builders[1] + scratch)
 
     def kv_budget(self, available: int) -> int:
         """Bytes vLLM may give the KV cache so that KV + summaries + fixed fit `available`."""
@@ -128,7 +140,9 @@ class MemoryPlan:
             max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
             gamma2=cfg.num_speculative_tokens,
             gamma1=cfg.draft_tokens_per_round if cfg.model is not None else 0,
-            vocab_size=model.get_vocab_size())
+            vocab_size=model.get_vocab_size(),
+            max_blocks=-(-model.max_model_len // block_size),
+            num_q_heads=model.get_num_attention_heads(parallel))
 
 
 def vocabulary_rows(max_num_seqs: int, gamma2: int, gamma1: int) -> int:
@@ -154,6 +168,37 @@ def vocabulary_rows(max_num_seqs: int, gamma2: int, gamma1: int) -> int:
     per_request = gamma2 + 3 * (gamma1 + 1) + (gamma1 + 2 if gamma1 else 0) + 8
     chunk = SAMPLING_ROWS_PER_ROW * min(SAMPLING_CHUNK_ROWS, drafting * (gamma1 + 1))
     return drafting * per_request + chunk
+
+
+# `selection_scratch_bytes`: score tensors [R, L, B] float32 alive at once (the dots of
+# a scoring pass and their concatenation, the division by counts, the variance term's
+# scores, `select_blocks`' NaN-free and masked copies; "all" strategies' [L, N, R] dots,
+# N <= 2 R B), and chunked reads of SCORE_CHUNK_BYTES (the gathered rows, their float32
+# copy, a product's contiguous operand): read from core/policies.py and core/selection.py,
+# checked by tests/core/test_core_scratch.py
+SCORE_COPIES = 6
+CHUNK_READS = 3
+
+
+def selection_scratch_bytes(drafting: int, num_layers: int, max_blocks: int,
+                            num_kv_heads: int, head_dim: int, num_q_heads: int) -> int:
+    """Bytes a block selection (or a lazy read of summaries from the KV cache, which never
+    runs at the same time) may hold at once beyond the summaries, for `drafting` requests
+    selecting together (at most MAX_DRAFTING_REQUESTS) over tables of `max_blocks`:
+    SCORE_COPIES score tensors, CHUNK_READS chunks of the summary store or the KV cache
+    (each at most SCORE_CHUNK_BYTES, or the whole read where that is smaller), a middle
+    pass's stacked queries (at most STACKED_QUERIES_BYTES) and three float32 copies of the
+    selecting requests' queries. Llama-3.1-8B at 128K (B = 8,192, L = 32, 8 x 128 KV,
+    32 query heads), 32 drafting requests: 201 MB of scores + 201 MB of chunks + 84 MB of
+    queries = 0.49 GB; at 4 requests 25 + 201 + 40 MB = 0.27 GB."""
+    from vllm_triforce.core.policies import SCORE_CHUNK_BYTES
+    from vllm_triforce.engine.retrieval_level import STACKED_QUERIES_BYTES
+
+    scores = SCORE_COPIES * drafting * num_layers * max_blocks * FLOAT32_BYTES
+    whole_read = drafting * max_blocks * num_layers * num_kv_heads * head_dim * FLOAT32_BYTES
+    queries = 3 * drafting * num_layers * num_q_heads * head_dim * FLOAT32_BYTES
+    return (scores + CHUNK_READS * min(SCORE_CHUNK_BYTES, whole_read) + STACKED_QUERIES_BYTES
+            + queries)
 
 
 def allocate_summaries(kinds: SummaryKinds, num_layers: int, num_blocks: int,

@@ -217,7 +217,9 @@ class TriForceProposer(DraftModelProposer):
             gamma2=self.cfg.num_speculative_tokens,
             gamma1=self.cfg.draft_tokens_per_round if self.has_draft else 0,
             vocab_size=self.vllm_config.model_config.get_vocab_size(),
-            builders=self._builder_bytes(target.block_size))
+            builders=self._builder_bytes(target.block_size),
+            max_blocks=-(-self.vllm_config.model_config.max_model_len // target.block_size),
+            num_q_heads=layer.num_heads)
 
     def _builder_bytes(self, block_size: int) -> tuple[int, int]:
         """The per-layer builders of a stateful backend (one per target layer), plus one
