@@ -249,8 +249,8 @@ class RetrievalPolicy(SelectionPolicy):
             rows = summaries.layer_rows(blocks)  # one index for every store read
         per_chunk = []  # the listed blocks' rows read by `gather_chunks` of the S axis
         for c in gather_chunks(summaries.sums, blocks[:, 0]):
-            terms = [(w, summaries.rows_of(store, rows[..., c]))
-                     for w, store in weights]  # [R, L, s, H, D] each
+            # one store's rows at a time ([R, L, s, H, D]), freed before the next is read
+            terms = ((w, summaries.rows_of(store, rows[..., c])) for w, store in weights)
             if self.aggregation == "sum":
                 per_chunk.append(sum(torch.einsum("rlk,rlsk->rls", w.sum(3).flatten(2),
                                                   v.float().flatten(3)) for w, v in terms))
