@@ -175,7 +175,7 @@ def vocabulary_rows(max_num_seqs: int, gamma2: int, gamma1: int) -> int:
 # scores, `select_blocks`' NaN-free and masked copies; "all" strategies' [L, N, R] dots,
 # N <= 2 R B), and chunked reads of SCORE_CHUNK_BYTES (the gathered rows, their float32
 # copy, a product's contiguous operand): read from core/policies.py and core/selection.py,
-# checked by tests/core/test_core_scratch.py
+# checked by tests/test_memory_plan.py (`test_selection_scratch_fits_its_reservation`)
 SCORE_COPIES = 6
 CHUNK_READS = 3
 
