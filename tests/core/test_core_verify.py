@@ -171,3 +171,17 @@ def test_verify_greedy_equals_the_general_path_on_greedy_rows():
     assert torch.equal(fast.output_token_ids[:-1], general.output_token_ids[:-1])
     assert torch.equal(fast.num_accepted[:-1], general.num_accepted[:-1])
     assert 0 < int(fast.num_accepted.sum()) < int(num_drafts.sum())
+
+
+def test_verify_greedy_without_drafts_emits_the_argmax():
+    """Two levels: a round proposes nothing and emits the retrieval level's own argmax
+    (verify_greedy's early return), as the general path does for greedy rows."""
+    gen = torch.Generator().manual_seed(4)
+    target = torch.rand(5, 1, 13, generator=gen).softmax(-1)
+    drafts = torch.zeros(5, 0, dtype=torch.long)
+    general = verify(drafts, None, target, torch.zeros(5, dtype=torch.long),
+                     torch.ones(5, dtype=torch.bool))
+    fast = verify_greedy(drafts, target.argmax(-1), torch.zeros(5, dtype=torch.long))
+    assert torch.equal(fast.output_token_ids, general.output_token_ids)
+    assert torch.equal(fast.num_accepted, general.num_accepted)
+    assert fast.output_token_ids.shape == (5, 1) and not fast.num_accepted.any()

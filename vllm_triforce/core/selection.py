@@ -335,17 +335,25 @@ def build_block_tables(selection: Selection, block_table: Tensor, seq_lens: Tens
     num_selected * block_size + (seq_len - tail_start * block_size).
     """
     device = block_table.device
-    logical = _compact_logical_blocks(selection, on_device(seq_lens, device, torch.long),
-                                      block_size,
-                                      width or block_table.shape[1])  # [R, L, W]
-    num_reqs, num_layers, w = logical.shape
-    phys = block_table.long().gather(1, logical.clamp(min=0).reshape(num_reqs, -1))
-    phys = phys.view(num_reqs, num_layers, w).masked_fill(logical < 0, 0)
-    tables = phys.transpose(0, 1).to(torch.int32).contiguous()  # [L, R, W]
+    tables = compact_tables(selection, block_table, seq_lens, block_size, width)
+    num_layers = tables.shape[0]
     num_selected = on_device(selection.num_selected, device)
     start = on_device(selection.tail_start, device)
     compact = (num_selected - start) * block_size + on_device(seq_lens, device, torch.long)  # [R]
     return tables, compact.to(torch.int32).expand(num_layers, -1).contiguous()
+
+
+def compact_tables(selection: Selection, block_table: Tensor, seq_lens: Tensor,
+                   block_size: int, width: int | None = None) -> Tensor:
+    """`build_block_tables`' tables alone ([num_layers, num_reqs, width] int32), for a
+    caller that knows the rows' lengths on the host (engine/retrieval_level.py)."""
+    logical = _compact_logical_blocks(selection,
+                                      on_device(seq_lens, block_table.device, torch.long),
+                                      block_size, width or block_table.shape[1])  # [R, L, W]
+    num_reqs, num_layers, w = logical.shape
+    phys = block_table.long().gather(1, logical.clamp(min=0).reshape(num_reqs, -1))
+    phys = phys.view(num_reqs, num_layers, w).masked_fill(logical < 0, 0)
+    return phys.transpose(0, 1).to(torch.int32).contiguous()  # [L, R, W]
 
 
 def _compact_logical_blocks(selection: Selection, seq_lens: Tensor, block_size: int,

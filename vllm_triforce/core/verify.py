@@ -179,6 +179,8 @@ def verify_greedy(draft_token_ids: Tensor, target_argmax: Tensor,
     target_argmax [R, G + 1] (its most likely token at each position). Accept while the
     draft equals it, then emit it. No vocabulary-wide work, no randomness."""
     ids = on_device(draft_token_ids, target_argmax.device, torch.long)
+    if ids.shape[1] == 0:  # nothing proposed (the level drafting by itself): its argmax
+        return VerifyResult(target_argmax[:, :1], target_argmax.new_zeros(ids.shape[0]))
     num_accepted = _num_accepted(ids == target_argmax[:, :ids.shape[1]],
                                  on_device(num_drafts, ids.device, torch.long))
     return _result(ids, num_accepted, target_argmax.gather(1, num_accepted[:, None]).squeeze(1))

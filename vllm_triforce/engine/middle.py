@@ -126,7 +126,9 @@ class MiddleLoop:
                      else torch.zeros(len(active), 0, dtype=torch.long, device=device))
         if argmax_only:  # no vocabulary-wide probabilities at all
             target_probs = None
-            argmax = _per_request(logits.argmax(-1, keepdim=True), shape, owner, slot)[..., 0]
+            argmax = logits.argmax(-1, keepdim=True)  # [T, 1]
+            if shape[1] > 1:  # else one token per request: already [A, 1]
+                argmax = _per_request(argmax, shape, owner, slot)[..., 0]
             result = verify_greedy(draft_ids, argmax, num_drafts)
         else:
             token_rows = [r for r, n in zip(active, num_inputs) for _ in range(n)]

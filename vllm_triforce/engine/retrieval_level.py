@@ -34,7 +34,7 @@ from vllm.logger import init_logger
 
 from vllm_triforce.core.blocks import selection_sizes
 from vllm_triforce.core.policies import SCORE_CHUNK_BYTES
-from vllm_triforce.core.selection import Selection, Selector, build_block_tables
+from vllm_triforce.core.selection import Selection, Selector, compact_tables
 from vllm_triforce.core.summaries import committed_runs
 from vllm_triforce.engine.forward import build_pass, run_pass
 from vllm_triforce.engine.state import stacked, stacked_shortlist
@@ -318,7 +318,7 @@ class RetrievalLevel:
         selection = Selection(stacked([states[r].selection for r in rows],
                                       [states[r].selection_row for r in rows])[0],
                               num_selected, tails)
-        tables, _ = build_block_tables(selection, block_table, ends, bs, width)
+        tables = compact_tables(selection, block_table, ends, bs, width)  # lengths: `compact`
         inputs = build_pass(token_ids, positions, block_table, bs, compact)
         per_layer = dict(zip(self.layer_names, tables.unbind(0)))  # one op, not one per layer
         self.capture.enabled = True  # its queries may re-select the next round's blocks
