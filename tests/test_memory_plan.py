@@ -126,3 +126,58 @@ def test_selection_scratch_fits_its_reservation(monkeypatch, strategy):
     print(f"\n{strategy}: peaks {at_start} (step start), {in_middle} (middle); bound {bound}")
     assert max(at_start, in_middle) <= bound
     assert at_start > bound // 4  # the bound is of the right size, not a blanket
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fold_scratch_fits_its_reservation(monkeypatch, dtype):
+    """Folding a prefill pass's keys into the summaries (engine/retrieval_level.py, by
+    pieces of SCORE_CHUNK_BYTES of float32 keys) holds at most `fold_scratch_bytes` at once:
+    profiled on CPU with SCORE_CHUNK_BYTES cut to 64 KiB (2 requests' prompt chunks of
+    700 and 333 tokens, the second starting inside a block; 4 layers of 2 x 64 keys, key
+    variance and bounds). Folded whole, the same pass would not fit; by pieces it ends
+    with the same summaries."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from vllm_triforce.core import policies
+    from vllm_triforce.core.summaries import BlockSummaries
+    from vllm_triforce.engine import memory
+    from vllm_triforce.engine.retrieval_level import RetrievalLevel, fold_committed
+
+    layers, heads, dim, bs, lens, starts = 4, 2, 64, 16, (700, 333), (0, 50)
+    gen = torch.Generator().manual_seed(0)
+    keys = [torch.randn(sum(lens), heads * dim, generator=gen).to(getattr(torch, dtype))
+            for _ in range(layers)]
+    width = 64
+    batch = SimpleNamespace(
+        verify_start=list(starts), q_lens=list(lens), num_rejected=[0, 0],
+        query_start_loc=[0, lens[0], sum(lens)],
+        block_table=torch.randperm(2 * width, generator=gen).view(2, width).int())
+
+    def fold(chunk_bytes):
+        monkeypatch.setattr(policies, "SCORE_CHUNK_BYTES", chunk_bytes)
+        level = RetrievalLevel.__new__(RetrievalLevel)
+        level.blocks = SimpleNamespace(block_size=bs)
+        level.device = torch.device("cpu")
+        level.summaries = BlockSummaries(layers, 2 * width, heads, dim, bs,
+                                         dtype=getattr(torch, dtype), keep_bounds=True,
+                                         keep_variance=True)
+
+        def run():
+            for committed in level._committed_tokens(batch, [0, 1]):
+                fold_committed(level.summaries, keys, committed)
+
+        return level, peak_bytes(run)[1]
+
+    level, peak = fold(64 * 2**10)
+    assert level.fold_tokens() == 32
+    bound = memory.fold_scratch_bytes(sum(lens), layers, heads, dim)
+    whole, whole_peak = fold(2**40)
+    print(f"\n{dtype}: peak {peak} by pieces, {whole_peak} whole; bound {bound}")
+    assert bound // 4 < peak <= bound < whole_peak
+    for store in ("sums", "square_deviations", "mins", "maxs"):
+        assert torch.allclose(getattr(level.summaries, store).float(),
+                              getattr(whole.summaries, store).float(),
+                              rtol=1e-2, atol=1e-2), store
+    assert torch.equal(level.summaries.counts, whole.summaries.counts)

@@ -17,6 +17,9 @@ pytestmark = pytest.mark.engine
 
 PROMPT_WORDS = (30, 260, 520, 140)  # ~1.5 tokens per word: 45 .. 800 tokens
 MAX_TOKENS = (24, 40, 32, 48)       # requests finish at different steps
+# blocks (of 32 tokens) a request's decode can complete: at most 48 tokens touch 3 blocks;
+# its prompt's blocks are folded as the prefill computes them (~1,700 tokens, ~50 blocks)
+DECODE_BLOCKS = 3 * len(PROMPT_WORDS)
 
 
 def prompts():
@@ -189,9 +192,9 @@ def shadow_eager_summaries(monkeypatch) -> list[int]:
             shadows[id(s)] = BlockSummaries(
                 s.num_layers, s.num_blocks, s.num_kv_heads, s.head_dim, s.block_size,
                 keep_bounds=s.mins is not None, keep_variance=s.square_deviations is not None)
-        committed = self._committed_tokens(batch)
-        if committed is not None:
-            retrieval_level.fold_committed(shadows[id(s)], self.capture.keys, committed)
+        if self.capture.keys[0] is not None:
+            for committed in self._committed_tokens(batch, range(batch.num_reqs)):
+                retrieval_level.fold_committed(shadows[id(s)], self.capture.keys, committed)
         return commit(self, batch, states, judged_alone)
 
     def compare_then_choose(self, queries, summaries, block_tables, committed, *args, **kw):
@@ -212,28 +215,35 @@ def shadow_eager_summaries(monkeypatch) -> list[int]:
     return compared
 
 
-@pytest.mark.parametrize("policy, prefix_caching", [("retrieval", False), ("quest", True)])
-def test_lazy_summaries_equal_the_eager_ones(tiny_llama, monkeypatch, policy, prefix_caching):
-    """Every selection reads summaries set from the KV cache just before it, equal to the
-    ones folding every committed key at every step gives. A cache too small for the batch
-    preempts requests: without prefix caching a recomputed request gets new physical blocks
-    (whose summaries must be set again); with it, shared prefixes."""
+@pytest.mark.parametrize("policy, prefix_caching, chunk", [
+    ("retrieval", False, None), ("quest", True, None), ("retrieval", False, 200)])
+def test_lazy_summaries_equal_the_eager_ones(tiny_llama, monkeypatch, policy, prefix_caching,
+                                             chunk):
+    """Every selection reads summaries equal to the ones folding every committed key at
+    every step gives, although only prefill passes folded keys and the blocks completed
+    while decoding were set from the KV cache just before a selection (no prompt read
+    back: at most DECODE_BLOCKS were). A cache too small for the batch preempts requests:
+    without prefix caching a recomputed request gets new physical blocks; with it, shared
+    prefixes. Chunks of 200 tokens end inside blocks of 32: a block two chunks share is
+    complete only after the second."""
     compared = shadow_eager_summaries(monkeypatch)
     levels = []
+    over = {} if chunk is None else {"max_num_batched_tokens": chunk}
     tokens, stats, _ = generate(tiny_llama, two_level(policy), num_gpu_blocks_override=48,
                                 max_num_seqs=4, enable_prefix_caching=prefix_caching,
-                                on_engine=lambda llm: levels.append(drafter_of(llm).retrieval))
+                                on_engine=lambda llm: levels.append(drafter_of(llm).retrieval),
+                                **over)
     assert tokens == plain(tiny_llama)
     assert_drafted(stats)
-    assert levels[0].lazy and stats["summarised_blocks"] > 0
+    assert levels[0].lazy and 0 < stats["summarised_blocks"] <= DECODE_BLOCKS
     assert len(compared) >= stats["refreshes"] > 0 and sum(compared) > 0
 
 
 def test_a_prefix_cache_hit_reuses_the_summaries(tiny_llama, monkeypatch):
     """The same prompts again, on one engine: their blocks hit the prefix cache, and the
-    summaries set there by the first requests are not set again (same content, same
-    physical block); what the second requests' selections read still equals the eager
-    fold."""
+    summaries the first requests' prefills folded there are not set again (same content,
+    same physical block: the second requests set at most what their own decode
+    completed); what the second requests' selections read still equals the eager fold."""
     from vllm import LLM
 
     compared = shadow_eager_summaries(monkeypatch)
@@ -252,13 +262,32 @@ def test_a_prefix_cache_hit_reuses_the_summaries(tiny_llama, monkeypatch):
         free_llm(llm)
     assert runs[0] == runs[1] == plain(tiny_llama)
     assert_drafted(snapshot)
-    assert summarised[0] > 0 and summarised[1] * 3 < summarised[0], summarised
+    assert 0 < summarised[0] <= DECODE_BLOCKS and 0 < summarised[1] <= DECODE_BLOCKS, summarised
     assert compared
 
 
-def test_plain_steps_leave_the_summaries_untouched(tiny_llama):
-    """Forced plain: the engine decided at its first commit to summarise lazily, and no step
-    touched a summary (no per-layer TriForce work on a plain step)."""
+def test_plain_steps_leave_the_summaries_untouched(tiny_llama, monkeypatch):
+    """Forced plain: the engine decided at its first commit to fold prefills only, and no
+    decode step touched a summary (no per-layer TriForce work on a plain step): the
+    summaries after the last pass with a prompt chunk are those at the end, and nothing was
+    set from the cache."""
+    import torch
+
+    from vllm_triforce.engine import retrieval_level
+
+    commit = retrieval_level.RetrievalLevel.commit
+    after_prefill, decode_steps = [], []
+
+    def commit_and_copy(self, batch, states, judged_alone):
+        verified = commit(self, batch, states, judged_alone)
+        if max(batch.q_lens) > 1:
+            after_prefill[:] = [self.summaries.sums.clone(), self.summaries.counts.clone()]
+            decode_steps.clear()
+        else:
+            decode_steps.append(batch.num_reqs)
+        return verified
+
+    monkeypatch.setattr(retrieval_level.RetrievalLevel, "commit", commit_and_copy)
     levels = []
     tokens, stats, _ = generate(tiny_llama, two_level(adaptive=True), schedule=[0],
                                 on_engine=lambda llm: levels.append(drafter_of(llm).retrieval))
@@ -267,7 +296,19 @@ def test_plain_steps_leave_the_summaries_untouched(tiny_llama):
     summaries = levels[0].summaries
     assert levels[0].lazy and levels[0].key_status.startswith("checked")
     assert stats["summarised_blocks"] == 0
-    assert not summaries.counts.any() and not summaries.sums.any()
+    sums, counts = after_prefill
+    assert counts.any() and len(decode_steps) >= min(MAX_TOKENS) - 1
+    assert torch.equal(summaries.counts, counts) and torch.equal(summaries.sums, sums)
+
+
+def test_token_pieces_cut_spans_at_the_limit():
+    from vllm_triforce.engine.retrieval_level import token_pieces
+
+    assert list(token_pieces([(0, 6, 3), (1, 0, 2)], 4)) == [[(0, 6, 3), (1, 0, 1)],
+                                                             [(1, 1, 1)]]
+    assert list(token_pieces([(0, 0, 9)], 4)) == [[(0, 0, 4)], [(0, 4, 4)], [(0, 8, 1)]]
+    assert list(token_pieces([(2, 5, 4)], 4)) == [[(2, 5, 4)]]
+    assert list(token_pieces([], 4)) == []
 
 
 def test_metrics_beside_spec_decode(tiny_llama):

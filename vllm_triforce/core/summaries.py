@@ -22,8 +22,9 @@ A partially filled block therefore holds only committed keys, but the selection
 never scores it anyway (it is always attended as part of the tail).
 
 Lazily (`set_blocks`): a full block's summaries can also be computed at once from its
-keys read back from the KV cache, the engine's default (engine/retrieval_level.py): then a
-step that selects nothing touches no summary.
+keys read back from the KV cache, the engine's default for blocks completed while decoding
+(engine/retrieval_level.py; prompts are folded as computed): then a decode step that
+selects nothing touches no summary.
 
 Memory: the store is indexed by physical block id and shared by all requests, like
 the KV cache itself, so blocks shared through prefix caching are summarised once.
@@ -198,7 +199,7 @@ class BlockSummaries:
             0, slot, torch.ones_like(slot, dtype=torch.float32))[:, None, None]  # [T, 1, 1]
         sum_b = keys.new_zeros(shape).index_add_(1, slot, keys)
         mean_b = sum_b / n_b
-        m2_b = keys.new_zeros(shape).index_add_(1, slot, (keys - mean_b[:, slot]).square())
+        m2_b = keys.new_zeros(shape).index_add_(1, slot, (keys - mean_b[:, slot]).square_())
         n_a = self.counts[touched].float()[:, None, None]
         mean_a = self.sums[:, touched].float() / n_a.clamp(min=1)
         shift = (mean_b - mean_a).square() * (n_a * n_b / (n_a + n_b))

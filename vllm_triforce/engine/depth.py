@@ -118,7 +118,8 @@ class DepthChooser:
 
     def end(self, drafting: bool, start: float, one_time: float = 0.0) -> None:
         """`one_time`: seconds of this step's work that a request pays once, not per
-        drafting step (the lazy summaries of its prompt's blocks at its first selection):
+        drafting step (the lazy summaries of the blocks it completed since it last
+        selected: after a plain stretch, all of that stretch's at once):
         left out of the drafting overhead the controller weighs depths with."""
         self._last_end = time.perf_counter()
         if self.adaptive and self._decode_step:

@@ -24,7 +24,9 @@ buffers would come on top of `gpu_memory_utilization` and could OOM a GPU. So th
   rows; plus the temporaries of one chunk of `sampling_probs`, whatever the batch; plus
   the block selection's scratch (`selection_scratch_bytes`: score tensors of the drafting
   requests' tables, chunked reads of the summaries or the KV cache, the queries), 0.49 GB
-  for Llama-3.1-8B at 128K and 32 drafting requests.
+  for Llama-3.1-8B at 128K and 32 drafting requests, or, where larger, the fold of a
+  prefill's keys into the summaries (`fold_scratch_bytes`, 0.34 GB for it), which never
+  runs at the same time.
 
 Worked example (SmolLM2-135M float32 on CPU, block 32, 30 layers × 3 KV heads × 64,
 no draft, 1 GiB budget, max_num_seqs 8, gamma2 6, V 49,152, `key_variance` false): a KV
@@ -81,7 +83,8 @@ class MemoryPlan:
                    head_dim: int, block_size: int, kv_dtype_bytes: int, kinds: SummaryKinds,
                    max_num_seqs: int, gamma2: int, gamma1: int,
                    vocab_size: int, builders: tuple[int, int] = (0, 0),
-                   max_blocks: int = 0, num_q_heads: int = 0) -> "MemoryPlan":
+                   max_blocks: int = 0, num_q_heads: int = 0,
+                   max_batched_tokens: int = 0) -> "MemoryPlan":
         """`kinds`: the optional block state kept (TriForceConfig.summary_kinds(), which
         the proposer also allocates from). `kv_dtype_bytes`: the bytes of `summary_dtype`,
         the summaries' element (the KV cache's element unless that is fp8 or int8).
@@ -90,7 +93,9 @@ class MemoryPlan:
         `max_blocks`: blocks of the longest request (max_model_len / block_size, rounded
         up), `num_q_heads` the target's query heads: with them the plan also holds the
         block selection's scratch (`selection_scratch_bytes`; 0: left out, as in the
-        worked examples above)."""
+        worked examples above). `max_batched_tokens`: the most tokens of one pass (vLLM's
+        `max_num_batched_tokens`), for the fold's scratch (`fold_scratch_bytes`; 0: left
+        out)."""
         key_bytes = num_target_layers * num_kv_heads * head_dim * kv_dtype_bytes
         summary = (key_bytes + COUNT_BYTES + (key_bytes * block_size if kinds.keep_keys else 0)
                    + (2 * key_bytes if kinds.keep_bounds else 0)
@@ -99,6 +104,8 @@ class MemoryPlan:
                                            num_target_layers, max_blocks, num_kv_heads,
                                            head_dim, num_q_heads or num_kv_heads)
                    if max_blocks > 0 else 0)
+        scratch = max(scratch, fold_scratch_bytes(max_batched_tokens, num_target_layers,
+                                                  num_kv_heads, head_dim))
         return cls(kv_bytes_per_block, summary + builders[0],
                    vocabulary_rows(max_num_seqs, gamma2, gamma1) * vocab_size * FLOAT32_BYTES
                    + builders[1] + scratch)
@@ -142,7 +149,8 @@ class MemoryPlan:
             gamma1=cfg.draft_tokens_per_round if cfg.model is not None else 0,
             vocab_size=model.get_vocab_size(),
             max_blocks=-(-model.max_model_len // block_size),
-            num_q_heads=model.get_num_attention_heads(parallel))
+            num_q_heads=model.get_num_attention_heads(parallel),
+            max_batched_tokens=vllm_config.scheduler_config.max_num_batched_tokens)
 
 
 def vocabulary_rows(max_num_seqs: int, gamma2: int, gamma1: int) -> int:
@@ -199,6 +207,29 @@ def selection_scratch_bytes(drafting: int, num_layers: int, max_blocks: int,
     queries = 3 * drafting * num_layers * num_q_heads * head_dim * FLOAT32_BYTES
     return (scores + CHUNK_READS * min(SCORE_CHUNK_BYTES, whole_read) + STACKED_QUERIES_BYTES
             + queries)
+
+
+# `fold_scratch_bytes`: float32-sized copies of one fold piece's keys [L, n, H, D] alive at
+# once in BlockSummaries.add_committed (the stacked keys, their float32 copy, the gathered
+# block means, the deviations; the runs' sums are 1 / block_size of that): read from
+# core/summaries.py; tests/test_memory_plan.py (`test_fold_scratch_fits_its_reservation`)
+# measures 3.3 with float32 keys, 4.5 with bf16 ones
+FOLD_COPIES = 5
+
+
+def fold_scratch_bytes(max_batched_tokens: int, num_layers: int, num_kv_heads: int,
+                       head_dim: int) -> int:
+    """Bytes folding one pass's committed keys into the block summaries may hold at once
+    (engine/retrieval_level.py folds a prefill's keys by pieces whose keys of every layer
+    fill at most SCORE_CHUNK_BYTES in float32, `RetrievalLevel.fold_tokens`): FOLD_COPIES
+    pieces. Llama-3.1-8B (32 layers x 8 x 128: 128 KiB a token in float32), 8,192 batched
+    tokens: pieces of 512 tokens, 5 x 64 MiB = 0.34 GB. A selection never runs at the same
+    time: the plan reserves the larger of the two."""
+    from vllm_triforce.core.policies import SCORE_CHUNK_BYTES
+
+    per_token = num_layers * num_kv_heads * head_dim * FLOAT32_BYTES
+    tokens = min(max(1, SCORE_CHUNK_BYTES // per_token), max_batched_tokens)
+    return FOLD_COPIES * tokens * per_token
 
 
 def allocate_summaries(kinds: SummaryKinds, num_layers: int, num_blocks: int,

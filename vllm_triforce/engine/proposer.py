@@ -219,7 +219,8 @@ class TriForceProposer(DraftModelProposer):
             vocab_size=self.vllm_config.model_config.get_vocab_size(),
             builders=self._builder_bytes(target.block_size),
             max_blocks=-(-self.vllm_config.model_config.max_model_len // target.block_size),
-            num_q_heads=layer.num_heads)
+            num_q_heads=layer.num_heads,
+            max_batched_tokens=self.vllm_config.scheduler_config.max_num_batched_tokens)
 
     def _builder_bytes(self, block_size: int) -> tuple[int, int]:
         """The per-layer builders of a stateful backend (one per target layer), plus one

@@ -5,15 +5,21 @@ Per step, after vLLM's full-cache verification pass: `commit` counts what vLLM a
 core/refresh.py); each middle round then runs `forward`: the target over a different
 compacted block table per layer, through the stock attention backend (zero-copy).
 
-Block summaries, lazily (the default): a selection scores only *full* committed blocks, so
-a block's summaries are needed only once it is full, and then never change. Just before a
-request selects, the summaries of its full blocks not yet summarised are set from their keys
-read back from vLLM's KV cache (engine/paged_keys.py, `BlockSummaries.set_blocks`); a step
-in which nobody selects (every plain step) does no per-layer TriForce work at all. Eagerly
-(every committed token's captured key folded in at every step, `BlockSummaries.add_committed`)
-where the cache cannot be read back exactly: no reader for the backend or ISA, a reader that
-failed its check, an fp8 cache (read back, its keys are rounded), or a policy that keeps
-its own copy of the keys or observes every step (topk_oracle, h2o).
+Block summaries, by default: a prompt's as it is computed, the rest lazily. A selection
+scores only *full* committed blocks, so a block's summaries are needed only once it is full,
+and then never change. A prefill pass (a prompt chunk, or a preempted request's recompute:
+more tokens than a verification) folds its keys, which the capture holds in memory right
+then, into the summaries (`BlockSummaries.add_committed`, by chunks of SCORE_CHUNK_BYTES);
+the blocks it completes are recorded as set. Blocks completed while decoding are set just
+before their request selects, from their keys read back from vLLM's KV cache
+(engine/paged_keys.py, `BlockSummaries.set_blocks`). So a decode step in which nobody
+selects (every plain step) does no per-layer TriForce work at all, and no prompt is ever
+read back (lazily, a first selection would read a whole 8K prompt's keys from the cache
+inside the timed decode: measured 1.04x instead of 1.18x at the KV-bound case, RESULTS.md).
+Every committed token's key is folded at every step (eagerly) where the cache cannot be read
+back exactly: no reader for the backend or ISA, a reader that failed its check, an fp8
+cache (read back, its keys are rounded), or a policy that keeps its own copy of the keys or
+observes every step (topk_oracle, h2o).
 
 Terms. *committed*: positions whose KV is exact (written by vLLM's full-cache pass and
 accepted). Selections are kept per request as logical blocks (engine/state.py).
@@ -33,7 +39,7 @@ import torch
 from vllm.logger import init_logger
 
 from vllm_triforce.core.blocks import selection_sizes
-from vllm_triforce.core.policies import SCORE_CHUNK_BYTES
+from vllm_triforce.core import policies
 from vllm_triforce.core.selection import Selection, Selector, compact_tables
 from vllm_triforce.core.summaries import committed_runs
 from vllm_triforce.engine.forward import build_pass, run_pass
@@ -67,11 +73,13 @@ class RetrievalLevel:
         self.refresh = refresh
         self.blocks = selector.blocks
         self.paged_keys = selector.keys
-        # Summaries set from the KV cache just before a selection (see top); decided at the
-        # first commit, by the reader's check.
+        # Summaries of blocks completed while decoding set from the KV cache just before a
+        # selection (see top); decided at the first commit, by the reader's check.
         self.lazy = False
-        # physical block id -> content key (`_block_contents`) of the summaries set there:
-        # a block another request summarised (a prefix-cache hit) is not set again
+        # physical block id -> content key (`_block_contents`) of the complete summaries
+        # held there (set from the cache, or folded from every key of a prefill): a block
+        # another request summarised (a prefix-cache hit) is not set again. A block a fold
+        # touches without completing is dropped from it.
         self._summarised: dict[int, int] = {}
         self._summarised_rows: set[int] = set()  # rows whose blocks are set, this step
         # this step's time in `_summarise_full_blocks`: mostly once per request (its prompt's
@@ -90,6 +98,9 @@ class RetrievalLevel:
         Returns (row, drafts verified, accepted) for every request whose drafts were judged."""
         self._summarised_rows.clear()  # a new step: committed lengths and blocks moved
         self.summarise_seconds = 0.0
+        # prefill passes: more tokens than the drafts handed to vLLM could make
+        prefills = [r for r in range(batch.num_reqs)
+                    if batch.q_lens[r] > 1 + states[r].last_num_drafts]
         verified = []
         for r in range(batch.num_reqs):
             # This pass verified our drafts iff it ran at most the drafts we handed vLLM last
@@ -102,45 +113,84 @@ class RetrievalLevel:
                 if judged_alone:
                     self.refresh.record_round(states[r].refresh, num_verified, accepted)
             states[r].last_num_drafts = 0
-        if not self.lazy:
-            self._add_committed_keys(batch)
+        self._fold_committed_keys(batch, states, prefills)
         return verified
 
-    def _add_committed_keys(self, batch) -> None:
-        """Eager summaries: the keys of every token this pass committed, into the summaries.
-        At the first pass with keys, the cache reader is checked against them first; when
-        it reads the cache exactly and nothing needs eager summaries, the engine turns lazy
-        there and folds nothing (see top)."""
-        committed = self._committed_tokens(batch)
-        if committed is None:
+    def _fold_committed_keys(self, batch, states, prefills: list[int]) -> None:
+        """The keys this pass committed into the summaries: every request's (eagerly), or
+        those of the prefill passes `prefills` (see top). At the first pass with keys, the
+        cache reader is checked against them first; when it reads the cache exactly and
+        nothing needs eager summaries, the engine folds prefills only from there on."""
+        if self.capture.keys[0] is None:
             return
-        rows, block_ids, offsets, runs = committed
         reader = self.paged_keys
         if reader is not None and not reader.checked:  # once, at the first commit
-            self._check_reader(reader, rows, block_ids, offsets)
-            self.lazy = self.paged_keys is not None and self._lazy_possible()
-            if self.lazy:
+            first = next(self._committed_tokens(batch, range(batch.num_reqs)), None)
+            if first is None:
                 return
-        fold_committed(self.summaries, self.capture.keys, committed)
+            self._check_reader(reader, *first[:3])
+            self.lazy = self.paged_keys is not None and self._lazy_possible()
+        folded = prefills if self.lazy else range(batch.num_reqs)
+        for committed in self._committed_tokens(batch, folded):
+            fold_committed(self.summaries, self.capture.keys, committed)
+        if self.lazy:
+            self._record_folded_blocks(batch, states, prefills)
 
-    def _committed_tokens(self, batch):
-        """Where this pass's committed tokens go, for `fold_committed`: (rows of the pass,
-        physical block ids, offsets, (run of each token, number of runs)), or None. Which
+    def _record_folded_blocks(self, batch, states, prefills: list[int]) -> None:
+        """After a fold of `prefills`' passes: the blocks each completed, every key of which
+        was folded (by this pass, or by it and the request's prefill passes just before it,
+        [state.eager_start, state.eager_end) the positions they folded), are recorded as set
+        for their content; any other block the fold touched is forgotten (its summaries now
+        hold part of a block). Host lists only.
+
+        A run of folded positions goes on only from a prefill pass to the next chunk of the
+        same prompt (where the pass starts is where the last ended): a decode step commits
+        past the run's end, and a preempted request is recomputed from a block boundary
+        (its prefix-cache hits, or 0), so no block a pass completes holds an unfolded key."""
+        bs = self.blocks.block_size
+        for r in prefills:
+            state, start, end = states[r], batch.verify_start[r], batch.committed[r]
+            if end <= start:
+                continue
+            if state.eager_end != start:  # a new run of folded positions begins
+                state.eager_start = start
+            state.eager_end = end
+            first_full = -(-state.eager_start // bs)  # every key folded from here on
+            ids = batch.requests[r].block_ids[0]  # vLLM's host copy, one KV group
+            contents = _block_contents(batch, r, state, end // bs, bs)
+            for i in range(start // bs, -(-end // bs)):
+                if first_full <= i < end // bs and contents is not None:
+                    self._summarised[ids[i]] = contents[i]
+                else:
+                    self._summarised.pop(ids[i], None)
+
+    def _committed_tokens(self, batch, rows):
+        """Where the committed tokens of requests `rows` in this pass go, for
+        `fold_committed`, in pieces of at most `fold_tokens()` tokens: (rows of the pass,
+        physical block ids, offsets, (run of each token, number of runs)) each. Which
         rows, at which positions, in which runs of one block (core/summaries.py) are all
         known on the host, so the fold never waits for the device."""
         bs = self.blocks.block_size
         spans = [(r, batch.verify_start[r], batch.q_lens[r] - batch.num_rejected[r])
-                 for r in range(batch.num_reqs)]  # tokens committed by this pass
-        spans = [span for span in spans if span[2] > 0]
-        rows = [row for r, _, n in spans
-                for row in range(batch.query_start_loc[r], batch.query_start_loc[r] + n)]
-        if not rows or self.capture.keys[0] is None:
-            return None
-        # a request's new tokens fill its own blocks in order: one run per block
-        positions, owners, runs, num_runs = committed_runs(spans, bs)
-        rows, positions, owners, runs = to_device(self.device, rows, positions, owners, runs)
-        block_ids = batch.block_table[owners, positions // bs].long()
-        return rows, block_ids, positions % bs, (runs, num_runs)
+                 for r in rows]  # tokens committed by this pass
+        for piece in token_pieces([span for span in spans if span[2] > 0],
+                                  self.fold_tokens()):
+            rows = [batch.query_start_loc[r] + p - batch.verify_start[r]
+                    for r, first, n in piece for p in range(first, first + n)]
+            # a request's new tokens fill its own blocks in order: one run per block
+            positions, owners, runs, num_runs = committed_runs(piece, bs)
+            rows, positions, owners, runs = to_device(self.device, rows, positions, owners,
+                                                      runs)
+            block_ids = batch.block_table[owners, positions // bs].long()
+            yield rows, block_ids, positions % bs, (runs, num_runs)
+
+    def fold_tokens(self) -> int:
+        """Tokens folded at once: their keys of every layer in float32 fill at most
+        SCORE_CHUNK_BYTES (engine/memory.py `fold_scratch_bytes` reserves the fold's
+        copies)."""
+        s = self.summaries
+        return max(1, policies.SCORE_CHUNK_BYTES
+                   // (s.num_layers * s.num_kv_heads * s.head_dim * 4))
 
     def _check_reader(self, reader, rows, block_ids, offsets) -> None:
         why = reader.check(self.capture.keys, rows, block_ids, offsets)
@@ -200,7 +250,7 @@ class RetrievalLevel:
         owners, logical = to_device(self.device, owners, logical)
         block_ids = batch.block_table[owners, logical].long()
         s = self.summaries
-        per_chunk = max(1, SCORE_CHUNK_BYTES // (s.num_kv_heads * bs * s.head_dim * 4))
+        per_chunk = max(1, policies.SCORE_CHUNK_BYTES // (s.num_kv_heads * bs * s.head_dim * 4))
         for start in range(0, block_ids.numel(), per_chunk):
             ids = block_ids[start:start + per_chunk]
             for layer in range(s.num_layers):
@@ -348,9 +398,26 @@ class RetrievalLevel:
 
 
 def fold_committed(summaries, layer_keys, committed) -> None:
-    """Eager summaries: `committed` (RetrievalLevel._committed_tokens) into `summaries`."""
+    """Folded summaries: one piece of `RetrievalLevel._committed_tokens` into `summaries`."""
     rows, block_ids, offsets, runs = committed
     summaries.add_committed(layer_keys, rows, block_ids, offsets, runs)
+
+
+def token_pieces(spans, limit: int):
+    """Spans (owner, first position, count) cut into lists of spans of at most `limit`
+    tokens in all, in order. Example: limit 4, [(0, 6, 3), (1, 0, 2)] ->
+    [(0, 6, 3), (1, 0, 1)], [(1, 1, 1)]."""
+    piece, size = [], 0
+    for owner, start, count in spans:
+        while count:
+            take = min(count, limit - size)
+            piece.append((owner, start, take))
+            size, start, count = size + take, start + take, count - take
+            if size == limit:
+                yield piece
+                piece, size = [], 0
+    if piece:
+        yield piece
 
 
 def _block_contents(batch, row: int, state, full: int, block_size: int) -> list[int] | None:

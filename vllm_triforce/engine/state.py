@@ -37,6 +37,10 @@ class RequestState:
     # key of each full block (a hash chained over its tokens and every earlier block's).
     folded_block_ids: list[int] = field(default_factory=list)
     block_contents: list[int] = field(default_factory=list)
+    # positions [eager_start, eager_end) whose keys the request's last prefill passes, one
+    # after the other, folded into the summaries (-1: none yet)
+    eager_start: int = 0
+    eager_end: int = -1
     refresh: object = None                       # core.refresh.RefreshState
     policy_state: object = None                  # core.selection.SelectionState (h2o)
     # Small-draft (level 1) KV bookkeeping, in absolute positions.
