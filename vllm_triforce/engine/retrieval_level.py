@@ -82,9 +82,9 @@ class RetrievalLevel:
         # touches without completing is dropped from it.
         self._summarised: dict[int, int] = {}
         self._summarised_rows: set[int] = set()  # rows whose blocks are set, this step
-        # this step's time in `_summarise_full_blocks`: mostly once per request (its prompt's
-        # blocks at its first selection), so the depth controller does not count it as a
-        # cost of drafting (engine/depth.py `end`)
+        # this step's time in `_summarise_full_blocks`: the blocks a request completed since
+        # it last selected (after a plain stretch, all of that stretch's at once), so the
+        # depth controller does not count it as a cost of drafting (engine/depth.py `end`)
         self.summarise_seconds = 0.0
         self.stats = stats
         self.device = device
