@@ -252,7 +252,9 @@ def rescore_shortlist(policy: SelectionPolicy, query: Tensor, summaries, block_t
                       listed: Tensor) -> Tensor:
     """Scores for select_blocks [R, L, max_blocks] in which only the blocks of `listed`
     ([R, L, S] logical, from `best_candidates`) are scored, by `policy.shortlist_scores`
-    with `query`; every other block gets -inf, so it is chosen only when the list runs out."""
+    with `query`; every other block gets -inf, so it is chosen only when the list runs out.
+    Off the engine's path (it re-ranks with `select_listed`, no full-width scores): kept as
+    the reference tests/core/test_core_policies.py compares a shortlist's scores with."""
     phys = _physical(block_table, listed)
     return _scatter_listed(policy.shortlist_scores(query, summaries, phys), listed,
                            block_table.shape[1])
