@@ -225,11 +225,16 @@ def fold_scratch_bytes(max_batched_tokens: int, num_layers: int, num_kv_heads: i
     pieces. Llama-3.1-8B (32 layers x 8 x 128: 128 KiB a token in float32), 8,192 batched
     tokens: pieces of 512 tokens, 5 x 64 MiB = 0.34 GB. A selection never runs at the same
     time: the plan reserves the larger of the two."""
+    tokens = min(fold_piece_tokens(num_layers, num_kv_heads, head_dim), max_batched_tokens)
+    return FOLD_COPIES * tokens * num_layers * num_kv_heads * head_dim * FLOAT32_BYTES
+
+
+def fold_piece_tokens(num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+    """Tokens the engine folds at once: their keys of every layer fill at most
+    SCORE_CHUNK_BYTES in float32 (at least one token)."""
     from vllm_triforce.core.policies import SCORE_CHUNK_BYTES
 
-    per_token = num_layers * num_kv_heads * head_dim * FLOAT32_BYTES
-    tokens = min(max(1, SCORE_CHUNK_BYTES // per_token), max_batched_tokens)
-    return FOLD_COPIES * tokens * per_token
+    return max(1, SCORE_CHUNK_BYTES // (num_layers * num_kv_heads * head_dim * FLOAT32_BYTES))
 
 
 def allocate_summaries(kinds: SummaryKinds, num_layers: int, num_blocks: int,

@@ -43,6 +43,7 @@ from vllm_triforce.core import policies
 from vllm_triforce.core.selection import Selection, Selector, compact_tables
 from vllm_triforce.core.summaries import committed_runs
 from vllm_triforce.engine.forward import build_pass, run_pass
+from vllm_triforce.engine.memory import fold_piece_tokens
 from vllm_triforce.engine.state import stacked, stacked_shortlist
 from vllm_triforce.engine.transfer import to_device
 
@@ -185,12 +186,10 @@ class RetrievalLevel:
             yield rows, block_ids, positions % bs, (runs, num_runs)
 
     def fold_tokens(self) -> int:
-        """Tokens folded at once: their keys of every layer in float32 fill at most
-        SCORE_CHUNK_BYTES (engine/memory.py `fold_scratch_bytes` reserves the fold's
-        copies)."""
+        """Tokens folded at once (engine/memory.py `fold_piece_tokens`; `fold_scratch_bytes`
+        reserves the fold's copies)."""
         s = self.summaries
-        return max(1, policies.SCORE_CHUNK_BYTES
-                   // (s.num_layers * s.num_kv_heads * s.head_dim * 4))
+        return fold_piece_tokens(s.num_layers, s.num_kv_heads, s.head_dim)
 
     def _check_reader(self, reader, rows, block_ids, offsets) -> None:
         why = reader.check(self.capture.keys, rows, block_ids, offsets)
