@@ -99,11 +99,10 @@ class RetrievalLevel:
         Returns (row, drafts verified, accepted) for every request whose drafts were judged."""
         self._summarised_rows.clear()  # a new step: committed lengths and blocks moved
         self.summarise_seconds = 0.0
-        # prefill passes: more tokens than the drafts handed to vLLM could make
-        prefills = [r for r in range(batch.num_reqs)
-                    if batch.q_lens[r] > 1 + states[r].last_num_drafts]
-        verified = []
+        verified, prefills = [], []
         for r in range(batch.num_reqs):
+            if batch.q_lens[r] > 1 + states[r].last_num_drafts:
+                prefills.append(r)  # more tokens than the drafts handed to vLLM could make
             # This pass verified our drafts iff it ran at most the drafts we handed vLLM last
             # step after the newest token (the scheduler may trim them); a prefill chunk does not.
             num_verified = batch.q_lens[r] - 1
