@@ -89,12 +89,15 @@ def test_propose_peak_fits_the_reserved_memory(levels, big_vocab):
     assert buffer.nbytes + max(peaks) <= plan.fixed_bytes
 
 
-@pytest.mark.parametrize("strategy", ["gather", "all"])
-def test_selection_scratch_fits_its_reservation(monkeypatch, strategy):
+@pytest.mark.parametrize("strategy,chunk_kib", [("gather", 256), ("all", 256),
+                                                ("gather", 4096)])
+def test_selection_scratch_fits_its_reservation(monkeypatch, strategy, chunk_kib):
     """A step-start selection (every candidate scored, the shortlist kept) and a middle
     re-ranking hold at most `selection_scratch_bytes` at once: profiled on CPU with a small
     SCORE_CHUNK_BYTES, so the chunked reads are chunked here too (8 requests, 4 layers,
-    96-block tables; no stacked queries: `choose` takes them gathered)."""
+    96-block tables; no stacked queries: `choose` takes them gathered). With 4 MiB chunks
+    the re-ranking keeps a copy of the listed summaries (2.6 MiB, `listed_copy`), alive
+    after the call: counted in the middle's peak."""
     import torch
 
     from vllm_triforce.core import policies
@@ -104,7 +107,7 @@ def test_selection_scratch_fits_its_reservation(monkeypatch, strategy):
     from vllm_triforce.config import BlockCounts
     from vllm_triforce.engine import memory, retrieval_level
 
-    monkeypatch.setattr(policies, "SCORE_CHUNK_BYTES", 256 * 2**10)
+    monkeypatch.setattr(policies, "SCORE_CHUNK_BYTES", chunk_kib * 2**10)
     monkeypatch.setattr(retrieval_level, "STACKED_QUERIES_BYTES", 0)
     reqs, layers, heads, dim, q_heads, bs, width = 8, 4, 2, 64, 4, 16, 96
     gen = torch.Generator().manual_seed(0)
@@ -122,6 +125,7 @@ def test_selection_scratch_fits_its_reservation(monkeypatch, strategy):
                                                           keep_shortlist=True))
     _, in_middle = peak_bytes(lambda: selector.choose(query, summaries, table, committed,
                                                       shortlist=choice.shortlist))
+    assert (choice.shortlist.copy is not None) == (chunk_kib == 4096)
     bound = memory.selection_scratch_bytes(reqs, layers, width, heads, dim, q_heads)
     print(f"\n{strategy}: peaks {at_start} (step start), {in_middle} (middle); bound {bound}")
     assert max(at_start, in_middle) <= bound

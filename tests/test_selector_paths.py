@@ -99,3 +99,45 @@ def test_engine_and_teacher_choose_the_same_blocks(policy, kwargs):
             NUM_REQS, LAYERS, 12)
         assert torch.equal(torch.stack([s.shortlist for s in states]), column.listed.logical)
     assert any(not torch.equal(a[0], b[0]) for a, b in zip(at_start, in_middle))
+
+
+def test_middle_rounds_of_fewer_requests_reuse_their_shortlist_copy(monkeypatch):
+    """Requests drop out of the middle rounds as they reach their depth: the rounds of the
+    ones left re-rank the same subset of the step's shortlist (`stacked_shortlist` gives
+    the same object back, so its copy of the summaries is made once), and choose what
+    re-ranking the whole shortlist chooses for them."""
+    summaries, table, gen = summarised_requests(seed=5)
+    start_query = torch.randn(NUM_REQS, LAYERS, Q_HEADS, DIM, generator=gen)
+    selector = Selector(make_policy("retrieval", variance=True), BLOCKS, shortlist_factor=4)
+    copies = []
+    real_copy = selector.policy.listed_copy
+    monkeypatch.setattr(selector.policy, "listed_copy",
+                        lambda *a: copies.append(a[1].shape[0]) or real_copy(*a))
+    level = engine_level(summaries, selector, start_query)
+    batch = SimpleNamespace(block_table=table, committed=[COMMITTED] * NUM_REQS,
+                            q_lens=[1] * NUM_REQS, num_rejected=[0] * NUM_REQS,
+                            query_start_loc=list(range(NUM_REQS + 1)))
+    states = [RequestState(refresh=level.refresh.new_state(), policy_state=SelectionState())
+              for _ in range(NUM_REQS)]
+    rows, left = list(range(NUM_REQS)), [0, 2]
+    level.select(batch, states, rows)
+    drafts = {r: RequestDrafts(0, COMMITTED + 1) for r in rows}
+    subsets = []
+    for round_ in range(3):
+        query = torch.randn(NUM_REQS, LAYERS, Q_HEADS, DIM, generator=gen)
+        level._pass_queries = [query[:, layer].reshape(NUM_REQS, -1) for layer in range(LAYERS)]
+        for r in rows:
+            drafts[r].query_row, drafts[r].position = r, COMMITTED + 1 + 2 * round_
+        level.select_in_middle(batch, states, rows, drafts)  # every request
+        everyone = [states[r].logical_blocks.clone() for r in left]
+        for r in left:  # a re-selection is due again: the next middle token's query
+            drafts[r].position += 1
+        level.select_in_middle(batch, states, left, drafts)  # requests 0 and 2 only
+        assert all(torch.equal(states[r].logical_blocks, e) for r, e in zip(left, everyone))
+        subsets.append(states[0].shortlists.subset[1])
+    assert all(s is subsets[0] for s in subsets)
+    # per round: the whole list's copy, then the subset's (one copy at a time); the subset
+    # object is the same every round, yet each of its copies was freed by the whole one's
+    assert copies == [NUM_REQS, 2] * 3
+    level.end_rounds()
+    assert states[0].shortlists.copy is None and states[0].shortlists.subset[1].copy is None

@@ -140,6 +140,9 @@ class StandInRetrieval(_Lookup):
     def select_in_middle(self, batch, states, rows, drafts_by_row):
         pass  # selection's device work: test_commit_select_and_tables_make_no_sync
 
+    def end_rounds(self):
+        pass
+
 
 class StandInDraft(_Lookup):
     """engine/draft_level.DraftLevel's interface, stepping with the engine's own

@@ -464,3 +464,28 @@ def test_shortlist_scored_in_chunks_equal_one_gather(monkeypatch, aggregation, v
         full = policy.block_scores(query.float(), summaries, listed[:, 0].clamp(min=0),
                                    torch.tensor([4 * BS, 4 * BS]))
         assert torch.allclose(chunked[:, 0], full[:, 0])
+
+
+@pytest.mark.parametrize("variance", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_shortlist_copy_scores_as_the_store_reads(monkeypatch, variance, dtype):
+    """Between middle rounds the listed blocks' summaries are copied once (`listed_copy`:
+    mean keys, then variances, divided by the counts) and re-ranked from the copy: the same
+    scores as reading the stores (to float32 rounding), padding included; no copy where
+    it would pass SCORE_CHUNK_BYTES or for a per-head aggregation."""
+    from vllm_triforce.core import policies
+    listed = torch.tensor([[[3, 0, 12, -1], [7, 3, 1, 0]], [[5, 1, 11, 2], [2, 11, -1, -1]]])
+    query = torch.randn(2, 2, 6, 8, generator=torch.Generator().manual_seed(4))
+    policy = make_policy("retrieval", variance=variance)
+    summaries = integer_summaries(dtype=dtype)
+    rows = summaries.layer_rows(listed)
+    counts = summaries.counts[listed.clamp(min=0)].clamp(min=1).float()
+    copy = policy.listed_copy(summaries, rows, counts)
+    assert copy.shape == (1 + variance, 2, 2, 4, 2 * 8) and copy.dtype == torch.float32
+    read = policy.shortlist_scores(query, summaries, listed, rows=rows, counts=counts)
+    copied = policy.shortlist_scores(query, summaries, listed, copy=copy)
+    torch.testing.assert_close(copied, read)
+    monkeypatch.setattr(policies, "SCORE_CHUNK_BYTES", copy.nbytes - 1)
+    assert policy.listed_copy(summaries, rows, counts) is None
+    per_head = make_policy("retrieval", aggregation="max", variance=variance)
+    assert per_head.listed_copy(summaries, rows, counts) is None

@@ -1,5 +1,6 @@
 """select_blocks / build_block_tables against a brute-force reference + invariants."""
 
+import dataclasses
 import random
 
 import pytest
@@ -179,3 +180,47 @@ def test_a_shortlist_selects_what_every_candidate_would(factor, seed):
     assert torch.equal(got.tail_start, want.tail_start)
     # the dense case is there: the first request keeps all num_retrieved + 1 candidates
     assert int(want.num_selected[0]) == num_sink + blocks.num_retrieved + 1
+
+
+def test_a_shortlist_copy_is_made_once_reused_and_released(monkeypatch):
+    """The first re-ranking of a shortlist copies its summaries (`listed_copy`); the next
+    ones read only the copy (no store read), select what reading the stores selects, and
+    `release_copies` frees it. One copy at a time: another shortlist's copy frees the
+    first's (the selection's scratch reserves one)."""
+    from vllm_triforce.core.policies import make_policy
+    from vllm_triforce.core.selection import Selector
+    from vllm_triforce.core.summaries import BlockSummaries
+
+    reqs, layers, heads, dim, bs, width = 3, 2, 2, 8, 4, 20
+    gen = torch.Generator().manual_seed(1)
+    summaries = BlockSummaries(layers, reqs * width, heads, dim, bs, keep_variance=True)
+    summaries.sums.normal_(generator=gen)
+    summaries.square_deviations.uniform_(generator=gen)
+    summaries.counts.fill_(bs)
+    table = torch.randperm(reqs * width, generator=gen).view(reqs, width)
+    committed = torch.full((reqs,), width * bs - 3)
+    selector = Selector(make_policy("retrieval", variance=True),
+                        geometry(bs, 6, 1, 1), shortlist_factor=2)
+    queries = torch.randn(4, reqs, layers, 4, dim, generator=gen)
+    first = selector.choose(queries[0], summaries, table, committed, keep_shortlist=True)
+    second = selector.choose(queries[0], summaries, table, committed, keep_shortlist=True)
+    listed = first.shortlist
+    reads, copies = [], []
+    real_read, real_copy = type(summaries).rows_of, selector.policy.listed_copy
+    monkeypatch.setattr(type(summaries), "rows_of",
+                        lambda self, *a: reads.append(1) or real_read(self, *a))
+    monkeypatch.setattr(selector.policy, "listed_copy",
+                        lambda *a: copies.append(1) or real_copy(*a))
+    picked = selector.choose(queries[1], summaries, table, committed, shortlist=listed)
+    assert listed.copy is not None and reads == [] and len(copies) == 1
+    again = selector.choose(queries[2], summaries, table, committed, shortlist=listed)
+    assert reads == [] and len(copies) == 1  # the copy, read again
+    for query, choice in ((queries[1], picked), (queries[2], again)):
+        fresh = dataclasses.replace(listed, rows=None, counts=None, copy=None, copied=True)
+        by_reads = selector.choose(query, summaries, table, committed, shortlist=fresh)
+        assert reads  # the stores were read for it
+        assert torch.equal(choice.selection.logical_blocks, by_reads.selection.logical_blocks)
+    selector.choose(queries[3], summaries, table, committed, shortlist=second.shortlist)
+    assert listed.copy is None and second.shortlist.copy is not None  # one at a time
+    selector.release_copies()
+    assert second.shortlist.copy is None and not second.shortlist.copied

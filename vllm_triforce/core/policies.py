@@ -122,12 +122,19 @@ class SelectionPolicy:
         """See a query without selecting (only h2o accumulates anything)."""
 
     def shortlist_scores(self, query: Tensor, summaries: BlockSummaries, blocks: Tensor,
-                         rows: Tensor | None = None, counts: Tensor | None = None) -> Tensor:
+                         rows: Tensor | None = None, counts: Tensor | None = None,
+                         copy: Tensor | None = None) -> Tensor:
         """blocks [R, L, S] physical ids per layer (-1: padding) -> [R, L, S] float32 scores
         of only those blocks (between middle rounds: selection.Shortlist). `rows`,
         `counts`: the blocks' `layer_rows` and token counts (>= 1), where the caller kept
-        them (`Shortlist.summary_rows`)."""
+        them (`Shortlist.summary_rows`); `copy`: what `listed_copy` made of them."""
         raise NotImplementedError(f"policy {self.name!r} does not re-rank a shortlist")
+
+    def listed_copy(self, summaries: BlockSummaries, rows: Tensor,
+                    counts: Tensor) -> Tensor | None:
+        """The listed blocks' summaries as `shortlist_scores` reads them, copied once for a
+        step's middle rounds, or None (no copy: each re-ranking reads the stores)."""
+        return None
 
 
 class StreamingLLMPolicy(SelectionPolicy):
@@ -234,12 +241,15 @@ class RetrievalPolicy(SelectionPolicy):
                                          block_table.shape[1])
         return aggregate_heads(per_head, self.aggregation, candidates)
 
-    def shortlist_scores(self, query, summaries, blocks, rows=None, counts=None):
+    def shortlist_scores(self, query, summaries, blocks, rows=None, counts=None, copy=None):
         """As block_scores, over per-layer block lists (softmax: over the listed blocks),
         read by `gather_chunks`: Llama-3.1-8B's default shortlist (4 x 247 blocks per layer)
-        at batch 8 would otherwise gather 2 GiB of float32 rows per re-selection."""
+        at batch 8 would otherwise gather 2 GiB of float32 rows per re-selection. With
+        `copy` (`listed_copy`), read from it: one or two batched products, no store read."""
         q = group_query(query, summaries.num_kv_heads)  # [R, L, H, G, D]
         q = q * (self.scale or 1.0 / math.sqrt(q.shape[-1]))
+        if copy is not None:
+            return self._copied_scores(q, copy)
         weights = [(q, summaries.sums)]
         if self.variance:
             weights.append((0.5 * q.square(), summaries.deviations()))
@@ -261,6 +271,42 @@ class RetrievalPolicy(SelectionPolicy):
             return torch.cat(per_chunk, -1) / counts
         per_head = torch.cat(per_chunk, -1) / counts[:, :, None, None]
         return aggregate_heads(per_head, self.aggregation, blocks[:, 0] >= 0)
+
+    def listed_copy(self, summaries, rows, counts):
+        """aggregation "sum" only: [n, R, L, S, H * D] float32, the listed blocks' mean keys
+        (then, with `variance`, their keys' variances) at `layer_rows` `rows` [R, L, S],
+        divided by `counts` once here instead of at every re-ranking; None where the copy
+        would take more than SCORE_CHUNK_BYTES (Llama-3.1-8B's default shortlist of 988
+        blocks per layer: 259 MB per request), as the chunked reads are bounded. Memory:
+        within the selection's scratch (engine/memory.py `selection_scratch_bytes`)."""
+        if self.aggregation != "sum":
+            return None
+        stores = [summaries.sums, *([summaries.deviations()] if self.variance else [])]
+        width = summaries.num_kv_heads * summaries.head_dim
+        copy_shape = (len(stores), *rows.shape, width)
+        if math.prod(copy_shape) * 4 > SCORE_CHUNK_BYTES:
+            return None
+        copy = torch.empty(copy_shape, dtype=torch.float32, device=rows.device)
+        flat = rows.flatten()
+        for out, store in zip(copy, stores):
+            if store.dtype == torch.float32:  # gathered straight into the copy
+                torch.index_select(store.view(-1, width), 0, flat, out=out.view(-1, width))
+            else:
+                out.view(-1, width).copy_(store.view(-1, width).index_select(0, flat))
+        return copy.div_(counts[..., None])
+
+    @staticmethod
+    def _copied_scores(q: Tensor, copy: Tensor) -> Tensor:
+        """q [R, L, H, G, D] (scaled) and a `listed_copy` [n, R, L, S, H * D] -> [R, L, S]:
+        q . mean key (+ 1/2 q^2 . key variance), summed over each group's query heads."""
+        num_reqs, num_layers, num_listed = copy.shape[1:4]
+        weights = [q.sum(3).view(num_reqs * num_layers, -1, 1)]
+        if copy.shape[0] > 1:
+            weights.append(q.square().sum(3).mul_(0.5).view(num_reqs * num_layers, -1, 1))
+        scores = torch.bmm(copy[0].flatten(0, 1), weights[0])  # [R * L, S, 1]
+        for listed, weight in zip(copy[1:], weights[1:]):
+            scores = torch.baddbmm(scores, listed.flatten(0, 1), weight)
+        return scores.view(num_reqs, num_layers, num_listed)
 
     def _use_all_blocks(self, summaries: BlockSummaries, ids: Tensor) -> bool:
         if self.strategy == "auto":

@@ -82,12 +82,17 @@ class Shortlist:
     re-ranked between middle rounds (`select_listed`), with what stays fixed while the
     committed blocks do, so a re-ranking computes none of it again: their physical ids,
     the selection's Frame, and (filled at the first re-ranking, `summary_rows`) the rows
-    and counts the summaries are read at."""
+    and counts the summaries are read at, and the policy's copy of those summaries
+    (`SelectionPolicy.listed_copy`) until `Selector.release_copies`."""
     logical: Tensor    # [R, L, S] int64, best first, -1 padded
     physical: Tensor   # [R, L, S] int64, -1 kept
     frame: Frame
     rows: Tensor | None = None    # [R, L, S] `BlockSummaries.layer_rows` of `physical`
     counts: Tensor | None = None  # [R, L, S] float32 their token counts, >= 1
+    copy: Tensor | None = None    # the policy's `listed_copy`, while held
+    copied: bool = False          # listed_copy was asked (it may have declined: None)
+    # (rows, Shortlist of those rows): the last subset engine/state.stacked_shortlist made
+    subset: tuple | None = None
 
     @classmethod
     def of(cls, logical: Tensor, block_table: Tensor, num_committed: Tensor,
@@ -133,6 +138,15 @@ class Selector:
         self.shortlist_size = (max(shortlist_factor * blocks.num_retrieved,
                                    blocks.num_retrieved + 1)
                                if policy.reranks_shortlist and shortlist_factor > 0 else 0)
+        self._copies: list[Shortlist] = []  # shortlists holding a listed_copy
+
+    def release_copies(self) -> None:
+        """Free the shortlists' copies (at the end of a step's middle rounds, or before
+        another shortlist's copy is made): they live in the selection's reserved scratch,
+        which holds one at a time. A shortlist re-ranked again copies again."""
+        for shortlist in self._copies:
+            shortlist.copy, shortlist.copied = None, False
+        self._copies.clear()
 
     @property
     def observes(self) -> bool:
@@ -155,8 +169,14 @@ class Selector:
         shortlist_factor > 0)."""
         if shortlist is not None:
             rows, counts = shortlist.summary_rows(summaries)
+            if not shortlist.copied:  # the first re-ranking copies what the next ones read
+                self.release_copies()  # one copy at a time: the scratch reserves one
+                shortlist.copy = self.policy.listed_copy(summaries, rows, counts)
+                shortlist.copied = True
+                if shortlist.copy is not None:
+                    self._copies.append(shortlist)
             scores = self.policy.shortlist_scores(query, summaries, shortlist.physical,
-                                                  rows=rows, counts=counts)
+                                                  rows=rows, counts=counts, copy=shortlist.copy)
             return Choice(select_listed(scores, shortlist, self.blocks))
         committed = on_device(num_committed, block_table.device, torch.long)
         scores = self.policy.block_scores(query, summaries, block_table, committed, states)

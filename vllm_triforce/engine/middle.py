@@ -73,6 +73,7 @@ class MiddleLoop:
         while True:
             active = [r for r in rows if len(drafts_by_row[r].tokens) < wanted[r]]
             if not active:
+                self.retrieval.end_rounds()
                 return drafts_by_row
             sizes = [min(gamma1, wanted[r] - len(drafts_by_row[r].tokens)) for r in active]
             start = time.perf_counter()

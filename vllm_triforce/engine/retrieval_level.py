@@ -298,6 +298,10 @@ class RetrievalLevel:
                                [drafts_by_row[r].position for r in group],
                                use_shortlist=use_list)
 
+    def end_rounds(self) -> None:
+        """The step's middle rounds are over: free what they kept (the shortlists' copies)."""
+        self.selector.release_copies()
+
     def _reselect(self, batch, states, due: list[int], layer_queries: list,
                   query_rows: list[int], prefixes: list[int], keep_shortlist: bool = False,
                   use_shortlist: bool = False) -> None:
