@@ -32,7 +32,7 @@ def test_publisher_throttles_and_catches_up():
         assert metrics.read_totals()["top_proposed"] >= 3  # a scrape flushes this process's
         assert published(publisher.source_id)["top_proposed"] == 3
         state["n"] = 5
-        publisher.publish(at_once=True)  # a step that drafted: written within the interval
+        publisher.publish(at_once=True)  # a request came or went: written within the interval
         assert published(publisher.source_id)["top_proposed"] == 5
     finally:
         metrics.retire(publisher)

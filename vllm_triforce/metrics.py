@@ -7,11 +7,11 @@ from a worker's proposer to the front end's stat loggers, so:
 
 - the worker (TP rank 0 only: all ranks take identical decisions) writes its counters as a
   small JSON file into a directory (atomic rename), through a `Publisher`: at once after a
-  step that drafted, verified, or saw a request come or go; after a plain step of a steady
-  batch (only `plain_steps`, the depth histogram and the controller's gauges moved) at most
-  every PUBLISH_INTERVAL_S seconds, a timer writing the latest within that time; and at once
-  before a scrape in the same process (`LLM.get_metrics()` offline). A file per plain step
-  cost ~0.2 ms of a ~70 ms CPU step (issue 26);
+  step that saw a request come or go; after any other step at most every
+  PUBLISH_INTERVAL_S seconds, a timer writing the latest within that time; and at once
+  before a scrape in the same process (`LLM.get_metrics()` offline). A file per step cost
+  ~0.3 ms (issue 26: ~0.2 ms of a ~70 ms CPU step; issue 25: ~0.05 ms per middle round
+  of a tiny model's drafting step);
 - the directory is created by the first process that loads the plugin (the front end, which
   starts engine core and workers afterwards) and passed down in `VLLM_TRIFORCE_METRICS_DIR`
   (vLLM forwards `VLLM_*` variables to its workers, Ray actors included);

@@ -481,7 +481,7 @@ def test_a_shortlist_copy_scores_as_the_store_reads(monkeypatch, variance, dtype
     rows = summaries.layer_rows(listed)
     counts = summaries.counts[listed.clamp(min=0)].clamp(min=1).float()
     copy = policy.listed_copy(summaries, rows, counts)
-    assert copy.shape == (1 + variance, 2, 2, 4, 2 * 8) and copy.dtype == torch.float32
+    assert copy.shape == (2, 2, 4, (1 + variance) * 2 * 8) and copy.dtype == torch.float32
     read = policy.shortlist_scores(query, summaries, listed, rows=rows, counts=counts)
     copied = policy.shortlist_scores(query, summaries, listed, copy=copy)
     torch.testing.assert_close(copied, read)

@@ -100,7 +100,7 @@ class TriForceProposer(DraftModelProposer):
         self.stats = TriForceStats()
         self._metrics = metrics.Publisher(f"{os.getpid()}-{id(self)}", self.stats.snapshot)
         weakref.finalize(self, metrics.retire, self._metrics)
-        self._published_counts: tuple | None = None
+        self._published_live: int | None = None  # live requests at the last publish
         seed = vllm_config.model_config.seed
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(0 if seed is None else seed)
@@ -318,9 +318,9 @@ class TriForceProposer(DraftModelProposer):
             return
         self.stats.live_requests = len(self.states)
         self.stats.maybe_log()
-        counts = self.stats.drafting_counts()
-        self._metrics.publish(at_once=counts != self._published_counts)
-        self._published_counts = counts
+        # at once when a request came or went; else at most every PUBLISH_INTERVAL_S
+        self._metrics.publish(at_once=self.stats.live_requests != self._published_live)
+        self._published_live = self.stats.live_requests
 
     def _new_state(self, req_id: str) -> RequestState:
         state = RequestState(refresh=self.refresh.new_state(), policy_state=SelectionState())

@@ -52,13 +52,6 @@ class TriForceStats:
         for name, amount in amounts.items():
             setattr(self, name, getattr(self, name) + amount)
 
-    def drafting_counts(self) -> tuple:
-        """What changes only when TriForce drafts, verifies or a request comes or goes: a
-        step that changes none of it is a plain step in a steady batch, whose publication
-        may wait (metrics.Publisher)."""
-        return (self.middle_proposed, self.middle_rounds, self.refreshes, self.draft_rebases,
-                self.top_proposed, self.drafting_steps, self.live_requests)
-
     def record_middle(self, proposed: int, accepted: int) -> None:
         self.add(middle_proposed=proposed, middle_accepted=accepted)
 
