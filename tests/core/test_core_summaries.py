@@ -145,8 +145,8 @@ def test_committed_runs_docstring_example():
 
 
 def test_set_blocks_equals_committing_every_offset():
-    """Lazy summaries (engine/retrieval_level.py): a full block's summaries set at once from
-    its keys [n, H, bs, D] equal the ones committing its tokens over several passes gives;
+    """Lazy summaries (engine/retrieval_level.py): full blocks' summaries set at once from
+    their keys [L, n, H, bs, D] equal the ones committing its tokens over several passes gives;
     setting a block twice changes nothing; a block holding stale state is replaced."""
     gen = torch.Generator().manual_seed(5)
     kinds = dict(keep_keys=True, keep_bounds=True, keep_variance=True)
@@ -166,8 +166,7 @@ def test_set_blocks_equals_committing_every_offset():
                        torch.tensor([1, 1]), torch.tensor([0, 1]))  # stale: a block's last owner
     by_block = keys.unflatten(1, (len(blocks), BS)).transpose(2, 3)  # [L, n, H, BS, D]
     for _ in range(2):  # twice: idempotent
-        for layer in range(L):
-            lazy.set_blocks(layer, torch.tensor(blocks), by_block[layer])
+        lazy.set_blocks(torch.tensor(blocks), by_block)
     for store in ("sums", "mins", "maxs", "keys"):
         assert torch.allclose(getattr(lazy, store), getattr(eager, store), atol=1e-6), store
     assert torch.equal(lazy.counts, eager.counts) and lazy.counts[blocks].tolist() == [BS] * 3

@@ -39,7 +39,7 @@ selection) / block_size blocks; the budget is only enforced at selection time.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -69,11 +69,21 @@ class Selection:
 @dataclass
 class Frame:
     """What a selection at one committed length fixes before any score is read, per
-    request (`frame`): how many candidates it keeps, its sink blocks, its sizes."""
+    request (`frame`): how many candidates it keeps, its sink blocks, its sizes; and, made
+    at its first selection and kept for the next (a shortlist's, between middle rounds),
+    which of k ranked candidates are kept (`kept`)."""
     num_chosen: Tensor    # [R, 1, 1] int64 candidates kept
-    sink_ids: Tensor      # [R, 1, retrieval_sink_blocks] int64 sink blocks, _BIG past its sinks
+    sink_ids: Tensor      # [R, 1, retrieval_sink_blocks] int64 sink blocks, -1 past its sinks
     num_selected: Tensor  # [R] int64 sinks + num_chosen
     tail_start: Tensor    # [R] int64
+    _kept: dict = field(default_factory=dict, repr=False)  # k -> [R, 1, k] bool
+
+    def kept(self, k: int) -> Tensor:
+        """[R, 1, k] bool: rank < num_chosen, for candidates ranked best first."""
+        if k not in self._kept:
+            rank = torch.arange(k, device=self.num_chosen.device)
+            self._kept[k] = rank < self.num_chosen
+        return self._kept[k]
 
 
 @dataclass
@@ -89,6 +99,7 @@ class Shortlist:
     frame: Frame
     rows: Tensor | None = None    # [R, L, S] `BlockSummaries.layer_rows` of `physical`
     counts: Tensor | None = None  # [R, L, S] float32 their token counts, >= 1
+    padding: Tensor | None = None  # [R, L, S] bool logical < 0, at the first re-ranking
     copy: Tensor | None = None    # the policy's `listed_copy`, while held
     copied: bool = False          # listed_copy was asked (it may have declined: None)
     # (rows, Shortlist of those rows): the last subset engine/state.stacked_shortlist made
@@ -217,7 +228,9 @@ def select_listed(scores: Tensor, shortlist: Shortlist, blocks: BlockCounts) -> 
     listed block is a candidate) and takes its Frame from the shortlist."""
     finfo = torch.finfo(torch.float32)
     scores = scores.float().nan_to_num(nan=finfo.min, posinf=finfo.max, neginf=finfo.min)
-    scores = scores.masked_fill(shortlist.logical < 0, float("-inf"))  # padding ranks last
+    if shortlist.padding is None:
+        shortlist.padding = shortlist.logical < 0
+    scores = scores.masked_fill(shortlist.padding, float("-inf"))  # padding ranks last
     best = scores.topk(min(_max_ranked(blocks), scores.shape[-1]), dim=-1, sorted=True).indices
     return _selection_of(shortlist.logical.gather(-1, best), shortlist.frame, blocks)
 
@@ -237,7 +250,7 @@ def frame(num_committed: Tensor, blocks: BlockCounts,
     sinks, start = bounds or candidate_bounds(num_committed, blocks)
     num_chosen = _num_chosen(num_committed, blocks, start - sinks)
     sink_ids = torch.arange(blocks.retrieval_sink_blocks, device=num_committed.device)
-    sink_ids = torch.where(sink_ids < sinks[:, None], sink_ids, _BIG)[:, None, :]
+    sink_ids = torch.where(sink_ids < sinks[:, None], sink_ids, _PAD)[:, None, :]
     return Frame(num_chosen[:, None, None], sink_ids, sinks + num_chosen, start)
 
 
@@ -245,14 +258,17 @@ def _selection_of(ranked: Tensor, frame: Frame, blocks: BlockCounts) -> Selectio
     """ranked [R, L, k] logical candidates, best first (at least as many as are chosen) ->
     the Selection: the frame's sinks and the first num_chosen of `ranked`, ascending."""
     max_selected = blocks.budget_blocks - blocks.retrieval_recent_blocks  # >= sinks + chosen
-    rank = torch.arange(ranked.shape[-1], device=ranked.device)
-    chosen = torch.where(rank < frame.num_chosen, ranked, _BIG).sort(dim=-1).values  # [R, L, k]
+    num_reqs, num_layers, k = ranked.shape
+    kept = frame.kept(k)  # [R, 1, k]
+    # the kept candidates ascending, then the others: the last k - num_chosen, padding
+    chosen = torch.where(kept, torch.where(kept, ranked, _BIG).sort(dim=-1).values, _PAD)
     # sinks come before every candidate, and a request with fewer sinks than sink blocks
     # has no candidate: no sort of the two together
-    logical = torch.cat([frame.sink_ids.expand(-1, ranked.shape[1], -1), chosen], dim=-1)
-    logical = logical.masked_fill(logical == _BIG, _PAD)
-    logical = torch.nn.functional.pad(logical, (0, max_selected - logical.shape[-1]), value=_PAD)
-    return Selection(logical, frame.num_selected, frame.tail_start)
+    parts = [frame.sink_ids.expand(-1, num_layers, -1), chosen]
+    room = max_selected - frame.sink_ids.shape[-1] - k
+    if room > 0:
+        parts.append(chosen.new_full((1, 1, 1), _PAD).expand(num_reqs, num_layers, room))
+    return Selection(torch.cat(parts, dim=-1), frame.num_selected, frame.tail_start)
 
 
 def best_candidates(scores: Tensor, num_committed: Tensor, blocks: BlockCounts,

@@ -147,31 +147,32 @@ class BlockSummaries:
             self.mins.scatter_reduce_(1, index, keys.to(self.mins.dtype), "amin")
             self.maxs.scatter_reduce_(1, index, keys.to(self.maxs.dtype), "amax")
 
-    def set_blocks(self, layer: int, block_ids: Tensor, keys: Tensor) -> None:
-        """Replace layer `layer`'s summaries of the FULL blocks block_ids [n] (physical ids;
+    def set_blocks(self, block_ids: Tensor, keys: Tensor) -> None:
+        """Replace every layer's summaries of the FULL blocks block_ids [n] (physical ids;
         a block listed twice, shared by two requests, gets the same values twice) by those
-        of their keys [n, H, block_size, D] (any float dtype, e.g.
-        read back from the KV cache: engine/paged_keys.py): what `add_committed` would hold
-        after committing every offset of each block, whatever the blocks held before, so
-        setting a block twice changes nothing. The engine's lazy summaries
-        (engine/retrieval_level.py) use it. Counts become block_size."""
-        if keys.shape[2] != self.block_size:
+        of their keys [L, n, H, block_size, D] (any float dtype, e.g. read back from the KV
+        cache: engine/paged_keys.py): what `add_committed` would hold after committing
+        every offset of each block, whatever the blocks held before, so setting a block
+        twice changes nothing. The engine's lazy summaries (engine/retrieval_level.py) use
+        it, for all layers at once: a few operations per read, not a few per layer. Counts
+        become block_size."""
+        if keys.shape[3] != self.block_size:
             raise ValueError(f"set_blocks takes whole blocks of {self.block_size} keys, "
-                             f"got {keys.shape[2]}")
+                             f"got {keys.shape[3]}")
         ids = on_device(block_ids, self.device, torch.long)
-        keys = keys.to(self.device, torch.float32)  # [n, H, bs, D]
-        sums = keys.sum(2)  # [n, H, D]
-        self.sums[layer].index_copy_(0, ids, sums.to(self.sums.dtype))
+        keys = keys.to(self.device, torch.float32)  # [L, n, H, bs, D]
+        sums = keys.sum(3)  # [L, n, H, D]
+        self.sums.index_copy_(1, ids, sums.to(self.sums.dtype))
         self.counts.index_fill_(0, ids, self.block_size)
         if self.square_deviations is not None:
             mean = sums / self.block_size
-            self.square_deviations[layer].index_copy_(
-                0, ids, (keys - mean[:, :, None]).square_().sum(2))
+            self.square_deviations.index_copy_(
+                1, ids, (keys - mean[:, :, :, None]).square_().sum(3))
         if self.mins is not None:
-            self.mins[layer].index_copy_(0, ids, keys.amin(2).to(self.mins.dtype))
-            self.maxs[layer].index_copy_(0, ids, keys.amax(2).to(self.maxs.dtype))
-        if self.keys is not None:  # [num_blocks, bs, H, D] per layer
-            self.keys[layer].index_copy_(0, ids, keys.transpose(1, 2).to(self.keys.dtype))
+            self.mins.index_copy_(1, ids, keys.amin(3).to(self.mins.dtype))
+            self.maxs.index_copy_(1, ids, keys.amax(3).to(self.maxs.dtype))
+        if self.keys is not None:  # [L, num_blocks, bs, H, D]
+            self.keys.index_copy_(1, ids, keys.transpose(2, 3).to(self.keys.dtype))
 
     def _reset_blocks(self, block_ids: Tensor, starts: Tensor) -> None:
         """Empty blocks block_ids[i] where starts[i] (both [S]), without a data-dependent

@@ -218,8 +218,19 @@ def _with_table(builder, meta, table: torch.Tensor, slot_mapping: torch.Tensor):
     if builder.supports_update_block_table:
         return builder.update_block_table(meta, table, slot_mapping)
     assert hasattr(meta, "block_table"), type(meta)
-    own = copy.copy(meta)
+    own = _shallow_copy(meta)
     own.block_table = table
+    return own
+
+
+def _shallow_copy(obj):
+    """copy.copy for an object whose state is its __dict__ (vLLM's metadata dataclasses),
+    4x faster (one per layer per pass); anything else goes through copy.copy."""
+    cls, state = type(obj), getattr(obj, "__dict__", None)
+    if state is None or hasattr(cls, "__slots__") or hasattr(cls, "__copy__"):
+        return copy.copy(obj)
+    own = cls.__new__(cls)
+    own.__dict__.update(state)
     return own
 
 

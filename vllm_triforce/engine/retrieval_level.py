@@ -248,11 +248,16 @@ class RetrievalLevel:
         owners, logical = to_device(self.device, owners, logical)
         block_ids = batch.block_table[owners, logical].long()
         s = self.summaries
-        per_chunk = max(1, policies.SCORE_CHUNK_BYTES // (s.num_kv_heads * bs * s.head_dim * 4))
+        # every layer's keys of a chunk of blocks, in float32, fill at most SCORE_CHUNK_BYTES
+        per_chunk = max(1, policies.SCORE_CHUNK_BYTES
+                        // (s.num_layers * s.num_kv_heads * bs * s.head_dim * 4))
         for start in range(0, block_ids.numel(), per_chunk):
             ids = block_ids[start:start + per_chunk]
-            for layer in range(s.num_layers):
-                s.set_blocks(layer, ids, self.paged_keys.layer_keys(layer, ids))
+            keys = torch.empty(s.num_layers, ids.numel(), s.num_kv_heads, bs, s.head_dim,
+                               dtype=torch.float32, device=ids.device)
+            for layer in range(s.num_layers):  # one read per layer: layers' caches are apart
+                keys[layer].copy_(self.paged_keys.layer_keys(layer, ids))
+            s.set_blocks(ids, keys)  # then every layer at once
         self.stats.add(summarised_blocks=block_ids.numel())
 
     # ---- select ---------------------------------------------------------------------
