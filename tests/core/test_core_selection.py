@@ -224,3 +224,36 @@ def test_a_shortlist_copy_is_made_once_reused_and_released(monkeypatch):
     assert listed.copy is None and second.shortlist.copy is not None  # one at a time
     selector.release_copies()
     assert second.shortlist.copy is None and not second.shortlist.copied
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_tables_laid_out_on_the_host_equal_build_block_tables(seed):
+    """The engine's middle tables (`TableLayout` from the host's sizes, then one gather,
+    `laid_out_tables`) equal `build_block_tables` from the device Selection: requests of
+    every kind (dense, shorter than the sinks, long), tails of one or more blocks."""
+    from vllm_triforce.core.blocks import selection_sizes
+    from vllm_triforce.core.selection import TableLayout, laid_out_tables
+
+    rng = random.Random(seed)
+    bs = rng.choice([2, 4])
+    blocks = geometry(bs, rng.randint(4, 7), rng.choice([0, 1, 2]), rng.choice([0, 1, 2]))
+    committed = [rng.randint(1, 40 * bs) for _ in range(rng.randint(1, 5))]
+    ends = [c + rng.randint(1, 2 * bs) for c in committed]  # the pass's last token + 1
+    gen = torch.Generator().manual_seed(seed)
+    max_blocks = -(-max(ends) // bs) + 1
+    scores = torch.randn(len(committed), 3, max_blocks, generator=gen)
+    sel = select_blocks(scores, torch.tensor(committed), blocks)
+    table = torch.randperm(len(committed) * max_blocks, generator=gen).view(
+        len(committed), -1).to(torch.int32)
+    want, want_lens = build_block_tables(sel, table, torch.tensor(ends), bs)
+    sizes = [selection_sizes(c, blocks) for c in committed]
+    assert [n for n, _ in sizes] == sel.num_selected.tolist()
+    layout = TableLayout.of([n for n, _ in sizes], [t for _, t in sizes], ends, bs,
+                            sel.logical_blocks.shape[-1])
+    got = laid_out_tables(sel.logical_blocks, table,
+                          torch.tensor(layout.index).view(len(committed), -1),
+                          torch.tensor(layout.tail).view(len(committed), -1))
+    assert layout.compact_lens == want_lens[0].tolist()
+    assert got.dtype == torch.int32 and got.shape[-1] == layout.width
+    assert torch.equal(got, want[..., :layout.width])
+    assert not want[..., layout.width:].any()  # the rest of build_block_tables' width: padding

@@ -119,6 +119,12 @@ class MiddleLoop:
                                                    first_rows),
             [list(range(drafts_by_row[r].position, drafts_by_row[r].position + n))
              for r, n in zip(active, num_inputs)])
+        if argmax_only and proposals is None:  # one token per request: its argmax, kept
+            host = [[0, token] for token in logits.argmax(-1).tolist()]  # the one copy
+            for i, r in enumerate(active):
+                drafts_by_row[r].query_row = first_rows[i]
+                self._advance(states[r], drafts_by_row[r], host[i][1:], sizes[i])
+            return len(active)
         device, shape = logits.device, (len(active), max(num_inputs))
         owner = [i for i, n in enumerate(num_inputs) for _ in range(n)]  # [T] request index
         slot = [j for n in num_inputs for j in range(n)]  # [T] input index in its request

@@ -40,7 +40,7 @@ from vllm.logger import init_logger
 
 from vllm_triforce.core.blocks import selection_sizes
 from vllm_triforce.core import policies
-from vllm_triforce.core.selection import Selection, Selector, compact_tables
+from vllm_triforce.core.selection import Selector, TableLayout, laid_out_tables
 from vllm_triforce.core.summaries import committed_runs
 from vllm_triforce.engine.forward import build_pass, run_pass
 from vllm_triforce.engine.memory import fold_piece_tokens
@@ -364,19 +364,16 @@ class RetrievalLevel:
         [sum of lengths, V]. The per-layer tables are built on the device, only as wide as
         the widest row needs; their lengths are the host's (`selection_sizes`)."""
         bs = self.blocks.block_size
-        seq_ends = [p[-1] + 1 for p in positions]  # [n] tokens through each query
-        num_selected = [states[r].num_selected for r in rows]
-        tails = [states[r].tail_start for r in rows]
-        compact = [(n - t) * bs + end for n, t, end in zip(num_selected, tails, seq_ends)]
-        width = max(n + -(-end // bs) - t for n, t, end in zip(num_selected, tails, seq_ends))
-        idx, num_selected, tails, ends = to_device(self.device, rows, num_selected, tails,
-                                                   seq_ends)
+        selected = stacked([states[r].selection for r in rows],
+                           [states[r].selection_row for r in rows])[0]  # [n, L, max_selected]
+        layout = TableLayout.of([states[r].num_selected for r in rows],
+                                [states[r].tail_start for r in rows],
+                                [p[-1] + 1 for p in positions], bs, selected.shape[-1])
+        idx, index, tail = to_device(self.device, rows, layout.index, layout.tail)
         block_table = batch.block_table[idx]
-        selection = Selection(stacked([states[r].selection for r in rows],
-                                      [states[r].selection_row for r in rows])[0],
-                              num_selected, tails)
-        tables = compact_tables(selection, block_table, ends, bs, width)  # lengths: `compact`
-        inputs = build_pass(token_ids, positions, block_table, bs, compact)
+        tables = laid_out_tables(selected, block_table, index.view(len(rows), -1),
+                                 tail.view(len(rows), -1))
+        inputs = build_pass(token_ids, positions, block_table, bs, layout.compact_lens)
         per_layer = dict(zip(self.layer_names, tables.unbind(0)))  # one op, not one per layer
         self.capture.enabled = True  # its queries may re-select the next round's blocks
         try:
