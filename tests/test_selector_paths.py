@@ -50,6 +50,15 @@ def engine_level(summaries, selector, queries):
                           torch.device("cpu"))
 
 
+def decode_batch(level, table):
+    """A decode step's batch (one token per request, COMMITTED committed) and fresh states."""
+    batch = SimpleNamespace(block_table=table, committed=[COMMITTED] * NUM_REQS,
+                            q_lens=[1] * NUM_REQS, num_rejected=[0] * NUM_REQS,
+                            query_start_loc=list(range(NUM_REQS + 1)))
+    return batch, [RequestState(refresh=level.refresh.new_state(),
+                                policy_state=SelectionState()) for _ in range(NUM_REQS)]
+
+
 @pytest.mark.parametrize("policy,kwargs", [("retrieval", {"variance": True}),
                                            ("retrieval", {"variance": False}),
                                            ("rerank", {}), ("quest", {})])
@@ -61,11 +70,7 @@ def test_engine_and_teacher_choose_the_same_blocks(policy, kwargs):
     # the engine: a step start, then a middle round's re-selection
     selector = Selector(make_policy(policy, **kwargs), BLOCKS, shortlist_factor=4, keys=summaries)
     level = engine_level(summaries, selector, start_query)
-    batch = SimpleNamespace(block_table=table, committed=[COMMITTED] * NUM_REQS,
-                            q_lens=[1] * NUM_REQS, num_rejected=[0] * NUM_REQS,
-                            query_start_loc=list(range(NUM_REQS + 1)))
-    states = [RequestState(refresh=level.refresh.new_state(), policy_state=SelectionState())
-              for _ in range(NUM_REQS)]
+    batch, states = decode_batch(level, table)
     rows = list(range(NUM_REQS))
     level.select(batch, states, rows)
     at_start = [(s.logical_blocks.clone(), s.num_selected, s.tail_start) for s in states]
@@ -114,11 +119,7 @@ def test_middle_rounds_of_fewer_requests_reuse_their_shortlist_copy(monkeypatch)
     monkeypatch.setattr(selector.policy, "listed_copy",
                         lambda *a: copies.append(a[1].shape[0]) or real_copy(*a))
     level = engine_level(summaries, selector, start_query)
-    batch = SimpleNamespace(block_table=table, committed=[COMMITTED] * NUM_REQS,
-                            q_lens=[1] * NUM_REQS, num_rejected=[0] * NUM_REQS,
-                            query_start_loc=list(range(NUM_REQS + 1)))
-    states = [RequestState(refresh=level.refresh.new_state(), policy_state=SelectionState())
-              for _ in range(NUM_REQS)]
+    batch, states = decode_batch(level, table)
     rows, left = list(range(NUM_REQS)), [0, 2]
     level.select(batch, states, rows)
     drafts = {r: RequestDrafts(0, COMMITTED + 1) for r in rows}

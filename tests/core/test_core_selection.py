@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from core_toys import geometry
+from core_toys import geometry, make_pool
 from vllm_triforce.core.selection import Selection, build_block_tables, select_blocks
 
 
@@ -189,19 +189,14 @@ def test_a_shortlist_copy_is_made_once_reused_and_released(monkeypatch):
     first's (the selection's scratch reserves one)."""
     from vllm_triforce.core.policies import make_policy
     from vllm_triforce.core.selection import Selector
-    from vllm_triforce.core.summaries import BlockSummaries
 
-    reqs, layers, heads, dim, bs, width = 3, 2, 2, 8, 4, 20
-    gen = torch.Generator().manual_seed(1)
-    summaries = BlockSummaries(layers, reqs * width, heads, dim, bs, keep_variance=True)
-    summaries.sums.normal_(generator=gen)
-    summaries.square_deviations.uniform_(generator=gen)
-    summaries.counts.fill_(bs)
-    table = torch.randperm(reqs * width, generator=gen).view(reqs, width)
-    committed = torch.full((reqs,), width * bs - 3)
+    lengths, bs = (77, 80, 61), 4
+    summaries, table, _ = make_pool(lengths, block_size=bs, keep_keys=False,
+                                    keep_variance=True, seed=1)
+    committed = torch.tensor(lengths)
     selector = Selector(make_policy("retrieval", variance=True),
                         geometry(bs, 6, 1, 1), shortlist_factor=2)
-    queries = torch.randn(4, reqs, layers, 4, dim, generator=gen)
+    queries = torch.randn(4, len(lengths), 2, 4, 8, generator=torch.Generator().manual_seed(1))
     first = selector.choose(queries[0], summaries, table, committed, keep_shortlist=True)
     second = selector.choose(queries[0], summaries, table, committed, keep_shortlist=True)
     listed = first.shortlist
