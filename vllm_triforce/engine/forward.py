@@ -224,8 +224,9 @@ def _with_table(builder, meta, table: torch.Tensor, slot_mapping: torch.Tensor):
 
 
 def _shallow_copy(obj):
-    """copy.copy for an object whose state is its __dict__ (vLLM's metadata dataclasses),
-    4x faster (one per layer per pass); anything else goes through copy.copy."""
+    """copy.copy for an object whose state is its __dict__ (vLLM's metadata dataclasses):
+    1.0 us where copy.copy takes 1.9 (one per layer per pass); anything else goes through
+    copy.copy."""
     cls, state = type(obj), getattr(obj, "__dict__", None)
     if state is None or hasattr(cls, "__slots__") or hasattr(cls, "__copy__"):
         return copy.copy(obj)

@@ -196,8 +196,9 @@ def selection_scratch_bytes(drafting: int, num_layers: int, max_blocks: int,
     SCORE_COPIES score tensors, CHUNK_READS chunks of the summary store or the KV cache
     (each at most SCORE_CHUNK_BYTES, or the whole read where that is smaller; between
     middle rounds one of them is the shortlist's copy, `RetrievalPolicy.listed_copy`, kept
-    for the step's re-rankings, which then read no store), a middle pass's stacked queries (at most STACKED_QUERIES_BYTES) and three float32 copies of the
-    selecting requests' queries. Llama-3.1-8B at 128K (B = 8,192, L = 32, 8 x 128 KV,
+    for the step's re-rankings, which then read no store), a middle pass's stacked queries
+    (at most STACKED_QUERIES_BYTES) and three float32 copies of the selecting requests'
+    queries. Llama-3.1-8B at 128K (B = 8,192, L = 32, 8 x 128 KV,
     32 query heads), 32 drafting requests: 201 MB of scores + 201 MB of chunks + 84 MB of
     queries = 0.49 GB; at 4 requests 25 + 201 + 40 MB = 0.27 GB."""
     from vllm_triforce.core.policies import SCORE_CHUNK_BYTES
