@@ -30,7 +30,8 @@ sys.path.insert(0, str(REPO))
 from vllm_triforce.config import BlockCounts  # noqa: E402
 from vllm_triforce.core.blocks import selection_sizes  # noqa: E402
 from vllm_triforce.core.policies import make_policy  # noqa: E402
-from vllm_triforce.core.selection import Selection, Selector, build_block_tables  # noqa: E402
+from vllm_triforce.core.selection import (Selection, Selector, TableLayout,  # noqa: E402
+                                          build_block_tables, laid_out_tables)
 from vllm_triforce.core.summaries import BlockSummaries, committed_runs  # noqa: E402
 from vllm_triforce.core.verify import (GREEDY_TEMPERATURE, sample_tokens,  # noqa: E402
                                        sampling_probs, verify)
@@ -125,6 +126,13 @@ def main() -> None:
 
     measure(f"commit: fold {R}x{new} tokens x 32 layers", commit, args.repeats, True, device,
             results)
+    lazy = 256  # the lazy summaries' unit of work: one chunk of full blocks read back
+    lazy_ids = table[0, :lazy]
+    lazy_keys = torch.randn(LAYERS, lazy, KV_HEADS, BLOCK, HEAD_DIM, device=dev,
+                            dtype=torch.bfloat16)
+    measure(f"lazy summaries: set {lazy} blocks x 32 layers", lambda: summaries.set_blocks(
+        lazy_ids, lazy_keys), args.repeats, True, device, results)
+    del lazy_keys
     committed_dev = to_device(dev, committed)[0]
     choice = measure(f"select: score {R} x {per_req} blocks, keep shortlist",
                      lambda: selector.choose(query, summaries, table, committed_dev,
@@ -146,6 +154,18 @@ def main() -> None:
 
     measure(f"tables: {LAYERS} layers x {R} x {width} on the device", tables, args.repeats,
             True, device, results)
+    logical = again.selection.logical_blocks  # [R, L, max_selected]
+
+    def laid_out():  # the engine's path (RetrievalLevel.forward): host layout, one gather
+        layout = TableLayout.of([s for s, _ in sizes], [t for _, t in sizes], ends, BLOCK,
+                                logical.shape[-1])
+        index, tail = to_device(dev, layout.index, layout.tail)
+        return laid_out_tables(logical, table, index.view(R, -1), tail.view(R, -1))
+
+    measure(f"laid-out tables: {LAYERS} layers x {R} (host layout)", laid_out, args.repeats,
+            True, device, results)
+    copied_reselect(dev, device, query, summaries, table, committed_dev, blocks, args.repeats,
+                    results)
 
     rows_v = R * (GAMMA2 + 1)
     logits = torch.randn(rows_v, VOCAB, device=dev, dtype=torch.bfloat16) * 3
@@ -178,6 +198,35 @@ def main() -> None:
                                         indent=1))
 
 
+def copied_reselect(dev, device: str, query, summaries, table, committed, blocks,
+                    repeats: int, results: list) -> None:
+    """A middle re-selection from the shortlist's copy (`RetrievalPolicy.listed_copy`): the
+    first re-ranking of a step copies the listed summaries (float32, divided by counts) when
+    they fit SCORE_CHUNK_BYTES; the next ones read only the copy. At these shapes a copy fits
+    one request with a shortlist of at most ~250 blocks (a 4K context), so this takes the
+    first request and a shortlist of the engine's default size capped to fit."""
+    from vllm_triforce.core import policies
+    per_block = 4 * 2 * KV_HEADS * HEAD_DIM * LAYERS  # float32 mean key and variance
+    size = min(policies.SCORE_CHUNK_BYTES // per_block, blocks.num_retrieved * 4)
+    one = Selector(make_policy("retrieval", variance=True), blocks,
+                   shortlist_factor=max(1, size // blocks.num_retrieved))
+    q, t, c = query[:1], table[:1], committed[:1]
+    choice = one.choose(q, summaries, t, c, keep_shortlist=True)
+    listed = choice.shortlist.logical.shape[-1]
+
+    def first():  # copy, then score from it
+        one.release_copies()
+        return one.choose(q, summaries, t, c, shortlist=choice.shortlist)
+
+    measure(f"re-select, 1 request, copying {listed} listed", first, repeats, True, device,
+            results)
+    measure(f"re-select, 1 request, from the copy of {listed}",
+            lambda: one.choose(q, summaries, t, c, shortlist=choice.shortlist), repeats, True,
+            device, results)
+    print(f"{'':<52} copy held: {choice.shortlist.copy is not None}", flush=True)
+    one.release_copies()
+
+
 def middle_rounds(dev, device: str, R: int, repeats: int, results: list) -> None:
     """The real MiddleLoop, two levels (the retrieval level drafting alone, one token per
     request per round, depth GAMMA2), over a stand-in retrieval level whose logits are a
@@ -192,6 +241,9 @@ def middle_rounds(dev, device: str, R: int, repeats: int, results: list) -> None
             return emb[token_ids] @ out
 
         def select_in_middle(self, *args):
+            pass
+
+        def end_rounds(self):
             pass
 
     class Stats:

@@ -160,7 +160,7 @@ class BlockSummaries:
             raise ValueError(f"set_blocks takes whole blocks of {self.block_size} keys, "
                              f"got {keys.shape[3]}")
         ids = on_device(block_ids, self.device, torch.long)
-        keys = keys.to(self.device, torch.float32)  # [L, n, H, bs, D]
+        keys = on_device(keys, self.device, torch.float32)  # [L, n, H, bs, D]
         sums = keys.sum(3)  # [L, n, H, D]
         self.sums.index_copy_(1, ids, sums.to(self.sums.dtype))
         self.counts.index_fill_(0, ids, self.block_size)
