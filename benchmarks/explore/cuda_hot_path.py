@@ -85,6 +85,9 @@ def main() -> None:
                         help="blocks in the whole KV cache (default: the batch's own + 64); "
                              "about 22,700 on an 80 GB GPU (engine/memory.py)")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--profile", action="store_true",
+                        help="also print torch.profiler's top operations of a sampled "
+                             "middle loop")
     parser.add_argument("--score-chunk-mib", type=int, default=0,
                         help="override core/policies.SCORE_CHUNK_BYTES (MiB; 0: keep 64)")
     args = parser.parse_args()
@@ -126,10 +129,12 @@ def main() -> None:
 
     measure(f"commit: fold {R}x{new} tokens x 32 layers", commit, args.repeats, True, device,
             results)
-    lazy = 256  # the lazy summaries' unit of work: one chunk of full blocks read back
+    # the lazy summaries' unit of work (engine/retrieval_level.py): the blocks whose keys,
+    # every layer's in float32, fill SCORE_CHUNK_BYTES
+    from vllm_triforce.core import policies
+    lazy = policies.SCORE_CHUNK_BYTES // (LAYERS * KV_HEADS * BLOCK * HEAD_DIM * 4)
     lazy_ids = table[0, :lazy]
-    lazy_keys = torch.randn(LAYERS, lazy, KV_HEADS, BLOCK, HEAD_DIM, device=dev,
-                            dtype=torch.bfloat16)
+    lazy_keys = torch.randn(LAYERS, lazy, KV_HEADS, BLOCK, HEAD_DIM, device=dev)
     measure(f"lazy summaries: set {lazy} blocks x 32 layers", lambda: summaries.set_blocks(
         lazy_ids, lazy_keys), args.repeats, True, device, results)
     del lazy_keys
@@ -157,10 +162,10 @@ def main() -> None:
     logical = again.selection.logical_blocks  # [R, L, max_selected]
 
     def laid_out():  # the engine's path (RetrievalLevel.forward): host layout, one gather
-        layout = TableLayout.of([s for s, _ in sizes], [t for _, t in sizes], ends, BLOCK,
-                                logical.shape[-1])
-        index, tail = to_device(dev, layout.index, layout.tail)
-        return laid_out_tables(logical, table, index.view(R, -1), tail.view(R, -1))
+        layout = TableLayout.of([s for s, _ in sizes], [t for _, t in sizes], ends, BLOCK)
+        n, start, tails = to_device(dev, layout.num_selected, layout.tail_start,
+                                    layout.num_tails)
+        return laid_out_tables(logical, table, n, start, tails, layout.width)
 
     measure(f"laid-out tables: {LAYERS} layers x {R} (host layout)", laid_out, args.repeats,
             True, device, results)
@@ -191,7 +196,7 @@ def main() -> None:
     measure(f"sample_tokens: {R} rows x {VOCAB}",
             lambda: sample_tokens(probs[:R], greedy, [None] * R, shared),
             args.repeats, True, device, results)
-    middle_rounds(dev, device, R, args.repeats, results)
+    middle_rounds(dev, device, R, args.repeats, results, args.profile)
     if args.json:
         args.json.write_text(json.dumps({"device": device, "torch": torch.__version__,
                                          "batch": R, "context": n, "results": results},
@@ -227,7 +232,8 @@ def copied_reselect(dev, device: str, query, summaries, table, committed, blocks
     one.release_copies()
 
 
-def middle_rounds(dev, device: str, R: int, repeats: int, results: list) -> None:
+def middle_rounds(dev, device: str, R: int, repeats: int, results: list,
+                  profile: bool = False) -> None:
     """The real MiddleLoop, two levels (the retrieval level drafting alone, one token per
     request per round, depth GAMMA2), over a stand-in retrieval level whose logits are a
     rank-64 product (so the round's own work dominates): host ms per round."""
@@ -282,6 +288,15 @@ def middle_rounds(dev, device: str, R: int, repeats: int, results: list) -> None
         print(f"{'':<52} = {row['per_round_host_ms']:.3f} ms per round (host), "
               f"{row['syncs']} syncs = {row['syncs'] / GAMMA2:.0f} per round", flush=True)
         assert GREEDY_TEMPERATURE > 0
+        if profile and temp > 0:
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as torch_profile
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
+                                                   if device == "cuda" else [])
+            with torch_profile(activities=activities) as prof:
+                run()
+            key = "cuda_time_total" if device == "cuda" else "cpu_time_total"
+            print(prof.key_averages().table(sort_by=key, row_limit=15), flush=True)
 
 
 if __name__ == "__main__":

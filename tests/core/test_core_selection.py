@@ -223,8 +223,8 @@ def test_a_shortlist_copy_is_made_once_reused_and_released(monkeypatch):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_tables_laid_out_on_the_host_equal_build_block_tables(seed):
-    """The engine's middle tables (`TableLayout` from the host's sizes, then one gather,
-    `laid_out_tables`) equal `build_block_tables` from the device Selection: requests of
+    """The engine's middle tables (`TableLayout` from the host's sizes, then a few device
+    operations, `laid_out_tables`) equal `build_block_tables` from the device Selection: requests of
     every kind (dense, shorter than the sinks, long), tails of one or more blocks."""
     from vllm_triforce.core.blocks import selection_sizes
     from vllm_triforce.core.selection import TableLayout, laid_out_tables
@@ -243,11 +243,10 @@ def test_tables_laid_out_on_the_host_equal_build_block_tables(seed):
     want, want_lens = build_block_tables(sel, table, torch.tensor(ends), bs)
     sizes = [selection_sizes(c, blocks) for c in committed]
     assert [n for n, _ in sizes] == sel.num_selected.tolist()
-    layout = TableLayout.of([n for n, _ in sizes], [t for _, t in sizes], ends, bs,
-                            sel.logical_blocks.shape[-1])
-    got = laid_out_tables(sel.logical_blocks, table,
-                          torch.tensor(layout.index).view(len(committed), -1),
-                          torch.tensor(layout.tail).view(len(committed), -1))
+    layout = TableLayout.of([n for n, _ in sizes], [t for _, t in sizes], ends, bs)
+    got = laid_out_tables(sel.logical_blocks, table, torch.tensor(layout.num_selected),
+                          torch.tensor(layout.tail_start), torch.tensor(layout.num_tails),
+                          layout.width)
     assert layout.compact_lens == want_lens[0].tolist()
     assert got.dtype == torch.int32 and got.shape[-1] == layout.width
     assert torch.equal(got, want[..., :layout.width])

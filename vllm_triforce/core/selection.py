@@ -396,42 +396,44 @@ def compact_tables(selection: Selection, block_table: Tensor, seq_lens: Tensor,
 
 @dataclass
 class TableLayout:
-    """Where each slot of a pass's compacted rows comes from, worked out on the host from
-    the sizes it knows (`core/blocks.selection_sizes`), so the device builds the tables with
-    one gather (`laid_out_tables`). Row i: slots [0, num_selected[i]) are its selection's
-    first blocks, then its tail blocks tail_start[i], ... through the block holding its
-    last token, then padding."""
-    width: int              # slots of the widest row
-    index: list[int]        # [R * width] slot -> column of [selection | tail], row-major
-    tail: list[int]         # [R * width] the tail's logical block at each slot, -1 elsewhere
+    """The sizes of a pass's compacted rows, worked out on the host from what it knows
+    (`core/blocks.selection_sizes`), so the device lays the tables out with a few
+    operations whatever the batch and width (`laid_out_tables`). Row i: slots
+    [0, num_selected[i]) are its selection's first blocks, then its num_tails[i] tail
+    blocks tail_start[i], ... through the block holding its last token, then padding."""
+    width: int               # slots of the widest row
+    num_selected: list[int]  # [R]
+    tail_start: list[int]    # [R] the tail's first logical block
+    num_tails: list[int]     # [R]
     compact_lens: list[int]  # [R] tokens in each compacted row
 
     @classmethod
     def of(cls, num_selected: list[int], tail_start: list[int], seq_ends: list[int],
-           block_size: int, max_selected: int) -> "TableLayout":
-        """Example, block_size 4, max_selected 3: one row of 2 selected blocks, tail from
-        block 5, 23 tokens (blocks 5 to 5) -> width 3, index [0, 1, 3 + 2], tail
-        [-1, -1, 5], compact length 2 * 4 + 23 - 20 = 11."""
+           block_size: int) -> "TableLayout":
+        """Example, block_size 4: one row of 2 selected blocks, tail from block 5, 23 tokens
+        (blocks 5 to 5) -> width 3, num_tails [1], compact length 2 * 4 + 23 - 20 = 11."""
         num_tails = [-(-end // block_size) - t for t, end in zip(tail_start, seq_ends)]
         width = max(n + m for n, m in zip(num_selected, num_tails))
-        index, tail = [], []
-        for n, t, m in zip(num_selected, tail_start, num_tails):
-            index += [j if j < n else max_selected + j for j in range(width)]
-            tail += [t + j - n if n <= j < n + m else _PAD for j in range(width)]
         compact = [(n - t) * block_size + end
                    for n, t, end in zip(num_selected, tail_start, seq_ends)]
-        return cls(width, index, tail, compact)
+        return cls(width, list(num_selected), list(tail_start), num_tails, compact)
 
 
-def laid_out_tables(selected: Tensor, block_table: Tensor, index: Tensor,
-                    tail: Tensor) -> Tensor:
-    """`compact_tables` from a `TableLayout` (its index and tail on the device, [R, width]):
+def laid_out_tables(selected: Tensor, block_table: Tensor, num_selected: Tensor,
+                    tail_start: Tensor, num_tails: Tensor, width: int) -> Tensor:
+    """`compact_tables` from a `TableLayout` (its per-row sizes on the device, [R] each):
     selected [R, L, max_selected] logical blocks (a Selection's), block_table [R, max_blocks]
-    physical ids -> [L, R, width] int32, padding 0. A few operations whatever L."""
+    physical ids -> [L, R, width] int32, padding 0. A dozen operations whatever R, L and
+    width; no host list as long as the tables."""
     num_reqs, num_layers, _ = selected.shape
-    width = index.shape[1]
-    source = torch.cat([selected, tail[:, None, :].expand(-1, num_layers, -1)], dim=-1)
-    logical = source.gather(2, index[:, None, :].expand(-1, num_layers, -1))  # [R, L, W]
+    slot = torch.arange(width, device=selected.device)  # [W]
+    n, start, tails = num_selected[:, None], tail_start[:, None], num_tails[:, None]
+    in_tail = (slot >= n) & (slot < n + tails)  # [R, W]
+    tail = torch.where(in_tail, start + slot - n, _PAD)  # [R, W] logical tail blocks
+    head = selected[..., :width]
+    if head.shape[-1] < width:
+        head = torch.nn.functional.pad(head, (0, width - head.shape[-1]), value=_PAD)
+    logical = torch.where((slot < n)[:, None, :], head, tail[:, None, :])  # [R, L, W]
     phys = block_table.gather(1, logical.clamp(min=0).view(num_reqs, -1))
     phys = phys.view(num_reqs, num_layers, width).masked_fill(logical < 0, 0)
     return phys.transpose(0, 1).to(torch.int32).contiguous()

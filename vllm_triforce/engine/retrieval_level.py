@@ -368,11 +368,12 @@ class RetrievalLevel:
                            [states[r].selection_row for r in rows])[0]  # [n, L, max_selected]
         layout = TableLayout.of([states[r].num_selected for r in rows],
                                 [states[r].tail_start for r in rows],
-                                [p[-1] + 1 for p in positions], bs, selected.shape[-1])
-        idx, index, tail = to_device(self.device, rows, layout.index, layout.tail)
+                                [p[-1] + 1 for p in positions], bs)
+        idx, num_selected, tail_start, num_tails = to_device(
+            self.device, rows, layout.num_selected, layout.tail_start, layout.num_tails)
         block_table = batch.block_table[idx]
-        tables = laid_out_tables(selected, block_table, index.view(len(rows), -1),
-                                 tail.view(len(rows), -1))
+        tables = laid_out_tables(selected, block_table, num_selected, tail_start, num_tails,
+                                 layout.width)
         inputs = build_pass(token_ids, positions, block_table, bs, layout.compact_lens)
         per_layer = dict(zip(self.layer_names, tables.unbind(0)))  # one op, not one per layer
         self.capture.enabled = True  # its queries may re-select the next round's blocks
