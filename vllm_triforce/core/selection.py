@@ -426,14 +426,12 @@ def laid_out_tables(selected: Tensor, block_table: Tensor, num_selected: Tensor,
     physical ids -> [L, R, width] int32, padding 0. A dozen operations whatever R, L and
     width; no host list as long as the tables."""
     num_reqs, num_layers, _ = selected.shape
-    slot = torch.arange(width, device=selected.device)  # [W]
-    n, start, tails = num_selected[:, None], tail_start[:, None], num_tails[:, None]
-    in_tail = (slot >= n) & (slot < n + tails)  # [R, W]
-    tail = torch.where(in_tail, start + slot - n, _PAD)  # [R, W] logical tail blocks
+    offset = torch.arange(width, device=selected.device) - num_selected[:, None]  # [R, W]
+    tail = (offset + tail_start[:, None]).masked_fill_(offset >= num_tails[:, None], _PAD)
     head = selected[..., :width]
     if head.shape[-1] < width:
         head = torch.nn.functional.pad(head, (0, width - head.shape[-1]), value=_PAD)
-    logical = torch.where((slot < n)[:, None, :], head, tail[:, None, :])  # [R, L, W]
+    logical = torch.where((offset < 0)[:, None, :], head, tail[:, None, :])  # [R, L, W]
     phys = block_table.gather(1, logical.clamp(min=0).view(num_reqs, -1))
     phys = phys.view(num_reqs, num_layers, width).masked_fill(logical < 0, 0)
     return phys.transpose(0, 1).to(torch.int32).contiguous()
