@@ -211,17 +211,19 @@ def cuda_sync_warnings(device: str):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("greedy", [[True, True, True, True], [True, False, False, False]],
                          ids=["greedy", "mixed"])
-def test_middle_rounds_sync_once_each(device, greedy):
+@pytest.mark.parametrize("gamma1", [2, 0], ids=["three-level", "two-level"])
+def test_middle_rounds_sync_once_each(device, greedy, gamma1):
     """The real MiddleLoop over stand-in levels: one sync per round (its copy of accepted
     counts and tokens), none in the hand-off; drafting happened and the middle tokens are
-    the target stand-in's (every emitted token is one the retrieval level could emit)."""
+    the target stand-in's (every emitted token is one the retrieval level could emit).
+    gamma1 0: the retrieval level drafts alone (two levels), one token per round."""
     gen = torch.Generator().manual_seed(1)
     target = torch.randn(VOCAB, VOCAB, generator=gen)
     draft = target + 0.5 * torch.randn(VOCAB, VOCAB, generator=gen)  # close: some accepted
     shared = torch.Generator(device=device).manual_seed(2)
     seeded = torch.Generator(device=device).manual_seed(3)
     loop = MiddleLoop(StandInRetrieval(target.to(device)),
-                      StandInDraft(draft.to(device), shared), gamma1=2,
+                      StandInDraft(draft.to(device), shared) if gamma1 else None, gamma1=gamma1,
                       refresh=types.SimpleNamespace(record_round=lambda *a: None),
                       stats=Counts(), generator=shared, measure_middle_acceptance=False)
     batch = make_batch(device, greedy, gen)
@@ -237,7 +239,7 @@ def test_middle_rounds_sync_once_each(device, greedy):
         drafts, probs, prob_req_ids = hand_off(batch, states, drafts_by_row,
                                                dict(zip(rows, depths)), buffer)
     rounds = loop.stats.rounds
-    assert rounds >= 2  # gamma1 = 2 per round for depth 6
+    assert rounds == 6 if gamma1 == 0 else rounds >= 2  # depth 6: one token or up to 3 a round
     assert counter.counts_of("step") == [rounds], dict(counter.by_op)
     assert counter.counts_of("hand-off") == [0], dict(counter.by_op)
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
@@ -256,6 +258,47 @@ def test_middle_rounds_sync_once_each(device, greedy):
             for _ in range(depths[r]):
                 chain.append(argmax[chain[-1]])
             assert drafts[r] == chain[1:]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_two_level_middle_tokens_are_draws_from_the_retrieval_level(device):
+    """Two levels, sampled: each middle token is a draw from the retrieval level's
+    distribution after the request's temperature, top-k and top-p (what `verify` of no
+    drafts would draw), the greedy row its argmax, and each kept q row is that
+    distribution. Chi-square over 3,000 runs of depth 1 per sampled row."""
+    from scipy.stats import chisquare
+
+    from vllm_triforce.core.verify import sampling_probs
+
+    vocab, runs = 6, 3000
+    gen = torch.Generator().manual_seed(4)
+    target = 0.7 * torch.randn(vocab, vocab, generator=gen)  # top-p keeps several tokens
+    shared = torch.Generator(device=device).manual_seed(5)
+    loop = MiddleLoop(StandInRetrieval(target.to(device)), None, gamma1=0,
+                      refresh=types.SimpleNamespace(record_round=lambda *a: None),
+                      stats=Counts(), generator=shared, measure_middle_acceptance=False)
+    batch = make_batch(device, [True, False, False, False], gen)
+    batch.next_tokens = [1, 2, 3, 4]
+    states = [types.SimpleNamespace(generator=None, refresh=None, last_num_drafts=0)
+              for _ in range(4)]
+    rows = [0, 1, 2, 3]
+    buffer = torch.zeros(4, 6, vocab, device=device)
+    want = sampling_probs(target[batch.next_tokens].to(device), batch.temperature,
+                          batch.top_k, batch.top_p, all_greedy=False).cpu()  # [4, V]
+    counts = torch.zeros(4, vocab)
+    for _ in range(runs):
+        drafts = loop.run(batch, states, rows, [1] * 4, buffer)
+        for r in rows:
+            counts[r, drafts[r].tokens[0]] += 1
+    torch.testing.assert_close(buffer[:, 0].cpu(), want)  # the kept q rows: p itself
+    assert counts[0, int(want[0].argmax())] == runs  # greedy: the argmax every time
+    for r in (1, 2, 3):
+        support = want[r] > 0
+        assert 2 <= int(support.sum()) < vocab or r == 1  # row 1: no top-k / top-p cut
+        assert counts[r, ~support].sum() == 0, (r, counts[r], want[r])  # never outside p
+        expected = want[r, support].double()
+        expected = runs * expected / expected.sum()  # float32 p: renormalised for scipy
+        assert chisquare(counts[r, support].double(), expected).pvalue > 1e-3, (r, counts[r])
 
 
 @pytest.mark.parametrize("device", DEVICES)
