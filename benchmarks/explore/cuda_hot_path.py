@@ -8,8 +8,12 @@ time (CUDA events), the host time of the calls (wall clock, the launches), the p
 it allocated beyond its inputs, and its syncs (SyncCounter; on CUDA under
 `set_sync_debug_mode("error")` where the engine allows none).
 
+`--shape host-overhead`: instead, the model and settings of host_overhead.py (30 layers,
+2 KV heads x 32, float32, a 1K vocabulary, block 32, budget 256 tokens): there the host ms
+of a round's parts are TriForce's own per-round overhead on this device.
+
     python3 benchmarks/explore/cuda_hot_path.py [--batch 8] [--context 32768]
-        [--cache-blocks N] [--score-chunk-mib M] [--json F]
+        [--cache-blocks N] [--score-chunk-mib M] [--json F] [--shape S] [--profile]
 """
 
 from __future__ import annotations
@@ -41,6 +45,15 @@ from vllm_triforce.engine.transfer import to_device  # noqa: E402
 from vllm_triforce.syncs import SyncCounter  # noqa: E402
 
 LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK, VOCAB, GAMMA2 = 32, 32, 8, 128, 16, 128_256, 6
+DTYPE = torch.bfloat16  # the model's, hence the key sums'
+BUDGET, SINK_BLOCKS, RECENT_BLOCKS = 4096, 1, 8  # retrieval budget (tokens), its sink / recent
+# --shape host-overhead: the model of benchmarks/explore/host_overhead.py (issue 25's "model
+# whose compute is negligible": 30 layers, 2 KV heads x 32, float32, a 1K vocabulary) with
+# its TriForce settings (block 32, budget 256 tokens, 32 sink and 64 recent tokens)
+SHAPES = {"llama-3.1-8b": {},
+          "host-overhead": dict(LAYERS=30, Q_HEADS=2, KV_HEADS=2, HEAD_DIM=32, BLOCK=32,
+                                VOCAB=1024, DTYPE=torch.float32, BUDGET=256, SINK_BLOCKS=1,
+                                RECENT_BLOCKS=2)}
 
 
 def measure(name: str, fn, repeats: int, strict: bool, device: str, results: list) -> object:
@@ -85,12 +98,14 @@ def main() -> None:
                         help="blocks in the whole KV cache (default: the batch's own + 64); "
                              "about 22,700 on an 80 GB GPU (engine/memory.py)")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b")
     parser.add_argument("--profile", action="store_true",
                         help="also print torch.profiler's top operations of a sampled "
                              "middle loop")
     parser.add_argument("--score-chunk-mib", type=int, default=0,
                         help="override core/policies.SCORE_CHUNK_BYTES (MiB; 0: keep 64)")
     args = parser.parse_args()
+    globals().update(SHAPES[args.shape])
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
     if args.score_chunk_mib:
@@ -102,22 +117,22 @@ def main() -> None:
     num_blocks = max(R * per_req + 64, args.cache_blocks)
     print(f"{device} {torch.cuda.get_device_name() if device == 'cuda' else ''} torch "
           f"{torch.__version__}: batch {R} x {n} tokens, {num_blocks} blocks, "
-          f"Llama-3.1-8B shapes", flush=True)
+          f"{args.shape} shapes", flush=True)
     table = torch.randperm(num_blocks, device=dev)[:R * per_req].view(R, per_req).int()
     summaries = BlockSummaries(LAYERS, num_blocks, KV_HEADS, HEAD_DIM, BLOCK,
-                               dtype=torch.bfloat16, device=dev, keep_variance=True)
+                               dtype=DTYPE, device=dev, keep_variance=True)
     summaries.sums.normal_()
     summaries.square_deviations.uniform_()
     summaries.counts.fill_(BLOCK)
-    blocks = BlockCounts(block_size=BLOCK, budget_blocks=4096 // BLOCK,
-                         retrieval_sink_blocks=1, retrieval_recent_blocks=8)
+    blocks = BlockCounts(block_size=BLOCK, budget_blocks=BUDGET // BLOCK,
+                         retrieval_sink_blocks=SINK_BLOCKS, retrieval_recent_blocks=RECENT_BLOCKS)
     selector = Selector(make_policy("retrieval", variance=True), blocks, shortlist_factor=4)
     results: list[dict] = []
     committed = [n] * R
-    query = torch.randn(R, LAYERS, Q_HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16)
+    query = torch.randn(R, LAYERS, Q_HEADS, HEAD_DIM, device=dev, dtype=DTYPE)
 
     new = GAMMA2 + 1  # one verification committing every draft and the bonus token
-    keys = [torch.randn(R * new, KV_HEADS * HEAD_DIM, device=dev, dtype=torch.bfloat16)
+    keys = [torch.randn(R * new, KV_HEADS * HEAD_DIM, device=dev, dtype=DTYPE)
             for _ in range(LAYERS)]
 
     def commit():
@@ -127,15 +142,16 @@ def main() -> None:
         summaries.add_committed(keys, rows, table[owners, positions // BLOCK].long(),
                                 positions % BLOCK, (runs, num_runs))
 
-    measure(f"commit: fold {R}x{new} tokens x 32 layers", commit, args.repeats, True, device,
+    measure(f"commit: fold {R}x{new} tokens x {LAYERS} layers", commit, args.repeats, True, device,
             results)
     # the lazy summaries' unit of work (engine/retrieval_level.py): the blocks whose keys,
     # every layer's in float32, fill SCORE_CHUNK_BYTES
     from vllm_triforce.core import policies
     lazy = policies.SCORE_CHUNK_BYTES // (LAYERS * KV_HEADS * BLOCK * HEAD_DIM * 4)
+    lazy = min(lazy, table.shape[1])
     lazy_ids = table[0, :lazy]
     lazy_keys = torch.randn(LAYERS, lazy, KV_HEADS, BLOCK, HEAD_DIM, device=dev)
-    measure(f"lazy summaries: set {lazy} blocks x 32 layers", lambda: summaries.set_blocks(
+    measure(f"lazy summaries: set {lazy} blocks x {LAYERS} layers", lambda: summaries.set_blocks(
         lazy_ids, lazy_keys), args.repeats, True, device, results)
     del lazy_keys
     committed_dev = to_device(dev, committed)[0]
@@ -173,7 +189,7 @@ def main() -> None:
                     results)
 
     rows_v = R * (GAMMA2 + 1)
-    logits = torch.randn(rows_v, VOCAB, device=dev, dtype=torch.bfloat16) * 3
+    logits = torch.randn(rows_v, VOCAB, device=dev, dtype=DTYPE) * 3
     temperature = torch.full((rows_v,), 0.8, device=dev)
     top_k = torch.zeros(rows_v, dtype=torch.long, device=dev)
     top_p = torch.full((rows_v,), 0.9, device=dev)
@@ -237,8 +253,8 @@ def middle_rounds(dev, device: str, R: int, repeats: int, results: list,
     """The real MiddleLoop, two levels (the retrieval level drafting alone, one token per
     request per round, depth GAMMA2), over a stand-in retrieval level whose logits are a
     rank-64 product (so the round's own work dominates): host ms per round."""
-    emb = torch.randn(VOCAB, 64, device=dev, dtype=torch.bfloat16)
-    out = torch.randn(64, VOCAB, device=dev, dtype=torch.bfloat16)
+    emb = torch.randn(VOCAB, 64, device=dev, dtype=DTYPE)
+    out = torch.randn(64, VOCAB, device=dev, dtype=DTYPE)
 
     class Retrieval:
         def forward(self, batch, states, rows, token_ids, positions):
