@@ -126,8 +126,8 @@ class MiddleLoop:
                 self._advance(states[r], drafts_by_row[r], host[i][1:], sizes[i])
             return len(active)
         if proposals is None:  # the level drafts alone, one token per request: drawn from p
-            rows = to_device(logits.device, active)[0]
-            target_probs = batch.probs(logits, active)[:, None]  # [A, 1, V]
+            rows = batch.rows_on_device(active)
+            target_probs = batch.probs(logits, active, rows)[:, None]  # [A, 1, V]
             tokens = sample_tokens(target_probs[:, 0],
                                    batch.temperature[rows] < GREEDY_TEMPERATURE,
                                    [states[r].generator for r in active], self.generator)
