@@ -32,6 +32,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from vllm_triforce.config import BlockCounts  # noqa: E402
+from vllm_triforce.core import policies  # noqa: E402
 from vllm_triforce.core.blocks import selection_sizes  # noqa: E402
 from vllm_triforce.core.policies import make_policy  # noqa: E402
 from vllm_triforce.core.selection import (Selection, Selector, TableLayout,  # noqa: E402
@@ -109,7 +110,6 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
     if args.score_chunk_mib:
-        from vllm_triforce.core import policies
         policies.SCORE_CHUNK_BYTES = args.score_chunk_mib * 2**20
     torch.manual_seed(0)
     R, n = args.batch, args.context
@@ -146,7 +146,6 @@ def main() -> None:
             results)
     # the lazy summaries' unit of work (engine/retrieval_level.py): the blocks whose keys,
     # every layer's in float32, fill SCORE_CHUNK_BYTES
-    from vllm_triforce.core import policies
     lazy = policies.SCORE_CHUNK_BYTES // (LAYERS * KV_HEADS * BLOCK * HEAD_DIM * 4)
     lazy = min(lazy, table.shape[1])
     lazy_ids = table[0, :lazy]
@@ -177,13 +176,13 @@ def main() -> None:
             True, device, results)
     logical = again.selection.logical_blocks  # [R, L, max_selected]
 
-    def laid_out():  # the engine's path (RetrievalLevel.forward): host layout, one gather
+    def laid_out():  # the engine's path (RetrievalLevel.forward): host sizes, device layout
         layout = TableLayout.of([s for s, _ in sizes], [t for _, t in sizes], ends, BLOCK)
         n, start, tails = to_device(dev, layout.num_selected, layout.tail_start,
                                     layout.num_tails)
         return laid_out_tables(logical, table, n, start, tails, layout.width)
 
-    measure(f"laid-out tables: {LAYERS} layers x {R} (host layout)", laid_out, args.repeats,
+    measure(f"laid-out tables: {LAYERS} layers x {R} (host sizes)", laid_out, args.repeats,
             True, device, results)
     copied_reselect(dev, device, query, summaries, table, committed_dev, blocks, args.repeats,
                     results)
@@ -226,7 +225,6 @@ def copied_reselect(dev, device: str, query, summaries, table, committed, blocks
     they fit SCORE_CHUNK_BYTES; the next ones read only the copy. At these shapes a copy fits
     one request with a shortlist of at most ~250 blocks (a 4K context), so this takes the
     first request and a shortlist of the engine's default size capped to fit."""
-    from vllm_triforce.core import policies
     per_block = 4 * 2 * KV_HEADS * HEAD_DIM * LAYERS  # float32 mean key and variance
     size = min(policies.SCORE_CHUNK_BYTES // per_block, blocks.num_retrieved * 4)
     one = Selector(make_policy("retrieval", variance=True), blocks,
