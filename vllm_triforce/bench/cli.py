@@ -1,4 +1,4 @@
-"""`vllm-triforce bench {speed,acceptance,sweep,serve,selection}`: parsers and handlers.
+"""`vllm-triforce bench {speed,acceptance,sweep,serve,gpu,selection}`: parsers and handlers.
 
 Each benchmark writes results.json, results.md and PNG plots into --out and prints
 the directory last on stdout. Child-process logs: <out>/logs/.
@@ -15,12 +15,13 @@ DEFAULT_MODEL = "smollm2-135m"
 
 
 def add_bench_parser(subparsers) -> None:
-    from vllm_triforce.bench import acceptance, selection_bench, serve, speed, sweep
+    from vllm_triforce.bench import (acceptance, gpu_check, selection_bench, serve, speed,
+                                      sweep)
 
     parser = subparsers.add_parser("bench",
                                    help="benchmarks: speed, acceptance, serve, selection")
     kinds = parser.add_subparsers(dest="kind", required=True,
-                                  metavar="{speed,acceptance,sweep,serve,selection}")
+                                  metavar="{speed,acceptance,sweep,serve,gpu,selection}")
     for name, module, text in (("speed", speed, "every vLLM method vs TriForce"),
                                ("acceptance", acceptance, "the paper's Table 1 on our data"),
                                ("sweep", sweep, "TriForce vs plain while one knob varies"),
@@ -30,6 +31,10 @@ def add_bench_parser(subparsers) -> None:
         _common(p)
         module.add_arguments(p)
         p.set_defaults(func=_handler(name))
+    gpu = kinds.add_parser("gpu", help="TriForce inside vLLM on a GPU: exactness, syncs, "
+                                       "memory, costs (a dry run without CUDA)")
+    gpu_check.add_arguments(gpu)
+    gpu.set_defaults(func=gpu_check.handle)
     sel = kinds.add_parser("selection", help="block-selection micro-benchmark")
     selection_bench.add_arguments(sel)
     sel.set_defaults(func=_selection)

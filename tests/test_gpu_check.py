@@ -1,0 +1,140 @@
+"""`vllm-triforce bench gpu` (bench/gpu_check.py) and its offline bundle (scripts/gpu_bundle.py).
+
+The dry run is the GPU check's own jobs on this CPU (tiny shapes, CPU_ATTN): every line a
+GPU run would execute outside the CUDA-only probes, so no lent GPU minute is lost to a
+Python error. The other tests are hand-worked cases of what the check concludes.
+"""
+
+import argparse
+import importlib.util
+import json
+import struct
+from pathlib import Path
+
+import pytest
+
+from vllm_triforce.bench import gpu_check
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.engine
+def test_dry_run_of_the_gpu_check_passes_on_cpu(tmp_path):
+    args = argparse.Namespace(out=tmp_path / "out", resume=None, tokenizer=None,
+                              models=tmp_path / "models", budget_s=None, only=None,
+                              cases=None, redo=False, dry_run=True)
+    results = gpu_check.run(args)
+    assert {name: job["status"] for name, job in results["jobs"].items()} == {
+        "kernels": "ok", "exact-cpu-fp32-plain": "ok", "exact-cpu-fp32-3L": "ok",
+        "costs-triforce": "ok", "costs-plain-forced": "ok"}
+    summary = results["summary"]
+    [exact] = summary["exactness"]
+    assert exact["identical"], exact["divergences"]
+    assert exact["drafted"] > 0 and exact["middle_drafted"] > 0, exact  # drafting happened
+    tri_syncs = next(r for r in summary["syncs"] if r["job"] == "exact-cpu-fp32-3L")
+    assert tri_syncs["propose_max_round"] <= 1 and tri_syncs["propose_max_step"] <= 3
+    for row in summary["costs"]:
+        assert row["plain_forced_ms"] > 0
+        assert {"0", "2"} <= set(row["depths"]), row
+        assert row["depths"]["2"]["middle_round_ms"] > 0
+    # resumable: a second run with everything done starts no engine
+    again = gpu_check.run(argparse.Namespace(**{**vars(args), "resume": None}))
+    assert again["jobs"] == results["jobs"]
+    assert "## Costs" in (args.out / "results.md").read_text()
+
+
+def test_divergences_are_explained_only_below_the_margin():
+    ref = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    margins = [[1.0, 1.0, 0.01, 1.0], [1.0, 1.0, 1.0, 1.0]]
+    assert gpu_check.compare_tokens(ref, ref, margins)["identical"]
+    near_tie = gpu_check.compare_tokens(ref, [[1, 2, 9, 9], [5, 6, 7, 8]], margins)
+    assert not near_tie["identical"] and near_tie["explained"]
+    assert near_tie["divergences"] == [{"sequence": 0, "position": 2, "plain_margin": 0.01}]
+    clear = gpu_check.compare_tokens(ref, [[1, 2, 3, 4], [5, 0, 7, 8]], margins)
+    assert not clear["explained"]  # plain was sure there (margin 1.0): a real difference
+
+
+def test_cost_model_picks_the_depth_with_most_tokens_per_millisecond():
+    # plain 10 ms; depth 2 costs 15 ms for 1 + 0.8 + 0.64 = 2.44 tokens at alpha 0.8
+    depths = {"0": {"step_ms": 10.5}, "2": {"step_ms": 15.0}, "6": {"step_ms": 40.0}}
+    best = gpu_check.best_speedup(depths, 10.0, 0.8)
+    assert best["depth"] == 2 and best["speedup"] == pytest.approx(2.44 * 10 / 15)
+
+
+def test_a_later_run_measures_only_the_cases_an_earlier_one_lacks():
+    job = {"kind": "costs", "cases": [{"name": "a"}, {"name": "b"}]}
+    previous = {"status": "failed", "partial": {"cases": {"a": {"step_ms": 1.0}}}}
+    args = argparse.Namespace(redo=False, cases=None)
+    left = gpu_check._missing_cases(job, previous, args)
+    assert [c["name"] for c in left["cases"]] == ["b"]
+    entry = {"status": "ok", "result": {"cases": {"b": {"step_ms": 2.0}}, "facts": {}}}
+    merged = gpu_check._merge_cases(previous, entry)
+    assert merged["status"] == "ok" and set(merged["result"]["cases"]) == {"a", "b"}
+    assert gpu_check._missing_cases(job, merged, args) is None
+
+
+def _bundle_module():
+    spec = importlib.util.spec_from_file_location("gpu_bundle", REPO / "scripts/gpu_bundle.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _fatbin(entries) -> bytes:
+    """A fatbin of (kind, sm, payload) entries, laid out as CUDA's fatbin header says."""
+    body = b""
+    for kind, sm, payload in entries:
+        header = struct.pack("<HHIQ", kind, 0x101, 64, len(payload))
+        header += bytes(28 - len(header)) + struct.pack("<I", sm)
+        body += header + bytes(64 - len(header)) + payload
+    return struct.pack("<IHHQ", 0xBA55ED50, 1, 16, len(body)) + body
+
+
+def _elf_with_section(name: bytes, data: bytes) -> bytearray:
+    """A minimal 64-bit ELF: header, shstrtab, one named section, section headers."""
+    shstrtab = b"\0.shstrtab\0" + name + b"\0"
+    data_off = 64 + len(shstrtab)
+    shoff = data_off + len(data)
+    elf = bytearray(b"\x7fELF" + bytes(60))
+    struct.pack_into("<Q", elf, 0x28, shoff)
+    struct.pack_into("<HHH", elf, 0x3A, 64, 3, 1)
+    elf += shstrtab + data
+    def section(name_off, offset, size):
+        sh = bytearray(64)
+        struct.pack_into("<I", sh, 0, name_off)
+        struct.pack_into("<QQ", sh, 0x18, offset, size)
+        return sh
+    elf += section(0, 0, 0) + section(1, 64, len(shstrtab)) + section(11, data_off, len(data))
+    return elf
+
+
+def test_bundle_keeps_only_the_code_an_sm90_gpu_loads():
+    bundle = _bundle_module()
+    with_cubin = [(2, 80, b"A" * 16), (2, 90, b"B" * 16), (1, 80, b"C" * 16)]
+    ptx_only = [(2, 80, b"D" * 16), (1, 80, b"E" * 16)]
+    section = _fatbin(with_cubin) + bytes(8) + _fatbin(ptx_only)
+    elf = _elf_with_section(b".nv_fatbin", section)
+    before = bytes(elf)
+    kept, zeroed = bundle.keep_only_arch(elf, 90)
+    assert (kept, zeroed) == (32, 48)
+    assert len(elf) == len(before)  # offsets and headers untouched
+    for letter, stays in zip(b"ABCDE", (False, True, False, False, True)):
+        assert (bytes([letter]) * 16 in elf) == stays, chr(letter)
+
+
+def test_bundle_lists_each_runtime_wheel_once_and_pinned():
+    bundle = _bundle_module()
+    names = [w.split("==")[0].lower() for w in bundle.RUNTIME_WHEELS]
+    assert len(names) == len(set(names))
+    assert all("==" in w for w in bundle.RUNTIME_WHEELS)
+
+
+def test_results_render_from_partial_results():
+    results = {"runs": [{"date": "2026-11-26", "gpu": "X"}],
+               "jobs": {"costs-triforce": {"status": "failed", "error": "timeout",
+                                           "partial": {"cases": {"8x32K": {"depths": {
+                                               "0": {"step_ms": 10.0, "tokens_per_step": 1.0},
+                                           }}}}}}}
+    text = gpu_check.render(results)
+    assert "8x32K" in text and "failed" in text
+    json.dumps(gpu_check.summarise(results))
