@@ -30,6 +30,8 @@ Only the V2 Ray executor (vLLM 0.32's default,
 `VLLM_USE_RAY_V2_EXECUTOR_BACKEND=1`) is covered.
 """
 
+import functools
+
 from vllm.logger import init_logger
 
 from vllm_triforce.patches import _util
@@ -39,6 +41,7 @@ logger = init_logger("vllm.triforce")
 NAME = "ray_cpu"
 RAY_CPU_KEY = "CPU"
 _EXECUTOR_MODULE = "vllm.v1.executor.ray_executor_v2"
+WORKER_CLASS = "CpuAwareRayWorkerProc"
 
 
 def _on_cpu() -> bool:
@@ -57,31 +60,39 @@ def _make_resource_kwargs(_original):
     return _get_actor_resource_kwargs
 
 
-# The original class, looked up with a clear error if vLLM renamed it.
-_BaseRayWorkerProc = _util.resolve(_EXECUTOR_MODULE, "RayWorkerProc")[2]
+@functools.cache
+def _cpu_aware_worker_proc() -> type:
+    """`RayWorkerProc` that reports no device ids on the CPU platform, made on first use:
+    importing vLLM's Ray executor fails where Ray is not installed (vLLM 0.32's
+    `ray_executor_v2` annotates with Ray's `ObjectRef` at class level: NameError), so this
+    module must not import it unless the patch is applied. Ray (cloudpickle) pickles the
+    class by reference, as `vllm_triforce.patches.ray_cpu.CpuAwareRayWorkerProc`: each
+    actor imports this module, whose `__getattr__` makes the class again there."""
+    base = _util.resolve(_EXECUTOR_MODULE, "RayWorkerProc")[2]
+
+    class CpuAwareRayWorkerProc(base):  # type: ignore[misc, valid-type]
+        def get_node_and_physical_gpu_ids(self) -> tuple[str, list[int]]:
+            # Installed as `RayWorkerProc` on CPU only (see apply()).
+            from vllm.v1.executor.ray_utils import ray
+
+            return ray.get_runtime_context().get_node_id(), []
+
+    CpuAwareRayWorkerProc.__qualname__ = WORKER_CLASS
+    CpuAwareRayWorkerProc.__module__ = __name__
+    setattr(CpuAwareRayWorkerProc, _util.PATCHED_ATTR, True)
+    return CpuAwareRayWorkerProc
 
 
-class CpuAwareRayWorkerProc(_BaseRayWorkerProc):  # type: ignore[misc, valid-type]
-    """`RayWorkerProc` that reports no device ids on the CPU platform.
-
-    Defined at module level so Ray (cloudpickle) pickles it by reference: each
-    actor imports this module, whatever the order of plugin loading there.
-    """
-
-    def get_node_and_physical_gpu_ids(self) -> tuple[str, list[int]]:
-        # Installed as `RayWorkerProc` on CPU only (see apply()).
-        from vllm.v1.executor.ray_utils import ray
-
-        return ray.get_runtime_context().get_node_id(), []
-
-
-setattr(CpuAwareRayWorkerProc, _util.PATCHED_ATTR, True)
+def __getattr__(name: str):  # PEP 562: the worker class, for Ray's unpickling
+    if name == WORKER_CLASS:
+        return _cpu_aware_worker_proc()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _swap_worker_proc() -> None:
     owner, attr, current = _util.resolve(_EXECUTOR_MODULE, "RayWorkerProc")
     if not _util.is_patched(current):
-        setattr(owner, attr, CpuAwareRayWorkerProc)
+        setattr(owner, attr, _cpu_aware_worker_proc())
 
 
 def _set_device_key() -> None:

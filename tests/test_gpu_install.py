@@ -91,3 +91,24 @@ def test_ray_cpu_patch_applied_on_cpu(pristine_ray_worker, monkeypatch):
     assert applied()[ray_cpu.NAME] is True
     assert pristine_ray_worker.RayWorkerProc is ray_cpu.CpuAwareRayWorkerProc
     assert CpuPlatform.ray_device_key == ray_cpu.RAY_CPU_KEY
+
+
+def test_the_plugin_loads_where_vllms_ray_executor_cannot_be_imported():
+    """vLLM 0.32's `ray_executor_v2` raises NameError at import where Ray is not installed
+    (a class-level `ObjectRef` annotation). `patches/ray_cpu.py` once subclassed it at
+    import time, and every engine on an H100 without Ray died loading the plugin
+    (`vllm-triforce bench gpu`, 2026-11-26). It must import, and `apply()` off the CPU
+    must not touch Ray."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['vllm.v1.executor.ray_executor_v2'] = None\n"
+            "from vllm_triforce.patches import ray_cpu\n"
+            "assert ray_cpu.WORKER_CLASS == 'CpuAwareRayWorkerProc'\n"
+            "try:\n"
+            "    ray_cpu.CpuAwareRayWorkerProc\n"
+            "except ImportError:\n"
+            "    print('lazy')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().endswith("lazy")  # the class is made only when asked for
