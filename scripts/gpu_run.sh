@@ -53,6 +53,9 @@ printf '[vllm.general_plugins]\ntriforce = vllm_triforce:register\n\n[console_sc
   > "$DIST/entry_points.txt"
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
+# The bundle carries no FlashInfer; vLLM's sampler imports it to ask whether it may use it
+# unless told not to (vllm/v1/sample/ops/topk_topp_sampler.py)
+export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
 export VLLM_TRIFORCE_COMMIT=${VLLM_TRIFORCE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || true)}
 # Run outside the checkout: from its root, Python would import ./vllm_triforce, which has
 # no patches/ inside (setup.cfg maps it there only on install).

@@ -63,7 +63,8 @@ def pristine_ray_worker(monkeypatch):
 
     from vllm_triforce.patches import _util, ray_cpu
 
-    monkeypatch.setattr(ray_executor_v2, "RayWorkerProc", ray_cpu._BaseRayWorkerProc)
+    vllms_own = ray_cpu.CpuAwareRayWorkerProc.__bases__[0]
+    monkeypatch.setattr(ray_executor_v2, "RayWorkerProc", vllms_own)
     monkeypatch.setattr(CpuPlatform, "ray_device_key", "")
     monkeypatch.setitem(_util.APPLIED, ray_cpu.NAME, None)
     return ray_executor_v2
@@ -77,7 +78,7 @@ def test_ray_cpu_patch_skipped_off_cpu(pristine_ray_worker, monkeypatch):
     monkeypatch.setattr(ray_cpu, "_on_cpu", lambda: False)
     ray_cpu.apply()
     assert applied()[ray_cpu.NAME] is False
-    assert pristine_ray_worker.RayWorkerProc is ray_cpu._BaseRayWorkerProc
+    assert pristine_ray_worker.RayWorkerProc is ray_cpu.CpuAwareRayWorkerProc.__bases__[0]
     assert CpuPlatform.ray_device_key == ""
 
 

@@ -156,12 +156,14 @@ def count_steps(llm) -> dict:
 
 
 class SyncAttribution:
-    """Every synchronising CUDA call (torch's sync debug mode), attributed by its Python
-    stack: 'triforce' when a frame lies in vllm_triforce, else 'vllm'. `sites` keeps the
-    innermost such frame per hit (file:line), the most frequent first."""
+    """Every synchronising CUDA call (torch's sync debug mode), recorded by the innermost
+    frame of this package on its Python stack (`engine/forward.py:123`,
+    `patches/cpu_seed.py:64`), or `vllm` where there is none. `owner` says whose work it
+    is: TriForce's when that frame is the proposer's (engine/, core/) or the sync
+    counter's wrapper around it (syncs.py); a patch's frame (patches/) is a thin wrapper
+    around vLLM's own method, so a sync under it is vLLM's."""
 
     def __init__(self):
-        self.counts: collections.Counter = collections.Counter()
         self.sites: collections.Counter = collections.Counter()
 
     def __enter__(self):
@@ -184,19 +186,28 @@ class SyncAttribution:
     def _record(self, message, category, filename, lineno, file=None, line=None):
         if "synchroniz" not in str(message):
             return
-        frames = traceback.extract_stack()[:-1]
-        ours = [f for f in frames if f.filename.startswith(PACKAGE)
-                and "bench" not in f.filename]
-        owner = "triforce" if ours else "vllm"
-        site = (ours or [f for f in frames if "/vllm/" in f.filename] or frames)[-1]
-        self.counts[owner] += 1
-        self.sites[f"{owner} {Path(site.filename).name}:{site.lineno}"] += 1
+        ours = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(PACKAGE)
+                and "/bench/" not in f.filename]
+        if not ours:
+            self.sites["vllm"] += 1
+            return
+        site = ours[-1]
+        self.sites[f"{Path(site.filename).relative_to(PACKAGE)}:{site.lineno}"] += 1
 
     def summary(self, steps: int) -> dict:
-        return {"steps": steps,
-                "vllm_per_step": self.counts["vllm"] / max(steps, 1),
-                "triforce_per_step": self.counts["triforce"] / max(steps, 1),
-                "top_sites": dict(self.sites.most_common(12))}
+        return {"steps": steps, "sites": dict(self.sites.most_common())}
+
+
+def sync_owner(site: str) -> str:
+    """'triforce' or 'vllm' for a site recorded by SyncAttribution (see there). Sites of
+    runs before the folder was recorded name the file alone (`cpu_seed.py:64`): a file of
+    patches/ is recognised by name."""
+    import vllm_triforce.patches as patches
+
+    path = site.rsplit(":", 1)[0]
+    in_patches = path.startswith("patches/") or (
+        "/" not in path and (Path(patches.__file__).parent / path).exists())
+    return "vllm" if path == "vllm" or in_patches else "triforce"
 
 
 def _prompts(specs: list[list[int]]) -> list[dict]:
