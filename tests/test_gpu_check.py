@@ -31,6 +31,7 @@ def test_dry_run_of_the_gpu_check_passes_on_cpu(tmp_path):
     [exact] = summary["exactness"]
     assert exact["identical"], exact["divergences"]
     assert exact["drafted"] > 0 and exact["middle_drafted"] > 0, exact  # drafting happened
+    assert 0 < exact["accepted"] < exact["drafted"], exact  # both verification paths ran
     tri_syncs = next(r for r in summary["syncs"] if r["job"] == "exact-cpu-fp32-3L")
     assert tri_syncs["propose_max_round"] <= 1 and tri_syncs["propose_max_step"] <= 3
     for row in summary["costs"]:

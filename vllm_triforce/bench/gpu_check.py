@@ -96,6 +96,7 @@ def plan(on_gpu: bool, models: dict, kernels_ok: bool = True) -> list[dict]:
             llm.pop("gpu_memory_utilization")
         levels = ((2, 3) if on_gpu else (3,))
         base = {"kind": "generate", "model": str(models["target"]), "prompts": prompts,
+                "model_tag": models["tag"],
                 "max_tokens": 48, "estimate_s": 30, "timeout_s": 240}
         jobs.append({**base, "name": f"exact-{tag}-plain", "logprobs": 2,
                      "env": FORCED_SETTINGS["env"], "llm": {**llm, "async_scheduling": False}})
@@ -173,6 +174,7 @@ def run(args: argparse.Namespace) -> dict:
         if job["kind"] == "costs":
             job = _missing_cases(job, previous, args)
         if job is None or (previous.get("status") == "ok" and job["kind"] != "costs"
+                           and previous.get("model_tag") == job.get("model_tag")
                            and not args.redo):
             continue
         elapsed = time.monotonic() - started
@@ -247,7 +249,7 @@ def _models(args, on_gpu: bool) -> dict:
     target, draft = gpu_models.build_tiny_pair(root, Path(tokenizer))
     shape = (gpu_models.write_llama_8b_shape(root / "llama-3.1-8b-shape", Path(tokenizer))
              if on_gpu else target)
-    return {"target": target, "draft": draft, "shape": shape,
+    return {"target": target, "draft": draft, "shape": shape, "tag": gpu_models.TINY_TAG,
             "vocab": gpu_models.tokenizer_vocab_size(Path(tokenizer))}
 
 
@@ -279,7 +281,8 @@ def _run_job(job: dict, out: Path, run_index: int, timeout_s: float) -> dict:
                                    f"{time.monotonic() - start:.0f} s) =====\n"
                                    f"{text[-200_000:]}")
         entry = {"status": "ok" if code == 0 and result_path.exists() else "failed",
-                 "seconds": round(time.monotonic() - start, 1), "run": run_index}
+                 "seconds": round(time.monotonic() - start, 1), "run": run_index,
+                 "model_tag": job.get("model_tag")}
         if entry["status"] == "ok":
             entry["result"] = json.loads(result_path.read_text())
         else:
