@@ -1,10 +1,13 @@
 """Every change vllm-triforce makes to vLLM: the patch catalogue, applied by one `apply()`.
 
 `vllm_triforce.register()` (the `vllm.general_plugins` entry point, run in every process vLLM
-starts) calls `apply()`: it checks once that vLLM is 0.32.x, then runs each module's `apply()`
+starts) calls `apply()`: it checks once that vLLM is a supported release (0.32.x or 0.33.x,
+vllm_triforce/compat.py), then runs each module's `apply()`
 in `PATCH_MODULES` order. Each is idempotent, finds the vLLM symbol it changes or fails naming
 it (`_util.resolve`), wraps rather than copies (the original stays reachable as
-`__wrapped__`), and records itself in `applied()`. Per patch below: the vLLM 0.32.0 symbol,
+`__wrapped__`), and records itself in `applied()`. Per patch below: the vLLM symbol (the
+same in 0.32.0 and 0.33.0; `vllm-triforce contract --wheel 0.33.0` checks each against a
+release's sources, vllm_triforce/contract.py PATCH_TARGETS),
 why no official API suffices, how, the gate (when it changes anything), the upstream issue or
 PR, and when to remove it. Each module's docstring has the details.
 

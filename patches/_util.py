@@ -27,8 +27,9 @@ def resolve(module: str, qualname: str) -> tuple[Any, str, Any]:
             break
     if owner is None or not hasattr(owner, attr):
         raise RuntimeError(
-            f"vllm-triforce: expected {module}.{qualname} in vLLM 0.32.x; it is missing. "
-            "This vLLM build is not one the patches were written for.")
+            f"vllm-triforce: expected {module}.{qualname} in vLLM; it is missing. "
+            "This vLLM build is not one the patches were written for "
+            "(`vllm-triforce contract` lists every symbol the plugin relies on).")
     return owner, attr, getattr(owner, attr)
 
 

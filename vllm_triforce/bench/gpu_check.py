@@ -136,7 +136,10 @@ def _cost_jobs(on_gpu: bool, models: dict, kernels_ok: bool) -> list[dict]:
         llm = {"load_format": "dummy", "dtype": "float32", "max_model_len": 4096, "seed": 0,
                "enforce_eager": True, "block_size": 32}
         sizes = {"estimate_s": 40, "timeout_s": 300}
-    triforce = {**common, **sizes, "name": "costs-triforce", "spec": COST_SPEC,
+    # on CPU the contexts are short: a budget below them, or no request would draft (a
+    # request whose context fits the retrieval cache decodes plainly)
+    spec = COST_SPEC if on_gpu else {**COST_SPEC, "retrieval_budget": 256}
+    triforce = {**common, **sizes, "name": "costs-triforce", "spec": spec,
                 "depths": [0, 1, 2, 3, 4, 6] if on_gpu else [0, 2],
                 "llm": {**llm, "max_num_seqs": 256 if on_gpu else 8},
                 "many_requests": {"num": 256, "context": 1024, "tokens": 8} if on_gpu else None}

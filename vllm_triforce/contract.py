@@ -1,0 +1,271 @@
+"""The contract with vLLM: every vLLM symbol this plugin imports or patches, and the keyword
+arguments vLLM's runner passes to the proposer, checked by reading vLLM's Python sources
+(no import, no GPU): against the installed vLLM, or against another release's wheel.
+
+    vllm-triforce contract                 # the installed vLLM
+    vllm-triforce contract --wheel 0.33.0  # a release's wheel, downloaded once into the cache
+
+What is checked, each failure naming the symbol:
+1. imports: every `from vllm... import NAME` in this package and in patches/ (read from our
+   own sources, so the list cannot drift): the module exists and binds NAME at its top level
+   (a definition, an assignment, an import, or a lazy module `__getattr__` that names it);
+2. patch targets (PATCH_TARGETS): each `module:Class.method` a patch wraps or replaces is
+   defined in that class's body;
+3. the proposer's call: the keywords `GPUModelRunner.propose_draft_token_ids` passes to
+   `self.drafter.propose(...)` (the draft-model call, the one with `target_token_ids`) are
+   all parameters of `TriForceProposer.propose`.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+# Every symbol a patch changes (patches/*.py), `module`, `Class.attribute`.
+PATCH_TARGETS = (
+    ("vllm.engine.arg_utils", "EngineArgs.add_cli_args"),                    # cli_args
+    ("vllm.engine.arg_utils", "EngineArgs.create_speculative_config"),       # spec_config
+    ("vllm.platforms.cpu", "CpuPlatform.check_and_update_config"),           # cpu_defaults
+    ("vllm.platforms.cpu", "CpuPlatform.get_attn_backend_cls"),              # cpu_flex
+    ("vllm.platforms.cpu", "CpuPlatform.ray_device_key"),                    # ray_cpu
+    ("vllm.v1.executor.ray_executor_v2", "RayWorkerProc"),                   # ray_cpu
+    ("vllm.v1.executor.ray_executor_v2", "RayExecutorV2._get_actor_resource_kwargs"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.__init__"),          # runner
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._sample"),           # cpu_seed
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._bookkeeping_sync"),  # cpu_seed
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._prepare_inputs"),   # zero_draft
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.propose_draft_token_ids"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._get_spec_decode_draft_probs"),
+    ("vllm.v1.worker.gpu_worker", "Worker.determine_available_memory"),      # kv_reservation
+    ("vllm.v1.worker.cpu_worker", "CPUWorker.determine_available_memory"),   # kv_reservation
+)
+RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
+PROPOSE_CALLER = "GPUModelRunner.propose_draft_token_ids"
+
+
+def add_contract_parser(subparsers) -> None:
+    p = subparsers.add_parser("contract", help="check the vLLM symbols this plugin relies on, "
+                                               "by reading vLLM's sources (no GPU, no install)")
+    p.add_argument("--wheel", metavar="VERSION", default=None,
+                   help="check that vLLM release's wheel (downloaded once into the cache) "
+                        "instead of the installed vLLM")
+    p.set_defaults(func=_run)
+
+
+def _run(args) -> int:
+    from vllm_triforce import assets
+
+    root = (wheel_root(args.wheel, assets.cache_root() / "vllm-wheels") if args.wheel
+            else installed_root())
+    problems = check(root)
+    what = f"vLLM {args.wheel}" if args.wheel else f"the installed vLLM ({root})"
+    for problem in problems:
+        print(f"contract: {problem}")
+    print(f"contract: {'broken' if problems else 'holds'} for {what}: "
+          f"{len(plugin_imports())} imports, {len(PATCH_TARGETS)} patch targets, "
+          f"the proposer's call")
+    return 1 if problems else 0
+
+
+def check(vllm_root: Path) -> list[str]:
+    """Problems found in the vLLM sources under `vllm_root` (the folder holding `vllm/`);
+    empty when the contract holds."""
+    source = Sources(vllm_root)
+    problems = [p for module, name in plugin_imports() for p in source.binds(module, name)]
+    problems += [p for module, qualname in PATCH_TARGETS for p in source.defines(module, qualname)]
+    problems += propose_keywords_problems(source)
+    return problems
+
+
+def installed_root() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    return Path(spec.origin).parent.parent
+
+
+def wheel_root(version: str, cache: Path) -> Path:
+    """vLLM `version`'s Python sources from PyPI's wheel, extracted once under `cache`."""
+    root = cache / f"vllm-{version}-sources"
+    if (root / "vllm" / "__init__.py").exists():
+        return root
+    wheels = cache / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
+                    "--only-binary=:all:", "--python-version", "3.12", "--platform",
+                    "manylinux_2_28_x86_64", "-d", str(wheels), f"vllm=={version}"], check=True)
+    [wheel] = wheels.glob(f"vllm-{version}-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        for name in zf.namelist():
+            if name.startswith("vllm/") and name.endswith(".py"):
+                zf.extract(name, root)
+    return root
+
+
+# ----------------------------------------------------------------- our side
+
+def plugin_imports() -> list[tuple[str, str]]:
+    """(module, name) of every `from vllm... import name` in this package and patches/."""
+    import vllm_triforce.patches as patches
+
+    found = set()
+    for folder in {PACKAGE_DIR, Path(patches.__file__).parent}:
+        for path in folder.rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and (
+                        node.module == "vllm" or node.module.startswith("vllm.")):
+                    found.update((node.module, alias.name) for alias in node.names)
+    return sorted(found)
+
+
+def our_propose_params() -> set[str]:
+    tree = ast.parse((PACKAGE_DIR / "engine" / "proposer.py").read_text())
+    method = _find(tree, "TriForceProposer.propose")
+    args = method.args
+    return {a.arg for a in args.args + args.kwonlyargs}
+
+
+def propose_keywords_problems(source: "Sources") -> list[str]:
+    caller = source.find(RUNNER_MODULE, PROPOSE_CALLER)
+    if caller is None:
+        return [f"{RUNNER_MODULE}.{PROPOSE_CALLER}: missing (it calls the proposer)"]
+    calls = [node for node in ast.walk(caller) if isinstance(node, ast.Call)
+             and isinstance(node.func, ast.Attribute) and node.func.attr == "propose"
+             and ast.unparse(node.func.value) == "self.drafter"]
+    keywords = [{k.arg for k in call.keywords} for call in calls]
+    ours = [k for k in keywords if "target_token_ids" in k]
+    if not ours:
+        return [f"{RUNNER_MODULE}.{PROPOSE_CALLER}: no self.drafter.propose(...) call with "
+                "target_token_ids (the draft-model call TriForce's proposer answers)"]
+    accepted = our_propose_params()
+    return [f"{RUNNER_MODULE}.{PROPOSE_CALLER} passes propose({name}=...), which "
+            f"TriForceProposer.propose does not take" for name in sorted(set().union(*ours))
+            if name not in accepted]
+
+
+# --------------------------------------------------------------- vLLM's side
+
+class Sources:
+    """vLLM's modules as syntax trees, read from files under `root` (never imported)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    @functools.cache
+    def tree(self, module: str) -> ast.Module | None:
+        base = self.root.joinpath(*module.split("."))
+        for path in (base.with_suffix(".py"), base / "__init__.py"):
+            if path.exists():
+                return ast.parse(path.read_text())
+        return None
+
+    def binds(self, module: str, name: str) -> list[str]:
+        if self.tree(module) is None:
+            return [f"{module}: no such module (the plugin imports {name} from it)"]
+        if self.tree(f"{module}.{name}") is not None or self._bound(module, name):
+            return []
+        return [f"{module}.{name}: missing (the plugin imports it)"]
+
+    def _bound(self, module: str, name: str, depth: int = 0) -> bool:
+        """`name` bound in `module` itself or through its `from X import *`."""
+        tree = self.tree(module)
+        if tree is None or depth > 4:
+            return False
+        if name in top_level_names(tree):
+            return True
+        stars = [self.imported_module(module, node) for node in _top_level(tree.body)
+                 if isinstance(node, ast.ImportFrom) and any(a.name == "*" for a in node.names)]
+        return any(self._bound(source, name, depth + 1) for source in stars)
+
+    def imported_module(self, module: str, node: ast.ImportFrom) -> str:
+        """The absolute name of the module `node` (written in `module`) imports from."""
+        if node.level == 0:
+            return node.module or ""
+        is_package = self.root.joinpath(*module.split("."), "__init__.py").exists()
+        parts = module.split(".")[:len(module.split(".")) - node.level + is_package]
+        return ".".join(parts + ([node.module] if node.module else []))
+
+    def find(self, module: str, qualname: str, depth: int = 0) -> ast.AST | None:
+        """`Class.attr` defined in the class or, failing that, in a base class that the
+        module defines or imports from another vLLM module."""
+        tree = self.tree(module)
+        if tree is None or depth > 4:
+            return None
+        found = _find(tree, qualname)
+        if found is not None or "." not in qualname:
+            return found
+        cls_name, attr = qualname.rsplit(".", 1)
+        cls = _find(tree, cls_name)
+        for base in getattr(cls, "bases", []):
+            if isinstance(base, ast.Name):
+                where = next((self.imported_module(module, node)
+                              for node in _top_level(tree.body)
+                              if isinstance(node, ast.ImportFrom)
+                              and any((a.asname or a.name) == base.id for a in node.names)),
+                             module)
+                found = self.find(where, f"{base.id}.{attr}", depth + 1)
+                if found is not None:
+                    return found
+        return None
+
+    def defines(self, module: str, qualname: str) -> list[str]:
+        if self.tree(module) is None:
+            return [f"{module}: no such module (a patch changes {qualname} in it)"]
+        if self.find(module, qualname) is None:
+            return [f"{module}.{qualname}: missing (a patch changes it)"]
+        return []
+
+
+def top_level_names(tree: ast.Module) -> set[str]:
+    """Names a module binds at its top level (inside `if`/`try` too), plus the string
+    constants of a module-level `__getattr__` (lazy attributes such as
+    `vllm.platforms.current_platform`)."""
+    names: set[str] = set()
+    for node in _top_level(tree.body):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+            if node.name == "__getattr__":
+                names.update(c.value for c in ast.walk(node) if isinstance(c, ast.Constant)
+                             and isinstance(c.value, str))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+    return names
+
+
+def _top_level(body: list[ast.stmt]):
+    for node in body:
+        yield node
+        if isinstance(node, ast.If):
+            yield from _top_level(node.body + node.orelse)
+        elif isinstance(node, ast.Try):
+            yield from _top_level(node.body + node.orelse + node.finalbody
+                                  + [s for h in node.handlers for s in h.body])
+
+
+def _find(tree: ast.Module, qualname: str) -> ast.AST | None:
+    """The definition (or class-level assignment) of `Class.attr` or `name` in `tree`."""
+    node: ast.AST = tree
+    for part in qualname.split("."):
+        body = getattr(node, "body", [])
+        match = next((n for n in _top_level(body) if _defines(n, part)), None)
+        if match is None:
+            return None
+        node = match
+    return node
+
+
+def _defines(node: ast.AST, name: str) -> bool:
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return node.name == name
+    if isinstance(node, ast.Assign):
+        return any(isinstance(t, ast.Name) and t.id == name for t in node.targets)
+    if isinstance(node, ast.AnnAssign):
+        return isinstance(node.target, ast.Name) and node.target.id == name
+    return False
