@@ -44,15 +44,17 @@ PLATFORMS = ("manylinux_2_31_x86_64", "manylinux_2_28_x86_64", "manylinux_2_27_x
              "manylinux_2_5_x86_64", "manylinux1_x86_64")
 KERNELS = ("vllm/_C_stable_libtorch.abi3.so", "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so")
 # What `LLM.generate` (and this plugin) import from vLLM 0.32 / 0.33 beyond a torch 2.11 +
-# transformers 5.17 image (the lent GPU machines' package list): found by importing vLLM's
-# engine, worker, attention backends and model code under that image's packages
-# (tests/test_gpu_bundle.py lists the modules). Pinned so the bundle is reproducible.
+# transformers 5.17 image (the lent GPU machines' package list): found by importing, under
+# that image's packages and a stub libcuda, every vLLM module a CPU engine run of the GPU
+# check loads, and vLLM's engine, worker, attention backends and model code (0.33 adds
+# orjson). Pinned so the bundle is reproducible.
 RUNTIME_WHEELS = (
     "annotated-doc==0.0.7", "annotated-types==0.8.0", "anyio==4.16.0",
     "apache-tvm-ffi==0.1.11", "blake3==1.0.11", "cachetools==8.0.2", "cbor2==6.3.0",
     "compressed-tensors==0.17.0", "dill==0.4.1", "loguru==0.7.3",
     "fastapi==0.136.3", "httpcore2==2.16.2", "httpx2==2.16.2", "jiter==0.19.0",
-    "llguidance==1.7.6", "msgspec==0.22.0", "openai==3.57.0", "oss-harmony==0.0.11",
+    "llguidance==1.7.6", "msgspec==0.22.0", "openai==3.57.0", "orjson==3.13.0",
+    "oss-harmony==0.0.11",
     "partial-json-parser==0.2.1.1.post7", "pybase64==1.5.1", "pydantic==2.14.4",
     "pydantic-core==2.50.5", "python-json-logger==4.2.0", "pyzmq==27.3.0",
     "setproctitle==1.3.8", "sniffio==1.3.1", "starlette==1.10.0", "truststore==0.10.5",
