@@ -1,4 +1,4 @@
-"""`vllm-triforce bench {speed,acceptance,sweep,serve,gpu,selection}`: parsers and handlers.
+"""`vllm-triforce bench {speed,acceptance,sweep,serve,gpu,selection,report}`: parsers, handlers.
 
 Each benchmark writes results.json, results.md and PNG plots into --out and prints
 the directory last on stdout. Child-process logs: <out>/logs/.
@@ -15,13 +15,13 @@ DEFAULT_MODEL = "smollm2-135m"
 
 
 def add_bench_parser(subparsers) -> None:
-    from vllm_triforce.bench import (acceptance, gpu_check, selection_bench, serve, speed,
-                                      sweep)
+    from vllm_triforce.bench import (acceptance, gpu_check, results_page, selection_bench, serve,
+                                      speed, sweep)
 
     parser = subparsers.add_parser("bench",
                                    help="benchmarks: speed, acceptance, serve, selection")
     kinds = parser.add_subparsers(dest="kind", required=True,
-                                  metavar="{speed,acceptance,sweep,serve,gpu,selection}")
+                                  metavar="{speed,acceptance,sweep,serve,gpu,selection,report}")
     for name, module, text in (("speed", speed, "every vLLM method vs TriForce"),
                                ("acceptance", acceptance, "the paper's Table 1 on our data"),
                                ("sweep", sweep, "TriForce vs plain while one knob varies"),
@@ -38,6 +38,10 @@ def add_bench_parser(subparsers) -> None:
     sel = kinds.add_parser("selection", help="block-selection micro-benchmark")
     selection_bench.add_arguments(sel)
     sel.set_defaults(func=_selection)
+    rep = kinds.add_parser("report", help="benchmarks/RESULTS.md from the run folders named in "
+                                          "benchmarks/cases.json")
+    results_page.add_arguments(rep)
+    rep.set_defaults(func=results_page.handle)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
