@@ -48,7 +48,7 @@ def test_healthy_results_pass():
     ({"cudagraph_mode": "FULL_AND_PIECEWISE", "enforce_eager": False}, "CUDA-graph mode"),
     ({"async_scheduling": True}, "async scheduling"),
     ({"attention_backends": ["FLASHMLA"]}, "attention backend"),
-    ({"vllm_version": "0.33.0"}, "vLLM version"),
+    ({"vllm_version": "0.34.0"}, "vLLM version"),
     ({"drafter": "DraftModelProposer"}, "TriForce proposer"),
     ({"key_reader": "check failed: layer 0's keys read from the logical layout differ"},
      "KV-cache key reader"),
