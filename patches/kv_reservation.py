@@ -4,12 +4,13 @@ Upstream (vLLM 0.32.0): `Worker.determine_available_memory` (vllm/v1/worker/gpu_
 and `CPUWorker.determine_available_memory` (vllm/v1/worker/cpu_worker.py) return the bytes
 the engine core turns into KV blocks (`EngineCore._initialize_kv_caches`). They run after
 the profile run and before `initialize_kv_cache`, so the TriForce proposer's allocations
-(block summaries, probability buffers; vllm_triforce/engine/memory.py) are not in the
+(block summaries, probability rows, scratch; vllm_triforce/engine/memory.py) are not in the
 profile and would come on top of `gpu_memory_utilization`.
 
 How: wrap both methods; when the worker's runner holds a TriForce proposer, hand vLLM the
-budget `proposer.reserve_memory(available)` leaves (fewer KV blocks) and log the
-reservation. Any other engine is untouched.
+budget `proposer.reserve_memory(available)` leaves (fewer KV blocks; the proposer logs the
+reservation and its share, and refuses, with TriForce's own error, a budget that then holds
+no `max_model_len` request). Any other engine is untouched.
 
 Why a patch: vLLM 0.32 has no hook for a proposer to declare memory it will allocate, and
 its profile run does not call the proposer's allocations (they happen in

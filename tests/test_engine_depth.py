@@ -83,3 +83,57 @@ def test_at_most_max_drafting_requests_draft_in_a_step():
     assert stats.depth_counts[4] == MAX_DRAFTING_REQUESTS and stats.depth_counts[0] == 8
     assert vocabulary_rows(1024, 6, 2) == vocabulary_rows(MAX_DRAFTING_REQUESTS, 6, 2)
     assert vocabulary_rows(MAX_DRAFTING_REQUESTS, 6, 2) > vocabulary_rows(16, 6, 2)
+
+
+def _chooser(has_draft=False, budget_blocks=5):
+    from vllm_triforce.config import BlockCounts
+
+    blocks = BlockCounts(block_size=32, budget_blocks=budget_blocks, retrieval_sink_blocks=1,
+                         retrieval_recent_blocks=1)
+    return DepthChooser(True, 4, has_draft, TriForceStats(), blocks=blocks)
+
+
+def test_a_request_whose_context_fits_the_budget_gets_depth_zero():
+    """Budget 5 blocks of 32 = 160 tokens: 160 committed tokens fit, 161 do not. A forced
+    schedule (the controller's test hook) is cut to 0 for the fitting one."""
+    chooser = _chooser()
+    chooser.controller.forced = [4]
+    assert chooser.plan(["a", "b"], 4, num_committed=[160, 161]) == ([0, 4], False)
+    assert chooser.plan(["a"], 4, num_committed=[100]) == ([0], False)
+
+
+def test_a_seeded_request_drafts_full_depth_once_it_outgrows_the_budget_whatever_the_clocks():
+    """The controller's start-up (no step timed yet) keeps unseeded requests plain; a
+    seeded one's depth is its rule's: 0 while it fits, the step's full depth after, with
+    every level."""
+    chooser = _chooser(has_draft=True)
+    depths, use_draft = chooser.plan(["s", "u", "f"], 4, num_committed=[161, 161, 100],
+                                     seeded=[True, False, True])
+    assert (depths, use_draft) == ([4, 0, 0], True)
+    chooser.controller.forced = [1]  # whatever the controller decides for the others
+    depths, _ = chooser.plan(["s", "u"], 3, num_committed=[170, 170], seeded=[True, False])
+    assert depths == [3, 1]
+
+
+def test_the_drafting_cap_admits_seeded_requests_first():
+    from vllm_triforce.engine.depth import MAX_DRAFTING_REQUESTS, cap_drafting
+
+    assert cap_drafting([2, 0, 3, 1], 2, first=[False, False, False, True]) == [2, 0, 0, 1]
+    chooser = _chooser()
+    chooser.controller.forced = [4]
+    num = MAX_DRAFTING_REQUESTS + 4
+    seeded = [i >= 4 for i in range(num)]  # the newest 32 are seeded
+    depths, _ = chooser.plan([str(i) for i in range(num)], 4, num_committed=[500] * num,
+                             seeded=seeded)
+    assert depths == [0] * 4 + [4] * MAX_DRAFTING_REQUESTS
+
+
+def test_without_adaptive_every_request_keeps_the_fixed_depth():
+    """`adaptive: false` is fixed-gamma TriForce, the reference: no budget rule."""
+    from vllm_triforce.config import BlockCounts
+
+    blocks = BlockCounts(block_size=32, budget_blocks=5, retrieval_sink_blocks=1,
+                         retrieval_recent_blocks=1)
+    chooser = DepthChooser(False, 4, False, TriForceStats(), blocks=blocks)
+    assert chooser.plan(["a", "b"], 4, num_committed=[10, 500], seeded=[True, False]) \
+        == ([4, 4], False)

@@ -1,11 +1,15 @@
-"""What `propose` allocates stays within what engine/memory.py reserved (issue 25).
+"""What TriForce allocates stays within what engine/memory.py reserved, and what it reserves
+stays in proportion to the KV cache it serves.
 
 A tiny target with a 152,064-token vocabulary (Qwen2.5's), gamma2 = 6, top-p sampling, two
 and three levels: torch's memory profiler records every allocation of a few `propose` calls
 on CPU; the peak of what each call allocated (and held at once) plus the preallocated
-probability buffer must fit the plan's fixed part (`MemoryPlan.fixed_bytes`, from
+probability buffer must fit the fixed part the engine reserved (`Sizing.fixed_bytes`, from
 `vocabulary_rows`). The model's forwards inside `propose` count too: on a GPU their logits
-are TriForce's as well.
+are TriForce's as well. The selection, the fold and the lazy reads are profiled against
+their bounds, with SCORE_CHUNK_BYTES cut and with the engine's own smaller read chunk
+(`BlockSummaries.chunk_bytes`). The bounds by the cache's size are worked by hand, and a
+384 MiB SmolLM2 engine starts, drafts, and reserves at most a tenth of its budget.
 """
 
 import pytest
@@ -17,6 +21,7 @@ pytestmark = pytest.mark.engine
 VOCAB = 152_064
 BATCH = 4
 PROFILED_CALLS = (2, 3)  # decode steps (call 1 is the prefill)
+PROFILED_KV_BYTES = 3 * 2**30
 
 
 def peak_bytes(fn):
@@ -51,7 +56,7 @@ def big_vocab(tmp_path_factory):
 
 
 @pytest.mark.parametrize("levels", [2, 3])
-def test_propose_peak_fits_the_reserved_memory(levels, big_vocab):
+def test_propose_peak_fits_the_reserved_memory(levels, big_vocab, monkeypatch):
     from vllm import LLM, SamplingParams
 
     target, draft = big_vocab
@@ -59,8 +64,12 @@ def test_propose_peak_fits_the_reserved_memory(levels, big_vocab):
             "retrieval_sink_tokens": 16, "retrieval_recent_tokens": 32, "adaptive": False}
     if levels == 3:
         spec.update(model=str(draft), draft_window_tokens=96, draft_tokens_per_round=2)
+    # a cache whose sixteenth holds the rows of all BATCH requests (three levels: 160 MB);
+    # vLLM's CPU platform would take VLLM_CPU_KVCACHE_SPACE instead
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
     llm = LLM(str(target), speculative_config=spec,
-              **make_engine_kwargs(max_num_seqs=BATCH, max_model_len=2048))
+              **make_engine_kwargs(max_num_seqs=BATCH, max_model_len=2048,
+                                   kv_cache_memory_bytes=PROFILED_KV_BYTES))
     try:
         drafter = drafter_of(llm)
         original, calls, peaks = drafter.propose, [0], []
@@ -78,40 +87,59 @@ def test_propose_peak_fits_the_reserved_memory(levels, big_vocab):
         llm.generate(prompts, SamplingParams(temperature=0.8, top_p=0.9, max_tokens=4,
                                              ignore_eos=True), use_tqdm=False)
         stats = drafter.stats.snapshot()
-        plan, buffer = drafter.memory_plan(), drafter._probs_buffer
+        sizing, buffer = drafter.sizing, drafter._probs_buffer
     finally:
         free_llm(llm)
     assert_drafted(stats, levels)
     row = VOCAB * 4
     print(f"\n{levels} levels: propose peaks {[round(p / row, 1) for p in peaks]} vocabulary "
-          f"rows + buffer {buffer.numel() * 4 / row:.0f}; reserved {plan.fixed_bytes / row:.0f}")
+          f"rows + buffer {buffer.numel() * 4 / row:.0f}; reserved {sizing.fixed_bytes / row:.0f}")
+    assert sizing.drafting == BATCH == buffer.shape[0]  # every request drafted at once
     assert len(peaks) == len(PROFILED_CALLS) and min(peaks) > 0
-    assert buffer.nbytes + max(peaks) <= plan.fixed_bytes
+    assert buffer.nbytes + max(peaks) <= sizing.fixed_bytes
 
 
+# How a test cuts the read chunk: the global cap, or the engine's own (what the memory plan
+# sizes for a small cache and the proposer hands its summaries)
+CHUNK_LIMITS = ("SCORE_CHUNK_BYTES", "BlockSummaries.chunk_bytes")
+
+
+def limit_reads(monkeypatch, limited_by: str, chunk_bytes: int) -> dict:
+    """Cut the read chunk to `chunk_bytes` as `limited_by` says; returns the BlockSummaries
+    keyword arguments that do it (none for the global cap)."""
+    from vllm_triforce.core import policies
+
+    if limited_by == "SCORE_CHUNK_BYTES":
+        monkeypatch.setattr(policies, "SCORE_CHUNK_BYTES", chunk_bytes)
+        return {}
+    return {"chunk_bytes": chunk_bytes}
+
+
+@pytest.mark.parametrize("limited_by", CHUNK_LIMITS)
 @pytest.mark.parametrize("strategy,chunk_kib", [("gather", 256), ("all", 256),
                                                 ("gather", 4096)])
-def test_selection_scratch_fits_its_reservation(monkeypatch, strategy, chunk_kib):
+def test_selection_scratch_fits_its_reservation(monkeypatch, strategy, chunk_kib, limited_by):
     """A step-start selection (every candidate scored, the shortlist kept) and a middle
     re-ranking hold at most `selection_scratch_bytes` at once: profiled on CPU with a small
-    SCORE_CHUNK_BYTES, so the chunked reads are chunked here too (8 requests, 4 layers,
+    read chunk, so the chunked reads are chunked here too (8 requests, 4 layers,
     96-block tables; no stacked queries: `choose` takes them gathered). With 4 MiB chunks
     the re-ranking keeps a copy of the listed summaries (2.6 MiB, `listed_copy`), alive
-    after the call: counted in the middle's peak."""
+    after the call: counted in the middle's peak. The engine's own chunk
+    (`BlockSummaries.chunk_bytes`) bounds the reads as the global cap does."""
     import torch
 
-    from vllm_triforce.core import policies
     from vllm_triforce.core.policies import make_policy
     from vllm_triforce.core.selection import Selector
     from vllm_triforce.core.summaries import BlockSummaries
     from vllm_triforce.config import BlockCounts
-    from vllm_triforce.engine import memory, retrieval_level
+    from vllm_triforce.engine import buffers, retrieval_level
 
-    monkeypatch.setattr(policies, "SCORE_CHUNK_BYTES", chunk_kib * 2**10)
+    limit = limit_reads(monkeypatch, limited_by, chunk_kib * 2**10)
     monkeypatch.setattr(retrieval_level, "STACKED_QUERIES_BYTES", 0)
     reqs, layers, heads, dim, q_heads, bs, width = 8, 4, 2, 64, 4, 16, 96
     gen = torch.Generator().manual_seed(0)
-    summaries = BlockSummaries(layers, reqs * width, heads, dim, bs, keep_variance=True)
+    summaries = BlockSummaries(layers, reqs * width, heads, dim, bs, keep_variance=True,
+                               **limit)
     summaries.sums.normal_(generator=gen)
     summaries.square_deviations.uniform_(generator=gen)
     summaries.counts.fill_(bs)
@@ -126,27 +154,29 @@ def test_selection_scratch_fits_its_reservation(monkeypatch, strategy, chunk_kib
     _, in_middle = peak_bytes(lambda: selector.choose(query, summaries, table, committed,
                                                       shortlist=choice.shortlist))
     assert (choice.shortlist.copy is not None) == (chunk_kib == 4096)
-    bound = memory.selection_scratch_bytes(reqs, layers, width, heads, dim, q_heads)
+    bound = buffers.selection_scratch_bytes(reqs, layers, width, heads, dim, q_heads,
+                                           chunk_bytes=chunk_kib * 2**10,
+                                           num_blocks=reqs * width)
     print(f"\n{strategy}: peaks {at_start} (step start), {in_middle} (middle); bound {bound}")
     assert max(at_start, in_middle) <= bound
     assert at_start > bound // 4  # the bound is of the right size, not a blanket
 
 
+@pytest.mark.parametrize("limited_by", CHUNK_LIMITS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fold_scratch_fits_its_reservation(monkeypatch, dtype):
+def test_fold_scratch_fits_its_reservation(monkeypatch, dtype, limited_by):
     """Folding a prefill pass's keys into the summaries (engine/retrieval_level.py, by
-    pieces of SCORE_CHUNK_BYTES of float32 keys) holds at most `fold_scratch_bytes` at once:
-    profiled on CPU with SCORE_CHUNK_BYTES cut to 64 KiB (2 requests' prompt chunks of
-    700 and 333 tokens, the second starting inside a block; 4 layers of 2 x 64 keys, key
-    variance and bounds). Folded whole, the same pass would not fit; by pieces it ends
-    with the same summaries."""
+    pieces of one read chunk of float32 keys) holds at most `fold_scratch_bytes` at once:
+    profiled on CPU with the read chunk cut to 64 KiB, by SCORE_CHUNK_BYTES or by the
+    summaries' own `chunk_bytes` (2 requests' prompt chunks of 700 and 333 tokens, the
+    second starting inside a block; 4 layers of 2 x 64 keys, key variance and bounds).
+    Folded whole, the same pass would not fit; by pieces it ends with the same summaries."""
     from types import SimpleNamespace
 
     import torch
 
-    from vllm_triforce.core import policies
     from vllm_triforce.core.summaries import BlockSummaries
-    from vllm_triforce.engine import memory
+    from vllm_triforce.engine import buffers
     from vllm_triforce.engine.retrieval_level import RetrievalLevel, fold_committed
 
     layers, heads, dim, bs, lens, starts = 4, 2, 64, 16, (700, 333), (0, 50)
@@ -160,13 +190,13 @@ def test_fold_scratch_fits_its_reservation(monkeypatch, dtype):
         block_table=torch.randperm(2 * width, generator=gen).view(2, width).int())
 
     def fold(chunk_bytes):
-        monkeypatch.setattr(policies, "SCORE_CHUNK_BYTES", chunk_bytes)
+        limit = limit_reads(monkeypatch, limited_by, chunk_bytes)
         level = RetrievalLevel.__new__(RetrievalLevel)
         level.blocks = SimpleNamespace(block_size=bs)
         level.device = torch.device("cpu")
         level.summaries = BlockSummaries(layers, 2 * width, heads, dim, bs,
                                          dtype=getattr(torch, dtype), keep_bounds=True,
-                                         keep_variance=True)
+                                         keep_variance=True, **limit)
 
         def run():
             for committed in level._committed_tokens(batch, [0, 1]):
@@ -176,7 +206,7 @@ def test_fold_scratch_fits_its_reservation(monkeypatch, dtype):
 
     level, peak = fold(64 * 2**10)
     assert level.fold_tokens() == 32
-    bound = memory.fold_scratch_bytes(sum(lens), layers, heads, dim)
+    bound = buffers.fold_scratch_bytes(sum(lens), layers, heads, dim, chunk_bytes=64 * 2**10)
     whole, whole_peak = fold(2**40)
     print(f"\n{dtype}: peak {peak} by pieces, {whole_peak} whole; bound {bound}")
     assert bound // 4 < peak <= bound < whole_peak
@@ -185,3 +215,242 @@ def test_fold_scratch_fits_its_reservation(monkeypatch, dtype):
                               getattr(whole.summaries, store).float(),
                               rtol=1e-2, atol=1e-2), store
     assert torch.equal(level.summaries.counts, whole.summaries.counts)
+
+
+# ---- the fixed part follows the cache it serves (engine/memory.py) -----------------------
+SMALL_CACHE = 384 * 2**20
+
+
+def smollm2_plan(**over):
+    """engine/memory.py's small-cache example: SmolLM2-135M float32 (30 layers x 3 KV heads
+    x 64, 9 query heads, V 49,152), block 32, key variance, vLLM's CPU `LLM` defaults
+    (256 sequences, 4,096 batched tokens), max_model_len 4,096, gamma2 4, two levels."""
+    from vllm_triforce.core.policy_facts import SummaryKinds
+    from vllm_triforce.engine.memory import MemoryPlan
+
+    kwargs = dict(kv_bytes_per_block=1_474_560, num_target_layers=30, num_kv_heads=3,
+                  head_dim=64, block_size=32, kv_dtype_bytes=4,
+                  kinds=SummaryKinds(keep_variance=True), max_num_seqs=256, gamma2=4,
+                  gamma1=0, vocab_size=49_152, max_blocks=128, num_q_heads=9,
+                  max_batched_tokens=4096)
+    return MemoryPlan.for_engine(**{**kwargs, **over})
+
+
+def test_a_small_cache_keeps_a_small_share_worked_example():
+    """The docstring's numbers: 252 blocks, reads of 1/256 of their KV (63 tokens' keys),
+    the fold's five pieces the largest scratch, two drafting requests (a third's rows would
+    pass 1/16 of the KV), 7.7% of 384 MiB reserved where the unbounded plan wanted more
+    than the whole budget."""
+    plan = smollm2_plan()
+    assert plan.blocks_for(SMALL_CACHE) == 252
+    sizing = plan.sized(252)
+    assert sizing.chunk_bytes == 371_589_120 // 256 == 1_451_520 == 63 * 23_040
+    assert sizing.scratch_bytes == 5 * 1_451_520 == 7_257_600
+    assert sizing.drafting == 2
+    assert sizing.probability_bytes == (2 * (4 + 3 + 8) + 13 * 2) * 49_152 * 4 == 11_010_048
+    assert sizing.scaled_bytes == 18_267_648 <= 371_589_120 // 16 == 23_224_320
+    assert plan.shape._sized(3, sizing.chunk_bytes, 252).scaled_bytes == 23_772_672
+    assert plan.footprint(252) == 252 * 1_520_644 + 18_267_648 == 401_469_936 <= SMALL_CACHE
+    assert plan.footprint(253) > SMALL_CACHE
+    reserved = SMALL_CACHE - plan.kv_budget(SMALL_CACHE)
+    assert reserved == 31_064_064 and reserved <= SMALL_CACHE // 10
+    assert plan.fixed_bytes > SMALL_CACHE  # 32 requests, 64 MiB reads: 488 MiB
+
+
+def test_the_read_chunk_is_a_256th_of_the_cache_between_one_block_and_64_mib():
+    shape = smollm2_plan().shape
+    block_keys = 32 * 30 * 3 * 64 * 4  # 737,280 B: what a lazy read copies at the least
+    assert shape.chunk_bytes(256 * 2**20) == 2**20
+    assert shape.chunk_bytes(100 * 2**20) == block_keys  # 400 KiB would hold no block
+    assert shape.chunk_bytes(0) == block_keys
+    assert shape.chunk_bytes(32 * 2**30) == shape.chunk_bytes(None) == 64 * 2**20
+
+
+def test_the_drafting_cap_grows_with_the_cache_within_a_sixteenth():
+    """From the smallest cache up to one that bounds nothing: the cap never shrinks as the
+    cache grows, rows and scratch stay within 1/16 of the KV unless one request alone
+    passes it, and a larger budget never gives fewer blocks."""
+    plan = smollm2_plan()
+    caps, blocks = [], []
+    for num_blocks in range(0, 8000, 50):
+        sizing = plan.sized(num_blocks)
+        kv_bytes = num_blocks * plan.kv_bytes_per_block
+        assert sizing.drafting == 1 or sizing.scaled_bytes * 16 <= kv_bytes
+        caps.append(sizing.drafting)
+        blocks.append(plan.blocks_for(plan.footprint(num_blocks)))
+        assert blocks[-1] >= num_blocks
+    assert caps == sorted(caps) and caps[0] == 1 and caps[-1] == 32
+    assert blocks == sorted(blocks)
+
+
+def test_selection_scratch_is_no_wider_than_the_cache():
+    """4 drafting requests, 2 layers x 2 KV heads x 8, 4 query heads, tables of up to 100
+    blocks in a cache of 40, reads of 1 KiB: 6 score copies of 40 blocks and the "all"
+    strategy's dots over the 40-block store (40 x 4 requests x 2 layers x 4 B each), 3
+    reads of 1 KiB, the stacked queries (one read: 1 KiB), 3 copies of the queries
+    (4 x 2 x 4 x 8 x 4 B each). Unbounded (tables of 100, a store of up to 2 x 4 x 100
+    blocks, 64 MiB reads, 32 MiB of stacked queries) it is 2,000 times that."""
+    from vllm_triforce.engine.buffers import (fold_scratch_bytes, lazy_read_bytes,
+                                              selection_scratch_bytes)
+
+    bounded = selection_scratch_bytes(4, 2, 100, 2, 8, 4, chunk_bytes=1024, num_blocks=40)
+    assert bounded == (6 * 40 + 40) * 4 * 2 * 4 + 3 * 1024 + 1024 + 3 * 4 * 2 * 4 * 8 * 4
+    assert bounded == 16_128
+    unbounded = selection_scratch_bytes(4, 2, 100, 2, 8, 4)
+    assert unbounded == ((6 * 100 + 800) * 4 * 2 * 4 + 3 * (4 * 100 * 2 * 2 * 8 * 4)
+                         + 32 * 2**20 + 3 * 4 * 2 * 4 * 8 * 4) > 2000 * bounded
+    # a block of keys (2 x 2 x 4 tokens x 8 x 4 B = 512 B) is read whole, whatever the chunk
+    assert lazy_read_bytes(10, 2, 2, 8, 4, chunk_bytes=1000) == 3 * 512
+    assert lazy_read_bytes(10, 2, 2, 8, 4, chunk_bytes=100) == 3 * 512
+    assert lazy_read_bytes(1, 2, 2, 8, 4) == 3 * 512  # no more than the blocks read
+    # fold pieces of 1000 // 128 = 7 tokens (128 B: one token's keys of both layers)
+    assert fold_scratch_bytes(4096, 2, 2, 8, chunk_bytes=1000) == 5 * 7 * 128
+
+
+def test_a_budget_without_room_for_one_request_is_refused_naming_each_part():
+    """190 MiB hold the 128 blocks of one 4,096-token request for plain vLLM (135 fit),
+    not after TriForce's reservation: one TriForce error names the parts and the fix, and
+    the size it names is enough."""
+    from vllm_triforce.config import TriForceConfigError
+    from vllm_triforce.engine.memory import KVBudgetError, check_one_request
+
+    plan, budget, needed = smollm2_plan(), 190 * 2**20, 128 * 1_474_560
+    assert budget // plan.kv_bytes_per_block >= 128  # vLLM alone would start
+    num_blocks = plan.blocks_for(budget)
+    assert num_blocks < 128
+    with pytest.raises(KVBudgetError) as refused:
+        check_one_request(plan, budget, num_blocks, needed, max_model_len=4096)
+    message = str(refused.value)
+    assert isinstance(refused.value, TriForceConfigError)
+    for part in ("block summaries", "probability rows", "scratch", "kv_cache_memory_bytes",
+                 "gpu_memory_utilization", f"max_model_len to at most {num_blocks * 32}"):
+        assert part in message, part
+    wanted = plan.available_for(needed)
+    assert f"kv_cache_memory_bytes={wanted}" in message
+    assert plan.kv_budget(wanted) >= needed
+    check_one_request(plan, wanted, plan.blocks_for(wanted), needed, max_model_len=4096)
+
+
+def test_the_384_mib_smollm2_engine_starts_drafts_and_reserves_at_most_a_tenth(smollm2,
+                                                                              monkeypatch):
+    """The engine of engine/memory.py's small-cache example (fixed depth, so it drafts at
+    every step) starts, reserves what the plan says (at most 10% of the budget), sizes its
+    hand-off buffer, read chunk and drafting cap by the same `Sizing`, and drafts."""
+    from vllm import LLM, SamplingParams
+
+    from vllm_triforce.assets import moby_dick_text
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")  # vLLM's CPU platform would take it instead
+
+    spec = {"method": "triforce", "num_speculative_tokens": 4, "retrieval_budget": 512,
+            "adaptive": False}
+    llm = LLM(str(smollm2), speculative_config=spec,
+              **make_engine_kwargs(max_model_len=4096, kv_cache_memory_bytes=SMALL_CACHE))
+    try:
+        drafter = drafter_of(llm)
+        out = llm.generate([moby_dick_text()[:6000]],
+                           SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+        stats, plan, sizing = drafter.stats.snapshot(), drafter.memory_plan(), drafter.sizing
+        facts = (drafter.reserved_bytes, drafter.summaries.num_blocks,
+                 drafter.summaries.chunk_bytes, drafter._probs_buffer.shape[0],
+                 drafter.depth.max_drafting)
+    finally:
+        free_llm(llm)
+    reserved, num_blocks, chunk_bytes, buffer_rows, cap = facts
+    print(f"\n384 MiB: reserved {reserved / 2**20:.1f} MiB ({100 * reserved / SMALL_CACHE:.1f}%),"
+          f" {num_blocks} blocks, {sizing.drafting} drafting, {stats['top_proposed']} drafts")
+    assert plan == smollm2_plan()  # the engine plans what the worked example does
+    assert reserved == SMALL_CACHE - plan.kv_budget(SMALL_CACHE) <= SMALL_CACHE // 10
+    assert num_blocks == plan.blocks_for(SMALL_CACHE) >= 128
+    assert sizing == plan.sized(num_blocks)
+    assert (chunk_bytes, buffer_rows, cap) == (sizing.chunk_bytes,) + (sizing.drafting,) * 2
+    assert len(out[0].outputs[0].token_ids) == 24
+    assert_drafted(stats)
+
+
+def test_a_budget_that_holds_no_request_after_the_reservation_gets_triforces_error(smollm2,
+                                                                                   monkeypatch):
+    """190 MiB (plain vLLM starts: 135 blocks for a 128-block request) get TriForce's own
+    error before vLLM's generic one."""
+    from vllm import LLM
+
+    from vllm_triforce.engine.memory import KVBudgetError
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")  # vLLM's CPU platform would take it instead
+    spec = {"method": "triforce", "num_speculative_tokens": 4, "retrieval_budget": 512}
+    with pytest.raises(KVBudgetError, match="cannot hold one request of max_model_len 4096"):
+        LLM(str(smollm2), speculative_config=spec,
+            **make_engine_kwargs(max_model_len=4096, kv_cache_memory_bytes=190 * 2**20))
+
+
+# ---- the CPU KV sizing and the worker's reservation: one plan ---------------------------
+AGREEMENT_SPEC = {"method": "triforce", "num_speculative_tokens": 4, "retrieval_budget": 160,
+                  "retrieval_sink_tokens": 16, "retrieval_recent_tokens": 32}
+
+
+def enable_cpu_flex(monkeypatch) -> None:
+    """FLEX_ATTENTION on this CPU through the gated test patch (as tests/test_flex_backend.py:
+    the wrapper defers to vLLM unless FLEX is asked for, so it may stay applied)."""
+    from vllm_triforce.patches import _util, cpu_flex
+
+    monkeypatch.setenv(cpu_flex.ENV, "1")
+    _util.check_version()
+    cpu_flex.apply()
+
+
+@pytest.mark.parametrize("backend", ["CPU_ATTN", "FLEX_ATTENTION"])
+def test_the_cpu_kv_sizing_and_the_workers_reservation_agree(tiny_llama, monkeypatch,
+                                                             backend):
+    """With no KV size given, the plugin sizes the CPU KV cache from the config
+    (patches/cpu_defaults.py), adding what TriForce will reserve; the worker reserves by
+    the same plan (FLEX's per-layer builders included on both sides), so the KV left holds
+    the size the plugin chose, and what was reserved is the rest."""
+    from vllm import LLM
+
+    from vllm_triforce.engine.memory import MemoryPlan
+    from vllm_triforce.patches import cpu_defaults
+
+    monkeypatch.delenv(cpu_defaults.KV_ENV, raising=False)
+    if backend == "FLEX_ATTENTION":
+        enable_cpu_flex(monkeypatch)
+    llm = LLM(str(tiny_llama), speculative_config=dict(AGREEMENT_SPEC),
+              attention_config={"backend": backend}, **make_engine_kwargs(max_num_seqs=2))
+    try:
+        config, drafter = llm.llm_engine.vllm_config, drafter_of(llm)
+        per_token = cpu_defaults.kv_bytes_per_token(config)
+        before_workers = MemoryPlan.from_vllm_config(config, per_token)
+        worker, given = drafter.memory_plan(), config.cache_config.kv_cache_memory_bytes
+        num_blocks, reserved = drafter.summaries.num_blocks, drafter.reserved_bytes
+    finally:
+        free_llm(llm)
+    assert before_workers == worker
+    assert (worker.shape.builder_bytes > 0) == (backend == "FLEX_ATTENTION")
+    chosen, bound = cpu_defaults.kv_cache_bytes(per_token, 1024, 2, free_bytes=2**40,
+                                                block_size=32)
+    assert bound == "demand" and given == worker.available_for(chosen)
+    assert num_blocks * worker.kv_bytes_per_block >= chosen
+    assert reserved == given - num_blocks * worker.kv_bytes_per_block
+
+
+def test_the_cpu_kv_sizing_reserves_flashinfers_per_layer_builders(tiny_llama):
+    """FLASHINFER (not runnable on this CPU) on the config's side: the plan adds one
+    per-layer builder per target layer, as the worker's (the same `for_vllm_config`, given
+    the backend its layers got) does; everything else is CPU_ATTN's."""
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_triforce.engine.forward import per_layer_builder_bytes
+    from vllm_triforce.engine.memory import MemoryPlan
+    from vllm_triforce.patches import cpu_defaults
+
+    config = EngineArgs(model=str(tiny_llama), speculative_config=dict(AGREEMENT_SPEC),
+                        attention_backend="FLASHINFER",
+                        **make_engine_kwargs(max_num_seqs=2)).create_engine_config()
+    per_token = cpu_defaults.kv_bytes_per_token(config)
+    flashinfer = MemoryPlan.from_vllm_config(config, per_token)
+    stateless = MemoryPlan.for_vllm_config(config, per_token * 32, backend="CPU_ATTN")
+    per_block, fixed = per_layer_builder_bytes("FLASHINFER", config, 32)
+    assert per_block == 0 and fixed > 0
+    assert flashinfer == dataclasses.replace(
+        stateless, shape=dataclasses.replace(stateless.shape, builder_bytes=2 * fixed))

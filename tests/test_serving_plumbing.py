@@ -327,12 +327,14 @@ def test_vllm_serve_spec_config_file_and_bad_requests(served_tiny):
 
 # ------------------------------------------------------- tensor parallelism on CPU
 
-# Two-level TriForce; the tiny prompts fit the budget, so every level attends exactly.
+# Two-level TriForce. The prompts (150-200 tokens) outgrow the 128-token budget, so the
+# depth controller drafts for them (a context that fits the budget decodes plainly).
 TRIFORCE_SPEC = {"method": "triforce", "num_speculative_tokens": 2, "retrieval_budget": 128,
                  "retrieval_recent_tokens": 32}
 TP_ENGINE_KWARGS = dict(dtype="float32", enforce_eager=True, block_size=32, seed=0,
                         max_model_len=256, max_num_seqs=4)
-TP_PROMPTS = ["The model", "Green river under the bright stone", "North"]
+TP_PROMPTS = ["The model " * 60, "Green river under the bright stone, " * 14,
+              "North wind over old hills " * 16]
 TP_SAMPLING = dict(max_tokens=16, temperature=0, ignore_eos=True)
 TP_SCRIPT = """
 import json, sys

@@ -525,8 +525,8 @@ def test_three_level_steps_without_the_small_draft_stay_identical(tiny_qwen2, ti
     finish_round = DepthChooser.round_done
     small_draft_ran = []  # per middle round: did the small draft propose in it
 
-    def every_other_plan_retrieval_only(self, req_ids, max_depth):
-        plan = decide(self, req_ids, max_depth)
+    def every_other_plan_retrieval_only(self, req_ids, max_depth, limits=None):
+        plan = decide(self, req_ids, max_depth, limits)
         if plan.mode == controller.DRAFT and self._num_plans % 2:
             plan = dataclasses.replace(plan, mode=controller.RETRIEVAL)
         return plan

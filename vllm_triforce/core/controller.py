@@ -36,6 +36,14 @@ The maximum of tokens / seconds over all (K, mode, k_r) is found exactly by Dink
 iteration: for a rate lambda, maximise tokens - lambda * seconds (separable per request
 once K and the mode are fixed), set lambda to the rate of the maximiser, repeat.
 
+Where the middle level is the target, nobody drafts: a request whose committed context
+fits the retrieval cache (`middle_level_is_the_target`) gets depth 0 and no probe, because
+each middle round would then be a full pass of the target for one token, plus a
+verification over 1 + k tokens: never cheaper than a plain step (measured: SmolLM2 at
+1,500 tokens under the default 4096-token budget, drafting 50/50 accepted ran 0.81x plain).
+The engine passes such requests a limit of 0 (`plan(..., limits)`); the controller still
+counts them in the step, as plain requests.
+
 Lossless: the depths of step s are decided from costs and acceptance counts of steps
 before s, before any token of step s is drafted; never from the full-cache verification
 of the tokens they cover. Speculative sampling is exact for every fixed k, and a k chosen
@@ -297,6 +305,22 @@ def _prefix_argmax(value: torch.Tensor):
     return value.gather(1, best_k), best_k
 
 
+def middle_level_is_the_target(num_committed: int, block_size: int, budget_blocks: int) -> bool:
+    """Whether a request of `num_committed` tokens with exact KV fits the retrieval cache:
+    its blocks (the partial one included) are at most the budget's, so the selection keeps
+    every block (core/blocks.selection_sizes, the dense case) and the middle level attends
+    over the whole context: it is the target itself. Drafting then buys at most k + 1 tokens
+    for k full passes of the target plus a verification pass: a request this is true of
+    decodes plainly.
+
+    Worked example, block_size 32, retrieval_budget 4096 (128 blocks): a 1,500-token prompt
+    after 48 new tokens has 1,548 committed tokens = 49 blocks <= 128: plain. At 4,096 tokens
+    (128 blocks) still plain; at 4,097 (129 blocks) the middle level leaves a block out, and
+    the request may draft from its next step on."""
+    num_blocks = -(-num_committed // block_size)
+    return num_blocks <= budget_blocks
+
+
 # ---- the stateful controller: estimates, probes, hysteresis ------------------------------
 class SpeculationController:
     """Feeds measurements into the estimates and turns them into a Plan every step.
@@ -375,28 +399,40 @@ class SpeculationController:
         return StepCosts(step[0], step[1], self.idle.value, self.active.value, modes,
                          self.plain_step.predict(num_reqs))
 
-    def alphas(self, req_ids: list[str], max_depth: int) -> torch.Tensor:
-        """[R, max_depth] per-request acceptance profile, shrunk towards the batch's."""
+    def alphas(self, req_ids: list[str], max_depth: int,
+               limits: list[int] | None = None) -> torch.Tensor:
+        """[R, max_depth] per-request acceptance profile, shrunk towards the batch's; zero
+        past each request's `limits` entry (a draft it may not make gains nothing)."""
         prior = self.batch_acceptance.alphas([self.prior_alpha] * self.max_depth, 1.0)
         rows = [self.requests[r].alphas(prior, self.shrink) if r in self.requests else prior
                 for r in req_ids]
-        return torch.tensor(rows, dtype=torch.float64).reshape(len(req_ids), -1)[:, :max_depth]
+        alphas = torch.tensor(rows, dtype=torch.float64).reshape(len(req_ids), -1)
+        return alphas[:, :max_depth] * _allowed(limits, len(req_ids), max_depth)
 
-    def plan(self, req_ids: list[str], max_depth: int) -> Plan:
-        """Depths for the decoding requests `req_ids` (max_depth: this step's upper bound)."""
+    def plan(self, req_ids: list[str], max_depth: int,
+             limits: list[int] | None = None) -> Plan:
+        """Depths for the decoding requests `req_ids` (max_depth: this step's upper bound).
+        `limits` [R]: the most each request may draft (default max_depth). Decisions and
+        probes stay within them, and a step where every limit is 0 is plain without a probe
+        spent: the requests still count in the step's cost model, as plain ones."""
         max_depth = min(max_depth, self.max_depth)
+        limits = [min(n, max_depth) for n in limits or [max_depth] * len(req_ids)]
         if self.forced is not None:  # request i of plan n: forced[(n + i) % len(forced)]
             depths = tuple(min(self.forced[(self._num_plans + i) % len(self.forced)], max_depth)
                            for i in range(len(req_ids)))
             plan = Plan(depths, self.modes[-1] if max(depths, default=0) else None, math.nan)
+        elif not any(limits):
+            plan = Plan((0,) * len(req_ids), None, math.nan)
         else:
-            plan = self._probe(req_ids, max_depth) or self._decide(req_ids, max_depth)
+            plan = (self._probe(req_ids, max_depth, limits)
+                    or self._decide(req_ids, max_depth, limits))
+        plan = _within(plan, limits)
         self._count(plan)
         return plan
 
-    def _decide(self, req_ids: list[str], max_depth: int) -> Plan:
+    def _decide(self, req_ids: list[str], max_depth: int, limits: list[int]) -> Plan:
         """The best plan, unless the settled one is within `hysteresis` of it."""
-        alphas, costs = self.alphas(req_ids, max_depth), self.costs(len(req_ids))
+        alphas, costs = self.alphas(req_ids, max_depth, limits), self.costs(len(req_ids))
         best = choose_plan(alphas, costs, max_depth)
         settled = self.current
         if settled is not None and (settled.mode, settled.max_depth) != (best.mode,
@@ -408,7 +444,7 @@ class SpeculationController:
         self.current = best
         return best
 
-    def _probe(self, req_ids: list[str], max_depth: int) -> Plan | None:
+    def _probe(self, req_ids: list[str], max_depth: int, limits: list[int]) -> Plan | None:
         """A measuring step when an estimate is missing or stale, else None. Start-up: plain
         steps until one is timed (the engine times no step after a prefill or a change of
         requests), then one step at full depth in every mode, which is then timed too: it
@@ -434,23 +470,24 @@ class SpeculationController:
             other = max_depth if settled.max_depth < max_depth else max(1, max_depth // 2)
             self._since_depth_probe = 0
             return Plan((other,) * num_reqs, settled.mode, math.nan)
-        best = self._best_drafting(req_ids, costs, max_depth)
-        interval, hopeless = self._drafting_probe_interval(costs, num_reqs, max_depth, best)
+        best = self._best_drafting(req_ids, costs, max_depth, limits)
+        interval, hopeless = self._drafting_probe_interval(costs, limits, max_depth, best)
         self._hopeless_probes = self._hopeless_probes if hopeless else 0
         if self._since_drafting >= max(self.quick_interval, interval):
             self._hopeless_probes += hopeless
             return best and Plan(best.depths, best.mode, math.nan)
         return None
 
-    def _best_drafting(self, req_ids: list[str], costs: StepCosts, max_depth: int):
-        """The best plan that drafts (any mode), or None."""
-        alphas = self.alphas(req_ids, max_depth)
+    def _best_drafting(self, req_ids: list[str], costs: StepCosts, max_depth: int,
+                       limits: list[int] | None = None):
+        """The best plan that drafts (any mode) within `limits`, or None."""
+        alphas = self.alphas(req_ids, max_depth, limits)
         plans = [_best_in_mode(gains(alphas.double()), costs, m, costs.modes[m], max_depth)
                  for m in costs.modes]
         return max((p for p in plans if p is not None), key=lambda p: p.tokens_per_s,
                    default=None)
 
-    def _drafting_probe_interval(self, costs: StepCosts, num_reqs: int, max_depth: int,
+    def _drafting_probe_interval(self, costs: StepCosts, limits: list[int], max_depth: int,
                                  best: Plan | None) -> tuple[int, bool]:
         """(plain steps between drafting probes, whether drafting is hopeless): `quick_interval`
         while fewer than three verification steps are timed (a line through one or two
@@ -462,7 +499,8 @@ class SpeculationController:
         drafting plan `best`'s predicted shortfall / `probe_budget` (see the docstring)."""
         if self.step.n < 3:
             return self.quick_interval, False
-        perfect = torch.ones(num_reqs, max_depth, dtype=torch.float64)
+        num_reqs = len(limits)
+        perfect = _allowed(limits, num_reqs, max_depth)  # every allowed draft accepted
         if choose_plan(perfect, costs, max_depth).max_depth == 0:
             return (4 << min(self._hopeless_probes, 3)) * self.probe_interval, True
         if self.batch_acceptance.tried[0] < self.min_evidence:
@@ -481,3 +519,20 @@ class SpeculationController:
         self._since_depth_probe += drafting
         for m in self.modes:
             self._since_mode[m] = 0 if plan.mode == m else self._since_mode[m] + drafting
+
+
+def _allowed(limits: list[int] | None, num_reqs: int, max_depth: int) -> torch.Tensor:
+    """[R, max_depth] float64: 1 where draft j (0-based) is within request r's limit."""
+    if limits is None:
+        return torch.ones(num_reqs, max_depth, dtype=torch.float64)
+    positions = torch.arange(max_depth)
+    return (positions < torch.tensor(limits, dtype=torch.long)[:, None]).double()
+
+
+def _within(plan: Plan, limits: list[int]) -> Plan:
+    """`plan` with every depth cut to its request's limit (probes and the test hook ask for
+    one depth for every request)."""
+    depths = tuple(min(k, n) for k, n in zip(plan.depths, limits))
+    if depths == plan.depths:
+        return plan
+    return Plan(depths, plan.mode if max(depths, default=0) else None, plan.tokens_per_s)

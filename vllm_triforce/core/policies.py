@@ -153,23 +153,32 @@ class StreamingLLMPolicy(SelectionPolicy):
 SCORE_CHUNK_BYTES = 64 * 2**20
 
 
-def block_chunks(store: Tensor) -> list[slice]:
+def read_limit(summaries) -> int:
+    """The most one chunked read of `summaries` (or of the keys they summarise) copies:
+    SCORE_CHUNK_BYTES, or the smaller read chunk the engine's memory plan sized for a small
+    cache (`BlockSummaries.chunk_bytes`, engine/memory.py)."""
+    chunk_bytes = getattr(summaries, "chunk_bytes", None)
+    return SCORE_CHUNK_BYTES if chunk_bytes is None else min(SCORE_CHUNK_BYTES, chunk_bytes)
+
+
+def block_chunks(store: Tensor, limit: int | None = None) -> list[slice]:
     """Slices of the store's block axis whose float32 copy (all layers, heads and channels)
-    takes at most SCORE_CHUNK_BYTES, or one block when a block alone takes more. Example:
-    L=32, H=8, D=128 -> 128 KiB per block in float32 -> 512 blocks per chunk."""
+    takes at most `limit` (None: SCORE_CHUNK_BYTES), or one block when a block alone takes
+    more. Example: L=32, H=8, D=128 -> 128 KiB per block in float32 -> 512 blocks per chunk."""
     num_blocks = store.shape[1]
     block_bytes = store[:, :1].numel() * 4  # float32
-    per_chunk = max(1, SCORE_CHUNK_BYTES // max(1, block_bytes))
+    per_chunk = max(1, (limit or SCORE_CHUNK_BYTES) // max(1, block_bytes))
     return [slice(start, start + per_chunk) for start in range(0, num_blocks, per_chunk)]
 
 
-def gather_chunks(store: Tensor, ids: Tensor) -> list[slice]:
+def gather_chunks(store: Tensor, ids: Tensor, limit: int | None = None) -> list[slice]:
     """Slices of the table axis of ids [R, B] whose gathered float32 copy (every request's
-    blocks, all layers, heads and channels) takes at most SCORE_CHUNK_BYTES. Example:
+    blocks, all layers, heads and channels) takes at most `limit` (None: SCORE_CHUNK_BYTES,
+    the one in this example). Example:
     Llama-3.1-8B (L=32, H=8, D=128), one 128K request (B=8,192): 512 blocks per chunk,
     64 MiB each, where one gather would copy 1 GiB."""
     column_bytes = store[:, :1].numel() * 4 * max(1, ids.shape[0])  # float32
-    per_chunk = max(1, SCORE_CHUNK_BYTES // max(1, column_bytes))
+    per_chunk = max(1, (limit or SCORE_CHUNK_BYTES) // max(1, column_bytes))
     return [slice(start, start + per_chunk) for start in range(0, ids.shape[1], per_chunk)]
 
 
@@ -190,10 +199,10 @@ def rows_dot(weights: Tensor, rows: Tensor) -> Tensor:
     return dots.view(num_reqs, num_layers, num_rows)
 
 
-def score_chunks(store: Tensor) -> list[slice]:
+def score_chunks(store: Tensor, limit: int | None = None) -> list[slice]:
     """`block_chunks`, except that a float32 store is read in place, whole (its `.float()`
     copies nothing), so float32 scores stay what one product gives."""
-    return [slice(None)] if store.dtype == torch.float32 else block_chunks(store)
+    return [slice(None)] if store.dtype == torch.float32 else block_chunks(store, limit)
 
 
 class RetrievalPolicy(SelectionPolicy):
@@ -208,10 +217,10 @@ class RetrievalPolicy(SelectionPolicy):
     spends the same unit of mass and heads with large query norms cannot dominate;
     aggregation="max" keeps each block's best query head.
     strategy: "gather" reads the request's mean keys (by `gather_chunks`, each gathered
-    float32 copy at most SCORE_CHUNK_BYTES); "all" scores every physical block
-    (one read of the whole store, cheaper when the store is small, in chunks whose float32
-    copy is at most SCORE_CHUNK_BYTES = 64 MiB when the store is not float32:
-    `score_chunks`); "auto" picks.
+    float32 copy at most one read chunk, `read_limit`: SCORE_CHUNK_BYTES = 64 MiB or the
+    engine's smaller one); "all" scores every physical block (one read of the whole store,
+    cheaper when the store is small, in chunks whose float32 copy is at most one read chunk
+    when the store is not float32: `score_chunks`); "auto" picks.
     variance=True adds 1/2 sum_d q_d^2 var_d per query head (q scaled by 1 / sqrt(d), var_d
     the variance of the block's keys in channel d): the log of E[exp(q . k)] if the block's
     keys were independent Gaussians per channel, i.e. the block's attention mass up to a
@@ -270,7 +279,7 @@ class RetrievalPolicy(SelectionPolicy):
         if rows is None:
             rows = summaries.layer_rows(blocks)  # one index for every store read
         per_chunk = []  # the listed blocks' rows read by `gather_chunks` of the S axis
-        for c in gather_chunks(summaries.sums, blocks[:, 0]):
+        for c in gather_chunks(summaries.sums, blocks[:, 0], read_limit(summaries)):
             # one store's rows at a time ([R, L, s, H, D]), freed before the next is read
             terms = ((w, summaries.rows_of(store, rows[..., c])) for w, store in weights)
             if self.aggregation == "sum":
@@ -288,15 +297,16 @@ class RetrievalPolicy(SelectionPolicy):
         """aggregation "sum" only: [R, L, S, n * H * D] float32, the listed blocks' mean
         keys (then, with `variance`, their keys' variances) at `layer_rows` `rows`
         [R, L, S], divided by `counts` once here instead of at every re-ranking; None where
-        the copy would take more than SCORE_CHUNK_BYTES (Llama-3.1-8B's default shortlist
-        of 988 blocks per layer: 259 MB per request), as the chunked reads are bounded.
-        Memory: within the selection's scratch (engine/memory.py
+        the copy would take more than one read chunk (`read_limit`; Llama-3.1-8B's default
+        shortlist of 988 blocks per layer: 259 MB per request), as the chunked reads are
+        bounded.
+        Memory: within the selection's scratch (engine/buffers.py
         `selection_scratch_bytes`); made with one store's rows at a time."""
         if self.aggregation != "sum":
             return None
         stores = [summaries.sums, *([summaries.deviations()] if self.variance else [])]
         width = summaries.num_kv_heads * summaries.head_dim
-        if len(stores) * rows.numel() * width * 4 > SCORE_CHUNK_BYTES:
+        if len(stores) * rows.numel() * width * 4 > read_limit(summaries):
             return None
         copy = torch.empty(*rows.shape, len(stores), width, dtype=torch.float32,
                            device=rows.device)
@@ -327,16 +337,17 @@ class RetrievalPolicy(SelectionPolicy):
         """q [R, L, H*D] (summed over each group) -> [R, L, B]: q . (store / count) over
         H*D for each table block; store = the key sums (q . mean key) or deviations()
         (q . key variance). The "all" strategy reads the store by `score_chunks`."""
-        num_layers = store.shape[0]
+        num_layers, limit = store.shape[0], read_limit(summaries)
         counts = summaries.counts.clamp(min=1).float()
         if not self._use_all_blocks(summaries, ids):
             by_layer = q.transpose(0, 1)  # [L, R, H*D], as the gathered rows are ordered
             dots = torch.cat([rows_dot(by_layer, _gathered(store, ids[:, c]).flatten(3))
-                              for c in gather_chunks(store, ids)], dim=-1).transpose(0, 1)
+                              for c in gather_chunks(store, ids, limit)],
+                             dim=-1).transpose(0, 1)
             return dots / counts[ids][:, None, :]
         rhs = q.permute(1, 2, 0)  # [L, H*D, R]
         dots = torch.cat([torch.bmm(store[:, chunk].float().flatten(2), rhs)
-                          for chunk in score_chunks(store)], dim=1)
+                          for chunk in score_chunks(store, limit)], dim=1)
         dots = dots / counts[:, None]  # [L, N, R]
         index = ids.t()[None].expand(num_layers, -1, -1)  # [L, B, R]
         return dots.gather(1, index).permute(2, 0, 1)  # [R, L, B]
@@ -345,13 +356,13 @@ class RetrievalPolicy(SelectionPolicy):
                          store: Tensor) -> Tensor:
         """q [R, L, H, G, D] -> [R, L, H, G, B]: q . (store / count) per query head. The
         "all" strategy reads the store by `score_chunks`."""
-        counts = summaries.counts.clamp(min=1).float()
+        counts, limit = summaries.counts.clamp(min=1).float(), read_limit(summaries)
         if not self._use_all_blocks(summaries, ids):
             dots = torch.cat([torch.einsum("rlhgd,lrbhd->rlhgb", q, _gathered(store, ids[:, c]))
-                              for c in gather_chunks(store, ids)], dim=-1)
+                              for c in gather_chunks(store, ids, limit)], dim=-1)
             return dots / counts[ids][:, None, None, None, :]
         dots = torch.cat([torch.einsum("rlhgd,lnhd->rlhgn", q, store[:, chunk].float())
-                          for chunk in score_chunks(store)], dim=-1) / counts
+                          for chunk in score_chunks(store, limit)], dim=-1) / counts
         return dots.gather(-1, ids[:, None, None, None, :].expand(*dots.shape[:4], -1))
 
 

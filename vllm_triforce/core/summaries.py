@@ -68,9 +68,14 @@ class BlockSummaries:
     def __init__(self, num_layers: int, num_blocks: int, num_kv_heads: int, head_dim: int,
                  block_size: int, dtype: torch.dtype = torch.float32, device=None,
                  keep_keys: bool = False, key_dtype: torch.dtype | None = None,
-                 keep_bounds: bool = False, keep_variance: bool = False):
+                 keep_bounds: bool = False, keep_variance: bool = False,
+                 chunk_bytes: int | None = None):
         if min(num_layers, num_blocks, num_kv_heads, head_dim, block_size) <= 0:
             raise ValueError("BlockSummaries: all sizes must be positive")
+        # The most bytes one chunked read of these summaries (or of the keys they summarise)
+        # may copy, where the engine's memory plan sized its scratch for a small cache
+        # (engine/memory.py `Sizing.chunk_bytes`); None: policies.SCORE_CHUNK_BYTES.
+        self.chunk_bytes = chunk_bytes
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.num_kv_heads = num_kv_heads

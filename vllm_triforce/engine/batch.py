@@ -38,8 +38,13 @@ class StepBatch:
     top_k: torch.Tensor | None   # device [R] int64
     top_p: torch.Tensor | None   # device [R] float32
     requests: list               # [R] vLLM CachedRequestState, for older token ids
+    # [R] samples from a generator of its own (a seed, temperature > 0): vLLM's
+    # `input_batch.generators`; None: no request does
+    seeded: list[bool] | None = None
 
     def __post_init__(self):
+        if self.seeded is None:
+            self.seeded = [False] * len(self.req_ids)
         qsl = self.query_start_loc
         self.q_lens = [b - a for a, b in zip(qsl[:-1], qsl[1:])]  # [R]
         # [R] tokens with exact KV, and the first position of the verification pass
@@ -140,4 +145,5 @@ class StepBatch:
             top_k=None if top_k is None else top_k[:num_reqs],
             top_p=None if top_p is None else top_p[:num_reqs],
             requests=[runner.requests[r] for r in req_ids],
+            seeded=[i in runner.input_batch.generators for i in range(num_reqs)],
         )

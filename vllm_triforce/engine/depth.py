@@ -17,6 +17,21 @@ waiting for work). Likewise the proposer's own time counts as per-step overhead 
 decode steps: on a prefill step it summarises the prompt's keys (320 ms in the same run,
 which once priced plain decoding at half its speed).
 
+Two rules come before the clocks (`DepthChooser.plan`):
+- a request whose committed context fits the retrieval cache decodes plainly
+  (core/controller.middle_level_is_the_target): the controller gets a limit of 0 for it;
+- a seeded sampled request (vLLM keeps a generator of its own for it) never gets a
+  clock-based depth: it drafts the step's full depth once its context outgrows the budget,
+  0 while it fits, always with every level (the small draft too, where there is one). A
+  different depth or mode consumes its generator differently (vLLM's rejection sampler, the
+  middle rounds' draws), so this is what makes its text a function of its prompt,
+  parameters and seed alone: not of clocks, other requests or the engine's history. The
+  drafting cap admits seeded requests first; the guarantee holds while no more seeded
+  requests draft in one step than the cap (MAX_DRAFTING_REQUESTS, or the memory plan's
+  smaller one; past it, which ones draft depends on the batch, logged once), and with
+  vLLM's Dynamic SD table (a depth that depends on the batch size) per batch size only.
+  Greedy requests need no rule: their tokens are plain vLLM's whatever the depth.
+
 Tensor parallelism: the estimates rest on each rank's own clocks, so ranks could choose
 differently, and the middle passes (whose collectives must match across ranks) would then
 differ. Rank 0's plan is broadcast to the others every step (`share`, vLLM's
@@ -28,36 +43,58 @@ from __future__ import annotations
 import math
 import time
 
+from vllm.logger import init_logger
+
 from vllm_triforce.core.controller import (DRAFT, RETRIEVAL, DecayedMean, Plan,
-                                            SpeculationController)
+                                            SpeculationController, middle_level_is_the_target)
+
+logger = init_logger("vllm.triforce")
 
 
 # At most this many requests draft in one step (engine/memory.py reserves the middle rounds'
-# vocabulary-wide rows for this many, not for every one of max_num_seqs).
+# vocabulary-wide rows for this many, not for every one of max_num_seqs; for a small KV
+# cache it sizes a smaller cap, `DepthChooser(max_drafting=...)`).
 MAX_DRAFTING_REQUESTS = 32
 
 
-def cap_drafting(depths: list[int], cap: int = MAX_DRAFTING_REQUESTS) -> list[int]:
-    """At most `cap` positive depths: the first `cap` drafting requests in batch order
-    (vLLM's, oldest first) keep theirs, the others run a plain step.
-    Example: cap_drafting([2, 0, 3, 1], 2) -> [2, 0, 3, 0]."""
-    out, kept = [], 0
-    for k in depths:
-        keep = k > 0 and kept < cap
-        kept += keep
-        out.append(k if keep else 0)
+def cap_drafting(depths: list[int], cap: int = MAX_DRAFTING_REQUESTS,
+                 first: list[bool] | None = None) -> list[int]:
+    """At most `cap` positive depths: the drafting requests marked in `first` (seeded
+    ones, whose text must not depend on the others), then the rest, each in batch order
+    (vLLM's, oldest first), keep theirs; the others run a plain step.
+    Examples: cap_drafting([2, 0, 3, 1], 2) -> [2, 0, 3, 0];
+    cap_drafting([2, 0, 3, 1], 2, first=[False, False, False, True]) -> [2, 0, 0, 1]."""
+    first = first or [False] * len(depths)
+    order = ([i for i, f in enumerate(first) if f]
+             + [i for i, f in enumerate(first) if not f])
+    out, kept = [0] * len(depths), 0
+    for i in order:
+        if depths[i] > 0 and kept < cap:
+            out[i], kept = depths[i], kept + 1
     return out
+
+
+def seeded_depth(fits_budget: bool, max_depth: int) -> int:
+    """A seeded sampled request's depth: read from its own context length, never a clock
+    (see the module docstring). Example, gamma2 6: 0 while its context fits the retrieval
+    budget, 6 at every step after it outgrows it."""
+    return 0 if fits_budget else max_depth
 
 
 class DepthChooser:
     """Per step: `begin` (measurements of the step that just ran), `plan`, one
     `round_done` per middle round, `end`. With `adaptive` false every decoding request
-    gets the step's full depth and every level, as a fixed-gamma TriForce. Either way at
-    most MAX_DRAFTING_REQUESTS requests draft in a step (`cap_drafting`)."""
+    gets the step's full depth and every level, as a fixed-gamma TriForce (no budget
+    rule either: a reference to measure against). Either way at most
+    MAX_DRAFTING_REQUESTS requests draft in a step (`cap_drafting`), seeded ones first."""
 
-    def __init__(self, adaptive: bool, max_depth: int, has_draft: bool, stats, share=None):
+    def __init__(self, adaptive: bool, max_depth: int, has_draft: bool, stats, share=None,
+                 blocks=None, max_drafting: int = MAX_DRAFTING_REQUESTS):
         self.adaptive = adaptive
+        # the drafting cap the memory plan reserved for (engine/memory.py `Sizing.drafting`)
+        self.max_drafting = max_drafting
         self.share = share  # obj -> rank 0's obj, on every rank (None: one rank)
+        self.blocks = blocks  # config.BlockCounts (None: every context outgrows the budget)
         self.has_draft = has_draft
         self.controller = SpeculationController(max_depth, has_draft)
         self.stats = stats
@@ -94,20 +131,55 @@ class DepthChooser:
         self._round_seconds = 0.0
         self._plan = None
 
-    def plan(self, req_ids: list[str], max_depth: int) -> tuple[list[int], bool]:
-        """(depth per decoding request, whether the small draft runs this step)."""
+    def plan(self, req_ids: list[str], max_depth: int, num_committed: list[int] | None = None,
+             seeded: list[bool] | None = None) -> tuple[list[int], bool]:
+        """(depth per decoding request, whether the small draft runs this step).
+        `num_committed` [R]: each request's tokens with exact KV (None: all outgrow the
+        budget); `seeded` [R]: it samples from a generator of its own (None: none does)."""
         if not req_ids:  # only prefill chunks: nothing to decide, no probe used up
             return [], False
+        seeded = seeded or [False] * len(req_ids)
         if not self.adaptive:
             depths, use_draft = [max_depth] * len(req_ids), self.has_draft
         else:
-            self._plan = self.controller.plan(req_ids, max_depth)
-            depths, use_draft = list(self._plan.depths), self._plan.mode == DRAFT
+            depths, use_draft = self._adaptive_plan(req_ids, max_depth, num_committed, seeded)
             if self.share is not None:
                 depths, use_draft = self.share((depths, use_draft))
-        depths = cap_drafting(depths)
+        self._warn_if_seeded_over_cap(depths, seeded, self.max_drafting)
+        depths = cap_drafting(depths, self.max_drafting, first=seeded)
         self.stats.record_depths(depths)
         return depths, use_draft
+
+    def _adaptive_plan(self, req_ids: list[str], max_depth: int,
+                       num_committed: list[int] | None, seeded: list[bool]):
+        """The controller decides for the unseeded requests whose context outgrew the
+        budget; the others have their depth by rule (module docstring)."""
+        fits = self._fits_budget(num_committed, len(req_ids))
+        limits = [0 if f or s else max_depth for f, s in zip(fits, seeded)]
+        self._plan = self.controller.plan(req_ids, max_depth, limits)
+        depths, use_draft = list(self._plan.depths), self._plan.mode == DRAFT
+        for r in range(len(req_ids)):
+            if seeded[r]:
+                depths[r] = seeded_depth(fits[r], max_depth)
+        if any(s and k for s, k in zip(seeded, depths)):
+            use_draft = self.has_draft  # a seeded request drafts with every level, always
+        return depths, use_draft
+
+    def _fits_budget(self, num_committed: list[int] | None, num_reqs: int) -> list[bool]:
+        if self.blocks is None or num_committed is None:
+            return [False] * num_reqs
+        return [middle_level_is_the_target(n, self.blocks.block_size, self.blocks.budget_blocks)
+                for n in num_committed]
+
+    @staticmethod
+    def _warn_if_seeded_over_cap(depths: list[int], seeded: list[bool], cap: int) -> None:
+        if sum(1 for k, s in zip(depths, seeded) if s and k > 0) > cap:
+            logger.warning_once(
+                "TriForce: more than %d seeded requests would draft in one step, the most a "
+                "step drafts for: those past the cap decode plainly that step, so their "
+                "text depends on the batch (seeds stay reproducible while at most %d seeded "
+                "requests decode past the retrieval budget at once).",
+                cap, cap)
 
     def round_done(self, use_draft: bool, num_active: int, seconds: float,
                    tokens_per_request: float) -> None:

@@ -4,38 +4,65 @@ vLLM sizes the KV cache from what is free after its profile run
 (`Worker.determine_available_memory`, vllm/v1/worker/gpu_worker.py; `CPUWorker`'s on CPU),
 which runs before the proposer allocates anything of its own. Unreserved, TriForce's
 buffers would come on top of `gpu_memory_utilization` and could OOM a GPU. So the
-`kv_reservation` patch asks `reserve()` to shrink the budget it hands to vLLM:
+`kv_reservation` patch hands vLLM the smaller budget the proposer's `reserve_memory` leaves:
+the most KV blocks n for which n x (KV block + per-block part) + the fixed part sized for n
+blocks fit what is available (`MemoryPlan.blocks_for`), where
 
-* per KV block (scales with the cache): the block summaries, one key-sized vector per
-  target layer and KV head in `summary_dtype` (the KV cache's, or the model's for an
-  fp8 / int8 cache) plus an int32 count (≈ KV bytes /
-  (2 × block_size) for the target's layers); plus, with `key_variance` (the default for
-  `retrieval`), one more such vector in float32 (the keys' square deviations); plus, for `quest`,
-  two more (per-channel key min and max); plus, only with `allow_full_key_copy`, a copy of
-  every committed key (h2o, topk_oracle);
-* with a stateful attention backend (FLEX_ATTENTION, FLASHINFER), one metadata builder per
-  target layer for the middle level's per-layer tables, made for a middle pass's limits
-  (engine/forward.py `per_layer_limits`, `per_layer_builder_bytes`): FLEX's block map is
-  8 B per block per drafting request and layer (Llama-3.1-8B, 32 drafting requests: 8.3 KiB
-  per 2 MiB block), its index tables ~8 MB per layer at 128K;
-* fixed: float32 distributions over the vocabulary, `vocabulary_rows`: per drafting
-  request (at most MAX_DRAFTING_REQUESTS = 32 in a step, whatever `max_num_seqs`), the
-  [gamma2, V] draft probabilities handed to vLLM (preallocated once) and a middle round's
-  rows; plus the temporaries of one chunk of `sampling_probs`, whatever the batch; plus
-  the block selection's scratch (`selection_scratch_bytes`: score tensors of the drafting
-  requests' tables, chunked reads of the summaries or the KV cache, the queries), 0.49 GB
-  for Llama-3.1-8B at 128K and 32 drafting requests, or, where larger, the fold of a
-  prefill's keys into the summaries (`fold_scratch_bytes`, 0.34 GB for it), which never
-  runs at the same time.
+* the per-block part (scales with the cache) is the block summaries, one key-sized vector
+  per target layer and KV head in `summary_dtype` (the KV cache's, or the model's for an
+  fp8 / int8 cache) plus an int32 count (≈ KV bytes / (2 × block_size) for the target's
+  layers); plus, with `key_variance` (the default for `retrieval`), one more such vector in
+  float32 (the keys' square deviations); plus, for `quest`, two more (per-channel key min
+  and max); plus, only with `allow_full_key_copy`, a copy of every committed key (h2o,
+  topk_oracle); plus, with a stateful attention backend (FLEX_ATTENTION, FLASHINFER), the
+  block map of one metadata builder per target layer, made for a middle pass's limits
+  (engine/forward.py `per_layer_limits`, `per_layer_builder_bytes`): FLEX's is 8 B per
+  block per drafting request and layer (Llama-3.1-8B, 32 drafting requests: 8.3 KiB per
+  2 MiB block);
+* the fixed part (`MemoryPlan.sized(n)`, a `Sizing`; each buffer's bound in
+  engine/buffers.py) is: the probability rows, float32
+  distributions over the vocabulary (`vocabulary_rows`: per drafting request, the
+  [gamma2, V] draft probabilities handed to vLLM, preallocated once, and a middle round's
+  rows; plus the temporaries of one chunk of `sampling_probs`); the scratch, the larger of
+  a block selection's (`selection_scratch_bytes`: score tensors of the drafting requests'
+  tables, chunked reads of the summaries, the queries), a lazy read of summaries from the
+  KV cache (`lazy_read_bytes`) and a fold of a prefill's keys into the summaries
+  (`fold_scratch_bytes`), which never run at the same time; and the per-layer builders'
+  fixed part (FLEX's index tables, ~8 MB per layer at 128K).
+
+What can exist bounds the fixed part, so that TriForce's share of a small cache stays
+small: no table is wider than the blocks the cache holds; one chunked read (of summaries,
+of keys from the KV cache, a fold piece, a pass's stacked queries) copies at most
+1/CHUNK_SHARE_DIVISOR of the cache's bytes (at least one block's keys in float32, at most
+SCORE_CHUNK_BYTES); and the drafting cap, the requests that draft in one step (at most
+min(max_num_seqs, MAX_DRAFTING_REQUESTS) = 32), is the most whose probability rows and
+scratch fit 1/FIXED_SHARE_DIVISOR of the cache, and at least one. The proposer allocates by
+the `Sizing` it reserved: its read chunk (`BlockSummaries.chunk_bytes`, which every chunked
+read obeys), the hand-off buffer's rows and the depth planner's cap (its drafting count).
+A budget left without room for one `max_model_len` request is refused with `KVBudgetError`,
+which names each part of the reservation and the fix.
 
 Worked example (SmolLM2-135M float32 on CPU, block 32, 30 layers × 3 KV heads × 64,
-no draft, 1 GiB budget, max_num_seqs 8, gamma2 6, V 49,152, `key_variance` false): a KV
-block is 30 × 2 × 32 × 3 × 64 × 4 = 1,474,560 B and its summary 30 × 3 × 64 × 4 + 4 =
-23,044 B; fixed = (8 × (6 + 3 + 8) + 13 × 8) rows × 49,152 × 4 = 47,185,920 B; blocks =
-(2^30 − 47,185,920) // 1,497,604 = 685, so vLLM gets 685 × 1,474,560 B and 63,668,224 B stay
-reserved. With the default `key_variance` the summary is 2 × 23,040 + 4 = 46,084 B and
-blocks = (2^30 − 47,185,920) // 1,520,644 = 675; with `quest` 3 × 23,040 + 4 = 69,124 B
-and 665 blocks.
+no draft, 1 GiB budget, max_num_seqs 8, gamma2 6, V 49,152, `key_variance` false, no
+selection or fold scratch): a KV block is 30 × 2 × 32 × 3 × 64 × 4 = 1,474,560 B and its
+summary 30 × 3 × 64 × 4 + 4 = 23,044 B; fixed = (8 × (6 + 3 + 8) + 13 × 8) rows × 49,152 × 4
+= 47,185,920 B, within 1/16 of 685 blocks' KV (63,129,600 B), so all 8 requests may draft;
+blocks = (2^30 − 47,185,920) // 1,497,604 = 685, so vLLM gets 685 × 1,474,560 B and
+63,668,224 B stay reserved. With the default `key_variance` the summary is 2 × 23,040 + 4 =
+46,084 B and blocks = (2^30 − 47,185,920) // 1,520,644 = 675; with `quest` 3 × 23,040 + 4
+= 69,124 B and 665 blocks.
+
+Worked example, a small cache (the same model with `key_variance` on, max_num_seqs 256
+(the `LLM` default on CPU), max_model_len 4,096 (128 blocks), 4,096 batched tokens,
+gamma2 4, 9 query heads, 384 MiB): the most blocks is 252, whose KV is 371,589,120 B. One
+read chunk is 1/256 of that, 1,451,520 B (63 tokens' keys of every layer); the fold's five
+pieces, 7,257,600 B, are the largest scratch (a selection's 6,465,600 B). Two drafting
+requests' probability rows (2 × (4 + 3 + 8) + 13 × 2 = 56 rows, 11,010,048 B) and the
+scratch make 18,267,648 B, within 1/16 of the KV (23,224,320 B); a third request's would
+make 23,772,672 B. So 252 × 1,520,644 + 18,267,648 = 401,469,936 B fit (253 blocks would
+not), vLLM gets 252 blocks, and 31,064,064 B (29.6 MiB, 7.7%) stay reserved: 11,613,168 B of
+summaries, the 18,267,648 B and a remainder no block fits in. Sized for 32 drafting requests
+and 64 MiB reads whatever the cache, the fixed part would be 488 MiB: more than the budget.
 
 Worked example at scale (Llama-3.1-8B, bf16 KV cache, block 16, 32 layers × 8 KV heads ×
 128, V 128,256, two levels, gamma2 6, default `key_variance`, one 80 GB GPU): a KV block is
@@ -43,40 +70,131 @@ Worked example at scale (Llama-3.1-8B, bf16 KV cache, block 16, 32 layers × 8 K
 32 × 8 × 128 × 4 (float32 square deviations) = 196,612 B, 3/32 of the block. A 128K-token
 request holds 8,192 blocks: 16 GiB of KV and 1.5 GiB of summaries. Of the ~52 GB left for
 the cache after 16 GB of weights and vLLM's activations at gpu_memory_utilization 0.9,
-about 22,700 blocks fit (≈ 2.8 requests of 128K). The fixed part (`vocabulary_rows`) is
-17 rows of 128,256 × 4 B per drafting request (gamma2 = 6 of them the hand-off buffer)
-plus one sampling chunk, for at most 32 drafting requests whatever `max_num_seqs`: 15 MB
-at `--max-num-seqs 1`, 62 MB at 4 (the right setting for 128K contexts), 0.49 GB from 32
-sequences up (vLLM's default 1,024 included), of which the hand-off buffer is 0.1 GB.
-(Before the compact hand-off, patches/handoff_rows.py, the buffer had a row per
-`max_num_seqs`: 3.5 GB at 1,024.)
+about 22,700 blocks fit (≈ 2.8 requests of 128K): no bound bites there (a chunk of 1/256 of
+the cache would be 186 MB, above 64 MiB; all 32 requests' rows and scratch, ~1 GB, are
+far below 1/16 of it). The probability rows are 17 rows of 128,256 × 4 B per drafting
+request (gamma2 = 6 of them the hand-off buffer) plus one sampling chunk, for at most 32
+drafting requests whatever `max_num_seqs`: 15 MB at `--max-num-seqs 1`, 62 MB at 4 (the
+right setting for 128K contexts), 0.49 GB from 32 sequences up (vLLM's default 1,024
+included), of which the hand-off buffer (one row per drafting request,
+patches/handoff_rows.py) is 0.1 GB.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from dataclasses import dataclass
 
 import torch
 
+from vllm_triforce.config import TriForceConfigError
+from vllm_triforce.core import policies
 from vllm_triforce.core.policy_facts import SummaryKinds
 from vllm_triforce.core.summaries import BlockSummaries
-from vllm_triforce.core.verify import SAMPLING_CHUNK_ROWS
+from vllm_triforce.engine.buffers import (FLOAT32_BYTES, fold_scratch_bytes, lazy_read_bytes,
+                                          selection_scratch_bytes, vocabulary_rows)
 from vllm_triforce.engine.depth import MAX_DRAFTING_REQUESTS
 
-FLOAT32_BYTES = 4
 COUNT_BYTES = 4  # int32 committed-token count per block
-# temporaries per row of `sampling_probs` (`vocabulary_rows`): measured 12 on an H100
-# (benchmarks/explore/sampling_chunks.py: 490 MiB above the inputs for 224 rows by 64), 6 on
-# a CPU (tests/test_memory_plan.py)
-SAMPLING_ROWS_PER_ROW = 13
+MiB = 2**20
+# The fixed part follows the cache it serves (module docstring): the drafting requests'
+# probability rows and scratch take at most 1/16 of the KV cache's bytes, and one chunked
+# read at most 1/256 of them (the fold's FOLD_COPIES pieces: 2%). A cache of 16 GiB or more
+# reads chunks of the full SCORE_CHUNK_BYTES.
+FIXED_SHARE_DIVISOR = 16
+CHUNK_SHARE_DIVISOR = 256
+
+
+class KVBudgetError(TriForceConfigError):
+    """The KV budget vLLM has holds no `max_model_len` request once TriForce's reservation
+    is taken out of it (raised before vLLM's own, generic, check)."""
+
+
+@dataclass(frozen=True)
+class BufferShape:
+    """What TriForce's fixed buffers are sized from: the engine's config and model."""
+    max_drafting: int        # min(max_num_seqs, MAX_DRAFTING_REQUESTS)
+    gamma2: int
+    gamma1: int              # 0 without a small draft
+    vocab_size: int
+    num_layers: int          # the target's
+    num_kv_heads: int
+    head_dim: int
+    num_q_heads: int
+    block_size: int
+    max_blocks: int          # blocks of a max_model_len request (0: no selection scratch)
+    max_batched_tokens: int  # tokens of one pass (0: no fold scratch)
+    builder_bytes: int = 0   # the per-layer builders' fixed part (`builder_bytes`)
+
+    @property
+    def key_row_bytes(self) -> int:
+        """One token's keys of every target layer in float32 (one block's summary row)."""
+        return self.num_layers * self.num_kv_heads * self.head_dim * FLOAT32_BYTES
+
+    def chunk_bytes(self, kv_bytes: int | None) -> int:
+        """The most one chunked read copies, for a KV cache of `kv_bytes` (None: one that
+        bounds nothing): 1/CHUNK_SHARE_DIVISOR of it, at most SCORE_CHUNK_BYTES, and at least
+        one block's keys in float32 (what a lazy read of the KV cache copies at the least)."""
+        most = policies.SCORE_CHUNK_BYTES
+        share = most if kv_bytes is None else min(most, kv_bytes // CHUNK_SHARE_DIVISOR)
+        return max(share, self.block_size * self.key_row_bytes)
+
+    def sizing(self, num_blocks: int | None, kv_bytes_per_block: int) -> "Sizing":
+        """The fixed part for a cache of `num_blocks` (None: one that bounds nothing), with
+        the most drafting requests whose rows and scratch fit 1/FIXED_SHARE_DIVISOR of its
+        KV (at least one)."""
+        kv_bytes = None if num_blocks is None else num_blocks * kv_bytes_per_block
+        chunk = self.chunk_bytes(kv_bytes)
+        for drafting in range(self.max_drafting, 0, -1):
+            sizing = self._sized(drafting, chunk, num_blocks)
+            if (kv_bytes is None or drafting == 1
+                    or sizing.scaled_bytes * FIXED_SHARE_DIVISOR <= kv_bytes):
+                return sizing
+        raise AssertionError("max_drafting must be at least 1")
+
+    def _sized(self, drafting: int, chunk: int, num_blocks: int | None) -> "Sizing":
+        width = self.max_blocks if num_blocks is None else min(self.max_blocks, num_blocks)
+        geometry = (self.num_layers, self.num_kv_heads, self.head_dim)
+        scratch = fold_scratch_bytes(self.max_batched_tokens, *geometry, chunk)
+        if width > 0:
+            scratch = max(scratch,
+                          selection_scratch_bytes(drafting, self.num_layers, width,
+                                                  self.num_kv_heads, self.head_dim,
+                                                  self.num_q_heads, chunk, num_blocks),
+                          lazy_read_bytes(drafting * width, *geometry, self.block_size, chunk))
+        rows = vocabulary_rows(drafting, self.gamma2, self.gamma1)
+        return Sizing(num_blocks, drafting, chunk, rows * self.vocab_size * FLOAT32_BYTES,
+                      scratch, self.builder_bytes)
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """TriForce's fixed part for a KV cache of `num_blocks` (None: one that bounds nothing)
+    and the limits the proposer allocates by."""
+    num_blocks: int | None
+    drafting: int           # requests that draft in one step: the depth planner's cap,
+                            # the hand-off buffer's rows
+    chunk_bytes: int        # the most one chunked read copies (BlockSummaries.chunk_bytes)
+    probability_bytes: int  # `vocabulary_rows` for `drafting` requests, float32
+    scratch_bytes: int      # the largest of the selection's, a lazy read's and the fold's
+    builder_bytes: int      # the per-layer builders' fixed part
+
+    @property
+    def scaled_bytes(self) -> int:
+        """The part the drafting cap keeps within 1/FIXED_SHARE_DIVISOR of the KV."""
+        return self.probability_bytes + self.scratch_bytes
+
+    @property
+    def fixed_bytes(self) -> int:
+        return self.scaled_bytes + self.builder_bytes
 
 
 @dataclass(frozen=True)
 class MemoryPlan:
     kv_bytes_per_block: int       # every layer of the KV-cache group (target and draft)
     summary_bytes_per_block: int  # TriForce's per-block state (and per-layer builders')
-    fixed_bytes: int              # probability buffers (and per-layer builders' fixed part)
+    shape: BufferShape            # what the fixed part is sized from (`sized`)
 
     @classmethod
     def for_engine(cls, kv_bytes_per_block: int, num_target_layers: int, num_kv_heads: int,
@@ -89,43 +207,64 @@ class MemoryPlan:
         the proposer also allocates from). `kv_dtype_bytes`: the bytes of `summary_dtype`,
         the summaries' element (the KV cache's element unless that is fp8 or int8).
         `builders`: (bytes per block, fixed bytes) of the per-layer attention-metadata
-        builders a stateful backend needs (engine/forward.py `per_layer_builder_bytes`).
-        `max_blocks`: blocks of the longest request (max_model_len / block_size, rounded
-        up), `num_q_heads` the target's query heads: with them the plan also holds the
-        block selection's scratch (`selection_scratch_bytes`; 0: left out, as in the
-        worked examples above). `max_batched_tokens`: the most tokens of one pass (vLLM's
+        builders a stateful backend needs (`builder_bytes`). `max_blocks`: blocks of the
+        longest request (max_model_len / block_size, rounded up), `num_q_heads` the
+        target's query heads: with them the plan also holds the block selection's scratch
+        (`selection_scratch_bytes`, `lazy_read_bytes`; 0: left out, as in the first worked
+        example above). `max_batched_tokens`: the most tokens of one pass (vLLM's
         `max_num_batched_tokens`), for the fold's scratch (`fold_scratch_bytes`; 0: left
         out)."""
         key_bytes = num_target_layers * num_kv_heads * head_dim * kv_dtype_bytes
         summary = (key_bytes + COUNT_BYTES + (key_bytes * block_size if kinds.keep_keys else 0)
                    + (2 * key_bytes if kinds.keep_bounds else 0)
                    + (key_bytes // kv_dtype_bytes * FLOAT32_BYTES if kinds.keep_variance else 0))
-        scratch = (selection_scratch_bytes(min(max_num_seqs, MAX_DRAFTING_REQUESTS),
-                                           num_target_layers, max_blocks, num_kv_heads,
-                                           head_dim, num_q_heads or num_kv_heads)
-                   if max_blocks > 0 else 0)
-        scratch = max(scratch, fold_scratch_bytes(max_batched_tokens, num_target_layers,
-                                                  num_kv_heads, head_dim))
-        return cls(kv_bytes_per_block, summary + builders[0],
-                   vocabulary_rows(max_num_seqs, gamma2, gamma1) * vocab_size * FLOAT32_BYTES
-                   + builders[1] + scratch)
+        shape = BufferShape(min(max_num_seqs, MAX_DRAFTING_REQUESTS), gamma2, gamma1,
+                            vocab_size, num_target_layers, num_kv_heads, head_dim,
+                            num_q_heads or num_kv_heads, block_size, max_blocks,
+                            max_batched_tokens, builders[1])
+        return cls(kv_bytes_per_block, summary + builders[0], shape)
+
+    @property
+    def fixed_bytes(self) -> int:
+        """The fixed part at its largest: for a cache that bounds nothing."""
+        return self.sized(None).fixed_bytes
+
+    def sized(self, num_blocks: int | None) -> Sizing:
+        """The fixed part for a cache of `num_blocks` (module docstring)."""
+        return self.shape.sizing(num_blocks, self.kv_bytes_per_block)
+
+    def footprint(self, num_blocks: int) -> int:
+        """KV, summaries and the fixed part of a cache of `num_blocks`."""
+        per_block = self.kv_bytes_per_block + self.summary_bytes_per_block
+        return num_blocks * per_block + self.sized(num_blocks).fixed_bytes
+
+    def blocks_for(self, available: int) -> int:
+        """The most KV blocks whose footprint fits `available` bytes."""
+        most = max(available, 0) // (self.kv_bytes_per_block + self.summary_bytes_per_block)
+        num_blocks = bisect.bisect_right(range(most + 1), available, key=self.footprint) - 1
+        # the fixed part grows with the cache, by less than a block's bytes a block in every
+        # plan seen; should a step of the drafting cap ever outgrow that, step down to a fit
+        while num_blocks > 0 and self.footprint(num_blocks) > available:
+            num_blocks -= 1
+        return max(num_blocks, 0)
 
     def kv_budget(self, available: int) -> int:
         """Bytes vLLM may give the KV cache so that KV + summaries + fixed fit `available`."""
-        blocks = max(available - self.fixed_bytes, 0) // (
-            self.kv_bytes_per_block + self.summary_bytes_per_block)
-        return blocks * self.kv_bytes_per_block
+        return self.blocks_for(available) * self.kv_bytes_per_block
 
     def available_for(self, kv_bytes: int) -> int:
         """The inverse of `kv_budget`: bytes to hand the sizing so that at least `kv_bytes`
         of KV cache remain after the reservation (for a KV size chosen before sizing)."""
-        blocks = -(-kv_bytes // self.kv_bytes_per_block)
-        return self.fixed_bytes + blocks * (self.kv_bytes_per_block + self.summary_bytes_per_block)
+        return self.footprint(-(-kv_bytes // self.kv_bytes_per_block))
 
     @classmethod
-    def from_vllm_config(cls, vllm_config, kv_bytes_per_token: int) -> "MemoryPlan | None":
-        """The plan a TriForce engine will make, from its config alone (before any worker
-        exists), or None for another engine. `kv_bytes_per_token`: every KV layer, one rank."""
+    def for_vllm_config(cls, vllm_config, kv_bytes_per_block: int,
+                        backend: str | None) -> "MemoryPlan | None":
+        """The plan of a TriForce engine (None for another engine), from its config, its KV
+        bytes per block (every layer, one rank) and its attention backend's name (None:
+        stateless). The one constructor of both the worker's reservation
+        (`TriForceProposer.memory_plan`) and the CPU KV sizing before any worker exists
+        (`from_vllm_config`, patches/cpu_defaults.py), so the two agree."""
         from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
 
         from vllm_triforce.config import TriForceConfig, triforce_settings
@@ -135,116 +274,106 @@ class MemoryPlan:
             return None
         cfg = TriForceConfig.from_dict(settings)
         model, parallel = vllm_config.model_config, vllm_config.parallel_config
-        layers, heads = model.get_num_layers(parallel), model.get_num_kv_heads(parallel)
-        head_dim = model.get_head_size()
-        block_size = vllm_config.cache_config.block_size
+        layers, block_size = model.get_num_layers(parallel), vllm_config.cache_config.block_size
         kv_dtype = kv_cache_dtype_str_to_dtype(vllm_config.cache_config.cache_dtype, model)
         return cls.for_engine(
-            kv_bytes_per_block=kv_bytes_per_token * block_size, num_target_layers=layers,
-            num_kv_heads=heads, head_dim=head_dim, block_size=block_size,
+            kv_bytes_per_block=kv_bytes_per_block, num_target_layers=layers,
+            num_kv_heads=model.get_num_kv_heads(parallel), head_dim=model.get_head_size(),
+            block_size=block_size,
             kv_dtype_bytes=summary_dtype(kv_dtype, model.dtype).itemsize,
             kinds=cfg.summary_kinds(),
             max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
             gamma2=cfg.num_speculative_tokens,
             gamma1=cfg.draft_tokens_per_round if cfg.model is not None else 0,
             vocab_size=model.get_vocab_size(),
+            builders=builder_bytes(backend, vllm_config, block_size, layers),
             max_blocks=-(-model.max_model_len // block_size),
             num_q_heads=model.get_num_attention_heads(parallel),
             max_batched_tokens=vllm_config.scheduler_config.max_num_batched_tokens)
 
-
-def vocabulary_rows(max_num_seqs: int, gamma2: int, gamma1: int) -> int:
-    """Vocabulary-wide float32 rows TriForce may hold at once beyond vLLM's own: an upper
-    bound read from the code, which tests/test_memory_plan.py checks against the peak the
-    torch memory profiler measures in `propose` (152K vocabulary, top-p, gamma2 6).
-
-    Per drafting request, at most MAX_DRAFTING_REQUESTS of them in a step (engine/depth.py
-    `cap_drafting`; a pass runs gamma1 + 1 tokens of one):
-    * gamma2: the probabilities handed to vLLM (`hand_off`'s buffer, preallocated, one row
-      per drafting request: patches/handoff_rows.py), which the middle rounds write into as
-      they go (engine/middle.py);
-    * 3 (gamma1 + 1): the retrieval pass's logits, their distributions, and `verify`'s
-      float32 copy of them;
-    * gamma1 + 2 with a small draft: its proposals' distributions, one draft step's logits
-      and distribution;
-    * 8: `verify`'s final distribution (target and draft rows at the first rejection, the
-      residual, the choice) and its float64 cumulative sum (2 rows each, twice).
-    Fixed: `sampling_probs` transforms at most SAMPLING_CHUNK_ROWS rows at once, with at most
-    SAMPLING_ROWS_PER_ROW temporaries each (a float32 copy, sort values, int64 order, softmax,
-    cumulative mass, the mask; on CUDA the sort's own buffers)."""
-    drafting = min(max_num_seqs, MAX_DRAFTING_REQUESTS)
-    per_request = gamma2 + 3 * (gamma1 + 1) + (gamma1 + 2 if gamma1 else 0) + 8
-    chunk = SAMPLING_ROWS_PER_ROW * min(SAMPLING_CHUNK_ROWS, drafting * (gamma1 + 1))
-    return drafting * per_request + chunk
+    @classmethod
+    def from_vllm_config(cls, vllm_config, kv_bytes_per_token: int) -> "MemoryPlan | None":
+        """`for_vllm_config` before any worker exists: `kv_bytes_per_token` every KV layer,
+        one rank; the attention backend the config asks for (`attention_config.backend`;
+        none asked: the platform's default, CPU_ATTN on a CPU, which keeps no builders)."""
+        block_size = vllm_config.cache_config.block_size
+        return cls.for_vllm_config(vllm_config, kv_bytes_per_token * block_size,
+                                   requested_backend(vllm_config))
 
 
-# `selection_scratch_bytes`: score tensors [R, L, B] float32 alive at once (the dots of
-# a scoring pass and their concatenation, the division by counts, the variance term's
-# scores, `select_blocks`' NaN-free and masked copies; "all" strategies' [L, N, R] dots,
-# N <= 2 R B), and chunked reads of SCORE_CHUNK_BYTES (the gathered rows, their float32
-# copy, a product's contiguous operand): read from core/policies.py and core/selection.py,
-# checked by tests/test_memory_plan.py (`test_selection_scratch_fits_its_reservation`)
-SCORE_COPIES = 6
-CHUNK_READS = 3
+def requested_backend(vllm_config) -> str | None:
+    """The attention backend's name the config asks for, or None."""
+    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    return None if backend is None else getattr(backend, "name", str(backend))
 
 
-def selection_scratch_bytes(drafting: int, num_layers: int, max_blocks: int,
-                            num_kv_heads: int, head_dim: int, num_q_heads: int) -> int:
-    """Bytes a block selection (or a lazy read of summaries from the KV cache, which never
-    runs at the same time) may hold at once beyond the summaries, for `drafting` requests
-    selecting together (at most MAX_DRAFTING_REQUESTS) over tables of `max_blocks`:
-    SCORE_COPIES score tensors, CHUNK_READS chunks of the summary store or the KV cache
-    (each at most SCORE_CHUNK_BYTES, or the whole read where that is smaller; between
-    middle rounds one of them is the shortlist's copy, `RetrievalPolicy.listed_copy`, kept
-    for the step's re-rankings, which then read no store), a middle pass's stacked queries
-    (at most STACKED_QUERIES_BYTES) and three float32 copies of the selecting requests'
-    queries. Llama-3.1-8B at 128K (B = 8,192, L = 32, 8 x 128 KV,
-    32 query heads), 32 drafting requests: 201 MB of scores + 201 MB of chunks + 84 MB of
-    queries = 0.49 GB; at 4 requests 25 + 201 + 40 MB = 0.27 GB."""
-    from vllm_triforce.core.policies import SCORE_CHUNK_BYTES
-    from vllm_triforce.engine.retrieval_level import STACKED_QUERIES_BYTES
+def builder_bytes(backend: str | None, vllm_config, block_size: int,
+                  num_layers: int) -> tuple[int, int]:
+    """(bytes per KV block, fixed bytes) of a stateful backend's per-layer builders: one per
+    target layer, plus one build's transient block map (FLEX: `physical_to_logical`);
+    (0, 0) for a stateless backend or None."""
+    from vllm_triforce.engine.forward import per_layer_builder_bytes
 
-    scores = SCORE_COPIES * drafting * num_layers * max_blocks * FLOAT32_BYTES
-    whole_read = drafting * max_blocks * num_layers * num_kv_heads * head_dim * FLOAT32_BYTES
-    queries = 3 * drafting * num_layers * num_q_heads * head_dim * FLOAT32_BYTES
-    return (scores + CHUNK_READS * min(SCORE_CHUNK_BYTES, whole_read) + STACKED_QUERIES_BYTES
-            + queries)
+    if backend is None:
+        return 0, 0
+    per_block, fixed = per_layer_builder_bytes(backend, vllm_config, block_size)
+    return (num_layers + 1) * per_block, num_layers * fixed
 
 
-# `fold_scratch_bytes`: float32-sized copies of one fold piece's keys [L, n, H, D] alive at
-# once in BlockSummaries.add_committed (the stacked keys, their float32 copy, the gathered
-# block means, the deviations; the runs' sums are 1 / block_size of that): read from
-# core/summaries.py; tests/test_memory_plan.py (`test_fold_scratch_fits_its_reservation`)
-# measures 3.3 with float32 keys, 4.5 with bf16 ones
-FOLD_COPIES = 5
+def describe_reservation(plan: MemoryPlan, available: int, num_blocks: int) -> str:
+    """The start-up line of `reserve_memory`: TriForce's share of `available`, its parts
+    and the remainder (less than one block of KV + summaries, which no block fits in)."""
+    sizing = plan.sized(num_blocks)
+    reserved = available - num_blocks * plan.kv_bytes_per_block
+    remainder = available - plan.footprint(num_blocks)
+    share = 100 * reserved / available if available > 0 else 0.0
+    return (f"reserved {reserved / MiB:.1f} MiB ({share:.1f}%) of {available / MiB:.1f} MiB "
+            f"before KV-cache sizing: {_parts(plan, sizing, num_blocks)}, remainder "
+            f"{remainder / MiB:.1f} MiB; the KV cache gets {num_blocks} blocks, "
+            f"{sizing.drafting} requests draft at once, reads of at most "
+            f"{sizing.chunk_bytes / MiB:.1f} MiB")
 
 
-def fold_scratch_bytes(max_batched_tokens: int, num_layers: int, num_kv_heads: int,
-                       head_dim: int) -> int:
-    """Bytes folding one pass's committed keys into the block summaries may hold at once
-    (engine/retrieval_level.py folds a prefill's keys by pieces whose keys of every layer
-    fill at most SCORE_CHUNK_BYTES in float32, `RetrievalLevel.fold_tokens`): FOLD_COPIES
-    pieces. Llama-3.1-8B (32 layers x 8 x 128: 128 KiB a token in float32), 8,192 batched
-    tokens: pieces of 512 tokens, 5 x 64 MiB = 0.34 GB. A selection never runs at the same
-    time: the plan reserves the larger of the two."""
-    tokens = min(fold_piece_tokens(num_layers, num_kv_heads, head_dim), max_batched_tokens)
-    return FOLD_COPIES * tokens * num_layers * num_kv_heads * head_dim * FLOAT32_BYTES
+def _parts(plan: MemoryPlan, sizing: Sizing, num_blocks: int) -> str:
+    parts = [f"block summaries {num_blocks * plan.summary_bytes_per_block / MiB:.1f} MiB",
+             f"probability rows {sizing.probability_bytes / MiB:.1f} MiB "
+             f"({sizing.drafting} drafting requests)",
+             f"scratch {sizing.scratch_bytes / MiB:.1f} MiB"]
+    if sizing.builder_bytes:
+        parts.append(f"per-layer builders {sizing.builder_bytes / MiB:.1f} MiB")
+    return ", ".join(parts)
 
 
-def fold_piece_tokens(num_layers: int, num_kv_heads: int, head_dim: int) -> int:
-    """Tokens the engine folds at once: their keys of every layer fill at most
-    SCORE_CHUNK_BYTES in float32 (at least one token)."""
-    from vllm_triforce.core.policies import SCORE_CHUNK_BYTES
-
-    return max(1, SCORE_CHUNK_BYTES // (num_layers * num_kv_heads * head_dim * FLOAT32_BYTES))
+def check_one_request(plan: MemoryPlan, available: int, num_blocks: int, needed: int,
+                      max_model_len: int) -> None:
+    """Refuse a budget whose KV, after the reservation, holds less than `needed` bytes (what
+    vLLM's start-up check asks for one `max_model_len` request:
+    `KVCacheSpec.max_memory_usage_bytes`, vllm/v1/kv_cache_interface.py, 0.32.0) with one
+    error naming each part of the reservation and the fix, instead of vLLM's."""
+    kv_bytes = num_blocks * plan.kv_bytes_per_block
+    if kv_bytes >= needed:
+        return
+    wanted = plan.available_for(needed)
+    longest = num_blocks * plan.shape.block_size
+    raise KVBudgetError(
+        f"TriForce: the KV cache cannot hold one request of max_model_len {max_model_len} "
+        f"({needed / MiB:.1f} MiB of KV) once TriForce's buffers are reserved: of "
+        f"{available / MiB:.1f} MiB, {(available - kv_bytes) / MiB:.1f} MiB are reserved "
+        f"({_parts(plan, plan.sized(num_blocks), num_blocks)}), leaving {num_blocks} blocks "
+        f"({kv_bytes / MiB:.1f} MiB). Give the KV cache at least {wanted / MiB:.1f} MiB "
+        f"(kv_cache_memory_bytes={wanted}; VLLM_CPU_KVCACHE_SPACE on a CPU; or a higher "
+        f"gpu_memory_utilization), or lower max_model_len"
+        + (f" to at most {longest}." if longest else "."))
 
 
 def allocate_summaries(kinds: SummaryKinds, num_layers: int, num_blocks: int,
                        num_kv_heads: int, head_dim: int, block_size: int, dtype,
-                       device=None) -> BlockSummaries:
-    """The block summaries `MemoryPlan.for_engine(kinds=kinds, ...)` reserved room for."""
+                       device=None, chunk_bytes: int | None = None) -> BlockSummaries:
+    """The block summaries `MemoryPlan.for_engine(kinds=kinds, ...)` reserved room for,
+    read by chunks of at most `chunk_bytes` (`Sizing.chunk_bytes`; None: SCORE_CHUNK_BYTES)."""
     return BlockSummaries(num_layers, num_blocks, num_kv_heads, head_dim, block_size,
-                          dtype=dtype, device=device, **dataclasses.asdict(kinds))
+                          dtype=dtype, device=device, chunk_bytes=chunk_bytes,
+                          **dataclasses.asdict(kinds))
 
 
 def summary_dtype(kv_dtype: torch.dtype, model_dtype: torch.dtype) -> torch.dtype:

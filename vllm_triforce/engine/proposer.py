@@ -11,8 +11,10 @@ vLLM's full-cache verification pass:
                num_speculative_tokens, or Dynamic SD's entry for the batch size), and
                whether the small draft runs this step (DepthChooser, engine/depth.py, from
                measured costs and acceptance, core/controller.py). A request at depth 0
-               decodes plainly, with no middle work. With `adaptive` off every decoding
-               request gets gamma2 and every level runs, as in fixed-gamma TriForce;
+               decodes plainly, with no middle work; so does, by rule, one whose context
+               fits the retrieval budget, and a seeded request's depth reads no clock.
+               With `adaptive` off every decoding request gets gamma2 and every level
+               runs, as in fixed-gamma TriForce;
 3. select   -- drafting requests due for a refresh re-score their blocks
                (RetrievalLevel.select, core/selection.py) with the newest committed token's
                query; between middle rounds, with the newest middle token's
@@ -43,6 +45,7 @@ and identically seeded generators.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import weakref
@@ -62,9 +65,11 @@ from vllm_triforce.core.summaries import BlockSummaries
 from vllm_triforce.engine import capture
 from vllm_triforce.engine.batch import StepBatch
 from vllm_triforce.engine.draft_level import DraftLevel, draft_window
-from vllm_triforce.engine.forward import metadata_path, per_layer_builder_bytes
-from vllm_triforce.engine.memory import MemoryPlan, allocate_summaries, summary_dtype
-from vllm_triforce.engine.depth import MAX_DRAFTING_REQUESTS, DepthChooser
+from vllm_triforce.engine.forward import metadata_path
+from vllm_triforce.engine.memory import (MemoryPlan, Sizing, allocate_summaries,
+                                         check_one_request, describe_reservation,
+                                         summary_dtype)
+from vllm_triforce.engine.depth import DepthChooser
 from vllm_triforce.engine.middle import MiddleLoop, hand_off
 from vllm_triforce.engine.paged_keys import paged_keys_for
 from vllm_triforce.engine.retrieval_level import RetrievalLevel
@@ -85,7 +90,8 @@ class TriForceProposer(DraftModelProposer):
         self.runner = runner
         self.cfg = TriForceConfig.from_vllm_config(vllm_config)
         self.forced_settings = forced_settings(vllm_config)
-        self.reserved_bytes = 0  # set by reserve_memory (patches/kv_reservation.py)
+        self.reserved_bytes = 0  # set by reserve_memory (patches/kv_reservation.py) ...
+        self.sizing: Sizing | None = None  # ... with the limits it reserved for
         self._probs_buffer: torch.Tensor | None = None
         self._last_draft_probs = None
         self._last_draft_prob_req_ids: list[str] | None = None
@@ -143,17 +149,17 @@ class TriForceProposer(DraftModelProposer):
         self.block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
         kv_dtype = self.runner.get_kv_cache_spec()[self.target_layer_names[0]].dtype
         layer = self.target_layers[0]
+        self.sizing = self._agreed_sizing(kv_cache_config.num_blocks)
         self.summaries = allocate_summaries(  # what memory_plan reserved
             self.cfg.summary_kinds(), num_layers=len(self.target_layers),
             num_blocks=kv_cache_config.num_blocks, num_kv_heads=layer.num_kv_heads,
             head_dim=layer.head_size, block_size=self.block_size,
             dtype=summary_dtype(kv_dtype, self.vllm_config.model_config.dtype),
-            device=self.device)
-        sched = self.vllm_config.scheduler_config
+            device=self.device, chunk_bytes=self.sizing.chunk_bytes)
         # [D, gamma2, V]: the draft probabilities handed to vLLM, one row per drafting request
-        # (at most MAX_DRAFTING_REQUESTS a step), reused per step (patches/handoff_rows.py).
+        # (the drafting cap, `Sizing.drafting`), reused per step (patches/handoff_rows.py).
         self._probs_buffer = torch.zeros(
-            min(sched.max_num_seqs, MAX_DRAFTING_REQUESTS), self.cfg.num_speculative_tokens,
+            self.sizing.drafting, self.cfg.num_speculative_tokens,
             self.vllm_config.model_config.get_vocab_size(), dtype=torch.float32,
             device=self.device)
         backend = self.runner.attn_groups[0][0].backend.get_name()
@@ -169,8 +175,10 @@ class TriForceProposer(DraftModelProposer):
         self._build_levels()
         logger.info(engine_settings.describe(self.vllm_config, backend, self.forced_settings))
         logger.info("TriForce block summaries: %.1f MiB for %d blocks (%s); probability buffers "
-                    "%.1f MiB", self.summaries.nbytes() / 2**20, kv_cache_config.num_blocks,
-                    self.summaries.sums.dtype, self._probs_buffer.nbytes / 2**20)
+                    "%.1f MiB for %d drafting requests; reads of at most %.1f MiB",
+                    self.summaries.nbytes() / 2**20, kv_cache_config.num_blocks,
+                    self.summaries.sums.dtype, self._probs_buffer.nbytes / 2**20,
+                    self.sizing.drafting, self.sizing.chunk_bytes / 2**20)
 
     def _build_levels(self) -> None:
         """Each level gets exactly what it uses. Counts are in the KV-cache spec's blocks
@@ -193,7 +201,8 @@ class TriForceProposer(DraftModelProposer):
         tp = self.vllm_config.parallel_config.tensor_parallel_size
         self.depth = DepthChooser(self.cfg.adaptive, self.cfg.num_speculative_tokens,
                                   self.has_draft, self.stats,
-                                  share=_from_tp_rank0 if tp > 1 else None)
+                                  share=_from_tp_rank0 if tp > 1 else None, blocks=blocks,
+                                  max_drafting=self.sizing.drafting)
         self.middle = MiddleLoop(self.retrieval, self.draft, self.cfg.draft_tokens_per_round,
                                  self.refresh, self.stats, self.generator,
                                  self.cfg.measure_middle_acceptance)
@@ -203,42 +212,39 @@ class TriForceProposer(DraftModelProposer):
         return draft_window(self.cfg, blocks, hf.max_position_embeddings)
 
     def memory_plan(self) -> MemoryPlan:
-        """What this proposer will allocate beside the KV cache (engine/memory.py)."""
+        """What this proposer will allocate beside the KV cache (engine/memory.py): the plan
+        the CPU KV sizing makes from the config (patches/cpu_defaults.py), with this
+        runner's KV bytes per block and attention backend."""
         specs = self.runner.get_kv_cache_spec()
-        target = specs[self.target_layer_names[0]]
-        layer = self.target_layers[0]
-        dtype = summary_dtype(target.dtype, self.vllm_config.model_config.dtype)
-        return MemoryPlan.for_engine(
-            kv_bytes_per_block=sum(s.page_size_bytes for s in specs.values()),
-            num_target_layers=len(self.target_layers), num_kv_heads=layer.num_kv_heads,
-            head_dim=layer.head_size, block_size=target.block_size,
-            kv_dtype_bytes=dtype.itemsize, kinds=self.cfg.summary_kinds(),
-            max_num_seqs=self.vllm_config.scheduler_config.max_num_seqs,
-            gamma2=self.cfg.num_speculative_tokens,
-            gamma1=self.cfg.draft_tokens_per_round if self.has_draft else 0,
-            vocab_size=self.vllm_config.model_config.get_vocab_size(),
-            builders=self._builder_bytes(target.block_size),
-            max_blocks=-(-self.vllm_config.model_config.max_model_len // target.block_size),
-            num_q_heads=layer.num_heads,
-            max_batched_tokens=self.vllm_config.scheduler_config.max_num_batched_tokens)
-
-    def _builder_bytes(self, block_size: int) -> tuple[int, int]:
-        """The per-layer builders of a stateful backend (one per target layer), plus one
-        build's transient block map (FLEX: `physical_to_logical_mapping`)."""
-        backend = self.target_layers[0].attn_backend.get_name()
-        per_block, fixed = per_layer_builder_bytes(backend, self.vllm_config, block_size)
-        layers = len(self.target_layers)
-        return (layers + 1) * per_block, layers * fixed
+        return MemoryPlan.for_vllm_config(
+            self.vllm_config, kv_bytes_per_block=sum(s.page_size_bytes for s in specs.values()),
+            backend=self.target_layers[0].attn_backend.get_name())
 
     def reserve_memory(self, available: int) -> int:
         """Called with the bytes vLLM would turn into KV blocks; returns the smaller budget
-        that leaves room for this proposer's own buffers (patches/kv_reservation.py)."""
-        budget = self.memory_plan().kv_budget(available)
-        self.reserved_bytes = available - budget
-        logger.info("TriForce: reserved %.1f MiB of %.1f MiB for block summaries and "
-                    "probability buffers before KV-cache sizing", self.reserved_bytes / 2**20,
-                    available / 2**20)
-        return budget
+        that leaves room for this proposer's own buffers (patches/kv_reservation.py), sized
+        for the blocks that budget makes (`self.sizing`). Refuses, with the reservation's
+        parts and the fix, a budget that then holds no max_model_len request."""
+        plan = self.memory_plan()
+        num_blocks = plan.blocks_for(available)
+        specs = self.runner.get_kv_cache_spec().values()
+        check_one_request(plan, available, num_blocks,
+                          needed=sum(s.max_memory_usage_bytes(self.vllm_config) for s in specs),
+                          max_model_len=self.vllm_config.model_config.max_model_len)
+        self.sizing = plan.sized(num_blocks)
+        self.reserved_bytes = available - num_blocks * plan.kv_bytes_per_block
+        logger.info("TriForce: %s", describe_reservation(plan, available, num_blocks))
+        return num_blocks * plan.kv_bytes_per_block
+
+    def _agreed_sizing(self, num_blocks: int) -> Sizing:
+        """The sizing `reserve_memory` reserved for (or, where vLLM sized the cache without
+        asking, the one for the `num_blocks` it made), with the smallest drafting cap of the
+        TP ranks, so that every rank drafts for the same requests (the middle passes'
+        collectives match) and none for more than it reserved rows for."""
+        sizing = self.sizing or self.memory_plan().sized(num_blocks)
+        if self.vllm_config.parallel_config.tensor_parallel_size > 1:
+            sizing = dataclasses.replace(sizing, drafting=_tp_min(sizing.drafting))
+        return sizing
 
     def dummy_run(self, num_tokens, *args, **kwargs) -> None:
         if self.has_draft:
@@ -295,7 +301,9 @@ class TriForceProposer(DraftModelProposer):
                          verified=[(batch.req_ids[r], n, a) for r, n, a in verified],
                          live_req_ids=self.runner.requests)
         rows = [r for r in range(batch.num_reqs) if batch.decoding[r]]
-        depths, use_draft = self.depth.plan([batch.req_ids[r] for r in rows], max_depth)
+        depths, use_draft = self.depth.plan([batch.req_ids[r] for r in rows], max_depth,
+                                            num_committed=[batch.committed[r] for r in rows],
+                                            seeded=[batch.seeded[r] for r in rows])
         drafting = [r for r, k in zip(rows, depths) if k > 0]
         if not drafting:
             return [[] for _ in range(batch.num_reqs)], None, None
@@ -330,6 +338,17 @@ class TriForceProposer(DraftModelProposer):
             state.generator = torch.Generator(device=self.device)
             state.generator.manual_seed((seed * 1_000_003 + 0x7F4A7C15) % 2**63)
         return state
+
+
+def _tp_min(value: int) -> int:
+    """The smallest `value` of the TP ranks, on every rank (an all-reduce over vLLM's TP
+    group's CPU group, vllm/distributed/parallel_state.py, 0.32.0)."""
+    import torch.distributed as dist
+    from vllm.distributed import get_tp_group
+
+    value = torch.tensor([value])
+    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=get_tp_group().cpu_group)
+    return int(value.item())
 
 
 def _from_tp_rank0(obj):

@@ -9,7 +9,7 @@ Block summaries, by default: a prompt's as it is computed, the rest lazily. A se
 scores only *full* committed blocks, so a block's summaries are needed only once it is full,
 and then never change. A prefill pass (a prompt chunk, or a preempted request's recompute:
 more tokens than a verification) folds its keys, which the capture holds in memory right
-then, into the summaries (`BlockSummaries.add_committed`, by chunks of SCORE_CHUNK_BYTES);
+then, into the summaries (`BlockSummaries.add_committed`, by pieces of one read chunk);
 the blocks it completes are recorded as set. Blocks completed while decoding are set just
 before their request selects, from their keys read back from vLLM's KV cache
 (engine/paged_keys.py, `BlockSummaries.set_blocks`). So a decode step in which nobody
@@ -43,7 +43,7 @@ from vllm_triforce.core import policies
 from vllm_triforce.core.selection import Selector, TableLayout, laid_out_tables
 from vllm_triforce.core.summaries import committed_runs
 from vllm_triforce.engine.forward import build_pass, run_pass
-from vllm_triforce.engine.memory import fold_piece_tokens
+from vllm_triforce.engine.buffers import fold_piece_tokens
 from vllm_triforce.engine.state import stacked, stacked_shortlist
 from vllm_triforce.engine.transfer import to_device
 
@@ -185,10 +185,11 @@ class RetrievalLevel:
             yield rows, block_ids, positions % bs, (runs, num_runs)
 
     def fold_tokens(self) -> int:
-        """Tokens folded at once (engine/memory.py `fold_piece_tokens`; `fold_scratch_bytes`
+        """Tokens folded at once (engine/buffers.py `fold_piece_tokens`; `fold_scratch_bytes`
         reserves the fold's copies)."""
         s = self.summaries
-        return fold_piece_tokens(s.num_layers, s.num_kv_heads, s.head_dim)
+        return fold_piece_tokens(s.num_layers, s.num_kv_heads, s.head_dim,
+                                 policies.read_limit(s))
 
     def _check_reader(self, reader, rows, block_ids, offsets) -> None:
         why = reader.check(self.capture.keys, rows, block_ids, offsets)
@@ -212,7 +213,8 @@ class RetrievalLevel:
         into new blocks after preemption sets them again); any other block is skipped only
         when the summaries set at its physical id were set for the same content (same
         tokens after the same prefix: a prefix-cache hit on a block another request
-        summarised). Reads at most SCORE_CHUNK_BYTES of keys at a time. A row done earlier
+        summarised). Reads at most one read chunk of keys at a time (`policies.read_limit`:
+        SCORE_CHUNK_BYTES, or the memory plan's smaller one). A row done earlier
         in the step is not looked at again (committed tokens and blocks change only between
         steps; the middle rounds re-select up to once per round)."""
         rows = [r for r in rows if r not in self._summarised_rows]
@@ -248,8 +250,8 @@ class RetrievalLevel:
         owners, logical = to_device(self.device, owners, logical)
         block_ids = batch.block_table[owners, logical].long()
         s = self.summaries
-        # every layer's keys of a chunk of blocks, in float32, fill at most SCORE_CHUNK_BYTES
-        per_chunk = max(1, policies.SCORE_CHUNK_BYTES
+        # every layer's keys of a chunk of blocks, in float32, fill at most one read chunk
+        per_chunk = max(1, policies.read_limit(s)
                         // (s.num_layers * s.num_kv_heads * bs * s.head_dim * 4))
         for start in range(0, block_ids.numel(), per_chunk):
             ids = block_ids[start:start + per_chunk]
@@ -345,8 +347,9 @@ class RetrievalLevel:
         instead of one per layer; a larger one (vLLM's pass may hold a prefill chunk) is
         gathered layer by layer, so no copy of every layer's queries is made."""
         first = layer_queries[0]
+        stack_limit = min(STACKED_QUERIES_BYTES, policies.read_limit(self.summaries))
         if (first.dtype.itemsize > 1 and first.numel() * first.element_size()
-                * len(layer_queries) <= STACKED_QUERIES_BYTES):
+                * len(layer_queries) <= stack_limit):
             return torch.stack(layer_queries, dim=1)[rows].reshape(
                 rows.shape[0], len(layer_queries), self.num_heads, self.head_size)
         qs = [q.view(q.shape[0], self.num_heads, self.head_size)[rows] for q in layer_queries]
@@ -466,7 +469,8 @@ def _last_committed_row(batch, r: int) -> int:
 
 # `_queries_at` stacks a pass's queries whole up to this size (a middle round's: 32 requests
 # of a few tokens, e.g. Llama-3.1-8B 32 x 3 tokens x 32 layers x 4,096 x 2 B = 25 MiB at
-# most with gamma1 = 2; at batch 8 and gamma1 = 0, 2 MiB).
+# most with gamma1 = 2; at batch 8 and gamma1 = 0, 2 MiB) and one read chunk (a small
+# cache's is small: engine/memory.py reserves the smaller of the two).
 STACKED_QUERIES_BYTES = 32 * 2**20
 
 

@@ -1,0 +1,142 @@
+"""Upper bounds of the buffers TriForce allocates beside the KV cache, each read from the
+code that allocates it and checked by tests/test_memory_plan.py with torch's memory
+profiler: the vocabulary-wide probability rows (`vocabulary_rows`), and the transient
+scratch of a block selection (`selection_scratch_bytes`), a lazy read of summaries from the
+KV cache (`lazy_read_bytes`) and a fold of a prefill's keys (`fold_scratch_bytes`). How much
+of each the engine reserves, for how many drafting requests and which read chunk, is
+engine/memory.py's to decide.
+
+Terms: R drafting requests, L target layers, H KV heads, D head size, B blocks per table;
+a "read chunk" is the most one chunked read of the summaries or of the KV cache copies
+(`policies.read_limit`: SCORE_CHUNK_BYTES, or the engine's smaller one).
+"""
+
+from __future__ import annotations
+
+from vllm_triforce.core import policies
+from vllm_triforce.core.verify import SAMPLING_CHUNK_ROWS
+from vllm_triforce.engine.depth import MAX_DRAFTING_REQUESTS
+
+FLOAT32_BYTES = 4
+# temporaries per row of `sampling_probs` (`vocabulary_rows`): measured 12 on an H100
+# (benchmarks/explore/sampling_chunks.py: 490 MiB above the inputs for 224 rows by 64), 6 on
+# a CPU (tests/test_memory_plan.py)
+SAMPLING_ROWS_PER_ROW = 13
+
+
+def vocabulary_rows(max_num_seqs: int, gamma2: int, gamma1: int) -> int:
+    """Vocabulary-wide float32 rows TriForce may hold at once beyond vLLM's own: an upper
+    bound read from the code, which tests/test_memory_plan.py checks against the peak the
+    torch memory profiler measures in `propose` (152K vocabulary, top-p, gamma2 6).
+
+    Per drafting request, at most `max_num_seqs` of them in a step (the drafting cap:
+    `Sizing.drafting`, at most MAX_DRAFTING_REQUESTS; engine/depth.py `cap_drafting`; a
+    pass runs gamma1 + 1 tokens of one):
+    * gamma2: the probabilities handed to vLLM (`hand_off`'s buffer, preallocated, one row
+      per drafting request: patches/handoff_rows.py), which the middle rounds write into as
+      they go (engine/middle.py);
+    * 3 (gamma1 + 1): the retrieval pass's logits, their distributions, and `verify`'s
+      float32 copy of them;
+    * gamma1 + 2 with a small draft: its proposals' distributions, one draft step's logits
+      and distribution;
+    * 8: `verify`'s final distribution (target and draft rows at the first rejection, the
+      residual, the choice) and its float64 cumulative sum (2 rows each, twice).
+    Fixed: `sampling_probs` transforms at most SAMPLING_CHUNK_ROWS rows at once, with at most
+    SAMPLING_ROWS_PER_ROW temporaries each (a float32 copy, sort values, int64 order, softmax,
+    cumulative mass, the mask; on CUDA the sort's own buffers)."""
+    drafting = min(max_num_seqs, MAX_DRAFTING_REQUESTS)
+    per_request = gamma2 + 3 * (gamma1 + 1) + (gamma1 + 2 if gamma1 else 0) + 8
+    chunk = SAMPLING_ROWS_PER_ROW * min(SAMPLING_CHUNK_ROWS, drafting * (gamma1 + 1))
+    return drafting * per_request + chunk
+
+
+# `selection_scratch_bytes`: score tensors [R, L, B] float32 alive at once (the dots of
+# a scoring pass and their concatenation, the division by counts, the variance term's
+# scores, `select_blocks`' NaN-free and masked copies), "all" strategies' [L, N, R] dots
+# (N: the store's blocks, read whole when N <= 2 R B), and CHUNK_READS chunked reads (the
+# gathered rows, their float32 copy, a product's contiguous operand): read from
+# core/policies.py and core/selection.py, checked by tests/test_memory_plan.py
+# (`test_selection_scratch_fits_its_reservation`)
+SCORE_COPIES = 6
+CHUNK_READS = 3
+
+
+def selection_scratch_bytes(drafting: int, num_layers: int, max_blocks: int,
+                            num_kv_heads: int, head_dim: int, num_q_heads: int,
+                            chunk_bytes: int | None = None, num_blocks: int | None = None) -> int:
+    """Bytes a block selection may hold at once beyond the summaries, for `drafting`
+    requests selecting together over tables of `max_blocks` (no wider than the `num_blocks`
+    the cache holds; None: unbounded): SCORE_COPIES score tensors, the "all" strategy's dots
+    over the store, CHUNK_READS chunks of the summary store (each at most `chunk_bytes`,
+    the engine's read chunk, None: SCORE_CHUNK_BYTES, or the whole read where that is
+    smaller; between middle rounds one of them is the shortlist's copy,
+    `RetrievalPolicy.listed_copy`, kept for the step's re-rankings, which then read no
+    store), a pass's stacked queries (at most STACKED_QUERIES_BYTES and one chunk) and three
+    float32 copies of the selecting requests' queries. Llama-3.1-8B at 128K (B = 8,192,
+    L = 32, 8 x 128 KV, 32 query heads), 32 drafting requests, a cache of 22,700 blocks:
+    201 MB of scores + 93 MB of dots + 201 MB of chunks + 84 MB of queries = 0.58 GB; at 4
+    requests 25 + 12 + 201 + 40 MB = 0.28 GB."""
+    from vllm_triforce.engine.retrieval_level import STACKED_QUERIES_BYTES
+
+    chunk = _read_chunk(chunk_bytes)
+    store = 2 * drafting * max_blocks  # "all" reads the store only when it is this small
+    if num_blocks is not None:
+        max_blocks, store = min(max_blocks, num_blocks), min(store, num_blocks)
+    scores = (SCORE_COPIES * max_blocks + store) * drafting * num_layers * FLOAT32_BYTES
+    whole_read = drafting * max_blocks * num_layers * num_kv_heads * head_dim * FLOAT32_BYTES
+    queries = 3 * drafting * num_layers * num_q_heads * head_dim * FLOAT32_BYTES
+    return (scores + CHUNK_READS * min(chunk, whole_read) + min(STACKED_QUERIES_BYTES, chunk)
+            + queries)
+
+
+# `lazy_read_bytes`: float32-sized copies of a chunk of blocks' keys [L, n, H, bs, D] alive
+# at once while the lazy summaries read them from the KV cache (the float32 keys, their
+# square deviations in BlockSummaries.set_blocks, one layer's gather): read from
+# engine/retrieval_level.py `_set_missing_summaries` and core/summaries.py
+LAZY_READ_COPIES = 3
+
+
+def lazy_read_bytes(num_read_blocks: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                    block_size: int, chunk_bytes: int | None = None) -> int:
+    """Bytes setting block summaries from the KV cache may hold at once, for at most
+    `num_read_blocks` blocks (the drafting requests' tables): LAZY_READ_COPIES reads of at
+    most `chunk_bytes` of float32 keys (None: SCORE_CHUNK_BYTES), or one block's where that
+    is more."""
+    block_keys = num_layers * num_kv_heads * block_size * head_dim * FLOAT32_BYTES
+    read = max(_read_chunk(chunk_bytes) // block_keys, 1) * block_keys
+    return LAZY_READ_COPIES * min(read, num_read_blocks * block_keys)
+
+
+# `fold_scratch_bytes`: float32-sized copies of one fold piece's keys [L, n, H, D] alive at
+# once in BlockSummaries.add_committed (the stacked keys, their float32 copy, the gathered
+# block means, the deviations; the runs' sums are 1 / block_size of that): read from
+# core/summaries.py; tests/test_memory_plan.py (`test_fold_scratch_fits_its_reservation`)
+# measures 3.3 with float32 keys, 4.5 with bf16 ones
+FOLD_COPIES = 5
+
+
+def fold_scratch_bytes(max_batched_tokens: int, num_layers: int, num_kv_heads: int,
+                       head_dim: int, chunk_bytes: int | None = None) -> int:
+    """Bytes folding one pass's committed keys into the block summaries may hold at once
+    (engine/retrieval_level.py folds a prefill's keys by pieces whose keys of every layer
+    fill at most one read chunk in float32, `RetrievalLevel.fold_tokens`): FOLD_COPIES
+    pieces. Llama-3.1-8B (32 layers x 8 x 128: 128 KiB a token in float32), 8,192 batched
+    tokens, 64 MiB chunks: pieces of 512 tokens, 5 x 64 MiB = 0.34 GB. A selection never
+    runs at the same time: the plan reserves the larger of the two."""
+    tokens = min(fold_piece_tokens(num_layers, num_kv_heads, head_dim, chunk_bytes),
+                 max_batched_tokens)
+    return FOLD_COPIES * tokens * num_layers * num_kv_heads * head_dim * FLOAT32_BYTES
+
+
+def fold_piece_tokens(num_layers: int, num_kv_heads: int, head_dim: int,
+                      chunk_bytes: int | None = None) -> int:
+    """Tokens the engine folds at once: their keys of every layer fill at most one read
+    chunk (`chunk_bytes`, None: SCORE_CHUNK_BYTES) in float32 (at least one token)."""
+    return max(1, _read_chunk(chunk_bytes) // (num_layers * num_kv_heads * head_dim
+                                               * FLOAT32_BYTES))
+
+
+def _read_chunk(chunk_bytes: int | None) -> int:
+    """What a read chunk of `chunk_bytes` copies at run time (`policies.read_limit`)."""
+    most = policies.SCORE_CHUNK_BYTES
+    return most if chunk_bytes is None else min(most, chunk_bytes)
