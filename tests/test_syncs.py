@@ -1,4 +1,4 @@
-"""Device syncs inside one `propose`: per middle round and per step outside the rounds (issue 25).
+"""Device syncs inside one `propose`: per middle round and per step outside the rounds.
 
 `syncs.ProposeSyncs` installs a `SyncCounter` around every `TriForceProposer.propose` of the
 engine and splits it into middle rounds and the rest of the step (its docstring); the same
@@ -6,7 +6,7 @@ counter gives `vllm-triforce bench speed` its syncs columns.
 
 On a CPU-only machine every tensor counts as a device tensor: a scalar read of what would be
 a host tensor on a GPU, or a blocking `.to(device)` of a tensor already there, counts too, so
-meeting the target on a CPU means the engine follows issue 25's rule "host values are Python,
+meeting the target on a CPU means the engine follows its rule "host values are Python,
 device values are tensors" (engine/transfer.py). On a CUDA machine the same test counts real
 syncs (host-to-device copies are non-blocking from pinned memory there).
 
@@ -22,12 +22,12 @@ from engine_helpers import drafter_of, free_llm, make_engine_kwargs
 
 pytestmark = pytest.mark.engine
 
-# Issue 25's target, met for every case: at most one sync per middle round (the copy of
+# The target, met for every case: at most one sync per middle round (the copy of
 # the accepted counts and tokens that decide the next round) and at most three per step
 # outside the rounds (today one: StepBatch's copy of what vLLM's step decided). The
 # KV-cache key reader's check at the engine's first commit is labelled "once" and printed.
-# e56550f measured 31-37 per round and 38-321 per step at two levels, 493-3867 per round
-# at three (token ids read one by one on the small draft's re-bases).
+# Reading host values from device tensors one by one (token ids on the small draft's
+# re-bases, say) shows up here as tens to thousands per round.
 MAX_PER_ROUND, MAX_PER_STEP = 1, 3
 # TRIFORCE_SYNC_BATCHES=1,8 (say) measures other batch sizes and only prints: the sampled
 # cases share the engine's random stream, so their counts hold for this sequence of cases

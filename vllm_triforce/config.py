@@ -57,8 +57,9 @@ class TriForceConfig:
     num_speculative_tokens: int = 6
     # Choose each request's depth (0 .. num_speculative_tokens) and whether the small draft
     # runs, every step, from measured costs and acceptance (core/controller.py), so TriForce
-    # is not slower than plain decoding where drafting does not pay. False: always
-    # num_speculative_tokens tokens and every level.
+    # is not slower than plain decoding where drafting does not pay. False: every level
+    # and num_speculative_tokens tokens for each request that may draft (all but those
+    # past the drafting cap or needing vLLM's plain sampler, engine/depth.py).
     adaptive: bool = True
     # Tokens in the retrieval cache (sinks + selected + recent), rounded to whole blocks.
     # Paper default 4096.

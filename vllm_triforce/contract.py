@@ -41,6 +41,9 @@ PATCH_TARGETS = (
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._prepare_inputs"),   # zero_draft
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.propose_draft_token_ids"),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._get_spec_decode_draft_probs"),
+    ("vllm.v1.engine.input_processor", "InputProcessor._validate_params"),  # plain_params
+    ("vllm.sampling_params", "SamplingParams._validate_spec_decode"),         # plain_params
+    ("vllm.v1.worker.gpu_model_runner", "build_logitsprocs"),                # plain_params
     ("vllm.v1.worker.gpu_worker", "Worker.determine_available_memory"),      # kv_reservation
     ("vllm.v1.worker.cpu_worker", "CPUWorker.determine_available_memory"),   # kv_reservation
 )
@@ -215,7 +218,8 @@ class Sources:
     def defines(self, module: str, qualname: str) -> list[str]:
         if self.tree(module) is None:
             return [f"{module}: no such module (a patch changes {qualname} in it)"]
-        if self.find(module, qualname) is None:
+        imported = "." not in qualname and self._bound(module, qualname)  # a module's name
+        if self.find(module, qualname) is None and not imported:
             return [f"{module}.{qualname}: missing (a patch changes it)"]
         return []
 

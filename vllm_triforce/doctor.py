@@ -49,7 +49,7 @@ def add_doctor_parser(subparsers) -> None:
                    help="target: a `vllm-triforce models` name, a directory or a hub id")
     p.add_argument("--draft", default=None,
                    help="small draft (three levels); default: none (two levels)")
-    # Defaults measured at 5.7 min on a busy 2-core CPU (load ~10; 3 min of CPU time).
+    # Defaults sized for a run of a few minutes on a 2-core CPU (about 3 min of CPU time).
     p.add_argument("--prompt-tokens", type=int, default=2048, help="tokens per prompt")
     p.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
     p.add_argument("--batch", type=int, default=1, help="requests (different book passages)")

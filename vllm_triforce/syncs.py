@@ -1,4 +1,4 @@
-"""SyncCounter: counts the calls that would make the host wait for a CUDA stream (issue 25).
+"""SyncCounter: counts the calls that would make the host wait for a CUDA stream.
 
 Terms. A *sync* is a call after which the host holds a value the device computed (or the
 device holds one the host just built, through a blocking copy): `.item()`, `int(t)`,

@@ -32,11 +32,12 @@ import torch
 
 from vllm_triforce.bench import acceptance, teacher
 from vllm_triforce.cli import main
-from vllm_triforce.core import policies
+from vllm_triforce.core import policies, scoring
 from vllm_triforce.core.blocks import full_block_mask
+from vllm_triforce.core.key_policies import TopKOraclePolicy
 
 
-class SubBlockPolicy(policies.SelectionPolicy):
+class SubBlockPolicy(scoring.SelectionPolicy):
     """Per head: logsumexp over S-token sub-blocks of q.mu (+ 1/2 q^2.var), from the key copy.
     whole=True: committed tokens of every table block, each head's softmax over all of them."""
     name = "explore_subblock"
@@ -46,7 +47,7 @@ class SubBlockPolicy(policies.SelectionPolicy):
         self.sub, self.variance, self.aggregation, self.whole = sub, variance, aggregation, whole
 
     def block_scores(self, query, summaries, block_table, num_committed, state=None):
-        q = policies.group_query(query, summaries.num_kv_heads)  # [R, L, H, G, D]
+        q = scoring.group_query(query, summaries.num_kv_heads)  # [R, L, H, G, D]
         q = q / math.sqrt(q.shape[-1])
         ids = block_table.long().clamp(min=0)
         num_reqs, num_layers, heads, group, _ = q.shape
@@ -72,15 +73,15 @@ class SubBlockPolicy(policies.SelectionPolicy):
         if self.whole:
             return out.softmax(-1).nan_to_num(0.0).sum((2, 3))
         candidates = full_block_mask(num_committed, bs, blocks)
-        return policies.aggregate_heads(out, self.aggregation, candidates)
+        return scoring.aggregate_heads(out, self.aggregation, candidates)
 
 
-class CandidateOracle(policies.TopKOraclePolicy):
+class CandidateOracle(TopKOraclePolicy):
     """Exact mass, each head's softmax over the full blocks only (no partial tail)."""
     name = "explore_oracle_cand"
 
     def block_scores(self, query, summaries, block_table, num_committed, state=None):
-        q = policies.group_query(query, summaries.num_kv_heads) / math.sqrt(query.shape[-1])
+        q = scoring.group_query(query, summaries.num_kv_heads) / math.sqrt(query.shape[-1])
         ids = block_table.long().clamp(min=0)
         full = full_block_mask(num_committed, summaries.block_size, ids.shape[1])
         out = torch.zeros(*q.shape[:2], ids.shape[1])

@@ -32,12 +32,13 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from vllm_triforce.config import BlockCounts  # noqa: E402
-from vllm_triforce.core import policies  # noqa: E402
+from vllm_triforce.core import reads  # noqa: E402
 from vllm_triforce.core.blocks import selection_sizes  # noqa: E402
 from vllm_triforce.core.policies import make_policy  # noqa: E402
-from vllm_triforce.core.selection import (Selection, Selector, TableLayout,  # noqa: E402
-                                          build_block_tables, laid_out_tables)
+from vllm_triforce.core.selection import Selection, Selector  # noqa: E402
 from vllm_triforce.core.summaries import BlockSummaries, committed_runs  # noqa: E402
+from vllm_triforce.core.tables import (TableLayout, build_block_tables,  # noqa: E402
+                                       laid_out_tables)
 from vllm_triforce.core.verify import (GREEDY_TEMPERATURE, sample_tokens,  # noqa: E402
                                        sampling_probs, verify)
 from vllm_triforce.engine.batch import StepBatch  # noqa: E402
@@ -104,13 +105,13 @@ def main() -> None:
                         help="also print torch.profiler's top operations of a sampled "
                              "middle loop")
     parser.add_argument("--score-chunk-mib", type=int, default=0,
-                        help="override core/policies.SCORE_CHUNK_BYTES (MiB; 0: keep 64)")
+                        help="override core/reads.SCORE_CHUNK_BYTES (MiB; 0: keep 64)")
     args = parser.parse_args()
     globals().update(SHAPES[args.shape])
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
     if args.score_chunk_mib:
-        policies.SCORE_CHUNK_BYTES = args.score_chunk_mib * 2**20
+        reads.SCORE_CHUNK_BYTES = args.score_chunk_mib * 2**20
     torch.manual_seed(0)
     R, n = args.batch, args.context
     per_req = -(-(n + 64) // BLOCK)
@@ -146,7 +147,7 @@ def main() -> None:
             results)
     # the lazy summaries' unit of work (engine/retrieval_level.py): the blocks whose keys,
     # every layer's in float32, fill SCORE_CHUNK_BYTES
-    lazy = policies.SCORE_CHUNK_BYTES // (LAYERS * KV_HEADS * BLOCK * HEAD_DIM * 4)
+    lazy = reads.SCORE_CHUNK_BYTES // (LAYERS * KV_HEADS * BLOCK * HEAD_DIM * 4)
     lazy = min(lazy, table.shape[1])
     lazy_ids = table[0, :lazy]
     lazy_keys = torch.randn(LAYERS, lazy, KV_HEADS, BLOCK, HEAD_DIM, device=dev)
@@ -226,7 +227,7 @@ def copied_reselect(dev, device: str, query, summaries, table, committed, blocks
     one request with a shortlist of at most ~250 blocks (a 4K context), so this takes the
     first request and a shortlist of the engine's default size capped to fit."""
     per_block = 4 * 2 * KV_HEADS * HEAD_DIM * LAYERS  # float32 mean key and variance
-    size = min(policies.SCORE_CHUNK_BYTES // per_block, blocks.num_retrieved * 4)
+    size = min(reads.SCORE_CHUNK_BYTES // per_block, blocks.num_retrieved * 4)
     one = Selector(make_policy("retrieval", variance=True), blocks,
                    shortlist_factor=max(1, size // blocks.num_retrieved))
     q, t, c = query[:1], table[:1], committed[:1]

@@ -7,9 +7,10 @@ import random
 import pytest
 import torch
 
-from vllm_triforce.core.controller import (DRAFT, RETRIEVAL, DecayedLine, ModeCosts, Plan,
-                                           PositionAcceptance, SpeculationController,
-                                           StepCosts, choose_plan, gains, plain_rate)
+from vllm_triforce.core.controller import SpeculationController
+from vllm_triforce.core.plans import (DRAFT, RETRIEVAL, ModeCosts, Plan, StepCosts, choose_plan,
+                                      gains, plain_rate)
+from vllm_triforce.core.estimates import DecayedLine, PositionAcceptance
 
 MS = 1e-3
 
@@ -290,3 +291,57 @@ def test_one_off_costs_do_not_stick():
         line.observe(x, 1.0 + x)
     line.observe(2, 30.0)
     assert line.coefficients() == pytest.approx((1.0, 1.0))
+
+
+def _feed_achieving(ctl: SpeculationController, drafting_share: float, steps: int,
+                    num_reqs: int = 2):
+    """A synthetic engine whose costs make drafting about 2.4x faster than plain (every
+    draft accepted), but whose drafting cycles achieve only `drafting_share` of the
+    rate their plan predicted (a cost the model does not see); plain cycles achieve theirs."""
+    plans = []
+    for _ in range(steps):
+        plan = ctl.plan([f"r{i}" for i in range(num_reqs)], 6)
+        plans.append(plan)
+        for i, k in enumerate(plan.depths):
+            if k:
+                ctl.observe_verification(f"r{i}", k, k)
+        for _ in range(plan.max_depth):
+            ctl.observe_round(plan.mode, num_reqs, 3 * MS, 1.0)
+        ctl.observe_overhead(plan.max_depth > 0, 0.0)
+        num_tokens = num_reqs + sum(plan.depths)
+        seconds = 10 * MS + 0.1 * MS * num_tokens + plan.max_depth * 3 * MS
+        share = drafting_share if plan.max_depth else 1.0
+        ctl.observe_step(num_reqs, num_tokens, seconds)
+        ctl.observe_cycle(num_tokens, seconds / share)
+    return plans
+
+
+def test_drafting_that_achieves_less_than_plain_stops():
+    """Drafting achieves 30% of its rate (0.7x plain): the controller decodes plainly,
+    with rare probes. (The realisation reads higher than 0.3: the acceptance estimate,
+    shrunk towards its prior, underpredicts drafting here.)"""
+    ctl = SpeculationController(max_depth=6, has_draft=False, probe_interval=16,
+                                min_evidence=0)
+    plans = _feed_achieving(ctl, drafting_share=0.3, steps=200)
+    assert 0.2 < ctl.realisation() < 0.6
+    late = [p.max_depth for p in plans[100:]]
+    assert late.count(0) >= 0.9 * len(late)
+    assert any(late)  # probes go on, so a change back would be seen
+
+
+def test_drafting_that_achieves_its_prediction_goes_on():
+    ctl = SpeculationController(max_depth=6, has_draft=False, probe_interval=16,
+                                min_evidence=0)
+    plans = _feed_achieving(ctl, drafting_share=1.0, steps=100)
+    assert ctl.realisation() > 0.9
+    late = [p.max_depth for p in plans[50:]]
+    assert late.count(0) <= 0.1 * len(late)
+
+
+def test_drafting_that_achieves_most_of_its_gain_goes_on():
+    """Drafting achieves 70% of its rate (1.7x plain): still faster, still drafting."""
+    ctl = SpeculationController(max_depth=6, has_draft=False, probe_interval=16,
+                                min_evidence=0)
+    plans = _feed_achieving(ctl, drafting_share=0.7, steps=100)
+    late = [p.max_depth for p in plans[50:]]
+    assert late.count(0) <= 0.1 * len(late)

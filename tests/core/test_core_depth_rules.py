@@ -1,12 +1,12 @@
-"""The depth rules that come before the clocks (issue 42): no drafting where the middle
+"""The depth rules that come before the clocks: no drafting where the middle
 level is the target, and a request the engine limits never costs a probe."""
 
 import pytest
 
 from vllm_triforce.config import BlockCounts
 from vllm_triforce.core.blocks import selection_sizes
-from vllm_triforce.core.controller import (RETRIEVAL, SpeculationController,
-                                           middle_level_is_the_target)
+from vllm_triforce.core.controller import SpeculationController, middle_level_is_the_target
+from vllm_triforce.core.plans import RETRIEVAL
 
 MS = 1e-3
 

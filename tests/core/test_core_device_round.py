@@ -1,4 +1,4 @@
-"""The hot path's tensor work on the device, without vLLM: syncs counted (issue 25).
+"""The hot path's tensor work on the device, without vLLM: syncs counted.
 
 What the engine does on the device in a step and in a middle round, run here on tensors of
 the device under test: the commit's fold into the block summaries (runs from the host),
@@ -25,8 +25,9 @@ from core_toys import geometry, random_block_table
 
 from vllm_triforce.core.blocks import selection_sizes
 from vllm_triforce.core.policies import make_policy
-from vllm_triforce.core.selection import Selection, Selector, build_block_tables
+from vllm_triforce.core.selection import Selection, Selector
 from vllm_triforce.core.summaries import BlockSummaries, committed_runs
+from vllm_triforce.core.tables import build_block_tables
 from vllm_triforce.core.verify import sample_tokens
 from vllm_triforce.engine.batch import StepBatch
 from vllm_triforce.engine.middle import MiddleLoop, draft_proposals, hand_off

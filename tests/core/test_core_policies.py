@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from core_toys import geometry, make_pool
-from vllm_triforce.core.selection import (POLICIES, SelectionState, make_policy, select_blocks)
+from vllm_triforce.core.policies import POLICIES, make_policy
+from vllm_triforce.core.scoring import SelectionState
+from vllm_triforce.core.selection import select_blocks
 
 BS = 4
 
@@ -388,14 +390,14 @@ def integer_summaries(num_blocks=13, num_kv=2, head_dim=8, dtype=torch.float32):
 
 
 def test_block_chunks_bound_the_float32_copy(monkeypatch):
-    from vllm_triforce.core import policies
+    from vllm_triforce.core import reads
     store = torch.zeros(32, 1100, 8, 128, dtype=torch.bfloat16)  # 128 KiB per block in fp32
-    assert [c.stop - c.start for c in policies.block_chunks(store)] == [512, 512, 512]
-    monkeypatch.setattr(policies, "SCORE_CHUNK_BYTES", 3 * 32 * 8 * 128 * 4 + 1)
-    chunks = policies.block_chunks(store)
+    assert [c.stop - c.start for c in reads.block_chunks(store)] == [512, 512, 512]
+    monkeypatch.setattr(reads, "SCORE_CHUNK_BYTES", 3 * 32 * 8 * 128 * 4 + 1)
+    chunks = reads.block_chunks(store)
     assert len(chunks) == 367 and chunks[-1] == slice(1098, 1101)  # 3 blocks, the last 2
-    monkeypatch.setattr(policies, "SCORE_CHUNK_BYTES", 1)  # a block alone is over: 1 each
-    assert len(policies.block_chunks(store)) == 1100
+    monkeypatch.setattr(reads, "SCORE_CHUNK_BYTES", 1)  # a block alone is over: 1 each
+    assert len(reads.block_chunks(store)) == 1100
 
 
 @pytest.mark.parametrize("aggregation", ["sum", "max", "softmax"])
@@ -403,18 +405,18 @@ def test_block_chunks_bound_the_float32_copy(monkeypatch):
 def test_all_blocks_scored_in_chunks_equal_one_chunk(monkeypatch, aggregation, variance):
     """Chunks of 2 blocks (the last one short) of a bf16 store give the scores of a float32
     store of the same values (read whole, in place) bit for bit."""
-    from vllm_triforce.core import policies
+    from vllm_triforce.core import reads
     table = torch.tensor([[3, 0, 12, 7], [5, 5, 1, 11]])
     query = torch.randint(-3, 4, (2, 2, 6, 8), generator=torch.Generator().manual_seed(4))
     policy = make_policy("retrieval", aggregation=aggregation, strategy="all", scale=1.0,
                          variance=variance)
     committed = torch.tensor([4 * BS, 3 * BS])
     one_chunk = policy.block_scores(query.float(), integer_summaries(), table, committed)
-    monkeypatch.setattr(policies, "SCORE_CHUNK_BYTES", 2 * 2 * 2 * 8 * 4)  # 2 blocks
+    monkeypatch.setattr(reads, "SCORE_CHUNK_BYTES", 2 * 2 * 2 * 8 * 4)  # 2 blocks
     for dtype in (torch.float32, torch.bfloat16):
         summaries = integer_summaries(dtype=dtype)
-        assert len(policies.score_chunks(summaries.sums)) == (1 if dtype == torch.float32
-                                                              else 7)
+        assert len(reads.score_chunks(summaries.sums)) == (1 if dtype == torch.float32
+                                                           else 7)
         chunked = policy.block_scores(query.float(), summaries, table, committed)
         assert torch.equal(chunked, one_chunk)
 
@@ -425,7 +427,7 @@ def test_gathered_blocks_scored_in_chunks_equal_one_gather(monkeypatch, aggregat
     """The "gather" strategy reads a request's blocks by `gather_chunks` (a gathered float32
     copy of at most SCORE_CHUNK_BYTES, not all of a 128K request's blocks at once): chunks of
     one table column (2 requests' blocks) give the scores of one gather, bit for bit."""
-    from vllm_triforce.core import policies
+    from vllm_triforce.core import reads
     table = torch.tensor([[3, 0, 12, 7], [5, 5, 1, 11]])
     query = torch.randint(-3, 4, (2, 2, 6, 8), generator=torch.Generator().manual_seed(4))
     policy = make_policy("retrieval", aggregation=aggregation, strategy="gather", scale=1.0,
@@ -433,14 +435,14 @@ def test_gathered_blocks_scored_in_chunks_equal_one_gather(monkeypatch, aggregat
     committed = torch.tensor([4 * BS, 3 * BS])
     summaries = integer_summaries(dtype=torch.bfloat16)
     one_gather = policy.block_scores(query.float(), summaries, table, committed)
-    assert len(policies.gather_chunks(summaries.sums, table)) == 1
-    monkeypatch.setattr(policies, "SCORE_CHUNK_BYTES", 2 * 2 * 2 * 8 * 4)  # one column
-    assert len(policies.gather_chunks(summaries.sums, table)) == 4
+    assert len(reads.gather_chunks(summaries.sums, table)) == 1
+    monkeypatch.setattr(reads, "SCORE_CHUNK_BYTES", 2 * 2 * 2 * 8 * 4)  # one column
+    assert len(reads.gather_chunks(summaries.sums, table)) == 4
     assert torch.equal(policy.block_scores(query.float(), summaries, table, committed),
                        one_gather)
     store = torch.zeros(32, 1, 8, 128, dtype=torch.bfloat16)  # a block of Llama-3.1-8B
-    monkeypatch.setattr(policies, "SCORE_CHUNK_BYTES", 64 * 2**20)
-    chunks = policies.gather_chunks(store, torch.zeros(1, 8192, dtype=torch.long))  # 128K
+    monkeypatch.setattr(reads, "SCORE_CHUNK_BYTES", 64 * 2**20)
+    chunks = reads.gather_chunks(store, torch.zeros(1, 8192, dtype=torch.long))  # 128K
     assert [c.stop - c.start for c in chunks] == [512] * 16
 
 
@@ -450,14 +452,14 @@ def test_shortlist_scored_in_chunks_equal_one_gather(monkeypatch, aggregation, v
     """Between middle rounds a shortlist [R, L, S] is read by `gather_chunks` of S: chunks of
     one listed block per layer give the scores of one gather, bit for bit, and match the
     same blocks scored by `block_scores`."""
-    from vllm_triforce.core import policies
+    from vllm_triforce.core import reads
     listed = torch.tensor([[[3, 0, 12, -1], [7, 3, 1, 0]], [[5, 1, 11, 2], [2, 11, -1, -1]]])
     query = torch.randint(-3, 4, (2, 2, 6, 8), generator=torch.Generator().manual_seed(4))
     policy = make_policy("retrieval", aggregation=aggregation, scale=1.0, variance=variance)
     summaries = integer_summaries(dtype=torch.bfloat16)
     one_gather = policy.shortlist_scores(query.float(), summaries, listed)
-    monkeypatch.setattr(policies, "SCORE_CHUNK_BYTES", 2 * 2 * 2 * 8 * 4)  # one block
-    assert len(policies.gather_chunks(summaries.sums, listed[:, 0])) == 4
+    monkeypatch.setattr(reads, "SCORE_CHUNK_BYTES", 2 * 2 * 2 * 8 * 4)  # one block
+    assert len(reads.gather_chunks(summaries.sums, listed[:, 0])) == 4
     chunked = policy.shortlist_scores(query.float(), summaries, listed)
     assert torch.equal(chunked, one_gather)
     if aggregation == "sum":  # linear: the same numbers as scoring the blocks in a table
@@ -473,7 +475,7 @@ def test_a_shortlist_copy_scores_as_the_store_reads(monkeypatch, variance, dtype
     mean keys, then variances, divided by the counts) and re-ranked from the copy: the same
     scores as reading the stores (to float32 rounding), padding included; no copy where
     it would pass SCORE_CHUNK_BYTES or for a per-head aggregation."""
-    from vllm_triforce.core import policies
+    from vllm_triforce.core import reads
     listed = torch.tensor([[[3, 0, 12, -1], [7, 3, 1, 0]], [[5, 1, 11, 2], [2, 11, -1, -1]]])
     query = torch.randn(2, 2, 6, 8, generator=torch.Generator().manual_seed(4))
     policy = make_policy("retrieval", variance=variance)
@@ -485,7 +487,7 @@ def test_a_shortlist_copy_scores_as_the_store_reads(monkeypatch, variance, dtype
     read = policy.shortlist_scores(query, summaries, listed, rows=rows, counts=counts)
     copied = policy.shortlist_scores(query, summaries, listed, copy=copy)
     torch.testing.assert_close(copied, read)
-    monkeypatch.setattr(policies, "SCORE_CHUNK_BYTES", copy.nbytes - 1)
+    monkeypatch.setattr(reads, "SCORE_CHUNK_BYTES", copy.nbytes - 1)
     assert policy.listed_copy(summaries, rows, counts) is None
     per_head = make_policy("retrieval", aggregation="max", variance=variance)
     assert per_head.listed_copy(summaries, rows, counts) is None

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from core_toys import geometry, make_pool
-from vllm_triforce.core.selection import Selection, build_block_tables, select_blocks
+from vllm_triforce.core.selection import Selection, select_blocks
+from vllm_triforce.core.tables import build_block_tables
 
 
 def ref_select(scores, n, bs, budget, num_sink, num_recent):
@@ -227,7 +228,7 @@ def test_tables_laid_out_on_the_host_equal_build_block_tables(seed):
     operations, `laid_out_tables`) equal `build_block_tables` from the device Selection: requests of
     every kind (dense, shorter than the sinks, long), tails of one or more blocks."""
     from vllm_triforce.core.blocks import selection_sizes
-    from vllm_triforce.core.selection import TableLayout, laid_out_tables
+    from vllm_triforce.core.tables import TableLayout, laid_out_tables
 
     rng = random.Random(seed)
     bs = rng.choice([2, 4])

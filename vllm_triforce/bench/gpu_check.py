@@ -47,7 +47,8 @@ TINY_SPEC = {"method": "triforce", "num_speculative_tokens": 4, "retrieval_budge
              "retrieval_sink_tokens": 32, "retrieval_recent_tokens": 64,
              "refresh_interval": 1, "adaptive": False}
 COST_SPEC = {"method": "triforce", "num_speculative_tokens": 6, "retrieval_budget": 4096}
-# (name, batch, context): the issue's three shapes; MagicDec's gains are at batch 32-256.
+# (name, batch, context): 256K tokens of KV as 8 or 32 requests, and one 128K request;
+# MagicDec's gains are at batch 32-256.
 GPU_CASES = (("8x32K", 8, 32768 - 512), ("32x8K", 32, 8192 - 512), ("1x128K", 1, 131072 - 1024))
 CPU_CASES = (("2x1K", 2, 1024), ("1x2K", 1, 2048))
 

@@ -33,9 +33,12 @@ from types import SimpleNamespace
 import torch
 
 from vllm_triforce.config import BlockCounts
-from vllm_triforce.core.selection import (POLICIES, RerankPolicy, SelectionState, Selector,
-                                          build_block_tables, make_policy)
+from vllm_triforce.core.key_policies import RerankPolicy
+from vllm_triforce.core.policies import POLICIES, make_policy
+from vllm_triforce.core.scoring import SelectionState
+from vllm_triforce.core.selection import Selector
 from vllm_triforce.core.summaries import BlockSummaries
+from vllm_triforce.core.tables import build_block_tables
 from vllm_triforce.engine.paged_keys import PagedKeys
 
 

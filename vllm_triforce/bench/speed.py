@@ -72,9 +72,9 @@ def method_runs(args, draft: str | None) -> list[dict]:
 
 def _with_fixed_depths(name: str, spec: dict, gammas: list[int]) -> dict:
     """TriForce with its depth controller (`name`), then the same engine at each fixed depth
-    (`name k=G`: every request drafts G tokens every step, today's fixed-gamma TriForce),
+    (`name k=G`: every request drafts G tokens every step, as fixed-gamma TriForce does),
     always including k=0: the engine drafting nothing, whose ratio to plain is what
-    TriForce costs a step in which it does not draft (issue 26)."""
+    TriForce costs a step in which it does not draft."""
     return {"name": name, "spec": spec,
             "variants": [{"name": f"{name} k={g}", "forced": [g]}
                          for g in sorted({0, *gammas})]}

@@ -5,8 +5,8 @@ Walks real text. Documents of `C + P` tokens are prefilled by a two-level TriFor
 own code), then the engine is paused with the requests live and, at every measured
 position t = C + j (j < P, one row per document, one token per row):
 
-  q_c = the target over column c's per-layer retrieval tables (`core/selection.py` from
-        the column's scores), input = the text's token at t;
+  q_c = the target over column c's per-layer retrieval tables (`core/selection.py`,
+        `core/tables.py`, from the column's scores), input = the text's token at t;
   p   = the target over its full table, same input.
 
 Both run through `engine/forward.run_pass`, the one metadata builder the engine uses.
@@ -44,9 +44,10 @@ from dataclasses import dataclass, field
 import torch
 
 from vllm_triforce.config import BlockCounts
-from vllm_triforce.core.policies import SelectionState
-from vllm_triforce.core.selection import Selection, Selector, Shortlist, build_block_tables
+from vllm_triforce.core.scoring import SelectionState
+from vllm_triforce.core.selection import Selection, Selector, Shortlist
 from vllm_triforce.core.summaries import BlockSummaries
+from vllm_triforce.core.tables import build_block_tables
 from vllm_triforce.core.verify import sampling_probs
 
 

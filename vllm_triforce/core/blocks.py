@@ -27,6 +27,8 @@ from torch import Tensor
 
 from vllm_triforce.config import BlockCounts
 
+PAD = -1  # a slot of a list of logical or physical blocks that holds no block
+
 
 def candidate_bounds(num_committed: Tensor, blocks: BlockCounts) -> tuple[Tensor, Tensor]:
     """([R] num_sinks: sink blocks actually present (a sink must be a full block),

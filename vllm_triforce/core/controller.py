@@ -8,33 +8,7 @@ slower than plain decoding. This controller measures those costs online and pick
 step, the depth k_r of each decoding request (0 = a plain decode step for it, no middle
 work) and whether the small draft is used, to maximise expected tokens per second.
 
-Model of one step (B decoding requests, depths k_r <= K = max_r k_r):
-
-  tokens  = sum_r (1 + A_r(k_r)),      A_r(k) = sum_{i=1..k} prod_{j=1..i} alpha_{r,j}
-  seconds = T_step(B + sum_r k_r) + overhead + rounds(K) * round_fixed
-            + sum_r rounds(k_r) * round_per_request
-
-  alpha_{r,j}  chance the full cache accepts draft j given drafts < j were accepted
-               (decayed counts per request, shrunk towards the batch-wide profile);
-  T_step(n)    vLLM's own step verifying n query tokens: step_fixed + step_per_token * n,
-               fitted on drafting steps only; a step with no drafts has its own cost
-               (plain_step), because the first draft token is not marginal: on a CPU,
-               vLLM's attention leaves its decode path for a multi-token one (measured,
-               SmolLM2 batch 8 at 8K: 211 ms plain, 399 ms with one draft each, 630 ms
-               with six), and a line through both kinds of steps would price depth wrongly;
-  rounds(k)    middle rounds to produce k tokens: k with the retrieval level alone (one
-               token per round), k / tokens_per_round with the small draft.
-  Every K = 0 step has `seconds = plain_step + idle_overhead`.
-
-Worked example (one request, alpha = 0.8 at every position, step 10 ms + 1 ms per query
-token, retrieval rounds 4 ms, no overhead): k = 0 gives 1 token in 11 ms (91 tok/s);
-k = 2 gives 1 + 0.8 + 0.64 = 2.44 tokens in 13 + 8 = 21 ms (116 tok/s); k = 4 gives 3.36
-tokens in 15 + 16 = 31 ms (108 tok/s): the controller picks k = 2. With rounds of 9 ms,
-k = 2 takes 31 ms (79 tok/s) and k = 0 wins.
-
-The maximum of tokens / seconds over all (K, mode, k_r) is found exactly by Dinkelbach's
-iteration: for a rate lambda, maximise tokens - lambda * seconds (separable per request
-once K and the mode are fixed), set lambda to the rate of the maximiser, repeat.
+The model of a step and its exact maximiser live in core/plans.py.
 
 Where the middle level is the target, nobody drafts: a request whose committed context
 fits the retrieval cache (`middle_level_is_the_target`) gets depth 0 and no probe, because
@@ -77,232 +51,28 @@ predicted drafting 14% short; probed again it ran 15% faster than plain). A mode
 probe counts drafting steps only: while decoding plainly, the drafting probe picks the
 mode. A change of plan needs a predicted gain of `hysteresis` (default 3%) over the
 current plan.
+
+Predictions are held to what they achieve: the engine reports each timed cycle's tokens
+and seconds (`observe_cycle`), and the controller compares them with the rate the plan of
+that cycle predicted, drafting and plain cycles apart. `realisation()` is the share of its
+predicted rate a drafting plan achieved, relative to the same share for plain plans, at
+most 1: a drafting plan is compared with plain decoding at its predicted rate times that,
+and its probes are spaced by the shortfall so marked down. Where the model misses a cost
+(the first draft token's price, a host busier while drafting), drafting that measures
+slower than plain stops, and probes, which keep feeding the comparison, bring it back when
+it pays again. Example: drafting predicted 120 tok/s achieved 96 (0.8), plain predicted
+100 achieved 100 (1.0): drafting counts as 96 tok/s, and plain decoding wins.
 """
 
 from __future__ import annotations
 
 import math
-import statistics
-from collections import deque
-from dataclasses import dataclass, field
 
 import torch
 
-RETRIEVAL = "retrieval"  # middle rounds: the target over its retrieval cache, one token each
-DRAFT = "draft"          # middle rounds: the small draft proposes, the retrieval level verifies
-
-
-# ---- online estimates -----------------------------------------------------------------
-class DecayedLine:
-    """y ~ a + b * x by exponentially decayed least squares (b >= 0: costs grow with x).
-
-    With one distinct x seen so far the slope is `prior_slope`; before any sample,
-    `predict` returns None. Once three samples are in, one above `outlier` times the
-    prediction is dropped (a first call paying one-off set-up, a pause of the host) -- but
-    three such samples in a row are a new regime (the host got busier): the line restarts
-    from them, or it would never move again."""
-
-    def __init__(self, decay: float = 0.95, prior_slope: float = 0.0, outlier: float = 3.0):
-        self.decay = decay
-        self.prior_slope = prior_slope
-        self.outlier = outlier
-        self.n = 0
-        self.w = self.sx = self.sy = self.sxx = self.sxy = 0.0
-        self._outliers: list[tuple[float, float]] = []  # dropped samples, in a row
-
-    def observe(self, x: float, y: float) -> None:
-        if self.n >= 3 and y > self.outlier * max(self.predict(x), 1e-9):
-            self._outliers.append((x, y))
-            if len(self._outliers) < 3:
-                return
-            restart, self._outliers = self._outliers, []
-            self.n, self.w, self.sx, self.sy, self.sxx, self.sxy = 0, 0.0, 0.0, 0.0, 0.0, 0.0
-            for sample in restart:
-                self.observe(*sample)
-            return
-        self._outliers = []
-        self.n += 1
-        d = self.decay
-        self.w = d * self.w + 1.0
-        self.sx = d * self.sx + x
-        self.sy = d * self.sy + y
-        self.sxx = d * self.sxx + x * x
-        self.sxy = d * self.sxy + x * y
-
-    @property
-    def seen(self) -> bool:
-        return self.w > 0
-
-    def coefficients(self) -> tuple[float, float] | None:
-        """(a, b) or None before any sample."""
-        if not self.seen:
-            return None
-        mx, my = self.sx / self.w, self.sy / self.w
-        var = self.sxx / self.w - mx * mx
-        slope = self.prior_slope
-        if var > 1e-9 * max(1.0, mx * mx):
-            slope = max((self.sxy / self.w - mx * my) / var, 0.0)
-        return my - slope * mx, slope
-
-    def predict(self, x: float) -> float | None:
-        c = self.coefficients()
-        return None if c is None else c[0] + c[1] * x
-
-
-class DecayedMean:
-    def __init__(self, decay: float = 0.95, prior: float | None = None):
-        self.decay, self.prior = decay, prior
-        self.w = self.s = 0.0
-
-    def observe(self, y: float, weight: float = 1.0) -> None:
-        self.w = self.decay * self.w + weight
-        self.s = self.decay * self.s + y * weight
-
-    @property
-    def value(self) -> float | None:
-        return self.s / self.w if self.w > 0 else self.prior
-
-
-class RecentMedian:
-    """Median of the last `window` samples: a one-off cost (the first drafting step sets up
-    per-layer metadata and selections) cannot dominate, as it would a mean."""
-
-    def __init__(self, window: int = 9, prior: float = 0.0):
-        self.samples: deque = deque(maxlen=window)
-        self.prior = prior
-
-    def observe(self, y: float) -> None:
-        self.samples.append(y)
-
-    @property
-    def n(self) -> int:
-        return len(self.samples)
-
-    @property
-    def value(self) -> float:
-        return statistics.median(self.samples) if self.samples else self.prior
-
-
-class PositionAcceptance:
-    """Decayed per-position counts: alpha_j = P(draft j accepted | drafts < j accepted)."""
-
-    def __init__(self, max_depth: int, decay: float = 0.98):
-        self.decay = decay
-        self.tried = [0.0] * max_depth     # [max_depth] draft j reached the verifier
-        self.accepted = [0.0] * max_depth  # [max_depth] and was accepted
-
-    def observe(self, num_verified: int, num_accepted: int) -> None:
-        """A verification of `num_verified` drafts that accepted the first `num_accepted`."""
-        d = self.decay
-        for j in range(len(self.tried)):
-            reached = j < min(num_verified, num_accepted + 1)
-            self.tried[j] = d * self.tried[j] + reached
-            self.accepted[j] = d * self.accepted[j] + (reached and j < num_accepted)
-
-    def alphas(self, prior: list[float], strength: float) -> list[float]:
-        """Posterior means with `strength` pseudo-observations at `prior` per position."""
-        return [(a + strength * p) / (t + strength)
-                for a, t, p in zip(self.accepted, self.tried, prior)]
-
-
-# ---- the decision: a pure function ------------------------------------------------------
-@dataclass(frozen=True)
-class ModeCosts:
-    """Middle rounds of one mode: round cost = round_fixed + round_per_request * active."""
-    round_fixed: float
-    round_per_request: float
-    tokens_per_round: float = 1.0  # middle tokens one request gains per round
-
-
-@dataclass(frozen=True)
-class StepCosts:
-    """Seconds. `modes` maps RETRIEVAL / DRAFT to their round costs (absent: unusable)."""
-    step_fixed: float         # a verification step: step_fixed + step_per_token * tokens
-    step_per_token: float
-    idle_overhead: float      # proposer time of a step with no drafting
-    active_overhead: float    # proposer time of a drafting step besides its rounds
-    modes: dict = field(default_factory=dict)
-    plain_step: float | None = None  # vLLM's step without drafts; None: the line at B
-
-
-@dataclass(frozen=True)
-class Plan:
-    depths: tuple[int, ...]   # [num decoding requests] tokens handed to vLLM, 0 allowed
-    mode: str | None          # RETRIEVAL or DRAFT; None when every depth is 0
-    tokens_per_s: float       # predicted
-
-    @property
-    def max_depth(self) -> int:
-        return max(self.depths, default=0)
-
-
-def gains(alphas: torch.Tensor) -> torch.Tensor:
-    """[R, k_max] per-position acceptance -> [R, k_max + 1] A_r(k): expected accepted drafts."""
-    run = torch.cumprod(alphas, dim=1)
-    return torch.cat([torch.zeros(alphas.shape[0], 1, dtype=run.dtype), run.cumsum(1)], 1)
-
-
-def plain_rate(num_reqs: int, costs: StepCosts) -> float:
-    step = costs.plain_step
-    if step is None:
-        step = costs.step_fixed + costs.step_per_token * num_reqs
-    return num_reqs / (step + costs.idle_overhead)
-
-
-def choose_plan(alphas: torch.Tensor, costs: StepCosts, max_depth: int,
-                only: tuple[str | None, int] | None = None) -> Plan:
-    """The plan maximising predicted tokens/s. alphas [R, >= max_depth]; `only` = (mode,
-    K) restricts the search to one mode and maximum depth (used for hysteresis)."""
-    num_reqs = alphas.shape[0]
-    best = Plan((0,) * num_reqs, None, plain_rate(num_reqs, costs))
-    if only is not None and only[0] is None:
-        return best
-    gain = gains(alphas[:, :max_depth].double())  # [R, max_depth + 1]
-    for mode, mc in costs.modes.items():
-        if only is not None and mode != only[0]:
-            continue
-        plan = _best_in_mode(gain, costs, mode, mc, max_depth if only is None else only[1])
-        if plan is not None and plan.tokens_per_s > best.tokens_per_s:
-            best = plan
-    return best
-
-
-def _best_in_mode(gain, costs: StepCosts, mode: str, mc: ModeCosts, max_depth: int):
-    """Dinkelbach over (K, k_r) for one mode; None if no depth > 0 is possible."""
-    if max_depth < 1:
-        return None
-    num_reqs = gain.shape[0]
-    ks = torch.arange(max_depth + 1, dtype=torch.float64)
-    rounds = ks / mc.tokens_per_round                            # [K + 1]
-    per_req = costs.step_per_token * ks + mc.round_per_request * rounds  # [K + 1] c(k)
-    base = (costs.step_fixed + costs.step_per_token * num_reqs + costs.active_overhead
-            + mc.round_fixed * rounds)                           # [K + 1] C0(K)
-    rate = plain_rate(num_reqs, costs)
-    plan = None
-    for _ in range(20):
-        value = gain[:, :max_depth + 1] - rate * per_req         # [R, K + 1]
-        best_val, best_k = _prefix_argmax(value)                 # best k_r <= K, per K
-        total = num_reqs + best_val.sum(0) - rate * base         # [K + 1]
-        total[0] = -math.inf                                     # K = 0 is the plain plan
-        K = int(total.argmax())
-        depths = best_k[:, K]
-        if int(depths.max()) == 0:
-            return plan
-        K = int(depths.max())
-        tokens = num_reqs + float(gain.gather(1, depths[:, None]).sum())
-        seconds = float(base[K] + per_req[depths].sum())
-        new = Plan(tuple(depths.tolist()), mode, tokens / seconds)
-        if plan is not None and new.tokens_per_s <= plan.tokens_per_s * (1 + 1e-9):
-            return plan if plan.tokens_per_s >= new.tokens_per_s else new
-        plan, rate = new, new.tokens_per_s
-    return plan
-
-
-def _prefix_argmax(value: torch.Tensor):
-    """value [R, K + 1] -> (max over k <= K, its argmax), each [R, K + 1]; ties: smaller k."""
-    ks = torch.arange(value.shape[1], dtype=value.dtype)
-    _, best_k = torch.cummax(value - 1e-12 * ks, dim=1)  # the tilt breaks ties towards small k
-    return value.gather(1, best_k), best_k
+from vllm_triforce.core.estimates import DecayedLine, DecayedMean, PositionAcceptance, RecentMedian
+from vllm_triforce.core.plans import (DRAFT, RETRIEVAL, ModeCosts, Plan, StepCosts,
+                                      best_in_mode, choose_plan, gains, plain_rate)
 
 
 def middle_level_is_the_target(num_committed: int, block_size: int, budget_blocks: int) -> bool:
@@ -360,6 +130,9 @@ class SpeculationController:
         self._since_mode = dict.fromkeys(self.modes, 0)
         self._since_depth_probe = 0
         self._hopeless_probes = 0  # drafting probes in a row while even alpha = 1 lost
+        # achieved / predicted tokens/s of timed cycles: drafting (True) and plain (False)
+        self.realised = {True: DecayedMean(decay=0.9), False: DecayedMean(decay=0.9)}
+        self._expected: tuple[float, bool] | None = None  # the last plan's (rate, drafts)
 
     # ---- measurements
     def observe_step(self, num_reqs: int, num_tokens: int, seconds: float) -> None:
@@ -379,6 +152,22 @@ class SpeculationController:
 
     def observe_overhead(self, drafting: bool, seconds: float) -> None:
         (self.active if drafting else self.idle).observe(seconds)
+
+    def observe_cycle(self, tokens: int, seconds: float) -> None:
+        """The last plan's cycle, timed: `tokens` committed in `seconds` (module docstring:
+        predictions held to what they achieve). Probes at depths no decision chose and
+        steps without a decision are not held to anything."""
+        if self._expected is not None and seconds > 0:
+            rate, drafting = self._expected
+            self.realised[drafting].observe(tokens / seconds / rate)
+
+    def realisation(self, min_cycles: int = 4) -> float:
+        """Achieved / predicted tokens/s of drafting cycles over that of plain cycles, at
+        most 1; 1 until `min_cycles` of each were timed."""
+        drafting, plain = self.realised[True], self.realised[False]
+        if min(drafting.n, plain.n) < min_cycles:
+            return 1.0
+        return min(drafting.value / plain.value, 1.0)
 
     def retain(self, req_ids) -> None:
         keep = set(req_ids)
@@ -417,6 +206,7 @@ class SpeculationController:
         spent: the requests still count in the step's cost model, as plain ones."""
         max_depth = min(max_depth, self.max_depth)
         limits = [min(n, max_depth) for n in limits or [max_depth] * len(req_ids)]
+        self._expected = None
         if self.forced is not None:  # request i of plan n: forced[(n + i) % len(forced)]
             depths = tuple(min(self.forced[(self._num_plans + i) % len(self.forced)], max_depth)
                            for i in range(len(req_ids)))
@@ -431,18 +221,32 @@ class SpeculationController:
         return plan
 
     def _decide(self, req_ids: list[str], max_depth: int, limits: list[int]) -> Plan:
-        """The best plan, unless the settled one is within `hysteresis` of it."""
+        """The best plan at realised rates (`_realised`), unless the settled one is within
+        `hysteresis` of it."""
         alphas, costs = self.alphas(req_ids, max_depth, limits), self.costs(len(req_ids))
-        best = choose_plan(alphas, costs, max_depth)
+        best = self._realised(choose_plan(alphas, costs, max_depth), costs)
         settled = self.current
         if settled is not None and (settled.mode, settled.max_depth) != (best.mode,
                                                                           best.max_depth):
-            keep = choose_plan(alphas, costs, max_depth,
-                               only=(settled.mode, min(settled.max_depth, max_depth)))
-            if best.tokens_per_s <= keep.tokens_per_s * (1 + self.hysteresis):
+            keep = self._realised(choose_plan(
+                alphas, costs, max_depth, only=(settled.mode, min(settled.max_depth, max_depth))),
+                costs)
+            if self._rate(best) <= self._rate(keep) * (1 + self.hysteresis):
                 best = keep
         self.current = best
+        self._expected = (best.tokens_per_s, best.max_depth > 0)
         return best
+
+    def _rate(self, plan: Plan) -> float:
+        """A plan's predicted tokens/s as realised: a drafting plan's marked down."""
+        return plan.tokens_per_s * (self.realisation() if plan.max_depth else 1.0)
+
+    def _realised(self, plan: Plan, costs: StepCosts) -> Plan:
+        """`plan`, or plain decoding where that beats the drafting plan's realised rate."""
+        plain = plain_rate(len(plan.depths), costs)
+        if plan.max_depth and self._rate(plan) < plain:
+            return Plan((0,) * len(plan.depths), None, plain)
+        return plan
 
     def _probe(self, req_ids: list[str], max_depth: int, limits: list[int]) -> Plan | None:
         """A measuring step when an estimate is missing or stale, else None. Start-up: plain
@@ -463,6 +267,7 @@ class SpeculationController:
                 return Plan((max_depth,) * num_reqs, m, math.nan)
         plain_interval = self.quick_interval if self.plain_step.n < 3 else self.probe_interval
         if not self.idle.n or self._since_plain >= plain_interval:
+            self._expected = (plain_rate(num_reqs, costs), False)
             return Plan((0,) * num_reqs, None, math.nan)
         settled = self.current
         if (settled is not None and settled.max_depth > 0
@@ -475,6 +280,7 @@ class SpeculationController:
         self._hopeless_probes = self._hopeless_probes if hopeless else 0
         if self._since_drafting >= max(self.quick_interval, interval):
             self._hopeless_probes += hopeless
+            self._expected = best and (best.tokens_per_s, True)
             return best and Plan(best.depths, best.mode, math.nan)
         return None
 
@@ -482,7 +288,7 @@ class SpeculationController:
                        limits: list[int] | None = None):
         """The best plan that drafts (any mode) within `limits`, or None."""
         alphas = self.alphas(req_ids, max_depth, limits)
-        plans = [_best_in_mode(gains(alphas.double()), costs, m, costs.modes[m], max_depth)
+        plans = [best_in_mode(gains(alphas.double()), costs, m, costs.modes[m], max_depth)
                  for m in costs.modes]
         return max((p for p in plans if p is not None), key=lambda p: p.tokens_per_s,
                    default=None)
@@ -507,7 +313,7 @@ class SpeculationController:
             return self.quick_interval, False
         if best is None or self.probe_budget <= 0:
             return self.probe_interval, False
-        shortfall = 1.0 - best.tokens_per_s / plain_rate(num_reqs, costs)
+        shortfall = 1.0 - self._rate(best) / plain_rate(num_reqs, costs)
         steps = math.ceil(max(shortfall, 0.0) / self.probe_budget)
         return min(max(steps, self.quick_interval), self.probe_interval), False
 

@@ -4,7 +4,8 @@ Config validation (`config.py`, which must not import torch), the memory plan re
 before vLLM sizes its KV cache (`engine/memory.py`) and the allocation of the block
 summaries (`engine/proposer.py`) all read `summary_kinds` below, so the bytes reserved
 are the bytes allocated (tests/core/test_core_policy_facts.py checks it for every policy).
-The policies themselves are in `policies.py`; `POLICIES` there is keyed by these names.
+The policies themselves are in `summary_policies.py` and `key_policies.py`; `POLICIES` in
+`policies.py` is keyed by these names.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ in response to a drop in the acceptance rate". We do both:
     two (the full cache judging the retrieval cache's drafts). The window must fill after
     each selection first, so a refresh is judged on rounds that used the new selection.
 
-Between refreshes new tokens enter the tail as recent blocks (selection.py).
+Between refreshes new tokens enter the tail as recent blocks (tables.py).
 interval <= 0 or acceptance_threshold <= 0 switches that trigger off.
 """
 

@@ -4,10 +4,9 @@
 the teacher-forced acceptance benchmark (bench/teacher.py) both call `Selector.choose`.
 Per refresh: the policy scores the candidate blocks (`policies.py`), a two-stage policy
 re-ranks its shortlist exactly (`rerank_exactly`), `select_blocks` keeps the sinks plus the
-best candidates within the budget; `build_block_tables` then turns that into what vLLM's
-attention metadata takes: one block table and one sequence length per layer and request.
-No KV is copied: the compacted table points at the target's own physical blocks. The
-geometry (block size, budget, sinks, recent blocks) is one `config.BlockCounts`.
+best candidates within the budget. `tables.py` turns the Selection into what vLLM's
+attention metadata takes. The geometry (block size, budget, sinks, recent blocks) is one
+`config.BlockCounts`.
 
 Budget (in blocks) = sinks + selected + recent + 1, the "+1" being the partial,
 growing block: num_retrieved = budget_blocks - retrieval_sink_blocks - retrieval_recent_blocks - 1.
@@ -16,25 +15,12 @@ candidates than num_retrieved, selects every candidate: its table is the full ta
 and its attention exact. Geometry terms (sinks, tail, candidates) are defined in
 `blocks.py`.
 
-Compacted row layout (why the tail goes last): vLLM's attention aligns the query
-tokens bottom-right against the row's keys (key i of a row of length n is visible to
-query token t of q_len tokens iff i <= n - q_len + t). Keys keep their RoPE
-positions, so order among the *selected* blocks does not matter, but the newest
-tokens must be the last keys of the row for the causal mask to stay right. Hence
-[selected blocks in position order][tail blocks up to seq_len]. Example, block_size
-4, sinks {0}, selected {3}, tail_start 6, seq_len 31 (block 6 full, block 7 holding 3
-tokens): row = [b0, b3, b6, b7], compact_seq_len = 2*4 + (31 - 6*4) = 15.
-
 Between middle rounds (same step, same committed blocks) the engine re-selects with each
 newest middle token's query, but re-ranks only a *shortlist*: each layer's best candidates
 at the step's start (`Selector.choose(keep_shortlist=True)`, then `shortlist=`). A block
 outside a layer's top few times num_retrieved a moment ago rarely enters its top
-num_retrieved a few tokens later, and re-scoring every candidate cost a CPU middle round
-~10% (SmolLM2, 8 x 8K).
-
-Between refreshes the tail simply grows: build_block_tables with the new seq_lens
-appends the new blocks, so a table may hold up to budget + (tokens since the
-selection) / block_size blocks; the budget is only enforced at selection time.
+num_retrieved a few tokens later, while re-scoring every candidate is a measurable share
+of a middle round (benchmarks/HISTORY.md).
 """
 
 from __future__ import annotations
@@ -45,13 +31,10 @@ import torch
 from torch import Tensor
 
 from vllm_triforce.config import BlockCounts
-from vllm_triforce.core.blocks import candidate_bounds, candidate_mask
-from vllm_triforce.core.policies import (POLICIES, H2OPolicy, RerankPolicy,  # noqa: F401
-                                         RetrievalPolicy, SelectionPolicy, SelectionState,
-                                         StreamingLLMPolicy, TopKOraclePolicy, make_policy)
+from vllm_triforce.core.blocks import PAD, candidate_bounds, candidate_mask
+from vllm_triforce.core.key_policies import RerankPolicy
+from vllm_triforce.core.scoring import SelectionPolicy
 from vllm_triforce.core.tensors import on_device
-
-_PAD = -1
 
 
 @dataclass
@@ -240,7 +223,7 @@ def _max_ranked(blocks: BlockCounts) -> int:
     return blocks.budget_blocks - blocks.retrieval_recent_blocks - blocks.retrieval_sink_blocks
 
 
-_BIG = torch.iinfo(torch.long).max  # sorts after every real block, then becomes _PAD
+_BIG = torch.iinfo(torch.long).max  # sorts after every real block, then becomes PAD
 
 
 def frame(num_committed: Tensor, blocks: BlockCounts,
@@ -250,7 +233,7 @@ def frame(num_committed: Tensor, blocks: BlockCounts,
     sinks, start = bounds or candidate_bounds(num_committed, blocks)
     num_chosen = _num_chosen(num_committed, blocks, start - sinks)
     sink_ids = torch.arange(blocks.retrieval_sink_blocks, device=num_committed.device)
-    sink_ids = torch.where(sink_ids < sinks[:, None], sink_ids, _PAD)[:, None, :]
+    sink_ids = torch.where(sink_ids < sinks[:, None], sink_ids, PAD)[:, None, :]
     return Frame(num_chosen[:, None, None], sink_ids, sinks + num_chosen, start)
 
 
@@ -261,13 +244,13 @@ def _selection_of(ranked: Tensor, frame: Frame, blocks: BlockCounts) -> Selectio
     num_reqs, num_layers, k = ranked.shape
     kept = frame.kept(k)  # [R, 1, k]
     # the kept candidates ascending, then the others: the last k - num_chosen, padding
-    chosen = torch.where(kept, torch.where(kept, ranked, _BIG).sort(dim=-1).values, _PAD)
+    chosen = torch.where(kept, torch.where(kept, ranked, _BIG).sort(dim=-1).values, PAD)
     # sinks come before every candidate, and a request with fewer sinks than sink blocks
     # has no candidate: no sort of the two together
     parts = [frame.sink_ids.expand(-1, num_layers, -1), chosen]
     room = max_selected - frame.sink_ids.shape[-1] - k
     if room > 0:
-        parts.append(chosen.new_full((1, 1, 1), _PAD).expand(num_reqs, num_layers, room))
+        parts.append(chosen.new_full((1, 1, 1), PAD).expand(num_reqs, num_layers, room))
     return Selection(torch.cat(parts, dim=-1), frame.num_selected, frame.tail_start)
 
 
@@ -281,7 +264,7 @@ def best_candidates(scores: Tensor, num_committed: Tensor, blocks: BlockCounts,
                               bounds=bounds)
     mask = candidate_mask(committed, scores.shape[-1], blocks, bounds)  # [R, B]
     is_candidate = mask.gather(1, ranked.flatten(1)).view_as(ranked)
-    return ranked.masked_fill(~is_candidate, _PAD)
+    return ranked.masked_fill(~is_candidate, PAD)
 
 
 def rescore_shortlist(policy: SelectionPolicy, query: Tensor, summaries, block_table: Tensor,
@@ -300,7 +283,7 @@ def _physical(block_table: Tensor, listed: Tensor) -> Tensor:
     """listed [R, L, S] logical blocks (-1: padding) -> their physical ids, -1 kept."""
     logical = on_device(listed, block_table.device)
     phys = block_table.long().gather(1, logical.clamp(min=0).flatten(1)).view_as(logical)
-    return phys.masked_fill(logical < 0, _PAD)
+    return phys.masked_fill(logical < 0, PAD)
 
 
 def _scatter_listed(scores: Tensor, listed: Tensor, max_blocks: int) -> Tensor:
@@ -316,7 +299,7 @@ def _scatter_listed(scores: Tensor, listed: Tensor, max_blocks: int) -> Tensor:
 
 def rerank_exactly(policy: SelectionPolicy, scores: Tensor, query: Tensor, keys,
                    block_table: Tensor, num_committed: Tensor, blocks: BlockCounts) -> Tensor:
-    """Second stage of a two-stage policy (`policies.RerankPolicy`; any other policy's
+    """Second stage of a two-stage policy (`key_policies.RerankPolicy`; any other policy's
     `scores`, or any with no key source `keys`, are returned as they are): `scores` (its
     first stage) shortlist each layer's best policy.factor x num_retrieved candidates, whose
     scores become their exact attention mass over the shortlist and the always-kept blocks
@@ -335,9 +318,9 @@ def rerank_exactly(policy: SelectionPolicy, scores: Tensor, query: Tensor, keys,
     slot = torch.arange(num_sink_blocks + blocks.retrieval_recent_blocks + 1,
                         device=scores.device)
     kept = torch.where(slot < sinks, slot, start + slot - sinks)
-    kept = kept.masked_fill((slot >= sinks) & (kept >= end), _PAD)
+    kept = kept.masked_fill((slot >= sinks) & (kept >= end), PAD)
     kept_tokens = (committed[:, None] - kept * bs).clamp(0, bs)
-    kept_phys = table.gather(1, kept.clamp(min=0)).masked_fill(kept < 0, _PAD)
+    kept_phys = table.gather(1, kept.clamp(min=0)).masked_fill(kept < 0, PAD)
     exact = policy.exact_scores(query, keys, _physical(table, listed), kept_phys, kept_tokens)
     return _scatter_listed(exact, listed, scores.shape[-1])
 
@@ -360,96 +343,3 @@ def _rank_candidates(scores: Tensor, num_committed: Tensor, blocks: BlockCounts,
     mask = candidate_mask(num_committed, scores.shape[-1], blocks, bounds)  # [R, max_blocks]
     scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
     return scores.topk(k, dim=-1, sorted=True).indices
-
-
-def build_block_tables(selection: Selection, block_table: Tensor, seq_lens: Tensor, block_size: int,
-                       width: int | None = None) -> tuple[Tensor, Tensor]:
-    """Per-layer compacted block tables: selected blocks in position order, then the tail.
-
-    block_table [num_reqs, max_blocks] physical ids; seq_lens [num_reqs] tokens INCLUDING
-    the query tokens of the pass about to run (the tail extends to seq_len).
-    Returns tables [num_layers, num_reqs, width] int32 (padded with 0; width defaults to
-    max_blocks, always enough) and compact_seq_lens [num_layers, num_reqs] int32 =
-    num_selected * block_size + (seq_len - tail_start * block_size).
-    """
-    device = block_table.device
-    tables = compact_tables(selection, block_table, seq_lens, block_size, width)
-    num_layers = tables.shape[0]
-    num_selected = on_device(selection.num_selected, device)
-    start = on_device(selection.tail_start, device)
-    compact = (num_selected - start) * block_size + on_device(seq_lens, device, torch.long)  # [R]
-    return tables, compact.to(torch.int32).expand(num_layers, -1).contiguous()
-
-
-def compact_tables(selection: Selection, block_table: Tensor, seq_lens: Tensor,
-                   block_size: int, width: int | None = None) -> Tensor:
-    """`build_block_tables`' tables alone ([num_layers, num_reqs, width] int32), for a
-    caller that knows the rows' lengths on the host (engine/retrieval_level.py)."""
-    logical = _compact_logical_blocks(selection,
-                                      on_device(seq_lens, block_table.device, torch.long),
-                                      block_size, width or block_table.shape[1])  # [R, L, W]
-    num_reqs, num_layers, w = logical.shape
-    phys = block_table.long().gather(1, logical.clamp(min=0).reshape(num_reqs, -1))
-    phys = phys.view(num_reqs, num_layers, w).masked_fill(logical < 0, 0)
-    return phys.transpose(0, 1).to(torch.int32).contiguous()  # [L, R, W]
-
-
-@dataclass
-class TableLayout:
-    """The sizes of a pass's compacted rows, worked out on the host from what it knows
-    (`core/blocks.selection_sizes`), so the device lays the tables out with a few
-    operations whatever the batch and width (`laid_out_tables`). Row i: slots
-    [0, num_selected[i]) are its selection's first blocks, then its num_tails[i] tail
-    blocks tail_start[i], ... through the block holding its last token, then padding."""
-    width: int               # slots of the widest row
-    num_selected: list[int]  # [R]
-    tail_start: list[int]    # [R] the tail's first logical block
-    num_tails: list[int]     # [R]
-    compact_lens: list[int]  # [R] tokens in each compacted row
-
-    @classmethod
-    def of(cls, num_selected: list[int], tail_start: list[int], seq_ends: list[int],
-           block_size: int) -> "TableLayout":
-        """Example, block_size 4: one row of 2 selected blocks, tail from block 5, 23 tokens
-        (blocks 5 to 5) -> width 3, num_tails [1], compact length 2 * 4 + 23 - 20 = 11."""
-        num_tails = [-(-end // block_size) - t for t, end in zip(tail_start, seq_ends)]
-        width = max(n + m for n, m in zip(num_selected, num_tails))
-        compact = [(n - t) * block_size + end
-                   for n, t, end in zip(num_selected, tail_start, seq_ends)]
-        return cls(width, list(num_selected), list(tail_start), num_tails, compact)
-
-
-def laid_out_tables(selected: Tensor, block_table: Tensor, num_selected: Tensor,
-                    tail_start: Tensor, num_tails: Tensor, width: int) -> Tensor:
-    """`compact_tables` from a `TableLayout` (its per-row sizes on the device, [R] each):
-    selected [R, L, max_selected] logical blocks (a Selection's), block_table [R, max_blocks]
-    physical ids -> [L, R, width] int32, padding 0. A dozen operations whatever R, L and
-    width; no host list as long as the tables."""
-    num_reqs, num_layers, _ = selected.shape
-    offset = torch.arange(width, device=selected.device) - num_selected[:, None]  # [R, W]
-    tail = (offset + tail_start[:, None]).masked_fill_(offset >= num_tails[:, None], _PAD)
-    head = selected[..., :width]
-    if head.shape[-1] < width:
-        head = torch.nn.functional.pad(head, (0, width - head.shape[-1]), value=_PAD)
-    logical = torch.where((offset < 0)[:, None, :], head, tail[:, None, :])  # [R, L, W]
-    phys = block_table.gather(1, logical.clamp(min=0).view(num_reqs, -1))
-    phys = phys.view(num_reqs, num_layers, width).masked_fill(logical < 0, 0)
-    return phys.transpose(0, 1).to(torch.int32).contiguous()
-
-
-def _compact_logical_blocks(selection: Selection, seq_lens: Tensor, block_size: int,
-                            width: int) -> Tensor:
-    """[R, L, width] logical block at each slot of the compacted rows, -1 = padding."""
-    device = seq_lens.device
-    selected = on_device(selection.logical_blocks, device)  # [R, L, max_selected]
-    num_selected = on_device(selection.num_selected, device)[:, None]  # [R, 1]
-    start = on_device(selection.tail_start, device)[:, None]  # [R, 1]
-    num_blocks = ((seq_lens + block_size - 1) // block_size)[:, None]  # [R, 1]
-    slot = torch.arange(width, device=device)  # [W]
-    # slot j of the row holds the tail block start + (j - num_selected) once past the selection
-    tail_block = start + slot - num_selected  # [R, W]
-    tail_block = tail_block.masked_fill(tail_block >= num_blocks, _PAD)
-    sel_slot = slot.clamp(max=selected.shape[-1] - 1).expand(*selected.shape[:2], -1)
-    sel_block = selected.gather(2, sel_slot)  # [R, L, W]
-    in_selection = (slot < num_selected)[:, None, :]  # [R, 1, W]
-    return torch.where(in_selection, sel_block, tail_block[:, None, :])

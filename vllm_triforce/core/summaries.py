@@ -32,7 +32,7 @@ It is sized once for the whole KV cache (`nbytes()` reports it: ~1/block_size of
 key cache for the sums, twice that again with the bounds) and nothing is freed per
 request: a freed block is simply overwritten when it is reused, because the first token
 written at offset 0 resets the block. Per-request state (selection, H2O accumulators) lives in
-`selection.SelectionState` and is dropped with the request.
+`scoring.SelectionState` and is dropped with the request.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class BlockSummaries:
             raise ValueError("BlockSummaries: all sizes must be positive")
         # The most bytes one chunked read of these summaries (or of the keys they summarise)
         # may copy, where the engine's memory plan sized its scratch for a small cache
-        # (engine/memory.py `Sizing.chunk_bytes`); None: policies.SCORE_CHUNK_BYTES.
+        # (engine/memory.py `Sizing.chunk_bytes`); None: reads.SCORE_CHUNK_BYTES.
         self.chunk_bytes = chunk_bytes
         self.num_layers = num_layers
         self.num_blocks = num_blocks

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_triforce.core.verify import GREEDY_TEMPERATURE, sampling_probs
+from vllm_triforce.engine.depth import decodes_plainly
 from vllm_triforce.engine.transfer import to_device, to_host
 
 
@@ -41,10 +42,15 @@ class StepBatch:
     # [R] samples from a generator of its own (a seed, temperature > 0): vLLM's
     # `input_batch.generators`; None: no request does
     seeded: list[bool] | None = None
+    # [R] needs vLLM's plain sampler for every token (engine/depth.decodes_plainly: min_p,
+    # logit_bias); None: no request does
+    plain: list[bool] | None = None
 
     def __post_init__(self):
         if self.seeded is None:
             self.seeded = [False] * len(self.req_ids)
+        if self.plain is None:
+            self.plain = [False] * len(self.req_ids)
         qsl = self.query_start_loc
         self.q_lens = [b - a for a, b in zip(qsl[:-1], qsl[1:])]  # [R]
         # [R] tokens with exact KV, and the first position of the verification pass
@@ -136,6 +142,7 @@ class StepBatch:
             next_token_ids[:num_reqs], target_token_ids, temperature < GREEDY_TEMPERATURE)
         top_k, top_p = sampling_metadata.top_k, sampling_metadata.top_p
         discard = runner.discard_request_mask.np[:num_reqs].tolist()  # numpy: a host array
+        requests = [runner.requests[r] for r in req_ids]
         return cls(
             req_ids=req_ids, seq_lens=seq_lens, query_start_loc=qsl, num_rejected=rejected,
             decoding=[not d for d in discard], next_tokens=next_tokens, verify_ids=verify_ids,
@@ -144,6 +151,7 @@ class StepBatch:
             temperature=temperature,
             top_k=None if top_k is None else top_k[:num_reqs],
             top_p=None if top_p is None else top_p[:num_reqs],
-            requests=[runner.requests[r] for r in req_ids],
+            requests=requests,
             seeded=[i in runner.input_batch.generators for i in range(num_reqs)],
+            plain=[decodes_plainly(r.sampling_params) for r in requests],
         )

@@ -8,12 +8,12 @@ engine/memory.py's to decide.
 
 Terms: R drafting requests, L target layers, H KV heads, D head size, B blocks per table;
 a "read chunk" is the most one chunked read of the summaries or of the KV cache copies
-(`policies.read_limit`: SCORE_CHUNK_BYTES, or the engine's smaller one).
+(`reads.read_limit`: SCORE_CHUNK_BYTES, or the engine's smaller one).
 """
 
 from __future__ import annotations
 
-from vllm_triforce.core import policies
+from vllm_triforce.core import reads
 from vllm_triforce.core.verify import SAMPLING_CHUNK_ROWS
 from vllm_triforce.engine.depth import MAX_DRAFTING_REQUESTS
 
@@ -55,7 +55,7 @@ def vocabulary_rows(max_num_seqs: int, gamma2: int, gamma1: int) -> int:
 # scores, `select_blocks`' NaN-free and masked copies), "all" strategies' [L, N, R] dots
 # (N: the store's blocks, read whole when N <= 2 R B), and CHUNK_READS chunked reads (the
 # gathered rows, their float32 copy, a product's contiguous operand): read from
-# core/policies.py and core/selection.py, checked by tests/test_memory_plan.py
+# core/summary_policies.py, core/reads.py and core/selection.py, checked by tests/test_memory_plan.py
 # (`test_selection_scratch_fits_its_reservation`)
 SCORE_COPIES = 6
 CHUNK_READS = 3
@@ -137,6 +137,6 @@ def fold_piece_tokens(num_layers: int, num_kv_heads: int, head_dim: int,
 
 
 def _read_chunk(chunk_bytes: int | None) -> int:
-    """What a read chunk of `chunk_bytes` copies at run time (`policies.read_limit`)."""
-    most = policies.SCORE_CHUNK_BYTES
+    """What a read chunk of `chunk_bytes` copies at run time (`reads.read_limit`)."""
+    most = reads.SCORE_CHUNK_BYTES
     return most if chunk_bytes is None else min(most, chunk_bytes)

@@ -14,8 +14,8 @@ buys, the first decode after one still pays for the prefill's output (measured: 
 1.5B at 4K, 316 ms against 254 ms for the next plain steps), and a request joining means
 the engine may have sat idle in between (between two `generate` calls, or a server
 waiting for work). Likewise the proposer's own time counts as per-step overhead only on
-decode steps: on a prefill step it summarises the prompt's keys (320 ms in the same run,
-which once priced plain decoding at half its speed).
+decode steps: on a prefill step it summarises the prompt's keys (320 ms at that shape;
+counted as decode overhead it would price plain decoding at half its speed).
 
 Two rules come before the clocks (`DepthChooser.plan`):
 - a request whose committed context fits the retrieval cache decodes plainly
@@ -31,6 +31,9 @@ Two rules come before the clocks (`DepthChooser.plan`):
   smaller one; past it, which ones draft depends on the batch, logged once), and with
   vLLM's Dynamic SD table (a depth that depends on the batch size) per batch size only.
   Greedy requests need no rule: their tokens are plain vLLM's whatever the depth.
+- a request with a sampling setting vLLM's rejection sampler does not apply to drafted
+  rows (`min_p`, `logit_bias`: `decodes_plainly`) gets depth 0 every step, with or without
+  the controller: vLLM's plain sampler alone picks its tokens (patches/plain_params.py).
 
 Tensor parallelism: the estimates rest on each rank's own clocks, so ranks could choose
 differently, and the middle passes (whose collectives must match across ranks) would then
@@ -45,8 +48,9 @@ import time
 
 from vllm.logger import init_logger
 
-from vllm_triforce.core.controller import (DRAFT, RETRIEVAL, DecayedMean, Plan,
-                                            SpeculationController, middle_level_is_the_target)
+from vllm_triforce.core.controller import SpeculationController, middle_level_is_the_target
+from vllm_triforce.core.plans import DRAFT, RETRIEVAL, Plan
+from vllm_triforce.core.estimates import DecayedMean
 
 logger = init_logger("vllm.triforce")
 
@@ -72,6 +76,13 @@ def cap_drafting(depths: list[int], cap: int = MAX_DRAFTING_REQUESTS,
         if depths[i] > 0 and kept < cap:
             out[i], kept = depths[i], kept + 1
     return out
+
+
+def decodes_plainly(params) -> bool:
+    """Whether a request's SamplingParams need vLLM's plain sampler for every token: vLLM's
+    rejection sampler applies neither min_p nor logit_bias to drafted rows, its plain
+    sampler (the only one a request without drafts meets) applies both."""
+    return bool(params is not None and (params.min_p > 1e-5 or params.logit_bias))
 
 
 def seeded_depth(fits_budget: bool, max_depth: int) -> int:
@@ -123,6 +134,7 @@ class DepthChooser:
         self._last_pure = self._decode_step = pure_decode
         if timed:
             self.controller.observe_step(len(req_ids), num_tokens, start - self._last_end)
+            self.controller.observe_cycle(emitted, start - self._last_start)
             self.achieved_tokens.observe(emitted)
             self.achieved_seconds.observe(start - self._last_start)
             if self._plan is not None and not math.isnan(self._plan.tokens_per_s):
@@ -132,17 +144,21 @@ class DepthChooser:
         self._plan = None
 
     def plan(self, req_ids: list[str], max_depth: int, num_committed: list[int] | None = None,
-             seeded: list[bool] | None = None) -> tuple[list[int], bool]:
+             seeded: list[bool] | None = None,
+             plain: list[bool] | None = None) -> tuple[list[int], bool]:
         """(depth per decoding request, whether the small draft runs this step).
         `num_committed` [R]: each request's tokens with exact KV (None: all outgrow the
-        budget); `seeded` [R]: it samples from a generator of its own (None: none does)."""
+        budget); `seeded` [R]: it samples from a generator of its own (None: none does);
+        `plain` [R]: it must decode plainly (`decodes_plainly`; None: none must)."""
         if not req_ids:  # only prefill chunks: nothing to decide, no probe used up
             return [], False
         seeded = seeded or [False] * len(req_ids)
+        plain = plain or [False] * len(req_ids)
         if not self.adaptive:
-            depths, use_draft = [max_depth] * len(req_ids), self.has_draft
+            depths, use_draft = [0 if p else max_depth for p in plain], self.has_draft
         else:
-            depths, use_draft = self._adaptive_plan(req_ids, max_depth, num_committed, seeded)
+            depths, use_draft = self._adaptive_plan(req_ids, max_depth, num_committed, seeded,
+                                                    plain)
             if self.share is not None:
                 depths, use_draft = self.share((depths, use_draft))
         self._warn_if_seeded_over_cap(depths, seeded, self.max_drafting)
@@ -151,15 +167,17 @@ class DepthChooser:
         return depths, use_draft
 
     def _adaptive_plan(self, req_ids: list[str], max_depth: int,
-                       num_committed: list[int] | None, seeded: list[bool]):
+                       num_committed: list[int] | None, seeded: list[bool], plain: list[bool]):
         """The controller decides for the unseeded requests whose context outgrew the
         budget; the others have their depth by rule (module docstring)."""
         fits = self._fits_budget(num_committed, len(req_ids))
-        limits = [0 if f or s else max_depth for f, s in zip(fits, seeded)]
+        limits = [0 if f or s or p else max_depth for f, s, p in zip(fits, seeded, plain)]
         self._plan = self.controller.plan(req_ids, max_depth, limits)
         depths, use_draft = list(self._plan.depths), self._plan.mode == DRAFT
         for r in range(len(req_ids)):
-            if seeded[r]:
+            if plain[r]:
+                depths[r] = 0
+            elif seeded[r]:
                 depths[r] = seeded_depth(fits[r], max_depth)
         if any(s and k for s, k in zip(seeded, depths)):
             use_draft = self.has_draft  # a seeded request drafts with every level, always

@@ -89,7 +89,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_triforce.config import TriForceConfigError
-from vllm_triforce.core import policies
+from vllm_triforce.core import reads
 from vllm_triforce.core.policy_facts import SummaryKinds
 from vllm_triforce.core.summaries import BlockSummaries
 from vllm_triforce.engine.buffers import (FLOAT32_BYTES, fold_scratch_bytes, lazy_read_bytes,
@@ -136,7 +136,7 @@ class BufferShape:
         """The most one chunked read copies, for a KV cache of `kv_bytes` (None: one that
         bounds nothing): 1/CHUNK_SHARE_DIVISOR of it, at most SCORE_CHUNK_BYTES, and at least
         one block's keys in float32 (what a lazy read of the KV cache copies at the least)."""
-        most = policies.SCORE_CHUNK_BYTES
+        most = reads.SCORE_CHUNK_BYTES
         share = most if kv_bytes is None else min(most, kv_bytes // CHUNK_SHARE_DIVISOR)
         return max(share, self.block_size * self.key_row_bytes)
 

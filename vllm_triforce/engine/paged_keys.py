@@ -1,6 +1,6 @@
 """Read the target's committed keys straight from vLLM's paged KV cache (no key copy).
 
-`rerank` (core/policies.py) scores a shortlist of blocks by their exact attention mass, so
+`rerank` (core/key_policies.py) scores a shortlist of blocks by their exact attention mass, so
 it needs the keys of those blocks. The KV cache already holds them; what differs per
 backend is the layout, and a wrong guess would not break outputs (the full cache verifies
 every token) but would quietly rank blocks by garbage. So the reader knows a layout only

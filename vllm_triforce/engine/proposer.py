@@ -14,7 +14,9 @@ vLLM's full-cache verification pass:
                decodes plainly, with no middle work; so does, by rule, one whose context
                fits the retrieval budget, and a seeded request's depth reads no clock.
                With `adaptive` off every decoding request gets gamma2 and every level
-               runs, as in fixed-gamma TriForce;
+               runs, as in fixed-gamma TriForce. Either way a request whose sampling
+               needs vLLM's plain sampler (`decodes_plainly`) gets 0, and so does every
+               request past the drafting cap (`cap_drafting`, seeded requests first);
 3. select   -- drafting requests due for a refresh re-score their blocks
                (RetrievalLevel.select, core/selection.py) with the newest committed token's
                query; between middle rounds, with the newest middle token's
@@ -27,13 +29,13 @@ vLLM's full-cache verification pass:
      level 2: the target over per-layer retrieval tables scores them (zero-copy: a
               different block table per layer through the stock attention backend);
      exact speculative sampling between the two (core/verify.py);
-5. hand-off -- vLLM gets each request's k drafts (a list per request, [] at depth 0; with
-   `adaptive` off, a [num_reqs, gamma2] tensor) and, as draft probs, the level-2
-   distribution each token was drawn from, so level 3 (vLLM's verification over the full
-   cache) stays lossless.
+5. hand-off -- vLLM gets each request's k drafts (a list per request, [] at depth 0, with
+   `adaptive` on or off) and, as draft probs, the level-2 distribution each token was drawn
+   from, so level 3 (vLLM's verification over the full cache) stays lossless.
 
-The levels are built in `initialize_attn_backend`, each with exactly what it uses; only this
-class reads the runner and the `DraftModelProposer` base class's attributes.
+The levels are built in `initialize_attn_backend`, each with exactly what it uses. Of the
+engine, only this class and `StepBatch.from_runner` (engine/batch.py, once per step) read
+the runner; only this class reads the `DraftModelProposer` base class's attributes.
 
 Tensor parallelism: every rank runs this code. Selections may differ per rank (each rank
 scores its own KV heads), but every decision that shapes a collective -- which requests
@@ -59,8 +61,11 @@ from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
 from vllm_triforce import engine_settings, metrics
 from vllm_triforce.config import TriForceConfig, TriForceConfigError, forced_settings
+from vllm_triforce.core.key_policies import RerankPolicy
+from vllm_triforce.core.policies import make_policy
 from vllm_triforce.core.refresh import RefreshPolicy
-from vllm_triforce.core.selection import RerankPolicy, SelectionState, Selector, make_policy
+from vllm_triforce.core.scoring import SelectionState
+from vllm_triforce.core.selection import Selector
 from vllm_triforce.core.summaries import BlockSummaries
 from vllm_triforce.engine import capture
 from vllm_triforce.engine.batch import StepBatch
@@ -303,7 +308,8 @@ class TriForceProposer(DraftModelProposer):
         rows = [r for r in range(batch.num_reqs) if batch.decoding[r]]
         depths, use_draft = self.depth.plan([batch.req_ids[r] for r in rows], max_depth,
                                             num_committed=[batch.committed[r] for r in rows],
-                                            seeded=[batch.seeded[r] for r in rows])
+                                            seeded=[batch.seeded[r] for r in rows],
+                                            plain=[batch.plain[r] for r in rows])
         drafting = [r for r, k in zip(rows, depths) if k > 0]
         if not drafting:
             return [[] for _ in range(batch.num_reqs)], None, None

@@ -15,7 +15,7 @@ before their request selects, from their keys read back from vLLM's KV cache
 (engine/paged_keys.py, `BlockSummaries.set_blocks`). So a decode step in which nobody
 selects (every plain step) does no per-layer TriForce work at all, and no prompt is ever
 read back (lazily, a first selection would read a whole 8K prompt's keys from the cache
-inside the timed decode: measured 1.04x instead of 1.18x at the KV-bound case, RESULTS.md).
+inside a decode step: measured, that cost most of the speedup at a KV-bound 8K shape).
 Every committed token's key is folded at every step (eagerly) where the cache cannot be read
 back exactly: no reader for the backend or ISA, a reader that failed its check, an fp8
 cache (read back, its keys are rounded), or a policy that keeps its own copy of the keys or
@@ -39,9 +39,10 @@ import torch
 from vllm.logger import init_logger
 
 from vllm_triforce.core.blocks import selection_sizes
-from vllm_triforce.core import policies
-from vllm_triforce.core.selection import Selector, TableLayout, laid_out_tables
+from vllm_triforce.core import reads
+from vllm_triforce.core.selection import Selector
 from vllm_triforce.core.summaries import committed_runs
+from vllm_triforce.core.tables import TableLayout, laid_out_tables
 from vllm_triforce.engine.forward import build_pass, run_pass
 from vllm_triforce.engine.buffers import fold_piece_tokens
 from vllm_triforce.engine.state import stacked, stacked_shortlist
@@ -189,7 +190,7 @@ class RetrievalLevel:
         reserves the fold's copies)."""
         s = self.summaries
         return fold_piece_tokens(s.num_layers, s.num_kv_heads, s.head_dim,
-                                 policies.read_limit(s))
+                                 reads.read_limit(s))
 
     def _check_reader(self, reader, rows, block_ids, offsets) -> None:
         why = reader.check(self.capture.keys, rows, block_ids, offsets)
@@ -213,7 +214,7 @@ class RetrievalLevel:
         into new blocks after preemption sets them again); any other block is skipped only
         when the summaries set at its physical id were set for the same content (same
         tokens after the same prefix: a prefix-cache hit on a block another request
-        summarised). Reads at most one read chunk of keys at a time (`policies.read_limit`:
+        summarised). Reads at most one read chunk of keys at a time (`reads.read_limit`:
         SCORE_CHUNK_BYTES, or the memory plan's smaller one). A row done earlier
         in the step is not looked at again (committed tokens and blocks change only between
         steps; the middle rounds re-select up to once per round)."""
@@ -251,7 +252,7 @@ class RetrievalLevel:
         block_ids = batch.block_table[owners, logical].long()
         s = self.summaries
         # every layer's keys of a chunk of blocks, in float32, fill at most one read chunk
-        per_chunk = max(1, policies.read_limit(s)
+        per_chunk = max(1, reads.read_limit(s)
                         // (s.num_layers * s.num_kv_heads * bs * s.head_dim * 4))
         for start in range(0, block_ids.numel(), per_chunk):
             ids = block_ids[start:start + per_chunk]
@@ -347,7 +348,7 @@ class RetrievalLevel:
         instead of one per layer; a larger one (vLLM's pass may hold a prefill chunk) is
         gathered layer by layer, so no copy of every layer's queries is made."""
         first = layer_queries[0]
-        stack_limit = min(STACKED_QUERIES_BYTES, policies.read_limit(self.summaries))
+        stack_limit = min(STACKED_QUERIES_BYTES, reads.read_limit(self.summaries))
         if (first.dtype.itemsize > 1 and first.numel() * first.element_size()
                 * len(layer_queries) <= stack_limit):
             return torch.stack(layer_queries, dim=1)[rows].reshape(

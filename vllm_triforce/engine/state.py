@@ -42,7 +42,7 @@ class RequestState:
     eager_start: int = 0
     eager_end: int = -1
     refresh: object = None                       # core.refresh.RefreshState
-    policy_state: object = None                  # core.selection.SelectionState (h2o)
+    policy_state: object = None                  # core.scoring.SelectionState (h2o)
     # Small-draft (level 1) KV bookkeeping, in absolute positions.
     draft_valid_upto: int = 0      # draft KV is valid for positions [window_start, this)
     draft_sinks_valid: bool = False

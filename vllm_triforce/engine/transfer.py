@@ -1,11 +1,14 @@
 """Moving values between the host and the device without stalling the device.
 
-The rule the engine follows (issue 25): host values are Python, device values are tensors.
+The rule the engine follows: host values are Python, device values are tensors, because on
+a GPU every read of a device value makes the host wait for the device (a sync).
 What the host decides (positions, row indices, lengths) is built as Python lists and sent
 with `to_device`: one copy, non-blocking, from pinned memory on CUDA, so the host never
-waits for the device. What the host must learn from the device (sampled tokens, accepted
-counts) comes back with `to_host`: one blocking copy, the only kind of sync the engine
-makes, once per middle round and once per step (engine/batch.py).
+waits for the device. What the host must learn from the device comes back in one blocking
+copy: once per step with `to_host` (what vLLM's step decided, engine/batch.py) and once per
+middle round with one `.tolist()` of what decides the next round, its tokens and accepted
+counts packed on the device first (engine/middle.py). tests/test_syncs.py counts a step's
+syncs and holds them to one per middle round and at most three outside the rounds.
 
 vLLM's runner does the same with its `CpuGpuBuffer`s (vllm/v1/utils.py, 0.32.0): host
 numpy arrays copied with `non_blocking=True` from pinned memory.

@@ -1,0 +1,126 @@
+"""What vLLM's attention metadata takes from a `selection.Selection`: one block table and
+one sequence length per layer and request. No KV is copied: the compacted table points at
+the target's own physical blocks.
+
+Compacted row layout (why the tail goes last): vLLM's attention aligns the query
+tokens bottom-right against the row's keys (key i of a row of length n is visible to
+query token t of q_len tokens iff i <= n - q_len + t). Keys keep their RoPE
+positions, so order among the *selected* blocks does not matter, but the newest
+tokens must be the last keys of the row for the causal mask to stay right. Hence
+[selected blocks in position order][tail blocks up to seq_len]. Example, block_size
+4, sinks {0}, selected {3}, tail_start 6, seq_len 31 (block 6 full, block 7 holding 3
+tokens): row = [b0, b3, b6, b7], compact_seq_len = 2*4 + (31 - 6*4) = 15.
+
+Between refreshes the tail simply grows: build_block_tables with the new seq_lens
+appends the new blocks, so a table may hold up to budget + (tokens since the
+selection) / block_size blocks; the budget is only enforced at selection time.
+
+Two ways to the same tables: `build_block_tables` / `compact_tables` from a Selection
+and the rows' lengths (on the device; used by bench/ and the tests), and
+`TableLayout` + `laid_out_tables`, the engine's, from per-row sizes the host already knows
+(no host list as wide as the tables).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from vllm_triforce.core.blocks import PAD
+from vllm_triforce.core.selection import Selection
+from vllm_triforce.core.tensors import on_device
+
+
+def build_block_tables(selection: Selection, block_table: Tensor, seq_lens: Tensor, block_size: int,
+                       width: int | None = None) -> tuple[Tensor, Tensor]:
+    """Per-layer compacted block tables: selected blocks in position order, then the tail.
+
+    block_table [num_reqs, max_blocks] physical ids; seq_lens [num_reqs] tokens INCLUDING
+    the query tokens of the pass about to run (the tail extends to seq_len).
+    Returns tables [num_layers, num_reqs, width] int32 (padded with 0; width defaults to
+    max_blocks, always enough) and compact_seq_lens [num_layers, num_reqs] int32 =
+    num_selected * block_size + (seq_len - tail_start * block_size).
+    """
+    device = block_table.device
+    tables = compact_tables(selection, block_table, seq_lens, block_size, width)
+    num_layers = tables.shape[0]
+    num_selected = on_device(selection.num_selected, device)
+    start = on_device(selection.tail_start, device)
+    compact = (num_selected - start) * block_size + on_device(seq_lens, device, torch.long)  # [R]
+    return tables, compact.to(torch.int32).expand(num_layers, -1).contiguous()
+
+
+def compact_tables(selection: Selection, block_table: Tensor, seq_lens: Tensor,
+                   block_size: int, width: int | None = None) -> Tensor:
+    """`build_block_tables`' tables alone ([num_layers, num_reqs, width] int32). The engine
+    builds its tables with `TableLayout` + `laid_out_tables` instead."""
+    logical = _compact_logical_blocks(selection,
+                                      on_device(seq_lens, block_table.device, torch.long),
+                                      block_size, width or block_table.shape[1])  # [R, L, W]
+    num_reqs, num_layers, w = logical.shape
+    phys = block_table.long().gather(1, logical.clamp(min=0).reshape(num_reqs, -1))
+    phys = phys.view(num_reqs, num_layers, w).masked_fill(logical < 0, 0)
+    return phys.transpose(0, 1).to(torch.int32).contiguous()  # [L, R, W]
+
+
+@dataclass
+class TableLayout:
+    """The sizes of a pass's compacted rows, worked out on the host from what it knows
+    (`core/blocks.selection_sizes`), so the device lays the tables out with a few
+    operations whatever the batch and width (`laid_out_tables`). Row i: slots
+    [0, num_selected[i]) are its selection's first blocks, then its num_tails[i] tail
+    blocks tail_start[i], ... through the block holding its last token, then padding."""
+    width: int               # slots of the widest row
+    num_selected: list[int]  # [R]
+    tail_start: list[int]    # [R] the tail's first logical block
+    num_tails: list[int]     # [R]
+    compact_lens: list[int]  # [R] tokens in each compacted row
+
+    @classmethod
+    def of(cls, num_selected: list[int], tail_start: list[int], seq_ends: list[int],
+           block_size: int) -> "TableLayout":
+        """Example, block_size 4: one row of 2 selected blocks, tail from block 5, 23 tokens
+        (blocks 5 to 5) -> width 3, num_tails [1], compact length 2 * 4 + 23 - 20 = 11."""
+        num_tails = [-(-end // block_size) - t for t, end in zip(tail_start, seq_ends)]
+        width = max(n + m for n, m in zip(num_selected, num_tails))
+        compact = [(n - t) * block_size + end
+                   for n, t, end in zip(num_selected, tail_start, seq_ends)]
+        return cls(width, list(num_selected), list(tail_start), num_tails, compact)
+
+
+def laid_out_tables(selected: Tensor, block_table: Tensor, num_selected: Tensor,
+                    tail_start: Tensor, num_tails: Tensor, width: int) -> Tensor:
+    """`compact_tables` from a `TableLayout` (its per-row sizes on the device, [R] each):
+    selected [R, L, max_selected] logical blocks (a Selection's), block_table [R, max_blocks]
+    physical ids -> [L, R, width] int32, padding 0. A dozen operations whatever R, L and
+    width; no host list as long as the tables."""
+    num_reqs, num_layers, _ = selected.shape
+    offset = torch.arange(width, device=selected.device) - num_selected[:, None]  # [R, W]
+    tail = (offset + tail_start[:, None]).masked_fill_(offset >= num_tails[:, None], PAD)
+    head = selected[..., :width]
+    if head.shape[-1] < width:
+        head = torch.nn.functional.pad(head, (0, width - head.shape[-1]), value=PAD)
+    logical = torch.where((offset < 0)[:, None, :], head, tail[:, None, :])  # [R, L, W]
+    phys = block_table.gather(1, logical.clamp(min=0).view(num_reqs, -1))
+    phys = phys.view(num_reqs, num_layers, width).masked_fill(logical < 0, 0)
+    return phys.transpose(0, 1).to(torch.int32).contiguous()
+
+
+def _compact_logical_blocks(selection: Selection, seq_lens: Tensor, block_size: int,
+                            width: int) -> Tensor:
+    """[R, L, width] logical block at each slot of the compacted rows, -1 = padding."""
+    device = seq_lens.device
+    selected = on_device(selection.logical_blocks, device)  # [R, L, max_selected]
+    num_selected = on_device(selection.num_selected, device)[:, None]  # [R, 1]
+    start = on_device(selection.tail_start, device)[:, None]  # [R, 1]
+    num_blocks = ((seq_lens + block_size - 1) // block_size)[:, None]  # [R, 1]
+    slot = torch.arange(width, device=device)  # [W]
+    # slot j of the row holds the tail block start + (j - num_selected) once past the selection
+    tail_block = start + slot - num_selected  # [R, W]
+    tail_block = tail_block.masked_fill(tail_block >= num_blocks, PAD)
+    sel_slot = slot.clamp(max=selected.shape[-1] - 1).expand(*selected.shape[:2], -1)
+    sel_block = selected.gather(2, sel_slot)  # [R, L, W]
+    in_selection = (slot < num_selected)[:, None, :]  # [R, 1, W]
+    return torch.where(in_selection, sel_block, tail_block[:, None, :])
