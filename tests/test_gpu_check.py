@@ -1,4 +1,5 @@
-"""`vllm-triforce bench gpu` (bench/gpu_check.py) and its offline bundle (scripts/gpu_bundle.py).
+"""`vllm-triforce bench gpu` (bench/gpu_check.py and its gpu_* siblings) and its offline
+bundle (scripts/gpu_bundle.py).
 
 The dry run is the GPU check's own jobs on this CPU (tiny shapes, CPU_ATTN): every line a
 GPU run would execute outside the CUDA-only probes, so no lent GPU minute is lost to a
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_triforce.bench import gpu_check
+from vllm_triforce.bench import gpu_check, gpu_render, gpu_summary
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -47,18 +48,18 @@ def test_dry_run_of_the_gpu_check_passes_on_cpu(tmp_path):
 def test_divergences_are_explained_only_below_the_margin():
     ref = [[1, 2, 3, 4], [5, 6, 7, 8]]
     margins = [[1.0, 1.0, 0.01, 1.0], [1.0, 1.0, 1.0, 1.0]]
-    assert gpu_check.compare_tokens(ref, ref, margins)["identical"]
-    near_tie = gpu_check.compare_tokens(ref, [[1, 2, 9, 9], [5, 6, 7, 8]], margins)
+    assert gpu_summary.compare_tokens(ref, ref, margins)["identical"]
+    near_tie = gpu_summary.compare_tokens(ref, [[1, 2, 9, 9], [5, 6, 7, 8]], margins)
     assert not near_tie["identical"] and near_tie["explained"]
     assert near_tie["divergences"] == [{"sequence": 0, "position": 2, "plain_margin": 0.01}]
-    clear = gpu_check.compare_tokens(ref, [[1, 2, 3, 4], [5, 0, 7, 8]], margins)
+    clear = gpu_summary.compare_tokens(ref, [[1, 2, 3, 4], [5, 0, 7, 8]], margins)
     assert not clear["explained"]  # plain was sure there (margin 1.0): a real difference
 
 
 def test_cost_model_picks_the_depth_with_most_tokens_per_millisecond():
     # plain 10 ms; depth 2 costs 15 ms for 1 + 0.8 + 0.64 = 2.44 tokens at alpha 0.8
     depths = {"0": {"step_ms": 10.5}, "2": {"step_ms": 15.0}, "6": {"step_ms": 40.0}}
-    best = gpu_check.best_speedup(depths, 10.0, 0.8)
+    best = gpu_summary.best_speedup(depths, 10.0, 0.8)
     assert best["depth"] == 2 and best["speedup"] == pytest.approx(2.44 * 10 / 15)
 
 
@@ -136,6 +137,6 @@ def test_results_render_from_partial_results():
                                            "partial": {"cases": {"8x32K": {"depths": {
                                                "0": {"step_ms": 10.0, "tokens_per_step": 1.0},
                                            }}}}}}}
-    text = gpu_check.render(results)
+    text = gpu_render.render(results)
     assert "8x32K" in text and "failed" in text
-    json.dumps(gpu_check.summarise(results))
+    json.dumps(gpu_summary.summarise(results))

@@ -70,27 +70,29 @@ class MiddleLoop:
                       else None)
         # every row greedy: vLLM gets no draft probs and a round needs only argmaxes
         argmax_only = not self.measure and all(batch.greedy[r] for r in rows)
-        while True:
-            active = [r for r in rows if len(drafts_by_row[r].tokens) < wanted[r]]
-            if not active:
-                self.retrieval.end_rounds()
-                return drafts_by_row
-            sizes = [min(gamma1, wanted[r] - len(drafts_by_row[r].tokens)) for r in active]
-            start = time.perf_counter()
-            emitted = self._round(batch, states, drafts_by_row, active, sizes, slots,
-                                  None if argmax_only else probs_out)
-            more = [r for r in active if len(drafts_by_row[r].tokens) < wanted[r]]
-            if more:  # next round's blocks, from the newest middle tokens' queries
-                self.retrieval.select_in_middle(batch, states, more, drafts_by_row)
-            if on_round is not None:
-                on_round(gamma1 > 0, len(active), time.perf_counter() - start,
-                         emitted / len(active))
-            self.stats.add(middle_rounds=1)
-            if full_probs is not None:  # first round: q at the first middle position
-                q = probs_out[:len(measured), 0]  # the measured rows are the first slots
-                self.stats.add(middle_pq_sum=float(torch.minimum(full_probs, q).sum()),
-                               middle_pq_count=len(measured))
-                full_probs = None
+        try:  # the shortlists kept for these rounds are freed however the loop ends
+            while True:
+                active = [r for r in rows if len(drafts_by_row[r].tokens) < wanted[r]]
+                if not active:
+                    return drafts_by_row
+                sizes = [min(gamma1, wanted[r] - len(drafts_by_row[r].tokens)) for r in active]
+                start = time.perf_counter()
+                emitted = self._round(batch, states, drafts_by_row, active, sizes, slots,
+                                      None if argmax_only else probs_out)
+                more = [r for r in active if len(drafts_by_row[r].tokens) < wanted[r]]
+                if more:  # next round's blocks, from the newest middle tokens' queries
+                    self.retrieval.select_in_middle(batch, states, more, drafts_by_row)
+                if on_round is not None:
+                    on_round(gamma1 > 0, len(active), time.perf_counter() - start,
+                             emitted / len(active))
+                self.stats.add(middle_rounds=1)
+                if full_probs is not None:  # first round: q at the first middle position
+                    q = probs_out[:len(measured), 0]  # the measured rows are the first slots
+                    self.stats.add(middle_pq_sum=float(torch.minimum(full_probs, q).sum()),
+                                   middle_pq_count=len(measured))
+                    full_probs = None
+        finally:
+            self.retrieval.end_rounds()
 
     def _full_cache_probs(self, batch, drafts_by_row, rows: list[int]):
         if not rows:

@@ -1,0 +1,106 @@
+"""The jobs of `vllm-triforce bench gpu` (bench/gpu_check.py), in the order they run, and the
+settings each engine gets: what is measured, not how it is scheduled or reported.
+
+Jobs, each one engine in its own process (bench/gpu_job.py), in order of what matters
+first, so that a run cut short still answers the first questions:
+1. `kernels`: vLLM's compiled kernels on this torch (stable ABI) against torch references.
+2. exactness (tiny random Llama target + draft): plain vLLM, TriForce two and three levels,
+   greedy, drafting forced (`adaptive` false), on TRITON_ATTN in float32 (token identity)
+   and FLASH_ATTN in bf16 (FlashAttention has no float32: a divergence must sit where
+   plain vLLM's own top-2 log-prob margin is below MARGIN_EPS, bench/gpu_summary.py). Plain
+   engines run with TriForce's forced settings (V1 runner, PIECEWISE graphs, synchronous
+   scheduling), so the syncs per step compare like with like.
+3. costs at Llama-3.1-8B's shape (random weights, `load_format="dummy"`): TriForce (memory
+   against its reservation; ms per step at forced depths 0..6), plain vLLM with TriForce's
+   forced settings, plain vLLM with its own defaults (MRV2, FULL_AND_PIECEWISE graphs,
+   async scheduling): the tax the plugin's settings put on a shared server's plain steps.
+
+Without CUDA (or with `--dry-run`) the same jobs run on tiny shapes with CPU_ATTN.
+"""
+
+from __future__ import annotations
+
+FORCED_SETTINGS = {"env": {"VLLM_USE_V2_MODEL_RUNNER": "0"},
+                   "llm": {"compilation_config": {"cudagraph_mode": "PIECEWISE"},
+                           "async_scheduling": False}}
+TINY_SPEC = {"method": "triforce", "num_speculative_tokens": 4, "retrieval_budget": 256,
+             "retrieval_sink_tokens": 32, "retrieval_recent_tokens": 64,
+             "refresh_interval": 1, "adaptive": False}
+COST_SPEC = {"method": "triforce", "num_speculative_tokens": 6, "retrieval_budget": 4096}
+# (name, batch, context): 256K tokens of KV as 8 or 32 requests, and one 128K request;
+# MagicDec's gains are at batch 32-256.
+GPU_CASES = (("8x32K", 8, 32768 - 512), ("32x8K", 32, 8192 - 512), ("1x128K", 1, 131072 - 1024))
+CPU_CASES = (("2x1K", 2, 1024), ("1x2K", 1, 2048))
+
+
+def plan(on_gpu: bool, models: dict, kernels_ok: bool = True) -> list[dict]:
+    """The jobs, in the order they run. `models`: paths of "target", "draft", "shape"."""
+    jobs = [{"name": "kernels", "kind": "kernels", "estimate_s": 30, "timeout_s": 120}]
+    # eager engines: seconds to start (the cost jobs run the compiled default path)
+    backends = ([("triton-fp32", "TRITON_ATTN", "float32")]
+                + ([("flash-bf16", "FLASH_ATTN", "bfloat16")] if kernels_ok else [])
+                if on_gpu else [("cpu-fp32", "CPU_ATTN", "float32")])
+    prompts = _tiny_prompts(models["vocab"])
+    for tag, backend, dtype in backends:
+        llm = {"dtype": dtype, "enforce_eager": True, "block_size": 32, "seed": 0,
+               "max_model_len": 4096, "attention_config": {"backend": backend},
+               "gpu_memory_utilization": 0.3}
+        if not on_gpu:
+            llm.pop("gpu_memory_utilization")
+        levels = ((2, 3) if on_gpu else (3,))
+        base = {"kind": "generate", "model": str(models["target"]), "prompts": prompts,
+                "model_tag": models["tag"],
+                "max_tokens": 48, "estimate_s": 30, "timeout_s": 240}
+        jobs.append({**base, "name": f"exact-{tag}-plain", "logprobs": 2,
+                     "env": FORCED_SETTINGS["env"], "llm": {**llm, "async_scheduling": False}})
+        for n in levels:
+            spec = dict(TINY_SPEC, **({"model": str(models["draft"]),
+                                       "draft_window_tokens": 96,
+                                       "draft_tokens_per_round": 2} if n == 3 else {}))
+            jobs.append({**base, "name": f"exact-{tag}-{n}L", "spec": spec, "llm": llm,
+                         "levels": n, "reference": f"exact-{tag}-plain"})
+    jobs.extend(_cost_jobs(on_gpu, models, kernels_ok))
+    return jobs
+
+
+def _tiny_prompts(vocab: int) -> list[list[int]]:
+    from vllm_triforce.bench.gpu_job import random_prompts
+
+    # four prompts of 600-900 tokens: well past the retrieval budget (256) and the draft's
+    # window (96), so both caches select and re-base
+    return [p[:600 + 100 * i] for i, p in enumerate(random_prompts(4, 900, vocab, seed=3))]
+
+
+def _cost_jobs(on_gpu: bool, models: dict, kernels_ok: bool) -> list[dict]:
+    cases = [{"name": n, "batch": b, "context": c} for n, b, c in
+             (GPU_CASES if on_gpu else CPU_CASES)]
+    # plain engines hold at most the largest case's batch (fewer CUDA graphs to capture);
+    # TriForce's holds 256 for the memory check (`many_requests`)
+    plain_seqs = max(c["batch"] for c in cases)
+    common = {"kind": "costs", "model": str(models["shape"]), "cases": cases,
+              "prompt_vocab": models["vocab"],
+              "decode_tokens": (8, 40) if on_gpu else (4, 12)}
+    if on_gpu:
+        llm = {"load_format": "dummy", "dtype": "bfloat16", "max_model_len": 131072,
+               "seed": 0, "gpu_memory_utilization": 0.9,
+               "attention_config": {"backend": "FLASH_ATTN" if kernels_ok else "TRITON_ATTN"}}
+        sizes = {"estimate_s": 240, "timeout_s": 420}
+    else:
+        llm = {"load_format": "dummy", "dtype": "float32", "max_model_len": 4096, "seed": 0,
+               "enforce_eager": True, "block_size": 32}
+        sizes = {"estimate_s": 40, "timeout_s": 300}
+    # on CPU the contexts are short: a budget below them, or no request would draft (a
+    # request whose context fits the retrieval cache decodes plainly)
+    spec = COST_SPEC if on_gpu else {**COST_SPEC, "retrieval_budget": 256}
+    triforce = {**common, **sizes, "name": "costs-triforce", "spec": spec,
+                "depths": [0, 1, 2, 3, 4, 6] if on_gpu else [0, 2],
+                "llm": {**llm, "max_num_seqs": 256 if on_gpu else 8},
+                "many_requests": {"num": 256, "context": 1024, "tokens": 8} if on_gpu else None}
+    forced = {**common, **sizes, "name": "costs-plain-forced", "env": FORCED_SETTINGS["env"],
+              "llm": {**llm, **FORCED_SETTINGS["llm"], "max_num_seqs": plain_seqs}}
+    if not on_gpu:
+        forced["llm"] = {**llm, "async_scheduling": False, "max_num_seqs": plain_seqs}
+        return [triforce, forced]
+    defaults = {**common, **sizes, "name": "costs-plain-defaults",
+                "llm": {**llm, "max_num_seqs": plain_seqs}}
+    return [triforce, forced, defaults]

@@ -1,0 +1,77 @@
+"""results.md of `vllm-triforce bench gpu` (bench/gpu_check.py): the runs' environment, each
+job's status, and the summary (bench/gpu_summary.py) as tables.
+"""
+
+from __future__ import annotations
+
+import json
+
+from vllm_triforce.bench.gpu_summary import MARGIN_EPS, summarise
+
+
+def render(results: dict) -> str:
+    runs = results.get("runs", [])
+    last = runs[-1] if runs else {}
+    lines = ["# TriForce inside vLLM on a GPU (`vllm-triforce bench gpu`)", "",
+             f"Last run {last.get('date')} at {last.get('commit')}: {last.get('gpu', 'no GPU')}"
+             f", CPU {last.get('cpu')}; vLLM {last.get('vllm')}, torch {last.get('torch')}, "
+             f"Triton {last.get('triton')}, transformers {last.get('transformers')}.", "",
+             "| job | status | s |", "|---|---|---|"]
+    for name, job in results.get("jobs", {}).items():
+        lines.append(f"| {name} | {job['status']} | {job.get('seconds', '')} |")
+    summary = results.get("summary") or summarise(results)
+    lines += ["", "## Exactness (greedy, drafting forced)", "",
+              f"A divergence is explained when plain vLLM's own top-2 log-prob margin there is "
+              f"below {MARGIN_EPS} nats (a near-tie that a pass of another shape may round "
+              "the other way).", "",
+              "| job | backend | identical | divergences (position: plain top-2 margin) "
+              "| all explained | drafted / accepted | middle drafted / accepted |",
+              "|---|---|---|---|---|---|---|"]
+    for r in summary["exactness"]:
+        div = ", ".join(f"{d['position']}: {_f(d['plain_margin'])}" for d in r["divergences"])
+        lines.append(f"| {r['job']} | {r['backend']} | {r['identical']} | {div or '-'} | "
+                     f"{r['explained']} | {r['drafted']} / {r['accepted']} | "
+                     f"{r['middle_drafted']} / {r['middle_accepted']} |")
+    lines += ["", "## Syncs", "",
+              "Per vLLM step, by the sync debug mode (TriForce's: under the proposer, its middle "
+              "rounds included; vLLM's: the rest, patches' wrappers included); inside `propose`, "
+              "by the project's SyncCounter: the most in one step outside the middle rounds "
+              "and in one middle round.", "",
+              "| job | steps | vLLM's per step | TriForce's per step | propose: max per step "
+              "| max per middle round |", "|---|---|---|---|---|---|"]
+    for r in summary["syncs"]:
+        lines.append(f"| {r['job']} | {r.get('steps')} | {_f(r.get('vllm_per_step'))} | "
+                     f"{_f(r.get('triforce_per_step'))} | {r.get('propose_max_step', '-')} | "
+                     f"{r.get('propose_max_round', '-')} |")
+    mem = summary["memory"]
+    if mem:
+        lines += ["", "## Memory (Llama-3.1-8B shape, TriForce engine)", ""]
+        for key, value in mem.items():
+            lines.append(f"- {key}: {_mib(key, value)}")
+    lines += ["", "## Costs (ms per decode step; TriForce at forced depth k)", "",
+              "| case | plain, vLLM defaults | plain, TriForce's settings | tax | depth: step ms "
+              "(middle round ms, tokens/step) | model speedup at 0.8 / 0.9 |",
+              "|---|---|---|---|---|---|"]
+    for r in summary["costs"]:
+        ds = "; ".join(f"{k}: {_f(d.get('step_ms'))} ({_f(d.get('middle_round_ms'))}, "
+                       f"{_f(d.get('tokens_per_step'))})" for k, d in r["depths"].items())
+        model = r.get("model", {})
+        sp = " / ".join(f"{_f(model[a]['speedup'])}x (k={model[a]['depth']})"
+                        for a in model) or "-"
+        lines.append(f"| {r['case']} | {_f(r['plain_defaults_ms'])} | {_f(r['plain_forced_ms'])}"
+                     f" | {_pct(r['tax'])} | {ds or '-'} | {sp} |")
+    return "\n".join(lines) + "\n"
+
+
+def _f(x) -> str:
+    return "-" if x is None else f"{x:.3g}" if isinstance(x, float) else str(x)
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:+.1f}%"
+
+
+def _mib(key: str, value) -> str:
+    if key.endswith("bytes") or key.endswith("given_up") or key.startswith("max_reserved"):
+        return f"{value / 2**20:.1f} MiB" if isinstance(value, (int, float)) else str(value)
+    return json.dumps(value) if isinstance(value, dict) else str(value)

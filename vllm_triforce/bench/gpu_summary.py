@@ -1,0 +1,163 @@
+"""What `vllm-triforce bench gpu` (bench/gpu_check.py) concludes from its jobs' results: the
+summary in results.json -- exactness (token identity, or divergences explained by plain
+vLLM's near-ties), syncs per step by owner, memory against the reservation, and per cost
+case the plain steps, the tax of TriForce's settings and the cost model's best depth.
+"""
+
+from __future__ import annotations
+
+MARGIN_EPS = 0.05  # nats: a bf16 divergence is explained when plain's top-2 margin is below
+ALPHAS = (0.8, 0.9)  # the paper's acceptance range, for the cost model's speedups
+
+
+def summarise(results: dict) -> dict:
+    jobs = results.get("jobs", {})
+    return {"exactness": _exactness(jobs), "syncs": _syncs(jobs), "memory": _memory(jobs),
+            "costs": _costs(jobs)}
+
+
+def _ok(jobs: dict, name: str) -> dict | None:
+    job = jobs.get(name)
+    return job["result"] if job and job["status"] == "ok" else None
+
+
+def _exactness(jobs: dict) -> list[dict]:
+    rows = []
+    for name, job in jobs.items():
+        if not name.startswith("exact-") or name.endswith("-plain") or job["status"] != "ok":
+            continue
+        ref = _ok(jobs, name.rsplit("-", 1)[0] + "-plain")
+        if ref is None:
+            continue
+        res, stats = job["result"], job["result"].get("stats", {})
+        row = {"job": name, "backend": res["facts"].get("attention_backend"),
+               "drafted": stats.get("top_proposed", 0), "accepted": stats.get("top_accepted", 0),
+               "middle_drafted": stats.get("middle_proposed", 0),
+               "middle_accepted": stats.get("middle_accepted", 0)}
+        row.update(compare_tokens(ref["tokens"], res["tokens"], ref.get("margins")))
+        rows.append(row)
+    return rows
+
+
+def compare_tokens(ref: list[list[int]], got: list[list[int]],
+                   margins: list[list[float]] | None) -> dict:
+    """Identical sequences, or, per diverging sequence, the first divergence and plain
+    vLLM's top-2 margin there; `explained` when every such margin is below MARGIN_EPS."""
+    divergences = []
+    for i, (a, b) in enumerate(zip(ref, got)):
+        at = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if at is None and len(a) == len(b):
+            continue
+        at = min(len(a), len(b)) if at is None else at
+        margin = margins[i][at] if margins and at < len(margins[i]) else None
+        divergences.append({"sequence": i, "position": at, "plain_margin": margin})
+    explained = all(d["plain_margin"] is not None and d["plain_margin"] < MARGIN_EPS
+                    for d in divergences)
+    return {"identical": not divergences, "divergences": divergences,
+            "explained": explained, "sequences": len(ref)}
+
+
+def _syncs(jobs: dict) -> list[dict]:
+    rows = []
+    for name, job in jobs.items():
+        if not name.startswith("exact-") or job["status"] != "ok":
+            continue
+        res = job["result"]
+        row = {"job": name, "steps": res.get("steps")}
+        if "cuda_syncs" in res:
+            row.update(syncs_per_step(res["cuda_syncs"]))
+        if "propose_syncs" in res:
+            p = res["propose_syncs"]
+            row.update({"propose_max_step": p["max_step"], "propose_max_round": p["max_round"],
+                        "propose_mean_round": p["mean_round"]})
+        rows.append(row)
+    return rows
+
+
+def _cost_result(jobs: dict, name: str) -> dict | None:
+    """A cost job's results, finished or partial, compiled or (fallback) eager."""
+    for candidate in (name, name + "-eager"):
+        job = jobs.get(candidate) or {}
+        found = job.get("result") or job.get("partial")
+        if found:
+            return found
+    return None
+
+
+def syncs_per_step(cuda_syncs: dict) -> dict:
+    """vLLM's and TriForce's syncs per step from the recorded sites (gpu_job.sync_owner).
+    Runs before sites carried their folder recorded the innermost frame as "vllm
+    warnings.py:110" or "triforce cpu_seed.py:64": the owner word is dropped and the
+    site re-judged by the same rule."""
+    from vllm_triforce.bench.gpu_job import sync_owner
+
+    sites = cuda_syncs.get("sites") or cuda_syncs.get("top_sites", {})
+    owners = {"vllm": 0, "triforce": 0}
+    for site, hits in sites.items():
+        legacy = site.split(" ", 1)
+        if len(legacy) == 2 and legacy[0] in owners:
+            site = "vllm" if legacy[0] == "vllm" else legacy[1]
+        owners[sync_owner(site)] += hits
+    steps = max(cuda_syncs.get("steps") or 0, 1)
+    return {"vllm_per_step": owners["vllm"] / steps,
+            "triforce_per_step": owners["triforce"] / steps}
+
+
+def _memory(jobs: dict) -> dict | None:
+    tri, plain = _cost_result(jobs, "costs-triforce"), _cost_result(jobs, "costs-plain-forced")
+    if tri is None:
+        return None
+    out = dict(tri.get("memory") or {})
+    out["many_requests"] = tri.get("many_requests")
+    facts = tri.get("facts", {})
+    if plain is not None and "facts" in plain and facts:
+        block_bytes = facts.get("kv_bytes_per_block")
+        out["kv_blocks_triforce"] = facts["num_gpu_blocks"]
+        out["kv_blocks_plain"] = plain["facts"]["num_gpu_blocks"]
+        if block_bytes:
+            out["kv_bytes_given_up"] = (plain["facts"]["num_gpu_blocks"]
+                                        - facts["num_gpu_blocks"]) * block_bytes
+    return out
+
+
+def _costs(jobs: dict) -> list[dict]:
+    tri = _cost_result(jobs, "costs-triforce")
+    defaults = _cost_result(jobs, "costs-plain-defaults")
+    forced = _cost_result(jobs, "costs-plain-forced")
+    names = []
+    for res in (tri, forced, defaults):
+        for case in (res or {}).get("cases", {}):
+            if case not in names:
+                names.append(case)
+    rows = []
+    for case in names:
+        row = {"case": case}
+        plain_d = ((defaults or {}).get("cases", {}).get(case) or {}).get("step_ms")
+        plain_f = ((forced or {}).get("cases", {}).get(case) or {}).get("step_ms")
+        row.update(plain_defaults_ms=plain_d, plain_forced_ms=plain_f,
+                   tax=(plain_f / plain_d - 1.0) if plain_d and plain_f else None)
+        depths = ((tri or {}).get("cases", {}).get(case) or {}).get("depths", {})
+        row["depths"] = depths
+        reference = plain_d or plain_f
+        if depths and reference:
+            row["model"] = {str(a): best_speedup(depths, reference, a) for a in ALPHAS}
+            row["measured"] = {k: d["tokens_per_step"] / d["step_ms"] * reference
+                               for k, d in depths.items() if d.get("step_ms")}
+        rows.append(row)
+    return rows
+
+
+def best_speedup(depths: dict, plain_ms: float, alpha: float) -> dict:
+    """The cost model at per-token acceptance `alpha`: depth k emits (1 - alpha^(k+1)) /
+    (1 - alpha) tokens per step in the time measured at forced depth k; speedup over a plain
+    step of `plain_ms`. Returns the best depth and its speedup."""
+    best = {"depth": 0, "speedup": None}
+    for k, row in depths.items():
+        k = int(k)
+        if not row.get("step_ms"):
+            continue
+        tokens = (1 - alpha ** (k + 1)) / (1 - alpha)
+        speedup = tokens * plain_ms / row["step_ms"]
+        if best["speedup"] is None or speedup > best["speedup"]:
+            best = {"depth": k, "speedup": speedup}
+    return best
