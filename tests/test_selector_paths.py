@@ -55,7 +55,8 @@ def decode_batch(level, table):
     """A decode step's batch (one token per request, COMMITTED committed) and fresh states."""
     batch = SimpleNamespace(block_table=table, committed=[COMMITTED] * NUM_REQS,
                             q_lens=[1] * NUM_REQS, num_rejected=[0] * NUM_REQS,
-                            query_start_loc=list(range(NUM_REQS + 1)))
+                            query_start_loc=list(range(NUM_REQS + 1)),
+                            last_committed_row=lambda r: r)  # its one token's row
     return batch, [RequestState(refresh=level.refresh.new_state(),
                                 policy_state=SelectionState()) for _ in range(NUM_REQS)]
 

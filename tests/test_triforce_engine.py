@@ -302,7 +302,7 @@ def test_plain_steps_leave_the_summaries_untouched(tiny_llama, monkeypatch):
 
 
 def test_token_pieces_cut_spans_at_the_limit():
-    from vllm_triforce.engine.retrieval_level import token_pieces
+    from vllm_triforce.core.summaries import token_pieces
 
     assert list(token_pieces([(0, 6, 3), (1, 0, 2)], 4)) == [[(0, 6, 3), (1, 0, 1)],
                                                              [(1, 1, 1)]]

@@ -45,6 +45,23 @@ from torch import Tensor
 from vllm_triforce.core.tensors import on_device
 
 
+def token_pieces(spans, limit: int):
+    """Spans (owner, first position, count) cut into lists of spans of at most `limit`
+    tokens in all, in order. Example: limit 4, [(0, 6, 3), (1, 0, 2)] ->
+    [(0, 6, 3), (1, 0, 1)], [(1, 1, 1)]."""
+    piece, size = [], 0
+    for owner, start, count in spans:
+        while count:
+            take = min(count, limit - size)
+            piece.append((owner, start, take))
+            size, start, count = size + take, start + take, count - take
+            if size == limit:
+                yield piece
+                piece, size = [], 0
+    if piece:
+        yield piece
+
+
 def committed_runs(spans: Sequence[tuple[int, int, int]], block_size: int):
     """Host lists for `BlockSummaries.add_committed`, from the spans (owner, first position,
     count) of the tokens one pass committed, each span one request's new tokens in order:

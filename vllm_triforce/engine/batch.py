@@ -57,6 +57,10 @@ class StepBatch:
         self.committed = [s - n for s, n in zip(self.seq_lens, self.num_rejected)]
         self.verify_start = [s - q for s, q in zip(self.seq_lens, self.q_lens)]
 
+    def last_committed_row(self, r: int) -> int:
+        """Row, in the verification pass, of request r's last committed token."""
+        return self.query_start_loc[r] + self.q_lens[r] - self.num_rejected[r] - 1
+
     @property
     def num_reqs(self) -> int:
         return len(self.req_ids)

@@ -38,13 +38,14 @@ import time
 import torch
 from vllm.logger import init_logger
 
-from vllm_triforce.core.blocks import selection_sizes
 from vllm_triforce.core import reads
+from vllm_triforce.core.blocks import selection_sizes
 from vllm_triforce.core.selection import Selector
-from vllm_triforce.core.summaries import committed_runs
+from vllm_triforce.core.summaries import committed_runs, token_pieces
 from vllm_triforce.core.tables import TableLayout, laid_out_tables
-from vllm_triforce.engine.forward import build_pass, run_pass
+from vllm_triforce.engine.block_contents import block_contents, common_prefix
 from vllm_triforce.engine.buffers import fold_piece_tokens
+from vllm_triforce.engine.forward import build_pass, run_pass
 from vllm_triforce.engine.state import stacked, stacked_shortlist
 from vllm_triforce.engine.transfer import to_device
 
@@ -78,7 +79,7 @@ class RetrievalLevel:
         # Summaries of blocks completed while decoding set from the KV cache just before a
         # selection (see top); decided at the first commit, by the reader's check.
         self.lazy = False
-        # physical block id -> content key (`_block_contents`) of the complete summaries
+        # physical block id -> content key (engine/block_contents.py) of the complete summaries
         # held there (set from the cache, or folded from every key of a prefill): a block
         # another request summarised (a prefix-cache hit) is not set again. A block a fold
         # touches without completing is dropped from it.
@@ -158,7 +159,7 @@ class RetrievalLevel:
             state.eager_end = end
             first_full = -(-state.eager_start // bs)  # every key folded from here on
             ids = batch.requests[r].block_ids[0]  # vLLM's host copy, one KV group
-            contents = _block_contents(batch, r, state, end // bs, bs)
+            contents = block_contents(batch, r, state, end // bs, bs)
             for i in range(start // bs, -(-end // bs)):
                 if first_full <= i < end // bs and contents is not None:
                     self._summarised[ids[i]] = contents[i]
@@ -236,8 +237,8 @@ class RetrievalLevel:
             full = batch.committed[r] // bs
             ids = batch.requests[r].block_ids[0][:full]  # vLLM's host copy, one KV group
             state = states[r]
-            done = _common_prefix(state.folded_block_ids, ids)
-            contents = _block_contents(batch, r, state, full, bs) if done < full else None
+            done = common_prefix(state.folded_block_ids, ids)
+            contents = block_contents(batch, r, state, full, bs) if done < full else None
             for i in range(done, full):
                 content = None if contents is None else contents[i]
                 if content is not None and self._summarised.get(ids[i]) == content:
@@ -275,14 +276,14 @@ class RetrievalLevel:
         self._summarise_full_blocks(batch, states, due)
         if rest and self.selector.observes:  # h2o accumulates (eager summaries)
             idx, query_rows, committed = to_device(
-                self.device, rest, [_last_committed_row(batch, r) for r in rest],
+                self.device, rest, [batch.last_committed_row(r) for r in rest],
                 [batch.committed[r] for r in rest])
             self.selector.observe(self._queries_at(self.capture.queries, query_rows),
                                   self.summaries, batch.block_table[idx], committed,
                                   [states[r].policy_state for r in rest])
         if due:
             self._reselect(batch, states, due, self.capture.queries,
-                           [_last_committed_row(batch, r) for r in due],
+                           [batch.last_committed_row(r) for r in due],
                            [batch.committed[r] for r in due], keep_shortlist=True)
 
     def select_in_middle(self, batch, states, rows: list[int], drafts_by_row) -> None:
@@ -410,62 +411,6 @@ def fold_committed(summaries, layer_keys, committed) -> None:
     """Folded summaries: one piece of `RetrievalLevel._committed_tokens` into `summaries`."""
     rows, block_ids, offsets, runs = committed
     summaries.add_committed(layer_keys, rows, block_ids, offsets, runs)
-
-
-def token_pieces(spans, limit: int):
-    """Spans (owner, first position, count) cut into lists of spans of at most `limit`
-    tokens in all, in order. Example: limit 4, [(0, 6, 3), (1, 0, 2)] ->
-    [(0, 6, 3), (1, 0, 1)], [(1, 1, 1)]."""
-    piece, size = [], 0
-    for owner, start, count in spans:
-        while count:
-            take = min(count, limit - size)
-            piece.append((owner, start, take))
-            size, start, count = size + take, start + take, count - take
-            if size == limit:
-                yield piece
-                piece, size = [], 0
-    if piece:
-        yield piece
-
-
-def _block_contents(batch, row: int, state, full: int, block_size: int) -> list[int] | None:
-    """Content keys of request `row`'s first `full` blocks: a hash chained over each
-    block's token ids after the previous block's key, seeded by what else changes the KV
-    of the same tokens (the LoRA adapter), like vLLM's prefix-cache hashes; kept in
-    `state.block_contents` and extended as blocks fill. None where tokens do not decide
-    the KV (multimodal inputs, prompt embeddings): such blocks are always set."""
-    request = batch.requests[row]
-    if getattr(request, "mm_features", None):
-        return None
-    contents = state.block_contents
-    known = len(contents)
-    if not contents:
-        lora = getattr(request, "lora_request", None)
-        previous = hash(("vllm-triforce", getattr(lora, "lora_int_id", 0)))
-    else:
-        previous = contents[-1]
-    for i in range(known, full):
-        tokens = batch.committed_block_tokens(row, i * block_size, (i + 1) * block_size)
-        if tokens is None:
-            return None
-        previous = hash((previous, tuple(tokens)))
-        contents.append(previous)
-    return contents
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of two lists (the usual case, `a` a prefix of
-    `b`, is one comparison in C)."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    return next(i for i in range(n) if a[i] != b[i])
-
-
-def _last_committed_row(batch, r: int) -> int:
-    """Row, in the verification pass, of request r's last committed token."""
-    return batch.query_start_loc[r] + batch.q_lens[r] - batch.num_rejected[r] - 1
 
 
 # `_queries_at` stacks a pass's queries whole up to this size (a middle round's: 32 requests
