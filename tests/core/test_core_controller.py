@@ -136,8 +136,10 @@ def test_decayed_line_drops_a_spike_but_follows_a_new_regime():
 
 
 def _feed(ctl: SpeculationController, step_fixed, per_token, round_s, alpha, num_reqs=2,
-          steps=1):
-    """Run `steps` steps of a synthetic engine: the controller plans, costs are observed."""
+          steps=1, drafting_share=None):
+    """Run `steps` steps of a synthetic engine: the controller plans, costs are observed.
+    `drafting_share`: also report each cycle, drafting ones achieving only that share of
+    their rate (a cost the model does not see)."""
     plans = []
     for _ in range(steps):
         plan = ctl.plan([f"r{i}" for i in range(num_reqs)], 6)
@@ -150,7 +152,12 @@ def _feed(ctl: SpeculationController, step_fixed, per_token, round_s, alpha, num
             ctl.observe_round(plan.mode, len(active), round_s, 1.0)
         ctl.observe_overhead(plan.max_depth > 0, 0.0)
         num_tokens = num_reqs + sum(plan.depths)
-        ctl.observe_step(num_reqs, num_tokens, step_fixed + per_token * num_tokens)
+        step_s = step_fixed + per_token * num_tokens
+        ctl.observe_step(num_reqs, num_tokens, step_s)
+        if drafting_share is not None:
+            cycle_s = step_s + plan.max_depth * round_s
+            tokens = num_reqs + sum(int(alpha * k) for k in plan.depths)
+            ctl.observe_cycle(tokens, cycle_s / (drafting_share if plan.max_depth else 1.0))
     return plans
 
 
@@ -293,27 +300,11 @@ def test_one_off_costs_do_not_stick():
     assert line.coefficients() == pytest.approx((1.0, 1.0))
 
 
-def _feed_achieving(ctl: SpeculationController, drafting_share: float, steps: int,
-                    num_reqs: int = 2):
-    """A synthetic engine whose costs make drafting about 2.4x faster than plain (every
-    draft accepted), but whose drafting cycles achieve only `drafting_share` of the
-    rate their plan predicted (a cost the model does not see); plain cycles achieve theirs."""
-    plans = []
-    for _ in range(steps):
-        plan = ctl.plan([f"r{i}" for i in range(num_reqs)], 6)
-        plans.append(plan)
-        for i, k in enumerate(plan.depths):
-            if k:
-                ctl.observe_verification(f"r{i}", k, k)
-        for _ in range(plan.max_depth):
-            ctl.observe_round(plan.mode, num_reqs, 3 * MS, 1.0)
-        ctl.observe_overhead(plan.max_depth > 0, 0.0)
-        num_tokens = num_reqs + sum(plan.depths)
-        seconds = 10 * MS + 0.1 * MS * num_tokens + plan.max_depth * 3 * MS
-        share = drafting_share if plan.max_depth else 1.0
-        ctl.observe_step(num_reqs, num_tokens, seconds)
-        ctl.observe_cycle(num_tokens, seconds / share)
-    return plans
+def _feed_achieving(ctl: SpeculationController, drafting_share: float, steps: int):
+    """Drafting predicted about 2.4x faster than plain (every draft accepted), achieving
+    `drafting_share` of that."""
+    return _feed(ctl, 10 * MS, 0.1 * MS, 3 * MS, alpha=1.0, steps=steps,
+                 drafting_share=drafting_share)
 
 
 def test_drafting_that_achieves_less_than_plain_stops():

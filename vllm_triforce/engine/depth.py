@@ -116,6 +116,7 @@ class DepthChooser:
         self._last_end: float | None = None
         self._plan: Plan | None = None
         self._round_seconds = 0.0
+        self._one_time = 0.0  # the last step's one-time seconds (`end`)
         self._last_req_ids: set[str] = set()
         self._last_pure = False     # the previous step was a pure decode step
         self._decode_step = False   # this step's batch is one (its overhead is measured)
@@ -134,7 +135,8 @@ class DepthChooser:
         self._last_pure = self._decode_step = pure_decode
         if timed:
             self.controller.observe_step(len(req_ids), num_tokens, start - self._last_end)
-            self.controller.observe_cycle(emitted, start - self._last_start)
+            # held to its prediction without the one-time work, which no depth buys
+            self.controller.observe_cycle(emitted, start - self._last_start - self._one_time)
             self.achieved_tokens.observe(emitted)
             self.achieved_seconds.observe(start - self._last_start)
             if self._plan is not None and not math.isnan(self._plan.tokens_per_s):
@@ -210,8 +212,10 @@ class DepthChooser:
         """`one_time`: seconds of this step's work that a request pays once, not per
         drafting step (the lazy summaries of the blocks it completed since it last
         selected: after a plain stretch, all of that stretch's at once):
-        left out of the drafting overhead the controller weighs depths with."""
+        left out of the drafting overhead the controller weighs depths with, and of the
+        cycle a drafting plan's prediction is held to (`observe_cycle`)."""
         self._last_end = time.perf_counter()
+        self._one_time = one_time
         if self.adaptive and self._decode_step:
             self.controller.observe_overhead(
                 drafting, self._last_end - start - self._round_seconds - one_time)
