@@ -309,8 +309,7 @@ def _feed_achieving(ctl: SpeculationController, drafting_share: float, steps: in
 
 def test_drafting_that_achieves_less_than_plain_stops():
     """Drafting achieves 30% of its rate (0.7x plain): the controller decodes plainly,
-    with rare probes. (The realisation reads higher than 0.3: the acceptance estimate,
-    shrunk towards its prior, underpredicts drafting here.)"""
+    with rare probes."""
     ctl = SpeculationController(max_depth=6, has_draft=False, probe_interval=16,
                                 min_evidence=0)
     plans = _feed_achieving(ctl, drafting_share=0.3, steps=200)
