@@ -35,14 +35,15 @@ def prompt_of(llm, num_tokens: int, seed: int):
     return TokensPrompt(prompt_token_ids=ids[:num_tokens])
 
 
-def record_plans(llm) -> list[tuple[int, int]]:
-    """Wrap the engine's DepthChooser.plan: every (committed tokens, depth) it decided."""
+def record_plans(llm) -> list[tuple[int, int, bool]]:
+    """Wrap the engine's DepthChooser.plan: every (committed tokens, depth, must decode
+    plainly) it decided."""
     depth = drafter_of(llm).depth
     seen, plan = [], depth.plan
 
     def planning(req_ids, max_depth, num_committed=None, seeded=None, plain=None):
         depths, use_draft = plan(req_ids, max_depth, num_committed, seeded, plain)
-        seen.extend(zip(num_committed, depths))
+        seen.extend(zip(num_committed, depths, plain or [False] * len(depths)))
         return depths, use_draft
 
     depth.plan = planning
@@ -91,10 +92,10 @@ def test_a_request_whose_context_fits_the_budget_never_drafts(tiny_llama):
         both = since(before, stats_of(llm))
         assert_drafted(both)  # the one that outgrew the budget drafted
         assert both["drafting_steps"] > 0
-        for num_committed, depth in plans:
+        for num_committed, depth, _ in plans:
             if num_committed <= BUDGET_TOKENS:
                 assert depth == 0, f"drafted {depth} at {num_committed} committed tokens"
-        assert any(depth > 0 for n, depth in plans if n > BUDGET_TOKENS)
+        assert any(depth > 0 for n, depth, _ in plans if n > BUDGET_TOKENS)
     finally:
         free_llm(llm)
 
@@ -188,16 +189,7 @@ def test_min_p_and_logit_bias_requests_get_plain_vllms_tokens_beside_drafting_on
 
     llm = LLM(str(tiny_llama), speculative_config=spec(), **make_engine_kwargs())
     try:
-        seen = []
-        depth = drafter_of(llm).depth
-        chooser_plan = depth.plan
-
-        def planning(req_ids, max_depth, num_committed=None, seeded=None, plain=None):
-            depths, use_draft = chooser_plan(req_ids, max_depth, num_committed, seeded, plain)
-            seen.extend(zip(plain, depths))
-            return depths, use_draft
-
-        depth.plan = planning
+        seen = record_plans(llm)
         before = stats_of(llm)
         outs = llm.generate(prompts, params, use_tqdm=False)
         counters = since(before, stats_of(llm))
@@ -205,5 +197,5 @@ def test_min_p_and_logit_bias_requests_get_plain_vllms_tokens_beside_drafting_on
         free_llm(llm)
     triforce = [list(o.outputs[0].token_ids) for o in outs]
     assert_drafted(counters)  # the two requests without min_p / logit_bias drafted
-    assert any(p for p, _ in seen) and all(k == 0 for p, k in seen if p)
+    assert any(p for _, _, p in seen) and all(k == 0 for _, k, p in seen if p)
     assert triforce == plain
