@@ -26,27 +26,44 @@ LOCAL_PIP_ENV = ("PIP_FIND_LINKS", "PIP_CONSTRAINT", "PIP_EXTRA_INDEX_URL")
 RESOLVE_TIMEOUT_S = 600
 
 
-def _resolve_gpu_extra(report: Path, *also: str) -> dict[str, str]:
-    """`pip install --dry-run` of `vllm-triforce[gpu]` (and `also`, e.g. a vLLM pin);
-    returns {name: version} pip picked."""
+PINS = {"unpinned": (), "vllm==0.32.0": ("vllm==0.32.0",)}
+
+
+def _start_resolution(report: Path, *also: str) -> subprocess.Popen:
+    """`pip install --dry-run` of `vllm-triforce[gpu]` (and `also`, e.g. a vLLM pin),
+    started; it writes what pip picked to `report`."""
     env = {k: v for k, v in os.environ.items() if k not in LOCAL_PIP_ENV}
     env["PIP_CONFIG_FILE"] = os.devnull  # no config files (they hold the same local settings)
     cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed",
            "--use-feature=fast-deps", "--quiet", "--report", str(report),
            f"vllm-triforce[gpu] @ {REPO.as_uri()}", *also]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                         timeout=RESOLVE_TIMEOUT_S, cwd=report.parent)
-    assert out.returncode == 0, out.stderr[-3000:]
-    picked = json.loads(report.read_text())["install"]
-    return {item["metadata"]["name"].lower().replace("_", "-"): item["metadata"]["version"]
-            for item in picked}
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, cwd=report.parent)
+
+
+@pytest.fixture(scope="module")
+def resolutions(tmp_path_factory) -> dict[str, dict[str, str]]:
+    """{pin: {name: version} pip picked}, both resolutions run at once: each waits on the
+    network, not on the 2 cores (one after the other they took 138 + 132 s)."""
+    started = {}
+    for pin, also in PINS.items():
+        folder = tmp_path_factory.mktemp(pin.replace("=", "-"))
+        started[pin] = (folder / "report.json", _start_resolution(folder / "report.json", *also))
+    picked = {}
+    for pin, (report, proc) in started.items():
+        _, stderr = proc.communicate(timeout=RESOLVE_TIMEOUT_S)
+        assert proc.returncode == 0, f"{pin}: {stderr[-3000:]}"
+        install = json.loads(report.read_text())["install"]
+        picked[pin] = {item["metadata"]["name"].lower().replace("_", "-"):
+                       item["metadata"]["version"] for item in install}
+    return picked
 
 
 @pytest.mark.network
-@pytest.mark.parametrize("pin, expected", [(None, "0.33.0"), ("vllm==0.32.0", "0.32.0")])
-def test_gpu_extra_resolves_to_cuda_vllm(tmp_path, pin, expected):
+@pytest.mark.parametrize("pin, expected", [("unpinned", "0.33.0"), ("vllm==0.32.0", "0.32.0")])
+def test_gpu_extra_resolves_to_cuda_vllm(resolutions, pin, expected):
     """Unpinned, the newest supported release (0.33.0 today); pinned, 0.32.0."""
-    picked = _resolve_gpu_extra(tmp_path / "report.json", *([pin] if pin else []))
+    picked = resolutions[pin]
     assert picked["vllm"] == expected
     assert "vllm-triforce" in picked
     # Never the CPU build, never a source build of FlashAttention (vLLM ships its own).

@@ -18,7 +18,7 @@ allocator are in reach:
 Syncs on CUDA are counted twice, differently: `torch.cuda.set_sync_debug_mode("warn")`
 makes every synchronising CUDA call warn; each warning's Python stack says whose it is
 (a frame in vllm_triforce: TriForce's, else vLLM's), divided by the steps vLLM ran. The
-project's `SyncCounter` (vllm_triforce/syncs.py) counts inside `propose`, per middle round.
+project's `SyncCounter` (vllm_triforce/bench/syncs.py) counts inside `propose`, per middle round.
 """
 
 from __future__ import annotations
@@ -238,7 +238,7 @@ def run_generate(job: dict) -> dict:
     attribution_error = None
     propose_syncs = None
     if drafter is not None:
-        from vllm_triforce.syncs import ProposeSyncs
+        from vllm_triforce.bench.syncs import ProposeSyncs
 
         propose_syncs = ProposeSyncs(drafter).__enter__()
     if attribution is not None:
@@ -261,7 +261,7 @@ def run_generate(job: dict) -> dict:
     elif attribution_error:
         result["cuda_syncs_error"] = attribution_error
     if drafter is not None:
-        from vllm_triforce.syncs import summarise
+        from vllm_triforce.bench.syncs import summarise
 
         summary = summarise(propose_syncs.take())
         propose_syncs.__exit__(None, None, None)

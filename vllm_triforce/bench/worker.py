@@ -98,9 +98,9 @@ def run_one(job: dict, run: dict) -> list[dict]:
 
 
 def _count_syncs(llm, drafter, prompts, params, max_tokens: int = 16) -> dict:
-    """Device syncs per middle round and per step (vllm_triforce/syncs.py) in one more,
+    """Device syncs per middle round and per step (vllm_triforce/bench/syncs.py) in one more,
     untimed generation of up to `max_tokens` (counting slows every op down)."""
-    from vllm_triforce.syncs import ProposeSyncs, summarise
+    from vllm_triforce.bench.syncs import ProposeSyncs, summarise
 
     short = params.clone()
     short.max_tokens = min(params.max_tokens, max_tokens)

@@ -15,10 +15,11 @@ Between refreshes the tail simply grows: build_block_tables with the new seq_len
 appends the new blocks, so a table may hold up to budget + (tokens since the
 selection) / block_size blocks; the budget is only enforced at selection time.
 
-Two ways to the same tables: `build_block_tables` / `compact_tables` from a Selection
-and the rows' lengths (on the device; used by bench/ and the tests), and
-`TableLayout` + `laid_out_tables`, the engine's, from per-row sizes the host already knows
-(no host list as wide as the tables).
+One way to the tables, `laid_out_tables`, from each row's sizes: the engine works them out
+on the host, which already knows them (`TableLayout`: no host list as wide as the tables);
+`build_block_tables` / `compact_tables` (bench/, the teacher, the tests) on the device from a
+Selection and the rows' lengths. So what the benchmarks measure is what the engine attends
+with.
 """
 
 from __future__ import annotations
@@ -54,15 +55,15 @@ def build_block_tables(selection: Selection, block_table: Tensor, seq_lens: Tens
 
 def compact_tables(selection: Selection, block_table: Tensor, seq_lens: Tensor,
                    block_size: int, width: int | None = None) -> Tensor:
-    """`build_block_tables`' tables alone ([num_layers, num_reqs, width] int32). The engine
-    builds its tables with `TableLayout` + `laid_out_tables` instead."""
-    logical = _compact_logical_blocks(selection,
-                                      on_device(seq_lens, block_table.device, torch.long),
-                                      block_size, width or block_table.shape[1])  # [R, L, W]
-    num_reqs, num_layers, w = logical.shape
-    phys = block_table.long().gather(1, logical.clamp(min=0).reshape(num_reqs, -1))
-    phys = phys.view(num_reqs, num_layers, w).masked_fill(logical < 0, 0)
-    return phys.transpose(0, 1).to(torch.int32).contiguous()  # [L, R, W]
+    """`build_block_tables`' tables alone ([num_layers, num_reqs, width] int32): the engine's
+    `laid_out_tables`, with each row's tail length worked out on the device from `seq_lens`
+    instead of by the host (`TableLayout`)."""
+    device = block_table.device
+    tail_start = on_device(selection.tail_start, device, torch.long)
+    num_blocks = (on_device(seq_lens, device, torch.long) + block_size - 1) // block_size
+    return laid_out_tables(on_device(selection.logical_blocks, device, torch.long), block_table,
+                           on_device(selection.num_selected, device, torch.long), tail_start,
+                           num_blocks - tail_start, width or block_table.shape[1])
 
 
 @dataclass
@@ -92,7 +93,7 @@ class TableLayout:
 
 def laid_out_tables(selected: Tensor, block_table: Tensor, num_selected: Tensor,
                     tail_start: Tensor, num_tails: Tensor, width: int) -> Tensor:
-    """`compact_tables` from a `TableLayout` (its per-row sizes on the device, [R] each):
+    """The compacted tables from a `TableLayout` (its per-row sizes on the device, [R] each):
     selected [R, L, max_selected] logical blocks (a Selection's), block_table [R, max_blocks]
     physical ids -> [L, R, width] int32, padding 0. A dozen operations whatever R, L and
     width; no host list as long as the tables."""
@@ -106,21 +107,3 @@ def laid_out_tables(selected: Tensor, block_table: Tensor, num_selected: Tensor,
     phys = block_table.gather(1, logical.clamp(min=0).view(num_reqs, -1))
     phys = phys.view(num_reqs, num_layers, width).masked_fill(logical < 0, 0)
     return phys.transpose(0, 1).to(torch.int32).contiguous()
-
-
-def _compact_logical_blocks(selection: Selection, seq_lens: Tensor, block_size: int,
-                            width: int) -> Tensor:
-    """[R, L, width] logical block at each slot of the compacted rows, -1 = padding."""
-    device = seq_lens.device
-    selected = on_device(selection.logical_blocks, device)  # [R, L, max_selected]
-    num_selected = on_device(selection.num_selected, device)[:, None]  # [R, 1]
-    start = on_device(selection.tail_start, device)[:, None]  # [R, 1]
-    num_blocks = ((seq_lens + block_size - 1) // block_size)[:, None]  # [R, 1]
-    slot = torch.arange(width, device=device)  # [W]
-    # slot j of the row holds the tail block start + (j - num_selected) once past the selection
-    tail_block = start + slot - num_selected  # [R, W]
-    tail_block = tail_block.masked_fill(tail_block >= num_blocks, PAD)
-    sel_slot = slot.clamp(max=selected.shape[-1] - 1).expand(*selected.shape[:2], -1)
-    sel_block = selected.gather(2, sel_slot)  # [R, L, W]
-    in_selection = (slot < num_selected)[:, None, :]  # [R, 1, W]
-    return torch.where(in_selection, sel_block, tail_block[:, None, :])

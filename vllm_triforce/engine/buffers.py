@@ -15,9 +15,13 @@ from __future__ import annotations
 
 from vllm_triforce.core import reads
 from vllm_triforce.core.verify import SAMPLING_CHUNK_ROWS
-from vllm_triforce.engine.depth import MAX_DRAFTING_REQUESTS
 
 FLOAT32_BYTES = 4
+# At most this many requests draft in one step: the drafting cap (engine/depth.py
+# `cap_drafting`) and what the buffers of drafting requests are sized for (engine/memory.py
+# reserves the middle rounds' vocabulary-wide rows for this many, not for every one of
+# max_num_seqs; for a small KV cache it sizes a smaller cap, `Sizing.drafting`).
+MAX_DRAFTING_REQUESTS = 32
 # temporaries per row of `sampling_probs` (`vocabulary_rows`): measured 12 on an H100
 # (benchmarks/explore/sampling_chunks.py: 490 MiB above the inputs for 224 rows by 64), 6 on
 # a CPU (tests/test_memory_plan.py)

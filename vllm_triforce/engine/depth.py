@@ -51,14 +51,11 @@ from vllm.logger import init_logger
 from vllm_triforce.core.controller import SpeculationController, middle_level_is_the_target
 from vllm_triforce.core.plans import DRAFT, RETRIEVAL, Plan
 from vllm_triforce.core.estimates import DecayedMean
+from vllm_triforce.engine.buffers import MAX_DRAFTING_REQUESTS
 
 logger = init_logger("vllm.triforce")
 
 
-# At most this many requests draft in one step (engine/memory.py reserves the middle rounds'
-# vocabulary-wide rows for this many, not for every one of max_num_seqs; for a small KV
-# cache it sizes a smaller cap, `DepthChooser(max_drafting=...)`).
-MAX_DRAFTING_REQUESTS = 32
 
 
 def cap_drafting(depths: list[int], cap: int = MAX_DRAFTING_REQUESTS,

@@ -22,7 +22,7 @@ import torch
 from vllm.forward_context import set_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
-from vllm_triforce.engine.depth import MAX_DRAFTING_REQUESTS
+from vllm_triforce.engine.buffers import MAX_DRAFTING_REQUESTS
 from vllm_triforce.engine.transfer import to_device
 from vllm_triforce.engine_settings import check_attention_backend
 
@@ -248,7 +248,7 @@ def _build_per_layer(group, inputs: PassInputs, by_table) -> dict:
 
 def per_layer_limits(vllm_config) -> tuple[int, int]:
     """(requests, tokens) of one pass through per-layer builders: a middle pass holds at most
-    MAX_DRAFTING_REQUESTS requests (engine/depth.py) of at most draft_tokens_per_round + 1
+    MAX_DRAFTING_REQUESTS requests (engine/buffers.py) of at most draft_tokens_per_round + 1
     tokens (`run_pass` splits any larger pass, e.g. the acceptance teacher's, to fit). The
     per-layer builders are made for these limits, not the runner's max_num_seqs and
     max_num_batched_tokens, which size their persistent buffers: FLEX_ATTENTION's for

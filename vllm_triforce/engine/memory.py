@@ -92,9 +92,9 @@ from vllm_triforce.config import TriForceConfigError
 from vllm_triforce.core import reads
 from vllm_triforce.core.policy_facts import SummaryKinds
 from vllm_triforce.core.summaries import BlockSummaries
-from vllm_triforce.engine.buffers import (FLOAT32_BYTES, fold_scratch_bytes, lazy_read_bytes,
+from vllm_triforce.engine.buffers import (FLOAT32_BYTES, MAX_DRAFTING_REQUESTS,
+                                          fold_scratch_bytes, lazy_read_bytes,
                                           selection_scratch_bytes, vocabulary_rows)
-from vllm_triforce.engine.depth import MAX_DRAFTING_REQUESTS
 
 COUNT_BYTES = 4  # int32 committed-token count per block
 MiB = 2**20
