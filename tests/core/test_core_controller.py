@@ -109,6 +109,43 @@ def test_position_acceptance_counts():
     assert acc.alphas([0.5] * 4, strength=2.0) == [0.75, 2 / 3, 1 / 3, 0.5]
 
 
+def test_positions_no_verification_reached_keep_what_they_measured():
+    """Drafting shallower for a while must not make deeper drafts look worse: only the
+    positions a verification reached decay."""
+    acc = PositionAcceptance(4, decay=0.5)
+    acc.observe(4, 4)  # every position reached and accepted once
+    for _ in range(20):
+        acc.observe(2, 2)  # then depth 2 only: positions 3 and 4 never reached
+    alphas = acc.alphas([0.6] * 4, strength=1.0)
+    assert alphas[2] == alphas[3] == pytest.approx((1 + 0.6) / (1 + 1))
+    assert alphas[0] == pytest.approx((2 + 0.6) / (2 + 1), abs=0.01)  # 2 = 1 / (1 - decay)
+
+
+def test_a_settled_depth_is_probed_at_another_every_few_drafting_steps():
+    """Settled below the maximum, the controller drafts at the maximum once every
+    `depth_probe_interval` drafting steps (the far end of the verification line and the
+    deeper positions' acceptance stay measured). Synthetic engine: the first two drafts are
+    always accepted, the third never, so depth 2 is best."""
+    ctl = SpeculationController(max_depth=6, has_draft=False, probe_interval=32,
+                                min_evidence=0)
+    depths = []
+    for _ in range(200):
+        plan = ctl.plan(["a", "b"], 6)
+        depths.append(plan.max_depth)
+        for r, k in zip("ab", plan.depths):
+            if k:
+                ctl.observe_verification(r, k, min(k, 2))
+        for _ in range(plan.max_depth):
+            ctl.observe_round(plan.mode, 2, 1 * MS, 1.0)
+        ctl.observe_overhead(plan.max_depth > 0, 0.0)
+        tokens = 2 + sum(plan.depths)
+        ctl.observe_step(2, tokens, 10 * MS + 1 * MS * tokens)
+    late = depths[100:]
+    assert max(set(late), key=late.count) == 2
+    drafting = sum(1 for k in late if k)
+    assert late.count(6) >= drafting // (ctl.depth_probe_interval + 1) - 1
+
+
 def test_decayed_line():
     line = DecayedLine(decay=1.0, prior_slope=0.25)
     assert line.predict(3) is None
