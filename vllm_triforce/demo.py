@@ -1,11 +1,12 @@
 """`vllm-triforce demo`: TriForce against plain vLLM on long Moby-Dick prompts.
 
-Runs the same greedy requests on a plain engine and on a TriForce engine, both alive in
-this process (CPU settings that make outputs comparable: fp32, eager): after each engine's
-prefill, `--rounds` rounds in which each engine decodes once, the two in turn (which goes
-first alternates), so a host whose speed drifts over minutes slows both alike. It prints
-decode tokens/s, the speedup of each round and their median, acceptance at each TriForce level, and whether the outputs are token-for-token
-identical, with the draft counts behind that verdict: an engine that never drafted
+Runs the same greedy requests on a plain engine and on a TriForce engine, each in a child
+process of its own and both alive for the whole run (CPU settings that make outputs
+comparable: fp32, eager): after each engine's prefill, `--rounds` rounds in which each
+engine decodes once, the two in turn (which goes first alternates), so a host whose speed
+drifts over minutes slows both alike. It prints decode tokens/s, the speedup of each round
+and their median, acceptance at each TriForce level, and whether the outputs are
+token-for-token identical, with the draft counts behind that verdict: an engine that never drafted
 decodes plainly and equals plain vLLM trivially, so the demo fails (exit 1) if the
 fixed-depth run drafted nothing.
 
@@ -89,30 +90,85 @@ def _book_prompts(model_dir, num_tokens: int, batch: int) -> list[dict]:
 def _run(model_dir, spec, prompts, args):
     """(plain, TriForce with its depth controller, the same TriForce engine with every
     request forced to the full depth: fixed-gamma TriForce), after `args.rounds` rounds in
-    which the two engines decode in turn."""
-    from vllm import SamplingParams
+    which the two engines decode in turn. vLLM keeps one engine's parallel state per
+    process, so each engine lives in a child process of its own (`_engine_process`), both
+    alive for the whole run, each decoding when told."""
+    import multiprocessing
 
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    engines = {"plain": _engine(model_dir, None, prompts, args),
-               "triforce": _engine(model_dir, spec, prompts, args)}
+    context = multiprocessing.get_context("spawn")
+    engines = {}
+    for name, engine_spec in (("plain", None), ("triforce", spec)):
+        parent, child = context.Pipe()
+        proc = context.Process(target=_engine_process,
+                               args=(child, model_dir, engine_spec, prompts, args))
+        proc.start()
+        engines[name] = (proc, parent)
+        _ask(parent, "ready")  # one prefill at a time: the two would share the cores
     rounds = {name: [] for name in engines}
-    for i in range(max(args.rounds, 1)):
-        for name in (list(engines) if i % 2 == 0 else list(reversed(engines))):
-            llm, prefill_s = engines[name]
-            rounds[name].append(_decode(llm, prompts, params, prefill_s))
-    plain, tri = ({**r[-1], "round_tok_s": [x["tok_s"] for x in r],
-                   "same_each_round": all(x["tokens"] == r[0]["tokens"] for x in r)}
-                  for r in rounds.values())
-    free_llm(engines["plain"][0])
-    llm, prefill_s = engines["triforce"]
-    drafter = drafter_of(llm)
-    tri["triforce"] = drafter.stats.snapshot()
-    drafter.depth.controller.forced = [args.gamma]
-    fixed = _decode(llm, prompts, params, prefill_s)
-    after = drafter.stats.snapshot()  # the fixed run's own counts: after minus before
-    fixed["triforce"] = {k: after[k] - tri["triforce"][k] for k in DRAFT_COUNTS}
-    free_llm(llm)
+    try:
+        for i in range(max(args.rounds, 1)):
+            for name in (list(engines) if i % 2 == 0 else list(reversed(engines))):
+                rounds[name].append(_ask(engines[name][1], "decode"))
+        plain, tri = ({**r[-1], "round_tok_s": [x["tok_s"] for x in r],
+                       "same_each_round": all(x["tokens"] == r[0]["tokens"] for x in r)}
+                      for r in rounds.values())
+        tri["triforce"] = _ask(engines["triforce"][1], "counts")
+        fixed = _ask(engines["triforce"][1], "fixed")
+    finally:
+        for proc, conn in engines.values():
+            try:
+                conn.send("quit")
+            except OSError:  # it already went
+                pass
+            proc.join(timeout=60)
+            conn.close()
+            if proc.is_alive():
+                proc.kill()
     return plain, tri, fixed
+
+
+def _ask(conn, command: str):
+    conn.send(command)
+    status, value = conn.recv()
+    if status != "ok":
+        raise RuntimeError(f"demo engine process failed on {command!r}:\n{value}")
+    return value
+
+
+def _engine_process(conn, model_dir, spec, prompts, args) -> None:
+    """One engine in this child process: built and prefilled before the first answer
+    (`ready`), then per command one timed decode (`decode`), TriForce's draft counts (`counts`), one decode at the full depth
+    (`fixed`: its own counts), until `quit` or the parent goes."""
+    import traceback
+
+    for key, value in ENGINE_ENV.items():
+        os.environ.setdefault(key, value)
+    try:
+        llm, prefill_s = _engine(model_dir, spec, prompts, args)
+        from vllm import SamplingParams
+
+        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+        while True:
+            command, reply = conn.recv(), None
+            if command == "quit":
+                break
+            if command == "decode":
+                reply = _decode(llm, prompts, params, prefill_s)
+            elif command == "counts":
+                reply = drafter_of(llm).stats.snapshot()
+            elif command == "fixed":
+                drafter = drafter_of(llm)
+                before = drafter.stats.snapshot()
+                drafter.depth.controller.forced = [args.gamma]
+                reply = _decode(llm, prompts, params, prefill_s)
+                after = drafter.stats.snapshot()  # the fixed run's own: after minus before
+                reply["triforce"] = {k: after[k] - before[k] for k in DRAFT_COUNTS}
+            conn.send(("ok", reply))  # `ready`: the prefill above is done
+        free_llm(llm)
+    except EOFError:  # the parent went away
+        pass
+    except Exception:  # noqa: BLE001 -- reported to the parent, which raises it
+        conn.send(("error", traceback.format_exc()))
 
 
 def _engine(model_dir, spec, prompts, args):
