@@ -97,23 +97,23 @@ def _run(model_dir, spec, prompts, args):
 
     context = multiprocessing.get_context("spawn")
     engines = {}
-    for name, engine_spec in (("plain", None), ("triforce", spec)):
-        parent, child = context.Pipe()
-        proc = context.Process(target=_engine_process,
-                               args=(child, model_dir, engine_spec, prompts, args))
-        proc.start()
-        engines[name] = (proc, parent)
-        _ask(parent, "ready")  # one prefill at a time: the two would share the cores
-    rounds = {name: [] for name in engines}
+    rounds = {"plain": [], "triforce": []}
     try:
+        for name, engine_spec in (("plain", None), ("triforce", spec)):
+            parent, child = context.Pipe()
+            proc = context.Process(target=_engine_process,
+                                   args=(child, model_dir, engine_spec, prompts, args))
+            proc.start()
+            engines[name] = (proc, parent)
+            _ask(parent, "ready")  # one prefill at a time: the two would share the cores
         for i in range(max(args.rounds, 1)):
             for name in (list(engines) if i % 2 == 0 else list(reversed(engines))):
                 rounds[name].append(_ask(engines[name][1], "decode"))
         plain, tri = ({**r[-1], "round_tok_s": [x["tok_s"] for x in r],
                        "same_each_round": all(x["tokens"] == r[0]["tokens"] for x in r)}
                       for r in rounds.values())
-        tri["triforce"] = _ask(engines["triforce"][1], "counts")
         fixed = _ask(engines["triforce"][1], "fixed")
+        tri["triforce"] = fixed.pop("counts_before")  # the controller's run and its warm-up
     finally:
         for proc, conn in engines.values():
             try:
@@ -136,13 +136,12 @@ def _ask(conn, command: str):
 
 
 def _engine_process(conn, model_dir, spec, prompts, args) -> None:
-    """One engine in this child process: built and prefilled before the first answer
-    (`ready`), then per command one timed decode (`decode`), TriForce's draft counts (`counts`), one decode at the full depth
-    (`fixed`: its own counts), until `quit` or the parent goes."""
+    """One engine in this child process (ENGINE_ENV comes with the parent's environment):
+    built and prefilled before the first answer (`ready`), then per command one timed decode
+    (`decode`), or one at the full depth (`fixed`: with its own draft counts and TriForce's
+    counts before it), until `quit` or the parent goes."""
     import traceback
 
-    for key, value in ENGINE_ENV.items():
-        os.environ.setdefault(key, value)
     try:
         llm, prefill_s = _engine(model_dir, spec, prompts, args)
         from vllm import SamplingParams
@@ -154,8 +153,6 @@ def _engine_process(conn, model_dir, spec, prompts, args) -> None:
                 break
             if command == "decode":
                 reply = _decode(llm, prompts, params, prefill_s)
-            elif command == "counts":
-                reply = drafter_of(llm).stats.snapshot()
             elif command == "fixed":
                 drafter = drafter_of(llm)
                 before = drafter.stats.snapshot()
@@ -163,6 +160,7 @@ def _engine_process(conn, model_dir, spec, prompts, args) -> None:
                 reply = _decode(llm, prompts, params, prefill_s)
                 after = drafter.stats.snapshot()  # the fixed run's own: after minus before
                 reply["triforce"] = {k: after[k] - before[k] for k in DRAFT_COUNTS}
+                reply["counts_before"] = before
             conn.send(("ok", reply))  # `ready`: the prefill above is done
         free_llm(llm)
     except EOFError:  # the parent went away
