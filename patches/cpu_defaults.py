@@ -38,7 +38,7 @@ import os
 
 from vllm.logger import init_logger
 
-from vllm_triforce.engine.memory import MemoryPlan
+from vllm_triforce.engine.shape import EngineShape, requested_backend
 from vllm_triforce.patches import _util
 
 logger = init_logger("vllm.triforce")
@@ -124,8 +124,10 @@ def choose_kv_cache_size(vllm_config) -> int | None:
     ranks = vllm_config.parallel_config.world_size
     size, bound = kv_cache_bytes(per_token, max_model_len, max_num_seqs, free, ranks,
                                  cache.block_size or 1)
-    plan = MemoryPlan.from_vllm_config(vllm_config, per_token)
-    if plan is not None:  # TriForce reserves its buffers out of this (kv_reservation)
+    shape = EngineShape.of(vllm_config)
+    if shape is not None:  # TriForce reserves its buffers out of this (kv_reservation)
+        plan = shape.memory_plan(per_token * shape.block_size,
+                                 requested_backend(vllm_config))
         size = plan.available_for(size)
     cache.kv_cache_memory_bytes = size
     logger.info(

@@ -113,7 +113,8 @@ def test_flex_layers_keep_their_own_tables(tiny_llama):
     with attention_groups(tiny_llama, "FLEX_ATTENTION") as groups:
         (group,) = groups
         names = group.layer_names
-        metas = layer_metadata(groups, inputs, dict(zip(names, TABLES)))
+        limits = two_level_pass_limits(group.get_metadata_builder().vllm_config)
+        metas = layer_metadata(groups, inputs, dict(zip(names, TABLES)), limits)
         for name, table in zip(names, TABLES):
             meta = metas[name]
             num_blocks = meta.physical_to_logical.shape[1]
@@ -124,21 +125,33 @@ def test_flex_layers_keep_their_own_tables(tiny_llama):
         assert_builders_within_plan(group)
 
 
+def two_level_pass_limits(config):
+    """The limits of a two-level engine's middle pass with `config`'s scheduler (one token
+    of at most MAX_DRAFTING_REQUESTS requests: engine/shape.py `EngineShape.of`)."""
+    from vllm_triforce.engine.buffers import MAX_DRAFTING_REQUESTS
+    from vllm_triforce.engine.shape import PassLimits
+
+    requests = min(config.scheduler_config.max_num_seqs, MAX_DRAFTING_REQUESTS)
+    return PassLimits(requests, min(config.scheduler_config.max_num_batched_tokens, requests))
+
+
 def assert_builders_within_plan(group) -> None:
-    """The per-layer builders are made for a middle pass's limits (`per_layer_limits`), and
-    what each keeps after a build fits `per_layer_builder_bytes`, which MemoryPlan reserves."""
+    """The per-layer builders are made for a middle pass's limits (`PassLimits`), and what
+    each keeps after a build fits `per_layer_builder_bytes`, which MemoryPlan reserves."""
     from vllm_triforce.engine import forward
+    from vllm_triforce.engine.shape import per_layer_builder_bytes
 
     layer_groups = forward._LAYER_GROUPS[group]
     assert set(layer_groups) == set(group.layer_names)
     config = group.get_metadata_builder().vllm_config
-    requests, tokens = forward.per_layer_limits(config)
-    assert requests == min(config.scheduler_config.max_num_seqs, 32) < \
+    limits = two_level_pass_limits(config)
+    assert limits.requests == min(config.scheduler_config.max_num_seqs, 32) < \
         config.scheduler_config.max_num_seqs
-    per_block, fixed = forward.per_layer_builder_bytes("FLEX_ATTENTION", config, 32)
+    per_block, fixed = per_layer_builder_bytes(
+        "FLEX_ATTENTION", limits, pages=-(-config.model_config.max_model_len // 32))
     for layer_group in layer_groups.values():
         builder = layer_group.get_metadata_builder()
-        assert builder.vllm_config.scheduler_config.max_num_seqs == requests
+        assert builder.vllm_config.scheduler_config.max_num_seqs == limits.requests
         kept = _tensor_bytes(builder)
         print(f"per-layer builder keeps {kept} B; planned {per_block * NUM_BLOCKS + fixed} B")
         assert 0 < kept <= per_block * NUM_BLOCKS + fixed
@@ -213,7 +226,7 @@ print("unchanged")
 def test_plan_reserves_the_per_layer_builders(tiny_llama):
     """A FLEX engine's MemoryPlan adds, over CPU_ATTN's, one per-layer builder per target
     layer (and one build's transient block map), as `per_layer_builder_bytes` sizes them."""
-    from vllm_triforce.engine.depth import MAX_DRAFTING_REQUESTS
+    from vllm_triforce.engine.buffers import MAX_DRAFTING_REQUESTS
 
     run(tiny_llama, "CPU_ATTN", two_level())
     run(tiny_llama, "FLEX_ATTENTION", two_level())

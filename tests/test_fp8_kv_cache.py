@@ -15,7 +15,7 @@ import torch
 
 from engine_helpers import assert_drafted, drafter_of, free_llm, make_engine_kwargs
 from test_triforce_engine import generate, greedy_params, prompts, two_level
-from vllm_triforce.engine.memory import MemoryPlan
+from vllm_triforce.engine.shape import EngineShape
 from vllm_triforce.engine.retrieval_level import dequantized_query
 
 pytestmark = pytest.mark.engine
@@ -52,8 +52,8 @@ def triforce_on_fp8(model, spec, prompts, params, **over) -> tuple[list, dict, d
                      drafter.target_layer_names[0]].dtype,
                  "nbytes": drafter.summaries.nbytes(),
                  "planned": drafter.summaries.num_blocks * plan.summary_bytes_per_block,
-                 "planned_before_sizing": MemoryPlan.from_vllm_config(
-                     llm.llm_engine.vllm_config, per_token).summary_bytes_per_block,
+                 "planned_before_sizing": EngineShape.of(llm.llm_engine.vllm_config)
+                 .memory_plan(per_token * drafter.block_size, None).summary_bytes_per_block,
                  "planned_per_block": plan.summary_bytes_per_block}
         stats = drafter.stats.snapshot()
     finally:

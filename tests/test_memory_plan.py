@@ -165,7 +165,7 @@ def test_selection_scratch_fits_its_reservation(monkeypatch, strategy, chunk_kib
 @pytest.mark.parametrize("limited_by", CHUNK_LIMITS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fold_scratch_fits_its_reservation(monkeypatch, dtype, limited_by):
-    """Folding a prefill pass's keys into the summaries (engine/retrieval_level.py, by
+    """Folding a prefill pass's keys into the summaries (engine/summary_keeper.py, by
     pieces of one read chunk of float32 keys) holds at most `fold_scratch_bytes` at once:
     profiled on CPU with the read chunk cut to 64 KiB, by SCORE_CHUNK_BYTES or by the
     summaries' own `chunk_bytes` (2 requests' prompt chunks of 700 and 333 tokens, the
@@ -177,7 +177,7 @@ def test_fold_scratch_fits_its_reservation(monkeypatch, dtype, limited_by):
 
     from vllm_triforce.core.summaries import BlockSummaries
     from vllm_triforce.engine import buffers
-    from vllm_triforce.engine.retrieval_level import RetrievalLevel, fold_committed
+    from vllm_triforce.engine.summary_keeper import SummaryKeeper, fold_committed
 
     layers, heads, dim, bs, lens, starts = 4, 2, 64, 16, (700, 333), (0, 50)
     gen = torch.Generator().manual_seed(0)
@@ -191,15 +191,15 @@ def test_fold_scratch_fits_its_reservation(monkeypatch, dtype, limited_by):
 
     def fold(chunk_bytes):
         limit = limit_reads(monkeypatch, limited_by, chunk_bytes)
-        level = RetrievalLevel.__new__(RetrievalLevel)
-        level.blocks = SimpleNamespace(block_size=bs)
+        level = SummaryKeeper.__new__(SummaryKeeper)  # its fold, without a capture
+        level.block_size = bs
         level.device = torch.device("cpu")
         level.summaries = BlockSummaries(layers, 2 * width, heads, dim, bs,
                                          dtype=getattr(torch, dtype), keep_bounds=True,
                                          keep_variance=True, **limit)
 
         def run():
-            for committed in level._committed_tokens(batch, [0, 1]):
+            for committed in level.committed_tokens(batch, [0, 1]):
                 fold_committed(level.summaries, keys, committed)
 
         return level, peak_bytes(run)[1]
@@ -398,59 +398,91 @@ def enable_cpu_flex(monkeypatch) -> None:
     cpu_flex.apply()
 
 
-@pytest.mark.parametrize("backend", ["CPU_ATTN", "FLEX_ATTENTION"])
+@pytest.mark.parametrize("backend", ["CPU_ATTN", "FLEX_ATTENTION", "FLASHINFER"])
 def test_the_cpu_kv_sizing_and_the_workers_reservation_agree(tiny_llama, monkeypatch,
                                                              backend):
     """With no KV size given, the plugin sizes the CPU KV cache from the config
     (patches/cpu_defaults.py), adding what TriForce will reserve; the worker reserves by
-    the same plan (FLEX's per-layer builders included on both sides), so the KV left holds
-    the size the plugin chose, and what was reserved is the rest."""
-    from vllm import LLM
-
-    from vllm_triforce.engine.memory import MemoryPlan
+    the same plan (a stateful backend's per-layer builders included on both sides), so the
+    KV left holds the size the plugin chose, and what was reserved is the rest. CPU_ATTN
+    and FLEX_ATTENTION run an engine; FLASHINFER does not run on a CPU, so its worker side
+    is `TriForceProposer.memory_plan` over vLLM's KV-cache specs of the model's layers."""
     from vllm_triforce.patches import cpu_defaults
 
     monkeypatch.delenv(cpu_defaults.KV_ENV, raising=False)
+    if backend == "FLASHINFER":
+        config, worker = flashinfer_worker_plan(tiny_llama)
+        given, engine = config.cache_config.kv_cache_memory_bytes, None
+    else:
+        config, worker, given, engine = engine_worker_plan(tiny_llama, monkeypatch, backend)
+    per_token = cpu_defaults.kv_bytes_per_token(config)
+    assert (worker.shape.builder_bytes > 0) == (backend != "CPU_ATTN")
+    chosen, bound = cpu_defaults.kv_cache_bytes(per_token, 1024, 2, free_bytes=2**40,
+                                                block_size=32)
+    assert bound == "demand" and given == worker.available_for(chosen)
+    if engine is not None:
+        num_blocks, reserved = engine
+        assert num_blocks * worker.kv_bytes_per_block >= chosen
+        assert reserved == given - num_blocks * worker.kv_bytes_per_block
+
+
+def engine_worker_plan(tiny_llama, monkeypatch, backend: str):
+    """(config, the worker's plan, the KV size the CPU sizing gave, (KV blocks, reserved
+    bytes)) of an engine on `backend`."""
+    from vllm import LLM
+
     if backend == "FLEX_ATTENTION":
         enable_cpu_flex(monkeypatch)
     llm = LLM(str(tiny_llama), speculative_config=dict(AGREEMENT_SPEC),
               attention_config={"backend": backend}, **make_engine_kwargs(max_num_seqs=2))
     try:
         config, drafter = llm.llm_engine.vllm_config, drafter_of(llm)
-        per_token = cpu_defaults.kv_bytes_per_token(config)
-        before_workers = MemoryPlan.from_vllm_config(config, per_token)
-        worker, given = drafter.memory_plan(), config.cache_config.kv_cache_memory_bytes
-        num_blocks, reserved = drafter.summaries.num_blocks, drafter.reserved_bytes
+        return (config, drafter.memory_plan(), config.cache_config.kv_cache_memory_bytes,
+                (drafter.summaries.num_blocks, drafter.reserved_bytes))
     finally:
         free_llm(llm)
-    assert before_workers == worker
-    assert (worker.shape.builder_bytes > 0) == (backend == "FLEX_ATTENTION")
-    chosen, bound = cpu_defaults.kv_cache_bytes(per_token, 1024, 2, free_bytes=2**40,
-                                                block_size=32)
-    assert bound == "demand" and given == worker.available_for(chosen)
-    assert num_blocks * worker.kv_bytes_per_block >= chosen
-    assert reserved == given - num_blocks * worker.kv_bytes_per_block
 
 
-def test_the_cpu_kv_sizing_reserves_flashinfers_per_layer_builders(tiny_llama):
-    """FLASHINFER (not runnable on this CPU) on the config's side: the plan adds one
-    per-layer builder per target layer, as the worker's (the same `for_vllm_config`, given
-    the backend its layers got) does; everything else is CPU_ATTN's."""
-    import dataclasses
+def flashinfer_worker_plan(tiny_llama):
+    """(config, the worker's plan) for FLASHINFER: the config sized on this CPU, and
+    `TriForceProposer.memory_plan` of a worker whose layers got FLASHINFER, over the KV-cache
+    spec vLLM gives each of them (`FullAttentionSpec`, vllm/v1/kv_cache_interface.py)."""
+    from types import SimpleNamespace
 
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from vllm_triforce.engine.forward import per_layer_builder_bytes
-    from vllm_triforce.engine.memory import MemoryPlan
-    from vllm_triforce.patches import cpu_defaults
+    from vllm_triforce.engine.proposer import TriForceProposer
+    from vllm_triforce.engine.shape import EngineShape
 
     config = EngineArgs(model=str(tiny_llama), speculative_config=dict(AGREEMENT_SPEC),
                         attention_backend="FLASHINFER",
                         **make_engine_kwargs(max_num_seqs=2)).create_engine_config()
-    per_token = cpu_defaults.kv_bytes_per_token(config)
-    flashinfer = MemoryPlan.from_vllm_config(config, per_token)
-    stateless = MemoryPlan.for_vllm_config(config, per_token * 32, backend="CPU_ATTN")
-    per_block, fixed = per_layer_builder_bytes("FLASHINFER", config, 32)
+    model = config.model_config
+    layers = model.get_num_layers(config.parallel_config)
+    spec = FullAttentionSpec(block_size=config.cache_config.block_size,
+                             num_kv_heads=model.get_num_kv_heads(config.parallel_config),
+                             head_size=model.get_head_size(), dtype=model.dtype)
+    backend = SimpleNamespace(get_name=lambda: "FLASHINFER")
+    worker = SimpleNamespace(
+        shape=EngineShape.of(config),
+        runner=SimpleNamespace(get_kv_cache_spec=lambda: {f"layers.{i}": spec
+                                                          for i in range(layers)}),
+        target_layers=[SimpleNamespace(attn_backend=backend)])
+    return config, TriForceProposer.memory_plan(worker)
+
+
+def test_flashinfers_plan_adds_one_per_layer_builder_per_target_layer(tiny_llama):
+    """FLASHINFER's plan is CPU_ATTN's plus one per-layer builder's fixed part per target
+    layer (`EngineShape.builder_bytes`), and nothing per block."""
+    import dataclasses
+
+    from vllm_triforce.engine.shape import EngineShape
+
+    config, flashinfer = flashinfer_worker_plan(tiny_llama)
+    shape = EngineShape.of(config)
+    stateless = shape.memory_plan(flashinfer.kv_bytes_per_block, "CPU_ATTN")
+    per_block, fixed = shape.one_builder_bytes("FLASHINFER")
     assert per_block == 0 and fixed > 0
     assert flashinfer == dataclasses.replace(
         stateless, shape=dataclasses.replace(stateless.shape, builder_bytes=2 * fixed))

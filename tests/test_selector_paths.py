@@ -15,9 +15,10 @@ from vllm_triforce.core.scoring import SelectionState
 from vllm_triforce.core.selection import Selector
 from vllm_triforce.core.summaries import BlockSummaries
 from vllm_triforce.engine.middle import RequestDrafts
-from vllm_triforce.engine.retrieval_level import RetrievalLevel
+from vllm_triforce.engine.retrieval_level import RetrievalLevel, RetrievalStep
 from vllm_triforce.engine.state import RequestState
 from vllm_triforce.engine.stats import TriForceStats
+from vllm_triforce.engine.summary_keeper import SummaryKeeper
 
 LAYERS, KV_HEADS, Q_HEADS, DIM, BS = 3, 2, 4, 8, 4
 COMMITTED = 64  # 16 full blocks: 14 candidates with 1 sink and 1 recent block
@@ -46,19 +47,22 @@ def engine_level(summaries, selector, queries):
     tokens' (one token per request in the verification pass)."""
     capture = SimpleNamespace(queries=[queries[:, layer].reshape(NUM_REQS, -1)
                                        for layer in range(LAYERS)])
+    stats, device = TriForceStats(), torch.device("cpu")
+    keeper = SummaryKeeper(summaries, capture, selector, stats, device)
     return RetrievalLevel(None, None, None, [f"layer{i}" for i in range(LAYERS)], Q_HEADS, DIM,
-                          capture, summaries, selector, RefreshPolicy(1, 0.5), TriForceStats(),
-                          torch.device("cpu"))
+                          capture, keeper, selector, RefreshPolicy(1, 0.5), stats, device)
 
 
-def decode_batch(level, table):
-    """A decode step's batch (one token per request, COMMITTED committed) and fresh states."""
+def decode_step(level, table):
+    """A decode step (one token per request, COMMITTED committed) of fresh requests: the
+    step `RetrievalLevel.begin_step` makes after its commit, which judged no drafts."""
     batch = SimpleNamespace(block_table=table, committed=[COMMITTED] * NUM_REQS,
                             q_lens=[1] * NUM_REQS, num_rejected=[0] * NUM_REQS,
                             query_start_loc=list(range(NUM_REQS + 1)),
                             last_committed_row=lambda r: r)  # its one token's row
-    return batch, [RequestState(refresh=level.refresh.new_state(),
-                                policy_state=SelectionState()) for _ in range(NUM_REQS)]
+    states = [RequestState(refresh=level.refresh.new_state(), policy_state=SelectionState())
+              for _ in range(NUM_REQS)]
+    return RetrievalStep(level, batch, states, verified=[])
 
 
 @pytest.mark.parametrize("policy,kwargs", [("retrieval", {"variance": True}),
@@ -71,17 +75,17 @@ def test_engine_and_teacher_choose_the_same_blocks(policy, kwargs):
 
     # the engine: a step start, then a middle round's re-selection
     selector = Selector(make_policy(policy, **kwargs), BLOCKS, shortlist_factor=4, keys=summaries)
-    level = engine_level(summaries, selector, start_query)
-    batch, states = decode_batch(level, table)
+    step = decode_step(engine_level(summaries, selector, start_query), table)
+    states = step.states
     rows = list(range(NUM_REQS))
-    level.select(batch, states, rows)
+    step.select(rows)
     at_start = [(s.logical_blocks.clone(), s.num_selected, s.tail_start) for s in states]
-    level._pass_queries = [middle_query[:, layer].reshape(NUM_REQS, -1)
-                           for layer in range(LAYERS)]
+    step._pass_queries = [middle_query[:, layer].reshape(NUM_REQS, -1)
+                          for layer in range(LAYERS)]  # as a middle round's `forward` keeps
     drafts = {r: RequestDrafts(0, COMMITTED + 1) for r in rows}
     for r in rows:
         drafts[r].query_row = r
-    level.select_in_middle(batch, states, rows, drafts)
+    step.select_in_middle(rows, drafts)
     in_middle = [(s.logical_blocks, s.num_selected, s.tail_start) for s in states]
 
     # the teacher: the same two selections through a column
@@ -120,27 +124,27 @@ def test_middle_rounds_of_fewer_requests_reuse_their_shortlist_copy(monkeypatch)
     real_copy = selector.policy.listed_copy
     monkeypatch.setattr(selector.policy, "listed_copy",
                         lambda *a: copies.append(a[1].shape[0]) or real_copy(*a))
-    level = engine_level(summaries, selector, start_query)
-    batch, states = decode_batch(level, table)
+    step = decode_step(engine_level(summaries, selector, start_query), table)
+    states = step.states
     rows, left = list(range(NUM_REQS)), [0, 2]
-    level.select(batch, states, rows)
+    step.select(rows)
     drafts = {r: RequestDrafts(0, COMMITTED + 1) for r in rows}
     subsets = []
     for round_ in range(3):
         query = torch.randn(NUM_REQS, LAYERS, Q_HEADS, DIM, generator=gen)
-        level._pass_queries = [query[:, layer].reshape(NUM_REQS, -1) for layer in range(LAYERS)]
+        step._pass_queries = [query[:, layer].reshape(NUM_REQS, -1) for layer in range(LAYERS)]
         for r in rows:
             drafts[r].query_row, drafts[r].position = r, COMMITTED + 1 + 2 * round_
-        level.select_in_middle(batch, states, rows, drafts)  # every request
+        step.select_in_middle(rows, drafts)  # every request
         everyone = [states[r].logical_blocks.clone() for r in left]
         for r in left:  # a re-selection is due again: the next middle token's query
             drafts[r].position += 1
-        level.select_in_middle(batch, states, left, drafts)  # requests 0 and 2 only
+        step.select_in_middle(left, drafts)  # requests 0 and 2 only
         assert all(torch.equal(states[r].logical_blocks, e) for r, e in zip(left, everyone))
         subsets.append(states[0].shortlists.subset[1])
     assert all(s is subsets[0] for s in subsets)
     # per round: the whole list's copy, then the subset's (one copy at a time); the subset
     # object is the same every round, yet each of its copies was freed by the whole one's
     assert copies == [NUM_REQS, 2] * 3
-    level.end_rounds()
+    step.close()
     assert states[0].shortlists.copy is None and states[0].shortlists.subset[1].copy is None

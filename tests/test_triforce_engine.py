@@ -170,7 +170,7 @@ def test_preemption_and_prefix_sharing_stay_identical(tiny_llama):
     assert_drafted(stats)
 
 
-# ---- block summaries, lazily (engine/retrieval_level.py) ---------------------------------
+# ---- block summaries, lazily (engine/summary_keeper.py) ----------------------------------
 def shadow_eager_summaries(monkeypatch) -> list[int]:
     """Keep, beside the engine's summaries, the ones eager folding would hold (every
     committed token's captured key, every step), and check at every selection that the
@@ -180,22 +180,22 @@ def shadow_eager_summaries(monkeypatch) -> list[int]:
 
     from vllm_triforce.core.selection import Selector
     from vllm_triforce.core.summaries import BlockSummaries
-    from vllm_triforce.engine import retrieval_level
+    from vllm_triforce.engine import summary_keeper
 
     shadows, compared = {}, []
-    commit = retrieval_level.RetrievalLevel.commit
+    fold = summary_keeper.SummaryKeeper.fold
     choose = Selector.choose
 
-    def commit_and_shadow(self, batch, states, judged_alone):
+    def fold_and_shadow(self, batch, states, prefills):
         s = self.summaries
         if id(s) not in shadows:
             shadows[id(s)] = BlockSummaries(
                 s.num_layers, s.num_blocks, s.num_kv_heads, s.head_dim, s.block_size,
                 keep_bounds=s.mins is not None, keep_variance=s.square_deviations is not None)
         if self.capture.keys[0] is not None:
-            for committed in self._committed_tokens(batch, range(batch.num_reqs)):
-                retrieval_level.fold_committed(shadows[id(s)], self.capture.keys, committed)
-        return commit(self, batch, states, judged_alone)
+            for committed in self.committed_tokens(batch, range(batch.num_reqs)):
+                summary_keeper.fold_committed(shadows[id(s)], self.capture.keys, committed)
+        return fold(self, batch, states, prefills)
 
     def compare_then_choose(self, queries, summaries, block_tables, committed, *args, **kw):
         eager = shadows[id(summaries)]
@@ -210,7 +210,7 @@ def shadow_eager_summaries(monkeypatch) -> list[int]:
             compared.append(ids.numel())
         return choose(self, queries, summaries, block_tables, committed, *args, **kw)
 
-    monkeypatch.setattr(retrieval_level.RetrievalLevel, "commit", commit_and_shadow)
+    monkeypatch.setattr(summary_keeper.SummaryKeeper, "fold", fold_and_shadow)
     monkeypatch.setattr(Selector, "choose", compare_then_choose)
     return compared
 
@@ -227,15 +227,15 @@ def test_lazy_summaries_equal_the_eager_ones(tiny_llama, monkeypatch, policy, pr
     prefixes. Chunks of 200 tokens end inside blocks of 32: a block two chunks share is
     complete only after the second."""
     compared = shadow_eager_summaries(monkeypatch)
-    levels = []
+    keepers = []
     over = {} if chunk is None else {"max_num_batched_tokens": chunk}
     tokens, stats, _ = generate(tiny_llama, two_level(policy), num_gpu_blocks_override=48,
                                 max_num_seqs=4, enable_prefix_caching=prefix_caching,
-                                on_engine=lambda llm: levels.append(drafter_of(llm).retrieval),
-                                **over)
+                                on_engine=lambda llm: keepers.append(
+                                    drafter_of(llm).retrieval.keeper), **over)
     assert tokens == plain(tiny_llama)
     assert_drafted(stats)
-    assert levels[0].lazy and 0 < stats["summarised_blocks"] <= DECODE_BLOCKS
+    assert keepers[0].lazy and 0 < stats["summarised_blocks"] <= DECODE_BLOCKS
     assert len(compared) >= stats["refreshes"] > 0 and sum(compared) > 0
 
 
@@ -273,28 +273,28 @@ def test_plain_steps_leave_the_summaries_untouched(tiny_llama, monkeypatch):
     set from the cache."""
     import torch
 
-    from vllm_triforce.engine import retrieval_level
+    from vllm_triforce.engine import summary_keeper
 
-    commit = retrieval_level.RetrievalLevel.commit
+    fold = summary_keeper.SummaryKeeper.fold
     after_prefill, decode_steps = [], []
 
-    def commit_and_copy(self, batch, states, judged_alone):
-        verified = commit(self, batch, states, judged_alone)
+    def fold_and_copy(self, batch, states, prefills):
+        fold(self, batch, states, prefills)
         if max(batch.q_lens) > 1:
             after_prefill[:] = [self.summaries.sums.clone(), self.summaries.counts.clone()]
             decode_steps.clear()
         else:
             decode_steps.append(batch.num_reqs)
-        return verified
 
-    monkeypatch.setattr(retrieval_level.RetrievalLevel, "commit", commit_and_copy)
-    levels = []
+    monkeypatch.setattr(summary_keeper.SummaryKeeper, "fold", fold_and_copy)
+    keepers = []
     tokens, stats, _ = generate(tiny_llama, two_level(adaptive=True), schedule=[0],
-                                on_engine=lambda llm: levels.append(drafter_of(llm).retrieval))
+                                on_engine=lambda llm: keepers.append(
+                                    drafter_of(llm).retrieval.keeper))
     assert tokens == plain(tiny_llama)
     assert stats["plain_steps"] > 0 and stats["top_proposed"] == 0
-    summaries = levels[0].summaries
-    assert levels[0].lazy and levels[0].key_status.startswith("checked")
+    summaries = keepers[0].summaries
+    assert keepers[0].lazy and keepers[0].status.startswith("checked")
     assert stats["summarised_blocks"] == 0
     sums, counts = after_prefill
     assert counts.any() and len(decode_steps) >= min(MAX_TOKENS) - 1

@@ -399,7 +399,8 @@ def describe_engine(llm) -> dict:
             "attention_backends": _backend_names(runner),
             "drafter": type(drafter).__name__ if drafter is not None else "none",
             "reserved_bytes": getattr(drafter, "reserved_bytes", None),
-            "key_reader": getattr(getattr(drafter, "retrieval", None), "key_status", None)}
+            "key_reader": getattr(getattr(getattr(drafter, "retrieval", None), "keeper", None),
+                                  "status", None)}
 
 
 def _platform_name(platform) -> str:

@@ -30,7 +30,8 @@ from vllm_triforce.core.summaries import BlockSummaries, committed_runs
 from vllm_triforce.core.tables import build_block_tables
 from vllm_triforce.core.verify import sample_tokens
 from vllm_triforce.engine.batch import StepBatch
-from vllm_triforce.engine.middle import MiddleLoop, draft_proposals, hand_off
+from vllm_triforce.engine.draft_level import draft_proposals
+from vllm_triforce.engine.middle import MiddleLoop, hand_off
 from vllm_triforce.engine.transfer import to_device, to_host
 from vllm_triforce.bench.syncs import SyncCounter
 
@@ -131,18 +132,20 @@ class _Lookup:
 
 
 class StandInRetrieval(_Lookup):
-    """engine/retrieval_level.RetrievalLevel's interface for the middle loop."""
+    """engine/retrieval_level.RetrievalStep's interface for the middle loop: one step over
+    `batch` and `states`."""
 
-    def forward(self, batch, states, rows, token_ids, positions):
+    def __init__(self, logits: torch.Tensor, batch, states):
+        super().__init__(logits)
+        self.batch, self.states = batch, states
+
+    def forward(self, rows, token_ids, positions):
         if not isinstance(token_ids, torch.Tensor):  # host lists, as the engine passes them
-            token_ids = to_device(batch.device, [t for ids in token_ids for t in ids])[0]
+            token_ids = to_device(self.batch.device, [t for ids in token_ids for t in ids])[0]
         return self.run(token_ids)
 
-    def select_in_middle(self, batch, states, rows, drafts_by_row):
+    def select_in_middle(self, rows, drafts_by_row):
         pass  # selection's device work: test_commit_select_and_tables_make_no_sync
-
-    def end_rounds(self):
-        pass
 
 
 class StandInDraft(_Lookup):
@@ -223,19 +226,19 @@ def test_middle_rounds_sync_once_each(device, greedy, gamma1):
     draft = target + 0.5 * torch.randn(VOCAB, VOCAB, generator=gen)  # close: some accepted
     shared = torch.Generator(device=device).manual_seed(2)
     seeded = torch.Generator(device=device).manual_seed(3)
-    loop = MiddleLoop(StandInRetrieval(target.to(device)),
-                      StandInDraft(draft.to(device), shared) if gamma1 else None, gamma1=gamma1,
-                      refresh=types.SimpleNamespace(record_round=lambda *a: None),
+    loop = MiddleLoop(StandInDraft(draft.to(device), shared) if gamma1 else None,
+                      gamma1=gamma1, refresh=types.SimpleNamespace(record_round=lambda *a: None),
                       stats=Counts(), generator=shared, measure_middle_acceptance=False)
     batch = make_batch(device, greedy, gen)
     states = [types.SimpleNamespace(generator=seeded if r == 3 else None, refresh=None,
                                     last_num_drafts=0) for r in range(len(greedy))]
+    step = StandInRetrieval(target.to(device), batch, states)
     rows, depths = [0, 1, 2, 3], [6, 5, 0, 6]
     buffer = torch.zeros(3, 6, VOCAB, device=device)  # a row per drafting request
-    loop.run(batch, states, rows, depths, buffer)  # warm-up
+    loop.run(step, rows, depths, buffer)  # warm-up
     loop.stats.rounds = 0
     with cuda_sync_warnings(device) as caught, SyncCounter(device_type=device) as counter:
-        drafts_by_row = loop.run(batch, states, rows, depths, buffer)
+        drafts_by_row = loop.run(step, rows, depths, buffer)
         counter.mark("hand-off")
         drafts, probs, prob_req_ids = hand_off(batch, states, drafts_by_row,
                                                dict(zip(rows, depths)), buffer)
@@ -275,20 +278,21 @@ def test_two_level_middle_tokens_are_draws_from_the_retrieval_level(device):
     gen = torch.Generator().manual_seed(4)
     target = 0.7 * torch.randn(vocab, vocab, generator=gen)  # top-p keeps several tokens
     shared = torch.Generator(device=device).manual_seed(5)
-    loop = MiddleLoop(StandInRetrieval(target.to(device)), None, gamma1=0,
+    loop = MiddleLoop(None, gamma1=0,
                       refresh=types.SimpleNamespace(record_round=lambda *a: None),
                       stats=Counts(), generator=shared, measure_middle_acceptance=False)
     batch = make_batch(device, [True, False, False, False], gen)
     batch.next_tokens = [1, 2, 3, 4]
     states = [types.SimpleNamespace(generator=None, refresh=None, last_num_drafts=0)
               for _ in range(4)]
+    step = StandInRetrieval(target.to(device), batch, states)
     rows = [0, 1, 2, 3]
     buffer = torch.zeros(4, 6, vocab, device=device)
     want = sampling_probs(target[batch.next_tokens].to(device), batch.temperature,
                           batch.top_k, batch.top_p, all_greedy=False).cpu()  # [4, V]
     counts = torch.zeros(4, vocab)
     for _ in range(runs):
-        drafts = loop.run(batch, states, rows, [1] * 4, buffer)
+        drafts = loop.run(step, rows, [1] * 4, buffer)
         for r in rows:
             counts[r, drafts[r].tokens[0]] += 1
     torch.testing.assert_close(buffer[:, 0].cpu(), want)  # the kept q rows: p itself

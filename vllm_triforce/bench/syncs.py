@@ -294,17 +294,18 @@ def _site() -> str:
 
 class ProposeSyncs:
     """Counts the syncs of every `propose` of one TriForce proposer (engine/proposer.py),
-    split into its middle rounds and the rest of the step: a *round* runs from the start of
-    `MiddleLoop._round` to the start of the next one or to the end of `MiddleLoop.run` (so
-    it includes `select_in_middle` and the round's bookkeeping); everything else in
+    split into its middle rounds and the rest of the step: a *round* runs from one call of
+    the middle loop's `on_round_start` seam (engine/middle.py) to the next, or to the end of
+    `MiddleLoop.run` (so it includes `select_in_middle` and the round's bookkeeping);
+    everything else in
     `propose` (StepBatch, commit, plan, select, the hand-off) is the *step*, except the
     KV-cache key reader's one check at the engine's first commit (engine/paged_keys.py),
     labelled *once*, and the depth controller's planning (`DepthChooser.plan`), labelled
     *host*: core/controller.py computes on small CPU tensors it builds itself, no sync on a
     GPU (a CUDA counter sees none there), but on a CPU-only machine every tensor counts.
-    Wraps the instance's `propose`, its middle loop's `run` / `_round`, its depth chooser's
-    `plan` and the reader's `check` (instance attributes, removed on exit; nothing is
-    changed for other instances). `take()` returns one SyncCounter per propose since the
+    Wraps the instance's `propose`, its middle loop's `run`, its depth chooser's `plan` and
+    the reader's `check`, and sets the middle loop's `on_round_start` (instance attributes,
+    removed on exit; nothing is changed for other instances). `take()` returns one SyncCounter per propose since the
     last take; `summarise` condenses them."""
 
     def __init__(self, proposer, trace: bool = False, strict: bool = False):
@@ -315,7 +316,7 @@ class ProposeSyncs:
 
     def __enter__(self):
         proposer, middle = self.proposer, self.proposer.middle
-        propose, run, round_ = proposer.propose, middle.run, middle._round
+        propose, run = proposer.propose, middle.run
 
         def counted_propose(*args, **kwargs):
             with SyncCounter(trace=self.trace, strict=self.strict) as self._counter:
@@ -325,19 +326,16 @@ class ProposeSyncs:
                     self.steps.append(self._counter)
                     self._counter = None
 
-        def marked_round(*args, **kwargs):
-            self._counter.mark("round")
-            return round_(*args, **kwargs)
-
         def marked_run(*args, **kwargs):
             try:
                 return run(*args, **kwargs)
             finally:
                 self._counter.mark("step")
 
-        proposer.propose, middle.run, middle._round = counted_propose, marked_run, marked_round
+        proposer.propose, middle.run = counted_propose, marked_run
+        middle.on_round_start = lambda: self._counter.mark("round")
         proposer.depth.plan = self._labelled("host", proposer.depth.plan)
-        self._reader = getattr(proposer, "paged_keys", None)
+        self._reader = proposer.retrieval.keeper.reader
         if self._reader is not None:  # its one check at the first commit: label "once"
             self._reader.check = self._labelled("once", self._reader.check)
         return self
@@ -355,10 +353,10 @@ class ProposeSyncs:
 
     def __exit__(self, *exc) -> None:
         for owner, name in ((self.proposer, "propose"), (self.proposer.middle, "run"),
-                            (self.proposer.middle, "_round"), (self.proposer.depth, "plan"),
-                            (self._reader, "check")):
+                            (self.proposer.depth, "plan"), (self._reader, "check")):
             if owner is not None:
                 owner.__dict__.pop(name, None)
+        self.proposer.middle.on_round_start = None
 
     def take(self) -> list[SyncCounter]:
         steps, self.steps = self.steps, []

@@ -167,7 +167,8 @@ class TeacherForcedEngine:
         inputs = build_pass([[token] for token in tokens], [[t]] * len(tokens), block_table,
                             self.block_size, seq_lens.tolist())
         groups = [g for per_kind in d.runner.attn_groups for g in per_kind]
-        return run_pass(d.target_model, d.vllm_config, groups, inputs, tables)
+        return run_pass(d.target_model, d.vllm_config, groups, inputs, tables,
+                        limits=d.shape.pass_limits)
 
     def full_pass(self, tokens, t, block_table) -> tuple[torch.Tensor, torch.Tensor]:
         """The target over its full table at t: (logits [D, V], query [D, L, Hq, Dh] of t)."""

@@ -23,7 +23,7 @@ never scores it anyway (it is always attended as part of the tail).
 
 Lazily (`set_blocks`): a full block's summaries can also be computed at once from its
 keys read back from the KV cache, the engine's default for blocks completed while decoding
-(engine/retrieval_level.py; prompts are folded as computed): then a decode step that
+(engine/summary_keeper.py; prompts are folded as computed): then a decode step that
 selects nothing touches no summary.
 
 Memory: the store is indexed by physical block id and shared by all requests, like
@@ -175,7 +175,7 @@ class BlockSummaries:
         of their keys [L, n, H, block_size, D] (any float dtype, e.g. read back from the KV
         cache: engine/paged_keys.py): what `add_committed` would hold after committing
         every offset of each block, whatever the blocks held before, so setting a block
-        twice changes nothing. The engine's lazy summaries (engine/retrieval_level.py) use
+        twice changes nothing. The engine's lazy summaries (engine/summary_keeper.py) use
         it, for all layers at once: a few operations per read, not a few per layer. Counts
         become block_size."""
         if keys.shape[3] != self.block_size:

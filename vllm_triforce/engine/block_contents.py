@@ -1,5 +1,5 @@
 """Content keys of a request's committed blocks: whether block summaries set earlier still
-hold for the tokens a request has now (engine/retrieval_level.py sets a block's summaries
+hold for the tokens a request has now (engine/summary_keeper.py sets a block's summaries
 once, lazily, and keeps them while its content key stays the same)."""
 
 from __future__ import annotations

@@ -96,7 +96,7 @@ def selection_scratch_bytes(drafting: int, num_layers: int, max_blocks: int,
 # `lazy_read_bytes`: float32-sized copies of a chunk of blocks' keys [L, n, H, bs, D] alive
 # at once while the lazy summaries read them from the KV cache (the float32 keys, their
 # square deviations in BlockSummaries.set_blocks, one layer's gather): read from
-# engine/retrieval_level.py `_set_missing_summaries` and core/summaries.py
+# engine/summary_keeper.py `SummaryKeeper.set_full_blocks` and core/summaries.py
 LAZY_READ_COPIES = 3
 
 
@@ -122,8 +122,8 @@ FOLD_COPIES = 5
 def fold_scratch_bytes(max_batched_tokens: int, num_layers: int, num_kv_heads: int,
                        head_dim: int, chunk_bytes: int | None = None) -> int:
     """Bytes folding one pass's committed keys into the block summaries may hold at once
-    (engine/retrieval_level.py folds a prefill's keys by pieces whose keys of every layer
-    fill at most one read chunk in float32, `RetrievalLevel.fold_tokens`): FOLD_COPIES
+    (engine/summary_keeper.py folds a prefill's keys by pieces whose keys of every layer
+    fill at most one read chunk in float32, `SummaryKeeper.fold_tokens`): FOLD_COPIES
     pieces. Llama-3.1-8B (32 layers x 8 x 128: 128 KiB a token in float32), 8,192 batched
     tokens, 64 MiB chunks: pieces of 512 tokens, 5 x 64 MiB = 0.34 GB. A selection never
     runs at the same time: the plan reserves the larger of the two."""

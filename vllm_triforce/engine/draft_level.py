@@ -15,21 +15,23 @@ from __future__ import annotations
 
 import torch
 
-from vllm_triforce.config import BlockCounts, TriForceConfig, TriForceConfigError
+from vllm_triforce.config import TriForceConfigError
 from vllm_triforce.core.streaming import DraftWindow
+from vllm_triforce.core.verify import GREEDY_TEMPERATURE, sample_tokens
 from vllm_triforce.engine.forward import build_pass, run_pass
-from vllm_triforce.engine.middle import draft_proposals
 from vllm_triforce.engine.transfer import to_device
 
 
-def draft_window(cfg: TriForceConfig, blocks: BlockCounts, max_draft_position: int) -> DraftWindow:
-    """The draft's window; its StreamingLLM window plus one step's lookahead (gamma2 + gamma1)
-    must fit the draft's trained context, checked before any weights load."""
+def draft_window(shape, max_draft_position: int) -> DraftWindow:
+    """The draft's window (engine/shape.EngineShape: its blocks, gamma2, gamma1); its
+    StreamingLLM window plus one step's lookahead (gamma2 + gamma1) must fit the draft's
+    trained context, checked before any weights load."""
+    blocks, cfg = shape.blocks, shape.cfg
     try:
         return DraftWindow(num_sink_blocks=blocks.draft_sink_blocks,
                            num_window_blocks=blocks.draft_window_blocks,
                            block_size=blocks.block_size, max_draft_position=max_draft_position,
-                           lookahead=cfg.num_speculative_tokens + cfg.draft_tokens_per_round)
+                           lookahead=shape.gamma2 + shape.gamma1)
     except ValueError as e:
         raise TriForceConfigError(
             f"speculative_config['draft_window_tokens']={cfg.draft_window_tokens} is too large "
@@ -129,3 +131,33 @@ def _token_ids(batch, drafts, row: int, positions: list[int]) -> list[int]:
             out.append(drafts.tokens[pos - committed_end])
     return out
 
+
+def draft_proposals(batch, states, active: list[int], sizes: list[int], run_step,
+                    generator: torch.Generator):
+    """Level 1's proposals, step by step on the device: sizes[i] tokens for request
+    active[i]. Step s calls `run_step(s, rows, reqs, previous)` for the requests still
+    proposing (rows: their indices in `active`, reqs: their batch rows, previous: their
+    step s - 1 proposals on the device, None at step 0) and gets their logits
+    [len(rows), V]; each is sampled with its request's own transform (`StepBatch.probs`,
+    `sample_tokens`: its generator, else `generator`). Returns the proposals
+    [len(active), max(sizes)] and their probs [len(active), max(sizes), V] (zero past each
+    size), on the device: a step feeds the next without the host reading its tokens."""
+    max_size = max(sizes)
+    proposals = probs = None
+    for step in range(max_size):
+        rows = [i for i in range(len(active)) if sizes[i] > step]
+        reqs = [active[i] for i in rows]
+        rows_dev = slice(None) if len(rows) == len(active) else batch.rows_on_device(rows)
+        previous = None if step == 0 else proposals[rows_dev, step - 1]
+        logits = run_step(step, rows, reqs, previous)
+        reqs_dev = batch.rows_on_device(reqs)
+        q = batch.probs(logits, reqs, reqs_dev)  # [len(rows), V]
+        tokens = sample_tokens(q, batch.temperature[reqs_dev] < GREEDY_TEMPERATURE,
+                               [states[r].generator for r in reqs], generator,
+                               all_greedy=all(batch.greedy[r] for r in reqs))
+        if probs is None:
+            probs = q.new_zeros(len(active), max_size, q.shape[-1])
+            proposals = tokens.new_zeros(len(active), max_size)
+        probs[rows_dev, step] = q
+        proposals[rows_dev, step] = tokens
+    return proposals, probs

@@ -22,7 +22,6 @@ import torch
 from vllm.forward_context import set_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
-from vllm_triforce.engine.buffers import MAX_DRAFTING_REQUESTS
 from vllm_triforce.engine.transfer import to_device
 from vllm_triforce.engine_settings import check_attention_backend
 
@@ -137,13 +136,10 @@ METADATA_PATHS = {
     "FLASHINFER": BUILDER_PER_LAYER,
     # flex_attention.py ~1026-1072: physical_to_logical (read by the mask), kv_indices,
     # kv_num_blocks are persistent: [requests, num_blocks] int64 per layer, at
-    # `per_layer_limits` (reserved: `per_layer_builder_bytes`).
+    # a middle pass's limits (engine/shape.py: `PassLimits`, reserved by
+    # `EngineShape.one_builder_bytes`).
     "FLEX_ATTENTION": BUILDER_PER_LAYER,
 }
-# FlashInfer's prefill and decode wrappers each keep an 8 MiB int workspace of their own
-# (the float workspace is shared, `_share_workspace`); an allowance read from FlashInfer's
-# wrapper constructors, not measured here (no GPU in CI).
-FLASHINFER_WRAPPER_BYTES = 2 * 8 * 2**20
 # Extra builders, built once: attention group -> layer name -> one-layer group.
 _LAYER_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -154,11 +150,14 @@ def metadata_path(backend_name: str) -> str:
     return METADATA_PATHS[backend_name]
 
 
-def layer_metadata(groups, inputs: PassInputs, tables: torch.Tensor | dict) -> dict:
+def layer_metadata(groups, inputs: PassInputs, tables: torch.Tensor | dict,
+                   limits=None) -> dict:
     """Metadata per layer name. `tables` is one [num_reqs, width] table for every layer,
     or a mapping layer_name -> table (layers of a group missing from it belong to another
     model sharing the KV-cache group and get nothing). Layers handed the same table object
-    share one metadata; distinct tables follow the backend's METADATA_PATHS entry."""
+    share one metadata; distinct tables follow the backend's METADATA_PATHS entry (a
+    stateful backend's per-layer builders are made for `limits`, engine/shape.py
+    `PassLimits`)."""
     metas = {}
     for group in groups:
         path = metadata_path(group.backend.get_name())  # refuse unknown backends on any pass
@@ -172,7 +171,7 @@ def layer_metadata(groups, inputs: PassInputs, tables: torch.Tensor | dict) -> d
         elif path == SWAP_TABLE:
             metas.update(_swap_tables(group, inputs, by_table))
         else:
-            metas.update(_build_per_layer(group, inputs, by_table))
+            metas.update(_build_per_layer(group, inputs, by_table, limits))
     return metas
 
 
@@ -235,83 +234,31 @@ def _shallow_copy(obj):
     return own
 
 
-def _build_per_layer(group, inputs: PassInputs, by_table) -> dict:
+def _build_per_layer(group, inputs: PassInputs, by_table, limits) -> dict:
     """Stateful builder: each table is built by the builder of its first layer, so no two
-    builds of a pass share a builder (each layer has its own, created once)."""
+    builds of a pass share a builder (each layer has its own, created once, for `limits`)."""
+    assert limits is not None, "per-layer tables on a stateful backend need PassLimits"
     metas = {}
     for table, names in by_table:
-        layer_group = _layer_group(group, names[0])
+        layer_group = _layer_group(group, names[0], limits)
         meta = layer_group.build_metadata(build_common(inputs, table))
         metas.update(dict.fromkeys(names, meta))
     return metas
 
 
-def per_layer_limits(vllm_config) -> tuple[int, int]:
-    """(requests, tokens) of one pass through per-layer builders: a middle pass holds at most
-    MAX_DRAFTING_REQUESTS requests (engine/buffers.py) of at most draft_tokens_per_round + 1
-    tokens (`run_pass` splits any larger pass, e.g. the acceptance teacher's, to fit). The
-    per-layer builders are made for these limits, not the runner's max_num_seqs and
-    max_num_batched_tokens, which size their persistent buffers: FLEX_ATTENTION's for
-    Llama-3.1-8B at 128K, 1,024 sequences and 8,192 batched tokens would hold ~0.7 GB per
-    layer, ~23 GB for the 32 layers; at these limits ~12 MB per layer. Worked out once per
-    config (`run_pass` asks at every pass)."""
-    from vllm_triforce.config import TriForceConfig, triforce_settings
-
-    cached = _LIMITS.get(id(vllm_config))
-    if cached is not None and cached[0]() is vllm_config:
-        return cached[1]
-    sched = vllm_config.scheduler_config
-    requests = min(sched.max_num_seqs, MAX_DRAFTING_REQUESTS)
-    gamma1 = 0
-    if triforce_settings(vllm_config) is not None:
-        cfg = TriForceConfig.from_vllm_config(vllm_config)
-        gamma1 = cfg.draft_tokens_per_round if cfg.model is not None else 0
-    limits = requests, min(sched.max_num_batched_tokens, requests * (gamma1 + 1))
-    # VllmConfig is not hashable: by id, with a weak reference telling a reused id apart
-    _LIMITS[id(vllm_config)] = (weakref.ref(vllm_config), limits)
-    return limits
-
-
-_LIMITS: dict[int, tuple[weakref.ref, tuple[int, int]]] = {}
-
-
-def per_layer_builder_bytes(backend_name: str, vllm_config, block_size: int) -> tuple[int, int]:
-    """(bytes per KV block, fixed bytes) that ONE per-layer builder (BUILDER_PER_LAYER) keeps,
-    at `per_layer_limits` (R requests, T tokens), P = pages of a max_model_len request; read
-    from vLLM 0.32.0's builders (tests/test_flex_backend.py measures FLEX's on CPU):
-    FLEX_ATTENTION: physical_to_logical [R, num_blocks] int64 (per block), kv_indices
-    [cdiv(T, q) * q, P] and R-SWA kv_indices [T, P + 1] int32, and [T]- and [R]-sized int32
-    vectors (q = its query block, 16 or 128 or attention_config's, rounded up here to 128);
-    FLASHINFER: paged_kv_indices [R * P] int32, its indptr and last-page vectors (host and
-    device), FLASHINFER_WRAPPER_BYTES. Stateless backends: none."""
-    if METADATA_PATHS.get(backend_name) != BUILDER_PER_LAYER:
-        return 0, 0
-    requests, tokens = per_layer_limits(vllm_config)
-    pages = -(-vllm_config.model_config.max_model_len // block_size)
-    if backend_name == "FLEX_ATTENTION":
-        q_block = max(128, getattr(vllm_config.attention_config, "flex_attn_q_block_size",
-                                   None) or 0)
-        query_groups = -(-tokens // 16)
-        fixed = 4 * ((-(-tokens // q_block) * q_block) * pages + tokens * (pages + 1)
-                     + query_groups + 3 * tokens + 4 * requests + 1)
-        return 8 * requests, fixed
-    return 0, 4 * (requests * pages + 2 * (2 * requests + 1)) + FLASHINFER_WRAPPER_BYTES
-
-
-def _limited_config(vllm_config):
-    """`vllm_config` with the scheduler's limits cut to `per_layer_limits` (shallow copies:
-    everything else is the runner's own)."""
-    requests, tokens = per_layer_limits(vllm_config)
+def _limited_config(vllm_config, limits):
+    """`vllm_config` with the scheduler's limits cut to `limits` (engine/shape.py
+    `PassLimits`; shallow copies: everything else is the runner's own)."""
     limited, sched = copy.copy(vllm_config), copy.copy(vllm_config.scheduler_config)
-    sched.max_num_seqs, sched.max_num_batched_tokens = requests, tokens
+    sched.max_num_seqs, sched.max_num_batched_tokens = limits.requests, limits.tokens
     limited.scheduler_config = sched
     return limited
 
 
-def _layer_group(group, layer_name: str):
+def _layer_group(group, layer_name: str, limits):
     """A one-layer copy of `group` with its own metadata builder (and kernel-block buffer),
-    created the way vLLM's runner creates a group's builders but for `per_layer_limits`,
-    cached for the engine's life."""
+    created the way vLLM's runner creates a group's builders but for a middle pass's
+    `limits` (engine/shape.py `PassLimits`), cached for the engine's life."""
     per_layer = _LAYER_GROUPS.setdefault(group, {})
     if layer_name not in per_layer:
         from vllm.v1.worker.utils import AttentionGroup
@@ -321,7 +268,8 @@ def _layer_group(group, layer_name: str):
             backend=group.backend, layer_names=[layer_name], kv_cache_spec=group.kv_cache_spec,
             kv_cache_group_id=group.kv_cache_group_id,
             kernel_block_stride=group.kernel_block_stride)
-        layer_group.create_metadata_builders(_limited_config(source.vllm_config), source.device,
+        layer_group.create_metadata_builders(_limited_config(source.vllm_config, limits),
+                                             source.device,
                                              kernel_block_size=group.kernel_block_size)
         _share_workspace(source, layer_group.get_metadata_builder())
         per_layer[layer_name] = layer_group
@@ -360,10 +308,12 @@ TIME_FORWARDS_ENV = "VLLM_TRIFORCE_TIME_FORWARDS"
 
 
 def run_pass(model, vllm_config, groups, inputs: PassInputs, tables,
-             stats=None) -> torch.Tensor:
+             stats=None, limits=None) -> torch.Tensor:
     """Build metadata and forward, in chunks of at most max_num_batched_tokens tokens.
 
-    `tables`: one [num_reqs, width] table for every layer, or layer_name -> table.
+    `tables`: one [num_reqs, width] table for every layer, or layer_name -> table; with
+    per-layer tables on a stateful backend, `limits` (engine/shape.py `PassLimits`, the
+    engine's `EngineShape.pass_limits`) bounds each chunk too.
     Returns the logits of `inputs.sample_rows`, in order. With `stats`, the time of the
     model forwards goes to `stats.forward_seconds`; everything else the proposer does
     (metadata included) is host work. On a GPU that time is the device's only where
@@ -371,13 +321,13 @@ def run_pass(model, vllm_config, groups, inputs: PassInputs, tables,
     limit, max_reqs = vllm_config.scheduler_config.max_num_batched_tokens, None
     if isinstance(tables, dict) and any(metadata_path(g.backend.get_name()) == BUILDER_PER_LAYER
                                         for g in groups):  # per-layer builders' limits
-        max_reqs, tokens = per_layer_limits(vllm_config)
-        limit = min(limit, tokens)
+        assert limits is not None, "per-layer tables on a stateful backend need PassLimits"
+        max_reqs, limit = limits.requests, min(limit, limits.tokens)
     chunks = list(split_pass(inputs, limit, max_reqs))
     logits = []
     for chunk, rows in chunks:
         chunk_tables = tables if len(chunks) == 1 else _rows_of(tables, rows)
-        metas = layer_metadata(groups, chunk, chunk_tables)
+        metas = layer_metadata(groups, chunk, chunk_tables, limits)
         start = time.perf_counter()
         logits.append(run(model, vllm_config, metas, chunk))
         if stats is not None:

@@ -16,7 +16,7 @@ blocks fit what is available (`MemoryPlan.blocks_for`), where
   and max); plus, only with `allow_full_key_copy`, a copy of every committed key (h2o,
   topk_oracle); plus, with a stateful attention backend (FLEX_ATTENTION, FLASHINFER), the
   block map of one metadata builder per target layer, made for a middle pass's limits
-  (engine/forward.py `per_layer_limits`, `per_layer_builder_bytes`): FLEX's is 8 B per
+  (engine/shape.py `PassLimits`, `EngineShape.one_builder_bytes`): FLEX's is 8 B per
   block per drafting request and layer (Llama-3.1-8B, 32 drafting requests: 8.3 KiB per
   2 MiB block);
 * the fixed part (`MemoryPlan.sized(n)`, a `Sizing`; each buffer's bound in
@@ -125,7 +125,7 @@ class BufferShape:
     block_size: int
     max_blocks: int          # blocks of a max_model_len request (0: no selection scratch)
     max_batched_tokens: int  # tokens of one pass (0: no fold scratch)
-    builder_bytes: int = 0   # the per-layer builders' fixed part (`builder_bytes`)
+    builder_bytes: int = 0   # the per-layer builders' fixed part (`EngineShape.builder_bytes`)
 
     @property
     def key_row_bytes(self) -> int:
@@ -203,15 +203,16 @@ class MemoryPlan:
                    vocab_size: int, builders: tuple[int, int] = (0, 0),
                    max_blocks: int = 0, num_q_heads: int = 0,
                    max_batched_tokens: int = 0) -> "MemoryPlan":
-        """`kinds`: the optional block state kept (TriForceConfig.summary_kinds(), which
+        """An engine's plan comes from its shape (engine/shape.py `EngineShape.memory_plan`,
+        which calls this). `kinds`: the optional block state kept (TriForceConfig.summary_kinds(), which
         the proposer also allocates from). `kv_dtype_bytes`: the bytes of `summary_dtype`,
         the summaries' element (the KV cache's element unless that is fp8 or int8).
         `builders`: (bytes per block, fixed bytes) of the per-layer attention-metadata
-        builders a stateful backend needs (`builder_bytes`). `max_blocks`: blocks of the
-        longest request (max_model_len / block_size, rounded up), `num_q_heads` the
-        target's query heads: with them the plan also holds the block selection's scratch
-        (`selection_scratch_bytes`, `lazy_read_bytes`; 0: left out, as in the first worked
-        example above). `max_batched_tokens`: the most tokens of one pass (vLLM's
+        builders a stateful backend needs (engine/shape.py `EngineShape.builder_bytes`).
+        `max_blocks`: blocks of the longest request (max_model_len / block_size, rounded
+        up), `num_q_heads` the target's query heads: with them the plan also holds the block
+        selection's scratch (`selection_scratch_bytes`, `lazy_read_bytes`; 0: left out, as
+        in the first worked example above). `max_batched_tokens`: the most tokens of one pass (vLLM's
         `max_num_batched_tokens`), for the fold's scratch (`fold_scratch_bytes`; 0: left
         out)."""
         key_bytes = num_target_layers * num_kv_heads * head_dim * kv_dtype_bytes
@@ -256,68 +257,6 @@ class MemoryPlan:
         """The inverse of `kv_budget`: bytes to hand the sizing so that at least `kv_bytes`
         of KV cache remain after the reservation (for a KV size chosen before sizing)."""
         return self.footprint(-(-kv_bytes // self.kv_bytes_per_block))
-
-    @classmethod
-    def for_vllm_config(cls, vllm_config, kv_bytes_per_block: int,
-                        backend: str | None) -> "MemoryPlan | None":
-        """The plan of a TriForce engine (None for another engine), from its config, its KV
-        bytes per block (every layer, one rank) and its attention backend's name (None:
-        stateless). The one constructor of both the worker's reservation
-        (`TriForceProposer.memory_plan`) and the CPU KV sizing before any worker exists
-        (`from_vllm_config`, patches/cpu_defaults.py), so the two agree."""
-        from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
-
-        from vllm_triforce.config import TriForceConfig, triforce_settings
-
-        settings = triforce_settings(vllm_config)
-        if settings is None:
-            return None
-        cfg = TriForceConfig.from_dict(settings)
-        model, parallel = vllm_config.model_config, vllm_config.parallel_config
-        layers, block_size = model.get_num_layers(parallel), vllm_config.cache_config.block_size
-        kv_dtype = kv_cache_dtype_str_to_dtype(vllm_config.cache_config.cache_dtype, model)
-        return cls.for_engine(
-            kv_bytes_per_block=kv_bytes_per_block, num_target_layers=layers,
-            num_kv_heads=model.get_num_kv_heads(parallel), head_dim=model.get_head_size(),
-            block_size=block_size,
-            kv_dtype_bytes=summary_dtype(kv_dtype, model.dtype).itemsize,
-            kinds=cfg.summary_kinds(),
-            max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
-            gamma2=cfg.num_speculative_tokens,
-            gamma1=cfg.draft_tokens_per_round if cfg.model is not None else 0,
-            vocab_size=model.get_vocab_size(),
-            builders=builder_bytes(backend, vllm_config, block_size, layers),
-            max_blocks=-(-model.max_model_len // block_size),
-            num_q_heads=model.get_num_attention_heads(parallel),
-            max_batched_tokens=vllm_config.scheduler_config.max_num_batched_tokens)
-
-    @classmethod
-    def from_vllm_config(cls, vllm_config, kv_bytes_per_token: int) -> "MemoryPlan | None":
-        """`for_vllm_config` before any worker exists: `kv_bytes_per_token` every KV layer,
-        one rank; the attention backend the config asks for (`attention_config.backend`;
-        none asked: the platform's default, CPU_ATTN on a CPU, which keeps no builders)."""
-        block_size = vllm_config.cache_config.block_size
-        return cls.for_vllm_config(vllm_config, kv_bytes_per_token * block_size,
-                                   requested_backend(vllm_config))
-
-
-def requested_backend(vllm_config) -> str | None:
-    """The attention backend's name the config asks for, or None."""
-    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
-    return None if backend is None else getattr(backend, "name", str(backend))
-
-
-def builder_bytes(backend: str | None, vllm_config, block_size: int,
-                  num_layers: int) -> tuple[int, int]:
-    """(bytes per KV block, fixed bytes) of a stateful backend's per-layer builders: one per
-    target layer, plus one build's transient block map (FLEX: `physical_to_logical`);
-    (0, 0) for a stateless backend or None."""
-    from vllm_triforce.engine.forward import per_layer_builder_bytes
-
-    if backend is None:
-        return 0, 0
-    per_block, fixed = per_layer_builder_bytes(backend, vllm_config, block_size)
-    return (num_layers + 1) * per_block, num_layers * fixed
 
 
 def describe_reservation(plan: MemoryPlan, available: int, num_blocks: int) -> str:

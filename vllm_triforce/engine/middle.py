@@ -36,23 +36,28 @@ class RequestDrafts:
 
 
 class MiddleLoop:
-    """Runs `retrieval` (level 2), with `draft` (level 1, None in two-level mode) proposing
-    `gamma1` tokens per round; `refresh` hears every round's acceptance, `stats` counts, and
-    `generator` samples for requests without a seed of their own."""
+    """Runs a step of the retrieval level (level 2, engine/retrieval_level.RetrievalStep),
+    with `draft` (level 1, None in two-level mode) proposing `gamma1` tokens per round
+    (engine/shape.py: 0 without a small draft); `refresh` hears every round's acceptance,
+    `stats` counts, and `generator` samples for requests without a seed of their own.
 
-    def __init__(self, retrieval, draft, gamma1: int, refresh, stats,
-                 generator: torch.Generator, measure_middle_acceptance: bool):
-        self.retrieval = retrieval
+    `on_round_start`: a seam for profilers (bench/syncs.py), called as each round starts
+    (None: nothing)."""
+
+    def __init__(self, draft, gamma1: int, refresh, stats, generator: torch.Generator,
+                 measure_middle_acceptance: bool):
         self.draft = draft
-        self.gamma1 = gamma1 if draft is not None else 0
+        self.gamma1 = gamma1
         self.refresh = refresh
         self.stats = stats
         self.generator = generator
         self.measure = measure_middle_acceptance
+        self.on_round_start = None
 
-    def run(self, batch, states, rows: list[int], num_drafts: list[int], probs_out: torch.Tensor,
+    def run(self, step, rows: list[int], num_drafts: list[int], probs_out: torch.Tensor,
             use_draft: bool = True, on_round=None) -> dict[int, RequestDrafts]:
-        """Middle tokens for decoding `rows`: rows[i] gets at least num_drafts[i] (0: no middle
+        """Middle tokens for decoding `rows` of the retrieval level's `step` (its batch and
+        request states): rows[i] gets at least num_drafts[i] (0: no middle
         work at all). `probs_out` [at least the drafting rows, gamma2, V] (the reserved buffer
         `hand_off` gives vLLM): the k-th middle token's distribution of the i-th drafting row
         (`drafting_slots`) goes to probs_out[i, k] as the round that emits it ends (k < gamma2;
@@ -60,48 +65,48 @@ class MiddleLoop:
         after it. `use_draft` False: the small draft sits out (gamma1 = 0 this step).
         `on_round(use_draft, num_active, seconds, tokens_per_request)` hears every round's
         wall time (it ends in a device-to-host copy, so device work is included)."""
+        batch, states = step.batch, step.states
         drafts_by_row = {r: RequestDrafts(batch.next_tokens[r], batch.committed[r])
                          for r in rows}
         wanted = dict(zip(rows, num_drafts))
         gamma1 = self.gamma1 if use_draft else 0
         slots = drafting_slots(wanted)
         measured = list(slots)
-        full_probs = (self._full_cache_probs(batch, drafts_by_row, measured) if self.measure
+        full_probs = (self._full_cache_probs(step, drafts_by_row, measured) if self.measure
                       else None)
         # every row greedy: vLLM gets no draft probs and a round needs only argmaxes
         argmax_only = not self.measure and all(batch.greedy[r] for r in rows)
-        try:  # the shortlists kept for these rounds are freed however the loop ends
-            while True:
-                active = [r for r in rows if len(drafts_by_row[r].tokens) < wanted[r]]
-                if not active:
-                    return drafts_by_row
-                sizes = [min(gamma1, wanted[r] - len(drafts_by_row[r].tokens)) for r in active]
-                start = time.perf_counter()
-                emitted = self._round(batch, states, drafts_by_row, active, sizes, slots,
-                                      None if argmax_only else probs_out)
-                more = [r for r in active if len(drafts_by_row[r].tokens) < wanted[r]]
-                if more:  # next round's blocks, from the newest middle tokens' queries
-                    self.retrieval.select_in_middle(batch, states, more, drafts_by_row)
-                if on_round is not None:
-                    on_round(gamma1 > 0, len(active), time.perf_counter() - start,
-                             emitted / len(active))
-                self.stats.add(middle_rounds=1)
-                if full_probs is not None:  # first round: q at the first middle position
-                    q = probs_out[:len(measured), 0]  # the measured rows are the first slots
-                    self.stats.add(middle_pq_sum=float(torch.minimum(full_probs, q).sum()),
-                                   middle_pq_count=len(measured))
-                    full_probs = None
-        finally:
-            self.retrieval.end_rounds()
+        while True:
+            active = [r for r in rows if len(drafts_by_row[r].tokens) < wanted[r]]
+            if not active:
+                return drafts_by_row
+            sizes = [min(gamma1, wanted[r] - len(drafts_by_row[r].tokens)) for r in active]
+            if self.on_round_start is not None:
+                self.on_round_start()
+            start = time.perf_counter()
+            emitted = self._round(step, drafts_by_row, active, sizes, slots,
+                                  None if argmax_only else probs_out)
+            more = [r for r in active if len(drafts_by_row[r].tokens) < wanted[r]]
+            if more:  # next round's blocks, from the newest middle tokens' queries
+                step.select_in_middle(more, drafts_by_row)
+            if on_round is not None:
+                on_round(gamma1 > 0, len(active), time.perf_counter() - start,
+                         emitted / len(active))
+            self.stats.add(middle_rounds=1)
+            if full_probs is not None:  # first round: q at the first middle position
+                q = probs_out[:len(measured), 0]  # the measured rows are the first slots
+                self.stats.add(middle_pq_sum=float(torch.minimum(full_probs, q).sum()),
+                               middle_pq_count=len(measured))
+                full_probs = None
 
-    def _full_cache_probs(self, batch, drafts_by_row, rows: list[int]):
+    @staticmethod
+    def _full_cache_probs(step, drafts_by_row, rows: list[int]):
         if not rows:
             return None
-        return self.retrieval.full_cache_probs(
-            batch, rows, [drafts_by_row[r].last_token for r in rows],
-            [drafts_by_row[r].position for r in rows])
+        return step.full_cache_probs(rows, [drafts_by_row[r].last_token for r in rows],
+                                     [drafts_by_row[r].position for r in rows])
 
-    def _round(self, batch, states, drafts_by_row, active: list[int], sizes: list[int],
+    def _round(self, step, drafts_by_row, active: list[int], sizes: list[int],
                slots: dict[int, int], probs_out: torch.Tensor | None) -> int:
         """One round for requests `active`, request active[i] proposing sizes[i] tokens;
         returns the middle tokens it added over all of them. `probs_out` None: every
@@ -109,6 +114,7 @@ class MiddleLoop:
         `run`'s buffer, request r's rows at slots[r]. Everything stays on the device until
         the round's one device-to-host copy of what decides the next round: accepted counts
         and emitted tokens."""
+        batch, states = step.batch, step.states
         argmax_only = probs_out is None
         proposals, proposal_probs = None, None  # [A, max(sizes)] and [A, max(sizes), V]
         if max(sizes) > 0:
@@ -116,9 +122,8 @@ class MiddleLoop:
                                                            active, sizes)
         num_inputs = [size + 1 for size in sizes]  # [A] the newest token, then the proposals
         first_rows = [0, *itertools.accumulate(num_inputs)][:-1]  # [A] in the pass
-        logits = self.retrieval.forward(
-            batch, states, active, self._input_ids(drafts_by_row, active, proposals, sizes,
-                                                   first_rows),
+        logits = step.forward(
+            active, self._input_ids(drafts_by_row, active, proposals, sizes, first_rows),
             [list(range(drafts_by_row[r].position, drafts_by_row[r].position + n))
              for r, n in zip(active, num_inputs)])
         if argmax_only and proposals is None:  # one token per request: its argmax, kept
@@ -222,37 +227,6 @@ class MiddleLoop:
             self.draft.after_round(state, drafts, num_proposed, accepted)
             self.refresh.record_round(state.refresh, num_proposed, accepted)
             self.stats.record_middle(num_proposed, accepted)
-
-
-def draft_proposals(batch, states, active: list[int], sizes: list[int], run_step,
-                    generator: torch.Generator):
-    """Level 1's proposals, step by step on the device: sizes[i] tokens for request
-    active[i]. Step s calls `run_step(s, rows, reqs, previous)` for the requests still
-    proposing (rows: their indices in `active`, reqs: their batch rows, previous: their
-    step s - 1 proposals on the device, None at step 0) and gets their logits
-    [len(rows), V]; each is sampled with its request's own transform (`StepBatch.probs`,
-    `sample_tokens`: its generator, else `generator`). Returns the proposals
-    [len(active), max(sizes)] and their probs [len(active), max(sizes), V] (zero past each
-    size), on the device: a step feeds the next without the host reading its tokens."""
-    max_size = max(sizes)
-    proposals = probs = None
-    for step in range(max_size):
-        rows = [i for i in range(len(active)) if sizes[i] > step]
-        reqs = [active[i] for i in rows]
-        rows_dev = slice(None) if len(rows) == len(active) else batch.rows_on_device(rows)
-        previous = None if step == 0 else proposals[rows_dev, step - 1]
-        logits = run_step(step, rows, reqs, previous)
-        reqs_dev = batch.rows_on_device(reqs)
-        q = batch.probs(logits, reqs, reqs_dev)  # [len(rows), V]
-        tokens = sample_tokens(q, batch.temperature[reqs_dev] < GREEDY_TEMPERATURE,
-                               [states[r].generator for r in reqs], generator,
-                               all_greedy=all(batch.greedy[r] for r in reqs))
-        if probs is None:
-            probs = q.new_zeros(len(active), max_size, q.shape[-1])
-            proposals = tokens.new_zeros(len(active), max_size)
-        probs[rows_dev, step] = q
-        proposals[rows_dev, step] = tokens
-    return proposals, probs
 
 
 def _per_request(token_rows: torch.Tensor, shape: tuple[int, int], owner: torch.Tensor,

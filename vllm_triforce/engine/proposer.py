@@ -6,7 +6,8 @@ sampler, with our middle-level probabilities as draft probs) and commits. Per st
 vLLM's full-cache verification pass:
 
 1. commit   -- keys of tokens that are now final go into the per-block summaries
-               (RetrievalLevel.commit, engine/retrieval_level.py);
+               (RetrievalLevel.begin_step, engine/retrieval_level.py, which makes the
+               step's RetrievalStep; engine/summary_keeper.py);
 2. plan     -- each decoding request's depth k, 0 .. gamma2 (vLLM's bound for the step:
                num_speculative_tokens, or Dynamic SD's entry for the batch size), and
                whether the small draft runs this step (DepthChooser, engine/depth.py, from
@@ -18,9 +19,9 @@ vLLM's full-cache verification pass:
                needs vLLM's plain sampler (`decodes_plainly`) gets 0, and so does every
                request past the drafting cap (`cap_drafting`, seeded requests first);
 3. select   -- drafting requests due for a refresh re-score their blocks
-               (RetrievalLevel.select, core/selection.py) with the newest committed token's
+               (RetrievalStep.select, core/selection.py) with the newest committed token's
                query; between middle rounds, with the newest middle token's
-               (RetrievalLevel.select_in_middle);
+               (RetrievalStep.select_in_middle);
 4. middle loop (MiddleLoop.run, engine/middle.py), until each decoding request holds its
    depth in middle tokens:
      level 1: the small draft over its StreamingLLM table proposes up to gamma1 tokens per
@@ -33,7 +34,9 @@ vLLM's full-cache verification pass:
    `adaptive` on or off) and, as draft probs, the level-2 distribution each token was drawn
    from, so level 3 (vLLM's verification over the full cache) stays lossless.
 
-The levels are built in `initialize_attn_backend`, each with exactly what it uses. Of the
+The engine's sizes (geometry, gamma1 / gamma2, drafting cap, pass limits, memory plan) are
+worked out once, in `EngineShape.of` (engine/shape.py), and handed down. The levels are
+built in `initialize_attn_backend`, each with exactly what it uses. Of the
 engine, only this class and `StepBatch.from_runner` (engine/batch.py, once per step) read
 the runner; only this class reads the `DraftModelProposer` base class's attributes.
 
@@ -60,7 +63,7 @@ from vllm.config import get_layers_from_vllm_config
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
 from vllm_triforce import engine_settings, metrics
-from vllm_triforce.config import TriForceConfig, TriForceConfigError, forced_settings
+from vllm_triforce.config import TriForceConfigError, forced_settings
 from vllm_triforce.core.key_policies import RerankPolicy
 from vllm_triforce.core.policies import make_policy
 from vllm_triforce.core.refresh import RefreshPolicy
@@ -72,14 +75,15 @@ from vllm_triforce.engine.batch import StepBatch
 from vllm_triforce.engine.draft_level import DraftLevel, draft_window
 from vllm_triforce.engine.forward import metadata_path
 from vllm_triforce.engine.memory import (MemoryPlan, Sizing, allocate_summaries,
-                                         check_one_request, describe_reservation,
-                                         summary_dtype)
+                                         check_one_request, describe_reservation)
 from vllm_triforce.engine.depth import DepthChooser
 from vllm_triforce.engine.middle import MiddleLoop, hand_off
 from vllm_triforce.engine.paged_keys import paged_keys_for
 from vllm_triforce.engine.retrieval_level import RetrievalLevel
+from vllm_triforce.engine.shape import EngineShape
 from vllm_triforce.engine.state import RequestState, StateTable
 from vllm_triforce.engine.stats import TriForceStats
+from vllm_triforce.engine.summary_keeper import SummaryKeeper
 
 logger = init_logger("vllm.triforce")
 
@@ -93,17 +97,21 @@ class TriForceProposer(DraftModelProposer):
         engine_settings.check_effective(vllm_config)  # before any weights load
         super().__init__(vllm_config=vllm_config, device=device, runner=runner)
         self.runner = runner
-        self.cfg = TriForceConfig.from_vllm_config(vllm_config)
+        self.shape = EngineShape.of(vllm_config)
+        if self.shape is None:
+            raise TriForceConfigError("TriForceProposer needs an engine configured with "
+                                      "\"method\": \"triforce\" (no TriForce settings found).")
+        self.cfg = self.shape.cfg
         self.forced_settings = forced_settings(vllm_config)
         self.reserved_bytes = 0  # set by reserve_memory (patches/kv_reservation.py) ...
         self.sizing: Sizing | None = None  # ... with the limits it reserved for
         self._probs_buffer: torch.Tensor | None = None
         self._last_draft_probs = None
         self._last_draft_prob_req_ids: list[str] | None = None
-        self.has_draft = self.cfg.model is not None
-        self.blocks = self.cfg.in_blocks(vllm_config.cache_config.block_size)
+        self.has_draft = self.shape.has_draft
+        self.blocks = self.shape.blocks
         if self.has_draft:
-            self._draft_window(self.blocks)  # refuse a window the draft's context cannot hold
+            self._draft_window()  # refuse a window the draft's context cannot hold
         self.policy = make_policy(self.cfg.selection_policy, **self.cfg.policy_kwargs())
         self.refresh = RefreshPolicy(self.cfg.refresh_interval,
                                      self.cfg.refresh_acceptance_threshold)
@@ -125,7 +133,7 @@ class TriForceProposer(DraftModelProposer):
         self.depth: DepthChooser | None = None  # the depth controller (engine/depth.py)
         logger.info("TriForce: %s levels, gamma2=%d, gamma1=%d, retrieval budget %d blocks of %d "
                     "tokens, policy %s%s", 3 if self.has_draft else 2,
-                    self.cfg.num_speculative_tokens, self.cfg.draft_tokens_per_round,
+                    self.shape.gamma2, self.shape.gamma1,
                     self.blocks.budget_blocks, self.blocks.block_size, self.cfg.selection_policy,
                     " (mean key + key variance)" if self.cfg.summary_kinds().keep_variance
                     else "")
@@ -152,32 +160,33 @@ class TriForceProposer(DraftModelProposer):
         if self.has_draft:
             super().initialize_attn_backend(kv_cache_config, kernel_block_sizes)
         self.block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
-        kv_dtype = self.runner.get_kv_cache_spec()[self.target_layer_names[0]].dtype
-        layer = self.target_layers[0]
+        shape = self.shape
+        if self.block_size != shape.block_size or len(self.target_layers) != shape.num_layers:
+            raise TriForceConfigError(
+                f"TriForce was sized for {shape.num_layers} target layers in blocks of "
+                f"{shape.block_size} tokens; vLLM's KV cache has {len(self.target_layers)} "
+                f"and blocks of {self.block_size}. Please report this with your model.")
         self.sizing = self._agreed_sizing(kv_cache_config.num_blocks)
         self.summaries = allocate_summaries(  # what memory_plan reserved
-            self.cfg.summary_kinds(), num_layers=len(self.target_layers),
-            num_blocks=kv_cache_config.num_blocks, num_kv_heads=layer.num_kv_heads,
-            head_dim=layer.head_size, block_size=self.block_size,
-            dtype=summary_dtype(kv_dtype, self.vllm_config.model_config.dtype),
+            self.cfg.summary_kinds(), num_layers=shape.num_layers,
+            num_blocks=kv_cache_config.num_blocks, num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim, block_size=shape.block_size, dtype=shape.summary_dtype,
             device=self.device, chunk_bytes=self.sizing.chunk_bytes)
         # [D, gamma2, V]: the draft probabilities handed to vLLM, one row per drafting request
         # (the drafting cap, `Sizing.drafting`), reused per step (patches/handoff_rows.py).
-        self._probs_buffer = torch.zeros(
-            self.sizing.drafting, self.cfg.num_speculative_tokens,
-            self.vllm_config.model_config.get_vocab_size(), dtype=torch.float32,
-            device=self.device)
+        self._probs_buffer = torch.zeros(self.sizing.drafting, shape.gamma2, shape.vocab_size,
+                                         dtype=torch.float32, device=self.device)
         backend = self.runner.attn_groups[0][0].backend.get_name()
         metadata_path(backend)  # refuse an unsupported backend now, not at the first pass
         # Every policy's engine checks the reader once (cheap), so `doctor` can tell whether
         # `rerank` would read this backend's cache; only rerank reads it after that.
-        self.paged_keys, self.unreadable = paged_keys_for(
+        paged_keys, unreadable = paged_keys_for(
             self.target_layers, backend, self.block_size, self.vllm_config.cache_config.cache_dtype)
-        if self.paged_keys is None and isinstance(self.policy, RerankPolicy):
+        if paged_keys is None and isinstance(self.policy, RerankPolicy):
             logger.warning("TriForce: selection_policy 'rerank' cannot read keys from this "
                            "KV cache (%s); it keeps its first stage (retrieval) only.",
-                           self.unreadable)
-        self._build_levels()
+                           unreadable)
+        self._build_levels(paged_keys, unreadable)
         logger.info(engine_settings.describe(self.vllm_config, backend, self.forced_settings))
         logger.info("TriForce block summaries: %.1f MiB for %d blocks (%s); probability buffers "
                     "%.1f MiB for %d drafting requests; reads of at most %.1f MiB",
@@ -185,45 +194,42 @@ class TriForceProposer(DraftModelProposer):
                     self.summaries.sums.dtype, self._probs_buffer.nbytes / 2**20,
                     self.sizing.drafting, self.sizing.chunk_bytes / 2**20)
 
-    def _build_levels(self) -> None:
-        """Each level gets exactly what it uses. Counts are in the KV-cache spec's blocks
-        (the same size as cache_config's, which __init__ checked against)."""
-        blocks = self.cfg.in_blocks(self.block_size)
+    def _build_levels(self, paged_keys, unreadable: str | None) -> None:
+        """Each level gets exactly what it uses, from the engine's shape. `paged_keys`:
+        engine/paged_keys.py's reader of this KV cache (None: `unreadable` says why)."""
+        shape = self.shape
         layer = self.target_layers[0]
         target_groups = [g for groups in self.runner.attn_groups for g in groups]
-        selector = Selector(self.policy, blocks, self.cfg.middle_shortlist, keys=self.paged_keys)
+        selector = Selector(self.policy, shape.blocks, self.cfg.middle_shortlist, keys=paged_keys)
+        keeper = SummaryKeeper(self.summaries, self.capture, selector, self.stats, self.device,
+                               unreadable=unreadable)
         self.retrieval = RetrievalLevel(
             self.target_model, self.vllm_config, target_groups, self.target_layer_names,
-            layer.num_heads, layer.head_size, self.capture, self.summaries, selector,
-            self.refresh, self.stats, self.device)
-        if self.paged_keys is None:
-            self.retrieval.key_status = f"unreadable: {self.unreadable}"
+            layer.num_heads, layer.head_size, self.capture, keeper, selector,
+            self.refresh, self.stats, self.device, pass_limits=shape.pass_limits)
         self.draft = None
         if self.has_draft:
             self.draft = DraftLevel(self.model, self.vllm_config, self.draft_attn_groups,
-                                    self._draft_window(blocks), self.stats, self.generator,
+                                    self._draft_window(), self.stats, self.generator,
                                     self.device)
         tp = self.vllm_config.parallel_config.tensor_parallel_size
-        self.depth = DepthChooser(self.cfg.adaptive, self.cfg.num_speculative_tokens,
-                                  self.has_draft, self.stats,
-                                  share=_from_tp_rank0 if tp > 1 else None, blocks=blocks,
+        self.depth = DepthChooser(self.cfg.adaptive, shape.gamma2, self.has_draft, self.stats,
+                                  share=_from_tp_rank0 if tp > 1 else None, blocks=shape.blocks,
                                   max_drafting=self.sizing.drafting)
-        self.middle = MiddleLoop(self.retrieval, self.draft, self.cfg.draft_tokens_per_round,
-                                 self.refresh, self.stats, self.generator,
-                                 self.cfg.measure_middle_acceptance)
+        self.middle = MiddleLoop(self.draft, shape.gamma1, self.refresh, self.stats,
+                                 self.generator, self.cfg.measure_middle_acceptance)
 
-    def _draft_window(self, blocks):
+    def _draft_window(self):
         hf = self.speculative_config.draft_model_config.hf_config
-        return draft_window(self.cfg, blocks, hf.max_position_embeddings)
+        return draft_window(self.shape, hf.max_position_embeddings)
 
     def memory_plan(self) -> MemoryPlan:
-        """What this proposer will allocate beside the KV cache (engine/memory.py): the plan
-        the CPU KV sizing makes from the config (patches/cpu_defaults.py), with this
-        runner's KV bytes per block and attention backend."""
+        """What this proposer will allocate beside the KV cache (engine/memory.py): the
+        engine shape's plan (the one the CPU KV sizing makes, patches/cpu_defaults.py), with
+        this runner's KV bytes per block and attention backend."""
         specs = self.runner.get_kv_cache_spec()
-        return MemoryPlan.for_vllm_config(
-            self.vllm_config, kv_bytes_per_block=sum(s.page_size_bytes for s in specs.values()),
-            backend=self.target_layers[0].attn_backend.get_name())
+        return self.shape.memory_plan(sum(s.page_size_bytes for s in specs.values()),
+                                      self.target_layers[0].attn_backend.get_name())
 
     def reserve_memory(self, available: int) -> int:
         """Called with the bytes vLLM would turn into KV blocks; returns the smaller budget
@@ -277,33 +283,34 @@ class TriForceProposer(DraftModelProposer):
         self.capture.enabled = False
         try:
             states = [self.states.get(r, self._new_state) for r in batch.req_ids]
-            drafts, probs, prob_req_ids = self._step(batch, states, num_speculative_tokens,
-                                                     start)
+            if self.draft is not None:
+                self.draft.invalidate(batch, states)
+            pure_decode = self._pure_decode(batch, states)  # before the commit resets counts
+            with self.retrieval.begin_step(batch, states, judged_alone=self.draft is None) as step:
+                drafts, probs, prob_req_ids = self._step(step, pure_decode,
+                                                         num_speculative_tokens, start)
         finally:
             self.capture.enabled = True
             self.capture.clear()
         self._last_draft_probs, self._last_draft_prob_req_ids = probs, prob_req_ids
-        self.depth.end(drafting=any(drafts), start=start,
-                       one_time=self.retrieval.summarise_seconds)
+        self.depth.end(drafting=any(drafts), start=start, one_time=step.summarise_seconds)
         self.stats.add(middle_seconds=time.perf_counter() - start)
         self._publish_stats()
         # one list per request, [] allowed (vLLM's variable-length path), also at a fixed
         # depth: a request over the drafting cap, or prefilling, gets no draft
         return drafts
 
-    def _step(self, batch, states, max_depth: int, start: float):
-        """commit -> plan -> select -> middle loop -> hand-off. Returns one draft list per
-        request, the drafting requests' probs [D, max depth, V] and their request ids (None,
-        None when every drafting request is greedy or none drafts). `max_depth`: this step's
-        bound from vLLM (num_speculative_tokens, or Dynamic SD's entry for the batch size)."""
-        if self.draft is not None:
-            self.draft.invalidate(batch, states)
-        pure_decode = self._pure_decode(batch, states)
-        verified = self.retrieval.commit(batch, states, judged_alone=self.draft is None)
+    def _step(self, step, pure_decode: bool, max_depth: int, start: float):
+        """plan -> select -> middle loop -> hand-off, in the retrieval level's `step` (made
+        after the commit). Returns one draft list per request, the drafting requests' probs
+        [D, max depth, V] and their request ids (None, None when every drafting request is
+        greedy or none drafts). `max_depth`: this step's bound from vLLM
+        (num_speculative_tokens, or Dynamic SD's entry for the batch size)."""
+        batch, states = step.batch, step.states
         self.depth.begin(start, batch.req_ids, num_tokens=sum(batch.q_lens),
                          emitted=sum(batch.q_lens) - sum(batch.num_rejected),
                          pure_decode=pure_decode,
-                         verified=[(batch.req_ids[r], n, a) for r, n, a in verified],
+                         verified=[(batch.req_ids[r], n, a) for r, n, a in step.verified],
                          live_req_ids=self.runner.requests)
         rows = [r for r in range(batch.num_reqs) if batch.decoding[r]]
         depths, use_draft = self.depth.plan([batch.req_ids[r] for r in rows], max_depth,
@@ -313,8 +320,8 @@ class TriForceProposer(DraftModelProposer):
         drafting = [r for r, k in zip(rows, depths) if k > 0]
         if not drafting:
             return [[] for _ in range(batch.num_reqs)], None, None
-        self.retrieval.select(batch, states, drafting)
-        drafts_by_row = self.middle.run(batch, states, rows, depths, self._probs_buffer,
+        step.select(drafting)
+        drafts_by_row = self.middle.run(step, rows, depths, self._probs_buffer,
                                         use_draft and self.draft is not None,
                                         on_round=self.depth.round_done)
         return hand_off(batch, states, drafts_by_row, dict(zip(rows, depths)), self._probs_buffer)

@@ -32,7 +32,7 @@ class RequestState:
     shortlists: object = None
     shortlist_row: int = 0
     shortlist_committed: int = -1
-    # Lazy block summaries (engine/retrieval_level.py): the physical ids of the request's
+    # Lazy block summaries (engine/summary_keeper.py): the physical ids of the request's
     # full blocks whose summaries were known to be set, in logical order, and the content
     # key of each full block (a hash chained over its tokens and every earlier block's).
     folded_block_ids: list[int] = field(default_factory=list)

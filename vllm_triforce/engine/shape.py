@@ -1,0 +1,162 @@
+"""The engine's shape: every size a TriForce engine is built to, worked out once from its config.
+
+A TriForce engine's sizes follow from its vLLM config alone: the speculative-config keys in
+whole KV blocks (`BlockCounts`), gamma2 (drafts handed to vLLM per step), gamma1 (tokens
+the small draft proposes per middle round, 0 without one), the drafting cap before memory
+bounds it, the limits of one middle pass (what per-layer attention builders are made for),
+and the target's geometry that TriForce's buffers are sized by. `EngineShape.of` works them
+out; the proposer builds one at start and hands each level what it uses, and its memory
+plan (engine/memory.py) comes from `memory_plan` — as does the CPU KV sizing before any
+worker exists (patches/cpu_defaults.py), so the two agree by construction.
+
+Depends on vLLM 0.32.0: `ModelConfig.get_num_layers / get_num_kv_heads /
+get_num_attention_heads / get_head_size / get_vocab_size` (vllm/config/model.py) and the
+metadata builders sized in `one_builder_bytes` (vllm/v1/attention/backends/).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm_triforce.config import BlockCounts, TriForceConfig, triforce_settings
+from vllm_triforce.engine.buffers import MAX_DRAFTING_REQUESTS
+from vllm_triforce.engine.memory import MemoryPlan, summary_dtype
+
+# FlashInfer's prefill and decode wrappers each keep an 8 MiB int workspace of their own
+# (the float workspace is shared, engine/forward.py `_share_workspace`); an allowance read
+# from FlashInfer's wrapper constructors, not measured here (no GPU in CI).
+FLASHINFER_WRAPPER_BYTES = 2 * 8 * 2**20
+
+
+@dataclass(frozen=True)
+class PassLimits:
+    """The most requests and tokens of one pass through per-layer builders: a middle pass
+    holds at most the drafting cap's requests of at most gamma1 + 1 tokens each
+    (engine/forward.py `run_pass` splits any larger pass, e.g. the acceptance teacher's).
+    The per-layer builders are made for these limits, not the runner's max_num_seqs and
+    max_num_batched_tokens, which size their persistent buffers: FLEX_ATTENTION's for
+    Llama-3.1-8B at 128K, 1,024 sequences and 8,192 batched tokens would hold ~0.7 GB per
+    layer, ~23 GB for the 32 layers; at these limits ~12 MB per layer."""
+    requests: int
+    tokens: int
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    cfg: TriForceConfig
+    blocks: BlockCounts      # the speculative-config keys in whole KV blocks
+    gamma2: int              # drafts handed to vLLM per step (num_speculative_tokens)
+    gamma1: int              # tokens the small draft proposes per round (0 without one)
+    max_drafting: int        # min(max_num_seqs, MAX_DRAFTING_REQUESTS); a small cache
+                             # bounds it further (engine/memory.py `Sizing.drafting`)
+    pass_limits: PassLimits
+    max_model_len: int
+    max_batched_tokens: int  # vLLM's max_num_batched_tokens
+    num_layers: int          # the target's, one rank
+    num_kv_heads: int        # per rank
+    num_q_heads: int         # per rank
+    head_dim: int
+    vocab_size: int
+    summary_dtype: torch.dtype  # the block summaries' element (engine/memory.py)
+    flex_q_block: int        # FLEX_ATTENTION's query block, rounded up to 128
+
+    @property
+    def has_draft(self) -> bool:
+        return self.cfg.model is not None
+
+    @property
+    def block_size(self) -> int:
+        return self.blocks.block_size
+
+    @property
+    def max_blocks(self) -> int:
+        """Blocks of a max_model_len request."""
+        return -(-self.max_model_len // self.block_size)
+
+    @classmethod
+    def of(cls, vllm_config) -> "EngineShape | None":
+        """The shape of the TriForce engine `vllm_config` describes (None: not TriForce)."""
+        from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
+
+        if triforce_settings(vllm_config) is None:
+            return None
+        cfg = TriForceConfig.from_vllm_config(vllm_config)
+        model, parallel = vllm_config.model_config, vllm_config.parallel_config
+        sched = vllm_config.scheduler_config
+        gamma1 = cfg.draft_tokens_per_round if cfg.model is not None else 0
+        max_drafting = min(sched.max_num_seqs, MAX_DRAFTING_REQUESTS)
+        kv_dtype = kv_cache_dtype_str_to_dtype(vllm_config.cache_config.cache_dtype, model)
+        q_block = getattr(vllm_config.attention_config, "flex_attn_q_block_size", None) or 0
+        return cls(
+            cfg=cfg, blocks=cfg.in_blocks(vllm_config.cache_config.block_size),
+            gamma2=cfg.num_speculative_tokens, gamma1=gamma1, max_drafting=max_drafting,
+            pass_limits=PassLimits(max_drafting, min(sched.max_num_batched_tokens,
+                                                     max_drafting * (gamma1 + 1))),
+            max_model_len=model.max_model_len,
+            max_batched_tokens=sched.max_num_batched_tokens,
+            num_layers=model.get_num_layers(parallel),
+            num_kv_heads=model.get_num_kv_heads(parallel),
+            num_q_heads=model.get_num_attention_heads(parallel),
+            head_dim=model.get_head_size(), vocab_size=model.get_vocab_size(),
+            summary_dtype=summary_dtype(kv_dtype, model.dtype),
+            flex_q_block=max(128, q_block))
+
+    def memory_plan(self, kv_bytes_per_block: int, backend: str | None) -> MemoryPlan:
+        """What the engine allocates beside a KV cache of `kv_bytes_per_block` (every KV
+        layer, one rank) with the attention backend named `backend` (None: stateless)."""
+        return MemoryPlan.for_engine(
+            kv_bytes_per_block=kv_bytes_per_block, num_target_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            block_size=self.block_size, kv_dtype_bytes=self.summary_dtype.itemsize,
+            kinds=self.cfg.summary_kinds(), max_num_seqs=self.max_drafting,
+            gamma2=self.gamma2, gamma1=self.gamma1, vocab_size=self.vocab_size,
+            builders=self.builder_bytes(backend), max_blocks=self.max_blocks,
+            num_q_heads=self.num_q_heads, max_batched_tokens=self.max_batched_tokens)
+
+    def builder_bytes(self, backend: str | None) -> tuple[int, int]:
+        """(bytes per KV block, fixed bytes) of a stateful backend's per-layer builders: one
+        per target layer, plus one build's transient block map (FLEX: `physical_to_logical`);
+        (0, 0) for a stateless backend or None."""
+        if backend is None:
+            return 0, 0
+        per_block, fixed = self.one_builder_bytes(backend)
+        return (self.num_layers + 1) * per_block, self.num_layers * fixed
+
+    def one_builder_bytes(self, backend: str) -> tuple[int, int]:
+        """(bytes per KV block, fixed bytes) that ONE per-layer builder keeps in this engine
+        (`per_layer_builder_bytes` at `pass_limits`, for a max_model_len request)."""
+        return per_layer_builder_bytes(backend, self.pass_limits, self.max_blocks,
+                                       self.flex_q_block)
+
+
+def per_layer_builder_bytes(backend: str, limits: PassLimits, pages: int,
+                            flex_q_block: int = 128) -> tuple[int, int]:
+    """(bytes per KV block, fixed bytes) that ONE per-layer builder keeps when made for
+    `limits` (R requests, T tokens), P = `pages` of a max_model_len request; read from vLLM
+    0.32.0's builders (tests/test_flex_backend.py measures FLEX's on CPU): FLEX_ATTENTION:
+    physical_to_logical [R, num_blocks] int64 (per block), kv_indices [cdiv(T, q) * q, P]
+    and R-SWA kv_indices [T, P + 1] int32, and [T]- and [R]-sized int32 vectors (q =
+    `flex_q_block`, its query block rounded up to 128); FLASHINFER: paged_kv_indices
+    [R * P] int32, its indptr and last-page vectors (host and device),
+    FLASHINFER_WRAPPER_BYTES. Backends whose builder keeps no state (engine/forward.py
+    METADATA_PATHS): none."""
+    from vllm_triforce.engine.forward import BUILDER_PER_LAYER, METADATA_PATHS
+
+    if METADATA_PATHS.get(backend) != BUILDER_PER_LAYER:
+        return 0, 0
+    requests, tokens = limits.requests, limits.tokens
+    if backend == "FLEX_ATTENTION":
+        q_block = flex_q_block
+        fixed = 4 * ((-(-tokens // q_block) * q_block) * pages + tokens * (pages + 1)
+                     + -(-tokens // 16) + 3 * tokens + 4 * requests + 1)
+        return 8 * requests, fixed
+    return 0, 4 * (requests * pages + 2 * (2 * requests + 1)) + FLASHINFER_WRAPPER_BYTES
+
+
+def requested_backend(vllm_config) -> str | None:
+    """The attention backend's name the config asks for, or None (the platform's default:
+    CPU_ATTN on a CPU, which keeps no builders)."""
+    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    return None if backend is None else getattr(backend, "name", str(backend))

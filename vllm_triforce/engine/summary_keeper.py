@@ -1,0 +1,207 @@
+"""Level 2's block summaries: kept equal to the committed keys, folded or read back lazily.
+
+By default a prompt's summaries are folded as it is computed, the rest set lazily. A
+selection scores only *full* committed blocks, so a block's summaries are needed only once
+it is full, and then never change. A prefill pass (a prompt chunk, or a preempted
+request's recompute: more tokens than a verification) folds its keys, which the capture
+holds in memory right then, into the summaries (`BlockSummaries.add_committed`, by pieces
+of one read chunk); the blocks it completes are recorded as set. Blocks completed while
+decoding are set just before their request selects, from their keys read back from vLLM's
+KV cache (engine/paged_keys.py, `BlockSummaries.set_blocks`). So a decode step in which
+nobody selects (every plain step) does no per-layer TriForce work at all, and no prompt is
+ever read back (lazily, a first selection would read a whole 8K prompt's keys from the
+cache inside a decode step: measured, that cost most of the speedup at a KV-bound 8K
+shape). Every committed token's key is folded at every step (eagerly) where the cache
+cannot be read back exactly: no reader for the backend or ISA, a reader that failed its
+check, an fp8 cache (read back, its keys are rounded), or a policy that keeps its own copy
+of the keys or observes every step (topk_oracle, h2o).
+
+Terms. *committed*: positions whose KV is exact (written by vLLM's full-cache pass and
+accepted).
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.logger import init_logger
+
+from vllm_triforce.core import reads
+from vllm_triforce.core.summaries import committed_runs, token_pieces
+from vllm_triforce.engine.block_contents import block_contents, common_prefix
+from vllm_triforce.engine.buffers import fold_piece_tokens
+from vllm_triforce.engine.transfer import to_device
+
+logger = init_logger("vllm.triforce")
+
+
+class SummaryKeeper:
+    """Keeps `summaries` (core/summaries.BlockSummaries) of the keys `capture` records.
+    The reader of vLLM's KV cache (engine/paged_keys.py) is `selector`'s key source, its
+    one home: checked against the captured keys at the first commit whatever the policy
+    (`status` says how that went, or why there is none: `unreadable`; `vllm-triforce
+    doctor` reports it); a reader that fails its check is dropped, so a two-stage policy
+    (`rerank`) keeps its first stage alone."""
+
+    def __init__(self, summaries, capture, selector, stats, device,
+                 unreadable: str | None = None):
+        self.summaries = summaries
+        self.capture = capture
+        self.selector = selector
+        self.stats = stats
+        self.device = device
+        self.block_size = selector.blocks.block_size
+        self.status = ("not checked yet" if selector.keys is not None
+                       else f"unreadable: {unreadable}" if unreadable else "no reader")
+        # Summaries of blocks completed while decoding set from the KV cache just before a
+        # selection (see top); decided at the first commit, by the reader's check.
+        self.lazy = False
+        # physical block id -> content key (engine/block_contents.py) of the complete summaries
+        # held there (set from the cache, or folded from every key of a prefill): a block
+        # another request summarised (a prefix-cache hit) is not set again. A block a fold
+        # touches without completing is dropped from it.
+        self._summarised: dict[int, int] = {}
+
+    @property
+    def reader(self):
+        """engine/paged_keys.PagedKeys, or None (none for this cache, or failed its check)."""
+        return self.selector.keys
+
+    # ---- the fold -------------------------------------------------------------------
+    def fold(self, batch, states, prefills: list[int]) -> None:
+        """The keys this pass committed into the summaries: every request's (eagerly), or
+        those of the prefill passes `prefills` (see top). At the first pass with keys, the
+        cache reader is checked against them first; when it reads the cache exactly and
+        nothing needs eager summaries, the keeper folds prefills only from there on."""
+        if self.capture.keys[0] is None:
+            return
+        reader = self.reader
+        if reader is not None and not reader.checked:  # once, at the first commit
+            first = next(self.committed_tokens(batch, range(batch.num_reqs)), None)
+            if first is None:
+                return
+            self._check_reader(reader, *first[:3])
+            self.lazy = self.reader is not None and self._lazy_possible()
+        folded = prefills if self.lazy else range(batch.num_reqs)
+        for committed in self.committed_tokens(batch, folded):
+            fold_committed(self.summaries, self.capture.keys, committed)
+        if self.lazy:
+            self._record_folded_blocks(batch, states, prefills)
+
+    def _record_folded_blocks(self, batch, states, prefills: list[int]) -> None:
+        """After a fold of `prefills`' passes: the blocks each completed, every key of which
+        was folded (by this pass, or by it and the request's prefill passes just before it,
+        [state.eager_start, state.eager_end) the positions they folded), are recorded as set
+        for their content; any other block the fold touched is forgotten (its summaries now
+        hold part of a block). Host lists only.
+
+        A run of folded positions goes on only from a prefill pass to the next chunk of the
+        same prompt (where the pass starts is where the last ended): a decode step commits
+        past the run's end, and a preempted request is recomputed from a block boundary
+        (its prefix-cache hits, or 0), so no block a pass completes holds an unfolded key."""
+        bs = self.block_size
+        for r in prefills:
+            state, start, end = states[r], batch.verify_start[r], batch.committed[r]
+            if end <= start:
+                continue
+            if state.eager_end != start:  # a new run of folded positions begins
+                state.eager_start = start
+            state.eager_end = end
+            first_full = -(-state.eager_start // bs)  # every key folded from here on
+            ids = batch.requests[r].block_ids[0]  # vLLM's host copy, one KV group
+            contents = block_contents(batch, r, state, end // bs, bs)
+            for i in range(start // bs, -(-end // bs)):
+                if first_full <= i < end // bs and contents is not None:
+                    self._summarised[ids[i]] = contents[i]
+                else:
+                    self._summarised.pop(ids[i], None)
+
+    def committed_tokens(self, batch, rows):
+        """Where the committed tokens of requests `rows` in this pass go, for
+        `fold_committed`, in pieces of at most `fold_tokens()` tokens: (rows of the pass,
+        physical block ids, offsets, (run of each token, number of runs)) each. Which
+        rows, at which positions, in which runs of one block (core/summaries.py) are all
+        known on the host, so the fold never waits for the device."""
+        bs = self.block_size
+        spans = [(r, batch.verify_start[r], batch.q_lens[r] - batch.num_rejected[r])
+                 for r in rows]  # tokens committed by this pass
+        for piece in token_pieces([span for span in spans if span[2] > 0],
+                                  self.fold_tokens()):
+            rows = [batch.query_start_loc[r] + p - batch.verify_start[r]
+                    for r, first, n in piece for p in range(first, first + n)]
+            # a request's new tokens fill its own blocks in order: one run per block
+            positions, owners, runs, num_runs = committed_runs(piece, bs)
+            rows, positions, owners, runs = to_device(self.device, rows, positions, owners,
+                                                      runs)
+            block_ids = batch.block_table[owners, positions // bs].long()
+            yield rows, block_ids, positions % bs, (runs, num_runs)
+
+    def fold_tokens(self) -> int:
+        """Tokens folded at once (engine/buffers.py `fold_piece_tokens`; `fold_scratch_bytes`
+        reserves the fold's copies)."""
+        s = self.summaries
+        return fold_piece_tokens(s.num_layers, s.num_kv_heads, s.head_dim,
+                                 reads.read_limit(s))
+
+    def _check_reader(self, reader, rows, block_ids, offsets) -> None:
+        why = reader.check(self.capture.keys, rows, block_ids, offsets)
+        self.status = f"check failed: {why}" if why else f"checked ({reader.layout})"
+        if why:
+            logger.warning("TriForce: keys read back from the KV cache differ from the keys "
+                           "written (%s); `rerank` keeps its first stage only and block "
+                           "summaries are folded eagerly. Please report this with your GPU "
+                           "and attention backend.", why)
+            self.selector.keys = None
+
+    def _lazy_possible(self) -> bool:
+        """Summaries set from the cache equal the eager ones (see top)."""
+        return (self.reader.fp8 is None and self.summaries.keys is None
+                and not self.selector.observes)
+
+    # ---- lazily, before a selection -------------------------------------------------
+    def set_full_blocks(self, batch, states, rows: list[int]) -> None:
+        """Lazy summaries: set those of requests `rows`' full committed blocks that are not
+        set yet. Which are is the host's to know, so nothing syncs: a request's blocks are
+        first compared by physical id with the ones it last saw set (a request recomputed
+        into new blocks after preemption sets them again); any other block is skipped only
+        when the summaries set at its physical id were set for the same content (same
+        tokens after the same prefix: a prefix-cache hit on a block another request
+        summarised). Reads at most one read chunk of keys at a time (`reads.read_limit`:
+        SCORE_CHUNK_BYTES, or the memory plan's smaller one)."""
+        bs = self.block_size
+        owners, logical = [], []
+        for r in rows:
+            full = batch.committed[r] // bs
+            ids = batch.requests[r].block_ids[0][:full]  # vLLM's host copy, one KV group
+            state = states[r]
+            done = common_prefix(state.folded_block_ids, ids)
+            contents = block_contents(batch, r, state, full, bs) if done < full else None
+            for i in range(done, full):
+                content = None if contents is None else contents[i]
+                if content is not None and self._summarised.get(ids[i]) == content:
+                    continue  # set already, for this very content
+                owners.append(r)
+                logical.append(i)
+                self._summarised[ids[i]] = content
+            state.folded_block_ids = ids
+        if not owners:
+            return
+        owners, logical = to_device(self.device, owners, logical)
+        block_ids = batch.block_table[owners, logical].long()
+        s = self.summaries
+        # every layer's keys of a chunk of blocks, in float32, fill at most one read chunk
+        per_chunk = max(1, reads.read_limit(s)
+                        // (s.num_layers * s.num_kv_heads * bs * s.head_dim * 4))
+        for start in range(0, block_ids.numel(), per_chunk):
+            ids = block_ids[start:start + per_chunk]
+            keys = torch.empty(s.num_layers, ids.numel(), s.num_kv_heads, bs, s.head_dim,
+                               dtype=torch.float32, device=ids.device)
+            for layer in range(s.num_layers):  # one read per layer: layers' caches are apart
+                keys[layer].copy_(self.reader.layer_keys(layer, ids))
+            s.set_blocks(ids, keys)  # then every layer at once
+        self.stats.add(summarised_blocks=block_ids.numel())
+
+
+def fold_committed(summaries, layer_keys, committed) -> None:
+    """Folded summaries: one piece of `SummaryKeeper.committed_tokens` into `summaries`."""
+    rows, block_ids, offsets, runs = committed
+    summaries.add_committed(layer_keys, rows, block_ids, offsets, runs)
