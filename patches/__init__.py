@@ -89,7 +89,9 @@ PR, and when to remove it. Each module's docstring has the details.
             stateful builders (engine/forward.py) could not be tested; the CPU build lacks FLEX's
             cache-write op, and compiling would pull inductor into eager tests.
     How:    FLEX_ATTENTION when asked for, K/V written by torch indexing, eager mask + SDPA.
-    Gate:   `VLLM_TRIFORCE_CPU_FLEX=1` (tests/test_flex_backend.py); otherwise nothing changes.
+    Gate:   not in PATCH_MODULES: the plugin never applies it. The tests that run FLEX on a
+            CPU (tests/test_flex_backend.py, tests/test_memory_plan.py) call its `apply()`
+            with `VLLM_TRIFORCE_CPU_FLEX=1`; without that variable it changes nothing.
     Remove: when vLLM's CPU platform runs FLEX_ATTENTION, or the path is tested on a GPU.
 
 10. zero_draft: `vllm.v1.worker.gpu_model_runner.GPUModelRunner._prepare_inputs` (wrapped;
@@ -146,7 +148,8 @@ Outside `apply()`, a change to vLLM's install (code in `vllm_triforce/serve_entr
 
 from vllm_triforce.patches import _util
 
-# Order matters only where noted in a module's docstring.
+# Order matters only where noted in a module's docstring. `cpu_flex`, a test aid, is not
+# here: only the tests that use it apply it.
 PATCH_MODULES = (
     "spec_config",
     "runner",
@@ -156,7 +159,6 @@ PATCH_MODULES = (
     "ray_cpu",
     "cpu_defaults",
     "kv_reservation",
-    "cpu_flex",
     "zero_draft",
     "handoff_rows",
     "plain_params",

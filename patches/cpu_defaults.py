@@ -18,9 +18,11 @@ engine core and every worker):
 1. When the user chose no KV size -- no `VLLM_CPU_KVCACHE_SPACE` (which vLLM turns
    into `cache_config.kv_cache_memory_bytes` in that same method), no
    `--kv-cache-memory-bytes`, `--gpu-memory-utilization` left at its default -- it
-   sets `kv_cache_memory_bytes` by the rule in `kv_cache_bytes()` and logs the size
-   and how it was reached ("vllm.triforce" logger). An explicit choice is never
-   touched.
+   sets `kv_cache_memory_bytes` by the rule in `kv_cache_bytes()` -- for a TriForce
+   engine, plus the reservation its memory plan makes (engine/shape.py
+   `EngineShape.memory_plan`; `kv_reservation` takes it back out, so the KV cache
+   itself keeps the rule's size) -- and logs the size and how it was reached
+   ("vllm.triforce" logger). An explicit choice is never touched.
 2. When the model runs in bfloat16 on a CPU without native bf16 (no AVX512-BF16 or
    AMX; `torch.ops.mkldnn._is_mkldnn_bf16_supported()`, the check `bench` uses),
    it warns once, naming `--dtype float32`.

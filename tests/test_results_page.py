@@ -15,7 +15,7 @@ from vllm_triforce.bench import results_page
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 INDEX = BENCH / "cases.json"
-MAX_LINES = 250  # one page, not a notebook (issue 41)
+MAX_LINES = 250  # one page, not a notebook
 NOT_RUNS = {"explore", "history"}  # exploration scripts; superseded runs
 # gpu/: the GPU check's resumable output, which scripts/gpu_run.sh resumes from by that name
 UNDATED = {"gpu"}

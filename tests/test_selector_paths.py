@@ -27,6 +27,16 @@ BLOCKS = BlockCounts(block_size=BS, budget_blocks=6, retrieval_sink_blocks=1,
 NUM_REQS = 3
 
 
+def logical_blocks(state) -> torch.Tensor:
+    """[num_layers, max_selected] a request's selection: its row of the batch's."""
+    return state.selection[state.selection_row]
+
+
+def shortlist(state) -> torch.Tensor:
+    """[num_layers, S] a request's shortlist, logical blocks: its row of the batch's."""
+    return state.shortlists.logical[state.shortlist_row]
+
+
 def summarised_requests(seed: int):
     """Summaries of NUM_REQS requests of COMMITTED random keys on shuffled physical blocks
     (every kind of state, the key copy included), and their block table [R, 17]."""
@@ -79,14 +89,14 @@ def test_engine_and_teacher_choose_the_same_blocks(policy, kwargs):
     states = step.states
     rows = list(range(NUM_REQS))
     step.select(rows)
-    at_start = [(s.logical_blocks.clone(), s.num_selected, s.tail_start) for s in states]
+    at_start = [(logical_blocks(s).clone(), s.num_selected, s.tail_start) for s in states]
     step._pass_queries = [middle_query[:, layer].reshape(NUM_REQS, -1)
                           for layer in range(LAYERS)]  # as a middle round's `forward` keeps
     drafts = {r: RequestDrafts(0, COMMITTED + 1) for r in rows}
     for r in rows:
         drafts[r].query_row = r
     step.select_in_middle(rows, drafts)
-    in_middle = [(s.logical_blocks, s.num_selected, s.tail_start) for s in states]
+    in_middle = [(logical_blocks(s), s.num_selected, s.tail_start) for s in states]
 
     # the teacher: the same two selections through a column
     column = Column("c", Selector(make_policy(policy, **kwargs), BLOCKS, 4, keys=summaries),
@@ -108,7 +118,7 @@ def test_engine_and_teacher_choose_the_same_blocks(policy, kwargs):
     if reranks:
         assert column.listed is not None and column.listed.logical.shape == (
             NUM_REQS, LAYERS, 12)
-        assert torch.equal(torch.stack([s.shortlist for s in states]), column.listed.logical)
+        assert torch.equal(torch.stack([shortlist(s) for s in states]), column.listed.logical)
     assert any(not torch.equal(a[0], b[0]) for a, b in zip(at_start, in_middle))
 
 
@@ -136,11 +146,11 @@ def test_middle_rounds_of_fewer_requests_reuse_their_shortlist_copy(monkeypatch)
         for r in rows:
             drafts[r].query_row, drafts[r].position = r, COMMITTED + 1 + 2 * round_
         step.select_in_middle(rows, drafts)  # every request
-        everyone = [states[r].logical_blocks.clone() for r in left]
+        everyone = [logical_blocks(states[r]).clone() for r in left]
         for r in left:  # a re-selection is due again: the next middle token's query
             drafts[r].position += 1
         step.select_in_middle(left, drafts)  # requests 0 and 2 only
-        assert all(torch.equal(states[r].logical_blocks, e) for r, e in zip(left, everyone))
+        assert all(torch.equal(logical_blocks(states[r]), e) for r, e in zip(left, everyone))
         subsets.append(states[0].shortlists.subset[1])
     assert all(s is subsets[0] for s in subsets)
     # per round: the whole list's copy, then the subset's (one copy at a time); the subset

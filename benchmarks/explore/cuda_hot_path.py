@@ -145,7 +145,7 @@ def main() -> None:
 
     measure(f"commit: fold {R}x{new} tokens x {LAYERS} layers", commit, args.repeats, True, device,
             results)
-    # the lazy summaries' unit of work (engine/retrieval_level.py): the blocks whose keys,
+    # the lazy summaries' unit of work (engine/summary_keeper.py): the blocks whose keys,
     # every layer's in float32, fill SCORE_CHUNK_BYTES
     lazy = reads.SCORE_CHUNK_BYTES // (LAYERS * KV_HEADS * BLOCK * HEAD_DIM * 4)
     lazy = min(lazy, table.shape[1])
@@ -177,7 +177,7 @@ def main() -> None:
             True, device, results)
     logical = again.selection.logical_blocks  # [R, L, max_selected]
 
-    def laid_out():  # the engine's path (RetrievalLevel.forward): host sizes, device layout
+    def laid_out():  # the engine's path (RetrievalStep.forward): host sizes, device layout
         layout = TableLayout.of([s for s, _ in sizes], [t for _, t in sizes], ends, BLOCK)
         n, start, tails = to_device(dev, layout.num_selected, layout.tail_start,
                                     layout.num_tails)
@@ -255,16 +255,16 @@ def middle_rounds(dev, device: str, R: int, repeats: int, results: list,
     emb = torch.randn(VOCAB, 64, device=dev, dtype=DTYPE)
     out = torch.randn(64, VOCAB, device=dev, dtype=DTYPE)
 
-    class Retrieval:
-        def forward(self, batch, states, rows, token_ids, positions):
+    class RetrievalStep:  # engine/retrieval_level.RetrievalStep's interface
+        def __init__(self, batch, states):
+            self.batch, self.states = batch, states
+
+        def forward(self, rows, token_ids, positions):
             if not isinstance(token_ids, torch.Tensor):
                 token_ids = to_device(dev, [t for ids in token_ids for t in ids])[0]
             return emb[token_ids] @ out
 
         def select_in_middle(self, *args):
-            pass
-
-        def end_rounds(self):
             pass
 
     class Stats:
@@ -284,7 +284,7 @@ def middle_rounds(dev, device: str, R: int, repeats: int, results: list,
             block_table=torch.zeros(R, 8, dtype=torch.int32, device=dev),
             temperature=torch.full((R,), temp, device=dev), top_k=None,
             top_p=torch.full((R,), 0.9, device=dev), requests=[None] * R)
-        loop = MiddleLoop(Retrieval(), None, 0, types.SimpleNamespace(
+        loop = MiddleLoop(None, 0, types.SimpleNamespace(
             record_round=lambda *a: None), Stats(), torch.Generator(device=dev).manual_seed(0),
             False)
         states = [types.SimpleNamespace(generator=None, refresh=None, last_num_drafts=0)
@@ -293,7 +293,8 @@ def middle_rounds(dev, device: str, R: int, repeats: int, results: list,
         buffer = torch.zeros(R, GAMMA2, VOCAB, device=dev)
 
         def run():
-            return loop.run(batch, states, list(range(R)), [GAMMA2] * R, buffer)
+            return loop.run(RetrievalStep(batch, states), list(range(R)), [GAMMA2] * R,
+                            buffer)
 
         before = len(results)
         measure(f"middle loop, 2 levels, {label}: {GAMMA2} rounds", run, repeats, False,

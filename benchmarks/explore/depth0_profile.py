@@ -21,8 +21,8 @@ import time
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-WATCH = ("propose", "from_runner", "commit", "_add_committed_keys", "add_committed",
-         "_summarise_full_blocks", "set_blocks", "begin",
+WATCH = ("propose", "from_runner", "begin_step", "fold", "add_committed",
+         "set_full_blocks", "set_blocks", "begin",
          "plan", "end", "_publish_stats", "write_snapshot", "maybe_log", "_step",
          "propose_draft_token_ids", "execute_model", "sample_tokens", "_sample",
          "rejection_sampler", "forward", "_calc_spec_decode_metadata", "schedule",

@@ -13,6 +13,19 @@ from vllm_triforce.core.selection import select_blocks
 BS = 4
 
 
+def rescore_shortlist(policy, query, summaries, block_table, listed):
+    """Reference: scores for select_blocks [R, L, max_blocks] in which only the blocks of
+    `listed` ([R, L, S] logical, from `best_candidates`) are scored, by
+    `policy.shortlist_scores` with `query`; every other block gets -inf, so it is chosen
+    only when the list runs out (the engine re-ranks with `select_listed` instead, no
+    full-width scores)."""
+    from vllm_triforce.core.selection import _physical, _scatter_listed
+
+    phys = _physical(block_table, listed)
+    return _scatter_listed(policy.shortlist_scores(query, summaries, phys), listed,
+                           block_table.shape[1])
+
+
 def ref_retrieval(query, keys, n, aggregation):
     """query [L, Hq, D], keys [L, n, Hkv, D] of one request -> [L, n_full] by loops."""
     num_layers, num_q, dim = query.shape
@@ -239,7 +252,7 @@ def test_shortlist_rescoring_scores_exactly_the_listed_blocks(aggregation):
     """Between middle rounds only a shortlist is re-ranked: its scores are block_scores' for
     those blocks (softmax: normalised over the list), every other block is -inf, and a
     shortlist of every candidate selects what a full scoring selects."""
-    from vllm_triforce.core.selection import best_candidates, rescore_shortlist
+    from vllm_triforce.core.selection import best_candidates
     summaries, table, keys, query, lengths = setup(12, 2, lengths=(37, 9, 29))
     policy = make_policy("retrieval", aggregation=aggregation)
     full = policy.block_scores(query, summaries, table, lengths, None)
@@ -338,7 +351,7 @@ def ref_variance_scores(query, keys, n, aggregation):
 @pytest.mark.parametrize("num_q,num_kv", [(14, 2), (9, 3), (4, 4)])
 @pytest.mark.parametrize("aggregation", ["sum", "max", "softmax"])
 def test_retrieval_with_variance_matches_reference(num_q, num_kv, aggregation):
-    from vllm_triforce.core.selection import best_candidates, rescore_shortlist
+    from vllm_triforce.core.selection import best_candidates
     summaries, table, keys, query, lengths = setup(num_q, num_kv, squares=True)
     policy = make_policy("retrieval", aggregation=aggregation, variance=True)
     assert policy.needs_variance and policy.reranks_shortlist

@@ -43,9 +43,11 @@ def test_incremental_equals_brute_force():
             # per-channel bounds of the committed keys only (speculative rows are 1e3-scale)
             assert torch.equal(summaries.mins[:, phys], block_keys.amin(1))
             assert torch.equal(summaries.maxs[:, phys], block_keys.amax(1))
-    # the gather the retrieval scores use: one block list per layer, [R, L, B]
+    # a gather of mean keys by rows of the stores (`layer_rows`, `rows_of`: what the
+    # summary policies read): one block list per layer, [R, L, B]
     blocks = table.long()[:, None].expand(-1, summaries.num_layers, -1)
-    sums, counts = summaries.layer_key_sums(blocks)  # [R, L, B, H, D], [R, L, B]
+    sums = summaries.rows_of(summaries.sums, summaries.layer_rows(blocks))  # [R, L, B, H, D]
+    counts = summaries.counts[blocks].clamp(min=1)  # [R, L, B]
     gathered = means[:, table.long()].transpose(0, 1)  # [R, L, B, H, D]
     torch.testing.assert_close(sums / counts[..., None, None], gathered)
 

@@ -297,16 +297,17 @@ class ProposeSyncs:
     split into its middle rounds and the rest of the step: a *round* runs from one call of
     the middle loop's `on_round_start` seam (engine/middle.py) to the next, or to the end of
     `MiddleLoop.run` (so it includes `select_in_middle` and the round's bookkeeping);
-    everything else in
-    `propose` (StepBatch, commit, plan, select, the hand-off) is the *step*, except the
+    everything else in `propose` (StepBatch, commit, select, the hand-off) is the *step*,
+    except the
     KV-cache key reader's one check at the engine's first commit (engine/paged_keys.py),
     labelled *once*, and the depth controller's planning (`DepthChooser.plan`), labelled
     *host*: core/controller.py computes on small CPU tensors it builds itself, no sync on a
     GPU (a CUDA counter sees none there), but on a CPU-only machine every tensor counts.
     Wraps the instance's `propose`, its middle loop's `run`, its depth chooser's `plan` and
-    the reader's `check`, and sets the middle loop's `on_round_start` (instance attributes,
-    removed on exit; nothing is changed for other instances). `take()` returns one SyncCounter per propose since the
-    last take; `summarise` condenses them."""
+    the reader's `check` (instance attributes, removed on exit), and sets the middle loop's
+    `on_round_start` (None again on exit); nothing is changed for other instances.
+    `take()` returns one SyncCounter per propose since the last take; `summarise`
+    condenses them."""
 
     def __init__(self, proposer, trace: bool = False, strict: bool = False):
         self.proposer = proposer

@@ -135,7 +135,7 @@ class Selector:
         self._copies: list[Shortlist] = []  # shortlists holding a listed_copy
 
     def release_copies(self) -> None:
-        """Free the shortlists' copies (at the end of a step's middle rounds, or before
+        """Free the shortlists' copies (when the engine's step is left, or before
         another shortlist's copy is made): they live in the selection's reserved scratch,
         which holds one at a time. A shortlist re-ranked again copies again."""
         for shortlist in self._copies:
@@ -204,8 +204,8 @@ def select_blocks(scores: Tensor, num_committed: Tensor, blocks: BlockCounts) ->
 
 def select_listed(scores: Tensor, shortlist: Shortlist, blocks: BlockCounts) -> Selection:
     """select_blocks for a shortlist: scores [R, L, S] of its listed blocks. The same
-    Selection as select_blocks over scores in which every unlisted block is -inf (as
-    `rescore_shortlist` makes them) whenever the list holds at least as many candidates
+    Selection as select_blocks over scores in which every unlisted block is -inf (the
+    reference tests/core/test_core_policies.py checks it against) whenever the list holds at least as many candidates
     as a selection keeps, which a Selector's shortlist always does (`shortlist_size`);
     but it ranks S blocks instead of every block of the table, needs no candidate mask (a
     listed block is a candidate) and takes its Frame from the shortlist."""
@@ -267,18 +267,6 @@ def best_candidates(scores: Tensor, num_committed: Tensor, blocks: BlockCounts,
     return ranked.masked_fill(~is_candidate, PAD)
 
 
-def rescore_shortlist(policy: SelectionPolicy, query: Tensor, summaries, block_table: Tensor,
-                      listed: Tensor) -> Tensor:
-    """Scores for select_blocks [R, L, max_blocks] in which only the blocks of `listed`
-    ([R, L, S] logical, from `best_candidates`) are scored, by `policy.shortlist_scores`
-    with `query`; every other block gets -inf, so it is chosen only when the list runs out.
-    Off the engine's path (it re-ranks with `select_listed`, no full-width scores): kept as
-    the reference tests/core/test_core_policies.py compares a shortlist's scores with."""
-    phys = _physical(block_table, listed)
-    return _scatter_listed(policy.shortlist_scores(query, summaries, phys), listed,
-                           block_table.shape[1])
-
-
 def _physical(block_table: Tensor, listed: Tensor) -> Tensor:
     """listed [R, L, S] logical blocks (-1: padding) -> their physical ids, -1 kept."""
     logical = on_device(listed, block_table.device)
@@ -304,7 +292,7 @@ def rerank_exactly(policy: SelectionPolicy, scores: Tensor, query: Tensor, keys,
     first stage) shortlist each layer's best policy.factor x num_retrieved candidates, whose
     scores become their exact attention mass over the shortlist and the always-kept blocks
     (sinks, recent, tail) read from `keys` (RerankPolicy.exact_scores); every other
-    candidate gets -inf (chosen only when the list runs out, as in rescore_shortlist)."""
+    candidate gets -inf (chosen only when the list runs out)."""
     if not isinstance(policy, RerankPolicy) or keys is None:
         return scores
     committed = on_device(num_committed, scores.device, torch.long)

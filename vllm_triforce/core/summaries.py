@@ -247,18 +247,6 @@ class BlockSummaries:
             raise ValueError("key variances need BlockSummaries(keep_variance=True)")
         return self.square_deviations
 
-    def layer_key_sums(self, blocks: Tensor,
-                       store: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """blocks [R, L, S] physical ids, one list per layer (-1: padding, reads as block 0)
-        -> (key sums [R, L, S, H, D], counts clamped to >= 1 [R, L, S]): the mean keys'
-        numerators and denominators, by one row gather (dividing after a dot product
-        touches S scores instead of S * H * D channels: measured 6x faster on a CPU).
-        `store`: another [L, num_blocks, H, D] per-block state to read instead of the sums
-        (`deviations()`: the variances' numerators)."""
-        ids = on_device(blocks, self.device, torch.long).clamp(min=0)
-        return (self.rows_of(self.sums if store is None else store, self.layer_rows(ids)),
-                self.counts[ids].clamp(min=1))
-
     def layer_rows(self, blocks: Tensor) -> Tensor:
         """blocks [R, L, S] physical ids (-1 reads as block 0) -> [R, L, S] rows of a store
         viewed as [L * num_blocks, H * D]: compute once, read several stores (`rows_of`)."""

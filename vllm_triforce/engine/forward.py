@@ -134,10 +134,10 @@ METADATA_PATHS = {
     # flashinfer.py ~1234-1390: re-plans one wrapper per builder and fills persistent
     # paged_kv_indices. Per-layer builders share one workspace, as vLLM's V2 runner does.
     "FLASHINFER": BUILDER_PER_LAYER,
-    # flex_attention.py ~1026-1072: physical_to_logical (read by the mask), kv_indices,
-    # kv_num_blocks are persistent: [requests, num_blocks] int64 per layer, at
-    # a middle pass's limits (engine/shape.py: `PassLimits`, reserved by
-    # `EngineShape.one_builder_bytes`).
+    # flex_attention.py ~1026-1072: physical_to_logical (read by the mask; [requests,
+    # num_blocks] int64), the kv_indices tables and kv_num_blocks (int32, over a
+    # max_model_len request's pages) are persistent, per layer at a middle pass's limits
+    # (engine/shape.py: `PassLimits`; sizes: `per_layer_builder_bytes`).
     "FLEX_ATTENTION": BUILDER_PER_LAYER,
 }
 # Extra builders, built once: attention group -> layer name -> one-layer group.

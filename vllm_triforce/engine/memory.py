@@ -14,10 +14,10 @@ blocks fit what is available (`MemoryPlan.blocks_for`), where
   layers); plus, with `key_variance` (the default for `retrieval`), one more such vector in
   float32 (the keys' square deviations); plus, for `quest`, two more (per-channel key min
   and max); plus, only with `allow_full_key_copy`, a copy of every committed key (h2o,
-  topk_oracle); plus, with a stateful attention backend (FLEX_ATTENTION, FLASHINFER), the
-  block map of one metadata builder per target layer, made for a middle pass's limits
-  (engine/shape.py `PassLimits`, `EngineShape.one_builder_bytes`): FLEX's is 8 B per
-  block per drafting request and layer (Llama-3.1-8B, 32 drafting requests: 8.3 KiB per
+  topk_oracle); plus, with FLEX_ATTENTION, the block map (`physical_to_logical`) of one
+  metadata builder per target layer, made for a middle pass's limits (engine/shape.py
+  `PassLimits`, `per_layer_builder_bytes`; FLASHINFER's builders are all fixed part):
+  8 B per block per drafting request and layer (Llama-3.1-8B, 32 drafting requests: 8.3 KiB per
   2 MiB block);
 * the fixed part (`MemoryPlan.sized(n)`, a `Sizing`; each buffer's bound in
   engine/buffers.py) is: the probability rows, float32
@@ -28,7 +28,7 @@ blocks fit what is available (`MemoryPlan.blocks_for`), where
   tables, chunked reads of the summaries, the queries), a lazy read of summaries from the
   KV cache (`lazy_read_bytes`) and a fold of a prefill's keys into the summaries
   (`fold_scratch_bytes`), which never run at the same time; and the per-layer builders'
-  fixed part (FLEX's index tables, ~8 MB per layer at 128K).
+  fixed part (FLEX's index tables, 5-7 MB per layer at 128K: 6.3 MB at gamma1 = 1).
 
 What can exist bounds the fixed part, so that TriForce's share of a small cache stays
 small: no table is wider than the blocks the cache holds; one chunked read (of summaries,

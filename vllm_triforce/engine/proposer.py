@@ -34,8 +34,9 @@ vLLM's full-cache verification pass:
    `adaptive` on or off) and, as draft probs, the level-2 distribution each token was drawn
    from, so level 3 (vLLM's verification over the full cache) stays lossless.
 
-The engine's sizes (geometry, gamma1 / gamma2, drafting cap, pass limits, memory plan) are
-worked out once, in `EngineShape.of` (engine/shape.py), and handed down. The levels are
+The engine's sizes (geometry, gamma1 / gamma2, drafting cap, pass limits) are worked out
+once, in `EngineShape.of` (engine/shape.py), and handed down; the memory plan follows from
+that shape with the runner's KV bytes per block and backend (`EngineShape.memory_plan`). The levels are
 built in `initialize_attn_backend`, each with exactly what it uses. Of the
 engine, only this class and `StepBatch.from_runner` (engine/batch.py, once per step) read
 the runner; only this class reads the `DraftModelProposer` base class's attributes.
@@ -178,8 +179,9 @@ class TriForceProposer(DraftModelProposer):
                                          dtype=torch.float32, device=self.device)
         backend = self.runner.attn_groups[0][0].backend.get_name()
         metadata_path(backend)  # refuse an unsupported backend now, not at the first pass
-        # Every policy's engine checks the reader once (cheap), so `doctor` can tell whether
-        # `rerank` would read this backend's cache; only rerank reads it after that.
+        # Every policy's engine checks the reader once, at the first commit (SummaryKeeper):
+        # the check decides lazy summaries (set from keys read back from this cache) and
+        # whether `rerank` gets its exact stage; `doctor` reports the result.
         paged_keys, unreadable = paged_keys_for(
             self.target_layers, backend, self.block_size, self.vllm_config.cache_config.cache_dtype)
         if paged_keys is None and isinstance(self.policy, RerankPolicy):

@@ -7,8 +7,8 @@ that became final (engine/summary_keeper.py), and only then makes the step's
 (core/selection.py, core/refresh.py); each middle round then runs `forward`, the target over
 a different compacted block table per layer, through the stock attention backend
 (zero-copy), and `select_in_middle`, which reads the queries of the step's last `forward`.
-Leaving the step (`with`, or `close`) frees the shortlists its selections kept for the
-rounds, however the step ends.
+Leaving the step (`with`, or `close`) frees the shortlists' copies of the summaries its
+selections made for the rounds (`Selector.release_copies`), however the step ends.
 
 Terms. *committed*: positions whose KV is exact (written by vLLM's full-cache pass and
 accepted). Selections are kept per request as logical blocks (engine/state.py).
@@ -108,7 +108,8 @@ class RetrievalStep:
         self.close()
 
     def close(self) -> None:
-        """The step is over: free what its selections kept (the shortlists' copies)."""
+        """The step is over: free the shortlists' copies of the summaries (the shortlists
+        themselves stay with their requests until the next selection)."""
         self.level.selector.release_copies()
         self._pass_queries = None
 
@@ -274,7 +275,7 @@ class RetrievalStep:
 
 
 # `_queries_at` stacks a pass's queries whole up to this size (a middle round's: 32 requests
-# of a few tokens, e.g. Llama-3.1-8B 32 x 3 tokens x 32 layers x 4,096 x 2 B = 25 MiB at
+# of a few tokens, e.g. Llama-3.1-8B 32 x 3 tokens x 32 layers x 4,096 x 2 B = 24 MiB at
 # most with gamma1 = 2; at batch 8 and gamma1 = 0, 2 MiB) and one read chunk (a small
 # cache's is small: engine/memory.py reserves the smaller of the two).
 STACKED_QUERIES_BYTES = 32 * 2**20

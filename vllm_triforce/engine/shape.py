@@ -60,7 +60,7 @@ class EngineShape:
     head_dim: int
     vocab_size: int
     summary_dtype: torch.dtype  # the block summaries' element (engine/memory.py)
-    flex_q_block: int        # FLEX_ATTENTION's query block, rounded up to 128
+    flex_q_block: int        # attention_config's flex_attn_q_block_size, at least 128
 
     @property
     def has_draft(self) -> bool:
@@ -138,7 +138,7 @@ def per_layer_builder_bytes(backend: str, limits: PassLimits, pages: int,
     0.32.0's builders (tests/test_flex_backend.py measures FLEX's on CPU): FLEX_ATTENTION:
     physical_to_logical [R, num_blocks] int64 (per block), kv_indices [cdiv(T, q) * q, P]
     and R-SWA kv_indices [T, P + 1] int32, and [T]- and [R]-sized int32 vectors (q =
-    `flex_q_block`, its query block rounded up to 128); FLASHINFER: paged_kv_indices
+    `flex_q_block`: attention_config's query block, at least 128); FLASHINFER: paged_kv_indices
     [R * P] int32, its indptr and last-page vectors (host and device),
     FLASHINFER_WRAPPER_BYTES. Backends whose builder keeps no state (engine/forward.py
     METADATA_PATHS): none."""

@@ -51,17 +51,6 @@ class RequestState:
     last_num_drafts: int = 0
     generator: torch.Generator | None = None
 
-    @property
-    def logical_blocks(self) -> torch.Tensor | None:
-        """[num_layers, max_selected] this request's selection (None before the first)."""
-        return None if self.selection is None else self.selection[self.selection_row]
-
-    @property
-    def shortlist(self) -> torch.Tensor | None:
-        """[num_layers, S] this request's shortlist, logical blocks (None: none kept)."""
-        return (None if self.shortlists is None
-                else self.shortlists.logical[self.shortlist_row])
-
     def invalidate_draft_from(self, position: int, sink_tokens: int) -> None:
         """The target recomputed tokens from `position` on (a verification pass, a prefill
         chunk, a recompute after preemption): any draft KV there is stale. Re-running the
