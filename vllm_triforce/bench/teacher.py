@@ -95,7 +95,7 @@ class TeacherForcedEngine:
         self.drafter = drafter_of(self.llm)
         self.block_size = block_size
         # the engine's geometry; each column sets its own budget_blocks
-        self.blocks: BlockCounts = self.drafter.cfg.in_blocks(block_size)
+        self.blocks: BlockCounts = self.drafter.shape.blocks
         layer = self.drafter.target_layers[0]
         self.num_q_heads, self.head_dim = layer.num_heads, layer.head_size
         self.summaries = self._widen_summaries()

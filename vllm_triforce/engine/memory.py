@@ -204,17 +204,18 @@ class MemoryPlan:
                    max_blocks: int = 0, num_q_heads: int = 0,
                    max_batched_tokens: int = 0) -> "MemoryPlan":
         """An engine's plan comes from its shape (engine/shape.py `EngineShape.memory_plan`,
-        which calls this). `kinds`: the optional block state kept (TriForceConfig.summary_kinds(), which
-        the proposer also allocates from). `kv_dtype_bytes`: the bytes of `summary_dtype`,
+        which calls this). `kinds`: the optional block state kept
+        (TriForceConfig.summary_kinds(), which the proposer also allocates from).
+        `kv_dtype_bytes`: the bytes of `summary_dtype`,
         the summaries' element (the KV cache's element unless that is fp8 or int8).
         `builders`: (bytes per block, fixed bytes) of the per-layer attention-metadata
         builders a stateful backend needs (engine/shape.py `EngineShape.builder_bytes`).
         `max_blocks`: blocks of the longest request (max_model_len / block_size, rounded
         up), `num_q_heads` the target's query heads: with them the plan also holds the block
         selection's scratch (`selection_scratch_bytes`, `lazy_read_bytes`; 0: left out, as
-        in the first worked example above). `max_batched_tokens`: the most tokens of one pass (vLLM's
-        `max_num_batched_tokens`), for the fold's scratch (`fold_scratch_bytes`; 0: left
-        out)."""
+        in the first worked example above). `max_batched_tokens`: the most tokens of one
+        pass (vLLM's `max_num_batched_tokens`), for the fold's scratch (`fold_scratch_bytes`;
+        0: left out)."""
         key_bytes = num_target_layers * num_kv_heads * head_dim * kv_dtype_bytes
         summary = (key_bytes + COUNT_BYTES + (key_bytes * block_size if kinds.keep_keys else 0)
                    + (2 * key_bytes if kinds.keep_bounds else 0)

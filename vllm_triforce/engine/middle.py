@@ -61,8 +61,9 @@ class MiddleLoop:
         work at all). `probs_out` [at least the drafting rows, gamma2, V] (the reserved buffer
         `hand_off` gives vLLM): the k-th middle token's distribution of the i-th drafting row
         (`drafting_slots`) goes to probs_out[i, k] as the round that emits it ends (k < gamma2;
-        nothing is written when every row is greedy and measure_middle_acceptance is off), so no round's distributions stay alive
-        after it. `use_draft` False: the small draft sits out (gamma1 = 0 this step).
+        nothing is written when every row is greedy and measure_middle_acceptance is off),
+        so no round's distributions stay alive after it. `use_draft` False: the small draft
+        sits out (gamma1 = 0 this step).
         `on_round(use_draft, num_active, seconds, tokens_per_request)` hears every round's
         wall time (it ends in a device-to-host copy, so device work is included)."""
         batch, states = step.batch, step.states

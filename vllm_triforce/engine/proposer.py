@@ -36,8 +36,8 @@ vLLM's full-cache verification pass:
 
 The engine's sizes (geometry, gamma1 / gamma2, drafting cap, pass limits) are worked out
 once, in `EngineShape.of` (engine/shape.py), and handed down; the memory plan follows from
-that shape with the runner's KV bytes per block and backend (`EngineShape.memory_plan`). The levels are
-built in `initialize_attn_backend`, each with exactly what it uses. Of the
+that shape with the runner's KV bytes per block and backend (`EngineShape.memory_plan`).
+The levels are built in `initialize_attn_backend`, each with exactly what it uses. Of the
 engine, only this class and `StepBatch.from_runner` (engine/batch.py, once per step) read
 the runner; only this class reads the `DraftModelProposer` base class's attributes.
 
@@ -109,9 +109,7 @@ class TriForceProposer(DraftModelProposer):
         self._probs_buffer: torch.Tensor | None = None
         self._last_draft_probs = None
         self._last_draft_prob_req_ids: list[str] | None = None
-        self.has_draft = self.shape.has_draft
-        self.blocks = self.shape.blocks
-        if self.has_draft:
+        if self.shape.has_draft:
             self._draft_window()  # refuse a window the draft's context cannot hold
         self.policy = make_policy(self.cfg.selection_policy, **self.cfg.policy_kwargs())
         self.refresh = RefreshPolicy(self.cfg.refresh_interval,
@@ -133,16 +131,16 @@ class TriForceProposer(DraftModelProposer):
         self.middle: MiddleLoop | None = None
         self.depth: DepthChooser | None = None  # the depth controller (engine/depth.py)
         logger.info("TriForce: %s levels, gamma2=%d, gamma1=%d, retrieval budget %d blocks of %d "
-                    "tokens, policy %s%s", 3 if self.has_draft else 2,
-                    self.shape.gamma2, self.shape.gamma1,
-                    self.blocks.budget_blocks, self.blocks.block_size, self.cfg.selection_policy,
+                    "tokens, policy %s%s", 3 if self.shape.has_draft else 2,
+                    self.shape.gamma2, self.shape.gamma1, self.shape.blocks.budget_blocks,
+                    self.shape.block_size, self.cfg.selection_policy,
                     " (mean key + key variance)" if self.cfg.summary_kinds().keep_variance
                     else "")
 
     # ---- vLLM lifecycle ------------------------------------------------------------
     def load_model(self, target_model) -> None:
         target_names = set(get_layers_from_vllm_config(self.vllm_config, Attention))
-        if self.has_draft:
+        if self.shape.has_draft:
             super().load_model(target_model)
         else:  # two levels: the target drafts for itself; load nothing twice
             self.model = None
@@ -158,7 +156,7 @@ class TriForceProposer(DraftModelProposer):
             raise TriForceConfigError(
                 "TriForce needs one KV-cache group (full attention in every layer of target and "
                 f"draft); this model has {len(kv_cache_config.kv_cache_groups)} groups.")
-        if self.has_draft:
+        if self.shape.has_draft:
             super().initialize_attn_backend(kv_cache_config, kernel_block_sizes)
         self.block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
         shape = self.shape
@@ -210,12 +208,12 @@ class TriForceProposer(DraftModelProposer):
             layer.num_heads, layer.head_size, self.capture, keeper, selector,
             self.refresh, self.stats, self.device, pass_limits=shape.pass_limits)
         self.draft = None
-        if self.has_draft:
+        if self.shape.has_draft:
             self.draft = DraftLevel(self.model, self.vllm_config, self.draft_attn_groups,
                                     self._draft_window(), self.stats, self.generator,
                                     self.device)
         tp = self.vllm_config.parallel_config.tensor_parallel_size
-        self.depth = DepthChooser(self.cfg.adaptive, shape.gamma2, self.has_draft, self.stats,
+        self.depth = DepthChooser(self.cfg.adaptive, shape.gamma2, shape.has_draft, self.stats,
                                   share=_from_tp_rank0 if tp > 1 else None, blocks=shape.blocks,
                                   max_drafting=self.sizing.drafting)
         self.middle = MiddleLoop(self.draft, shape.gamma1, self.refresh, self.stats,
@@ -260,7 +258,7 @@ class TriForceProposer(DraftModelProposer):
         return sizing
 
     def dummy_run(self, num_tokens, *args, **kwargs) -> None:
-        if self.has_draft:
+        if self.shape.has_draft:
             super().dummy_run(num_tokens, *args, **kwargs)
 
     def take_last_draft_probs(self):
