@@ -130,6 +130,11 @@ def _timed(llm, drafter, prompts, params, repeats: int) -> dict:
     return out
 
 
+# The most decode steps one calibration call times (`calibrate`): n = 8, then doubled while
+# the steps are lost in the host's noise.
+MAX_CALIBRATION_STEPS = 64
+
+
 def calibrate(llm, prompts: list[list[int]], continuations: list[list[int]], *,
               block_size: int, query_tokens: list[int], contexts: list[int],
               repeats: int = 3) -> dict:
@@ -139,27 +144,35 @@ def calibrate(llm, prompts: list[list[int]], continuations: list[list[int]], *,
     (prefix-cached) prompt -- k = 1 is a decode step, k = gamma + 1 a verification step.
     `context_step_s[c]`: a decode step over only the first c tokens -- the ideal cost of a
     middle-level round over a c-token retrieval cache. Method: a `generate` of m new tokens
-    costs overhead + step(first) + (m - 1) * step(1); timing m = 1 and m = 9 separates the
-    per-call overhead from the steps. Prompts are cut to whole blocks so every prompt token
-    is a prefix-cache hit and exactly k tokens are computed. Medians over `repeats`. A step over
-    k > 1 query tokens is floored at the decode step: the subtraction of the per-call overhead
-    came out negative once on a tiny model (CI, -45 ms), and more query tokens never cost less.
+    costs overhead + step(first) + (m - 1) * step(1); timing m = 1 and m = 1 + n separates
+    the per-call overhead from the steps. The two calls alternate, `repeats` pairs, and the
+    step is the median of the pairs' differences / n, so a drift of the host cancels; where
+    that median is not positive (a tiny model on a busy host: CI measured -2.7 ms with
+    n = 8), the steps were lost in the host's noise and the pairs run again with n doubled,
+    up to MAX_CALIBRATION_STEPS. Prompts are cut to whole blocks so every prompt token is a
+    prefix-cache hit and exactly k tokens are computed. A step over k > 1 query tokens is
+    floored at the decode step: the subtraction of the per-call overhead came out negative
+    once on a tiny model (CI, -45 ms), and more query tokens never cost less.
     """
     from vllm import SamplingParams
 
-    def timed(batch: list[list[int]], max_tokens: int) -> float:
+    def timed_once(batch: list[list[int]], max_tokens: int) -> float:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        runs = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            llm.generate([{"prompt_token_ids": ids} for ids in batch], params, use_tqdm=False)
-            runs.append(time.perf_counter() - start)
-        return statistics.median(runs)
+        start = time.perf_counter()
+        llm.generate([{"prompt_token_ids": ids} for ids in batch], params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    def timed(batch: list[list[int]], max_tokens: int) -> float:
+        return statistics.median(timed_once(batch, max_tokens) for _ in range(repeats))
 
     def decode_and_overhead(batch):
-        one, nine = timed(batch, 1), timed(batch, 9)
-        step = (nine - one) / 8
-        return step, one - step
+        n = 8
+        while True:
+            pairs = [(timed_once(batch, 1), timed_once(batch, 1 + n)) for _ in range(repeats)]
+            step = statistics.median((more - one) / n for one, more in pairs)
+            if step > 0 or n >= MAX_CALIBRATION_STEPS:
+                return step, statistics.median(one for one, _ in pairs) - step
+            n *= 2
 
     # Whole blocks of prompt + k tokens of the run's own output: the blocks hit the prefix
     # cache and exactly k tokens are computed (a prompt that is all cache hits would
