@@ -127,12 +127,11 @@ def test_flex_layers_keep_their_own_tables(tiny_llama):
 
 def two_level_pass_limits(config):
     """The limits of a two-level engine's middle pass with `config`'s scheduler (one token
-    of at most MAX_DRAFTING_REQUESTS requests: engine/shape.py `EngineShape.of`)."""
-    from vllm_triforce.engine.buffers import MAX_DRAFTING_REQUESTS
-    from vllm_triforce.engine.shape import PassLimits
+    of each drafting request: engine/shape.py `pass_limits`, as `EngineShape.of` uses it)."""
+    from vllm_triforce.engine.shape import pass_limits
 
-    requests = min(config.scheduler_config.max_num_seqs, MAX_DRAFTING_REQUESTS)
-    return PassLimits(requests, min(config.scheduler_config.max_num_batched_tokens, requests))
+    sched = config.scheduler_config
+    return pass_limits(sched.max_num_seqs, sched.max_num_batched_tokens, gamma1=0)
 
 
 def assert_builders_within_plan(group) -> None:

@@ -52,13 +52,17 @@ class RetrievalLevel:
         self.num_heads, self.head_size = num_heads, head_size
         self.capture = capture
         self.keeper = keeper
-        self.summaries = keeper.summaries
         self.selector = selector
         self.refresh = refresh
         self.blocks = selector.blocks
         self.stats = stats
         self.device = device
         self.pass_limits = pass_limits
+
+    @property
+    def summaries(self):
+        """The block summaries selections read: the keeper's."""
+        return self.keeper.summaries
 
     def begin_step(self, batch, states, judged_alone: bool) -> "RetrievalStep":
         """A new step: count what vLLM's verification accepted of last step's drafts and

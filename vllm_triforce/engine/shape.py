@@ -43,14 +43,19 @@ class PassLimits:
     tokens: int
 
 
+def pass_limits(max_num_seqs: int, max_batched_tokens: int, gamma1: int) -> PassLimits:
+    """A middle pass's limits in an engine of vLLM's `max_num_seqs` and
+    `max_num_batched_tokens`: the drafting cap's requests of gamma1 + 1 tokens each."""
+    requests = min(max_num_seqs, MAX_DRAFTING_REQUESTS)
+    return PassLimits(requests, min(max_batched_tokens, requests * (gamma1 + 1)))
+
+
 @dataclass(frozen=True)
 class EngineShape:
     cfg: TriForceConfig
     blocks: BlockCounts      # the speculative-config keys in whole KV blocks
     gamma2: int              # drafts handed to vLLM per step (num_speculative_tokens)
     gamma1: int              # tokens the small draft proposes per round (0 without one)
-    max_drafting: int        # min(max_num_seqs, MAX_DRAFTING_REQUESTS); a small cache
-                             # bounds it further (engine/memory.py `Sizing.drafting`)
     pass_limits: PassLimits
     max_model_len: int
     max_batched_tokens: int  # vLLM's max_num_batched_tokens
@@ -65,6 +70,12 @@ class EngineShape:
     @property
     def has_draft(self) -> bool:
         return self.cfg.model is not None
+
+    @property
+    def max_drafting(self) -> int:
+        """min(max_num_seqs, MAX_DRAFTING_REQUESTS), a middle pass's requests; a small cache
+        bounds it further (engine/memory.py `Sizing.drafting`)."""
+        return self.pass_limits.requests
 
     @property
     def block_size(self) -> int:
@@ -86,14 +97,12 @@ class EngineShape:
         model, parallel = vllm_config.model_config, vllm_config.parallel_config
         sched = vllm_config.scheduler_config
         gamma1 = cfg.draft_tokens_per_round if cfg.model is not None else 0
-        max_drafting = min(sched.max_num_seqs, MAX_DRAFTING_REQUESTS)
+        limits = pass_limits(sched.max_num_seqs, sched.max_num_batched_tokens, gamma1)
         kv_dtype = kv_cache_dtype_str_to_dtype(vllm_config.cache_config.cache_dtype, model)
         q_block = getattr(vllm_config.attention_config, "flex_attn_q_block_size", None) or 0
         return cls(
             cfg=cfg, blocks=cfg.in_blocks(vllm_config.cache_config.block_size),
-            gamma2=cfg.num_speculative_tokens, gamma1=gamma1, max_drafting=max_drafting,
-            pass_limits=PassLimits(max_drafting, min(sched.max_num_batched_tokens,
-                                                     max_drafting * (gamma1 + 1))),
+            gamma2=cfg.num_speculative_tokens, gamma1=gamma1, pass_limits=limits,
             max_model_len=model.max_model_len,
             max_batched_tokens=sched.max_num_batched_tokens,
             num_layers=model.get_num_layers(parallel),
