@@ -319,7 +319,9 @@ def _explain(s: dict, speedup: float) -> None:
           f"plain; its model predicted {s['predicted_tokens_per_s']:.1f} tok/s, achieved "
           f"{s['achieved_tokens_per_s']:.1f}")
     if speedup < 1.0:
-        print("TriForce is not faster than plain vLLM at this size on this machine: drafting "
-              "costs about what it saves (middle rounds or a verification of k tokens cost "
-              "nearly a decode step), so the controller mostly runs plain steps; try a larger "
-              "--batch or --prompt-tokens (KV-bound).")
+        print("TriForce is not faster than plain vLLM at this size on this machine: on a CPU, "
+              "vLLM's attention verifies k drafts for 2-4 decode steps' price "
+              "(benchmarks/explore/cpu_attention_cost.py) and each middle round reads all the "
+              "weights, so drafting costs about what it saves; it pays where the KV cache "
+              "outweighs the weights many times over (a larger --batch or --prompt-tokens), "
+              "and on GPUs, whose attention verifies k tokens for about a step's price.")
