@@ -60,6 +60,17 @@ def test_each_unsafe_setting_fails(engine, item):
     assert "doctor: FAILED" in doctor.format_report(checks)
 
 
+def test_the_openmp_runtime_is_reported_on_cpu_with_the_fix_not_judged():
+    gnu = {c.item: c for c in doctor.evaluate(PLAIN, _tri(openmp="GNU OpenMP"))}
+    assert gnu["OpenMP runtime"].status == "INFO"
+    assert "LD_PRELOAD=" in gnu["OpenMP runtime"].detail
+    assert "libiomp5.so" in gnu["OpenMP runtime"].detail
+    intel = {c.item: c for c in doctor.evaluate(PLAIN, _tri(openmp="Intel OpenMP"))}
+    assert intel["OpenMP runtime"].detail == "Intel OpenMP"
+    on_gpu = _verdicts(tri=_tri(openmp="GNU OpenMP", device_type="cuda"))
+    assert "OpenMP runtime" not in on_gpu
+
+
 def test_zero_acceptance_fails():
     tri = copy.deepcopy(TRI)
     tri["vllm_spec"]["vllm:spec_decode_num_accepted_tokens"] = 0
@@ -124,4 +135,5 @@ def test_quick_doctor_passes_on_cpu(smollm2, tmp_path, capsys):
                  "attention backend", "TriForce proposer", "acceptance > 0",
                  "greedy identity", "KV-cache key reader"):
         assert f"PASS  {item}" in out, out
+    assert "INFO  OpenMP runtime" in out, out  # the child's own, read from its maps
     assert "FAIL" not in out and "doctor: all checks passed" in out

