@@ -97,7 +97,8 @@ def run_speed(args, model: str, draft: str | None, out: Path) -> dict:
     data = {"config": {k: getattr(args, k) for k in
                        ("prompt_tokens", "batch", "max_tokens", "repeats", "rounds", "budget",
                         "gamma", "policies", "dtype")}
-            | {"model": model, "draft": draft}, "rows": rows,
+            | {"model": model, "draft": draft,
+               "openmp": _openmp([r for runs in rounds for r in runs])}, "rows": rows,
             "all_identical": all(r["identical"] for r in rows), "raw": results}
     report.write_json(out / "results.json", data)
     _write_md(out / "results.md", data)
@@ -226,6 +227,11 @@ def cost_model(result: dict, batch: int, calibration: dict | None) -> dict | Non
     return out
 
 
+def _openmp(results: list[dict]) -> str | None:
+    """The OpenMP runtime(s) the engine processes ran on (bench/runner.child_env)."""
+    return ", ".join(sorted({r["openmp"] for r in results if r.get("openmp")})) or None
+
+
 def _write_md(path: Path, data: dict) -> None:
     c = data["config"]
     header = ["method", "prefill s", "decode tok/s", "ms / token (per request)",
@@ -246,7 +252,8 @@ def _write_md(path: Path, data: dict) -> None:
              f"{c['batch']} x {c['prompt_tokens']}-token Moby-Dick prompts, {c['max_tokens']} new "
              f"tokens, greedy; medians over {c['repeats']} repeat(s) in each of "
              f"{c.get('rounds', 1)} round(s) of one process per method; gamma={c['gamma']}, "
-             f"retrieval_budget={c['budget']}. Decode time excludes prefill (prefix-cache hit). "
+             f"retrieval_budget={c['budget']}; OpenMP: {c.get('openmp') or 'not recorded'}. "
+             f"Decode time excludes prefill (prefix-cache hit). "
              f"All greedy outputs identical: **{'yes' if data['all_identical'] else 'NO'}**.")
     cost_rows = [[r["method"], f"{c['L']:.2f}", f"{c['R']:.2f}", 1000 * c["T1"],
                   1000 * c["Tv"], f"{1000 * c['Tm']:.1f} ({c['Tm_source']})",

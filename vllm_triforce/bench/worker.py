@@ -59,6 +59,8 @@ def run_one(job: dict, run: dict) -> list[dict]:
     controller are compared on one engine, one prefill."""
     from vllm import LLM, SamplingParams
 
+    from vllm_triforce.cpu_openmp import runtime_in_use
+
     spec = run.get("spec")
     llm = LLM(job["model"], dtype=job.get("dtype", "auto"), enforce_eager=True,
               block_size=run.get("block_size", job.get("block_size", 32)), seed=job.get("seed", 0),
@@ -78,6 +80,7 @@ def run_one(job: dict, run: dict) -> list[dict]:
     llm.generate(prompts, warm, use_tqdm=False)
     drafter = drafter_of(llm) if spec and spec.get("method") == "triforce" else None
     result = {"name": run["name"], "spec": spec, "prefill_s": prefill_s,
+              "openmp": runtime_in_use(),
               **_timed(llm, drafter, prompts, params, job.get("repeats", 1))}
     if drafter is not None:
         result["syncs"] = _count_syncs(llm, drafter, prompts, params)
@@ -90,7 +93,7 @@ def run_one(job: dict, run: dict) -> list[dict]:
     for variant in run.get("variants", []):
         drafter.depth.controller.forced = variant["forced"]
         results.append({"name": variant["name"], "spec": spec, "prefill_s": prefill_s,
-                        "forced": variant["forced"],
+                        "forced": variant["forced"], "openmp": result["openmp"],
                         **_timed(llm, drafter, prompts, params, job.get("repeats", 1)),
                         "syncs": _count_syncs(llm, drafter, prompts, params)})
     free_llm(llm)
