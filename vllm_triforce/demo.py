@@ -27,7 +27,7 @@ import statistics
 import sys
 import time
 
-from vllm_triforce.cpu_openmp import OPENMP_RUNTIMES, intel_openmp_preload
+from vllm_triforce.cpu_openmp import intel_openmp_preload, named_runtime
 from vllm_triforce.offline import drafter_of, free_llm
 
 # Each of the two engines gets 2 GiB of KV cache: 4 x 8K SmolLM2 tokens in fp32 need 1.4.
@@ -84,8 +84,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def _openmp_line(ld_preload: str) -> str:
-    runtime = next((label for name, label in OPENMP_RUNTIMES.items() if name in ld_preload),
-                   None)
+    runtime = named_runtime(ld_preload)
     if runtime == "Intel OpenMP":
         return ("Both engines run with Intel OpenMP preloaded, as vLLM's CPU guide sets up "
                 "(LD_PRELOAD).")

@@ -201,7 +201,8 @@ def _openmp(runtime: str | None, device_type: str) -> list[Check]:
         return [Check(INFO, "OpenMP runtime", runtime)]
     from vllm_triforce.cpu_openmp import intel_openmp_path
 
-    fix = (f"LD_PRELOAD={intel_openmp_path()}" if intel_openmp_path()
+    path = intel_openmp_path()
+    fix = (f"LD_PRELOAD={path}" if path
            else "pip install intel-openmp, then LD_PRELOAD=<its lib>/libiomp5.so")
     return [Check(INFO, "OpenMP runtime",
                   f"{runtime}: vLLM's CPU guide preloads Intel OpenMP, without which "
