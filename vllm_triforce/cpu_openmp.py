@@ -24,6 +24,16 @@ def intel_openmp_preload(ld_preload: str) -> str | None:
     return f"{path}:{ld_preload}" if ld_preload else path
 
 
+def with_intel_openmp(env) -> dict:
+    """A copy of the environment `env` for an engine process still to be started, with
+    LD_PRELOAD from intel_openmp_preload where that changes it."""
+    env = dict(env)
+    preload = intel_openmp_preload(env.get("LD_PRELOAD", ""))
+    if preload is not None:
+        env["LD_PRELOAD"] = preload
+    return env
+
+
 def intel_openmp_path() -> str | None:
     """`libiomp5.so` of the installed `intel-openmp` package, or None."""
     from importlib import metadata

@@ -9,7 +9,7 @@ and their median, acceptance at each TriForce level, and whether the outputs are
 token-for-token identical, with the draft counts behind that verdict: an engine that never drafted
 decodes plainly and equals plain vLLM trivially, so the demo fails (exit 1) if the
 fixed-depth run drafted nothing. Both engines start with Intel OpenMP preloaded, as vLLM's CPU
-installation guide sets up (`cpu_openmp.intel_openmp_preload`).
+installation guide sets up (`cpu_openmp.with_intel_openmp`).
 
 Default: SmolLM2-135M, two levels, 4 x 7,936 tokens: the KV cache (1.5 GB in fp32) is
 three times the weights, TriForce's regime, where a middle round over a 512-token
@@ -27,7 +27,7 @@ import statistics
 import sys
 import time
 
-from vllm_triforce.cpu_openmp import intel_openmp_preload, named_runtime
+from vllm_triforce.cpu_openmp import named_runtime, with_intel_openmp
 from vllm_triforce.offline import drafter_of, free_llm
 
 # Each of the two engines gets 2 GiB of KV cache: 4 x 8K SmolLM2 tokens in fp32 need 1.4.
@@ -55,9 +55,7 @@ def add_demo_parser(subparsers) -> None:
 def run_demo(args: argparse.Namespace) -> int:
     for key, value in ENGINE_ENV.items():
         os.environ.setdefault(key, value)
-    preload = intel_openmp_preload(os.environ.get("LD_PRELOAD", ""))
-    if preload is not None:  # read when each engine's process starts
-        os.environ["LD_PRELOAD"] = preload
+    os.environ.update(with_intel_openmp(os.environ))  # read as each engine's process starts
     from vllm_triforce import assets
 
     target = assets.ensure_model("qwen2.5-coder-1.5b" if args.three_level else "smollm2-135m")

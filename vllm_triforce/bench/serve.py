@@ -184,8 +184,11 @@ def serving(cmd: list[str], log: Path, timeout_s: float):
     port = _free_port()
     from vllm_triforce import metrics
 
-    # Each server keeps its own TriForce counters (not a parent's metrics directory).
-    env = {k: v for k, v in os.environ.items() if k != metrics.ENV_DIR}
+    from vllm_triforce.cpu_openmp import with_intel_openmp
+
+    # Each server keeps its own TriForce counters (not a parent's metrics directory), and
+    # starts with Intel OpenMP preloaded, as the other benchmarks' engines.
+    env = {k: v for k, v in with_intel_openmp(os.environ).items() if k != metrics.ENV_DIR}
     with open(log, "w") as log_file:
         proc = subprocess.Popen(cmd + ["--port", str(port)], stdout=log_file,
                                 stderr=subprocess.STDOUT, start_new_session=True, env=env)

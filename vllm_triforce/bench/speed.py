@@ -228,7 +228,7 @@ def cost_model(result: dict, batch: int, calibration: dict | None) -> dict | Non
 
 
 def _openmp(results: list[dict]) -> str | None:
-    """The OpenMP runtime(s) the engine processes ran on (bench/runner.child_env)."""
+    """The OpenMP runtime(s) the engine processes ran on (bench/runner.py preloads Intel's)."""
     return ", ".join(sorted({r["openmp"] for r in results if r.get("openmp")})) or None
 
 
