@@ -240,7 +240,7 @@ def _regime(model_dir, args) -> str:
                if kv > weights else
                "weight-bound: a middle round costs nearly a plain step, so drafting cannot "
                "pay and the controller decodes plainly (try a larger --batch or "
-               "--prompt-tokens)")
+               "--prompt-tokens, with VLLM_CPU_KVCACHE_SPACE in GiB raised to hold them)")
     return (f"KV cache {kv / 2**30:.2f} GiB against weights {weights / 2**30:.2f} GiB "
             f"({args.dtype}): {verdict}.")
 
@@ -297,5 +297,6 @@ def _explain(s: dict, speedup: float) -> None:
               "vLLM's attention verifies k drafts for 2-4 decode steps' price "
               "(benchmarks/explore/cpu_attention_cost.py) and each middle round reads all the "
               "weights, so drafting costs about what it saves; it pays where the KV cache "
-              "outweighs the weights many times over (a larger --batch or --prompt-tokens), "
+              "outweighs the weights many times over (a larger --batch or --prompt-tokens, "
+              "with VLLM_CPU_KVCACHE_SPACE in GiB raised to hold them), "
               "and on GPUs, whose attention verifies k tokens for about a step's price.")
