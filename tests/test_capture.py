@@ -56,3 +56,66 @@ def test_profile_run_is_not_captured_but_real_steps_are(tiny_llama, llm_factory)
     llm.generate(["a b c d e f g h"], SamplingParams(temperature=0.0, max_tokens=4),
                  use_tqdm=False)
     assert captured_at_propose and all(captured_at_propose)
+
+
+def _run_recording_selections(llm, prompts) -> dict:
+    """Greedy tokens, every selection the retrieval level chose (logical blocks per layer)
+    and TriForce's draft counts, with every request drafting 4 tokens each step."""
+    from vllm import SamplingParams
+
+    from engine_helpers import assert_drafted, force_depths
+
+    drafter = drafter_of(llm)
+    force_depths(llm, [4])
+    selector, selections = drafter.retrieval.selector, []
+    choose = selector.choose
+
+    def recording_choose(*args, **kwargs):
+        choice = choose(*args, **kwargs)
+        selections.append(choice.selection.logical_blocks.tolist())
+        return choice
+
+    selector.choose = recording_choose
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24),
+                        use_tqdm=False)
+    stats = drafter.stats.snapshot()
+    assert_drafted(stats)
+    return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "selections": selections,
+            "accepted": (stats["top_proposed"], stats["top_accepted"])}
+
+
+def test_capture_survives_graph_pool_reuse(tiny_llama, llm_factory, monkeypatch):
+    """Under PIECEWISE CUDA graphs, the query and key a layer's attention is handed live in
+    the graph pool, which the next pieces overwrite before the proposer reads them. Here
+    every pass a GPU may replay as a graph (at most capture.DEFAULT_COPY_TOKENS tokens:
+    vLLM's CPU config sets no capture sizes) has its query and key overwritten right after
+    each layer's attention: selections, acceptance and tokens must not change."""
+    import torch
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    from vllm_triforce.engine.capture import DEFAULT_COPY_TOKENS
+
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 250 + 1 for j in range(300 + 60 * i)]}
+               for i in range(3)]
+    spec = dict(SPEC, num_speculative_tokens=4, adaptive=False)
+    clean = _run_recording_selections(llm_factory(tiny_llama, speculative_config=spec),
+                                      prompts)
+
+    forward = CPUAttentionBackendImpl.forward
+
+    def reusing_pool(self, layer, query, key, *args, **kwargs):
+        out = forward(self, layer, query, key, *args, **kwargs)
+        if query.shape[0] <= DEFAULT_COPY_TOKENS:  # what a graph's next piece would do
+            with torch.no_grad():
+                query.normal_()
+                if key is not None:
+                    key.normal_()
+        return out
+
+    monkeypatch.setattr(CPUAttentionBackendImpl, "forward", reusing_pool)
+    overwritten = _run_recording_selections(
+        llm_factory(tiny_llama, speculative_config=spec), prompts)
+    assert clean["selections"], "no selection was made: the test proves nothing"
+    assert overwritten["selections"] == clean["selections"]
+    assert overwritten["accepted"] == clean["accepted"]
+    assert overwritten["tokens"] == clean["tokens"]

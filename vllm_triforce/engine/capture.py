@@ -8,9 +8,18 @@ output, ...)` (vllm/v1/attention/backend.py, 0.32.0) receives both, so `install`
 `forward` of the *target* layers' impl instances (each once) when the proposer loads: nothing
 in vLLM changes at class level, which is why this lives here and not in `patches/`.
 
-The wrapper keeps references, never copies: the proposer consumes them right after the
-verification pass. Under FULL CUDA graphs attention does not run Python, so TriForce needs
-eager or piecewise graphs (engine_settings.py).
+What is kept must still hold this pass's values when the proposer reads them, after the
+verification pass. Under PIECEWISE CUDA graphs the query and key handed to the attention op
+are outputs of the graph piece before it, in the graph memory pool that later pieces reuse
+(vLLM keeps only weak references to piece outputs: vllm/compilation/cuda_graph.py): by the
+time the proposer selects blocks, layer l's query could hold another layer's data, and
+acceptance would collapse without a word (verification keeps outputs exact). So a pass of
+at most `copy_tokens` tokens, the largest that vLLM may replay as a graph
+(`max_cudagraph_capture_size`), is kept as copies; a larger pass never replays a graph and
+is kept by reference, so a prefill chunk is never copied. The copies cost two device
+copies per layer of a decode-sized pass (benchmarks/explore/capture_copy.py measures them).
+Under FULL CUDA graphs attention does not run Python at all, so TriForce needs eager or
+piecewise graphs (engine_settings.py).
 
 Nothing is recorded when `attn_metadata` is None: that is a vLLM dummy run, not a step.
 `GPUModelRunner._dummy_run` (vllm/v1/worker/gpu_model_runner.py, 0.32.0) builds metadata
@@ -27,6 +36,9 @@ from __future__ import annotations
 import inspect
 
 PATCHED_ATTR = "__vllm_triforce_capture__"
+# vLLM's default largest CUDA-graph size (CompilationConfig.max_cudagraph_capture_size),
+# for configs that leave it unset (CPU): passes of at most this many tokens are copied.
+DEFAULT_COPY_TOKENS = 512
 _EXPECTED = ("self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output")
 
 
@@ -36,23 +48,33 @@ class LayerCapture:
     queries[l]: [num_tokens, num_q_heads(, head_dim)];
     keys[l]: [num_tokens, num_kv_heads(, head_dim)].
     Set `enabled = False` while running passes whose tensors must not be recorded.
+    `copy_tokens`: passes of at most this many tokens are kept as copies (see top).
     """
 
-    def __init__(self, num_layers: int):
+    def __init__(self, num_layers: int, copy_tokens: int = DEFAULT_COPY_TOKENS):
         self.queries: list = [None] * num_layers
         self.keys: list = [None] * num_layers
         self.enabled = True
+        self.copy_tokens = copy_tokens
+
+    def record(self, index: int, query, key) -> None:
+        if query.shape[0] <= self.copy_tokens:  # may be a graph replay's pool memory
+            query = query.clone()
+            key = key.clone() if key is not None else None
+        self.queries[index] = query
+        self.keys[index] = key
 
     def clear(self) -> None:
         self.queries = [None] * len(self.queries)
         self.keys = [None] * len(self.keys)
 
 
-def install(layers) -> LayerCapture:
+def install(layers, copy_tokens: int | None = None) -> LayerCapture:
     """Wrap `layer.impl.forward` of each layer (ordered by layer index); returns the capture
-    they record into."""
+    they record into. `copy_tokens`: the engine's `max_cudagraph_capture_size` (None: unset,
+    DEFAULT_COPY_TOKENS)."""
     check_interface()
-    capture = LayerCapture(len(layers))
+    capture = LayerCapture(len(layers), copy_tokens or DEFAULT_COPY_TOKENS)
     for index, layer in enumerate(layers):
         layer.impl.forward = _wrap_forward(_unwrapped(layer.impl.forward), index, capture)
     return capture
@@ -77,8 +99,7 @@ def _unwrapped(forward):
 def _wrap_forward(forward, index: int, capture: LayerCapture):
     def captured_forward(layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
         if capture.enabled and attn_metadata is not None:  # None: a dummy run (see top)
-            capture.queries[index] = query
-            capture.keys[index] = key
+            capture.record(index, query, key)
         return forward(layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
 
     captured_forward.__wrapped__ = forward

@@ -149,7 +149,9 @@ class TriForceProposer(DraftModelProposer):
         layers = get_layers_from_vllm_config(self.vllm_config, Attention)
         self.target_layer_names = sorted(target_names, key=extract_layer_index)
         self.target_layers = [layers[n] for n in self.target_layer_names]
-        self.capture = capture.install(self.target_layers)
+        self.capture = capture.install(
+            self.target_layers,
+            self.vllm_config.compilation_config.max_cudagraph_capture_size)
 
     def initialize_attn_backend(self, kv_cache_config, kernel_block_sizes=None) -> None:
         if len(kv_cache_config.kv_cache_groups) != 1:
