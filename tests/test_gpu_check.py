@@ -36,9 +36,11 @@ def test_dry_run_of_the_gpu_check_passes_on_cpu(tmp_path):
     tri_syncs = next(r for r in summary["syncs"] if r["job"] == "exact-cpu-fp32-3L")
     assert tri_syncs["propose_max_round"] <= 1 and tri_syncs["propose_max_step"] <= 3
     for row in summary["costs"]:
-        assert row["plain_forced_ms"] > 0
+        assert row["plain_forced_ms"] is None or row["plain_forced_ms"] > 0  # never negative
         assert {"0", "2"} <= set(row["depths"]), row
         assert row["depths"]["2"]["middle_round_ms"] > 0
+        assert all(d["step_ms"] is None or d["step_ms"] > 0 for d in row["depths"].values())
+        assert row["reference"].startswith("plain vLLM with TriForce's settings"), row
     # resumable: a second run with everything done starts no engine
     again = gpu_check.run(argparse.Namespace(**{**vars(args), "resume": None}))
     assert again["jobs"] == results["jobs"]
@@ -140,3 +142,50 @@ def test_results_render_from_partial_results():
     text = gpu_render.render(results)
     assert "8x32K" in text and "failed" in text
     json.dumps(gpu_summary.summarise(results))
+
+
+def test_the_gpu_plan_times_costs_first_and_vllm_defaults_before_forced_settings():
+    from vllm_triforce.bench.gpu_plan import plan
+
+    models = {"target": "t", "draft": "d", "shape": "s", "tag": "x", "vocab": 1000}
+    names = [job["name"] for job in plan(True, models)]
+    assert names[:4] == ["kernels", "costs-plain-defaults", "costs-triforce",
+                         "costs-plain-forced"], names
+    assert names[4:] and all(n.startswith("exact-") for n in names[4:]), names
+    costs = plan(True, models)[1]
+    assert [c["name"] for c in costs["cases"]][:2] == ["8x32K", "1x128K"]
+
+
+def test_a_step_lost_in_noise_is_timed_longer_and_never_negative():
+    from vllm_triforce.bench.step_timing import decode_step
+
+    calls = []
+
+    def noisy(m):  # 1 ms a step; 40 ms of noise on the short calls of the first 4 pairs
+        calls.append(m)
+        return (0.001 * m + (0.04 if m == 8 and len(calls) <= 8 else 0.0), m)
+
+    measured = decode_step(noisy, 8, 16, repeats=2)
+    assert measured["long"] == 64 and abs(measured["step_s"] - 0.001) < 1e-9, measured
+    lost = decode_step(lambda m: (0.5 if m == 8 else 0.1, m), 8, 16, repeats=2, max_long=32)
+    assert lost["step_s"] is None and lost["overhead_s"] is None, lost
+
+
+def test_a_compile_failure_retries_without_aot_then_eager_and_says_so():
+    job = {"name": "costs-triforce", "kind": "costs", "llm": {"compilation_config": {}},
+           "env": {"A": "1"}}
+    assert gpu_check._compile_failure({"error": "torch._inductor.exc.InductorError: x"})
+    assert not gpu_check._compile_failure({"error": "CUDA out of memory"})
+    no_aot = gpu_check._no_aot(job)
+    assert no_aot["name"] == "costs-triforce-noaot"
+    assert no_aot["env"] == {"A": "1", "VLLM_USE_AOT_COMPILE": "0"}
+    eager = gpu_check._eager(no_aot)
+    assert eager["name"] == "costs-triforce-eager" and eager["llm"] == {"enforce_eager": True}
+    jobs = {"costs-plain-defaults-eager": {"status": "ok", "result": {"cases": {
+                "8x32K": {"step_ms": 30.0}}}},
+            "costs-plain-forced": {"status": "ok", "result": {"cases": {
+                "8x32K": {"step_ms": 31.0}}}}}
+    [row] = gpu_summary.summarise({"jobs": jobs})["costs"]
+    assert row["engines"]["plain_defaults"] == "eager (compiled engine failed)"
+    assert row["tax"] is None  # eager against compiled is no tax
+    assert row["reference"] == "vLLM defaults"

@@ -74,6 +74,10 @@ def add_demo_parser(subparsers) -> None:
                    help="GPU: each engine's share of the GPU (both stay alive)")
     p.add_argument("--out", default=None,
                    help="also write the results as JSON to this file, after every round")
+    p.add_argument("--eager-check", action="store_true",
+                   help="after the rounds, the fixed-depth decode once more on an eager "
+                        "TriForce engine: its acceptance must match the compiled engine's "
+                        "(within 3 points), or CUDA graphs changed what TriForce reads")
     p.set_defaults(func=run_demo)
 
 
@@ -127,6 +131,8 @@ def run_demo(args: argparse.Namespace) -> int:
                   f"{_ms(c['ms_per_middle_round'])} ms ({_ms(c['forward_ms_per_middle_round'])} "
                   "ms of model forward)", flush=True)
         _save(args, plain, tri, fixed, verdict, fixed_verdict)
+        if "eager_check" in fixed and not fixed["eager_check"]["agree"]:
+            return 1
         ok = verdict["explained"] and fixed_verdict["explained"]
         return 0 if ok and fixed["triforce"]["top_proposed"] else 1
     if not fixed["triforce"]["top_proposed"]:
@@ -202,14 +208,39 @@ def _run(model_dir, spec, prompts, args):
     finally:
         for proc, conn in engines.values():
             _stop(proc, conn)
+    if getattr(args, "eager_check", False):
+        fixed["eager_check"] = _eager_check(context, model_dir, spec, prompts, args, fixed)
     return plain, tri, fixed
 
 
-def _start(context, model_dir, spec, prompts, args):
+def _eager_check(context, model_dir, spec, prompts, args, fixed) -> dict:
+    """The fixed-depth decode on an eager TriForce engine, against the compiled engine's
+    (`fixed`, all rounds): acceptance within 3 points, and the same tokens."""
+    proc, conn, _ = _start(context, model_dir, spec, prompts, args, eager_only=True)
+    try:
+        eager = _ask(conn, "fixed")
+    finally:
+        _stop(proc, conn)
+    rate = lambda c: c["top_accepted"] / c["top_proposed"] if c["top_proposed"] else None
+    compiled, eager_rate = rate(fixed["triforce"]), rate(eager["triforce"])
+    agree = (compiled is not None and eager_rate is not None
+             and abs(compiled - eager_rate) <= 0.03)
+    print(f"capture check: fixed-depth acceptance compiled {compiled:.3f} "
+          f"({fixed['triforce']['top_accepted']}/{fixed['triforce']['top_proposed']}), eager "
+          f"{eager_rate:.3f} ({eager['triforce']['top_accepted']}/"
+          f"{eager['triforce']['top_proposed']}): {'agree' if agree else 'DIFFER'} within 3 "
+          f"points; tokens {'equal' if eager['tokens'] == fixed['tokens'] else 'differ'}",
+          flush=True)
+    return {"compiled_acceptance": compiled, "eager_acceptance": eager_rate, "agree": agree,
+            "eager_counts": {k: eager["triforce"][k] for k in DRAFT_COUNTS},
+            "same_tokens": eager["tokens"] == fixed["tokens"]}
+
+
+def _start(context, model_dir, spec, prompts, args, eager_only: bool = False):
     """(process, connection, how the engine runs) of one engine, built and prefilled. On a
     GPU an engine that fails to start compiled (torch.compile, CUDA graphs) is started
     again eager, and says so: its numbers are then eager ones."""
-    attempts = (False, True) if args.device == "cuda" else (True,)
+    attempts = (False, True) if args.device == "cuda" and not eager_only else (True,)
     for eager in attempts:
         parent, child = context.Pipe()
         proc = context.Process(target=_engine_process,
@@ -529,6 +560,7 @@ def _save(args, plain, tri, fixed, verdict, fixed_verdict) -> None:
             "verdict": verdict, "fixed_verdict": fixed_verdict,
             "same_each_round": {"plain": plain["same_each_round"],
                                 "triforce": tri["same_each_round"]},
+            "eager_check": fixed.get("eager_check"),
             "first_continuation": tri["text"][:300], "complete": True}
     _write_json(args.out, data)
 

@@ -96,11 +96,15 @@ def run(args: argparse.Namespace) -> dict:
         results["jobs"][job["name"]] = _merge_cases(previous, entry)
         if job["name"] == "kernels" and on_gpu and not _kernels_ok(results):
             jobs = jobs[:i] + plan(on_gpu, models, kernels_ok=False)[i:]
-        if job["kind"] == "costs" and entry["status"] != "ok" and not job["llm"].get(
-                "enforce_eager"):
+        if (job["kind"] == "costs" and entry["status"] != "ok"
+                and not job["llm"].get("enforce_eager") and _compile_failure(entry)):
             # torch.compile or CUDA graphs failed (this torch is older than vLLM's pin?):
-            # the remaining cost jobs, and this one again at the end, run eager
-            jobs = jobs[:i] + [_eager(j) for j in jobs[i:]] + [_eager(job)]
+            # this job again without AOT compile; failed again, the remaining cost jobs,
+            # and this one at the end, run eager (and say so: bench/gpu_summary.FALLBACKS)
+            if not job["name"].endswith(NO_AOT):
+                jobs = jobs[:i] + [_no_aot(job)] + jobs[i:]
+            else:
+                jobs = jobs[:i] + [_eager(j) for j in jobs[i:]] + [_eager(job)]
         results["summary"] = summarise(results)
         _save(args.out, results)
     results["summary"] = summarise(results)
@@ -108,11 +112,30 @@ def run(args: argparse.Namespace) -> dict:
     return results
 
 
+NO_AOT = "-noaot"
+# What a failed engine's log says when torch.compile or CUDA-graph capture failed.
+COMPILE_FAILURES = ("torch._dynamo", "torch._inductor", "InductorError", "BackendCompilerFailed",
+                    "aot_compile", "CUDAGraph", "cuda graph", "compilation")
+
+
+def _compile_failure(entry: dict) -> bool:
+    error = entry.get("error") or ""
+    return any(marker in error for marker in COMPILE_FAILURES)
+
+
+def _no_aot(job: dict) -> dict:
+    """The job again with vLLM's AOT compile off (VLLM_USE_AOT_COMPILE=0)."""
+    return {**job, "name": job["name"] + NO_AOT,
+            "env": {**job.get("env", {}), "VLLM_USE_AOT_COMPILE": "0"}}
+
+
 def _eager(job: dict) -> dict:
     if job["kind"] != "costs" or job["llm"].get("enforce_eager"):
         return job
     llm = {k: v for k, v in job["llm"].items() if k != "compilation_config"}
-    return {**job, "name": job["name"] + "-eager", "llm": {**llm, "enforce_eager": True}}
+    env = {k: v for k, v in job.get("env", {}).items() if k != "VLLM_USE_AOT_COMPILE"}
+    return {**job, "name": job["name"].removesuffix(NO_AOT) + "-eager", "env": env,
+            "llm": {**llm, "enforce_eager": True}}
 
 
 def _missing_cases(job: dict, previous: dict, args) -> dict | None:

@@ -32,6 +32,8 @@ import traceback
 import warnings
 from pathlib import Path
 
+from vllm_triforce.bench.step_timing import decode_step
+
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
               "TOKENIZERS_PARALLELISM": "false"}
 PACKAGE = str(Path(__file__).resolve().parent.parent)
@@ -313,9 +315,11 @@ def run_costs(job: dict) -> dict:
 
 
 def _flush(job: dict, result: dict) -> None:
-    """Partial results beside the final file: a case that completed survives a later crash."""
-    if job.get("partial_path"):
-        Path(job["partial_path"]).write_text(json.dumps(result))
+    """Partial results beside the final file, and in the run's mirror folder when it has
+    one: a case that completed survives a later crash, and a run killed from outside."""
+    for path in (job.get("partial_path"), job.get("partial_mirror")):
+        if path:
+            Path(path).write_text(json.dumps(result))
 
 
 def timed_generate(llm, prompts, max_tokens: int) -> float:
@@ -328,44 +332,68 @@ def timed_generate(llm, prompts, max_tokens: int) -> float:
 
 
 def time_case(llm, drafter, prompts, job: dict) -> dict:
-    """Prefill once (the prefix cache keeps it), then decode. A step's milliseconds come
-    from two decodes of different lengths (their difference over the extra steps), so the
-    prefix-cache lookup and the last partial block's recompute cancel out."""
+    """Prefill once (the prefix cache keeps it), then decode. Plain vLLM and TriForce at
+    each forced depth are timed the same way (bench/step_timing.py): a short and a long
+    decode in pairs, ms per step from their difference over the extra steps, so
+    admission, the prefix-cache hit's recompute and the first selection cancel out. A
+    TriForce step's split (proposer / vLLM, ms per middle round, tokens per step,
+    acceptance) comes from its counters over the long decodes."""
     short, long = job["decode_tokens"]
     prefill_s = timed_generate(llm, prompts, 1)
     out = {"prefill_s": prefill_s}
+    timed_generate(llm, prompts, short)  # warm-up: first decodes after a prefill
     if drafter is None:
-        timed_generate(llm, prompts, short)  # warm-up: first decodes after a prefill
-        t_short, t_long = timed_generate(llm, prompts, short), timed_generate(llm, prompts, long)
-        out["step_ms"] = 1000.0 * (t_long - t_short) / (long - short)
+        measured = decode_step(lambda m: (timed_generate(llm, prompts, m), m), short, long,
+                               repeats=job.get("repeats", 2))
+        out["step_ms"] = _ms(measured["step_s"])
+        out["timing"] = measured
         return out
     out["depths"] = {}
     for depth in job["depths"]:
         drafter.depth.controller.forced = [depth]
         timed_generate(llm, prompts, short)  # warm-up at this depth
-        before = drafter.stats.snapshot()
-        wall = timed_generate(llm, prompts, long)
-        out["depths"][str(depth)] = depth_row(before, drafter.stats.snapshot(), wall,
-                                              long - 1, len(prompts))
+        counted = []
+
+        def timed(m: int) -> tuple[float, int]:
+            before = drafter.stats.snapshot()
+            wall = timed_generate(llm, prompts, m)
+            after = drafter.stats.snapshot()
+            counted.append((m, wall, before, after))
+            return wall, after["plain_steps"] + after["drafting_steps"] - (
+                before["plain_steps"] + before["drafting_steps"])
+
+        measured = decode_step(timed, short, long, repeats=job.get("repeats", 2))
+        m, wall, before, after = max(counted, key=lambda c: c[0])  # the last long decode
+        row = depth_row(before, after, wall, m - 1, len(prompts))
+        row["step_ms"] = _ms(measured["step_s"])
+        row["timing"] = measured
+        out["depths"][str(depth)] = row
     drafter.depth.controller.forced = None
     return out
 
 
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else 1000.0 * seconds
+
+
 def depth_row(before: dict, after: dict, wall: float, tokens: int, batch: int) -> dict:
     """One forced depth's decode of `tokens` new tokens per request after the first (which
-    the prefix-cache hit's step emits) for `batch` requests:
-    steps (plain + drafting), ms per step, of which middle rounds (the proposer's wall
-    time) and the rest (vLLM's step: verification of 1 + k tokens per request); ms per
-    middle round; tokens per step per request (a plain step's is 1); acceptance."""
+    the prefix-cache hit's step emits) for `batch` requests: steps (plain + drafting), of
+    each step the middle rounds (the proposer's wall time) and the rest (vLLM's step:
+    verification of 1 + k tokens per request); ms per middle round; tokens per step per
+    request (a plain step's is 1); acceptance. `step_ms` (time_case) replaces this call's
+    wall time per step, which includes its admission, with the difference of two decodes."""
     d = {k: after[k] - before[k] for k in ("plain_steps", "drafting_steps", "middle_rounds",
                                            "middle_seconds", "forward_seconds", "top_proposed",
                                            "top_accepted")}
     steps = max(d["plain_steps"] + d["drafting_steps"], 1)
-    return {"steps": steps, "wall_s": wall, "step_ms": 1000.0 * wall / steps,
+    return {"steps": steps, "wall_s": wall, "wall_ms_per_step": 1000.0 * wall / steps,
             "proposer_ms_per_step": 1000.0 * d["middle_seconds"] / steps,
             "vllm_ms_per_step": 1000.0 * (wall - d["middle_seconds"]) / steps,
             "middle_round_ms": (1000.0 * d["middle_seconds"] / d["middle_rounds"]
                                 if d["middle_rounds"] else None),
+            "forward_ms_per_round": (1000.0 * d["forward_seconds"] / d["middle_rounds"]
+                                     if d["middle_rounds"] else None),
             "rounds_per_step": d["middle_rounds"] / steps,
             "tokens": tokens, "tokens_per_step": tokens / steps,
             "batch": batch,

@@ -23,7 +23,11 @@ def run_job(job: dict, out: Path, run_index: int, timeout_s: float) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
         partial = Path(tmp) / "partial.json"
-        job_path.write_text(json.dumps({**job, "partial_path": str(partial)}))
+        mirror = os.environ.get("VLLM_TRIFORCE_GPU_MIRROR")
+        job_path.write_text(json.dumps({
+            **job, "partial_path": str(partial),
+            # kept current case by case where a killed run's files are fetched from
+            "partial_mirror": str(Path(mirror) / "partial.json") if mirror else None}))
         log_path = Path(tmp) / "log"
         with open(log_path, "w") as log:
             try:
@@ -35,7 +39,6 @@ def run_job(job: dict, out: Path, run_index: int, timeout_s: float) -> dict:
             except subprocess.TimeoutExpired:
                 code = "timeout"
         text = log_path.read_text(errors="replace")
-        mirror = os.environ.get("VLLM_TRIFORCE_GPU_MIRROR")
         for folder in (out, Path(mirror) if mirror else None):
             if folder is not None:
                 folder.mkdir(parents=True, exist_ok=True)

@@ -50,16 +50,18 @@ def render(results: dict) -> str:
             lines.append(f"- {key}: {_mib(key, value)}")
     lines += ["", "## Costs (ms per decode step; TriForce at forced depth k)", "",
               "| case | plain, vLLM defaults | plain, TriForce's settings | tax | depth: step ms "
-              "(middle round ms, tokens/step) | model speedup at 0.8 / 0.9 |",
-              "|---|---|---|---|---|---|"]
+              "(middle round ms, tokens/step) | model speedup at 0.8 / 0.9 | against | engines |",
+              "|---|---|---|---|---|---|---|---|"]
     for r in summary["costs"]:
         ds = "; ".join(f"{k}: {_f(d.get('step_ms'))} ({_f(d.get('middle_round_ms'))}, "
                        f"{_f(d.get('tokens_per_step'))})" for k, d in r["depths"].items())
         model = r.get("model", {})
         sp = " / ".join(f"{_f(model[a]['speedup'])}x (k={model[a]['depth']})"
                         for a in model) or "-"
+        engines = ", ".join(f"{k}: {v}" for k, v in (r.get("engines") or {}).items() if v)
         lines.append(f"| {r['case']} | {_f(r['plain_defaults_ms'])} | {_f(r['plain_forced_ms'])}"
-                     f" | {_pct(r['tax'])} | {ds or '-'} | {sp} |")
+                     f" | {_pct(r['tax'])} | {ds or '-'} | {sp} | {r.get('reference') or '-'} "
+                     f"| {engines or '-'} |")
     return "\n".join(lines) + "\n"
 
 

@@ -74,13 +74,20 @@ def _syncs(jobs: dict) -> list[dict]:
     return rows
 
 
+# A cost job that failed compiled runs again without AOT compile, then eager
+# (bench/gpu_check.py): the suffix of its name, and what its numbers are.
+FALLBACKS = (("", "compiled"), ("-noaot", "compiled without AOT compile"),
+             ("-eager", "eager (compiled engine failed)"))
+
+
 def _cost_result(jobs: dict, name: str) -> dict | None:
-    """A cost job's results, finished or partial, compiled or (fallback) eager."""
-    for candidate in (name, name + "-eager"):
-        job = jobs.get(candidate) or {}
+    """A cost job's results, finished or partial, compiled or after a fallback; its
+    "engine" says which."""
+    for suffix, mode in FALLBACKS:
+        job = jobs.get(name + suffix) or {}
         found = job.get("result") or job.get("partial")
         if found:
-            return found
+            return {**found, "engine": mode}
     return None
 
 
@@ -134,11 +141,20 @@ def _costs(jobs: dict) -> list[dict]:
         row = {"case": case}
         plain_d = ((defaults or {}).get("cases", {}).get(case) or {}).get("step_ms")
         plain_f = ((forced or {}).get("cases", {}).get(case) or {}).get("step_ms")
-        row.update(plain_defaults_ms=plain_d, plain_forced_ms=plain_f,
-                   tax=(plain_f / plain_d - 1.0) if plain_d and plain_f else None)
+        modes = {key: (res or {}).get("engine") for key, res in
+                 (("plain_defaults", defaults), ("plain_forced", forced), ("triforce", tri))}
+        # the tax compares like with like: both compiled, or both eager
+        same_mode = modes["plain_defaults"] == modes["plain_forced"]
+        row.update(plain_defaults_ms=plain_d, plain_forced_ms=plain_f, engines=modes,
+                   tax=(plain_f / plain_d - 1.0) if plain_d and plain_f and same_mode
+                   else None)
         depths = ((tri or {}).get("cases", {}).get(case) or {}).get("depths", {})
         row["depths"] = depths
         reference = plain_d or plain_f
+        # a speedup is only ever taken against vLLM's defaults without saying otherwise
+        row["reference"] = ("vLLM defaults" if plain_d else
+                            "plain vLLM with TriForce's settings (vLLM defaults not measured)"
+                            if plain_f else None)
         if depths and reference:
             row["model"] = {str(a): best_speedup(depths, reference, a) for a in ALPHAS}
             row["measured"] = {k: d["tokens_per_step"] / d["step_ms"] * reference

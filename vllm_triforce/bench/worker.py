@@ -28,6 +28,7 @@ import statistics
 import sys
 import time
 
+from vllm_triforce.bench.step_timing import decode_step
 from vllm_triforce.offline import drafter_of, free_llm
 
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_TARGET_DEVICE": "cpu",
@@ -148,11 +149,10 @@ def calibrate(llm, prompts: list[list[int]], continuations: list[list[int]], *,
     `context_step_s[c]`: a decode step over only the first c tokens -- the ideal cost of a
     middle-level round over a c-token retrieval cache. Method: a `generate` of m new tokens
     costs overhead + step(first) + (m - 1) * step(1); timing m = 1 and m = 1 + n separates
-    the per-call overhead from the steps. The two calls alternate, `repeats` pairs, and the
-    step is the median of the pairs' differences / n, so a drift of the host cancels; where
-    that median is not positive (a tiny model on a busy host: CI measured -2.7 ms with
-    n = 8), the steps were lost in the host's noise and the pairs run again with n doubled,
-    up to MAX_CALIBRATION_STEPS. Prompts are cut to whole blocks so every prompt token is a
+    the per-call overhead from the steps (bench/step_timing.py, the one way steps are
+    timed: paired calls, median of the differences, the long call doubled while the steps
+    are lost in the host's noise, up to MAX_CALIBRATION_STEPS; still lost, the long call's
+    time per step is taken, an upper bound). Prompts are cut to whole blocks so every prompt token is a
     prefix-cache hit and exactly k tokens are computed. A step over k > 1 query tokens is
     floored at the decode step: the subtraction of the per-call overhead came out negative
     once on a tiny model (CI, -45 ms), and more query tokens never cost less.
@@ -169,13 +169,13 @@ def calibrate(llm, prompts: list[list[int]], continuations: list[list[int]], *,
         return statistics.median(timed_once(batch, max_tokens) for _ in range(repeats))
 
     def decode_and_overhead(batch):
-        n = 8
-        while True:
-            pairs = [(timed_once(batch, 1), timed_once(batch, 1 + n)) for _ in range(repeats)]
-            step = statistics.median((more - one) / n for one, more in pairs)
-            if step > 0 or n >= MAX_CALIBRATION_STEPS:
-                return step, statistics.median(one for one, _ in pairs) - step
-            n *= 2
+        measured = decode_step(lambda m: (timed_once(batch, m), m), 1, 1 + 8,
+                               repeats=repeats, max_long=1 + MAX_CALIBRATION_STEPS)
+        if measured["step_s"] is None:  # lost in the host's noise even at the most steps:
+            # the long call's time per step, overhead included (an upper bound)
+            long = measured["long"]
+            return statistics.median(b[0] for _, b in measured["pairs"]) / long, 0.0
+        return measured["step_s"], measured["overhead_s"]
 
     # Whole blocks of prompt + k tokens of the run's own output: the blocks hit the prefix
     # cache and exactly k tokens are computed (a prompt that is all cache hits would

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The GPU check of one lease on an air-gapped GPU machine (benchmarks/gpu/README.md), in
+# three back-to-back calls, each carrying one part (at most 64 MiB a call):
+#
+#   bash scripts/gpu_session.sh costs [SECONDS]  # carry .bundle: vLLM unpacked, the 8B cost
+#                                                # jobs (vLLM defaults first, then TriForce)
+#   bash scripts/gpu_session.sh model-a          # carry .carry/a: SmolLM2 part a
+#   bash scripts/gpu_session.sh real [SECONDS]   # carry .carry/b: part b, conversion checked
+#                                                # against the CPU's, the real-model run, then
+#                                                # the cost jobs still missing, in SECONDS
+#
+# Results go to $OUT (gpu/ of bench gpu; demo.json, demo.log of the real-model run) as
+# each part completes. Parts: scripts/gpu_bundle.py (.bundle), scripts/gpu_model_carry.py
+# split (.carry).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu-session-out}
+mkdir -p "$OUT"
+export VLLM_TRIFORCE_CACHE=/tmp/vt-cache
+step=${1:?costs, model-a or real}
+budget=${2:-270}
+case "$step" in
+  costs)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    bash scripts/gpu_run.sh --only kernels,costs-plain-defaults,costs-triforce \
+      --cases 8x32K,1x128K --budget-s "$budget" 2>&1 | grep -v " INFO \| DEBUG "
+    ;;
+  model-a)
+    python3 scripts/gpu_model_carry.py assemble --carry .carry/a
+    ;;
+  real)
+    start=$SECONDS
+    python3 scripts/gpu_model_carry.py assemble --carry .carry/b || exit 1
+    python3 scripts/gpu_model_carry.py convert \
+      || python3 scripts/gpu_model_carry.py convert --allow-file-differences || exit 1
+    bash scripts/gpu_run.sh -- python3 -m vllm_triforce.cli demo --device cuda \
+      --out "$OUT/demo.json" --eager-check > "$OUT/demo.log" 2>&1
+    echo "demo: exit $?"
+    grep -v " INFO \| DEBUG \|WARNING\|^\s*$\|Loading\|it/s\]" "$OUT/demo.log" | tail -40
+    left=$((budget - (SECONDS - start)))
+    if [ "$left" -gt 100 ]; then
+      bash scripts/gpu_run.sh --only costs-plain-forced,costs-plain-defaults,costs-triforce \
+        --cases 8x32K,1x128K --budget-s "$left" 2>&1 | grep -v " INFO \| DEBUG "
+    fi
+    ;;
+esac
