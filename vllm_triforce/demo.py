@@ -574,3 +574,62 @@ def _write_json(path, data) -> None:
 
 def _ms(value) -> str:
     return "-" if value is None else f"{value:.2f}"
+
+
+def markdown(data: dict) -> str:
+    """results.md of a demo run saved with `--out` (its results.json)."""
+    m, a = data["machine"], data["args"]
+    rounds = lambda xs: ", ".join(f"{x:.0f}" for x in xs)  # noqa: E731
+    ratios = lambda s: ", ".join(f"{x:.2f}x" for x in s["rounds"])  # noqa: E731
+    lines = [
+        f"# TriForce against plain vLLM on a real model: {a['batch']} x {a['prompt_tokens']} "
+        f"Moby-Dick tokens, {a['max_tokens']} new, greedy",
+        "",
+        f"{m['date']}, {m['gpu'] or m['cpu']}; vLLM {m['vllm']}, torch {m['torch']}, commit "
+        f"{m['commit']}. `vllm-triforce demo --device {a['device']} --out results.json"
+        f"{' --eager-check' if a.get('eager_check') else ''}`: SmolLM2-135M in {a['dtype']}, "
+        f"TriForce two levels, retrieval budget {a['budget']}, gamma {a['gamma']}. Engines: "
+        f"plain {data['engines']['plain']['mode']} with vLLM's defaults, TriForce "
+        f"{data['engines']['triforce']['mode']} with its forced settings.",
+        "",
+        "| engine | decode tok/s per round | speedup per round | median |",
+        "|---|---|---|---|",
+        f"| plain vLLM (defaults) | {rounds(data['plain_tok_s'])} | | |",
+        f"| TriForce, depth controller | {rounds(data['triforce_tok_s'])} | "
+        f"{ratios(data['speedup'])} | {data['speedup']['median']:.2f}x |",
+        f"| TriForce, fixed depth {a['gamma']} | {rounds(data['fixed_tok_s'])} | "
+        f"{ratios(data['fixed_speedup'])} | {data['fixed_speedup']['median']:.2f}x |",
+        "",
+    ]
+    for name, key in (("controller", "verdict"), (f"fixed depth {a['gamma']}", "fixed_verdict")):
+        lines.append(f"- Outputs against plain vLLM, {name}: {_verdict(data[key])}.")
+    c, f = data["controller"], data["fixed"]
+    lines += [
+        f"- Drafts verified by vLLM (proposed / accepted): controller {c['top_proposed']} / "
+        f"{c['top_accepted']}, fixed depth {f['top_proposed']} / {f['top_accepted']} "
+        f"(acceptance {f['top_accepted'] / max(f['top_proposed'], 1):.3f}); vLLM's own "
+        f"counters over the TriForce engine: {data['vllm_counters']['accepted']} / "
+        f"{data['vllm_counters']['drafted']} accepted.",
+        f"- Depth controller: {c['plain_steps']} of {c['plain_steps'] + c['drafting_steps']} "
+        "steps plain; request-steps by depth "
+        + ", ".join(f"{k}: {n}" for k, n in enumerate(c["depth_counts"]) if n) + ".",
+    ]
+    if data.get("eager_check"):
+        e = data["eager_check"]
+        lines.append(f"- CUDA graphs and the capture: fixed-depth acceptance compiled "
+                     f"{e['compiled_acceptance']:.3f}, eager {e['eager_acceptance']:.3f} "
+                     f"({'within' if e['agree'] else 'NOT within'} 3 points).")
+    lines += ["", "Where a step's time goes (per round, from TriForce's counters; plain vLLM: "
+              + ", ".join(f"{x:.2f}" for x in data["plain_ms_per_step"]) + " ms per step):", "",
+              "| run | ms per step | tokens per request per step | proposer ms | vLLM ms "
+              "| middle rounds per step | ms per middle round | of which model forward |",
+              "|---|---|---|---|---|---|---|---|"]
+    for name in ("triforce", "fixed"):
+        for row in data["rounds"][name]:
+            k = row["costs"]
+            lines.append(f"| {'controller' if name == 'triforce' else 'fixed'} | "
+                         f"{_ms(k['ms_per_step'])} | {_ms(k['tokens_per_step'])} | "
+                         f"{_ms(k['proposer_ms_per_step'])} | {_ms(k['vllm_ms_per_step'])} | "
+                         f"{_ms(k['middle_rounds_per_step'])} | {_ms(k['ms_per_middle_round'])}"
+                         f" | {_ms(k['forward_ms_per_middle_round'])} |")
+    return "\n".join(lines) + "\n"

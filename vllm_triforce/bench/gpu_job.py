@@ -319,6 +319,7 @@ def _flush(job: dict, result: dict) -> None:
     one: a case that completed survives a later crash, and a run killed from outside."""
     for path in (job.get("partial_path"), job.get("partial_mirror")):
         if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
             Path(path).write_text(json.dumps(result))
 
 

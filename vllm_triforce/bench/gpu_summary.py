@@ -81,14 +81,21 @@ FALLBACKS = (("", "compiled"), ("-noaot", "compiled without AOT compile"),
 
 
 def _cost_result(jobs: dict, name: str) -> dict | None:
-    """A cost job's results, finished or partial, compiled or after a fallback; its
-    "engine" says which."""
+    """A cost job's results, finished or partial, compiled or after a fallback, each case
+    from the first of FALLBACKS that measured it; "engine" says which, for the job (its
+    first result) and for each case."""
+    merged = None
     for suffix, mode in FALLBACKS:
         job = jobs.get(name + suffix) or {}
         found = job.get("result") or job.get("partial")
-        if found:
-            return {**found, "engine": mode}
-    return None
+        if not found:
+            continue
+        cases = {case: {**row, "engine": mode} for case, row in found.get("cases", {}).items()}
+        if merged is None:
+            merged = {**found, "engine": mode, "cases": cases}
+        else:
+            merged["cases"] = {**cases, **merged["cases"]}
+    return merged
 
 
 def syncs_per_step(cuda_syncs: dict) -> dict:
@@ -141,8 +148,9 @@ def _costs(jobs: dict) -> list[dict]:
         row = {"case": case}
         plain_d = ((defaults or {}).get("cases", {}).get(case) or {}).get("step_ms")
         plain_f = ((forced or {}).get("cases", {}).get(case) or {}).get("step_ms")
-        modes = {key: (res or {}).get("engine") for key, res in
-                 (("plain_defaults", defaults), ("plain_forced", forced), ("triforce", tri))}
+        modes = {key: ((res or {}).get("cases", {}).get(case) or {}).get("engine")
+                 for key, res in (("plain_defaults", defaults), ("plain_forced", forced),
+                                  ("triforce", tri))}
         # the tax compares like with like: both compiled, or both eager
         same_mode = modes["plain_defaults"] == modes["plain_forced"]
         row.update(plain_defaults_ms=plain_d, plain_forced_ms=plain_f, engines=modes,
