@@ -1,20 +1,25 @@
 """`vllm-triforce demo`: TriForce against plain vLLM on long Moby-Dick prompts.
 
 Runs the same greedy requests on a plain engine and on a TriForce engine, each in a child
-process of its own and both alive for the whole run (CPU settings that make outputs
-comparable: fp32, eager): after each engine's prefill, `--rounds` rounds in which each
-engine decodes once, the two in turn (which goes first alternates), so a host whose speed
-drifts over minutes slows both alike. It prints decode tokens/s, the speedup of each round
-and their median, acceptance at each TriForce level, and whether the outputs are
-token-for-token identical, with the draft counts behind that verdict: an engine that never drafted
-decodes plainly and equals plain vLLM trivially, so the demo fails (exit 1) if the
-fixed-depth run drafted nothing. Both engines start with Intel OpenMP preloaded, as vLLM's CPU
-installation guide sets up (`cpu_openmp.with_intel_openmp`).
+process of its own (demo_engine.py) and both alive for the whole run: after each engine's
+prefill, `--rounds` rounds in which each engine decodes once, the two in turn (which goes
+first alternates), so a host whose speed drifts over minutes slows both alike; then the
+TriForce engine once more with every request at the full depth, which proves drafting:
+an engine that never drafted decodes plainly and equals plain vLLM trivially, so the demo
+fails (exit 1) if that run drafted nothing. The terminal gets one line per phase (with
+about how long it takes) and one table; vLLM's own log goes to a file the demo names.
 
-Default: SmolLM2-135M, two levels, 4 x 7,936 tokens: the KV cache (1.5 GB in fp32) is
-three times the weights, TriForce's regime, where a middle round over a 512-token
-retrieval cache costs a fraction of a plain step. `--three-level`: Qwen2.5-Coder-1.5B
-target with the Qwen2.5-Coder-0.5B draft (fetches ~1.6 GB of packages the first time).
+Devices (`--device auto`: a GPU when torch sees one):
+* CPU: SmolLM2-135M in float32 (exact comparison), eager, 4 x 4,096 tokens, 96 new: about
+  five minutes on a 2-core machine, most of it the two prefills. Both engines start with
+  Intel OpenMP preloaded, as vLLM's CPU installation guide sets up (`cpu_openmp`).
+* GPU: SmolLM2-135M in bf16, 32 x 7,808 tokens (the KV cache 22x the weights), 256 new; the
+  plain engine runs vLLM's own defaults, TriForce its forced settings. With `--out` the
+  fixed-depth decode runs in every round, plain vLLM decodes once more for its top-2
+  log-prob margins (a bf16 divergence must sit at a near-tie), and the results go to a
+  JSON file after every round (demo_results.py; benchmarks/gpu/).
+`--three-level`: Qwen2.5-Coder-1.5B target with the Qwen2.5-Coder-0.5B draft (fetches
+~1.6 GB of packages the first time).
 """
 
 from __future__ import annotations
@@ -25,28 +30,35 @@ import math
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 from vllm_triforce.cpu_openmp import named_runtime, with_intel_openmp
-from vllm_triforce.offline import drafter_of, free_llm
+from vllm_triforce.demo_engine import engine_process, sum_counts
 
-# Each of the two engines gets 2 GiB of KV cache: 4 x 8K SmolLM2 tokens in fp32 need 1.4.
+# Each of the two engines gets 2 GiB of KV cache on CPU: 4 x 8K SmolLM2 tokens in fp32
+# need 1.4.
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_TARGET_DEVICE": "cpu",
               "VLLM_CPU_KVCACHE_SPACE": "2",
               "HF_HUB_OFFLINE": "1"}
-
-
 # Engines on an NVIDIA GPU: vLLM's own defaults for the plain engine (compiled, CUDA graphs,
 # V2 model runner, async scheduling), TriForce's forced settings for its own; in-process
 # engines (the TriForce engine's counters are read from its proposer), no CPU variables.
 GPU_ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}
-# What each device runs unless told otherwise. CPU: 4 x 7,936 tokens in float32 (exact
-# comparison). GPU: 32 x 7,808 tokens in bf16, where the KV cache (5.9 GB) is 22x the
-# weights; 7,808 + 256 new tokens + the drafting margin fit SmolLM2's 8,192-token context.
+# What each device runs unless told otherwise. CPU: 4 x 4,096 tokens in float32, whose
+# two prefills fit a few minutes of a 2-core machine. GPU: 32 x 7,808 tokens in bf16, where
+# the KV cache (5.5 GiB) is 22x the weights; 7,808 + 256 new tokens + the drafting margin
+# fit SmolLM2's 8,192-token context.
 DEVICE_DEFAULTS = {
-    "cpu": {"prompt_tokens": 7936, "max_tokens": 96, "batch": 4, "dtype": "float32"},
+    "cpu": {"prompt_tokens": 4096, "max_tokens": 96, "batch": 4, "dtype": "float32"},
     "cuda": {"prompt_tokens": 7808, "max_tokens": 256, "batch": 32, "dtype": "bfloat16"},
 }
+# Seconds a SmolLM2-135M float32 prefill of one L-token prompt takes on a 2-core AMD EPYC
+# with vLLM's CPU attention: about C1 * L + C2 * L^2 (fitted to 512 and 7,936 tokens), for
+# the first phase's estimate; later phases are estimated from what was measured.
+PREFILL_C1, PREFILL_C2 = 8.6e-4, 9.9e-7
+ENGINE_START_S = 30  # a CPU engine's start (vLLM import, weights, warm-up), about
+GPU_RESULTS = "benchmarks/gpu/real_model_2026-11-27/results.md"
 
 
 def add_demo_parser(subparsers) -> None:
@@ -54,7 +66,7 @@ def add_demo_parser(subparsers) -> None:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: an NVIDIA GPU when torch sees one, else the CPU")
     p.add_argument("--prompt-tokens", type=int, default=None,
-                   help="tokens per prompt (default: 7,936 on CPU, 7,808 on a GPU)")
+                   help="tokens per prompt (default: 4,096 on CPU, 7,808 on a GPU)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="new tokens per request (default: 96 on CPU, 256 on a GPU)")
     p.add_argument("--batch", type=int, default=None,
@@ -72,6 +84,8 @@ def add_demo_parser(subparsers) -> None:
                         "own log-probs)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.4,
                    help="GPU: each engine's share of the GPU (both stay alive)")
+    p.add_argument("--log", default=None,
+                   help="where vLLM's log goes (default: a new file in the temp folder)")
     p.add_argument("--out", default=None,
                    help="also write the results as JSON to this file, after every round")
     p.add_argument("--eager-check", action="store_true",
@@ -82,7 +96,8 @@ def add_demo_parser(subparsers) -> None:
 
 
 def resolve_device(args: argparse.Namespace) -> argparse.Namespace:
-    """`args` with the device decided and every size left unset taken from it."""
+    """`args` with the device decided, every size left unset taken from it, and the log
+    file named."""
     if args.device == "auto":
         import torch
 
@@ -90,6 +105,9 @@ def resolve_device(args: argparse.Namespace) -> argparse.Namespace:
     for key, value in DEVICE_DEFAULTS[args.device].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.log is None:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        args.log = os.path.join(tempfile.gettempdir(), f"vllm-triforce-demo-{stamp}.log")
     return args
 
 
@@ -108,41 +126,64 @@ def run_demo(args: argparse.Namespace) -> int:
     if draft is not None:
         spec.update(model=str(draft), draft_tokens_per_round=2, draft_window_tokens=480)
     prompts = _book_prompts(target, args.prompt_tokens, args.batch)
-    print(f"target {target.name}, {args.batch} x {args.prompt_tokens}-token Moby-Dick prompts, "
-          f"{args.max_tokens} new tokens, greedy; TriForce {spec}", flush=True)
+    where = "a GPU" if args.device == "cuda" else f"this CPU ({os.cpu_count()} cores)"
+    print(f"TriForce against plain vLLM: {target.name} ({args.dtype}) on {where}, "
+          f"{args.batch} x {args.prompt_tokens:,}-token Moby-Dick passages, {args.max_tokens} "
+          f"new tokens each, greedy; TriForce {'three' if draft else 'two'} levels, retrieval "
+          f"budget {args.budget}, up to {args.gamma} drafts a step.", flush=True)
     print(_regime(target, args), flush=True)
     if args.device == "cpu":
         print(_openmp_line(os.environ.get("LD_PRELOAD", "")), flush=True)
-    plain, tri, fixed = _run(target, spec, prompts, args)
-    _report(plain, tri, fixed, args.gamma)
+    print(f"vLLM's log: {args.log}", flush=True)
+    clock = Clock(_first_estimate(target, args))
+    plain, tri, fixed = _run(target, spec, prompts, args, clock)
+    _report(plain, tri, fixed, args)
     if args.out:
-        from vllm_triforce.bench.gpu_summary import compare_tokens
-
-        verdict = compare_tokens(plain["tokens"], tri["tokens"], plain.get("margins"))
-        fixed_verdict = compare_tokens(plain["tokens"], fixed["tokens"], plain.get("margins"))
-        print(f"verdict against plain vLLM: controller {_verdict(verdict)}; fixed k={args.gamma} "
-              f"{_verdict(fixed_verdict)}")
-        for name, run in (("controller", tri), (f"fixed k={args.gamma}", fixed)):
-            c = step_costs(run["rounds"][-1], args.max_tokens)
-            print(f"TriForce {name}, last round: {c['ms_per_step']:.2f} ms per step "
-                  f"({c['tokens_per_step']:.2f} tokens per request per step), of which "
-                  f"proposer {c['proposer_ms_per_step']:.2f} ms, vLLM {c['vllm_ms_per_step']:.2f}"
-                  f" ms; {c['middle_rounds_per_step']:.2f} middle rounds per step at "
-                  f"{_ms(c['ms_per_middle_round'])} ms ({_ms(c['forward_ms_per_middle_round'])} "
-                  "ms of model forward)", flush=True)
-        _save(args, plain, tri, fixed, verdict, fixed_verdict)
-        if "eager_check" in fixed and not fixed["eager_check"]["agree"]:
-            return 1
-        ok = verdict["explained"] and fixed_verdict["explained"]
-        return 0 if ok and fixed["triforce"]["top_proposed"] else 1
+        return _save_results(args, plain, tri, fixed)
     if not fixed["triforce"]["top_proposed"]:
         print(f"\nERROR: TriForce drafted nothing in the fixed k={args.gamma} run: no draft "
               "reached vLLM's verification, so the identity above proves nothing.",
               file=sys.stderr, flush=True)
         return 1
-    same = (plain["tokens"] == tri["tokens"] == fixed["tokens"]
-            and plain["same_each_round"] and tri["same_each_round"])
-    return 0 if same else 1
+    return 0 if _identical(plain, tri, fixed) else 1
+
+
+class Clock:
+    """The demo's progress lines: `[m:ss] what (about how long) ... done in N s`."""
+
+    def __init__(self, engine_estimate_s: float | None):
+        self.start = time.monotonic()
+        self.engine_estimate_s = engine_estimate_s  # the first engine's start and prefill
+        self.round_estimate_s: float | None = None
+
+    def begin(self, what: str, estimate_s: float | None) -> float:
+        about = f" (about {_duration(estimate_s)})" if estimate_s else ""
+        print(f"[{_duration(time.monotonic() - self.start, clock=True)}] {what}{about} ...",
+              end="", flush=True)
+        return time.monotonic()
+
+    def end(self, began: float, result: str = "") -> float:
+        took = time.monotonic() - began
+        print(f" {result + ', ' if result else ''}{_duration(took)}", flush=True)
+        return took
+
+
+def _duration(seconds: float, clock: bool = False) -> str:
+    s = int(round(seconds))
+    if clock:
+        return f"{s // 60}:{s % 60:02d}"
+    return f"{s} s" if s < 60 else f"{s // 60} min {s % 60:02d} s"
+
+
+def _first_estimate(model_dir, args) -> float | None:
+    """The first engine's start and prefill, on CPU (PREFILL_C1/C2, scaled by the
+    model's size against SmolLM2-135M's); None on a GPU."""
+    if args.device != "cpu":
+        return None
+    length = args.prompt_tokens
+    per_request = PREFILL_C1 * length + PREFILL_C2 * length ** 2
+    scale = _num_params(model_dir) / 135e6
+    return ENGINE_START_S + args.batch * per_request * scale
 
 
 def _openmp_line(ld_preload: str) -> str:
@@ -166,32 +207,43 @@ def _book_prompts(model_dir, num_tokens: int, batch: int) -> list[dict]:
     return [{"prompt_token_ids": ids[i * stride: i * stride + num_tokens]} for i in range(batch)]
 
 
-def _run(model_dir, spec, prompts, args):
+def _run(model_dir, spec, prompts, args, clock: Clock):
     """(plain, TriForce with its depth controller, the same TriForce engine with every
-    request forced to the full depth: fixed-gamma TriForce), after `args.rounds` rounds in
-    which the two engines decode in turn (which goes first alternates). vLLM keeps one
-    engine's parallel state per process, so each engine lives in a child process of its own
-    (`_engine_process`), both alive for the whole run, each decoding when told. On a GPU the
-    fixed-depth decode runs in every round, right after the controller's, and plain vLLM
-    decodes once more, untimed, for its top-2 log-prob margins (the bf16 verdict)."""
+    request forced to the full depth: fixed-gamma TriForce). Each engine in a child process
+    of its own, both alive for the whole run, each decoding when told; `args.rounds` rounds
+    in which the two decode in turn. With `--out` (the GPU run's results) the fixed-depth
+    decode runs in every round, right after the controller's, and plain vLLM decodes once
+    more, untimed, for its top-2 log-prob margins (a bf16 verdict)."""
     import multiprocessing
 
     context = multiprocessing.get_context("spawn")
     engines, modes = {}, {}
     rounds = {"plain": [], "triforce": [], "fixed": []}
     every_round = args.out is not None
+    estimate = clock.engine_estimate_s
     try:
         for name, engine_spec in (("plain", None), ("triforce", spec)):
             # one prefill at a time: the two would share the device
+            label = "plain vLLM" if engine_spec is None else "TriForce"
+            began = clock.begin(f"{label}: starting, and prefilling {args.batch} x "
+                                f"{args.prompt_tokens:,} tokens", estimate)
             proc, conn, modes[name] = _start(context, model_dir, engine_spec, prompts, args)
             engines[name] = (proc, conn)
+            estimate = clock.end(began, f"prefill {modes[name]['prefill_s']:.0f} s")
         for i in range(max(args.rounds, 1)):
+            began = clock.begin(f"round {i + 1} of {args.rounds}", clock.round_estimate_s)
             for name in (list(engines) if i % 2 == 0 else list(reversed(engines))):
                 rounds[name].append(_ask(engines[name][1], "decode"))
                 if name == "triforce" and every_round:
                     rounds["fixed"].append(_ask(engines[name][1], "fixed"))
+            plain_tok_s, tri_tok_s = rounds["plain"][-1]["tok_s"], rounds["triforce"][-1]["tok_s"]
+            clock.round_estimate_s = clock.end(
+                began, f"plain {plain_tok_s:.1f} tok/s, TriForce {tri_tok_s:.1f} tok/s: "
+                       f"{tri_tok_s / plain_tok_s:.2f}x")
             if args.out:
-                _save_rounds(args, rounds, modes)
+                from vllm_triforce.demo_results import save_rounds
+
+                save_rounds(args, rounds, modes)
         plain, tri = ({**r[-1], "round_tok_s": [x["tok_s"] for x in r],
                        "same_each_round": all(x["tokens"] == r[0]["tokens"] for x in r)}
                       for r in (rounds["plain"], rounds["triforce"]))
@@ -203,12 +255,16 @@ def _run(model_dir, spec, prompts, args):
             tri["rounds"], fixed["rounds"] = rounds["triforce"], rounds["fixed"]
             plain["margins"] = _ask(engines["plain"][1], "margins")
         else:
+            began = clock.begin(f"TriForce at fixed depth {args.gamma}: every request drafting "
+                                "every step", 1.5 * clock.round_estimate_s)
             fixed = _ask(engines["triforce"][1], "fixed")
+            fixed["round_tok_s"] = [fixed["tok_s"]]
+            clock.end(began, f"{fixed['tok_s']:.1f} tok/s")
             tri["triforce"] = fixed.pop("counts_before")  # the controller's run and its warm-up
     finally:
         for proc, conn in engines.values():
             _stop(proc, conn)
-    if getattr(args, "eager_check", False):
+    if args.eager_check:
         fixed["eager_check"] = _eager_check(context, model_dir, spec, prompts, args, fixed)
     return plain, tri, fixed
 
@@ -221,8 +277,7 @@ def _eager_check(context, model_dir, spec, prompts, args, fixed) -> dict:
         eager = _ask(conn, "fixed")
     finally:
         _stop(proc, conn)
-    rate = lambda c: c["top_accepted"] / c["top_proposed"] if c["top_proposed"] else None
-    compiled, eager_rate = rate(fixed["triforce"]), rate(eager["triforce"])
+    compiled, eager_rate = _acceptance(fixed["triforce"]), _acceptance(eager["triforce"])
     agree = (compiled is not None and eager_rate is not None
              and abs(compiled - eager_rate) <= 0.03)
     print(f"capture check: fixed-depth acceptance compiled {compiled:.3f} "
@@ -232,8 +287,14 @@ def _eager_check(context, model_dir, spec, prompts, args, fixed) -> dict:
           f"points; tokens {'equal' if eager['tokens'] == fixed['tokens'] else 'differ'}",
           flush=True)
     return {"compiled_acceptance": compiled, "eager_acceptance": eager_rate, "agree": agree,
-            "eager_counts": {k: eager["triforce"][k] for k in DRAFT_COUNTS},
+            "eager_counts": {k: eager["triforce"][k] for k in
+                             ("top_proposed", "top_accepted", "middle_proposed",
+                              "middle_accepted")},
             "same_tokens": eager["tokens"] == fixed["tokens"]}
+
+
+def _acceptance(counts: dict) -> float | None:
+    return counts["top_accepted"] / counts["top_proposed"] if counts["top_proposed"] else None
 
 
 def _start(context, model_dir, spec, prompts, args, eager_only: bool = False):
@@ -243,7 +304,7 @@ def _start(context, model_dir, spec, prompts, args, eager_only: bool = False):
     attempts = (False, True) if args.device == "cuda" and not eager_only else (True,)
     for eager in attempts:
         parent, child = context.Pipe()
-        proc = context.Process(target=_engine_process,
+        proc = context.Process(target=engine_process,
                                args=(child, model_dir, spec, prompts, args, eager))
         proc.start()
         try:
@@ -253,7 +314,7 @@ def _start(context, model_dir, spec, prompts, args, eager_only: bool = False):
             if eager:
                 raise
             last = str(err).strip().splitlines()[-1]
-            print(f"{'TriForce' if spec else 'plain'} engine failed to start compiled "
+            print(f"\n{'TriForce' if spec else 'plain'} engine failed to start compiled "
                   f"({last}); starting it eager", flush=True)
     raise AssertionError("unreachable")
 
@@ -275,118 +336,6 @@ def _ask(conn, command: str):
     if status != "ok":
         raise RuntimeError(f"demo engine process failed on {command!r}:\n{value}")
     return value
-
-
-def _engine_process(conn, model_dir, spec, prompts, args, eager: bool) -> None:
-    """One engine in this child process (the parent's environment): built and prefilled
-    before the first answer (`ready`: how it runs and its prefill time), then per command
-    one timed decode (`decode`), one at the full depth (`fixed`: with its own draft counts
-    and TriForce's counts before it), or plain's top-2 log-prob margins (`margins`), until
-    `quit` or the parent goes."""
-    import traceback
-
-    try:
-        llm, prefill_s = _engine(model_dir, spec, prompts, args, eager)
-        from vllm import SamplingParams
-
-        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-        drafter = drafter_of(llm) if spec else None
-        ready = {"mode": "eager" if eager else "compiled", "prefill_s": prefill_s}
-        while True:
-            command, reply = conn.recv(), None
-            if command == "quit":
-                break
-            if command == "ready":  # the prefill above is done
-                reply = ready
-            elif command == "margins":
-                from vllm_triforce.bench.gpu_job import _margins
-
-                logged = SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
-                                        ignore_eos=True, logprobs=2)
-                reply = [_margins(o.outputs[0])
-                         for o in llm.generate(prompts, logged, use_tqdm=False)]
-            elif command in ("decode", "fixed"):
-                before = drafter.stats.snapshot() if drafter else None
-                if command == "fixed":
-                    drafter.depth.controller.forced = [args.gamma]
-                try:
-                    reply = _decode(llm, prompts, params, prefill_s)
-                finally:
-                    if command == "fixed":
-                        drafter.depth.controller.forced = None
-                if drafter:  # this run's own counts: after minus before
-                    reply["triforce"] = count_delta(before, drafter.stats.snapshot())
-                    reply["counts_before"] = before
-            conn.send(("ok", reply))
-        free_llm(llm)
-    except EOFError:  # the parent went away
-        pass
-    except Exception:  # noqa: BLE001 -- reported to the parent, which raises it
-        conn.send(("error", traceback.format_exc()))
-
-
-def _engine(model_dir, spec, prompts, args, eager: bool):
-    """(LLM, prefill seconds): the engine, its prompts prefilled with 1 token, so the
-    prefix cache keeps their KV and each timed decode's prefill is a prefix-cache hit. On
-    CPU: eager, blocks of 32 tokens; on a GPU: vLLM's defaults (compiled unless `eager`)
-    within `--gpu-memory-utilization`."""
-    from vllm import LLM, SamplingParams
-
-    max_len = args.prompt_tokens + args.max_tokens + 2 * args.gamma + 64
-    device = ({"enforce_eager": True, "block_size": 32} if args.device == "cpu" else
-              {"enforce_eager": eager, "gpu_memory_utilization": args.gpu_memory_utilization})
-    llm = LLM(str(model_dir), dtype=args.dtype, seed=0, max_model_len=max_len,
-              speculative_config=spec, disable_log_stats=False, **device)
-    prefill = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    start = time.perf_counter()
-    llm.generate(prompts, prefill, use_tqdm=False)
-    return llm, time.perf_counter() - start
-
-
-DRAFT_COUNTS = ("top_proposed", "top_accepted", "middle_proposed", "middle_accepted")
-GAUGES = ("live_requests", "max_pass_tokens", "predicted_tokens_per_s", "achieved_tokens_per_s")
-
-
-def count_delta(before: dict, after: dict) -> dict:
-    """TriForce's counters of one run: `after` minus `before` (gauges: `after`'s)."""
-    out = {}
-    for key, value in after.items():
-        if key in GAUGES:
-            out[key] = value
-        elif isinstance(value, list):
-            old = before.get(key) or []
-            out[key] = [v - (old[i] if i < len(old) else 0) for i, v in enumerate(value)]
-        else:
-            out[key] = value - before.get(key, 0)
-    return out
-
-
-def sum_counts(runs: list[dict]) -> dict:
-    """The counters of several runs together (gauges: the last run's)."""
-    out = dict(runs[-1])
-    for key, value in runs[-1].items():
-        if key in GAUGES:
-            continue
-        if isinstance(value, list):
-            width = max(len(r[key]) for r in runs)
-            out[key] = [sum(r[key][i] for r in runs if i < len(r[key])) for i in range(width)]
-        else:
-            out[key] = sum(r[key] for r in runs)
-    return out
-
-
-def _decode(llm, prompts, params, prefill_s: float) -> dict:
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    decode_s = time.perf_counter() - start
-    tokens = [list(o.outputs[0].token_ids) for o in outs]
-    return {"tokens": tokens, "prefill_s": prefill_s, "decode_s": decode_s,
-            "tok_s": sum(map(len, tokens)) / decode_s, "metrics": _metrics(llm),
-            "text": outs[0].outputs[0].text}
-
-
-def _metrics(llm) -> dict:
-    return {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
 
 
 def _num_params(model_dir) -> int:
@@ -411,42 +360,53 @@ def _regime(model_dir, args) -> str:
     weights = _num_params(model_dir) * width
     verdict = ("TriForce's regime: a middle round reads the weights and a "
                f"{args.budget}-token retrieval cache, a fraction of a plain step"
-               if kv > weights else
-               "weight-bound: a middle round costs nearly a plain step, so drafting cannot "
-               "pay and the controller decodes plainly (try a larger --batch or "
-               "--prompt-tokens, with VLLM_CPU_KVCACHE_SPACE in GiB raised to hold them)")
+               if kv > 2 * weights else
+               "weight-bound: a middle round costs nearly a plain step, so the depth "
+               "controller should decode plainly, and TriForce match plain vLLM")
     return (f"KV cache {kv / 2**30:.2f} GiB against weights {weights / 2**30:.2f} GiB "
             f"({args.dtype}): {verdict}.")
 
 
-def _report(plain: dict, tri: dict, fixed: dict, gamma: int) -> None:
-    from vllm_triforce.engine.stats import format_snapshot
-
-    ratios = [t / p for t, p in zip(tri["round_tok_s"], plain["round_tok_s"])]
-    speedup = statistics.median(ratios)
-    print(f"\nplain vLLM            : {statistics.median(plain['round_tok_s']):7.2f} tok/s "
-          f"decode (prefill {plain['prefill_s']:.1f} s)")
-    print(f"TriForce (controller) : {statistics.median(tri['round_tok_s']):7.2f} tok/s decode "
-          f"(prefill {tri['prefill_s']:.1f} s), speedup {speedup:.2f}x (median; rounds "
-          f"{', '.join(f'{r:.2f}x' for r in ratios)})")
-    print(f"TriForce, fixed k={gamma}  : {fixed['tok_s']:7.2f} tok/s decode (same engine, every "
-          f"request drafting {gamma} tokens every step), "
-          f"speedup {fixed['tok_s'] / statistics.median(plain['round_tok_s']):.2f}x "
-          "(against plain's median)")
-    s = tri["triforce"]
-    print(f"TriForce levels: {format_snapshot(s)}")
-    _explain(s, speedup)
-    m = tri["metrics"]
-    drafts = m.get("vllm:spec_decode_num_draft_tokens") or 0
-    accepted = m.get("vllm:spec_decode_num_accepted_tokens") or 0
-    print(f"vLLM spec-decode counters (controller run and its warm-up): {accepted}/{drafts} "
-          "draft tokens accepted")
-    same = (plain["tokens"] == tri["tokens"] == fixed["tokens"]
+def _identical(plain: dict, tri: dict, fixed: dict) -> bool:
+    return (plain["tokens"] == tri["tokens"] == fixed["tokens"]
             and plain["same_each_round"] and tri["same_each_round"])
+
+
+def _report(plain: dict, tri: dict, fixed: dict, args) -> None:
+    """The table: decode tok/s per round and median, speedups, acceptance, drafts
+    verified, identity; what the controller chose; where TriForce pays."""
+    ratios = [t / p for t, p in zip(tri["round_tok_s"], plain["round_tok_s"])]
+    fixed_ratios = ([t / p for t, p in zip(fixed["round_tok_s"], plain["round_tok_s"])]
+                    if len(fixed["round_tok_s"]) == len(plain["round_tok_s"]) else
+                    [t / statistics.median(plain["round_tok_s"]) for t in fixed["round_tok_s"]])
+    cells = lambda xs, f: "  ".join(f.format(x) for x in xs)  # noqa: E731
+    width = 9 * max(args.rounds, 1)
+    rows = [("plain vLLM", plain["round_tok_s"], None),
+            ("TriForce, controller", tri["round_tok_s"], ratios),
+            (f"TriForce, depth {args.gamma}", fixed["round_tok_s"], fixed_ratios)]
+    print(f"\n{'':24}{'decode tok/s per round':<{width}}  median  "
+          f"{'speedup per round':<{width}}  median")
+    for name, tok_s, speed in rows:
+        print(f"{name:<24}{cells(tok_s, '{:7.1f}'):<{width}}  {statistics.median(tok_s):6.1f}  "
+              + (f"{cells(speed, '{:6.2f}x'):<{width}}  {statistics.median(speed):5.2f}x"
+                 if speed else ""))
+    s, f = tri["triforce"], fixed["triforce"]
+    same = _identical(plain, tri, fixed)
+    print(f"acceptance (drafts vLLM accepted): controller {_rate(s)}, depth {args.gamma} "
+          f"{_rate(f)}")
+    steps = s["plain_steps"] + s["drafting_steps"]
+    hist = ", ".join(f"{k}: {n}" for k, n in enumerate(s["depth_counts"]) if n)
+    print(f"depth controller: {s['plain_steps']} of {steps} steps plain (request-steps by "
+          f"depth {hist})")
     print(f"outputs identical to plain vLLM: {'YES' if same else 'NO'} (drafts verified by "
-          f"vLLM, proposed / accepted: controller {_drafts(s)}, fixed k={gamma} "
-          f"{_drafts(fixed['triforce'])})")
-    print(f"first continuation: {tri['text'][:200]!r}")
+          f"vLLM, proposed / accepted: controller {_drafts(s)}, fixed k={args.gamma} "
+          f"{_drafts(f)})")
+    print(_where_it_pays(args, statistics.median(ratios)))
+
+
+def _rate(counts: dict) -> str:
+    rate = _acceptance(counts)
+    return "-" if rate is None else f"{rate:.2f}"
 
 
 def _drafts(counts: dict) -> str:
@@ -459,177 +419,40 @@ def _drafts(counts: dict) -> str:
     return text
 
 
-def _explain(s: dict, speedup: float) -> None:
-    """What the depth controller chose, and why, in one or two lines."""
-    steps = s["plain_steps"] + s["drafting_steps"]
-    hist = ", ".join(f"depth {k}: {n}" for k, n in enumerate(s["depth_counts"]) if n)
-    print(f"depth controller: {hist} (request-steps); {s['plain_steps']} of {steps} steps "
-          f"plain; its model predicted {s['predicted_tokens_per_s']:.1f} tok/s, achieved "
-          f"{s['achieved_tokens_per_s']:.1f}")
-    if speedup < 1.0:
-        print("TriForce is not faster than plain vLLM at this size on this machine: on a CPU, "
-              "vLLM's attention verifies k drafts for 2-4 decode steps' price "
-              "(benchmarks/explore/cpu_attention_cost.py) and each middle round reads all the "
-              "weights, so drafting costs about what it saves; it pays where the KV cache "
-              "outweighs the weights many times over (a larger --batch or --prompt-tokens, "
-              "with VLLM_CPU_KVCACHE_SPACE in GiB raised to hold them), "
-              "and on GPUs, whose attention verifies k tokens for about a step's price.")
+def _where_it_pays(args, speedup: float) -> str:
+    if args.device == "cpu":
+        return ("Where TriForce pays: not on a CPU, where vLLM's attention verifies k drafts "
+                "for 2-4 decode steps' price, so the depth controller decodes plainly and "
+                f"TriForce matches plain vLLM ({speedup:.2f}x here); on a GPU verification "
+                "costs about one step, but TriForce's own passes are host-bound today "
+                f"({GPU_RESULTS}).")
+    return (f"TriForce here: {speedup:.2f}x; where each step's milliseconds go is in the "
+            f"results (--out), as in {GPU_RESULTS}.")
 
 
-def _verdict(v: dict) -> str:
-    if v["identical"]:
-        return f"identical ({v['sequences']} sequences)"
-    where = ", ".join(f"seq {d['sequence']} at {d['position']} (plain margin "
-                      f"{d['plain_margin']:.4f})" if d["plain_margin"] is not None else
-                      f"seq {d['sequence']} at {d['position']} (no margin)"
-                      for d in v["divergences"])
-    return (f"{len(v['divergences'])} of {v['sequences']} sequences diverge: {where}; "
-            f"{'all at near-ties' if v['explained'] else 'NOT ALL AT NEAR-TIES'}")
+def _save_results(args, plain, tri, fixed) -> int:
+    """The GPU run's verdicts, step costs and JSON (`--out`); exit status."""
+    from vllm_triforce.bench.gpu_summary import compare_tokens
+    from vllm_triforce.demo_results import save, step_costs, verdict_text
 
-
-def step_costs(run: dict, new_tokens: int) -> dict:
-    """Where one TriForce decode's time went, from its own counters: per vLLM step, the
-    proposer's share (middle rounds, selection, bookkeeping) and the rest (vLLM's
-    verification pass, sampling, scheduling); per middle round, the model forward's share;
-    the tokens each request gained per step (`new_tokens`: per request)."""
-    c = run["triforce"]
-    steps = c["plain_steps"] + c["drafting_steps"]
-    decode_ms, proposer_ms = 1000 * run["decode_s"], 1000 * c["middle_seconds"]
-    rounds = c["middle_rounds"]
-    return {"steps": steps, "tokens_per_step": new_tokens / steps if steps else None,
-            "ms_per_step": decode_ms / steps if steps else None,
-            "proposer_ms_per_step": proposer_ms / steps if steps else None,
-            "vllm_ms_per_step": (decode_ms - proposer_ms) / steps if steps else None,
-            "middle_rounds_per_step": rounds / steps if steps else None,
-            "ms_per_middle_round": proposer_ms / rounds if rounds else None,
-            "forward_ms_per_middle_round": 1000 * c["forward_seconds"] / rounds if rounds
-            else None}
-
-
-def _machine() -> dict:
-    import platform
-
-    import torch
-    import vllm
-
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {"date": time.strftime("%Y-%m-%d"), "gpu": gpu, "cpu": platform.processor() or
-            platform.machine(), "vllm": vllm.__version__, "torch": torch.__version__,
-            "commit": os.environ.get("VLLM_TRIFORCE_COMMIT")}
-
-
-def _run_rows(runs: list[dict], args) -> list[dict]:
-    rows = []
-    for r in runs:
-        row = {"tok_s": r["tok_s"], "decode_s": r["decode_s"]}
-        if "triforce" in r:
-            c = r["triforce"]
-            row.update({k: c[k] for k in DRAFT_COUNTS}, depth_counts=c["depth_counts"],
-                       costs=step_costs(r, args.max_tokens))
-        rows.append(row)
-    return rows
-
-
-def _save_rounds(args, rounds: dict, modes: dict) -> None:
-    """The rounds so far (a run cut short keeps what it measured)."""
-    data = {"machine": _machine(), "args": vars(args) | {"func": None}, "engines": modes,
-            "rounds": {name: _run_rows(runs, args) for name, runs in rounds.items()},
-            "complete": False}
-    _write_json(args.out, data)
-
-
-def _save(args, plain, tri, fixed, verdict, fixed_verdict) -> None:
-    ratios = [t / p for t, p in zip(tri["round_tok_s"], plain["round_tok_s"])]
-    fixed_ratios = [t / p for t, p in zip(fixed["round_tok_s"], plain["round_tok_s"])]
-    m = tri["metrics"]
-    data = {"machine": _machine(), "args": vars(args) | {"func": None},
-            "engines": {"plain": plain["engine"], "triforce": tri["engine"]},
-            "plain_tok_s": plain["round_tok_s"], "triforce_tok_s": tri["round_tok_s"],
-            "fixed_tok_s": fixed["round_tok_s"],
-            "speedup": {"rounds": ratios, "median": statistics.median(ratios)},
-            "fixed_speedup": {"rounds": fixed_ratios, "median": statistics.median(fixed_ratios)},
-            "plain_ms_per_step": [1000 * args.batch / t for t in plain["round_tok_s"]],
-            # cumulative over the TriForce engine's runs (warm-up, controller and fixed)
-            "vllm_counters": {"drafted": m.get("vllm:spec_decode_num_draft_tokens"),
-                              "accepted": m.get("vllm:spec_decode_num_accepted_tokens")},
-            "controller": {k: tri["triforce"][k] for k in (*DRAFT_COUNTS, "depth_counts",
-                                                            "plain_steps", "drafting_steps")},
-            "fixed": {k: fixed["triforce"][k] for k in (*DRAFT_COUNTS, "depth_counts")},
-            "rounds": {"triforce": _run_rows(tri["rounds"], args),
-                       "fixed": _run_rows(fixed["rounds"], args)},
-            "verdict": verdict, "fixed_verdict": fixed_verdict,
-            "same_each_round": {"plain": plain["same_each_round"],
-                                "triforce": tri["same_each_round"]},
-            "eager_check": fixed.get("eager_check"),
-            "first_continuation": tri["text"][:300], "complete": True}
-    _write_json(args.out, data)
-
-
-def _write_json(path, data) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1, default=str)
-    os.replace(tmp, path)
+    verdict = compare_tokens(plain["tokens"], tri["tokens"], plain.get("margins"))
+    fixed_verdict = compare_tokens(plain["tokens"], fixed["tokens"], plain.get("margins"))
+    print(f"verdict against plain vLLM: controller {verdict_text(verdict)}; fixed "
+          f"k={args.gamma} {verdict_text(fixed_verdict)}")
+    for name, run in (("controller", tri), (f"fixed k={args.gamma}", fixed)):
+        c = step_costs(run["rounds"][-1], args.max_tokens)
+        print(f"TriForce {name}, last round: {_ms(c['ms_per_step'])} ms per step "
+              f"({_ms(c['tokens_per_step'])} tokens per request per step), of which proposer "
+              f"{_ms(c['proposer_ms_per_step'])} ms, vLLM {_ms(c['vllm_ms_per_step'])} ms; "
+              f"{_ms(c['middle_rounds_per_step'])} middle rounds per step at "
+              f"{_ms(c['ms_per_middle_round'])} ms ({_ms(c['forward_ms_per_middle_round'])} "
+              "ms of model forward)", flush=True)
+    save(args, plain, tri, fixed, verdict, fixed_verdict)
+    if "eager_check" in fixed and not fixed["eager_check"]["agree"]:
+        return 1
+    ok = verdict["explained"] and fixed_verdict["explained"]
+    return 0 if ok and fixed["triforce"]["top_proposed"] else 1
 
 
 def _ms(value) -> str:
     return "-" if value is None else f"{value:.2f}"
-
-
-def markdown(data: dict) -> str:
-    """results.md of a demo run saved with `--out` (its results.json)."""
-    m, a = data["machine"], data["args"]
-    rounds = lambda xs: ", ".join(f"{x:.0f}" for x in xs)  # noqa: E731
-    ratios = lambda s: ", ".join(f"{x:.2f}x" for x in s["rounds"])  # noqa: E731
-    lines = [
-        f"# TriForce against plain vLLM on a real model: {a['batch']} x {a['prompt_tokens']} "
-        f"Moby-Dick tokens, {a['max_tokens']} new, greedy",
-        "",
-        f"{m['date']}, {m['gpu'] or m['cpu']}; vLLM {m['vllm']}, torch {m['torch']}, commit "
-        f"{m['commit']}. `vllm-triforce demo --device {a['device']} --out results.json"
-        f"{' --eager-check' if a.get('eager_check') else ''}`: SmolLM2-135M in {a['dtype']}, "
-        f"TriForce two levels, retrieval budget {a['budget']}, gamma {a['gamma']}. Engines: "
-        f"plain {data['engines']['plain']['mode']} with vLLM's defaults, TriForce "
-        f"{data['engines']['triforce']['mode']} with its forced settings.",
-        "",
-        "| engine | decode tok/s per round | speedup per round | median |",
-        "|---|---|---|---|",
-        f"| plain vLLM (defaults) | {rounds(data['plain_tok_s'])} | | |",
-        f"| TriForce, depth controller | {rounds(data['triforce_tok_s'])} | "
-        f"{ratios(data['speedup'])} | {data['speedup']['median']:.2f}x |",
-        f"| TriForce, fixed depth {a['gamma']} | {rounds(data['fixed_tok_s'])} | "
-        f"{ratios(data['fixed_speedup'])} | {data['fixed_speedup']['median']:.2f}x |",
-        "",
-    ]
-    for name, key in (("controller", "verdict"), (f"fixed depth {a['gamma']}", "fixed_verdict")):
-        lines.append(f"- Outputs against plain vLLM, {name}: {_verdict(data[key])}.")
-    c, f = data["controller"], data["fixed"]
-    lines += [
-        f"- Drafts verified by vLLM (proposed / accepted): controller {c['top_proposed']} / "
-        f"{c['top_accepted']}, fixed depth {f['top_proposed']} / {f['top_accepted']} "
-        f"(acceptance {f['top_accepted'] / max(f['top_proposed'], 1):.3f}); vLLM's own "
-        f"counters over the TriForce engine: {data['vllm_counters']['accepted']} / "
-        f"{data['vllm_counters']['drafted']} accepted.",
-        f"- Depth controller: {c['plain_steps']} of {c['plain_steps'] + c['drafting_steps']} "
-        "steps plain; request-steps by depth "
-        + ", ".join(f"{k}: {n}" for k, n in enumerate(c["depth_counts"]) if n) + ".",
-    ]
-    if data.get("eager_check"):
-        e = data["eager_check"]
-        lines.append(f"- CUDA graphs and the capture: fixed-depth acceptance compiled "
-                     f"{e['compiled_acceptance']:.3f}, eager {e['eager_acceptance']:.3f} "
-                     f"({'within' if e['agree'] else 'NOT within'} 3 points).")
-    lines += ["", "Where a step's time goes (per round, from TriForce's counters; plain vLLM: "
-              + ", ".join(f"{x:.2f}" for x in data["plain_ms_per_step"]) + " ms per step):", "",
-              "| run | ms per step | tokens per request per step | proposer ms | vLLM ms "
-              "| middle rounds per step | ms per middle round | of which model forward |",
-              "|---|---|---|---|---|---|---|---|"]
-    for name in ("triforce", "fixed"):
-        for row in data["rounds"][name]:
-            k = row["costs"]
-            lines.append(f"| {'controller' if name == 'triforce' else 'fixed'} | "
-                         f"{_ms(k['ms_per_step'])} | {_ms(k['tokens_per_step'])} | "
-                         f"{_ms(k['proposer_ms_per_step'])} | {_ms(k['vllm_ms_per_step'])} | "
-                         f"{_ms(k['middle_rounds_per_step'])} | {_ms(k['ms_per_middle_round'])}"
-                         f" | {_ms(k['forward_ms_per_middle_round'])} |")
-    return "\n".join(lines) + "\n"

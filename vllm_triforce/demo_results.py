@@ -1,0 +1,173 @@
+"""The results of a `vllm-triforce demo --out FILE` run (the GPU run's, benchmarks/gpu/):
+JSON written after every round, so a run cut short keeps what it measured, and its
+results.md; where a TriForce decode's time went, from its counters."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+
+from vllm_triforce.demo_engine import DRAFT_COUNTS
+
+
+def verdict_text(v: dict) -> str:
+    """One line: identical, or where each diverging sequence first differs and plain
+    vLLM's top-2 log-prob margin there (bench/gpu_summary.compare_tokens)."""
+    if v["identical"]:
+        return f"identical ({v['sequences']} sequences)"
+    where = ", ".join(f"seq {d['sequence']} at {d['position']} (plain margin "
+                      f"{d['plain_margin']:.4f})" if d["plain_margin"] is not None else
+                      f"seq {d['sequence']} at {d['position']} (no margin)"
+                      for d in v["divergences"])
+    return (f"{len(v['divergences'])} of {v['sequences']} sequences diverge: {where}; "
+            f"{'all at near-ties' if v['explained'] else 'NOT ALL AT NEAR-TIES'}")
+
+
+def step_costs(run: dict, new_tokens: int) -> dict:
+    """Where one TriForce decode's time went, from its own counters: per vLLM step, the
+    proposer's share (middle rounds, selection, bookkeeping) and the rest (vLLM's
+    verification pass, sampling, scheduling); per middle round, the model forward's share;
+    the tokens each request gained per step (`new_tokens`: per request)."""
+    c = run["triforce"]
+    steps = c["plain_steps"] + c["drafting_steps"]
+    decode_ms, proposer_ms = 1000 * run["decode_s"], 1000 * c["middle_seconds"]
+    rounds = c["middle_rounds"]
+    return {"steps": steps, "tokens_per_step": new_tokens / steps if steps else None,
+            "ms_per_step": decode_ms / steps if steps else None,
+            "proposer_ms_per_step": proposer_ms / steps if steps else None,
+            "vllm_ms_per_step": (decode_ms - proposer_ms) / steps if steps else None,
+            "middle_rounds_per_step": rounds / steps if steps else None,
+            "ms_per_middle_round": proposer_ms / rounds if rounds else None,
+            "forward_ms_per_middle_round": 1000 * c["forward_seconds"] / rounds if rounds
+            else None}
+
+
+def _machine() -> dict:
+    import platform
+
+    import torch
+    import vllm
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"date": time.strftime("%Y-%m-%d"), "gpu": gpu, "cpu": platform.processor() or
+            platform.machine(), "vllm": vllm.__version__, "torch": torch.__version__,
+            "commit": os.environ.get("VLLM_TRIFORCE_COMMIT")}
+
+
+def run_rows(runs: list[dict], args) -> list[dict]:
+    rows = []
+    for r in runs:
+        row = {"tok_s": r["tok_s"], "decode_s": r["decode_s"]}
+        if "triforce" in r:
+            c = r["triforce"]
+            row.update({k: c[k] for k in DRAFT_COUNTS}, depth_counts=c["depth_counts"],
+                       costs=step_costs(r, args.max_tokens))
+        rows.append(row)
+    return rows
+
+
+def save_rounds(args, rounds: dict, modes: dict) -> None:
+    """The rounds so far (a run cut short keeps what it measured)."""
+    data = {"machine": _machine(), "args": vars(args) | {"func": None}, "engines": modes,
+            "rounds": {name: run_rows(runs, args) for name, runs in rounds.items()},
+            "complete": False}
+    write_json(args.out, data)
+
+
+def save(args, plain, tri, fixed, verdict, fixed_verdict) -> None:
+    ratios = [t / p for t, p in zip(tri["round_tok_s"], plain["round_tok_s"])]
+    fixed_ratios = [t / p for t, p in zip(fixed["round_tok_s"], plain["round_tok_s"])]
+    m = tri["metrics"]
+    data = {"machine": _machine(), "args": vars(args) | {"func": None},
+            "engines": {"plain": plain["engine"], "triforce": tri["engine"]},
+            "plain_tok_s": plain["round_tok_s"], "triforce_tok_s": tri["round_tok_s"],
+            "fixed_tok_s": fixed["round_tok_s"],
+            "speedup": {"rounds": ratios, "median": statistics.median(ratios)},
+            "fixed_speedup": {"rounds": fixed_ratios, "median": statistics.median(fixed_ratios)},
+            "plain_ms_per_step": [1000 * args.batch / t for t in plain["round_tok_s"]],
+            # cumulative over the TriForce engine's runs (warm-up, controller and fixed)
+            "vllm_counters": {"drafted": m.get("vllm:spec_decode_num_draft_tokens"),
+                              "accepted": m.get("vllm:spec_decode_num_accepted_tokens")},
+            "controller": {k: tri["triforce"][k] for k in (*DRAFT_COUNTS, "depth_counts",
+                                                            "plain_steps", "drafting_steps")},
+            "fixed": {k: fixed["triforce"][k] for k in (*DRAFT_COUNTS, "depth_counts")},
+            "rounds": {"triforce": run_rows(tri["rounds"], args),
+                       "fixed": run_rows(fixed["rounds"], args)},
+            "verdict": verdict, "fixed_verdict": fixed_verdict,
+            "same_each_round": {"plain": plain["same_each_round"],
+                                "triforce": tri["same_each_round"]},
+            "eager_check": fixed.get("eager_check"),
+            "first_continuation": tri["text"][:300], "complete": True}
+    write_json(args.out, data)
+
+
+def write_json(path, data) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, default=str)
+    os.replace(tmp, path)
+
+
+def _ms(value) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def markdown(data: dict) -> str:
+    """results.md of a demo run saved with `--out` (its results.json)."""
+    m, a = data["machine"], data["args"]
+    rounds = lambda xs: ", ".join(f"{x:.0f}" for x in xs)  # noqa: E731
+    ratios = lambda s: ", ".join(f"{x:.2f}x" for x in s["rounds"])  # noqa: E731
+    lines = [
+        f"# TriForce against plain vLLM on a real model: {a['batch']} x {a['prompt_tokens']} "
+        f"Moby-Dick tokens, {a['max_tokens']} new, greedy",
+        "",
+        f"{m['date']}, {m['gpu'] or m['cpu']}; vLLM {m['vllm']}, torch {m['torch']}, commit "
+        f"{m['commit']}. `vllm-triforce demo --device {a['device']} --out results.json"
+        f"{' --eager-check' if a.get('eager_check') else ''}`: SmolLM2-135M in {a['dtype']}, "
+        f"TriForce two levels, retrieval budget {a['budget']}, gamma {a['gamma']}. Engines: "
+        f"plain {data['engines']['plain']['mode']} with vLLM's defaults, TriForce "
+        f"{data['engines']['triforce']['mode']} with its forced settings.",
+        "",
+        "| engine | decode tok/s per round | speedup per round | median |",
+        "|---|---|---|---|",
+        f"| plain vLLM (defaults) | {rounds(data['plain_tok_s'])} | | |",
+        f"| TriForce, depth controller | {rounds(data['triforce_tok_s'])} | "
+        f"{ratios(data['speedup'])} | {data['speedup']['median']:.2f}x |",
+        f"| TriForce, fixed depth {a['gamma']} | {rounds(data['fixed_tok_s'])} | "
+        f"{ratios(data['fixed_speedup'])} | {data['fixed_speedup']['median']:.2f}x |",
+        "",
+    ]
+    for name, key in (("controller", "verdict"), (f"fixed depth {a['gamma']}", "fixed_verdict")):
+        lines.append(f"- Outputs against plain vLLM, {name}: {verdict_text(data[key])}.")
+    c, f = data["controller"], data["fixed"]
+    lines += [
+        f"- Drafts verified by vLLM (proposed / accepted): controller {c['top_proposed']} / "
+        f"{c['top_accepted']}, fixed depth {f['top_proposed']} / {f['top_accepted']} "
+        f"(acceptance {f['top_accepted'] / max(f['top_proposed'], 1):.3f}); vLLM's own "
+        f"counters over the TriForce engine: {data['vllm_counters']['accepted']} / "
+        f"{data['vllm_counters']['drafted']} accepted.",
+        f"- Depth controller: {c['plain_steps']} of {c['plain_steps'] + c['drafting_steps']} "
+        "steps plain; request-steps by depth "
+        + ", ".join(f"{k}: {n}" for k, n in enumerate(c["depth_counts"]) if n) + ".",
+    ]
+    if data.get("eager_check"):
+        e = data["eager_check"]
+        lines.append(f"- CUDA graphs and the capture: fixed-depth acceptance compiled "
+                     f"{e['compiled_acceptance']:.3f}, eager {e['eager_acceptance']:.3f} "
+                     f"({'within' if e['agree'] else 'NOT within'} 3 points).")
+    lines += ["", "Where a step's time goes (per round, from TriForce's counters; plain vLLM: "
+              + ", ".join(f"{x:.2f}" for x in data["plain_ms_per_step"]) + " ms per step):", "",
+              "| run | ms per step | tokens per request per step | proposer ms | vLLM ms "
+              "| middle rounds per step | ms per middle round | of which model forward |",
+              "|---|---|---|---|---|---|---|---|"]
+    for name in ("triforce", "fixed"):
+        for row in data["rounds"][name]:
+            k = row["costs"]
+            lines.append(f"| {'controller' if name == 'triforce' else 'fixed'} | "
+                         f"{_ms(k['ms_per_step'])} | {_ms(k['tokens_per_step'])} | "
+                         f"{_ms(k['proposer_ms_per_step'])} | {_ms(k['vllm_ms_per_step'])} | "
+                         f"{_ms(k['middle_rounds_per_step'])} | {_ms(k['ms_per_middle_round'])}"
+                         f" | {_ms(k['forward_ms_per_middle_round'])} |")
+    return "\n".join(lines) + "\n"
