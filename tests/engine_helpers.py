@@ -42,13 +42,34 @@ def _depths(stats: dict) -> str:
 
 
 def force_depths(llm, depths: list[int]) -> None:
-    """The depth controller uses `depths` in turn (request i of plan n gets
-    depths[(n + i) % len(depths)]) through its test hook `controller.forced`. The hook must
-    exist already: set on a renamed hook, the attribute would be ignored and the controller
-    would decide, rarely drafting on a tiny model."""
-    controller = drafter_of(llm).depth.controller
-    assert hasattr(controller, "forced"), "the depth controller's test hook `forced` moved"
-    controller.forced = list(depths)
+    """The engine's depth controller plans `depths` in turn (`schedule_depths`): the
+    adaptive path with depths that vary. For one depth without the controller's rules,
+    the public call is `TriForceProposer.set_fixed_depth`."""
+    schedule_depths(drafter_of(llm).depth.controller, depths)
+
+
+def schedule_depths(controller, depths: list[int]) -> None:
+    """Test aid: `controller` (core/controller.SpeculationController) plans `depths` in
+    turn instead of deciding. Request i of the n-th plan from now gets
+    depths[(n + i) % len(depths)], cut to the step's bound and to its limit as the
+    controller's own plans are, in the last mode (the small draft's, where there is
+    one), so depths vary within and across steps while the engine's rules (budget, seeds,
+    plain sampling, the drafting cap) still apply."""
+    import itertools
+    import math
+
+    from vllm_triforce.core.plans import Plan
+
+    plans = itertools.count()
+
+    def scheduled(req_ids, max_depth, limits=None):
+        n, bound = next(plans), min(max_depth, controller.max_depth)
+        limits = [bound] * len(req_ids) if limits is None else limits
+        chosen = tuple(min(depths[(n + i) % len(depths)], bound, limit)
+                       for i, limit in enumerate(limits))
+        return Plan(chosen, controller.modes[-1] if max(chosen, default=0) else None, math.nan)
+
+    controller.plan = scheduled
 
 
 def record_rerank_calls(monkeypatch) -> list[tuple]:

@@ -60,13 +60,12 @@ def test_profile_run_is_not_captured_but_real_steps_are(tiny_llama, llm_factory)
 
 def _run_recording_selections(llm, prompts) -> dict:
     """Greedy tokens, every selection the retrieval level chose (logical blocks per layer)
-    and TriForce's draft counts, with every request drafting 4 tokens each step."""
+    and TriForce's draft counts, of an engine at a fixed depth (`adaptive: false`)."""
     from vllm import SamplingParams
 
-    from engine_helpers import assert_drafted, force_depths
+    from engine_helpers import assert_drafted
 
     drafter = drafter_of(llm)
-    force_depths(llm, [4])
     selector, selections = drafter.retrieval.selector, []
     choose = selector.choose
 

@@ -41,8 +41,8 @@ def record_plans(llm) -> list[tuple[int, int, bool]]:
     depth = drafter_of(llm).depth
     seen, plan = [], depth.plan
 
-    def planning(req_ids, max_depth, num_committed=None, seeded=None, plain=None):
-        depths, use_draft = plan(req_ids, max_depth, num_committed, seeded, plain)
+    def planning(step, req_ids, max_depth, num_committed=None, seeded=None, plain=None):
+        depths, use_draft = plan(step, req_ids, max_depth, num_committed, seeded, plain)
         seen.extend(zip(num_committed, depths, plain or [False] * len(depths)))
         return depths, use_draft
 

@@ -72,7 +72,7 @@ def decode_step(level, table):
                             last_committed_row=lambda r: r)  # its one token's row
     states = [RequestState(refresh=level.refresh.new_state(), policy_state=SelectionState())
               for _ in range(NUM_REQS)]
-    return RetrievalStep(level, batch, states, verified=[])
+    return RetrievalStep(level, batch, states, verified=[], prefills=[])
 
 
 @pytest.mark.parametrize("policy,kwargs", [("retrieval", {"variance": True}),
@@ -124,9 +124,9 @@ def test_engine_and_teacher_choose_the_same_blocks(policy, kwargs):
 
 def test_middle_rounds_of_fewer_requests_reuse_their_shortlist_copy(monkeypatch):
     """Requests drop out of the middle rounds as they reach their depth: the rounds of the
-    ones left re-rank the same subset of the step's shortlist (`stacked_shortlist` gives
-    the same object back, so its copy of the summaries is made once), and choose what
-    re-ranking the whole shortlist chooses for them."""
+    ones left re-rank the same subset of the step's shortlist (the step keeps the last
+    subset it made and takes it again, so its copy of the summaries is made once), and
+    choose what re-ranking the whole shortlist chooses for them."""
     summaries, table, gen = summarised_requests(seed=5)
     start_query = torch.randn(NUM_REQS, LAYERS, Q_HEADS, DIM, generator=gen)
     selector = Selector(make_policy("retrieval", variance=True), BLOCKS, shortlist_factor=4)
@@ -151,10 +151,10 @@ def test_middle_rounds_of_fewer_requests_reuse_their_shortlist_copy(monkeypatch)
             drafts[r].position += 1
         step.select_in_middle(left, drafts)  # requests 0 and 2 only
         assert all(torch.equal(logical_blocks(states[r]), e) for r, e in zip(left, everyone))
-        subsets.append(states[0].shortlists.subset[1])
+        subsets.append(step._last_subset[2])
     assert all(s is subsets[0] for s in subsets)
     # per round: the whole list's copy, then the subset's (one copy at a time); the subset
     # object is the same every round, yet each of its copies was freed by the whole one's
     assert copies == [NUM_REQS, 2] * 3
     step.close()
-    assert states[0].shortlists.copy is None and states[0].shortlists.subset[1].copy is None
+    assert states[0].shortlists.copy is None and subsets[0].copy is None

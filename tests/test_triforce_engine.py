@@ -33,8 +33,8 @@ def greedy_params():
 
 
 def generate(model, spec=None, schedule=None, on_engine=None, **over):
-    """`schedule`: depths the controller must use in turn (its test hook); `on_engine`:
-    called with the engine before it generates."""
+    """`schedule`: depths the controller must use in turn (engine_helpers.force_depths);
+    `on_engine`: called with the engine before it generates (after the schedule is set)."""
     from vllm import LLM
 
     kwargs = make_engine_kwargs(**over)
@@ -514,31 +514,37 @@ def test_three_level_steps_without_the_small_draft_stay_identical(tiny_qwen2, ti
     """Three levels in the controller's other middle mode (RETRIEVAL: the small draft sits
     out, the retrieval level drafts alone, one token per round) on every other plan, the
     small draft proposing on the rest: otherwise only the controller's start-up probe runs
-    this mode. Forced through the controller's own Plan, so the engine's mapping of a mode
-    to `use_draft` is what runs; every round records whether the small draft proposed."""
+    this mode. Switched in the controller's own Plans (scheduled: `schedule_depths`), so
+    the engine's mapping of a mode to `use_draft` is what runs; every round records whether
+    the small draft proposed."""
     import dataclasses
+    import itertools
 
     from vllm_triforce.core import controller
-    from vllm_triforce.engine.depth import DepthChooser
+    from vllm_triforce.engine.depth import DepthStep
 
-    decide = controller.SpeculationController.plan
-    finish_round = DepthChooser.round_done
+    finish_round = DepthStep.round_done
     small_draft_ran = []  # per middle round: did the small draft propose in it
 
-    def every_other_plan_retrieval_only(self, req_ids, max_depth, limits=None):
-        plan = decide(self, req_ids, max_depth, limits)
-        if plan.mode == controller.DRAFT and self._num_plans % 2:
-            plan = dataclasses.replace(plan, mode=controller.RETRIEVAL)
-        return plan
+    def every_other_plan_retrieval_only(llm):
+        ctl = drafter_of(llm).depth.controller
+        decide, count = ctl.plan, itertools.count()  # the schedule's plans
+
+        def plan(req_ids, max_depth, limits=None):
+            chosen = decide(req_ids, max_depth, limits)
+            if chosen.mode == controller.DRAFT and next(count) % 2:
+                chosen = dataclasses.replace(chosen, mode=controller.RETRIEVAL)
+            return chosen
+
+        ctl.plan = plan
 
     def recording(self, use_draft, *args):
         small_draft_ran.append(use_draft)
         return finish_round(self, use_draft, *args)
 
-    monkeypatch.setattr(controller.SpeculationController, "plan", every_other_plan_retrieval_only)
-    monkeypatch.setattr(DepthChooser, "round_done", recording)
+    monkeypatch.setattr(DepthStep, "round_done", recording)
     tokens, stats, _ = generate(tiny_qwen2, three_level(tiny_draft, adaptive=True),
-                                schedule=[4])
+                                schedule=[4], on_engine=every_other_plan_retrieval_only)
     assert tokens == plain(tiny_qwen2)
     assert_drafted(stats, levels=3)
     assert small_draft_ran.count(False) > 0, "no middle round ran without the small draft"

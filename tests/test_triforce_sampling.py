@@ -41,7 +41,7 @@ def _samples(model, spec, seed, schedule=None):
     """NUM_SAMPLES continuations of one prompt (longer than the retrieval budget) at
     temperature 1, and the TriForce counters (None without TriForce) with `watch_hand_off`'s
     counts (`hand_off`): every verification read the probabilities handed for its request.
-    `schedule`: depths the depth controller must use in turn (its test hook)."""
+    `schedule`: depths the depth controller must use in turn (engine_helpers.force_depths)."""
     from vllm import LLM, SamplingParams
 
     llm = LLM(str(model), speculative_config=spec,

@@ -311,13 +311,6 @@ def test_hysteresis_keeps_a_near_equal_plan():
     assert ctl.current.max_depth == first.max_depth
 
 
-def test_forced_schedule_is_followed_and_capped():
-    ctl = SpeculationController(max_depth=4, has_draft=True)
-    ctl.forced = [3, 0, 6]
-    depths = [ctl.plan(["a", "b"], 4).depths for _ in range(4)]
-    assert depths == [(3, 0), (0, 4), (4, 3), (3, 0)]
-
-
 def test_plan_is_a_dataclass_with_max_depth():
     assert Plan((0, 2, 1), RETRIEVAL, 1.0).max_depth == 2
     assert Plan((), None, 0.0).max_depth == 0

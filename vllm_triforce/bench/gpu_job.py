@@ -232,7 +232,8 @@ def run_generate(job: dict) -> dict:
     llm = build_llm(job)
     drafter = drafter_or_none(llm)
     if drafter is not None and job.get("forced_depths"):
-        drafter.depth.controller.forced = list(job["forced_depths"])
+        depth, = job["forced_depths"]  # one fixed depth
+        drafter.set_fixed_depth(depth)
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True,
                             logprobs=job.get("logprobs"))
     steps = count_steps(llm)
@@ -351,7 +352,7 @@ def time_case(llm, drafter, prompts, job: dict) -> dict:
         return out
     out["depths"] = {}
     for depth in job["depths"]:
-        drafter.depth.controller.forced = [depth]
+        drafter.set_fixed_depth(depth)
         timed_generate(llm, prompts, short)  # warm-up at this depth
         counted = []
 

@@ -55,9 +55,9 @@ def _is_ngram(run: dict) -> bool:
 
 def run_one(job: dict, run: dict) -> list[dict]:
     """The run's result, then one per entry of `run["variants"]` ({"name", "forced"}): the
-    same TriForce engine timed again with its depth controller forced to `forced` (a
-    list of depths used in turn, e.g. [4]: a fixed depth of 4), so fixed depths and the
-    controller are compared on one engine, one prefill."""
+    same TriForce engine timed again at a fixed depth (`forced`: [k], the proposer's
+    `set_fixed_depth(k)`), so fixed depths and the controller are compared on one engine,
+    one prefill."""
     from vllm import LLM, SamplingParams
 
     from vllm_triforce.cpu_openmp import runtime_in_use
@@ -92,7 +92,8 @@ def run_one(job: dict, run: dict) -> list[dict]:
                                           **run["calibrate"])
     results = [result]
     for variant in run.get("variants", []):
-        drafter.depth.controller.forced = variant["forced"]
+        depth, = variant["forced"]  # one fixed depth
+        drafter.set_fixed_depth(depth)
         results.append({"name": variant["name"], "spec": spec, "prefill_s": prefill_s,
                         "forced": variant["forced"], "openmp": result["openmp"],
                         **_timed(llm, drafter, prompts, params, job.get("repeats", 1)),

@@ -105,8 +105,6 @@ class SpeculationController:
     The engine calls, per step: `observe_step` (vLLM's step time and its query tokens),
     `observe_verification` (per request: drafts verified / accepted), `observe_round` (each
     middle round's time), `observe_overhead` (the rest of the proposer's time), then `plan`.
-    `forced`: a test hook; depths used in turn instead of the decision (request i of the
-    n-th plan gets forced[(n + i) % len(forced)], so depths vary within and across steps).
     """
 
     def __init__(self, max_depth: int, has_draft: bool, probe_interval: int = 32,
@@ -136,7 +134,6 @@ class SpeculationController:
         self.batch_acceptance = PositionAcceptance(max_depth)
         self.requests: dict[str, PositionAcceptance] = {}
         self.current: Plan | None = None
-        self.forced: list[int] | None = None
         self._num_plans = 0
         self._since_drafting = 0
         self._since_plain = 0
@@ -218,11 +215,7 @@ class SpeculationController:
         max_depth = min(max_depth, self.max_depth)
         limits = [min(n, max_depth) for n in limits or [max_depth] * len(req_ids)]
         self._expected = None
-        if self.forced is not None:  # request i of plan n: forced[(n + i) % len(forced)]
-            depths = tuple(min(self.forced[(self._num_plans + i) % len(self.forced)], max_depth)
-                           for i in range(len(req_ids)))
-            plan = Plan(depths, self.modes[-1] if max(depths, default=0) else None, math.nan)
-        elif not any(limits):
+        if not any(limits):
             plan = Plan((0,) * len(req_ids), None, math.nan)
         else:
             plan = (self._probe(req_ids, max_depth, limits)
@@ -346,8 +339,8 @@ def _allowed(limits: list[int] | None, num_reqs: int, max_depth: int) -> torch.T
 
 
 def _within(plan: Plan, limits: list[int]) -> Plan:
-    """`plan` with every depth cut to its request's limit (probes and the test hook ask for
-    one depth for every request)."""
+    """`plan` with every depth cut to its request's limit (probes ask for one depth for
+    every request)."""
     depths = tuple(min(k, n) for k, n in zip(plan.depths, limits))
     if depths == plan.depths:
         return plan

@@ -85,8 +85,6 @@ class Shortlist:
     padding: Tensor | None = None  # [R, L, S] bool logical < 0, at the first re-ranking
     copy: Tensor | None = None    # the policy's `listed_copy`, while held
     copied: bool = False          # listed_copy was asked (it may have declined: None)
-    # (rows, Shortlist of those rows): the last subset engine/state.stacked_shortlist made
-    subset: tuple | None = None
 
     @classmethod
     def of(cls, logical: Tensor, block_table: Tensor, num_committed: Tensor,

@@ -33,6 +33,7 @@ and keys alive would inflate the peak memory vLLM measures before it sizes the K
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 PATCHED_ATTR = "__vllm_triforce_capture__"
@@ -47,15 +48,42 @@ class LayerCapture:
 
     queries[l]: [num_tokens, num_q_heads(, head_dim)];
     keys[l]: [num_tokens, num_kv_heads(, head_dim)].
-    Set `enabled = False` while running passes whose tensors must not be recorded.
-    `copy_tokens`: passes of at most this many tokens are kept as copies (see top).
+    It records vLLM's own passes. The proposer reads them with recording `paused()`, so
+    that its passes (the small draft's, the full-cache probe) leave them as they are, and
+    has a retrieval pass, whose queries re-select blocks between middle rounds, record
+    with `recording()`. `copy_tokens`: passes of at most this many tokens are kept as
+    copies (see top).
     """
 
     def __init__(self, num_layers: int, copy_tokens: int = DEFAULT_COPY_TOKENS):
         self.queries: list = [None] * num_layers
         self.keys: list = [None] * num_layers
-        self.enabled = True
         self.copy_tokens = copy_tokens
+        self._on = True  # switched only by `paused` and `recording`
+
+    @property
+    def is_recording(self) -> bool:
+        return self._on
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Nothing is recorded inside; the state before is restored on leaving."""
+        with self._switched(False):
+            yield self
+
+    @contextlib.contextmanager
+    def recording(self):
+        """Every target pass inside is recorded; the state before is restored on leaving."""
+        with self._switched(True):
+            yield self
+
+    @contextlib.contextmanager
+    def _switched(self, on: bool):
+        before, self._on = self._on, on
+        try:
+            yield
+        finally:
+            self._on = before
 
     def record(self, index: int, query, key) -> None:
         if query.shape[0] <= self.copy_tokens:  # may be a graph replay's pool memory
@@ -98,7 +126,7 @@ def _unwrapped(forward):
 
 def _wrap_forward(forward, index: int, capture: LayerCapture):
     def captured_forward(layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
-        if capture.enabled and attn_metadata is not None:  # None: a dummy run (see top)
+        if capture.is_recording and attn_metadata is not None:  # None: a dummy run (see top)
             capture.record(index, query, key)
         return forward(layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
 

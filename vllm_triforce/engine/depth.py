@@ -10,12 +10,22 @@ so vLLM's own cost of a step is the wall time from the end of one `propose` to t
 of the next, and a whole cycle (what tokens per second divide by) runs from one start to
 the next. Only steps whose every request ran a decode or verification, after a step that
 did too and had the same requests, are timed: a prefill chunk is not what a draft depth
-buys, the first decode after one still pays for the prefill's output (measured: Qwen2.5
-1.5B at 4K, 316 ms against 254 ms for the next plain steps), and a request joining means
-the engine may have sat idle in between (between two `generate` calls, or a server
-waiting for work). Likewise the proposer's own time counts as per-step overhead only on
-decode steps: on a prefill step it summarises the prompt's keys (320 ms at that shape;
-counted as decode overhead it would price plain decoding at half its speed).
+buys; the first decode after one still pays for the prefill (vLLM samples the prompt's
+first token and frees its activations in that step), which no depth changes; and a
+request joining means the engine may have sat idle in between (between two `generate`
+calls, or a server waiting for work). Likewise the proposer's own time counts as
+per-step overhead only on decode steps: on a prefill step it folds the prompt's keys into
+the block summaries, a cost of the prompt's length that no later step pays again.
+
+Each step is one `DepthStep`, made by `DepthChooser.begin` from what the step before
+measured; only it plans the step, hears its middle rounds and ends it. What the next step's
+timing needs of it is handed on when it ends, as one record (`_Ended`).
+
+Fixed depth (`DepthChooser.fix`, the proposer's `set_fixed_depth`; `adaptive: false` sets
+num_speculative_tokens from the start): every decoding request gets that depth, at most the
+step's bound, and every level, with no clock and no budget rule (fixed-gamma TriForce, the
+reference the controller is measured against); the controller is neither asked nor told
+of middle rounds meanwhile.
 
 Two rules come before the clocks (`DepthChooser.plan`):
 - a request whose committed context fits the retrieval cache decodes plainly
@@ -45,6 +55,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 from vllm.logger import init_logger
 
@@ -54,8 +65,6 @@ from vllm_triforce.core.estimates import DecayedMean
 from vllm_triforce.engine.buffers import MAX_DRAFTING_REQUESTS
 
 logger = init_logger("vllm.triforce")
-
-
 
 
 def cap_drafting(depths: list[int], cap: int = MAX_DRAFTING_REQUESTS,
@@ -89,16 +98,27 @@ def seeded_depth(fits_budget: bool, max_depth: int) -> int:
     return 0 if fits_budget else max_depth
 
 
-class DepthChooser:
-    """Per step: `begin` (measurements of the step that just ran), `plan`, one
-    `round_done` per middle round, `end`. With `adaptive` false every decoding request
-    gets the step's full depth and every level, as a fixed-gamma TriForce (no budget
-    rule either: a reference to measure against). Either way at most
-    MAX_DRAFTING_REQUESTS requests draft in a step (`cap_drafting`), seeded ones first."""
+@dataclass(frozen=True)
+class _Ended:
+    """What the next step's timing reads of the step before it (`DepthStep.end`)."""
+    start: float
+    end: float
+    one_time: float          # seconds of one-time work in it (`DepthStep.end`)
+    req_ids: frozenset       # the requests of vLLM's pass
+    pure_decode: bool
+    plan: Plan | None        # the controller's, when the controller decided it
 
-    def __init__(self, adaptive: bool, max_depth: int, has_draft: bool, stats, share=None,
-                 blocks=None, max_drafting: int = MAX_DRAFTING_REQUESTS):
-        self.adaptive = adaptive
+
+class DepthChooser:
+    """Chooses each step's depths (module docstring): `begin` makes the step's `DepthStep`,
+    which plans it (`plan`, through this chooser's), hears its middle rounds and ends it.
+    `fixed_depth`: the configured fixed depth (`adaptive: false`: num_speculative_tokens;
+    None: the controller decides), which `fix` overrides. Either way at most
+    `max_drafting` requests draft in a step (`cap_drafting`), seeded ones first."""
+
+    def __init__(self, max_depth: int, has_draft: bool, stats, fixed_depth: int | None = None,
+                 share=None, blocks=None, max_drafting: int = MAX_DRAFTING_REQUESTS):
+        self.configured_depth = self.fixed_depth = fixed_depth
         # the drafting cap the memory plan reserved for (engine/memory.py `Sizing.drafting`)
         self.max_drafting = max_drafting
         self.share = share  # obj -> rank 0's obj, on every rank (None: one rank)
@@ -109,55 +129,64 @@ class DepthChooser:
         self.achieved_tokens = DecayedMean(decay=0.9)  # tokens per cycle ...
         self.achieved_seconds = DecayedMean(decay=0.9)  # ... and its seconds
         self.predicted = DecayedMean(decay=0.9)
-        self._last_start: float | None = None
-        self._last_end: float | None = None
-        self._plan: Plan | None = None
-        self._round_seconds = 0.0
-        self._one_time = 0.0  # the last step's one-time seconds (`end`)
-        self._last_req_ids: set[str] = set()
-        self._last_pure = False     # the previous step was a pure decode step
-        self._decode_step = False   # this step's batch is one (its overhead is measured)
+        self._last: _Ended | None = None  # the step that ended last
+
+    def fix(self, depth: int | None) -> None:
+        """From the next step on, every decoding request drafts `depth` tokens (module
+        docstring); None: back to the configured behaviour."""
+        self.fixed_depth = self.configured_depth if depth is None else depth
 
     def begin(self, start: float, req_ids: list[str], num_tokens: int, emitted: int,
-              pure_decode: bool, verified: list[tuple[str, int, int]], live_req_ids) -> None:
-        """`req_ids`: the requests of vLLM's pass; `num_tokens`: its query tokens; `emitted`:
-        tokens it committed; `verified`: (req_id, drafts verified, accepted) per request."""
+              pure_decode: bool, verified: list[tuple[str, int, int]],
+              live_req_ids) -> "DepthStep":
+        """The step that starts at `start`, after vLLM's pass over `req_ids` (`num_tokens`
+        query tokens, `emitted` of them committed; `verified`: (req_id, drafts verified,
+        accepted) per request; `pure_decode`: no prefill chunk in it). Feeds the controller
+        what that pass measured."""
         self.controller.retain(live_req_ids)
         for req_id, num_verified, num_accepted in verified:
             self.controller.observe_verification(req_id, num_verified, num_accepted)
-        same_requests = set(req_ids) <= self._last_req_ids
-        timed = (pure_decode and self._last_pure and same_requests
-                 and self._last_end is not None)
-        self._last_req_ids = set(req_ids)
-        self._last_pure = self._decode_step = pure_decode
-        if timed:
-            self.controller.observe_step(len(req_ids), num_tokens, start - self._last_end)
-            # held to its prediction without the one-time work, which no depth buys
-            self.controller.observe_cycle(emitted, start - self._last_start - self._one_time)
-            self.achieved_tokens.observe(emitted)
-            self.achieved_seconds.observe(start - self._last_start)
-            if self._plan is not None and not math.isnan(self._plan.tokens_per_s):
-                self.predicted.observe(self._plan.tokens_per_s)
-        self._last_start = start
-        self._round_seconds = 0.0
-        self._plan = None
+        last = self._last
+        if (last is not None and pure_decode and last.pure_decode
+                and set(req_ids) <= last.req_ids):
+            self._observe_cycle(last, start, len(req_ids), num_tokens, emitted)
+        return DepthStep(self, start, req_ids, pure_decode)
 
-    def plan(self, req_ids: list[str], max_depth: int, num_committed: list[int] | None = None,
-             seeded: list[bool] | None = None,
+    def _observe_cycle(self, last: _Ended, start: float, num_reqs: int, num_tokens: int,
+                       emitted: int) -> None:
+        """A timed step: vLLM's share of it, and the cycle since `last` began."""
+        self.controller.observe_step(num_reqs, num_tokens, start - last.end)
+        if last.plan is not None:
+            # held to its prediction without the one-time work, which no depth buys
+            self.controller.observe_cycle(emitted, start - last.start - last.one_time)
+            if not math.isnan(last.plan.tokens_per_s):
+                self.predicted.observe(last.plan.tokens_per_s)
+        self.achieved_tokens.observe(emitted)
+        self.achieved_seconds.observe(start - last.start)
+
+    def plan(self, step: "DepthStep", req_ids: list[str], max_depth: int,
+             num_committed: list[int] | None = None, seeded: list[bool] | None = None,
              plain: list[bool] | None = None) -> tuple[list[int], bool]:
-        """(depth per decoding request, whether the small draft runs this step).
-        `num_committed` [R]: each request's tokens with exact KV (None: all outgrow the
-        budget); `seeded` [R]: it samples from a generator of its own (None: none does);
-        `plain` [R]: it must decode plainly (`decodes_plainly`; None: none must)."""
+        """`step`'s plan (`DepthStep.plan`): (depth per decoding request, whether the small
+        draft runs). `max_depth`: the step's bound from vLLM; `num_committed` [R]: each
+        request's tokens with exact KV (None: all outgrow the budget); `seeded` [R]: it
+        samples from a generator of its own (None: none does); `plain` [R]: it must decode
+        plainly (`decodes_plainly`; None: none must)."""
         if not req_ids:  # only prefill chunks: nothing to decide, no probe used up
             return [], False
         seeded = seeded or [False] * len(req_ids)
         plain = plain or [False] * len(req_ids)
-        if not self.adaptive:
-            depths, use_draft = [0 if p else max_depth for p in plain], self.has_draft
+        if self.fixed_depth is not None:
+            depth = min(self.fixed_depth, max_depth)
+            depths, use_draft = [0 if p else depth for p in plain], self.has_draft
         else:
-            depths, use_draft = self._adaptive_plan(req_ids, max_depth, num_committed, seeded,
-                                                    plain)
+            fits = self._fits_budget(num_committed, len(req_ids))
+            # the controller decides for the unseeded requests whose context outgrew the
+            # budget and that may draft; the others have their depth by rule
+            limits = [0 if f or s or p else max_depth for f, s, p in zip(fits, seeded, plain)]
+            step.controller_plan = self.controller.plan(req_ids, max_depth, limits)
+            depths, use_draft = self._by_rule(step.controller_plan, max_depth, fits, seeded,
+                                              plain)
             if self.share is not None:
                 depths, use_draft = self.share((depths, use_draft))
         self._warn_if_seeded_over_cap(depths, seeded, self.max_drafting)
@@ -165,15 +194,11 @@ class DepthChooser:
         self.stats.record_depths(depths)
         return depths, use_draft
 
-    def _adaptive_plan(self, req_ids: list[str], max_depth: int,
-                       num_committed: list[int] | None, seeded: list[bool], plain: list[bool]):
-        """The controller decides for the unseeded requests whose context outgrew the
-        budget; the others have their depth by rule (module docstring)."""
-        fits = self._fits_budget(num_committed, len(req_ids))
-        limits = [0 if f or s or p else max_depth for f, s, p in zip(fits, seeded, plain)]
-        self._plan = self.controller.plan(req_ids, max_depth, limits)
-        depths, use_draft = list(self._plan.depths), self._plan.mode == DRAFT
-        for r in range(len(req_ids)):
+    def _by_rule(self, plan: Plan, max_depth: int, fits: list[bool], seeded: list[bool],
+                 plain: list[bool]) -> tuple[list[int], bool]:
+        """The controller's `plan`, with the depths the rules give (module docstring)."""
+        depths, use_draft = list(plan.depths), plan.mode == DRAFT
+        for r in range(len(depths)):
             if plain[r]:
                 depths[r] = 0
             elif seeded[r]:
@@ -198,24 +223,48 @@ class DepthChooser:
                 "requests decode past the retrieval budget at once).",
                 cap, cap)
 
+
+class DepthStep:
+    """One step's depths, made by `DepthChooser.begin`: `plan` once, `round_done` after
+    each middle round, `end` once. `controller_plan`: the controller's Plan when it
+    decided the step (None with a fixed depth, or with no decoding request)."""
+
+    def __init__(self, chooser: DepthChooser, start: float, req_ids: list[str],
+                 pure_decode: bool):
+        self.chooser = chooser
+        self.start = start
+        self.req_ids = frozenset(req_ids)
+        self.pure_decode = pure_decode  # its overhead is the controller's to weigh
+        self.controller_plan: Plan | None = None
+        self.round_seconds = 0.0
+
+    def plan(self, req_ids: list[str], max_depth: int, num_committed: list[int] | None = None,
+             seeded: list[bool] | None = None,
+             plain: list[bool] | None = None) -> tuple[list[int], bool]:
+        """(depth per decoding request `req_ids`, whether the small draft runs this step):
+        `DepthChooser.plan`."""
+        return self.chooser.plan(self, req_ids, max_depth, num_committed, seeded, plain)
+
     def round_done(self, use_draft: bool, num_active: int, seconds: float,
                    tokens_per_request: float) -> None:
-        self._round_seconds += seconds
-        if self.adaptive:
-            self.controller.observe_round(DRAFT if use_draft else RETRIEVAL, num_active,
-                                          seconds, tokens_per_request)
+        self.round_seconds += seconds
+        if self.controller_plan is not None:
+            self.chooser.controller.observe_round(DRAFT if use_draft else RETRIEVAL,
+                                                  num_active, seconds, tokens_per_request)
 
-    def end(self, drafting: bool, start: float, one_time: float = 0.0) -> None:
+    def end(self, drafting: bool, one_time: float = 0.0) -> None:
         """`one_time`: seconds of this step's work that a request pays once, not per
         drafting step (the lazy summaries of the blocks it completed since it last
         selected: after a plain stretch, all of that stretch's at once):
         left out of the drafting overhead the controller weighs depths with, and of the
         cycle a drafting plan's prediction is held to (`observe_cycle`)."""
-        self._last_end = time.perf_counter()
-        self._one_time = one_time
-        if self.adaptive and self._decode_step:
-            self.controller.observe_overhead(
-                drafting, self._last_end - start - self._round_seconds - one_time)
-        self.stats.predicted_tokens_per_s = self.predicted.value or 0.0
-        tokens, seconds = self.achieved_tokens.value, self.achieved_seconds.value
-        self.stats.achieved_tokens_per_s = tokens / seconds if tokens and seconds else 0.0
+        chooser, end = self.chooser, time.perf_counter()
+        chooser._last = _Ended(self.start, end, one_time, self.req_ids, self.pure_decode,
+                               self.controller_plan)
+        if self.controller_plan is not None and self.pure_decode:
+            chooser.controller.observe_overhead(
+                drafting, end - self.start - self.round_seconds - one_time)
+        stats = chooser.stats
+        stats.predicted_tokens_per_s = chooser.predicted.value or 0.0
+        tokens, seconds = chooser.achieved_tokens.value, chooser.achieved_seconds.value
+        stats.achieved_tokens_per_s = tokens / seconds if tokens and seconds else 0.0

@@ -215,7 +215,8 @@ class TriForceProposer(DraftModelProposer):
                                     self._draft_window(), self.stats, self.generator,
                                     self.device)
         tp = self.vllm_config.parallel_config.tensor_parallel_size
-        self.depth = DepthChooser(self.cfg.adaptive, shape.gamma2, shape.has_draft, self.stats,
+        self.depth = DepthChooser(shape.gamma2, shape.has_draft, self.stats,
+                                  fixed_depth=None if self.cfg.adaptive else shape.gamma2,
                                   share=_from_tp_rank0 if tp > 1 else None, blocks=shape.blocks,
                                   max_drafting=self.sizing.drafting)
         self.middle = MiddleLoop(self.draft, shape.gamma1, self.refresh, self.stats,
@@ -270,6 +271,21 @@ class TriForceProposer(DraftModelProposer):
         """The request of each row of `take_last_draft_probs()` (patches/handoff_rows.py)."""
         return self._last_draft_prob_req_ids
 
+    # ---- a setting -----------------------------------------------------------------
+    def set_fixed_depth(self, depth: int | None) -> None:
+        """Fixed-gamma TriForce from the next step on: every decoding request drafts
+        `depth` tokens a step (at most the step's bound from vLLM; 0 past the drafting cap
+        or where its sampling needs vLLM's plain sampler) with every level, whatever the
+        clocks, its context length or its seed (engine/depth.py). None: back to the
+        configured behaviour, the depth controller (`adaptive`, the default) or
+        num_speculative_tokens (`adaptive: false`). A per-engine override for benchmarks
+        and demos, e.g. `drafter_of(llm).set_fixed_depth(4)` (vllm_triforce/offline.py);
+        with tensor parallelism, set it on every rank."""
+        if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int)
+                                  or depth < 0):
+            raise ValueError(f"set_fixed_depth({depth!r}): a depth is an integer >= 0, or None")
+        self.depth.fix(depth)
+
     # ---- one step -------------------------------------------------------------------
     def propose(self, num_speculative_tokens, target_token_ids, target_positions,
                 target_hidden_states, next_token_ids, token_indices_to_sample,
@@ -282,58 +298,57 @@ class TriForceProposer(DraftModelProposer):
                                       sampling_metadata, self.block_size,
                                       num_speculative_tokens)
         self.states.retain(self.runner.requests)
-        self.capture.enabled = False
+        states = [self.states.get(r, self._new_state) for r in batch.req_ids]
         try:
-            states = [self.states.get(r, self._new_state) for r in batch.req_ids]
-            if self.draft is not None:
-                self.draft.invalidate(batch, states)
-            pure_decode = self._pure_decode(batch, states)  # before the commit resets counts
-            with self.retrieval.begin_step(batch, states, judged_alone=self.draft is None) as step:
-                drafts, probs, prob_req_ids = self._step(step, pure_decode,
-                                                         num_speculative_tokens, start)
+            with self.capture.paused():  # what it holds is vLLM's pass, read below
+                if self.draft is not None:
+                    self.draft.invalidate(batch, states)
+                with self.retrieval.begin_step(batch, states,
+                                               judged_alone=self.draft is None) as step:
+                    depth = self._begin_depth(step, start)
+                    drafts, probs, prob_req_ids = self._step(step, depth,
+                                                             num_speculative_tokens)
         finally:
-            self.capture.enabled = True
-            self.capture.clear()
+            self.capture.clear()  # vLLM's next pass records afresh
         self._last_draft_probs, self._last_draft_prob_req_ids = probs, prob_req_ids
-        self.depth.end(drafting=any(drafts), start=start, one_time=step.summarise_seconds)
+        depth.end(drafting=any(drafts), one_time=step.summarise_seconds)
         self.stats.add(middle_seconds=time.perf_counter() - start)
         self._publish_stats()
         # one list per request, [] allowed (vLLM's variable-length path), also at a fixed
         # depth: a request over the drafting cap, or prefilling, gets no draft
         return drafts
 
-    def _step(self, step, pure_decode: bool, max_depth: int, start: float):
-        """plan -> select -> middle loop -> hand-off, in the retrieval level's `step` (made
-        after the commit). Returns one draft list per request, the drafting requests' probs
-        [D, max depth, V] and their request ids (None, None when every drafting request is
-        greedy or none drafts). `max_depth`: this step's bound from vLLM
-        (num_speculative_tokens, or Dynamic SD's entry for the batch size)."""
+    def _begin_depth(self, step, start: float):
+        """The step's engine/depth.DepthStep, from what vLLM's pass measured (the commit,
+        `step`, counted it)."""
+        batch = step.batch
+        num_tokens = sum(batch.q_lens)
+        return self.depth.begin(start, batch.req_ids, num_tokens=num_tokens,
+                                emitted=num_tokens - sum(batch.num_rejected),
+                                pure_decode=all(batch.decoding) and not step.prefills,
+                                verified=[(batch.req_ids[r], n, a) for r, n, a in step.verified],
+                                live_req_ids=self.runner.requests)
+
+    def _step(self, step, depth, max_depth: int):
+        """plan -> select -> middle loop -> hand-off, in the retrieval level's `step` and
+        the depth chooser's `depth`. Returns one draft list per request, the drafting
+        requests' probs [D, max depth, V] and their request ids (None, None when every
+        drafting request is greedy or none drafts). `max_depth`: this step's bound from
+        vLLM (num_speculative_tokens, or Dynamic SD's entry for the batch size)."""
         batch, states = step.batch, step.states
-        self.depth.begin(start, batch.req_ids, num_tokens=sum(batch.q_lens),
-                         emitted=sum(batch.q_lens) - sum(batch.num_rejected),
-                         pure_decode=pure_decode,
-                         verified=[(batch.req_ids[r], n, a) for r, n, a in step.verified],
-                         live_req_ids=self.runner.requests)
         rows = [r for r in range(batch.num_reqs) if batch.decoding[r]]
-        depths, use_draft = self.depth.plan([batch.req_ids[r] for r in rows], max_depth,
-                                            num_committed=[batch.committed[r] for r in rows],
-                                            seeded=[batch.seeded[r] for r in rows],
-                                            plain=[batch.plain[r] for r in rows])
+        depths, use_draft = depth.plan([batch.req_ids[r] for r in rows], max_depth,
+                                       num_committed=[batch.committed[r] for r in rows],
+                                       seeded=[batch.seeded[r] for r in rows],
+                                       plain=[batch.plain[r] for r in rows])
         drafting = [r for r, k in zip(rows, depths) if k > 0]
         if not drafting:
             return [[] for _ in range(batch.num_reqs)], None, None
         step.select(drafting)
         drafts_by_row = self.middle.run(step, rows, depths, self._probs_buffer,
                                         use_draft and self.draft is not None,
-                                        on_round=self.depth.round_done)
+                                        on_round=depth.round_done)
         return hand_off(batch, states, drafts_by_row, dict(zip(rows, depths)), self._probs_buffer)
-
-    @staticmethod
-    def _pure_decode(batch, states) -> bool:
-        """Every request ran one new token plus at most the drafts it was handed: a step
-        whose cost a draft depth explains (no prefill chunk in it)."""
-        return all(batch.decoding) and all(
-            q - 1 <= s.last_num_drafts for q, s in zip(batch.q_lens, states))
 
     def _publish_stats(self) -> None:
         """Log and export the counters from TP rank 0 (every rank holds the same ones)."""

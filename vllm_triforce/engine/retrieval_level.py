@@ -69,15 +69,16 @@ class RetrievalLevel:
         fold the keys that became final into the block summaries. `judged_alone`: the
         drafts were this level's own (no small draft), so they also count toward its
         refresh acceptance. The step's `verified`: (row, drafts verified, accepted) for
-        every request whose drafts were judged."""
+        every request whose drafts were judged; its `prefills`: the rows whose pass was a
+        prefill chunk (a prompt's, or a recompute's), not a decode or a verification."""
         verified, prefills = [], []
         for r in range(batch.num_reqs):
-            if batch.q_lens[r] > 1 + states[r].last_num_drafts:
-                prefills.append(r)  # more tokens than the drafts handed to vLLM could make
-            # This pass verified our drafts iff it ran at most the drafts we handed vLLM last
-            # step after the newest token (the scheduler may trim them); a prefill chunk does not.
+            # vLLM's pass ran the newest token, then at most the drafts handed to it last
+            # step (the scheduler may trim them) when it verified them; more is a prefill
             num_verified = batch.q_lens[r] - 1
-            if 0 < num_verified <= states[r].last_num_drafts:
+            if num_verified > states[r].last_num_drafts:
+                prefills.append(r)
+            elif num_verified > 0:
                 accepted = num_verified - batch.num_rejected[r]
                 verified.append((r, num_verified, accepted))
                 self.stats.record_verification(num_verified, accepted)
@@ -85,25 +86,29 @@ class RetrievalLevel:
                     self.refresh.record_round(states[r].refresh, num_verified, accepted)
             states[r].last_num_drafts = 0
         self.keeper.fold(batch, states, prefills)
-        return RetrievalStep(self, batch, states, verified)
+        return RetrievalStep(self, batch, states, verified, prefills)
 
 
 class RetrievalStep:
     """One step of the retrieval level over `batch` and its request `states` (made by
-    `RetrievalLevel.begin_step`, after the commit). Its own state: the rows whose blocks
-    are summarised this step (committed lengths and blocks change only between steps), the
-    seconds that took, and the queries of its last `forward`."""
+    `RetrievalLevel.begin_step`, after the commit, with what the commit found: `verified`,
+    `prefills`). Its own state: the rows whose blocks are summarised this step (committed
+    lengths and blocks change only between steps), the seconds that took, the queries of
+    its last `forward`, and the last shortlist of a subset of rows it re-ranked."""
 
-    def __init__(self, level: RetrievalLevel, batch, states, verified):
+    def __init__(self, level: RetrievalLevel, batch, states, verified, prefills):
         self.level = level
         self.batch, self.states = batch, states
         self.verified: list[tuple[int, int, int]] = verified
+        self.prefills: list[int] = prefills
         # this step's time setting lazy summaries: the blocks a request completed since it
         # last selected (after a plain stretch, all of that stretch's at once), so the
-        # depth controller does not count it as a cost of drafting (engine/depth.py `end`)
+        # depth controller does not count it as a cost of drafting (`DepthStep.end`)
         self.summarise_seconds = 0.0
         self._summarised_rows: set[int] = set()
         self._pass_queries: list | None = None  # per layer, the last `forward`'s queries
+        # (shortlist, its rows, the Shortlist of those rows): the last subset `_listed` made
+        self._last_subset: tuple | None = None
 
     def __enter__(self) -> "RetrievalStep":
         return self
@@ -190,9 +195,7 @@ class RetrievalStep:
         level, batch, states = self.level, self.batch, self.states
         idx, query_rows, committed = to_device(level.device, due, query_rows,
                                                [batch.committed[r] for r in due])
-        listed = (stacked_shortlist([states[r].shortlists for r in due],
-                                    [states[r].shortlist_row for r in due])
-                  if use_shortlist else None)
+        listed = self._listed(due) if use_shortlist else None
         choice = level.selector.choose(
             self._queries_at(layer_queries, query_rows), level.summaries, batch.block_table[idx],
             committed, [states[r].policy_state for r in due], shortlist=listed,
@@ -208,6 +211,21 @@ class RetrievalStep:
             st.num_selected, st.tail_start = selection_sizes(batch.committed[r], level.blocks)
             level.refresh.record_selection(st.refresh, prefixes[i])
         level.stats.add(refreshes=len(due))
+
+    def _listed(self, rows: list[int]):
+        """The shortlists requests `rows` hold, as one (`stacked_shortlist`). Requests only
+        drop out of the middle rounds, so a subset repeats: the one made last for the same
+        rows of the same shortlist is taken again, with the summary rows and copy it holds."""
+        shortlists = [self.states[r].shortlists for r in rows]
+        listed_rows = [self.states[r].shortlist_row for r in rows]
+        one = all(s is shortlists[0] for s in shortlists)
+        last = self._last_subset
+        if one and last is not None and last[0] is shortlists[0] and last[1] == listed_rows:
+            return last[2]
+        listed = stacked_shortlist(shortlists, listed_rows)
+        if one and listed is not shortlists[0]:
+            self._last_subset = (shortlists[0], listed_rows, listed)
+        return listed
 
     def _queries_at(self, layer_queries: list, rows: torch.Tensor) -> torch.Tensor:
         """layer_queries[l] [num_tokens, Hq * D] of one pass, rows [n] (device) ->
@@ -250,12 +268,9 @@ class RetrievalStep:
                                  layout.width)
         inputs = build_pass(token_ids, positions, block_table, bs, layout.compact_lens)
         per_layer = dict(zip(level.layer_names, tables.unbind(0)))  # one op, not one per layer
-        level.capture.enabled = True  # its queries may re-select the next round's blocks
-        try:
+        with level.capture.recording():  # its queries may re-select the next round's blocks
             logits = run_pass(level.model, level.vllm_config, level.attn_groups, inputs,
                               per_layer, level.stats, level.pass_limits)
-        finally:
-            level.capture.enabled = False
         self._pass_queries = list(level.capture.queries)
         return logits
 

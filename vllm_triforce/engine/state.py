@@ -78,26 +78,18 @@ def stacked(batches: list, rows: list[int], fields=lambda batch: (batch,)) -> li
 
 
 def stacked_shortlist(shortlists: list, rows: list[int]):
-    """`stacked` for core/selection.Shortlists: row rows[i] of shortlists[i], as one. When
-    all are rows of one shortlist: that shortlist, all of it in order; else the same
-    subset object as the last call asked for the same rows (its summary rows and copy
-    kept: the middle rounds' requests only drop out, so a subset repeats)."""
+    """`stacked` for core/selection.Shortlists: row rows[i] of shortlists[i], as one; the
+    shortlist itself when all are rows of one, all of it in order."""
     from vllm_triforce.core.selection import Frame, Shortlist
 
     first = shortlists[0]
-    one = all(s is first for s in shortlists)
-    if one and rows == list(range(first.logical.shape[0])):
+    if all(s is first for s in shortlists) and rows == list(range(first.logical.shape[0])):
         return first
-    if one and first.subset is not None and first.subset[0] == rows:
-        return first.subset[1]
     logical, physical, *frame = stacked(
         shortlists, rows, lambda s: (s.logical, s.physical, s.frame.num_chosen,
                                      s.frame.sink_ids, s.frame.num_selected,
                                      s.frame.tail_start))
-    subset = Shortlist(logical, physical, Frame(*frame))
-    if one:
-        first.subset = (list(rows), subset)
-    return subset
+    return Shortlist(logical, physical, Frame(*frame))
 
 
 class StateTable:
