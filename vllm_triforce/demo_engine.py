@@ -45,12 +45,12 @@ def engine_process(conn, model_dir, spec, prompts, args, eager: bool) -> None:
             elif command in ("decode", "fixed"):
                 before = drafter.stats.snapshot() if drafter else None
                 if command == "fixed":
-                    drafter.depth.controller.forced = [args.gamma]
+                    drafter.set_fixed_depth(args.gamma)
                 try:
                     reply = _decode(llm, prompts, params, prefill_s)
                 finally:
                     if command == "fixed":
-                        drafter.depth.controller.forced = None
+                        drafter.set_fixed_depth(None)
                 if drafter:  # this run's own counts: after minus before
                     reply["triforce"] = count_delta(before, drafter.stats.snapshot())
                     reply["counts_before"] = before

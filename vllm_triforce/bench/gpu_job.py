@@ -370,7 +370,7 @@ def time_case(llm, drafter, prompts, job: dict) -> dict:
         row["step_ms"] = _ms(measured["step_s"])
         row["timing"] = measured
         out["depths"][str(depth)] = row
-    drafter.depth.controller.forced = None
+    drafter.set_fixed_depth(None)
     return out
 
 
