@@ -151,12 +151,16 @@ class TriForceConfig:
             raise TriForceConfigError(
                 "speculative_config['model'] must be the small draft model's path or name, "
                 "or left out for two-level TriForce.")
-        min_budget = self.retrieval_sink_tokens + self.retrieval_recent_tokens
-        if self.retrieval_budget <= min_budget:
+        # in blocks of one token: the least any block size needs (`in_blocks` checks the
+        # engine's block size)
+        min_budget = BlockCounts.min_budget_blocks(self.retrieval_sink_tokens,
+                                                   self.retrieval_recent_tokens)
+        if self.retrieval_budget < min_budget:
             raise TriForceConfigError(
                 f"speculative_config['retrieval_budget']={self.retrieval_budget} leaves no room "
-                f"for retrieved blocks: retrieval_sink_tokens + retrieval_recent_tokens = "
-                f"{min_budget}. Raise retrieval_budget or lower those two.")
+                f"for retrieved blocks: it must hold retrieval_sink_tokens + "
+                f"retrieval_recent_tokens = {min_budget - 2}, the growing tail block and one "
+                "retrieved block. Raise retrieval_budget or lower those two.")
 
     @classmethod
     def from_speculative_config(cls, spec: dict[str, Any]) -> "TriForceConfig":
@@ -210,14 +214,37 @@ class TriForceConfig:
 class BlockCounts:
     """Token counts of a TriForceConfig rounded up to whole KV blocks: the one geometry
     that selection (core/selection.py, core/blocks.py), the levels and the benchmarks pass
-    around. The draft's two counts matter to the small draft only; a selection-only user
-    (a benchmark, a test) may leave them at their defaults."""
+    around, and its bounds. The budget holds the sinks, the retrieved blocks, the recent
+    blocks and the growing tail block (`num_retrieved`); a selection keeps the sinks and at
+    most `max_chosen` candidates, `max_selected` blocks in all. The draft's two counts
+    matter to the small draft only; a selection-only user (a benchmark, a test) may leave
+    them at their defaults.
+
+    Worked example, budget 8 blocks, 1 sink block, 2 recent blocks: num_retrieved = 8 - 1
+    - 2 - 1 = 4; a request of 8 full blocks fits the budget and keeps its every candidate,
+    blocks 1 to 5, so max_chosen = 5 and max_selected = 1 + 5 = 6 = 8 - 2."""
     block_size: int
     budget_blocks: int
     retrieval_sink_blocks: int
     retrieval_recent_blocks: int
     draft_sink_blocks: int = 0
     draft_window_blocks: int = 1
+
+    def __post_init__(self) -> None:
+        need = self.min_budget_blocks(self.retrieval_sink_blocks, self.retrieval_recent_blocks)
+        if min(self.retrieval_sink_blocks, self.retrieval_recent_blocks) < 0 \
+                or self.budget_blocks < need:
+            raise TriForceConfigError(
+                f"budget_blocks={self.budget_blocks} must be at least retrieval_sink_blocks "
+                f"({self.retrieval_sink_blocks}) + retrieval_recent_blocks "
+                f"({self.retrieval_recent_blocks}) + 2 (the growing tail block and one "
+                "retrieved block), and neither count negative.")
+
+    @staticmethod
+    def min_budget_blocks(retrieval_sink_blocks: int, retrieval_recent_blocks: int) -> int:
+        """The smallest budget: the sinks, the recent blocks, the growing tail block and
+        one retrieved block."""
+        return retrieval_sink_blocks + retrieval_recent_blocks + 2
 
     @property
     def num_retrieved(self) -> int:
@@ -226,26 +253,37 @@ class BlockCounts:
         return (self.budget_blocks - self.retrieval_sink_blocks
                 - self.retrieval_recent_blocks - 1)
 
+    @property
+    def max_chosen(self) -> int:
+        """The most candidates a selection keeps: num_retrieved + 1, every candidate of a
+        request of budget_blocks full blocks (it fits the budget, and no partial block
+        takes a place in its tail)."""
+        return self.num_retrieved + 1
+
+    @property
+    def max_selected(self) -> int:
+        """The most blocks of a selection, sinks and chosen candidates:
+        budget_blocks - retrieval_recent_blocks."""
+        return self.retrieval_sink_blocks + self.max_chosen
+
     @classmethod
     def from_config(cls, cfg: TriForceConfig, block_size: int) -> "BlockCounts":
         up = lambda n: math.ceil(n / block_size)  # noqa: E731
-        counts = cls(block_size=block_size,
-                     budget_blocks=max(cfg.retrieval_budget // block_size, 1),
-                     retrieval_sink_blocks=up(cfg.retrieval_sink_tokens),
-                     retrieval_recent_blocks=up(cfg.retrieval_recent_tokens),
-                     draft_sink_blocks=up(cfg.draft_sink_tokens),
-                     draft_window_blocks=max(up(cfg.draft_window_tokens), 1))
-        # The budget holds sinks + recent + the growing tail block + at least one retrieved block.
-        need = counts.retrieval_sink_blocks + counts.retrieval_recent_blocks + 2
-        if counts.budget_blocks < need:
+        budget_blocks = max(cfg.retrieval_budget // block_size, 1)
+        sinks, recent = up(cfg.retrieval_sink_tokens), up(cfg.retrieval_recent_tokens)
+        need = cls.min_budget_blocks(sinks, recent)
+        if budget_blocks < need:
             raise TriForceConfigError(
                 f"speculative_config['retrieval_budget']={cfg.retrieval_budget} is "
-                f"{counts.budget_blocks} block(s) of {block_size} tokens; with "
+                f"{budget_blocks} block(s) of {block_size} tokens; with "
                 f"retrieval_sink_tokens and retrieval_recent_tokens rounded to blocks it must be "
-                f"at least {need * block_size} tokens ({need} blocks: sinks "
-                f"{counts.retrieval_sink_blocks} + recent {counts.retrieval_recent_blocks} + the "
-                "growing tail block + one retrieved block). Raise retrieval_budget.")
-        return counts
+                f"at least {need * block_size} tokens ({need} blocks: sinks {sinks} + recent "
+                f"{recent} + the growing tail block + one retrieved block). Raise "
+                "retrieval_budget.")
+        return cls(block_size=block_size, budget_blocks=budget_blocks,
+                   retrieval_sink_blocks=sinks, retrieval_recent_blocks=recent,
+                   draft_sink_blocks=up(cfg.draft_sink_tokens),
+                   draft_window_blocks=max(up(cfg.draft_window_tokens), 1))
 
 
 def triforce_settings(vllm_config) -> dict[str, Any] | None:

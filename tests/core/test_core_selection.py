@@ -50,7 +50,7 @@ def test_matches_reference(seed):
     rng = random.Random(seed)
     bs = rng.choice([2, 4, 32])
     num_sink, num_recent = rng.choice([0, 1, 2]), rng.choice([0, 1, 3])
-    budget = num_sink + num_recent + 1 + rng.choice([0, 1, 4])
+    budget = num_sink + num_recent + 2 + rng.choice([0, 1, 3])  # the smallest, and more
     lengths = [rng.randrange(1, 40 * bs) for _ in range(5)] + [budget * bs, budget * bs + 1]
     num_layers, max_blocks = 3, max(-(-n // bs) for n in lengths) + 2
     scores = torch.randn(len(lengths), num_layers, max_blocks, generator=torch.Generator().manual_seed(seed))
@@ -115,8 +115,26 @@ def test_nan_scores_never_displace_candidates_or_pick_non_candidates():
 
 
 def test_budget_too_small_is_an_error():
+    """One rule, BlockCounts.min_budget_blocks: sinks + recent + the growing tail block +
+    one retrieved block, whether the counts come from a user's config or a caller."""
+    from vllm_triforce.config import TriForceConfig, TriForceConfigError
+
     with pytest.raises(ValueError, match="budget_blocks"):
-        select_blocks(torch.zeros(1, 1, 4), torch.tensor([16]), geometry(4, 3, 1, 2))
+        geometry(4, 4, 1, 2)
+    assert geometry(4, 5, 1, 2).num_retrieved == 1
+    for budget in range(1, 12):
+        cfg = dict(retrieval_sink_tokens=4, retrieval_recent_tokens=5, retrieval_budget=budget * 4)
+        try:  # the config's early check (blocks of one token) lets through what may fit
+            config = TriForceConfig(**cfg)
+        except TriForceConfigError:
+            assert budget * 4 < 4 + 5 + 2
+            continue
+        fits = budget >= 1 + 2 + 2  # blocks of 4 tokens: 1 sink block, 2 recent blocks
+        if fits:
+            assert config.in_blocks(4).budget_blocks == budget
+        else:
+            with pytest.raises(TriForceConfigError, match="retrieval_budget"):
+                config.in_blocks(4)
 
 
 def test_tables_of_a_hand_written_selection():
@@ -128,7 +146,7 @@ def test_tables_of_a_hand_written_selection():
     assert tables[1, 2, :3].tolist() == [16, 18, 20] and lens[0].tolist() == [12, 12, 12]
 
 
-@pytest.mark.parametrize("sinks,recent,budget", [(1, 1, 4), (2, 1, 6), (0, 2, 5), (1, 3, 5)])
+@pytest.mark.parametrize("sinks,recent,budget", [(1, 1, 4), (2, 1, 6), (0, 2, 5), (1, 3, 6)])
 def test_selection_sizes_on_the_host_equal_select_blocks(sinks, recent, budget):
     """The engine sizes its passes from core.blocks.selection_sizes (Python ints) instead of
     reading the device's Selection back: the two must agree at every committed length."""
@@ -232,7 +250,8 @@ def test_tables_laid_out_on_the_host_equal_build_block_tables(seed):
 
     rng = random.Random(seed)
     bs = rng.choice([2, 4])
-    blocks = geometry(bs, rng.randint(4, 7), rng.choice([0, 1, 2]), rng.choice([0, 1, 2]))
+    budget, sinks, recent = rng.randint(4, 7), rng.choice([0, 1, 2]), rng.choice([0, 1, 2])
+    blocks = geometry(bs, max(budget, sinks + recent + 2), sinks, recent)
     committed = [rng.randint(1, 40 * bs) for _ in range(rng.randint(1, 5))]
     ends = [c + rng.randint(1, 2 * bs) for c in committed]  # the pass's last token + 1
     gen = torch.Generator().manual_seed(seed)

@@ -5,7 +5,8 @@ block table). A request has `num_committed` tokens with exact KV, n_full of its
 blocks are full.
 
 Counts come as a `config.BlockCounts` (block_size, retrieval_sink_blocks,
-retrieval_recent_blocks, budget_blocks), the one geometry every caller passes.
+retrieval_recent_blocks, budget_blocks), the one geometry every caller passes; it states
+the bounds too (num_retrieved, max_chosen, max_selected, the smallest budget).
 
   sinks       logical [0, num_sinks): always attended (attention sinks). Only full
               blocks count, so num_sinks = min(retrieval_sink_blocks, n_full).

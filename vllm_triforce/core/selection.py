@@ -8,19 +8,18 @@ best candidates within the budget. `tables.py` turns the Selection into what vLL
 attention metadata takes. The geometry (block size, budget, sinks, recent blocks) is one
 `config.BlockCounts`.
 
-Budget (in blocks) = sinks + selected + recent + 1, the "+1" being the partial,
-growing block: num_retrieved = budget_blocks - retrieval_sink_blocks - retrieval_recent_blocks - 1.
-A request whose ceil(num_committed / block_size) <= budget_blocks, or with no more
-candidates than num_retrieved, selects every candidate: its table is the full table
-and its attention exact. Geometry terms (sinks, tail, candidates) are defined in
-`blocks.py`.
+The budget and its bounds (`num_retrieved`, `max_chosen`, `max_selected`, the smallest
+budget) are `BlockCounts`'. A request whose ceil(num_committed / block_size) <=
+budget_blocks, or with no more candidates than num_retrieved, selects every candidate: its
+table is the full table and its attention exact. Geometry terms (sinks, tail, candidates)
+are defined in `blocks.py`.
 
 Between middle rounds (same step, same committed blocks) the engine re-selects with each
 newest middle token's query, but re-ranks only a *shortlist*: each layer's best candidates
 at the step's start (`Selector.choose(keep_shortlist=True)`, then `shortlist=`). A block
 outside a layer's top few times num_retrieved a moment ago rarely enters its top
-num_retrieved a few tokens later, while re-scoring every candidate is a measurable share
-of a middle round (benchmarks/HISTORY.md).
+num_retrieved a few tokens later, while re-scoring every candidate reads every
+candidate's summaries again in every round.
 """
 
 from __future__ import annotations
@@ -41,7 +40,7 @@ from vllm_triforce.core.tensors import on_device
 class Selection:
     """The blocks chosen for each request and layer at one refresh."""
     # [num_reqs, num_layers, max_selected] int64 logical blocks: sinks + selected,
-    # ascending, padded with -1. max_selected = budget_blocks - retrieval_recent_blocks.
+    # ascending, padded with -1 (BlockCounts.max_selected).
     logical_blocks: Tensor
     # [num_reqs] int64, same for every layer of a request: sinks + chosen candidates
     num_selected: Tensor
@@ -119,16 +118,13 @@ class Selector:
 
     def __init__(self, policy: SelectionPolicy, blocks: BlockCounts, shortlist_factor: int = 0,
                  keys=None):
-        _check_geometry(blocks)
         self.policy = policy
         self.blocks = blocks
         self.keys = keys
-        # At least num_retrieved + 1: the most select_blocks ever keeps of a request's
-        # candidates (every one, when a request of num_retrieved + 1 candidates fits the
-        # budget), so a shortlist always holds every block a selection picks and
-        # `select_listed` never needs the unlisted ones.
-        self.shortlist_size = (max(shortlist_factor * blocks.num_retrieved,
-                                   blocks.num_retrieved + 1)
+        # At least max_chosen, the most select_blocks ever keeps of a request's candidates,
+        # so a shortlist always holds every block a selection picks and `select_listed`
+        # never needs the unlisted ones.
+        self.shortlist_size = (max(shortlist_factor * blocks.num_retrieved, blocks.max_chosen)
                                if policy.reranks_shortlist and shortlist_factor > 0 else 0)
         self._copies: list[Shortlist] = []  # shortlists holding a listed_copy
 
@@ -182,21 +178,12 @@ class Selector:
         return Choice(select_blocks(scores, committed, self.blocks), kept)
 
 
-def _check_geometry(blocks: BlockCounts) -> None:
-    if blocks.num_retrieved < 0 or min(blocks.retrieval_sink_blocks,
-                                       blocks.retrieval_recent_blocks) < 0:
-        raise ValueError(f"budget_blocks={blocks.budget_blocks} must be >= retrieval_sink_blocks "
-                         f"({blocks.retrieval_sink_blocks}) + retrieval_recent_blocks "
-                         f"({blocks.retrieval_recent_blocks}) + 1")
-
-
 def select_blocks(scores: Tensor, num_committed: Tensor, blocks: BlockCounts) -> Selection:
     """scores [num_reqs, num_layers, max_blocks] (higher = keep; non-candidates ignored)."""
-    _check_geometry(blocks)
     num_committed = on_device(num_committed, scores.device, torch.long)
     bounds = candidate_bounds(num_committed, blocks)  # [R] each
     ranked = _rank_candidates(scores, num_committed, blocks,
-                              k=min(_max_ranked(blocks), scores.shape[-1]), bounds=bounds)
+                              k=min(blocks.max_chosen, scores.shape[-1]), bounds=bounds)
     return _selection_of(ranked, frame(num_committed, blocks, bounds), blocks)
 
 
@@ -212,13 +199,8 @@ def select_listed(scores: Tensor, shortlist: Shortlist, blocks: BlockCounts) -> 
     if shortlist.padding is None:
         shortlist.padding = shortlist.logical < 0
     scores = scores.masked_fill(shortlist.padding, float("-inf"))  # padding ranks last
-    best = scores.topk(min(_max_ranked(blocks), scores.shape[-1]), dim=-1, sorted=True).indices
+    best = scores.topk(min(blocks.max_chosen, scores.shape[-1]), dim=-1, sorted=True).indices
     return _selection_of(shortlist.logical.gather(-1, best), shortlist.frame, blocks)
-
-
-def _max_ranked(blocks: BlockCounts) -> int:
-    """Most candidates a selection keeps: max_selected less the sinks."""
-    return blocks.budget_blocks - blocks.retrieval_recent_blocks - blocks.retrieval_sink_blocks
 
 
 _BIG = torch.iinfo(torch.long).max  # sorts after every real block, then becomes PAD
@@ -238,7 +220,6 @@ def frame(num_committed: Tensor, blocks: BlockCounts,
 def _selection_of(ranked: Tensor, frame: Frame, blocks: BlockCounts) -> Selection:
     """ranked [R, L, k] logical candidates, best first (at least as many as are chosen) ->
     the Selection: the frame's sinks and the first num_chosen of `ranked`, ascending."""
-    max_selected = blocks.budget_blocks - blocks.retrieval_recent_blocks  # >= sinks + chosen
     num_reqs, num_layers, k = ranked.shape
     kept = frame.kept(k)  # [R, 1, k]
     # the kept candidates ascending, then the others: the last k - num_chosen, padding
@@ -246,7 +227,7 @@ def _selection_of(ranked: Tensor, frame: Frame, blocks: BlockCounts) -> Selectio
     # sinks come before every candidate, and a request with fewer sinks than sink blocks
     # has no candidate: no sort of the two together
     parts = [frame.sink_ids.expand(-1, num_layers, -1), chosen]
-    room = max_selected - frame.sink_ids.shape[-1] - k
+    room = blocks.max_selected - frame.sink_ids.shape[-1] - k
     if room > 0:
         parts.append(chosen.new_full((1, 1, 1), PAD).expand(num_reqs, num_layers, room))
     return Selection(torch.cat(parts, dim=-1), frame.num_selected, frame.tail_start)
@@ -295,7 +276,7 @@ def rerank_exactly(policy: SelectionPolicy, scores: Tensor, query: Tensor, keys,
         return scores
     committed = on_device(num_committed, scores.device, torch.long)
     listed = best_candidates(scores, committed, blocks,
-                             policy.factor * max(blocks.num_retrieved, 1))  # [R, L, S] logical
+                             policy.factor * blocks.num_retrieved)  # [R, L, S] logical
     table = on_device(block_table, scores.device).long()
     bs, num_sink_blocks = blocks.block_size, blocks.retrieval_sink_blocks
     # always-kept logical blocks: [0, sinks) then [tail_start, end), -1 padded
