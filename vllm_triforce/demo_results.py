@@ -171,3 +171,34 @@ def markdown(data: dict) -> str:
                          f"{_ms(k['middle_rounds_per_step'])} | {_ms(k['ms_per_middle_round'])}"
                          f" | {_ms(k['forward_ms_per_middle_round'])} |")
     return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------- benchmarks/RESULTS.md (kind "demo")
+
+def demo_glance(data: dict) -> str:
+    """The at-a-glance cell of a demo run."""
+    m, a, f = data["machine"], data["args"], data["fixed"]
+    same = data["verdict"]["identical"] and data["fixed_verdict"]["identical"]
+    return (f"{m['gpu'] or 'CPU'}: plain {statistics.median(data['plain_tok_s']):.0f} tok/s; "
+            f"TriForce controller {data['speedup']['median']:.2f}x, depth {a['gamma']} "
+            f"{data['fixed_speedup']['median']:.2f}x (acceptance "
+            f"{f['top_accepted'] / max(f['top_proposed'], 1):.3f}); outputs "
+            f"{'identical' if same else 'NOT identical'}, {f['top_proposed']} drafts verified")
+
+
+def demo_section(data: dict, case) -> tuple[str, str]:
+    """(shape line, tables) of a demo run's section: its own results.md body."""
+    body = markdown(data).split("\n", 3)[3]  # without its title and provenance lines
+    a = data["args"]
+    shape = (f"Shape: {a['batch']} x {a['prompt_tokens']}-token Moby-Dick prompts, "
+             f"{a['max_tokens']} new tokens, {a['dtype']}, retrieval budget {a['budget']}, "
+             f"up to {a['gamma']} drafts a step; rounds {a['rounds']}.")
+    return shape, body.strip()
+
+
+def recorded(data: dict) -> dict:
+    """Date, commit and machine as a demo run's results.json records them."""
+    m = data["machine"]
+    where = m["gpu"] or f"CPU {m['cpu']}"
+    return {"machine": f"{where}; vLLM {m['vllm']}, torch {m['torch']}", "date": m["date"],
+            "commit": m["commit"]}

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vllm_triforce.bench.report import markdown_table
+from vllm_triforce.demo_results import demo_glance, demo_section
+from vllm_triforce.demo_results import recorded as demo_recorded
 from vllm_triforce.errors import CommandError
 
 PROVENANCE = ("machine", "date", "commit")
@@ -56,7 +58,8 @@ class Case:
         if self.kind not in KINDS:
             raise ValueError(f"case {self.case!r}: kind {self.kind!r} is not one of "
                              f"{', '.join(KINDS)}")
-        if _out_dir(self.command) != f"benchmarks/{self.folder}":
+        folder = f"benchmarks/{self.folder}"  # the demo's --out names its results.json
+        if _out_dir(self.command) not in (folder, f"{folder}/results.json"):
             raise ValueError(f"case {self.case!r}: its command must write its folder "
                              f"(--out benchmarks/{self.folder})")
 
@@ -148,6 +151,8 @@ def _provenance(case: Case, data: dict) -> str:
 
 def _recorded(data: dict) -> dict:
     """What a results.json records of its runs (`bench gpu` lists them; the others do not)."""
+    if "machine" in data and "args" in data:  # a demo run's (demo_results.py)
+        return demo_recorded(data)
     if not data.get("runs"):
         return {}
     last = data["runs"][-1]
@@ -426,4 +431,5 @@ KINDS = {
     "acceptance": (acceptance_section, acceptance_glance),
     "sweep": (sweep_section, sweep_glance),
     "gpu": (gpu_section, gpu_glance),
+    "demo": (demo_section, demo_glance),
 }
