@@ -29,7 +29,7 @@ POLICIES = POLICY_NAMES
 # Policies that keep a copy of every committed key (exact attention mass): benchmarks only,
 # refused unless the user opts in with `allow_full_key_copy` (memory: one more key cache).
 # (`rerank` reads its shortlist's keys from vLLM's own KV cache: engine/paged_keys.py.)
-FULL_KEY_POLICIES = tuple(name for name, f in POLICY_FACTS.items() if f.copies_keys)
+FULL_KEY_POLICIES = tuple(name for name, f in POLICY_FACTS.items() if f.keeps_keys)
 
 # Attention backends whose metadata TriForce builds correctly per layer
 # (engine/forward.py says how each is handled). Anything else is refused at config time.

@@ -51,8 +51,9 @@ def test_policy_classes_take_their_flags_from_the_table():
     assert set(POLICY_CLASSES) == set(POLICY_FACTS) == set(POLICIES)
     for name, cls in POLICY_CLASSES.items():
         facts = POLICY_FACTS[name]
-        assert (cls.needs_keys, cls.needs_bounds, cls.reranks_shortlist) == (
-            facts.copies_keys, facts.keeps_bounds, facts.reranks_shortlist), name
+        assert (cls.needs_keys, cls.needs_bounds, cls.reranks_shortlist, cls.exact_stage) == (
+            facts.keeps_keys, facts.keeps_bounds, facts.reranks_shortlist,
+            facts.exact_stage), name
     for name in POLICIES:
         kinds = TriForceConfig(selection_policy=name, key_variance=True,
                                allow_full_key_copy=True).summary_kinds()

@@ -144,7 +144,7 @@ class RerankPolicy(RetrievalPolicy):
         source (`head_keys(layer, head, ids)` -> [*ids.shape, D, bs], `num_kv_heads`,
         `block_size`, `device`): BlockSummaries(keep_keys=True) or engine PagedKeys.
         One KV head at a time, so each product is one batched matmul over the keys as the
-        source lays them out (2x faster than one einsum over all heads on a CPU)."""
+        source lays them out."""
         q = group_query(query, keys.num_kv_heads)  # [R, L, H, G, D]
         q = q * (self.scale or 1.0 / math.sqrt(q.shape[-1]))
         num_reqs, num_layers, size = listed.shape

@@ -16,25 +16,29 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class PolicyFacts:
     name: str
-    # Keeps a copy of every committed key (as much memory as the key cache): refused
-    # unless the user sets `allow_full_key_copy` (benchmarks).
-    copies_keys: bool = False
+    # Keeps a copy of every committed key (`SummaryKinds.keep_keys`: as much memory as the
+    # key cache): refused unless the user sets `allow_full_key_copy` (benchmarks).
+    keeps_keys: bool = False
     # Keeps per-block per-channel key minima and maxima (two key-sized vectors per block).
     keeps_bounds: bool = False
     # `key_variance` applies: with it, one float32 key-sized vector per block more.
     takes_key_variance: bool = False
     # Between middle rounds, re-ranks the step start's shortlist (`middle_shortlist`).
     reranks_shortlist: bool = False
+    # Has a second, exact stage: its first stage's best candidates re-ranked by their exact
+    # attention mass over keys read from a key source (core/selection.py `rerank_exactly`;
+    # in the engine vLLM's KV cache, engine/paged_keys.py); without one, its first stage.
+    exact_stage: bool = False
 
 
 POLICY_FACTS: dict[str, PolicyFacts] = {f.name: f for f in (
     PolicyFacts("retrieval", takes_key_variance=True, reranks_shortlist=True),
     PolicyFacts("quest", keeps_bounds=True),
     PolicyFacts("streamingllm"),
-    PolicyFacts("h2o", copies_keys=True),
-    PolicyFacts("topk_oracle", copies_keys=True),
+    PolicyFacts("h2o", keeps_keys=True),
+    PolicyFacts("topk_oracle", keeps_keys=True),
     # Its first stage is `retrieval`; its exact stage reads vLLM's own KV cache, so no copy.
-    PolicyFacts("rerank", takes_key_variance=True),
+    PolicyFacts("rerank", takes_key_variance=True, exact_stage=True),
 )}
 POLICY_NAMES = tuple(POLICY_FACTS)
 
@@ -50,5 +54,5 @@ class SummaryKinds:
 def summary_kinds(policy: str, key_variance: bool) -> SummaryKinds:
     """The block state policy `policy` reads, `key_variance` as configured."""
     facts = POLICY_FACTS[policy]
-    return SummaryKinds(keep_keys=facts.copies_keys, keep_bounds=facts.keeps_bounds,
+    return SummaryKinds(keep_keys=facts.keeps_keys, keep_bounds=facts.keeps_bounds,
                         keep_variance=facts.takes_key_variance and key_variance)

@@ -88,13 +88,14 @@ class SelectionPolicy:
     needs_bounds: bool = False  # ... BlockSummaries(keep_bounds=True)
     needs_variance: bool = False  # ... BlockSummaries(keep_variance=True) (per instance)
     reranks_shortlist: bool = False  # implements `shortlist_scores`
+    exact_stage: bool = False  # implements `exact_scores` (selection.rerank_exactly)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         facts = POLICY_FACTS.get(cls.name)
         if facts is not None:
-            cls.needs_keys, cls.needs_bounds = facts.copies_keys, facts.keeps_bounds
-            cls.reranks_shortlist = facts.reranks_shortlist
+            cls.needs_keys, cls.needs_bounds = facts.keeps_keys, facts.keeps_bounds
+            cls.reranks_shortlist, cls.exact_stage = facts.reranks_shortlist, facts.exact_stage
 
     def block_scores(self, query: Tensor, summaries: BlockSummaries, block_table: Tensor,
                      num_committed: Tensor, state: States = None) -> Tensor:

@@ -31,7 +31,6 @@ from torch import Tensor
 
 from vllm_triforce.config import BlockCounts
 from vllm_triforce.core.blocks import PAD, candidate_bounds, candidate_mask
-from vllm_triforce.core.key_policies import RerankPolicy
 from vllm_triforce.core.scoring import SelectionPolicy
 from vllm_triforce.core.tensors import on_device
 
@@ -112,7 +111,7 @@ class Selector:
     """Block selection, built once: `policy` scores, `blocks` is the geometry (its
     budget_blocks the budget), `shortlist_factor` x (retrieved blocks) candidates per layer
     are kept for the middle rounds when the policy can re-rank a shortlist (0: none),
-    `keys` is where a two-stage policy (`rerank`) reads exact keys (engine: vLLM's paged KV
+    `keys` is where a policy with an `exact_stage` (`rerank`) reads exact keys (engine: vLLM's paged KV
     cache, engine/paged_keys.py; benchmarks: BlockSummaries' key copy; None: its first
     stage alone). The engine may drop `keys` later (a reader that failed its check)."""
 
@@ -266,13 +265,13 @@ def _scatter_listed(scores: Tensor, listed: Tensor, max_blocks: int) -> Tensor:
 
 def rerank_exactly(policy: SelectionPolicy, scores: Tensor, query: Tensor, keys,
                    block_table: Tensor, num_committed: Tensor, blocks: BlockCounts) -> Tensor:
-    """Second stage of a two-stage policy (`key_policies.RerankPolicy`; any other policy's
-    `scores`, or any with no key source `keys`, are returned as they are): `scores` (its
-    first stage) shortlist each layer's best policy.factor x num_retrieved candidates, whose
-    scores become their exact attention mass over the shortlist and the always-kept blocks
-    (sinks, recent, tail) read from `keys` (RerankPolicy.exact_scores); every other
-    candidate gets -inf (chosen only when the list runs out)."""
-    if not isinstance(policy, RerankPolicy) or keys is None:
+    """Second stage of a policy with an `exact_stage` (`key_policies.RerankPolicy`; any
+    other policy's `scores`, or any with no key source `keys`, are returned as they are):
+    `scores` (its first stage) shortlist each layer's best policy.factor x num_retrieved
+    candidates, whose scores become their exact attention mass over the shortlist and the
+    always-kept blocks (sinks, recent, tail) read from `keys` (`exact_scores`); every
+    other candidate gets -inf (chosen only when the list runs out)."""
+    if not policy.exact_stage or keys is None:
         return scores
     committed = on_device(num_committed, scores.device, torch.long)
     listed = best_candidates(scores, committed, blocks,

@@ -65,7 +65,6 @@ from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
 from vllm_triforce import engine_settings, metrics
 from vllm_triforce.config import TriForceConfigError, forced_settings
-from vllm_triforce.core.key_policies import RerankPolicy
 from vllm_triforce.core.policies import make_policy
 from vllm_triforce.core.refresh import RefreshPolicy
 from vllm_triforce.core.scoring import SelectionState
@@ -184,9 +183,9 @@ class TriForceProposer(DraftModelProposer):
         # whether `rerank` gets its exact stage; `doctor` reports the result.
         paged_keys, unreadable = paged_keys_for(
             self.target_layers, backend, self.block_size, self.vllm_config.cache_config.cache_dtype)
-        if paged_keys is None and isinstance(self.policy, RerankPolicy):
-            logger.warning("TriForce: selection_policy 'rerank' cannot read keys from this "
-                           "KV cache (%s); it keeps its first stage (retrieval) only.",
+        if paged_keys is None and self.policy.exact_stage:
+            logger.warning("TriForce: selection_policy %r cannot read keys from this KV cache "
+                           "(%s); it keeps its first stage only.", self.policy.name,
                            unreadable)
         self._build_levels(paged_keys, unreadable)
         logger.info(engine_settings.describe(self.vllm_config, backend, self.forced_settings))
