@@ -37,8 +37,10 @@ TINY_SPEC = {"method": "triforce", "num_speculative_tokens": 4, "retrieval_budge
              "refresh_interval": 1, "adaptive": False}
 COST_SPEC = {"method": "triforce", "num_speculative_tokens": 6, "retrieval_budget": 4096}
 # (name, batch, context): 256K tokens of KV as 8 requests, one 128K request (TriForce's
-# own case), then 32 requests (MagicDec's gains are at batch 32-256), in that order.
-GPU_CASES = (("8x32K", 8, 32768 - 512), ("1x128K", 1, 131072 - 1024), ("32x8K", 32, 8192 - 512))
+# own case), then 32 and 64 requests (MagicDec's gains are at batch 32-256; at 64 every
+# request drafts only if the drafting cap allows it), in that order.
+GPU_CASES = (("8x32K", 8, 32768 - 512), ("1x128K", 1, 131072 - 1024), ("32x8K", 32, 8192 - 512),
+             ("64x8K", 64, 8192 - 256))
 GPU_DEPTHS = [0, 2, 4, 6]
 # TriForce's engine leaves more of the GPU free than plain's: a long prefill chunk's
 # captured queries and keys are not in vLLM's profile run (engine/capture.py).
