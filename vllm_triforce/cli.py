@@ -4,11 +4,15 @@
     vllm-triforce models list         known models, whether cached, where
     vllm-triforce data fetch NAME     fetch a text collection; prints its directory last
     vllm-triforce data list           known text collections, whether cached, where
+    vllm-triforce demo                TriForce against plain vLLM on a long book prompt
+                                      (vllm_triforce/demo.py)
+    vllm-triforce bench KIND          benchmarks (vllm_triforce/bench/cli.py): speed,
+                                      acceptance, sweep, serve, gpu, selection, report
     vllm-triforce doctor              first run on a new machine (GPU): settings, identity
     vllm-triforce contract [--wheel V] the vLLM symbols the plugin relies on, read from the
                                       installed vLLM's sources or release V's wheel
 
-Adding a subcommand (demo, bench): write `add_<name>_parser(subparsers)` that
+Adding a subcommand: write `add_<name>_parser(subparsers)` that
 calls `subparsers.add_parser(...)`, adds its arguments and
 `set_defaults(func=handler)`; `handler(args)` returns an exit code (or None for
 0). Register it in SUBCOMMANDS below. Keep the parser function light: import

@@ -76,9 +76,9 @@ class TriForceConfig:
     # Re-select the retrieval blocks every N tokens (0: never, the reference's build-once),
     # and when the rolling middle-level acceptance falls below the threshold.
     # Middle tokens count: 1 = at every drafting step from the newest
-    # committed token's query and between middle rounds from the newest middle token's.
-    # Re-selecting this often measured better acceptance than at step starts only or once
-    # per 64 tokens (benchmarks/RESULTS.md, Acceptance); a selection costs a few ms.
+    # committed token's query and between middle rounds from the newest middle token's, so
+    # the blocks follow the query that is about to attend; a longer interval saves
+    # selections and attends with older ones (`bench acceptance` compares intervals).
     refresh_interval: int = 1
     # Between middle rounds, re-rank only each layer's best `middle_shortlist` x (retrieved
     # blocks) candidates of the step's start instead of every candidate (0: all of them).
@@ -89,11 +89,11 @@ class TriForceConfig:
     selection_policy: str = "retrieval"
     # `retrieval` (and `rerank`'s first stage): score a block by its mean key plus half the
     # query-weighted per-channel variance of its keys (an estimate of log E[exp(q.k)] over the
-    # block), not the mean key alone: better teacher-forced acceptance on every row
-    # (benchmarks/RESULTS.md, Acceptance). Costs one more key-sized vector per block, float32
-    # whatever the KV cache's dtype (square deviations): 1/(2 x block_size) of a float32 KV
-    # cache, 1/block_size of a bf16 one (at block size 16 with the bf16 key sums, the
-    # summaries are 3/32 of the KV cache).
+    # block), not the mean key alone, which hides a block whose keys spread out towards the
+    # query (`bench acceptance` compares the two). Costs one more key-sized vector per
+    # block, float32 whatever the KV cache's dtype (square deviations): 1/(2 x block_size)
+    # of a float32 KV cache, 1/block_size of a bf16 one (at block size 16 with the bf16 key
+    # sums, the summaries are 3/32 of the KV cache).
     key_variance: bool = True
     # h2o / topk_oracle keep a copy of every committed key (as much memory as the key
     # cache): for benchmarks. Refused unless the user opts in here.

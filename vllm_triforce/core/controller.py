@@ -13,10 +13,9 @@ The model of a step and its exact maximiser live in core/plans.py.
 Where the middle level is the target, nobody drafts: a request whose committed context
 fits the retrieval cache (`middle_level_is_the_target`) gets depth 0 and no probe, because
 each middle round would then be a full pass of the target for one token, plus a
-verification over 1 + k tokens: never cheaper than a plain step (measured: SmolLM2 at
-1,500 tokens under the default 4096-token budget, drafting 50/50 accepted ran 0.81x plain).
-The engine passes such requests a limit of 0 (`plan(..., limits)`); the controller still
-counts them in the step, as plain requests.
+verification over 1 + k tokens: k + 1 passes of the target for at most k + 1 tokens, never
+cheaper than plain steps. The engine passes such requests a limit of 0
+(`plan(..., limits)`); the controller still counts them in the step, as plain requests.
 
 Lossless: the depths of step s are decided from costs and acceptance counts of steps
 before s, before any token of step s is drafted; never from the full-cache verification
@@ -34,20 +33,19 @@ with a small draft, the mode not in use is probed the same way. At start-up, whi
 than `min_evidence` first drafts have been verified or fewer than three verification
 (resp. plain) steps timed, the drafting (resp. plain) probe comes every
 `max(2, probe_interval // 8)` steps instead:
-two unlucky first drafts must not settle a server on plain decoding for `probe_interval`
-steps (measured: SmolLM2 on Moby-Dick, both requests' first drafts rejected, then 75%
-acceptance), nor one slow plain step on drafting. Where drafting would lose even if every
-draft were accepted (weight-bound: a middle round costs about a step), the drafting probe
-comes only every `4 * probe_interval` plain steps, doubling after each probe that confirms
-it up to `32 * probe_interval` (each probe is a step slower than plain; measured: Qwen2.5
-1.5B + 0.5B at 4K, probes cost the three-level controller 5%); the interval falls back as
+a few first drafts say little about a request's acceptance, so two unlucky ones must not
+settle a server on plain decoding for `probe_interval` steps, nor one slow plain step on
+drafting. Where drafting would lose even if every draft were accepted (weight-bound: a
+middle round costs about a step), the drafting probe comes only every
+`4 * probe_interval` plain steps, doubling after each probe that confirms it up to
+`32 * probe_interval` (each probe is a step slower than plain); the interval falls back as
 soon as the estimates, re-read every step at the current batch size, let drafting win.
 Between those, a drafting plan predicted to lose by a small margin is probed more often: a
 probe costs about that margin of one step, so the interval is margin / `probe_budget` steps
 (default 1%: a plan 5% short every 5 steps, 32% short or more every `probe_interval`).
 Near the break-even point the decision rests on acceptance estimates whose noise exceeds
-the margin (measured: SmolLM2, 8 x 8K, per-request estimates from one or two probes
-predicted drafting 14% short; probed again it ran 15% faster than plain). A mode
+the margin: a request's estimate from one or two probes can be off by more than the
+margin either way, and only more probes tell. A mode
 probe counts drafting steps only: while decoding plainly, the drafting probe picks the
 mode. A change of plan needs a predicted gain of `hysteresis` (default 3%) over the
 current plan.
@@ -116,9 +114,8 @@ class SpeculationController:
         self.quick_interval = max(2, probe_interval // 8)  # while an estimate is thin
         # drafting steps between probes at another depth: the verification line is a line
         # through the depths the controller drafts at, and a depth it settled on alone
-        # leaves the far end to extrapolation (measured, SmolLM2 4 x 8K on a 2-core Xeon:
-        # settled at depth 2 for 60 steps, slope fitted at 12 query tokens 2x the one at 28,
-        # while depth 4 ran 30% faster than plain and depth 2 8%)
+        # leaves the far end to extrapolation: a slope fitted through the points of one
+        # depth is mostly noise, and may keep the controller from a deeper, faster depth
         self.depth_probe_interval = max(2, probe_interval // 4)
         self.min_evidence = min_evidence
         self.probe_budget = probe_budget
@@ -256,10 +253,10 @@ class SpeculationController:
         """A measuring step when an estimate is missing or stale, else None. Start-up: plain
         steps until one is timed (the engine times no step after a prefill or a change of
         requests), then one step at full depth in every mode, which is then timed too: it
-        gives the verification line its far end (probes at the best depth alone left the
-        slope at its prior, so weight-bound drafting never looked hopeless and was probed
-        every 4 steps), and untimed full-depth probes were repeated (measured, Qwen2.5 1.5B
-        at 4K: five of them cost 5% of a 128-token run)."""
+        gives the verification line its far end (probes at the best depth alone leave the
+        slope at its prior, so weight-bound drafting never looks hopeless and is probed
+        again and again), and an untimed probe teaches nothing and would be repeated, each
+        time a step slower than plain."""
         if max_depth < 1:
             return None
         num_reqs = len(req_ids)
@@ -300,8 +297,8 @@ class SpeculationController:
                                  best: Plan | None) -> tuple[int, bool]:
         """(plain steps between drafting probes, whether drafting is hopeless): `quick_interval`
         while fewer than three verification steps are timed (a line through one or two
-        start-up steps once kept the KV-bound case plain for 32 steps where depth 5 was 25%
-        faster); when drafting would lose even if every draft were accepted (only its costs
+        start-up steps is too uncertain to keep a request plain for `probe_interval` steps);
+        when drafting would lose even if every draft were accepted (only its costs
         need refreshing, and each probe is a step slower than plain) 4x `probe_interval`,
         doubled per probe in a row that found it so, at most 32x; quick again while the
         acceptance evidence is thin and could change the decision; in between, the best

@@ -104,10 +104,9 @@ class PositionAcceptance:
     """Decayed per-position counts: alpha_j = P(draft j accepted | drafts < j accepted).
     A position's counts decay only when a verification reaches it: a position no recent
     plan drafted to keeps what it last measured. Decayed at every verification instead,
-    they faded into the prior (0.6) while the controller drafted shallower, so deeper
-    drafts looked worse the longer they went untried (measured: SmolLM2, 4 x 8K, positions
-    3-6 sank from 0.9 to 0.6-0.7 in 30 steps at depth 2, where depth 4 then ran 30% faster
-    than plain and depth 2 8%)."""
+    they would fade into the prior (0.6) while the controller drafts shallower, so deeper
+    drafts would look worse the longer they go untried, and the controller would stay
+    shallow for that reason alone."""
 
     def __init__(self, max_depth: int, decay: float = 0.98):
         self.decay = decay

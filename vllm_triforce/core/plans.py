@@ -13,9 +13,9 @@ Model of one step (B decoding requests, depths k_r <= K = max_r k_r):
   T_step(n)    vLLM's own step verifying n query tokens: step_fixed + step_per_token * n,
                fitted on drafting steps only; a step with no drafts has its own cost
                (plain_step), because the first draft token is not marginal: on a CPU,
-               vLLM's attention leaves its decode path for a multi-token one (measured,
-               SmolLM2 batch 8 at 8K: 211 ms plain, 399 ms with one draft each, 630 ms
-               with six), and a line through both kinds of steps would price depth wrongly;
+               vLLM's attention leaves its decode path for a multi-token one, which costs
+               a step of its own before any per-token cost, and a line through both kinds
+               of steps would price depth wrongly;
   rounds(k)    middle rounds to produce k tokens: k with the retrieval level alone (one
                token per round), k / tokens_per_round with the small draft.
   Every K = 0 step has `seconds = plain_step + idle_overhead`.

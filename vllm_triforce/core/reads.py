@@ -49,15 +49,15 @@ def gather_chunks(store: Tensor, ids: Tensor, limit: int | None = None) -> list[
 
 
 def gathered(store: Tensor, ids: Tensor) -> Tensor:
-    """store [L, N, H, D] at ids [R, b] -> [L, R, b, H, D] float32 (`index_select`: on a
-    CPU 3x faster than advanced indexing of the block axis)."""
+    """store [L, N, H, D] at ids [R, b] -> [L, R, b, H, D] float32 (`index_select`, the
+    faster of the two gathers of the block axis on a CPU; advanced indexing is the other)."""
     return store.index_select(1, ids.flatten()).float().unflatten(1, ids.shape)
 
 
 def rows_dot(weights: Tensor, rows: Tensor) -> Tensor:
     """weights [R, L, K] . rows [R, L, S, K] (any strides) -> [R, L, S]: one batched
-    vector-matrix product over a transposed view, no copy of `rows` (on a CPU 4x faster
-    than the einsum's matrix-vector products at a middle round's sizes)."""
+    vector-matrix product over a transposed view, no copy of `rows` (on a CPU faster than
+    the matrix-vector products an einsum makes of it at a middle round's sizes)."""
     num_reqs, num_layers, num_rows, channels = rows.shape
     batch = num_reqs * num_layers
     dots = torch.bmm(weights.reshape(batch, 1, channels),

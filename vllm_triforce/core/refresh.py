@@ -9,8 +9,8 @@ in response to a drop in the acceptance rate". We do both:
   * every `interval` tokens since the last selection: at a step's start from the query of
     the newest committed token, and between middle rounds (`due_in_middle`) from the query
     of the newest middle token -- computed over the retrieval cache, so approximate, but
-    current (teacher-forced, Qwen2.5-Coder-0.5B at 8K: a selection kept for a step's six
-    drafts loses 2.2 points of acceptance against one made at every position);
+    current: a selection kept for a step's drafts was made for a query several tokens old
+    (`bench acceptance` compares the two);
   * a selection made from a middle token's query whose token was then rejected
     (the committed prefix is shorter than the one it was made for) is replaced;
   * when the acceptance of the retrieval cache's judge falls below

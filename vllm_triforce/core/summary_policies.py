@@ -42,8 +42,8 @@ class RetrievalPolicy(SelectionPolicy):
 
     aggregation="sum" (default) sums the raw scaled dot products over the query heads
     of a group and over KV heads. It is the reference code's score (TriForce, MHA) and
-    the one the engine uses (`bench acceptance` measures it: benchmarks/RESULTS.md); being
-    linear in q it is one dot product with the group-summed query, the cheapest option.
+    the one the engine uses (`bench acceptance` compares the aggregations); being linear in
+    q it is one dot product with the group-summed query, the cheapest option.
     aggregation="softmax" first normalises each query head with a softmax over the
     blocks (full committed blocks, or `candidates` if given), then sums, so every head
     spends the same unit of mass and heads with large query norms cannot dominate;
@@ -204,7 +204,8 @@ class QuestPolicy(SelectionPolicy):
     product is largest at one end of the channel's range), then one score per block by
     `aggregation`. Quest itself selects per head; one table per layer needs one score, and
     the default "softmax" (each head's bounds as a distribution over the blocks, summed)
-    measured best over "max" and "sum" (`bench acceptance`, benchmarks/RESULTS.md). Reads
+    lets every head spend the same unit of mass, where "sum" lets the heads of large
+    bounds decide and "max" one head alone (`bench acceptance` compares the three). Reads
     2 key-sized vectors per block and layer (the mean-key policy reads one)."""
     name = "quest"
 

@@ -1,6 +1,6 @@
-"""What vLLM's attention metadata takes from a `selection.Selection`: one block table and
-one sequence length per layer and request. No KV is copied: the compacted table points at
-the target's own physical blocks.
+"""What vLLM's attention metadata takes from a selection: one block table and one sequence
+length per layer and request. No KV is copied: the compacted table points at the target's
+own physical blocks.
 
 Compacted row layout (why the tail goes last): vLLM's attention aligns the query
 tokens bottom-right against the row's keys (key i of a row of length n is visible to
@@ -11,15 +11,16 @@ tokens must be the last keys of the row for the causal mask to stay right. Hence
 4, sinks {0}, selected {3}, tail_start 6, seq_len 31 (block 6 full, block 7 holding 3
 tokens): row = [b0, b3, b6, b7], compact_seq_len = 2*4 + (31 - 6*4) = 15.
 
-Between refreshes the tail simply grows: build_block_tables with the new seq_lens
-appends the new blocks, so a table may hold up to budget + (tokens since the
-selection) / block_size blocks; the budget is only enforced at selection time.
+Between refreshes the tail simply grows: a pass's rows reach its last token, so a table
+may hold up to budget + (tokens since the selection) / block_size blocks; the budget is
+only enforced at selection time.
 
-One way to the tables, `laid_out_tables`, from each row's sizes: the engine works them out
-on the host, which already knows them (`TableLayout`: no host list as wide as the tables);
-`build_block_tables` / `compact_tables` (bench/, the teacher, the tests) on the device from a
-Selection and the rows' lengths. So what the benchmarks measure is what the engine attends
-with.
+One way to the tables, `laid_out_tables`, from each row's sizes. The engine
+(`RetrievalStep.forward`) works the sizes out on the host, which already knows them
+(`TableLayout`, from core/blocks.selection_sizes: no host list as wide as the tables);
+`build_block_tables` / `compact_tables` (bench/, the teacher, the tests) work them out on
+the device from a `selection.Selection` and the rows' lengths, then call it too. So what
+the benchmarks measure is what the engine attends with.
 """
 
 from __future__ import annotations

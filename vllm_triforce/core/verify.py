@@ -27,9 +27,9 @@ Randomness: G + 1 uniforms per row, drawn regardless of the outcome (one per dra
 one for the final token, which is drawn by inverting the float64 cumulative sum of its
 unnormalised distribution), so a seeded per-row generator makes a row reproducible. An
 all-greedy batch whose `greedy` flags are on the host draws nothing and skips the
-vocabulary-wide sampling work: on a CPU, per-row Exp(1) noise over a 49K vocabulary (the
-argmax(dist / Exp(1)) form) cost ~9 ms per middle round for 8 requests; the inverse CDF
-needs one uniform per row and never syncs a GPU either.
+vocabulary-wide sampling work. The final token is drawn by inverse CDF, not in the
+argmax(dist / Exp(1)) form, which draws a vocabulary's worth of Exp(1) noise per row: the
+inverse CDF needs one uniform per row and never syncs a GPU either.
 """
 
 from __future__ import annotations
@@ -45,10 +45,10 @@ from vllm_triforce.core.tensors import on_device
 GREEDY_TEMPERATURE = 1e-5  # below this a row is greedy (as vLLM's _SAMPLING_EPS)
 
 
-# Rows of logits transformed at once (bounds the temporaries). On an H100 at a 128,256-token
-# vocabulary, top-p (benchmarks/explore/sampling_chunks.py): 224 rows in one pass 5.05 ms and
-# 1,098 MiB above the inputs; by 64 rows 5.90 ms and 490 MiB; by 32 rows 7.27 ms (the host's
-# launches start to dominate) and 302 MiB.
+# Rows of logits transformed at once: bounds the temporaries (a few vocabulary rows per row,
+# engine/buffers.py SAMPLING_ROWS_PER_ROW) whatever the batch, while each chunk stays large
+# enough that its work, not the host's kernel launches, sets its time
+# (benchmarks/explore/sampling_chunks.py measures both on a GPU).
 SAMPLING_CHUNK_ROWS = 64
 
 
@@ -64,11 +64,11 @@ def sampling_probs(logits: Tensor, temperature: Tensor, top_k: Tensor | None = N
     it is read from `temperature`: a device sync on a GPU).
 
     Memory: the output, plus the temporaries of at most SAMPLING_CHUNK_ROWS rows at a time
-    (under top-p about 6 vocabulary rows each on a CPU; 12 on an H100, where the sort keeps
-    its own double buffers), whatever N: engine/memory.py reserves them as a fixed amount.
-    Rows are independent: on a CPU the chunks give the values of one pass bit for bit (tested);
-    CUDA kernels may pick another algorithm for another row count (seen at 448 rows), so
-    there the last bits of a row can depend on its chunk's size.
+    (under top-p a few vocabulary rows each, more on CUDA, where the sort keeps its own
+    double buffers: engine/buffers.py SAMPLING_ROWS_PER_ROW), whatever N: engine/memory.py
+    reserves them as a fixed amount. Rows are independent: on a CPU the chunks give the
+    values of one pass bit for bit (tested); CUDA kernels may pick another algorithm for
+    another row count, so there the last bits of a row can depend on its chunk's size.
     """
     temperature = on_device(temperature, logits.device, torch.float32)
     greedy = temperature < GREEDY_TEMPERATURE  # [N]

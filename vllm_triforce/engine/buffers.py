@@ -22,9 +22,11 @@ FLOAT32_BYTES = 4
 # reserves the middle rounds' vocabulary-wide rows for this many, not for every one of
 # max_num_seqs; for a small KV cache it sizes a smaller cap, `Sizing.drafting`).
 MAX_DRAFTING_REQUESTS = 32
-# temporaries per row of `sampling_probs` (`vocabulary_rows`): measured 12 on an H100
-# (benchmarks/explore/sampling_chunks.py: 490 MiB above the inputs for 224 rows by 64), 6 on
-# a CPU (tests/test_memory_plan.py)
+# vocabulary-wide temporaries per row of `sampling_probs` (`vocabulary_rows`): a float32
+# copy, the sort's values and int64 order, the softmax, the cumulative mass and the mask,
+# and on CUDA the sort's own double buffers, with room to spare
+# (benchmarks/explore/sampling_chunks.py measures them on a GPU, tests/test_memory_plan.py
+# on a CPU)
 SAMPLING_ROWS_PER_ROW = 13
 
 
@@ -114,8 +116,8 @@ def lazy_read_bytes(num_read_blocks: int, num_layers: int, num_kv_heads: int, he
 # `fold_scratch_bytes`: float32-sized copies of one fold piece's keys [L, n, H, D] alive at
 # once in BlockSummaries.add_committed (the stacked keys, their float32 copy, the gathered
 # block means, the deviations; the runs' sums are 1 / block_size of that): read from
-# core/summaries.py; tests/test_memory_plan.py (`test_fold_scratch_fits_its_reservation`)
-# measures 3.3 with float32 keys, 4.5 with bf16 ones
+# core/summaries.py, with room to spare; tests/test_memory_plan.py
+# (`test_fold_scratch_fits_its_reservation`) checks it
 FOLD_COPIES = 5
 
 

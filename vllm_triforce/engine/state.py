@@ -1,9 +1,10 @@
 """Per-request TriForce state, created with the request and freed with it.
 
-Keyed by vLLM's request id. Selections are kept as *logical* block indices (positions // block_size)
-and mapped through the request's current block table at every pass, so a
+Keyed by vLLM's request id. Selections are kept as *logical* block indices (positions //
+block_size) and mapped through the request's current block table at every pass, so a
 preempted-and-recomputed request (new physical blocks) stays valid; the only physical ids
-kept, `folded_block_ids`, are compared with the request's current blocks before use. Draft-KV bookkeeping is reset by the rule in `invalidate_draft_from`.
+kept, `lazily_set_block_ids`, are compared with the request's current blocks before use.
+Draft-KV bookkeeping is reset by the rule in `invalidate_draft_from`.
 """
 
 from __future__ import annotations
@@ -32,10 +33,11 @@ class RequestState:
     shortlists: object = None
     shortlist_row: int = 0
     shortlist_committed: int = -1
-    # Lazy block summaries (engine/summary_keeper.py): the physical ids of the request's
-    # full blocks whose summaries were known to be set, in logical order, and the content
-    # key of each full block (a hash chained over its tokens and every earlier block's).
-    folded_block_ids: list[int] = field(default_factory=list)
+    # Lazy block summaries (engine/summary_keeper.py `set_full_blocks`): the physical ids
+    # of the request's full blocks whose summaries it last saw set, in logical order, and
+    # the content key of each full block (a hash chained over its tokens and every earlier
+    # block's).
+    lazily_set_block_ids: list[int] = field(default_factory=list)
     block_contents: list[int] = field(default_factory=list)
     # positions [eager_start, eager_end) whose keys the request's last prefill passes, one
     # after the other, folded into the summaries (-1: none yet)

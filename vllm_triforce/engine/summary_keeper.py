@@ -9,12 +9,12 @@ of one read chunk); the blocks it completes are recorded as set. Blocks complete
 decoding are set just before their request selects, from their keys read back from vLLM's
 KV cache (engine/paged_keys.py, `BlockSummaries.set_blocks`). So a decode step in which
 nobody selects (every plain step) does no per-layer TriForce work at all, and no prompt is
-ever read back (lazily, a first selection would read a whole 8K prompt's keys from the
-cache inside a decode step: measured, that cost most of the speedup at a KV-bound 8K
-shape). Every committed token's key is folded at every step (eagerly) where the cache
-cannot be read back exactly: no reader for the backend or ISA, a reader that failed its
-check, an fp8 cache (read back, its keys are rounded), or a policy that keeps its own copy
-of the keys or observes every step (topk_oracle, h2o).
+ever read back (lazily, a request's first selection would read its whole prompt's keys
+back from the cache inside a decode step, work as large as the prompt where a decode step
+has the least room for it). Every committed token's key is folded at every step (eagerly)
+where the cache cannot be read back exactly: no reader for the backend or ISA, a reader
+that failed its check, an fp8 cache (read back, its keys are rounded), or a policy that
+keeps its own copy of the keys or observes every step (topk_oracle, h2o).
 
 Terms. *committed*: positions whose KV is exact (written by vLLM's full-cache pass and
 accepted).
@@ -173,7 +173,7 @@ class SummaryKeeper:
             full = batch.committed[r] // bs
             ids = batch.requests[r].block_ids[0][:full]  # vLLM's host copy, one KV group
             state = states[r]
-            done = common_prefix(state.folded_block_ids, ids)
+            done = common_prefix(state.lazily_set_block_ids, ids)
             contents = block_contents(batch, r, state, full, bs) if done < full else None
             for i in range(done, full):
                 content = None if contents is None else contents[i]
@@ -182,7 +182,7 @@ class SummaryKeeper:
                 owners.append(r)
                 logical.append(i)
                 self._summarised[ids[i]] = content
-            state.folded_block_ids = ids
+            state.lazily_set_block_ids = ids
         if not owners:
             return
         owners, logical = to_device(self.device, owners, logical)
