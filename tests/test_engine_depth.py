@@ -130,6 +130,7 @@ def test_at_most_max_drafting_requests_draft_in_a_step():
     reserves grows with max_num_seqs (the hand-off buffer has a row per drafting request)."""
     from vllm_triforce.engine.depth import MAX_DRAFTING_REQUESTS, cap_drafting
     from vllm_triforce.engine.memory import vocabulary_rows
+    from vllm_triforce.engine.shape import pass_limits
 
     assert cap_drafting([2, 0, 3, 1], 2) == [2, 0, 3, 0]
     stats = TriForceStats()
@@ -137,7 +138,7 @@ def test_at_most_max_drafting_requests_draft_in_a_step():
     depths, _ = plan(DepthChooser(6, True, stats, fixed_depth=6), many, 4)
     assert depths == [4] * MAX_DRAFTING_REQUESTS + [0] * 8
     assert stats.depth_counts[4] == MAX_DRAFTING_REQUESTS and stats.depth_counts[0] == 8
-    assert vocabulary_rows(1024, 6, 2) == vocabulary_rows(MAX_DRAFTING_REQUESTS, 6, 2)
+    assert pass_limits(1024, 8192, 2).requests == MAX_DRAFTING_REQUESTS  # the shape's cap
     assert vocabulary_rows(MAX_DRAFTING_REQUESTS, 6, 2) > vocabulary_rows(16, 6, 2)
 
 

@@ -224,13 +224,14 @@ SMALL_CACHE = 384 * 2**20
 def smollm2_plan(**over):
     """engine/memory.py's small-cache example: SmolLM2-135M float32 (30 layers x 3 KV heads
     x 64, 9 query heads, V 49,152), block 32, key variance, vLLM's CPU `LLM` defaults
-    (256 sequences, 4,096 batched tokens), max_model_len 4,096, gamma2 4, two levels."""
+    (256 sequences, so a drafting cap of 32, the shape's `max_drafting`; 4,096 batched
+    tokens), max_model_len 4,096, gamma2 4, two levels."""
     from vllm_triforce.core.policy_facts import SummaryKinds
     from vllm_triforce.engine.memory import MemoryPlan
 
     kwargs = dict(kv_bytes_per_block=1_474_560, num_target_layers=30, num_kv_heads=3,
                   head_dim=64, block_size=32, kv_dtype_bytes=4,
-                  kinds=SummaryKinds(keep_variance=True), max_num_seqs=256, gamma2=4,
+                  kinds=SummaryKinds(keep_variance=True), max_num_seqs=32, gamma2=4,
                   gamma1=0, vocab_size=49_152, max_blocks=128, num_q_heads=9,
                   max_batched_tokens=4096)
     return MemoryPlan.for_engine(**{**kwargs, **over})

@@ -22,22 +22,20 @@ FLOAT32_BYTES = 4
 # reserves the middle rounds' vocabulary-wide rows for this many, not for every one of
 # max_num_seqs; for a small KV cache it sizes a smaller cap, `Sizing.drafting`).
 MAX_DRAFTING_REQUESTS = 32
-# vocabulary-wide temporaries per row of `sampling_probs` (`vocabulary_rows`): a float32
-# copy, the sort's values and int64 order, the softmax, the cumulative mass and the mask,
-# and on CUDA the sort's own double buffers, with room to spare
-# (benchmarks/explore/sampling_chunks.py measures them on a GPU, tests/test_memory_plan.py
-# on a CPU)
+# vocabulary-wide temporaries per row of `sampling_probs` (`vocabulary_rows` lists them),
+# with room to spare (benchmarks/explore/sampling_chunks.py measures them on a GPU,
+# tests/test_memory_plan.py on a CPU)
 SAMPLING_ROWS_PER_ROW = 13
 
 
-def vocabulary_rows(max_num_seqs: int, gamma2: int, gamma1: int) -> int:
-    """Vocabulary-wide float32 rows TriForce may hold at once beyond vLLM's own: an upper
-    bound read from the code, which tests/test_memory_plan.py checks against the peak the
-    torch memory profiler measures in `propose` (152K vocabulary, top-p, gamma2 6).
+def vocabulary_rows(drafting: int, gamma2: int, gamma1: int) -> int:
+    """Vocabulary-wide float32 rows TriForce may hold at once beyond vLLM's own, with
+    `drafting` requests drafting in a step (the drafting cap, `Sizing.drafting`, which
+    engine/depth.py `cap_drafting` keeps to): an upper bound read from the code, which
+    tests/test_memory_plan.py checks against the peak the torch memory profiler measures
+    in `propose` (152K vocabulary, top-p, gamma2 6).
 
-    Per drafting request, at most `max_num_seqs` of them in a step (the drafting cap:
-    `Sizing.drafting`, at most MAX_DRAFTING_REQUESTS; engine/depth.py `cap_drafting`; a
-    pass runs gamma1 + 1 tokens of one):
+    Per drafting request (a pass runs gamma1 + 1 tokens of one):
     * gamma2: the probabilities handed to vLLM (`hand_off`'s buffer, preallocated, one row
       per drafting request: patches/handoff_rows.py), which the middle rounds write into as
       they go (engine/middle.py);
@@ -50,7 +48,6 @@ def vocabulary_rows(max_num_seqs: int, gamma2: int, gamma1: int) -> int:
     Fixed: `sampling_probs` transforms at most SAMPLING_CHUNK_ROWS rows at once, with at most
     SAMPLING_ROWS_PER_ROW temporaries each (a float32 copy, sort values, int64 order, softmax,
     cumulative mass, the mask; on CUDA the sort's own buffers)."""
-    drafting = min(max_num_seqs, MAX_DRAFTING_REQUESTS)
     per_request = gamma2 + 3 * (gamma1 + 1) + (gamma1 + 2 if gamma1 else 0) + 8
     chunk = SAMPLING_ROWS_PER_ROW * min(SAMPLING_CHUNK_ROWS, drafting * (gamma1 + 1))
     return drafting * per_request + chunk

@@ -92,8 +92,7 @@ from vllm_triforce.config import TriForceConfigError
 from vllm_triforce.core import reads
 from vllm_triforce.core.policy_facts import SummaryKinds
 from vllm_triforce.core.summaries import BlockSummaries
-from vllm_triforce.engine.buffers import (FLOAT32_BYTES, MAX_DRAFTING_REQUESTS,
-                                          fold_scratch_bytes, lazy_read_bytes,
+from vllm_triforce.engine.buffers import (FLOAT32_BYTES, fold_scratch_bytes, lazy_read_bytes,
                                           selection_scratch_bytes, vocabulary_rows)
 
 COUNT_BYTES = 4  # int32 committed-token count per block
@@ -114,7 +113,7 @@ class KVBudgetError(TriForceConfigError):
 @dataclass(frozen=True)
 class BufferShape:
     """What TriForce's fixed buffers are sized from: the engine's config and model."""
-    max_drafting: int        # min(max_num_seqs, MAX_DRAFTING_REQUESTS)
+    max_drafting: int        # the drafting cap before the cache bounds it
     gamma2: int
     gamma1: int              # 0 without a small draft
     vocab_size: int
@@ -204,8 +203,11 @@ class MemoryPlan:
                    max_blocks: int = 0, num_q_heads: int = 0,
                    max_batched_tokens: int = 0) -> "MemoryPlan":
         """An engine's plan comes from its shape (engine/shape.py `EngineShape.memory_plan`,
-        which calls this). `kinds`: the optional block state kept
-        (TriForceConfig.summary_kinds(), which the proposer also allocates from).
+        which calls this). `max_num_seqs`: the most requests that may draft in a step
+        before the cache bounds them, the shape's drafting cap (`EngineShape.max_drafting`:
+        min(vLLM's max_num_seqs, MAX_DRAFTING_REQUESTS)). `kinds`: the optional block
+        state kept (TriForceConfig.summary_kinds(), which the proposer also allocates
+        from).
         `kv_dtype_bytes`: the bytes of `summary_dtype`,
         the summaries' element (the KV cache's element unless that is fp8 or int8).
         `builders`: (bytes per block, fixed bytes) of the per-layer attention-metadata
@@ -220,7 +222,7 @@ class MemoryPlan:
         summary = (key_bytes + COUNT_BYTES + (key_bytes * block_size if kinds.keep_keys else 0)
                    + (2 * key_bytes if kinds.keep_bounds else 0)
                    + (key_bytes // kv_dtype_bytes * FLOAT32_BYTES if kinds.keep_variance else 0))
-        shape = BufferShape(min(max_num_seqs, MAX_DRAFTING_REQUESTS), gamma2, gamma1,
+        shape = BufferShape(max_num_seqs, gamma2, gamma1,
                             vocab_size, num_target_layers, num_kv_heads, head_dim,
                             num_q_heads or num_kv_heads, block_size, max_blocks,
                             max_batched_tokens, builders[1])
