@@ -14,10 +14,11 @@ vLLM's full-cache verification pass:
                measured costs and acceptance, core/controller.py). A request at depth 0
                decodes plainly, with no middle work; so does, by rule, one whose context
                fits the retrieval budget, and a seeded request's depth reads no clock.
-               With `adaptive` off every decoding request gets gamma2 and every level
-               runs, as in fixed-gamma TriForce. Either way a request whose sampling
-               needs vLLM's plain sampler (`decodes_plainly`) gets 0, and so does every
-               request past the drafting cap (`cap_drafting`, seeded requests first);
+               At a fixed depth (`adaptive` off: gamma2; or `set_fixed_depth`) every
+               decoding request gets it and every level runs, as in fixed-gamma
+               TriForce. Either way a request whose sampling needs vLLM's plain
+               sampler (`decodes_plainly`) gets 0, and so does every request past the
+               drafting cap (`cap_drafting`, seeded requests first);
 3. select   -- drafting requests due for a refresh re-score their blocks
                (RetrievalStep.select, core/selection.py) with the newest committed token's
                query; between middle rounds, with the newest middle token's
