@@ -10,12 +10,11 @@ so vLLM's own cost of a step is the wall time from the end of one `propose` to t
 of the next, and a whole cycle (what tokens per second divide by) runs from one start to
 the next. Only steps whose every request ran a decode or verification, after a step that
 did too and had the same requests, are timed: a prefill chunk is not what a draft depth
-buys; the first decode after one still pays for the prefill (vLLM samples the prompt's
-first token and frees its activations in that step), which no depth changes; and a
-request joining means the engine may have sat idle in between (between two `generate`
-calls, or a server waiting for work). Likewise the proposer's own time counts as
-per-step overhead only on decode steps: on a prefill step it folds the prompt's keys into
-the block summaries, a cost of the prompt's length that no later step pays again.
+buys; the first decode after one still pays for the prefill's output, a cost no depth
+changes; and a request joining means the engine may have sat idle in between (between two
+`generate` calls, or a server waiting for work). Likewise the proposer's own time counts
+as per-step overhead only on decode steps: on a prefill step it folds the prompt's keys
+into the block summaries, a cost of the prompt's length that no later step pays again.
 
 Each step is one `DepthStep`, made by `DepthChooser.begin` from what the step before
 measured; only it plans the step, hears its middle rounds and ends it. What the next step's
