@@ -10,8 +10,8 @@ fails (exit 1) if that run drafted nothing. The terminal gets one line per phase
 about how long it takes) and one table; vLLM's own log goes to a file the demo names.
 
 Devices (`--device auto`: a GPU when torch sees one):
-* CPU: SmolLM2-135M in float32 (exact comparison), eager, 4 x 4,096 tokens, 96 new: about
-  five minutes on a 2-core machine, most of it the two prefills. Both engines start with
+* CPU: SmolLM2-135M in float32 (exact comparison), eager, 8 x 4,096 tokens, 96 new: about
+  five minutes on a 2-core machine, half of it the two prefills. Both engines start with
   Intel OpenMP preloaded, as vLLM's CPU installation guide sets up (`cpu_openmp`).
 * GPU: SmolLM2-135M in bf16, 32 x 7,808 tokens (the KV cache 22x the weights), 256 new; the
   plain engine runs vLLM's own defaults, TriForce its forced settings. With `--out` the
@@ -46,18 +46,19 @@ ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_TARGET_DEVICE": "cpu"
 # V2 model runner, async scheduling), TriForce's forced settings for its own; in-process
 # engines (the TriForce engine's counters are read from its proposer), no CPU variables.
 GPU_ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}
-# What each device runs unless told otherwise. CPU: 4 x 4,096 tokens in float32, whose
-# two prefills fit a few minutes of a 2-core machine. GPU: 32 x 7,808 tokens in bf16, where
+# What each device runs unless told otherwise. CPU: 8 x 4,096 tokens in float32, whose KV
+# cache (1.4 GiB) outweighs the weights and whose two prefills take a few minutes of a
+# 2-core machine. GPU: 32 x 7,808 tokens in bf16, where
 # the KV cache (5.5 GiB) is 22x the weights; 7,808 + 256 new tokens + the drafting margin
 # fit SmolLM2's 8,192-token context.
 DEVICE_DEFAULTS = {
-    "cpu": {"prompt_tokens": 4096, "max_tokens": 96, "batch": 4, "dtype": "float32"},
+    "cpu": {"prompt_tokens": 4096, "max_tokens": 96, "batch": 8, "dtype": "float32"},
     "cuda": {"prompt_tokens": 7808, "max_tokens": 256, "batch": 32, "dtype": "bfloat16"},
 }
 # Seconds a SmolLM2-135M float32 prefill of one L-token prompt takes on a 2-core AMD EPYC
-# with vLLM's CPU attention: about C1 * L + C2 * L^2 (fitted to 512 and 7,936 tokens), for
+# with vLLM's CPU attention: about C1 * L + C2 * L^2 (fitted to 512 and 4,096 tokens), for
 # the first phase's estimate; later phases are estimated from what was measured.
-PREFILL_C1, PREFILL_C2 = 8.6e-4, 9.9e-7
+PREFILL_C1, PREFILL_C2 = 1.25e-3, 2.3e-7
 ENGINE_START_S = 30  # a CPU engine's start (vLLM import, weights, warm-up), about
 GPU_RESULTS = "benchmarks/gpu/real_model_2026-11-27/results.md"
 
@@ -71,7 +72,7 @@ def add_demo_parser(subparsers) -> None:
     p.add_argument("--max-tokens", type=int, default=None,
                    help="new tokens per request (default: 96 on CPU, 256 on a GPU)")
     p.add_argument("--batch", type=int, default=None,
-                   help="requests, different book passages (default: 4 on CPU, 32 on a GPU)")
+                   help="requests, different book passages (default: 8 on CPU, 32 on a GPU)")
     p.add_argument("--rounds", type=int, default=3,
                    help="rounds of one timed decode per engine (the speedup of each round and "
                         "their median)")
@@ -418,11 +419,11 @@ def _drafts(counts: dict) -> str:
 
 def _where_it_pays(args, speedup: float) -> str:
     if args.device == "cpu":
-        return ("Where TriForce pays: not on a CPU, where vLLM's attention verifies k drafts "
-                "for 2-4 decode steps' price, so the depth controller decodes plainly and "
-                f"TriForce matches plain vLLM ({speedup:.2f}x here); on a GPU verification "
-                "costs about one step, but TriForce's own passes are host-bound today "
-                f"({GPU_RESULTS}).")
+        return ("Where TriForce pays: on a CPU vLLM's attention verifies k drafts for 2-4 "
+                "decode steps' price, so drafting pays only where the KV cache outweighs the "
+                "weights, and the depth controller drafts where its measurements say it pays "
+                f"({speedup:.2f}x here); on a GPU verification costs about one step, but "
+                f"TriForce's own passes are host-bound today ({GPU_RESULTS}).")
     return (f"TriForce here: {speedup:.2f}x; where each step's milliseconds go is in the "
             f"results (--out), as in {GPU_RESULTS}.")
 

@@ -51,9 +51,31 @@ def _machine() -> dict:
     import vllm
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {"date": time.strftime("%Y-%m-%d"), "gpu": gpu, "cpu": platform.processor() or
-            platform.machine(), "vllm": vllm.__version__, "torch": torch.__version__,
-            "commit": os.environ.get("VLLM_TRIFORCE_COMMIT")}
+    return {"date": time.strftime("%Y-%m-%d"), "gpu": gpu,
+            "cpu": f"{_cpu_model() or platform.machine()}, {os.cpu_count()} cores",
+            "vllm": vllm.__version__, "torch": torch.__version__,
+            "commit": os.environ.get("VLLM_TRIFORCE_COMMIT") or _commit()}
+
+
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def _commit() -> str | None:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, cwd=os.path.dirname(__file__)).stdout.strip() or None
+    except OSError:
+        return None
 
 
 def run_rows(runs: list[dict], args) -> list[dict]:
@@ -78,7 +100,9 @@ def save_rounds(args, rounds: dict, modes: dict) -> None:
 
 def save(args, plain, tri, fixed, verdict, fixed_verdict) -> None:
     ratios = [t / p for t, p in zip(tri["round_tok_s"], plain["round_tok_s"])]
-    fixed_ratios = [t / p for t, p in zip(fixed["round_tok_s"], plain["round_tok_s"])]
+    fixed_ratios = ([t / p for t, p in zip(fixed["round_tok_s"], plain["round_tok_s"])]
+                    if len(fixed["round_tok_s"]) == len(plain["round_tok_s"]) else  # CPU: once
+                    [t / statistics.median(plain["round_tok_s"]) for t in fixed["round_tok_s"]])
     m = tri["metrics"]
     data = {"machine": _machine(), "args": vars(args) | {"func": None},
             "engines": {"plain": plain["engine"], "triforce": tri["engine"]},
@@ -117,7 +141,7 @@ def _ms(value) -> str:
 def markdown(data: dict) -> str:
     """results.md of a demo run saved with `--out` (its results.json)."""
     m, a = data["machine"], data["args"]
-    rounds = lambda xs: ", ".join(f"{x:.0f}" for x in xs)  # noqa: E731
+    rounds = lambda xs: ", ".join(f"{x:.0f}" if x >= 1000 else f"{x:.1f}" for x in xs)  # noqa: E731
     ratios = lambda s: ", ".join(f"{x:.2f}x" for x in s["rounds"])  # noqa: E731
     lines = [
         f"# TriForce against plain vLLM on a real model: {a['batch']} x {a['prompt_tokens']} "
@@ -127,12 +151,15 @@ def markdown(data: dict) -> str:
         f"{m['commit']}. `vllm-triforce demo --device {a['device']} --out results.json"
         f"{' --eager-check' if a.get('eager_check') else ''}`: SmolLM2-135M in {a['dtype']}, "
         f"TriForce two levels, retrieval budget {a['budget']}, gamma {a['gamma']}. Engines: "
-        f"plain {data['engines']['plain']['mode']} with vLLM's defaults, TriForce "
-        f"{data['engines']['triforce']['mode']} with its forced settings.",
+        + (f"plain {data['engines']['plain']['mode']} with vLLM's defaults, TriForce "
+           f"{data['engines']['triforce']['mode']} with its forced settings."
+           if a["device"] == "cuda" else
+           "both eager with blocks of 32 tokens (vLLM's CPU settings for exact comparison)."),
         "",
         "| engine | decode tok/s per round | speedup per round | median |",
         "|---|---|---|---|",
-        f"| plain vLLM (defaults) | {rounds(data['plain_tok_s'])} | | |",
+        f"| plain vLLM{' (defaults)' if a['device'] == 'cuda' else ''} | "
+        f"{rounds(data['plain_tok_s'])} | | |",
         f"| TriForce, depth controller | {rounds(data['triforce_tok_s'])} | "
         f"{ratios(data['speedup'])} | {data['speedup']['median']:.2f}x |",
         f"| TriForce, fixed depth {a['gamma']} | {rounds(data['fixed_tok_s'])} | "
@@ -144,7 +171,8 @@ def markdown(data: dict) -> str:
     c, f = data["controller"], data["fixed"]
     lines += [
         f"- Drafts verified by vLLM (proposed / accepted): controller {c['top_proposed']} / "
-        f"{c['top_accepted']}, fixed depth {f['top_proposed']} / {f['top_accepted']} "
+        f"{c['top_accepted']} (acceptance {c['top_accepted'] / max(c['top_proposed'], 1):.3f}), "
+        f"fixed depth {f['top_proposed']} / {f['top_accepted']} "
         f"(acceptance {f['top_accepted'] / max(f['top_proposed'], 1):.3f}); vLLM's own "
         f"counters over the TriForce engine: {data['vllm_counters']['accepted']} / "
         f"{data['vllm_counters']['drafted']} accepted.",
@@ -189,6 +217,7 @@ def demo_glance(data: dict) -> str:
 def demo_section(data: dict, case) -> tuple[str, str]:
     """(shape line, tables) of a demo run's section: its own results.md body."""
     body = markdown(data).split("\n", 3)[3]  # without its title and provenance lines
+    body = body.split("\nWhere a step's time goes")[0]  # that table stays in results.md
     a = data["args"]
     shape = (f"Shape: {a['batch']} x {a['prompt_tokens']}-token Moby-Dick prompts, "
              f"{a['max_tokens']} new tokens, {a['dtype']}, retrieval budget {a['budget']}, "
