@@ -180,13 +180,15 @@ def markdown(data: dict) -> str:
         "steps plain; request-steps by depth "
         + ", ".join(f"{k}: {n}" for k, n in enumerate(c["depth_counts"]) if n) + ".",
     ]
+    lines.append("- Plain vLLM's step per round: " + ", ".join(
+        f"{x:.2f}" for x in data["plain_ms_per_step"]) + " ms; TriForce's, split by level, "
+        "below.")
     if data.get("eager_check"):
         e = data["eager_check"]
         lines.append(f"- CUDA graphs and the capture: fixed-depth acceptance compiled "
                      f"{e['compiled_acceptance']:.3f}, eager {e['eager_acceptance']:.3f} "
                      f"({'within' if e['agree'] else 'NOT within'} 3 points).")
-    lines += ["", "Where a step's time goes (per round, from TriForce's counters; plain vLLM: "
-              + ", ".join(f"{x:.2f}" for x in data["plain_ms_per_step"]) + " ms per step):", "",
+    lines += ["", "Where a step's time goes (per round, from TriForce's counters):", "",
               "| run | ms per step | tokens per request per step | proposer ms | vLLM ms "
               "| middle rounds per step | ms per middle round | of which model forward |",
               "|---|---|---|---|---|---|---|---|"]

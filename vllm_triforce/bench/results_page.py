@@ -366,7 +366,7 @@ def _joined(points: list[dict], key: str, fmt) -> str:
 
 # ------------------------------------------------------------------ bench gpu
 
-def gpu_section(data: dict, case: Case) -> tuple[str, str, str]:
+def gpu_section(data: dict, case: Case) -> tuple[str, ...]:
     summary = data["summary"]
     exact = {e["job"]: e for e in summary["exactness"]}
     syncs = {s["job"]: s for s in summary["syncs"]}
@@ -374,7 +374,21 @@ def gpu_section(data: dict, case: Case) -> tuple[str, str, str]:
               "middle drafted / accepted", "vLLM's syncs / step", "TriForce's syncs / step"]
     rows = [_gpu_row(job, exact.get(job), syncs.get(job))
             for job in data["jobs"] if job in exact or job in syncs]
-    return "", markdown_table(header, rows), f"{_kernels(data)} {_job_states(data)}"
+    costs = [[row["case"], _ms_cell(row.get("plain_defaults_ms")),
+              _ms_cell(row.get("plain_forced_ms")), ", ".join(
+                  f"k={k}: {_ms_cell(d.get('step_ms'))}" for k, d in row["depths"].items())
+              or "not measured", row.get("reference") or ""]
+             for row in summary.get("costs", [])]
+    cost_table = ("Costs at Llama-3.1-8B's shape (random weights), ms per decode step:\n\n"
+                  + markdown_table(["case", "plain, vLLM defaults", "plain, TriForce's settings",
+                                    "TriForce at depth k", "speedups against"], costs)
+                  if costs else "")
+    return ("", markdown_table(header, rows),
+            f"{_kernels(data)} {_job_states(data)}", cost_table)
+
+
+def _ms_cell(value) -> str:
+    return "-" if value is None else f"{value:.3g}"
 
 
 def gpu_glance(data: dict) -> str:
