@@ -7,10 +7,10 @@ drafts and `_sample` then runs the rejection sampler, even when the scheduler ha
 draft at all (`scheduler_output.scheduled_spec_decode_tokens` is empty: the scheduler adds
 a request there only when its `spec_token_ids` is non-empty). TriForce's depth controller
 hands vLLM `[]` for every request it keeps plain, so such steps are common, and on them the
-speculative branch costs ~1 ms more than plain vLLM's step (measured in a CPU profile:
-rejection sampler 0.77 ms against the plain sampler's 0.22, `_prepare_inputs` 1.01 against
-0.62) for nothing: with zero drafts the rejection sampler only samples the bonus token, which
-is what the plain sampler does.
+speculative branch costs more than plain vLLM's step (the rejection sampler and the
+speculative `_prepare_inputs` do more than their plain counterparts) for nothing: with zero
+drafts the rejection sampler only samples the bonus token, which is what the plain sampler
+does.
 
 How: wrap `_prepare_inputs`; when the runner's drafter asks for it
 (`PLAIN_STEPS_WITHOUT_DRAFTS`, TriForce's proposer) and no draft is scheduled, the wrapped

@@ -33,7 +33,6 @@ from types import SimpleNamespace
 import torch
 
 from vllm_triforce.config import BlockCounts
-from vllm_triforce.core.key_policies import RerankPolicy
 from vllm_triforce.core.policies import POLICIES, make_policy
 from vllm_triforce.core.scoring import SelectionState
 from vllm_triforce.core.selection import Selector
@@ -140,7 +139,7 @@ def time_selection(policy_name: str, shape: Shape, args, batch: int) -> tuple[fl
     policy = make_policy(name, **kwargs)
     summaries, table, query, num_committed = make_inputs(shape, args, batch, policy.needs_keys,
                                                          policy.needs_bounds, policy.needs_variance)
-    rerank = isinstance(policy, RerankPolicy)
+    rerank = policy.exact_stage  # reads keys from the paged cache
     keys = paged_cache(shape, args, summaries.num_blocks) if rerank else summaries
     states = [SelectionState() for _ in range(batch)]
     seq_lens = num_committed + 1

@@ -16,9 +16,9 @@ channels (vllm/v1/kv_cache_interface.py `create_kv_cache_views`). Layouts:
   keys divided by the layer's `_k_scale_float`.
 - `cpu_transposed`: CPU_ATTN re-views each (block, head) page as [2 * block_size,
   head_size] and its C++ writer packs K per ISA (cpu_attn.py `forward`). For the `vec` and
-  `vec16` ISAs K is [head_size, block_size] per (block, head): measured here with
-  `cpu_attn_reshape_and_cache` (tests/test_paged_keys.py). `amx` packs tiles differently,
-  other ISAs were not seen: not read.
+  `vec16` ISAs K is [head_size, block_size] per (block, head), as
+  `cpu_attn_reshape_and_cache` writes it (tests/test_paged_keys.py checks it). `amx` packs
+  tiles differently, and other ISAs are unknown: not read.
 Anything else (per-token-head quantised caches, NVFP4, TurboQuant, another ISA, kernel
 blocks smaller than the scheduler's) is `unreadable`: the reason is logged and `rerank`
 keeps its first stage only.
