@@ -35,7 +35,7 @@ import time
 
 from vllm_triforce.cpu_openmp import named_runtime, with_intel_openmp
 from vllm_triforce.demo_engine import engine_process, sum_counts
-from vllm_triforce.demo_results import save_rounds
+from vllm_triforce.demo_results import acceptance, report, save_results, save_rounds
 
 # Each of the two engines gets 2 GiB of KV cache on CPU: 4 x 8K SmolLM2 tokens in fp32
 # need 1.4.
@@ -60,7 +60,6 @@ DEVICE_DEFAULTS = {
 # the first phase's estimate; later phases are estimated from what was measured.
 PREFILL_C1, PREFILL_C2 = 1.25e-3, 2.3e-7
 ENGINE_START_S = 30  # a CPU engine's start (vLLM import, weights, warm-up), about
-GPU_RESULTS = "benchmarks/gpu/real_model_2026-11-27/results.md"
 
 
 def add_demo_parser(subparsers) -> None:
@@ -142,13 +141,13 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"vLLM's log: {args.log}; results: {args.out}", flush=True)
     clock = Clock(_first_estimate(target, args))
     plain, tri, fixed = _run(target, spec, prompts, args, clock)
-    _report(plain, tri, fixed, args)
+    report(plain, tri, fixed, args)
     if not fixed["triforce"]["top_proposed"]:
         print(f"\nERROR: TriForce drafted nothing in the fixed k={args.gamma} run: no draft "
               "reached vLLM's verification, so the identity above proves nothing.",
               file=sys.stderr, flush=True)
         return 1
-    return _save_results(args, plain, tri, fixed)
+    return save_results(args, plain, tri, fixed)
 
 
 class Clock:
@@ -276,7 +275,7 @@ def _eager_check(context, model_dir, spec, prompts, args, fixed) -> dict:
         eager = _ask(conn, "fixed")
     finally:
         _stop(proc, conn)
-    compiled, eager_rate = _acceptance(fixed["triforce"]), _acceptance(eager["triforce"])
+    compiled, eager_rate = acceptance(fixed["triforce"]), acceptance(eager["triforce"])
     agree = (compiled is not None and eager_rate is not None
              and abs(compiled - eager_rate) <= 0.03)
     print(f"capture check: fixed-depth acceptance compiled {compiled:.3f} "
@@ -290,10 +289,6 @@ def _eager_check(context, model_dir, spec, prompts, args, fixed) -> dict:
                              ("top_proposed", "top_accepted", "middle_proposed",
                               "middle_accepted")},
             "same_tokens": eager["tokens"] == fixed["tokens"]}
-
-
-def _acceptance(counts: dict) -> float | None:
-    return counts["top_accepted"] / counts["top_proposed"] if counts["top_proposed"] else None
 
 
 def _start(context, model_dir, spec, prompts, args, eager_only: bool = False):
@@ -363,98 +358,3 @@ def _regime(model_dir, args) -> str:
             f"({args.dtype}): a plain step reads both, a middle round the weights and a "
             f"{args.budget}-token retrieval cache, {share:.0%} of those bytes; drafting pays "
             "where that share is small and verifying k drafts costs about one step.")
-
-
-def _identical(plain: dict, tri: dict, fixed: dict) -> bool:
-    return (plain["tokens"] == tri["tokens"] == fixed["tokens"]
-            and plain["same_each_round"] and tri["same_each_round"])
-
-
-def _report(plain: dict, tri: dict, fixed: dict, args) -> None:
-    """The table: decode tok/s per round and median, speedups, acceptance, drafts
-    verified, identity; what the controller chose; where TriForce pays."""
-    ratios = [t / p for t, p in zip(tri["round_tok_s"], plain["round_tok_s"])]
-    fixed_ratios = ([t / p for t, p in zip(fixed["round_tok_s"], plain["round_tok_s"])]
-                    if len(fixed["round_tok_s"]) == len(plain["round_tok_s"]) else
-                    [t / statistics.median(plain["round_tok_s"]) for t in fixed["round_tok_s"]])
-    cells = lambda xs, f: "  ".join(f.format(x) for x in xs)  # noqa: E731
-    width = 9 * max(args.rounds, 1)
-    rows = [("plain vLLM", plain["round_tok_s"], None),
-            ("TriForce, controller", tri["round_tok_s"], ratios),
-            (f"TriForce, depth {args.gamma}", fixed["round_tok_s"], fixed_ratios)]
-    print(f"\n{'':24}{'decode tok/s per round':<{width}}  median  "
-          f"{'speedup per round':<{width}}  median")
-    for name, tok_s, speed in rows:
-        print(f"{name:<24}{cells(tok_s, '{:7.1f}'):<{width}}  {statistics.median(tok_s):6.1f}  "
-              + (f"{cells(speed, '{:6.2f}x'):<{width}}  {statistics.median(speed):5.2f}x"
-                 if speed else ""))
-    s, f = tri["triforce"], fixed["triforce"]
-    same = _identical(plain, tri, fixed)
-    print(f"acceptance (drafts vLLM accepted): controller {_rate(s)}, depth {args.gamma} "
-          f"{_rate(f)}")
-    steps = s["plain_steps"] + s["drafting_steps"]
-    hist = ", ".join(f"{k}: {n}" for k, n in enumerate(s["depth_counts"]) if n)
-    print(f"depth controller: {s['plain_steps']} of {steps} steps plain (request-steps by "
-          f"depth {hist})")
-    print(f"outputs identical to plain vLLM: {'YES' if same else 'NO'} (drafts verified by "
-          f"vLLM, proposed / accepted: controller {_drafts(s)}, fixed k={args.gamma} "
-          f"{_drafts(f)})")
-    print(_where_it_pays(args, statistics.median(ratios)))
-
-
-def _rate(counts: dict) -> str:
-    rate = _acceptance(counts)
-    return "-" if rate is None else f"{rate:.2f}"
-
-
-def _drafts(counts: dict) -> str:
-    """`proposed / accepted` at the top level, and at the middle level if the small draft
-    proposed."""
-    text = f"{counts['top_proposed']} / {counts['top_accepted']}"
-    if counts["middle_proposed"]:
-        text += (f" (small draft to middle level {counts['middle_proposed']} / "
-                 f"{counts['middle_accepted']})")
-    return text
-
-
-def _where_it_pays(args, speedup: float) -> str:
-    if args.device == "cpu":
-        return ("Where TriForce pays: on a CPU vLLM's attention verifies k drafts for 2-4 "
-                "decode steps' price, so drafting pays only where the KV cache outweighs the "
-                "weights, and the depth controller drafts where its measurements say it pays "
-                f"({speedup:.2f}x here); on a GPU verification costs about one step, but "
-                f"TriForce's own passes are host-bound today ({GPU_RESULTS}).")
-    return (f"TriForce here: {speedup:.2f}x; where each step's milliseconds go is in the "
-            f"results (--out), as in {GPU_RESULTS}.")
-
-
-def _save_results(args, plain, tri, fixed) -> int:
-    """The verdicts against plain vLLM, where a step's time went, the JSON (`--out`); the
-    exit status."""
-    from vllm_triforce.bench.gpu_summary import compare_tokens
-    from vllm_triforce.demo_results import save, step_costs, verdict_text
-
-    verdict = compare_tokens(plain["tokens"], tri["tokens"], plain.get("margins"))
-    fixed_verdict = compare_tokens(plain["tokens"], fixed["tokens"], plain.get("margins"))
-    if args.device == "cuda":
-        print(f"verdict against plain vLLM: controller {verdict_text(verdict)}; fixed "
-              f"k={args.gamma} {verdict_text(fixed_verdict)}")
-    for name, run in (("controller", tri), (f"fixed k={args.gamma}", fixed)):
-        c = step_costs(run["rounds"][-1], args.max_tokens)
-        print(f"TriForce {name}, last round: {_ms(c['ms_per_step'])} ms per step "
-              f"({_ms(c['tokens_per_step'])} tokens per request per step), of which proposer "
-              f"{_ms(c['proposer_ms_per_step'])} ms, vLLM {_ms(c['vllm_ms_per_step'])} ms; "
-              f"{_ms(c['middle_rounds_per_step'])} middle rounds per step at "
-              f"{_ms(c['ms_per_middle_round'])} ms ({_ms(c['forward_ms_per_middle_round'])} "
-              "ms of model forward)", flush=True)
-    save(args, plain, tri, fixed, verdict, fixed_verdict)
-    print(f"results: {args.out}", flush=True)
-    if "eager_check" in fixed and not fixed["eager_check"]["agree"]:
-        return 1
-    if args.device == "cpu":  # float32: nothing but identical passes
-        return 0 if _identical(plain, tri, fixed) else 1
-    return 0 if verdict["explained"] and fixed_verdict["explained"] else 1
-
-
-def _ms(value) -> str:
-    return "-" if value is None else f"{value:.2f}"

@@ -11,6 +11,19 @@ import time
 
 from vllm_triforce.demo_engine import DRAFT_COUNTS
 
+GPU_RESULTS = "benchmarks/gpu/real_model_2026-11-27/results.md"
+
+
+def acceptance(counts: dict) -> float | None:
+    """Drafts vLLM accepted over drafts it verified (None: nothing verified)."""
+    return counts["top_accepted"] / counts["top_proposed"] if counts["top_proposed"] else None
+
+
+def identical(plain: dict, tri: dict, fixed: dict) -> bool:
+    """Every TriForce output equals plain vLLM's, and each engine's equal every round."""
+    return (plain["tokens"] == tri["tokens"] == fixed["tokens"]
+            and plain["same_each_round"] and tri["same_each_round"])
+
 
 def verdict_text(v: dict) -> str:
     """One line: identical, or where each diverging sequence first differs and plain
@@ -233,3 +246,90 @@ def recorded(data: dict) -> dict:
     where = m["gpu"] or f"CPU {m['cpu']}"
     return {"machine": f"{where}; vLLM {m['vllm']}, torch {m['torch']}", "date": m["date"],
             "commit": m["commit"]}
+
+
+# ------------------------------------------------------ the terminal's table
+
+def report(plain: dict, tri: dict, fixed: dict, args) -> None:
+    """The table: decode tok/s per round and median, speedups, acceptance, drafts
+    verified, identity; what the controller chose; where TriForce pays."""
+    ratios = [t / p for t, p in zip(tri["round_tok_s"], plain["round_tok_s"])]
+    fixed_ratios = ([t / p for t, p in zip(fixed["round_tok_s"], plain["round_tok_s"])]
+                    if len(fixed["round_tok_s"]) == len(plain["round_tok_s"]) else
+                    [t / statistics.median(plain["round_tok_s"]) for t in fixed["round_tok_s"]])
+    cells = lambda xs, f: "  ".join(f.format(x) for x in xs)  # noqa: E731
+    width = 9 * max(args.rounds, 1)
+    rows = [("plain vLLM", plain["round_tok_s"], None),
+            ("TriForce, controller", tri["round_tok_s"], ratios),
+            (f"TriForce, depth {args.gamma}", fixed["round_tok_s"], fixed_ratios)]
+    print(f"\n{'':24}{'decode tok/s per round':<{width}}  median  "
+          f"{'speedup per round':<{width}}  median")
+    for name, tok_s, speed in rows:
+        print(f"{name:<24}{cells(tok_s, '{:7.1f}'):<{width}}  {statistics.median(tok_s):6.1f}  "
+              + (f"{cells(speed, '{:6.2f}x'):<{width}}  {statistics.median(speed):5.2f}x"
+                 if speed else ""))
+    s, f = tri["triforce"], fixed["triforce"]
+    same = identical(plain, tri, fixed)
+    print(f"acceptance (drafts vLLM accepted): controller {_rate(s)}, depth {args.gamma} "
+          f"{_rate(f)}")
+    steps = s["plain_steps"] + s["drafting_steps"]
+    hist = ", ".join(f"{k}: {n}" for k, n in enumerate(s["depth_counts"]) if n)
+    print(f"depth controller: {s['plain_steps']} of {steps} steps plain (request-steps by "
+          f"depth {hist})")
+    print(f"outputs identical to plain vLLM: {'YES' if same else 'NO'} (drafts verified by "
+          f"vLLM, proposed / accepted: controller {_drafts(s)}, fixed k={args.gamma} "
+          f"{_drafts(f)})")
+    print(_where_it_pays(args, statistics.median(ratios)))
+
+
+def _rate(counts: dict) -> str:
+    rate = acceptance(counts)
+    return "-" if rate is None else f"{rate:.2f}"
+
+
+def _drafts(counts: dict) -> str:
+    """`proposed / accepted` at the top level, and at the middle level if the small draft
+    proposed."""
+    text = f"{counts['top_proposed']} / {counts['top_accepted']}"
+    if counts["middle_proposed"]:
+        text += (f" (small draft to middle level {counts['middle_proposed']} / "
+                 f"{counts['middle_accepted']})")
+    return text
+
+
+def _where_it_pays(args, speedup: float) -> str:
+    if args.device == "cpu":
+        return ("Where TriForce pays: on a CPU vLLM's attention verifies k drafts for 2-4 "
+                "decode steps' price, so drafting pays only where the KV cache outweighs the "
+                "weights, and the depth controller drafts where its measurements say it pays "
+                f"({speedup:.2f}x here); on a GPU verification costs about one step, but "
+                f"TriForce's own passes are host-bound today ({GPU_RESULTS}).")
+    return (f"TriForce here: {speedup:.2f}x; where each step's milliseconds go is in the "
+            f"results (--out), as in {GPU_RESULTS}.")
+
+
+def save_results(args, plain, tri, fixed) -> int:
+    """The verdicts against plain vLLM, where a step's time went, the JSON (`--out`); the
+    exit status."""
+    from vllm_triforce.bench.gpu_summary import compare_tokens
+
+    verdict = compare_tokens(plain["tokens"], tri["tokens"], plain.get("margins"))
+    fixed_verdict = compare_tokens(plain["tokens"], fixed["tokens"], plain.get("margins"))
+    if args.device == "cuda":
+        print(f"verdict against plain vLLM: controller {verdict_text(verdict)}; fixed "
+              f"k={args.gamma} {verdict_text(fixed_verdict)}")
+    for name, run in (("controller", tri), (f"fixed k={args.gamma}", fixed)):
+        c = step_costs(run["rounds"][-1], args.max_tokens)
+        print(f"TriForce {name}, last round: {_ms(c['ms_per_step'])} ms per step "
+              f"({_ms(c['tokens_per_step'])} tokens per request per step), of which proposer "
+              f"{_ms(c['proposer_ms_per_step'])} ms, vLLM {_ms(c['vllm_ms_per_step'])} ms; "
+              f"{_ms(c['middle_rounds_per_step'])} middle rounds per step at "
+              f"{_ms(c['ms_per_middle_round'])} ms ({_ms(c['forward_ms_per_middle_round'])} "
+              "ms of model forward)", flush=True)
+    save(args, plain, tri, fixed, verdict, fixed_verdict)
+    print(f"results: {args.out}", flush=True)
+    if "eager_check" in fixed and not fixed["eager_check"]["agree"]:
+        return 1
+    if args.device == "cpu":  # float32: nothing but identical passes
+        return 0 if identical(plain, tri, fixed) else 1
+    return 0 if verdict["explained"] and fixed_verdict["explained"] else 1
