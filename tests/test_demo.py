@@ -25,7 +25,7 @@ def test_demo_script_runs_and_outputs_are_identical(smollm2):
                  "round 3 of 3", "Where TriForce pays"):
         assert line in out, out
     assert len(out.splitlines()) <= 40, out  # vLLM's own log goes to its file
-    log = re.search(r"vLLM's log: (\S+)", out)[1]
+    log = re.search(r"vLLM.s log: (\S+);", out)[1]
     assert "Initializing a V1 LLM engine" in Path(log).read_text()
     drafts = re.search(r"outputs identical to plain vLLM: YES \(drafts verified by vLLM, "
                        r"proposed / accepted: controller (\d+) / (\d+), fixed k=6 (\d+) / (\d+)",
