@@ -18,6 +18,7 @@ import time
 import weakref
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from vllm.forward_context import set_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
@@ -55,34 +56,63 @@ class PassInputs:
                    positions, slot_mapping, qsl.to(torch.int32), lens.to(torch.int32), rows)
 
 
-def build_pass(token_ids: list[list[int]] | torch.Tensor, positions: list[list[int]],
+@dataclass(frozen=True)
+class Runs:
+    """Positions of a pass whose requests each run one contiguous stretch: request i runs
+    lens[i] tokens from starts[i] (host numpy arrays; a middle round's newest token and
+    its proposals). The pass's host lists then come from a few array operations, not from
+    a Python list per request. Example: starts [5, 2], lens [2, 1] -> positions
+    [5, 6, 2]."""
+    starts: np.ndarray  # [n]
+    lens: np.ndarray    # [n]
+
+    def flat(self) -> np.ndarray:
+        """[T] the positions, request after request."""
+        if not (self.lens > 1).any():  # one token each (a middle round of one level)
+            return self.starts
+        owner = np.repeat(np.arange(len(self.lens)), self.lens)
+        first = np.cumsum(self.lens) - self.lens  # [n] each request's first row
+        return self.starts[owner] + np.arange(owner.size) - first[owner]
+
+
+def build_pass(token_ids: list | torch.Tensor, positions: list[list[int]] | Runs,
                block_table: torch.Tensor, block_size: int, seq_lens: list[int],
                sample_last: bool = False,
                model_positions: list[list[int]] | None = None) -> PassInputs:
     """One pass over n requests: request i runs `token_ids[i]` at absolute `positions[i]`.
 
-    token_ids: a list per request, or the flat ids already on the device [T]; block_table
-    [n, width] (device): each request's physical blocks, used for the true KV slots
-    (slot = block_table[i, p // block_size] * block_size + p % block_size), computed on the
-    device; seq_lens [n]: tokens in each request's compacted row (the caller's table decides
-    them). Samples every token, or with `sample_last` the last token of each request.
-    Everything the host built goes to the device in one non-blocking copy. Example, block_size
-    4, two requests running [7, 8] at 5, 6 and [9] at 2, block_table [[10, 11], [20, 21]]:
-    input_ids [7, 8, 9], slots [45, 46, 82], query_start_loc [0, 2, 3], sample_rows [0, 1, 2]
-    (sample_last: [1, 2]). The model rotates with `positions`, or with `model_positions`
-    where a level sees other positions (the small draft, core/streaming.py).
+    token_ids: a list per request, or the flat ids [T] (a host list with `Runs`
+    positions, or a tensor already on the device); positions: a list per request, or
+    `Runs`; block_table [n, width] (device): each request's physical blocks, used for the
+    true KV slots (slot = block_table[i, p // block_size] * block_size + p % block_size),
+    computed on the device; seq_lens [n]: tokens in each request's compacted row (the
+    caller's table decides them). Samples every token, or with `sample_last` the last token
+    of each request. Everything the host built goes to the device in one non-blocking copy.
+    Example, block_size 4, two requests running [7, 8] at 5, 6 and [9] at 2, block_table
+    [[10, 11], [20, 21]]: input_ids [7, 8, 9], slots [45, 46, 82], query_start_loc
+    [0, 2, 3], sample_rows [0, 1, 2] (sample_last: [1, 2]). The model rotates with
+    `positions`, or with `model_positions` where a level sees other positions (the small
+    draft, core/streaming.py).
     """
-    lens = [len(p) for p in positions]
+    if isinstance(positions, Runs):
+        lens, flat = positions.lens.tolist(), positions.flat().tolist()
+        host_ids = token_ids if not isinstance(token_ids, torch.Tensor) else None
+    else:
+        lens = [len(p) for p in positions]
+        flat = [p for ps in positions for p in ps]  # [T]
+        host_ids = (None if isinstance(token_ids, torch.Tensor)
+                    else [t for ts in token_ids for t in ts])
     qsl = [0, *itertools.accumulate(lens)]  # [n + 1]
-    flat_positions = [p for ps in positions for p in ps]  # [T]
-    owner = [i for i, n in enumerate(lens) for _ in range(n)]  # [T] request of a token
-    sample_rows = [end - 1 for end in qsl[1:]] if sample_last else list(range(qsl[-1]))
-    host_ids = None if isinstance(token_ids, torch.Tensor) else [t for ts in token_ids
-                                                                   for t in ts]
+    every = not sample_last  # every token sampled: its rows are 0 .. T-1, made on the device
+    sample_rows = list(range(qsl[-1])) if every else [end - 1 for end in qsl[1:]]
     rotated = None if model_positions is None else [p for ps in model_positions for p in ps]
-    pos, who, qsl_dev, lens_dev, rows_dev, ids, rot = to_device(
-        block_table.device, flat_positions, owner, qsl, seq_lens, sample_rows, host_ids or [],
-        rotated or [])
+    pos, qsl_dev, lens_dev, rows_dev, ids, rot = to_device(
+        block_table.device, flat, qsl, seq_lens, [] if every else sample_rows,
+        host_ids or [], rotated or [])
+    rows = torch.arange(qsl[-1], device=block_table.device)  # [T]
+    if every:
+        rows_dev = rows
+    who = torch.searchsorted(qsl_dev[1:], rows, right=True)  # [T] each token's request
     slots = block_table[who, pos // block_size].long() * block_size + pos % block_size
     return PassInputs(qsl, list(seq_lens), sample_rows,
                       input_ids=(ids if host_ids is not None else token_ids).to(torch.int32),
