@@ -271,3 +271,41 @@ def test_tables_laid_out_on_the_host_equal_build_block_tables(seed):
     assert got.dtype == torch.int32 and got.shape[-1] == layout.width
     assert torch.equal(got, want[..., :layout.width])
     assert not want[..., layout.width:].any()  # the rest of build_block_tables' width: padding
+
+
+@pytest.mark.parametrize("copied", [True, False], ids=["listed copy", "store reads"])
+def test_selecting_in_chunks_of_requests_chooses_what_one_call_does(copied):
+    """A Selector made with `chunk_requests` (the engine's: a chunk's score tensors are
+    its scratch) selects 2 requests at a time: the Selection and the Shortlist of five
+    requests are one call's, and so is a re-ranking of that shortlist (with its copy of
+    the listed summaries, or reading the stores)."""
+    from vllm_triforce.core.policies import make_policy
+    from vllm_triforce.core.selection import Selector, selection_chunk_requests
+
+    lengths, bs = (77, 80, 61, 90, 45), 4
+    summaries, table, _ = make_pool(lengths, block_size=bs, keep_keys=False,
+                                    keep_variance=True, seed=2)
+    committed = torch.tensor(lengths)
+    queries = torch.randn(2, len(lengths), 2, 4, 8, generator=torch.Generator().manual_seed(2))
+
+    def selector(chunk):
+        policy = make_policy("retrieval", variance=True)
+        if not copied:
+            policy.listed_copy = lambda *a: None
+        return Selector(policy, geometry(bs, 6, 1, 1), shortlist_factor=2,
+                        chunk_requests=chunk)
+
+    whole, chunked = selector(None), selector(2)
+    one = whole.choose(queries[0], summaries, table, committed, keep_shortlist=True)
+    parts = chunked.choose(queries[0], summaries, table, committed, keep_shortlist=True)
+    for field in ("logical_blocks", "num_selected", "tail_start"):
+        assert torch.equal(getattr(one.selection, field), getattr(parts.selection, field))
+    assert torch.equal(one.shortlist.logical, parts.shortlist.logical)
+    assert torch.equal(one.shortlist.physical, parts.shortlist.physical)
+    again = whole.choose(queries[1], summaries, table, committed, shortlist=one.shortlist)
+    again_parts = chunked.choose(queries[1], summaries, table, committed,
+                                 shortlist=parts.shortlist)
+    assert (parts.shortlist.copy is not None) == copied
+    assert torch.equal(again.selection.logical_blocks, again_parts.selection.logical_blocks)
+    assert selection_chunk_requests(8192) == 32 and selection_chunk_requests(256) == 128
+    assert selection_chunk_requests(10**6) == 1

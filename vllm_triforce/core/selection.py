@@ -20,6 +20,14 @@ at the step's start (`Selector.choose(keep_shortlist=True)`, then `shortlist=`).
 outside a layer's top few times num_retrieved a moment ago rarely enters its top
 num_retrieved a few tokens later, while re-scoring every candidate reads every
 candidate's summaries again in every round.
+
+Chunks of requests: a selection's scratch (score tensors of every request's table, the
+queries' copies) grows with the requests selecting together, so a Selector made with
+`chunk_requests` (the engine's: `selection_chunk_requests` of its longest table) selects at
+most that many at a time and concatenates the results, which then read as one selection.
+The bound lets every request of a short-context batch select in one chunk (at 4K tokens in
+blocks of 16, 128 requests), so the host does the same operations at batch 8 and 128, and
+keeps a long-context batch's chunks to today's largest (32 requests of 128K tokens).
 """
 
 from __future__ import annotations
@@ -33,6 +41,17 @@ from vllm_triforce.config import BlockCounts
 from vllm_triforce.core.blocks import PAD, candidate_bounds, candidate_mask
 from vllm_triforce.core.scoring import SelectionPolicy
 from vllm_triforce.core.tensors import on_device
+
+# A chunk of requests selecting together: at most this many, and at most this many blocks
+# of their tables together (32 requests of 128K tokens in blocks of 16), or one request.
+SELECTION_CHUNK_REQUESTS = 128
+SELECTION_CHUNK_BLOCKS = 32 * 8192
+
+
+def selection_chunk_requests(max_blocks: int) -> int:
+    """Requests of one selection chunk, for tables of at most `max_blocks` blocks.
+    Examples: 32 at 8,192 blocks (128K tokens of 16), 128 at 256 (4K), 1 past 262,144."""
+    return min(SELECTION_CHUNK_REQUESTS, max(1, SELECTION_CHUNK_BLOCKS // max(max_blocks, 1)))
 
 
 @dataclass
@@ -90,6 +109,18 @@ class Shortlist:
         committed = on_device(num_committed, logical.device, torch.long)
         return cls(logical, _physical(block_table, logical), frame(committed, blocks))
 
+    def part(self, rows: slice) -> "Shortlist":
+        """Requests `rows` of this shortlist, with what its first re-ranking read and copied."""
+        def cut(t):
+            return None if t is None else t[rows]
+
+        f = self.frame
+        return Shortlist(self.logical[rows], self.physical[rows],
+                         Frame(f.num_chosen[rows], f.sink_ids[rows], f.num_selected[rows],
+                               f.tail_start[rows]),
+                         cut(self.rows), cut(self.counts), cut(self.padding), cut(self.copy),
+                         self.copied)
+
     def summary_rows(self, summaries) -> tuple[Tensor, Tensor]:
         """(rows, counts) of the listed blocks in `summaries`, computed once."""
         if self.rows is None:
@@ -113,13 +144,16 @@ class Selector:
     are kept for the middle rounds when the policy can re-rank a shortlist (0: none),
     `keys` is where a policy with an `exact_stage` (`rerank`) reads exact keys (engine: vLLM's paged KV
     cache, engine/paged_keys.py; benchmarks: BlockSummaries' key copy; None: its first
-    stage alone). The engine may drop `keys` later (a reader that failed its check)."""
+    stage alone). The engine may drop `keys` later (a reader that failed its check).
+    `chunk_requests`: the most requests that select at once (module docstring; None: all
+    of a call's)."""
 
     def __init__(self, policy: SelectionPolicy, blocks: BlockCounts, shortlist_factor: int = 0,
-                 keys=None):
+                 keys=None, chunk_requests: int | None = None):
         self.policy = policy
         self.blocks = blocks
         self.keys = keys
+        self.chunk_requests = chunk_requests
         # At least max_chosen, the most select_blocks ever keeps of a request's candidates,
         # so a shortlist always holds every block a selection picks and `select_listed`
         # never needs the unlisted ones.
@@ -153,17 +187,44 @@ class Selector:
         re-rank only it, as between middle rounds (`select_listed`); else every candidate
         is scored (both stages of a two-stage policy). `keep_shortlist`: also return each
         layer's best candidates by these scores (when the policy re-ranks shortlists and
-        shortlist_factor > 0)."""
+        shortlist_factor > 0). At most `chunk_requests` requests at a time, the results
+        concatenated (`concat_choices`)."""
         if shortlist is not None:
-            rows, counts = shortlist.summary_rows(summaries)
-            if not shortlist.copied:  # the first re-ranking copies what the next ones read
-                self.release_copies()  # one copy at a time: the scratch reserves one
-                shortlist.copy = self.policy.listed_copy(summaries, rows, counts)
-                shortlist.copied = True
-                if shortlist.copy is not None:
-                    self._copies.append(shortlist)
+            self._copy_listed(shortlist, summaries)
+        num_reqs = query.shape[0]
+        size = self.chunk_requests or num_reqs
+        if num_reqs <= size:
+            return self._choose(query, summaries, block_table, num_committed, states,
+                                shortlist, keep_shortlist)
+        committed = on_device(num_committed, block_table.device, torch.long)
+        parts = [slice(lo, lo + size) for lo in range(0, num_reqs, size)]
+        return concat_choices([
+            self._choose(query[p], summaries, block_table[p], committed[p],
+                         None if states is None else states[p],
+                         None if shortlist is None else shortlist.part(p), keep_shortlist)
+            for p in parts])
+
+    def _copy_listed(self, shortlist: Shortlist, summaries) -> None:
+        """Before a shortlist's first re-ranking: its summary rows, and the copy of what
+        the next re-rankings read (one copy at a time: the scratch reserves one)."""
+        shortlist.summary_rows(summaries)
+        if shortlist.padding is None:
+            shortlist.padding = shortlist.logical < 0
+        if shortlist.copied:
+            return
+        self.release_copies()
+        shortlist.copy = self.policy.listed_copy(summaries, shortlist.rows, shortlist.counts)
+        shortlist.copied = True
+        if shortlist.copy is not None:
+            self._copies.append(shortlist)
+
+    def _choose(self, query: Tensor, summaries, block_table: Tensor, num_committed: Tensor,
+                states, shortlist: Shortlist | None, keep_shortlist: bool) -> Choice:
+        """`choose` for one chunk of requests (a shortlist's summary rows already read)."""
+        if shortlist is not None:
             scores = self.policy.shortlist_scores(query, summaries, shortlist.physical,
-                                                  rows=rows, counts=counts, copy=shortlist.copy)
+                                                  rows=shortlist.rows, counts=shortlist.counts,
+                                                  copy=shortlist.copy)
             return Choice(select_listed(scores, shortlist, self.blocks))
         committed = on_device(num_committed, block_table.device, torch.long)
         scores = self.policy.block_scores(query, summaries, block_table, committed, states)
@@ -175,6 +236,19 @@ class Selector:
                                                 self.shortlist_size),
                                 block_table, committed, self.blocks)
         return Choice(select_blocks(scores, committed, self.blocks), kept)
+
+
+def concat_choices(choices: list[Choice]) -> Choice:
+    """The Choices of consecutive chunks of requests, as one (their rows in order)."""
+    selection = Selection(*(torch.cat([getattr(c.selection, f) for c in choices])
+                            for f in ("logical_blocks", "num_selected", "tail_start")))
+    kept = [c.shortlist for c in choices]
+    if kept[0] is None:
+        return Choice(selection)
+    frame_ = Frame(*(torch.cat([getattr(s.frame, f) for s in kept])
+                     for f in ("num_chosen", "sink_ids", "num_selected", "tail_start")))
+    return Choice(selection, Shortlist(torch.cat([s.logical for s in kept]),
+                                       torch.cat([s.physical for s in kept]), frame_))
 
 
 def select_blocks(scores: Tensor, num_committed: Tensor, blocks: BlockCounts) -> Selection:
