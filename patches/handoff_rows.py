@@ -7,8 +7,9 @@ request ids in row order; at the next step `_get_spec_decode_draft_probs` finds 
 request's row by its id in that list and reads `_draft_probs[row, :num_draft]`. So a
 drafter must hand vLLM one row per request of the batch: `[max_num_seqs, gamma2, V]`
 float32 kept for the largest batch (3.2 GB at vLLM's H100 default of 1,024 sequences and a
-128K vocabulary), although at most MAX_DRAFTING_REQUESTS (32) TriForce requests draft in a
-step.
+128K vocabulary), in batch order, although TriForce has rows only for the requests that may
+draft at once (the drafting cap, engine/memory.py `Sizing.drafting`: max_num_seqs, or fewer
+where the KV cache's share holds fewer) and fills them in the order they draft.
 
 How: wrap `propose_draft_token_ids`; after it returns, if vLLM kept draft probabilities and
 the drafter names the request of each of their rows (`last_draft_prob_req_ids()`, TriForce's

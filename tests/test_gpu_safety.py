@@ -20,7 +20,7 @@ from vllm_triforce.config import TriForceConfig, TriForceConfigError
 from vllm_triforce.core.policies import make_policy
 from vllm_triforce.core.policy_facts import SummaryKinds
 from vllm_triforce.engine.forward import PassInputs, run, split_pass
-from vllm_triforce.engine.memory import MemoryPlan
+from vllm_triforce.engine.shape import EngineShape
 
 SPEC = {"method": "triforce", "num_speculative_tokens": 4, "retrieval_budget": 160,
         "retrieval_sink_tokens": 16, "retrieval_recent_tokens": 32}
@@ -193,28 +193,31 @@ def test_three_level_refills_larger_than_max_num_batched_tokens(tiny_qwen2, tiny
 
 
 # ---- 4. memory accounted before vLLM sizes the KV cache -------------------------------
-def smollm2_plan(kv_dtype_bytes=4, **summaries):
-    """MemoryPlan of engine/memory.py's worked example (SmolLM2-135M, 8 requests, gamma2 6)."""
-    return MemoryPlan.for_engine(kv_bytes_per_block=30 * 2 * 32 * 3 * 64 * kv_dtype_bytes,
-                                 num_target_layers=30, num_kv_heads=3, head_dim=64,
-                                 block_size=32, kv_dtype_bytes=kv_dtype_bytes,
-                                 kinds=SummaryKinds(**summaries),
-                                 max_num_seqs=8, gamma2=6, gamma1=0, vocab_size=49152)
+def smollm2_plan(kv_dtype_bytes=4, max_num_seqs=8, **summaries):
+    """MemoryPlan of engine/memory.py's worked example (SmolLM2-135M, 8 requests, gamma2 6,
+    no selection or fold scratch), from the engine shape's sizes."""
+    shape = EngineShape.from_sizes(
+        num_layers=30, num_kv_heads=3, head_dim=64, vocab_size=49152, block_size=32,
+        max_num_seqs=max_num_seqs, cfg=TriForceConfig(num_speculative_tokens=6),
+        summary_dtype={4: torch.float32, 2: torch.bfloat16}[kv_dtype_bytes],
+        kinds=SummaryKinds(**summaries))
+    return shape.memory_plan(30 * 2 * 32 * 3 * 64 * kv_dtype_bytes, backend=None)
 
 
 def test_memory_plan_worked_example():
     """engine/memory.py's docstring example, SmolLM2-135M float32."""
     plan = smollm2_plan()
     assert plan.summary_bytes_per_block == 23_044
-    assert plan.fixed_bytes == 47_185_920
-    assert plan.kv_budget(2**30) == 685 * 1_474_560
-    assert 2**30 - plan.kv_budget(2**30) == 63_668_224
+    assert plan.fixed_bytes == 249 * 49_152 * 4 == 48_955_392
+    assert plan.sized(684).drafting == 8  # within 1/16 of the KV: every request drafts
+    assert plan.kv_budget(2**30) == 684 * 1_474_560
+    assert 2**30 - plan.kv_budget(2**30) == 65_142_784
     quest = smollm2_plan(keep_bounds=True)  # selection_policy "quest": min + max
     assert quest.summary_bytes_per_block == 69_124
-    assert quest.kv_budget(2**30) == 665 * 1_474_560
+    assert quest.kv_budget(2**30) == 663 * 1_474_560
     variance = smollm2_plan(keep_variance=True)  # key_variance (the default)
     assert variance.summary_bytes_per_block == 46_084
-    assert variance.kv_budget(2**30) == 675 * 1_474_560
+    assert variance.kv_budget(2**30) == 673 * 1_474_560
     bf16 = smollm2_plan(kv_dtype_bytes=2, keep_variance=True)  # deviations stay float32
     assert bf16.summary_bytes_per_block == 11_520 + 23_040 + 4
 
@@ -252,10 +255,7 @@ def test_reservation_is_computed_and_applied(tiny_llama):
 def test_plugin_chosen_cpu_kv_size_leaves_room_for_the_reservation():
     """When the plugin sizes the CPU KV cache itself (patches/cpu_defaults.py), it adds what
     TriForce will reserve, so the KV that remains still holds the size it chose."""
-    plan = MemoryPlan.for_engine(kv_bytes_per_block=1_474_560, num_target_layers=30,
-                                 num_kv_heads=3, head_dim=64, block_size=32, kv_dtype_bytes=4,
-                                 kinds=SummaryKinds(), max_num_seqs=1, gamma2=6, gamma1=0,
-                                 vocab_size=49152)
+    plan = smollm2_plan(max_num_seqs=1)
     wanted = 2128 * 46_080  # one 2,128-token request of SmolLM2 float32
     assert plan.kv_budget(plan.available_for(wanted)) >= wanted
     assert plan.kv_budget(wanted) < wanted  # without it, one request no longer fits

@@ -2,8 +2,9 @@
 stays in proportion to the KV cache it serves.
 
 A tiny target with a 152,064-token vocabulary (Qwen2.5's), gamma2 = 6, top-p sampling, two
-and three levels: torch's memory profiler records every allocation of a few `propose` calls
-on CPU; the peak of what each call allocated (and held at once) plus the preallocated
+and three levels (and 24 requests of three levels over a 16,384-token vocabulary, past one
+chunk of the middle round's vocabulary work): torch's memory profiler records every
+allocation of a few `propose` calls on CPU; the peak of what each call allocated (and held at once) plus the preallocated
 probability buffer must fit the fixed part the engine reserved (`Sizing.fixed_bytes`, from
 `vocabulary_rows`). The model's forwards inside `propose` count too: on a GPU their logits
 are TriForce's as well. The selection, the fold and the lazy reads are profiled against
@@ -20,6 +21,8 @@ pytestmark = pytest.mark.engine
 
 VOCAB = 152_064
 BATCH = 4
+MID_VOCAB = 16_384
+CHUNKED_BATCH = 24
 PROFILED_CALLS = (2, 3)  # decode steps (call 1 is the prefill)
 PROFILED_KV_BYTES = 3 * 2**30
 
@@ -47,29 +50,45 @@ def peak_bytes(fn):
     return out, peak
 
 
+def tiny_target_and_draft(path, vocab_size: int):
+    return (tiny_models.build_tiny_llama(path / "target", num_layers=2, hidden=64, heads=2,
+                                         kv_heads=2, vocab_size=vocab_size),
+            tiny_models.build_tiny_llama_draft(path / "draft", vocab_size=vocab_size))
+
+
 @pytest.fixture(scope="module")
 def big_vocab(tmp_path_factory):
-    path = tmp_path_factory.mktemp("big_vocab")
-    return (tiny_models.build_tiny_llama(path / "target", num_layers=2, hidden=64, heads=2,
-                                         kv_heads=2, vocab_size=VOCAB),
-            tiny_models.build_tiny_llama_draft(path / "draft", vocab_size=VOCAB))
+    return tiny_target_and_draft(tmp_path_factory.mktemp("big_vocab"), VOCAB)
 
 
-@pytest.mark.parametrize("levels", [2, 3])
-def test_propose_peak_fits_the_reserved_memory(levels, big_vocab, monkeypatch):
+@pytest.fixture(scope="module")
+def mid_vocab(tmp_path_factory):
+    """A smaller vocabulary, so that the rows of a batch past one chunk of the middle
+    round's vocabulary work fit a sixteenth of the profiled cache."""
+    return tiny_target_and_draft(tmp_path_factory.mktemp("mid_vocab"), MID_VOCAB)
+
+
+@pytest.mark.parametrize("levels,batch", [(2, BATCH), (3, BATCH), (3, CHUNKED_BATCH)])
+def test_propose_peak_fits_the_reserved_memory(levels, batch, request, monkeypatch):
+    """`CHUNKED_BATCH` requests of three levels (gamma1 2): more than one chunk of 21
+    requests (engine/buffers.py `middle_chunk_requests`), so the fixed part covers the
+    chunks' temporaries and each request's own rows."""
     from vllm import LLM, SamplingParams
 
-    target, draft = big_vocab
+    target, draft = request.getfixturevalue("big_vocab" if batch == BATCH else "mid_vocab")
+    vocab = VOCAB if batch == BATCH else MID_VOCAB
     spec = {"method": "triforce", "num_speculative_tokens": 6, "retrieval_budget": 160,
             "retrieval_sink_tokens": 16, "retrieval_recent_tokens": 32, "adaptive": False}
     if levels == 3:
         spec.update(model=str(draft), draft_window_tokens=96, draft_tokens_per_round=2)
-    # a cache whose sixteenth holds the rows of all BATCH requests (three levels: 160 MB);
+    # a cache whose sixteenth holds the rows of all the requests (three levels: 160 MB);
     # vLLM's CPU platform would take VLLM_CPU_KVCACHE_SPACE instead
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
+    # the chunked batch's prompts prefill in one step, so the profiled calls decode
+    batched = {} if batch == BATCH else {"max_num_batched_tokens": 16384}
     llm = LLM(str(target), speculative_config=spec,
-              **make_engine_kwargs(max_num_seqs=BATCH, max_model_len=2048,
-                                   kv_cache_memory_bytes=PROFILED_KV_BYTES))
+              **make_engine_kwargs(max_num_seqs=batch, max_model_len=2048,
+                                   kv_cache_memory_bytes=PROFILED_KV_BYTES, **batched))
     try:
         drafter = drafter_of(llm)
         original, calls, peaks = drafter.propose, [0], []
@@ -83,7 +102,7 @@ def test_propose_peak_fits_the_reserved_memory(levels, big_vocab, monkeypatch):
             return out
 
         drafter.propose = profiled
-        prompts = [tiny_models.make_text(300, seed=i) for i in range(BATCH)]
+        prompts = [tiny_models.make_text(300, seed=i) for i in range(batch)]
         llm.generate(prompts, SamplingParams(temperature=0.8, top_p=0.9, max_tokens=4,
                                              ignore_eos=True), use_tqdm=False)
         stats = drafter.stats.snapshot()
@@ -91,10 +110,11 @@ def test_propose_peak_fits_the_reserved_memory(levels, big_vocab, monkeypatch):
     finally:
         free_llm(llm)
     assert_drafted(stats, levels)
-    row = VOCAB * 4
-    print(f"\n{levels} levels: propose peaks {[round(p / row, 1) for p in peaks]} vocabulary "
-          f"rows + buffer {buffer.numel() * 4 / row:.0f}; reserved {sizing.fixed_bytes / row:.0f}")
-    assert sizing.drafting == BATCH == buffer.shape[0]  # every request drafted at once
+    row = vocab * 4
+    print(f"\n{levels} levels, {batch} requests: propose peaks "
+          f"{[round(p / row, 1) for p in peaks]} vocabulary rows + buffer "
+          f"{buffer.nbytes / row:.0f}; reserved {sizing.fixed_bytes / row:.0f}")
+    assert sizing.drafting == batch == buffer.rows.shape[0]  # every request drafted at once
     assert len(peaks) == len(PROFILED_CALLS) and min(peaks) > 0
     assert buffer.nbytes + max(peaks) <= sizing.fixed_bytes
 
@@ -221,67 +241,70 @@ def test_fold_scratch_fits_its_reservation(monkeypatch, dtype, limited_by):
 SMALL_CACHE = 384 * 2**20
 
 
-def smollm2_plan(**over):
+def smollm2_plan(max_num_seqs=256, kv_bytes_per_block=1_474_560, backend=None):
     """engine/memory.py's small-cache example: SmolLM2-135M float32 (30 layers x 3 KV heads
     x 64, 9 query heads, V 49,152), block 32, key variance, vLLM's CPU `LLM` defaults
-    (256 sequences, so a drafting cap of 32, the shape's `max_drafting`; 4,096 batched
-    tokens), max_model_len 4,096, gamma2 4, two levels."""
-    from vllm_triforce.core.policy_facts import SummaryKinds
-    from vllm_triforce.engine.memory import MemoryPlan
+    (256 sequences, the shape's drafting cap before the cache bounds it; 4,096 batched
+    tokens), max_model_len 4,096, gamma2 4, two levels: an EngineShape from these sizes."""
+    from vllm_triforce.config import TriForceConfig
+    from vllm_triforce.engine.shape import EngineShape
 
-    kwargs = dict(kv_bytes_per_block=1_474_560, num_target_layers=30, num_kv_heads=3,
-                  head_dim=64, block_size=32, kv_dtype_bytes=4,
-                  kinds=SummaryKinds(keep_variance=True), max_num_seqs=32, gamma2=4,
-                  gamma1=0, vocab_size=49_152, max_blocks=128, num_q_heads=9,
-                  max_batched_tokens=4096)
-    return MemoryPlan.for_engine(**{**kwargs, **over})
+    shape = EngineShape.from_sizes(
+        num_layers=30, num_kv_heads=3, head_dim=64, vocab_size=49_152, block_size=32,
+        max_num_seqs=max_num_seqs, cfg=TriForceConfig(num_speculative_tokens=4),
+        max_model_len=4096, max_batched_tokens=4096, num_q_heads=9)
+    return shape.memory_plan(kv_bytes_per_block, backend)
 
 
 def test_a_small_cache_keeps_a_small_share_worked_example():
     """The docstring's numbers: 252 blocks, reads of 1/256 of their KV (63 tokens' keys),
-    the fold's five pieces the largest scratch, two drafting requests (a third's rows would
-    pass 1/16 of the KV), 7.7% of 384 MiB reserved where the unbounded plan wanted more
-    than the whole budget."""
+    the fold's five pieces the largest scratch, two of the 256 sequences drafting at once (a
+    third's rows would pass 1/16 of the KV), 7.7% of 384 MiB reserved where the unbounded
+    plan wanted more than three times the whole budget."""
     plan = smollm2_plan()
     assert plan.blocks_for(SMALL_CACHE) == 252
     sizing = plan.sized(252)
     assert sizing.chunk_bytes == 371_589_120 // 256 == 1_451_520 == 63 * 23_040
     assert sizing.scratch_bytes == 5 * 1_451_520 == 7_257_600
     assert sizing.drafting == 2
-    assert sizing.probability_bytes == (2 * (4 + 3 + 8) + 13 * 2) * 49_152 * 4 == 11_010_048
-    assert sizing.scaled_bytes == 18_267_648 <= 371_589_120 // 16 == 23_224_320
-    assert plan.shape._sized(3, sizing.chunk_bytes, 252).scaled_bytes == 23_772_672
-    assert plan.footprint(252) == 252 * 1_520_644 + 18_267_648 == 401_469_936 <= SMALL_CACHE
+    # per request 4 hand-off rows + 1 of logits; 1 spare row; a chunk of 2: 3 x 2 + 8 x 2
+    assert sizing.probability_bytes == (2 * (4 + 1) + 1 + 3 * 2 + 8 * 2 + 13 * 2) * 49_152 \
+        * 4 == 11_599_872
+    assert sizing.scaled_bytes == 18_857_472 <= 371_589_120 // 16 == 23_224_320
+    assert plan._sized(3, sizing.chunk_bytes, 252).scaled_bytes == 24_559_104
+    assert plan.footprint(252) == 252 * 1_520_644 + 18_857_472 == 402_059_760 <= SMALL_CACHE
     assert plan.footprint(253) > SMALL_CACHE
     reserved = SMALL_CACHE - plan.kv_budget(SMALL_CACHE)
     assert reserved == 31_064_064 and reserved <= SMALL_CACHE // 10
-    assert plan.fixed_bytes > SMALL_CACHE  # 32 requests, 64 MiB reads: 488 MiB
+    assert plan.fixed_bytes > 3 * SMALL_CACHE  # 256 requests, 64 MiB reads: 1,286 MiB
 
 
 def test_the_read_chunk_is_a_256th_of_the_cache_between_one_block_and_64_mib():
-    shape = smollm2_plan().shape
+    plan = smollm2_plan()
     block_keys = 32 * 30 * 3 * 64 * 4  # 737,280 B: what a lazy read copies at the least
-    assert shape.chunk_bytes(256 * 2**20) == 2**20
-    assert shape.chunk_bytes(100 * 2**20) == block_keys  # 400 KiB would hold no block
-    assert shape.chunk_bytes(0) == block_keys
-    assert shape.chunk_bytes(32 * 2**30) == shape.chunk_bytes(None) == 64 * 2**20
+    assert plan.chunk_bytes(256 * 2**20) == 2**20
+    assert plan.chunk_bytes(100 * 2**20) == block_keys  # 400 KiB would hold no block
+    assert plan.chunk_bytes(0) == block_keys
+    assert plan.chunk_bytes(32 * 2**30) == plan.chunk_bytes(None) == 64 * 2**20
 
 
 def test_the_drafting_cap_grows_with_the_cache_within_a_sixteenth():
     """From the smallest cache up to one that bounds nothing: the cap never shrinks as the
-    cache grows, rows and scratch stay within 1/16 of the KV unless one request alone
-    passes it, and a larger budget never gives fewer blocks."""
+    cache grows, up to max_num_seqs (256), rows and scratch stay within 1/16 of the KV
+    unless one request alone passes it, and a larger budget never gives fewer blocks."""
     plan = smollm2_plan()
     caps, blocks = [], []
-    for num_blocks in range(0, 8000, 50):
+    for num_blocks in range(0, 12_000, 80):
         sizing = plan.sized(num_blocks)
         kv_bytes = num_blocks * plan.kv_bytes_per_block
         assert sizing.drafting == 1 or sizing.scaled_bytes * 16 <= kv_bytes
         caps.append(sizing.drafting)
         blocks.append(plan.blocks_for(plan.footprint(num_blocks)))
         assert blocks[-1] >= num_blocks
-    assert caps == sorted(caps) and caps[0] == 1 and caps[-1] == 32
+    assert caps == sorted(caps) and caps[0] == 1 and caps[-1] == 256  # max_num_seqs
     assert blocks == sorted(blocks)
+    every = plan.blocks_for_drafting(256)  # what the start-up log names for all to draft
+    assert plan.sized(every).drafting == 256 > plan.sized(every - 1).drafting
 
 
 def test_selection_scratch_is_no_wider_than_the_cache():
@@ -353,14 +376,17 @@ def test_the_384_mib_smollm2_engine_starts_drafts_and_reserves_at_most_a_tenth(s
                            SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
         stats, plan, sizing = drafter.stats.snapshot(), drafter.memory_plan(), drafter.sizing
         facts = (drafter.reserved_bytes, drafter.summaries.num_blocks,
-                 drafter.summaries.chunk_bytes, drafter._probs_buffer.shape[0],
+                 drafter.summaries.chunk_bytes, drafter._probs_buffer.rows.shape[0],
                  drafter.depth.max_drafting)
     finally:
         free_llm(llm)
     reserved, num_blocks, chunk_bytes, buffer_rows, cap = facts
     print(f"\n384 MiB: reserved {reserved / 2**20:.1f} MiB ({100 * reserved / SMALL_CACHE:.1f}%),"
           f" {num_blocks} blocks, {sizing.drafting} drafting, {stats['top_proposed']} drafts")
-    assert plan == smollm2_plan()  # the engine plans what the worked example does
+    example = smollm2_plan()  # the engine plans what the worked example does
+    assert (plan.kv_bytes_per_block, plan.summary_bytes_per_block, plan.sized(num_blocks)) \
+        == (example.kv_bytes_per_block, example.summary_bytes_per_block,
+            example.sized(num_blocks))
     assert reserved == SMALL_CACHE - plan.kv_budget(SMALL_CACHE) <= SMALL_CACHE // 10
     assert num_blocks == plan.blocks_for(SMALL_CACHE) >= 128
     assert sizing == plan.sized(num_blocks)
@@ -417,7 +443,7 @@ def test_the_cpu_kv_sizing_and_the_workers_reservation_agree(tiny_llama, monkeyp
     else:
         config, worker, given, engine = engine_worker_plan(tiny_llama, monkeypatch, backend)
     per_token = cpu_defaults.kv_bytes_per_token(config)
-    assert (worker.shape.builder_bytes > 0) == (backend != "CPU_ATTN")
+    assert (worker.builder_bytes > 0) == (backend != "CPU_ATTN")
     chosen, bound = cpu_defaults.kv_cache_bytes(per_token, 1024, 2, free_bytes=2**40,
                                                 block_size=32)
     assert bound == "demand" and given == worker.available_for(chosen)
@@ -485,5 +511,4 @@ def test_flashinfers_plan_adds_one_per_layer_builder_per_target_layer(tiny_llama
     stateless = shape.memory_plan(flashinfer.kv_bytes_per_block, "CPU_ATTN")
     per_block, fixed = shape.one_builder_bytes("FLASHINFER")
     assert per_block == 0 and fixed > 0
-    assert flashinfer == dataclasses.replace(
-        stateless, shape=dataclasses.replace(stateless.shape, builder_bytes=2 * fixed))
+    assert flashinfer == dataclasses.replace(stateless, builder_bytes=2 * fixed)

@@ -31,7 +31,7 @@ from vllm_triforce.core.tables import build_block_tables
 from vllm_triforce.core.verify import sample_tokens
 from vllm_triforce.engine.batch import StepBatch
 from vllm_triforce.engine.draft_level import draft_proposals
-from vllm_triforce.engine.middle import MiddleLoop, hand_off
+from vllm_triforce.engine.middle import HandOffBuffer, MiddleLoop, hand_off
 from vllm_triforce.engine.transfer import to_device, to_host
 from vllm_triforce.bench.syncs import SyncCounter
 
@@ -140,8 +140,8 @@ class StandInRetrieval(_Lookup):
         self.batch, self.states = batch, states
 
     def forward(self, rows, token_ids, positions):
-        if not isinstance(token_ids, torch.Tensor):  # host lists, as the engine passes them
-            token_ids = to_device(self.batch.device, [t for ids in token_ids for t in ids])[0]
+        if not isinstance(token_ids, torch.Tensor):  # a host list, as the engine passes it
+            token_ids = to_device(self.batch.device, token_ids)[0]
         return self.run(token_ids)
 
     def select_in_middle(self, rows, drafts_by_row):
@@ -234,7 +234,7 @@ def test_middle_rounds_sync_once_each(device, greedy, gamma1):
                                     last_num_drafts=0) for r in range(len(greedy))]
     step = StandInRetrieval(target.to(device), batch, states)
     rows, depths = [0, 1, 2, 3], [6, 5, 0, 6]
-    buffer = torch.zeros(3, 6, VOCAB, device=device)  # a row per drafting request
+    buffer = HandOffBuffer(3, 6, VOCAB, device)  # a row per drafting request
     loop.run(step, rows, depths, buffer)  # warm-up
     loop.stats.rounds = 0
     with cuda_sync_warnings(device) as caught, SyncCounter(device_type=device) as counter:
@@ -264,6 +264,64 @@ def test_middle_rounds_sync_once_each(device, greedy, gamma1):
             assert drafts[r] == chain[1:]
 
 
+def many_requests(device: str, num: int, gen):
+    """A batch of `num` decoding requests, every fourth greedy, the others sampled with
+    assorted top-k / top-p, each with a seeded generator of its own (its draws then do not
+    depend on which requests share a chunk)."""
+    greedy = [r % 4 == 0 for r in range(num)]
+    batch = StepBatch(
+        req_ids=[str(r) for r in range(num)], seq_lens=[60] * num,
+        query_start_loc=list(range(num + 1)), num_rejected=[0] * num, decoding=[True] * num,
+        next_tokens=[(7 * r + 1) % VOCAB for r in range(num)], verify_ids=[3] * num,
+        greedy=greedy, block_table=random_block_table([64] * num, BLOCK, 64 * num, 8,
+                                                      gen).to(device),
+        temperature=torch.tensor([0.0 if g else 0.8 for g in greedy], device=device),
+        top_k=torch.tensor([(0, 50, 0, 20)[r % 4] for r in range(num)], device=device),
+        top_p=torch.tensor([(1.0, 1.0, 0.9, 0.8)[r % 4] for r in range(num)], device=device),
+        requests=[None] * num)
+    states = [types.SimpleNamespace(generator=torch.Generator(device=device).manual_seed(r),
+                                    refresh=None, last_num_drafts=0) for r in range(num)]
+    return batch, states
+
+
+@pytest.mark.parametrize("gamma1", [2, 0], ids=["three-level", "two-level"])
+def test_a_round_of_more_requests_than_a_chunk_equals_one_unchunked_round(gamma1,
+                                                                          monkeypatch):
+    """70 requests (two levels: more than one chunk of 64 token rows; three: four chunks of
+    21 requests): the middle tokens and the hand-off rows are those of the same rounds run
+    as one chunk, and a round's spare-row writes never land in a request's rows."""
+    from vllm_triforce.engine import draft_level, middle
+
+    gen = torch.Generator().manual_seed(6)
+    target = torch.randn(VOCAB, VOCAB, generator=gen)
+    draft = target + 0.5 * torch.randn(VOCAB, VOCAB, generator=gen)
+    num, depths = 70, [(6, 5, 3, 1, 4)[r % 5] for r in range(70)]
+
+    def run(chunked: bool):
+        if not chunked:
+            monkeypatch.setattr(middle, "middle_chunk_requests", lambda gamma1: 10_000)
+            monkeypatch.setattr(draft_level, "MIDDLE_CHUNK_ROWS", 10_000)
+        shared = torch.Generator().manual_seed(2)
+        loop = MiddleLoop(StandInDraft(draft, shared) if gamma1 else None, gamma1=gamma1,
+                          refresh=types.SimpleNamespace(record_round=lambda *a: None),
+                          stats=Counts(), generator=shared, measure_middle_acceptance=False)
+        batch, states = many_requests("cpu", num, torch.Generator().manual_seed(7))
+        buffer = HandOffBuffer(num, 6, VOCAB)
+        drafts_by_row = loop.run(StandInRetrieval(target, batch, states), list(range(num)),
+                                 depths, buffer)
+        drafts, probs, _ = hand_off(batch, states, drafts_by_row,
+                                    dict(enumerate(depths)), buffer)
+        return drafts, probs.clone(), loop.stats.rounds
+
+    chunked, whole = run(chunked=True), run(chunked=False)
+    assert chunked[0] == whole[0] and chunked[2] == whole[2]
+    assert [len(d) for d in chunked[0]] == depths
+    for r, k in enumerate(depths):  # the rows vLLM reads: each request's own k
+        assert torch.equal(chunked[1][r, :k], whole[1][r, :k]), r
+        drafted = chunked[1][r, torch.arange(k), torch.tensor(chunked[0][r])]
+        assert bool((drafted > 0).all()), r  # each draft has mass under its row
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_two_level_middle_tokens_are_draws_from_the_retrieval_level(device):
     """Two levels, sampled: each middle token is a draw from the retrieval level's
@@ -287,7 +345,7 @@ def test_two_level_middle_tokens_are_draws_from_the_retrieval_level(device):
               for _ in range(4)]
     step = StandInRetrieval(target.to(device), batch, states)
     rows = [0, 1, 2, 3]
-    buffer = torch.zeros(4, 6, vocab, device=device)
+    buffer = HandOffBuffer(4, 6, vocab, device)
     want = sampling_probs(target[batch.next_tokens].to(device), batch.temperature,
                           batch.top_k, batch.top_p, all_greedy=False).cpu()  # [4, V]
     counts = torch.zeros(4, vocab)
@@ -295,7 +353,7 @@ def test_two_level_middle_tokens_are_draws_from_the_retrieval_level(device):
         drafts = loop.run(step, rows, [1] * 4, buffer)
         for r in rows:
             counts[r, drafts[r].tokens[0]] += 1
-    torch.testing.assert_close(buffer[:, 0].cpu(), want)  # the kept q rows: p itself
+    torch.testing.assert_close(buffer.rows[:, 0].cpu(), want)  # the kept q rows: p itself
     assert counts[0, int(want[0].argmax())] == runs  # greedy: the argmax every time
     for r in (1, 2, 3):
         support = want[r] > 0

@@ -12,7 +12,8 @@ from vllm_triforce.config import FULL_KEY_POLICIES, POLICIES, TriForceConfig
 from vllm_triforce.core.policies import POLICIES as POLICY_CLASSES
 from vllm_triforce.core.policies import make_policy
 from vllm_triforce.core.policy_facts import POLICY_FACTS
-from vllm_triforce.engine.memory import MemoryPlan, allocate_summaries, summary_dtype
+from vllm_triforce.engine.memory import allocate_summaries, summary_dtype
+from vllm_triforce.engine.shape import EngineShape
 
 LAYERS, HEADS, DIM, BLOCK, NUM_BLOCKS = 3, 2, 8, 4, 10
 
@@ -28,11 +29,10 @@ def test_plan_reserves_what_the_allocation_holds(policy, kv_dtype, model_dtype, 
                          allow_full_key_copy=policy in FULL_KEY_POLICIES)
     kinds = cfg.summary_kinds()
     dtype = summary_dtype(kv_dtype, model_dtype)  # as the proposer's plan and allocation
-    plan = MemoryPlan.for_engine(
-        kv_bytes_per_block=LAYERS * 2 * BLOCK * HEADS * DIM * kv_dtype.itemsize,
-        num_target_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, block_size=BLOCK,
-        kv_dtype_bytes=dtype.itemsize, kinds=kinds, max_num_seqs=1, gamma2=1, gamma1=0,
-        vocab_size=16)
+    shape = EngineShape.from_sizes(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM,
+                                   vocab_size=16, block_size=BLOCK, max_num_seqs=1, cfg=cfg,
+                                   summary_dtype=dtype)
+    plan = shape.memory_plan(LAYERS * 2 * BLOCK * HEADS * DIM * kv_dtype.itemsize, backend=None)
     summaries = allocate_summaries(kinds, LAYERS, NUM_BLOCKS, HEADS, DIM, BLOCK, dtype)
     assert summaries.nbytes() == NUM_BLOCKS * plan.summary_bytes_per_block
     # ... and it is what the configured policy reads: it scores with it

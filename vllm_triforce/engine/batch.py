@@ -77,9 +77,10 @@ class StepBatch:
               rows_dev: torch.Tensor | None = None) -> torch.Tensor:
         """[n, V] logits -> the [n, V] distributions their requests' sampling params give:
         the same transform at every level (temperature, top-k, top-p; one-hot when greedy).
-        `rows` [n]: the request row of each logits row (`rows_dev`: the same on the device,
-        if the caller has it). One call per pass, not per request: the vocabulary-wide work
-        is batched."""
+        `rows` [n]: the request row of each logits row; or, with `rows_dev` (the request
+        row of each logits row, on the device), the requests they belong to, each listed
+        once (the host reads only their greedy flags). One call per pass or chunk of one,
+        not per request: the vocabulary-wide work is batched."""
         if rows_dev is None:
             rows_dev = self.rows_on_device(rows)
 

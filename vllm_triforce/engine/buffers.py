@@ -6,6 +6,18 @@ KV cache (`lazy_read_bytes`) and a fold of a prefill's keys (`fold_scratch_bytes
 of each the engine reserves, for how many drafting requests and which read chunk, is
 engine/memory.py's to decide.
 
+What grows with the drafting requests, and what does not. Every drafting request holds its
+own rows only where they cannot be shared: the gamma2 rows handed to vLLM (its rejection
+sampler reads them as float32) and, during a middle round, the passes' logits (what the
+model returns) and the small draft's proposal distributions. Everything else over the
+vocabulary (the distributions a round verifies with, `verify`'s copies, the draws) is done
+in chunks of at most MIDDLE_CHUNK_ROWS token rows (engine/middle.py), so it is a fixed
+amount whatever the batch; so is a selection's scratch: requests select in chunks whose
+tables hold at most SELECTION_CHUNK_BLOCKS blocks together (core/selection.py
+`selection_chunk_requests`). The cost of chunking is a few more operations per
+round once a batch passes a chunk (one chunk up to 64 requests of one token: the host
+does the same work at batch 8 and 64).
+
 Terms: R drafting requests, L target layers, H KV heads, D head size, B blocks per table;
 a "read chunk" is the most one chunked read of the summaries or of the KV cache copies
 (`reads.read_limit`: SCORE_CHUNK_BYTES, or the engine's smaller one).
@@ -14,18 +26,27 @@ a "read chunk" is the most one chunked read of the summaries or of the KV cache 
 from __future__ import annotations
 
 from vllm_triforce.core import reads
+from vllm_triforce.core.selection import selection_chunk_requests
 from vllm_triforce.core.verify import SAMPLING_CHUNK_ROWS
 
 FLOAT32_BYTES = 4
-# At most this many requests draft in one step: the drafting cap (engine/depth.py
-# `cap_drafting`) and what the buffers of drafting requests are sized for (engine/memory.py
-# reserves the middle rounds' vocabulary-wide rows for this many, not for every one of
-# max_num_seqs; for a small KV cache it sizes a smaller cap, `Sizing.drafting`).
-MAX_DRAFTING_REQUESTS = 32
 # vocabulary-wide temporaries per row of `sampling_probs` (`vocabulary_rows` lists them),
 # with room to spare (benchmarks/explore/sampling_chunks.py measures them on a GPU,
 # tests/test_memory_plan.py on a CPU)
 SAMPLING_ROWS_PER_ROW = 13
+# The middle round's vocabulary-wide work past the pass (distributions, verification,
+# draws, the copy into the hand-off buffer) runs on at most this many token rows at once
+# (engine/middle.py, engine/draft_level.py): one sampling chunk (core/verify.py)
+MIDDLE_CHUNK_ROWS = SAMPLING_CHUNK_ROWS
+# the hand-off buffer's one spare row (engine/middle.py `HandOffBuffer`)
+HAND_OFF_SPARE_ROWS = 1
+
+
+def middle_chunk_requests(gamma1: int) -> int:
+    """Requests of one chunk of a middle round's vocabulary-wide work: as many whole
+    requests of gamma1 + 1 token rows as MIDDLE_CHUNK_ROWS holds, at least one.
+    Example: 64 without a small draft, 21 at gamma1 = 2."""
+    return max(1, MIDDLE_CHUNK_ROWS // (gamma1 + 1))
 
 
 def vocabulary_rows(drafting: int, gamma2: int, gamma1: int) -> int:
@@ -39,18 +60,24 @@ def vocabulary_rows(drafting: int, gamma2: int, gamma1: int) -> int:
     * gamma2: the probabilities handed to vLLM (`hand_off`'s buffer, preallocated, one row
       per drafting request: patches/handoff_rows.py), which the middle rounds write into as
       they go (engine/middle.py);
-    * 3 (gamma1 + 1): the retrieval pass's logits, their distributions, and `verify`'s
-      float32 copy of them;
-    * gamma1 + 2 with a small draft: its proposals' distributions, one draft step's logits
-      and distribution;
-    * 8: `verify`'s final distribution (target and draft rows at the first rejection, the
-      residual, the choice) and its float64 cumulative sum (2 rows each, twice).
-    Fixed: `sampling_probs` transforms at most SAMPLING_CHUNK_ROWS rows at once, with at most
-    SAMPLING_ROWS_PER_ROW temporaries each (a float32 copy, sort values, int64 order, softmax,
-    cumulative mass, the mask; on CUDA the sort's own buffers)."""
-    per_request = gamma2 + 3 * (gamma1 + 1) + (gamma1 + 2 if gamma1 else 0) + 8
-    chunk = SAMPLING_ROWS_PER_ROW * min(SAMPLING_CHUNK_ROWS, drafting * (gamma1 + 1))
-    return drafting * per_request + chunk
+    * gamma1 + 1: the retrieval pass's logits (a draft step's one row comes before them);
+    * gamma1 with a small draft: its proposals' distributions, kept for the verification.
+    Per chunk of C = `middle_chunk_requests` requests (at most `drafting`), T = C (gamma1 + 1)
+    token rows: 3 T (the chunk's distributions, their per-request layout, `verify`'s float32
+    copy; the copy into the hand-off buffer comes after that copy is freed), 8 C
+    (`verify`'s final distribution: target and draft rows at the first rejection, the
+    residual, the choice, and its float64 cumulative sum, 2 rows each, twice) and the
+    temporaries of `sampling_probs`, SAMPLING_ROWS_PER_ROW per row of at most
+    SAMPLING_CHUNK_ROWS rows (a float32 copy, sort values, int64 order, softmax, cumulative
+    mass, the mask; on CUDA the sort's own buffers).
+    Fixed besides: the hand-off buffer's spare row (engine/middle.py `HandOffBuffer`).
+    Example, gamma2 6, no small draft: 7 rows per request and, from 64 requests up, a
+    fixed 1 + 3 x 64 + 8 x 64 + 13 x 64 = 1,537 rows."""
+    per_request = gamma2 + (gamma1 + 1) + gamma1
+    chunk = min(drafting, middle_chunk_requests(gamma1))
+    tokens = chunk * (gamma1 + 1)
+    return (drafting * per_request + HAND_OFF_SPARE_ROWS + 3 * tokens + 8 * chunk
+            + SAMPLING_ROWS_PER_ROW * min(SAMPLING_CHUNK_ROWS, tokens))
 
 
 # `selection_scratch_bytes`: score tensors [R, L, B] float32 alive at once (the dots of
@@ -68,26 +95,34 @@ def selection_scratch_bytes(drafting: int, num_layers: int, max_blocks: int,
                             num_kv_heads: int, head_dim: int, num_q_heads: int,
                             chunk_bytes: int | None = None, num_blocks: int | None = None) -> int:
     """Bytes a block selection may hold at once beyond the summaries, for `drafting`
-    requests selecting together over tables of `max_blocks` (no wider than the `num_blocks`
-    the cache holds; None: unbounded): SCORE_COPIES score tensors, the "all" strategy's dots
-    over the store, CHUNK_READS chunks of the summary store (each at most `chunk_bytes`,
-    the engine's read chunk, None: SCORE_CHUNK_BYTES, or the whole read where that is
-    smaller; between middle rounds one of them is the shortlist's copy,
+    requests selecting over tables of `max_blocks` (no wider than the `num_blocks` the
+    cache holds; None: unbounded), R at a time (core/selection.py
+    `selection_chunk_requests`: at most SELECTION_CHUNK_REQUESTS, and tables of at most
+    SELECTION_CHUNK_BLOCKS blocks together, or one request): SCORE_COPIES score tensors,
+    the "all" strategy's dots over the store, CHUNK_READS chunks of the summary store (each
+    at most `chunk_bytes`, the engine's read chunk, None: SCORE_CHUNK_BYTES, or the whole
+    read where that is smaller; between middle rounds one of them is the shortlist's copy,
     `RetrievalPolicy.listed_copy`, kept for the step's re-rankings, which then read no
-    store), a pass's stacked queries (at most STACKED_QUERIES_BYTES and one chunk) and three
-    float32 copies of the selecting requests' queries. Llama-3.1-8B at 128K (B = 8,192,
-    L = 32, 8 x 128 KV, 32 query heads), 32 drafting requests, a cache of 22,700 blocks:
-    201 MB of scores + 93 MB of dots + 201 MB of chunks + 84 MB of queries = 0.58 GB; at 4
-    requests 25 + 12 + 201 + 40 MB = 0.28 GB."""
+    store), a pass's stacked queries (at most STACKED_QUERIES_BYTES and one chunk) and
+    three float32 copies of the R requests' queries (one of them the gathered queries of
+    every selecting request: past one chunk, the others' count once more). Llama-3.1-8B at
+    128K (B = 8,192, L = 32, 8 x 128 KV, 32 query heads), a cache of 22,700 blocks, 32
+    drafting requests (R = 32: 262,144 / 8,192): 201 MB of scores + 93 MB of dots + 201 MB
+    of reads + 84 MB of queries = 0.58 GB, and 0.5 MB of queries more per drafting request
+    past 32; at 4 requests 25 + 12 + 201 + 40 MB = 0.28 GB."""
     from vllm_triforce.engine.retrieval_level import STACKED_QUERIES_BYTES
 
     chunk = _read_chunk(chunk_bytes)
-    store = 2 * drafting * max_blocks  # "all" reads the store only when it is this small
+    requests = min(drafting, selection_chunk_requests(max_blocks))
+    store = 2 * requests * max_blocks  # "all" reads the store only when it is this small
     if num_blocks is not None:
         max_blocks, store = min(max_blocks, num_blocks), min(store, num_blocks)
-    scores = (SCORE_COPIES * max_blocks + store) * drafting * num_layers * FLOAT32_BYTES
-    whole_read = drafting * max_blocks * num_layers * num_kv_heads * head_dim * FLOAT32_BYTES
-    queries = 3 * drafting * num_layers * num_q_heads * head_dim * FLOAT32_BYTES
+    scores = (SCORE_COPIES * max_blocks + store) * requests * num_layers * FLOAT32_BYTES
+    whole_read = requests * max_blocks * num_layers * num_kv_heads * head_dim * FLOAT32_BYTES
+    # three copies of a chunk's queries, one of them the gathered queries of every
+    # selecting request (the rest of those, past one chunk, counted once more)
+    queries = ((3 * requests + drafting - requests) * num_layers * num_q_heads * head_dim
+               * FLOAT32_BYTES)
     return (scores + CHUNK_READS * min(chunk, whole_read) + min(STACKED_QUERIES_BYTES, chunk)
             + queries)
 

@@ -36,8 +36,9 @@ Two rules come before the clocks (`DepthChooser.plan`):
   middle rounds' draws), so this is what makes its text a function of its prompt,
   parameters and seed alone: not of clocks, other requests or the engine's history. The
   drafting cap admits seeded requests first; the guarantee holds while no more seeded
-  requests draft in one step than the cap (MAX_DRAFTING_REQUESTS, or the memory plan's
-  smaller one; past it, which ones draft depends on the batch, logged once), and with
+  requests draft in one step than the cap (max_num_seqs, unless the memory plan's share
+  of a small cache holds fewer: `Sizing.drafting`; past it, which ones draft depends on
+  the batch, logged once), and with
   vLLM's Dynamic SD table (a depth that depends on the batch size) per batch size only.
   Greedy requests need no rule: their tokens are plain vLLM's whatever the depth.
 - a request with a sampling setting vLLM's rejection sampler does not apply to drafted
@@ -61,18 +62,19 @@ from vllm.logger import init_logger
 from vllm_triforce.core.controller import SpeculationController, middle_level_is_the_target
 from vllm_triforce.core.plans import DRAFT, RETRIEVAL, Plan
 from vllm_triforce.core.estimates import DecayedMean
-from vllm_triforce.engine.buffers import MAX_DRAFTING_REQUESTS
 
 logger = init_logger("vllm.triforce")
 
 
-def cap_drafting(depths: list[int], cap: int = MAX_DRAFTING_REQUESTS,
+def cap_drafting(depths: list[int], cap: int,
                  first: list[bool] | None = None) -> list[int]:
     """At most `cap` positive depths: the drafting requests marked in `first` (seeded
     ones, whose text must not depend on the others), then the rest, each in batch order
     (vLLM's, oldest first), keep theirs; the others run a plain step.
     Examples: cap_drafting([2, 0, 3, 1], 2) -> [2, 0, 3, 0];
     cap_drafting([2, 0, 3, 1], 2, first=[False, False, False, True]) -> [2, 0, 0, 1]."""
+    if sum(1 for k in depths if k > 0) <= cap:  # the usual case: nothing to cut
+        return list(depths)
     first = first or [False] * len(depths)
     order = ([i for i, f in enumerate(first) if f]
              + [i for i, f in enumerate(first) if not f])
@@ -113,12 +115,14 @@ class DepthChooser:
     which plans it (`plan`, through this chooser's), hears its middle rounds and ends it.
     `fixed_depth`: the configured fixed depth (`adaptive: false`: num_speculative_tokens;
     None: the controller decides), which `fix` overrides. Either way at most
-    `max_drafting` requests draft in a step (`cap_drafting`), seeded ones first."""
+    `max_drafting` requests draft in a step (`cap_drafting`), seeded ones first (None:
+    every decoding request may)."""
 
     def __init__(self, max_depth: int, has_draft: bool, stats, fixed_depth: int | None = None,
-                 share=None, blocks=None, max_drafting: int = MAX_DRAFTING_REQUESTS):
+                 share=None, blocks=None, max_drafting: int | None = None):
         self.configured_depth = self.fixed_depth = fixed_depth
-        # the drafting cap the memory plan reserved for (engine/memory.py `Sizing.drafting`)
+        # the drafting cap the memory plan reserved for (engine/memory.py `Sizing.drafting`:
+        # max_num_seqs, or what a small cache's share holds)
         self.max_drafting = max_drafting
         self.share = share  # obj -> rank 0's obj, on every rank (None: one rank)
         self.blocks = blocks  # config.BlockCounts (None: every context outgrows the budget)
@@ -188,8 +192,9 @@ class DepthChooser:
                                               plain)
             if self.share is not None:
                 depths, use_draft = self.share((depths, use_draft))
-        self._warn_if_seeded_over_cap(depths, seeded, self.max_drafting)
-        depths = cap_drafting(depths, self.max_drafting, first=seeded)
+        if self.max_drafting is not None:
+            self._warn_if_seeded_over_cap(depths, seeded, self.max_drafting)
+            depths = cap_drafting(depths, self.max_drafting, first=seeded)
         self.stats.record_depths(depths)
         return depths, use_draft
 

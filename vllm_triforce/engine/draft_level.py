@@ -18,6 +18,7 @@ import torch
 from vllm_triforce.config import TriForceConfigError
 from vllm_triforce.core.streaming import DraftWindow
 from vllm_triforce.core.verify import GREEDY_TEMPERATURE, sample_tokens
+from vllm_triforce.engine.buffers import MIDDLE_CHUNK_ROWS
 from vllm_triforce.engine.forward import build_pass, run_pass
 from vllm_triforce.engine.transfer import to_device
 
@@ -58,7 +59,8 @@ class DraftLevel:
             states[r].invalidate_draft_from(batch.verify_start[r], self.window.sink_tokens)
 
     def propose(self, batch, states, drafts_by_row, active, sizes):
-        """sizes[i] tokens for request active[i]; returns the proposals [len(active),
+        """sizes[i] tokens for request active[i] (`drafts_by_row[r]`: its middle tokens so
+        far, engine/middle.RequestDrafts); returns the proposals [len(active),
         max(sizes)] and their probs [len(active), max(sizes), V] (zero past each request's
         size), both on the device: a draft step feeds the next one without the host
         reading its tokens (the round reads them once, after verification)."""
@@ -123,41 +125,51 @@ class DraftLevel:
 def _token_ids(batch, drafts, row: int, positions: list[int]) -> list[int]:
     """Ids at committed positions come from vLLM; later ones are this step's middle tokens."""
     committed_end = batch.committed[row] + 1  # next_token included
+    middle = drafts.tokens if positions and positions[-1] >= committed_end else []
     out = []
     for pos in positions:
         if pos < committed_end:
             out.extend(batch.token_ids(row, pos, pos + 1))
         else:
-            out.append(drafts.tokens[pos - committed_end])
+            out.append(middle[pos - committed_end])
     return out
 
 
 def draft_proposals(batch, states, active: list[int], sizes: list[int], run_step,
-                    generator: torch.Generator):
+                    generator: torch.Generator, chunk_requests: int = MIDDLE_CHUNK_ROWS):
     """Level 1's proposals, step by step on the device: sizes[i] tokens for request
     active[i]. Step s calls `run_step(s, rows, reqs, previous)` for the requests still
     proposing (rows: their indices in `active`, reqs: their batch rows, previous: their
     step s - 1 proposals on the device, None at step 0) and gets their logits
     [len(rows), V]; each is sampled with its request's own transform (`StepBatch.probs`,
-    `sample_tokens`: its generator, else `generator`). Returns the proposals
-    [len(active), max(sizes)] and their probs [len(active), max(sizes), V] (zero past each
-    size), on the device: a step feeds the next without the host reading its tokens."""
+    `sample_tokens`: its generator, else `generator`), `chunk_requests` rows at a time (the
+    temporaries of a chunk, not of the batch: engine/buffers.py `vocabulary_rows`). Returns
+    the proposals [len(active), max(sizes)] and their probs [len(active), max(sizes), V]
+    (zero past each size), on the device: a step feeds the next without the host reading
+    its tokens."""
     max_size = max(sizes)
     proposals = probs = None
     for step in range(max_size):
         rows = [i for i in range(len(active)) if sizes[i] > step]
         reqs = [active[i] for i in rows]
-        rows_dev = slice(None) if len(rows) == len(active) else batch.rows_on_device(rows)
-        previous = None if step == 0 else proposals[rows_dev, step - 1]
+        all_rows = len(rows) == len(active)
+        rows_dev, reqs_dev = to_device(batch.device, [] if all_rows else rows, reqs)
+        previous = None if step == 0 else proposals[rows_dev if not all_rows else slice(None),
+                                                    step - 1]
         logits = run_step(step, rows, reqs, previous)
-        reqs_dev = batch.rows_on_device(reqs)
-        q = batch.probs(logits, reqs, reqs_dev)  # [len(rows), V]
-        tokens = sample_tokens(q, batch.temperature[reqs_dev] < GREEDY_TEMPERATURE,
-                               [states[r].generator for r in reqs], generator,
-                               all_greedy=all(batch.greedy[r] for r in reqs))
         if probs is None:
-            probs = q.new_zeros(len(active), max_size, q.shape[-1])
-            proposals = tokens.new_zeros(len(active), max_size)
-        probs[rows_dev, step] = q
-        proposals[rows_dev, step] = tokens
+            probs = logits.new_zeros(len(active), max_size, logits.shape[-1],
+                                     dtype=torch.float32)
+            proposals = torch.zeros(len(active), max_size, dtype=torch.long,
+                                    device=logits.device)
+        greedy = batch.temperature[reqs_dev] < GREEDY_TEMPERATURE
+        all_greedy = all(batch.greedy[r] for r in reqs)
+        for lo in range(0, len(rows), chunk_requests):
+            c = slice(lo, lo + chunk_requests)
+            q = batch.probs(logits[c], reqs[c], reqs_dev[c])  # [n, V]
+            tokens = sample_tokens(q, greedy[c], [states[r].generator for r in reqs[c]],
+                                   generator, all_greedy=all_greedy)
+            into = slice(lo, lo + q.shape[0]) if all_rows else rows_dev[c]
+            probs[into, step] = q
+            proposals[into, step] = tokens
     return proposals, probs

@@ -16,15 +16,16 @@ blocks fit what is available (`MemoryPlan.blocks_for`), where
   and max); plus, only with `allow_full_key_copy`, a copy of every committed key (h2o,
   topk_oracle); plus, with FLEX_ATTENTION, the block map (`physical_to_logical`) of one
   metadata builder per target layer, made for a middle pass's limits (engine/shape.py
-  `PassLimits`, `per_layer_builder_bytes`; FLASHINFER's builders are all fixed part):
-  8 B per block per drafting request and layer (Llama-3.1-8B, 32 drafting requests: 8.3 KiB per
-  2 MiB block);
+  `PassLimits`: at most BUILDER_PASS_REQUESTS = 32 requests, `per_layer_builder_bytes`;
+  FLASHINFER's builders are all fixed part): 8 B per block per request of a pass and layer
+  (Llama-3.1-8B: 8.3 KiB per 2 MiB block);
 * the fixed part (`MemoryPlan.sized(n)`, a `Sizing`; each buffer's bound in
   engine/buffers.py) is: the probability rows, float32
   distributions over the vocabulary (`vocabulary_rows`: per drafting request, the
   [gamma2, V] draft probabilities handed to vLLM, preallocated once, and a middle round's
-  rows; plus the temporaries of one chunk of `sampling_probs`); the scratch, the larger of
-  a block selection's (`selection_scratch_bytes`: score tensors of the drafting requests'
+  logits and proposals; plus a fixed amount for the rest of a round's vocabulary work,
+  done in chunks of requests); the scratch, the larger of a block selection's
+  (`selection_scratch_bytes`: score tensors of one chunk of the selecting requests'
   tables, chunked reads of the summaries, the queries), a lazy read of summaries from the
   KV cache (`lazy_read_bytes`) and a fold of a prefill's keys into the summaries
   (`fold_scratch_bytes`), which never run at the same time; and the per-layer builders'
@@ -34,9 +35,11 @@ What can exist bounds the fixed part, so that TriForce's share of a small cache 
 small: no table is wider than the blocks the cache holds; one chunked read (of summaries,
 of keys from the KV cache, a fold piece, a pass's stacked queries) copies at most
 1/CHUNK_SHARE_DIVISOR of the cache's bytes (at least one block's keys in float32, at most
-SCORE_CHUNK_BYTES); and the drafting cap, the requests that draft in one step (at most
-min(max_num_seqs, MAX_DRAFTING_REQUESTS) = 32), is the most whose probability rows and
-scratch fit 1/FIXED_SHARE_DIVISOR of the cache, and at least one. The proposer allocates by
+SCORE_CHUNK_BYTES); and the drafting cap, the requests that may draft in one step, is
+vLLM's max_num_seqs (every request it schedules) or, where the cache is too small for
+their rows, the most whose probability rows and scratch fit 1/FIXED_SHARE_DIVISOR of the
+cache, and at least one (the start-up log says which, and how much cache would let every
+request draft). The proposer allocates by
 the `Sizing` it reserved: its read chunk (`BlockSummaries.chunk_bytes`, which every chunked
 read obeys), the hand-off buffer's rows and the depth planner's cap (its drafting count).
 A budget left without room for one `max_model_len` request is refused with `KVBudgetError`,
@@ -45,24 +48,28 @@ which names each part of the reservation and the fix.
 Worked example (SmolLM2-135M float32 on CPU, block 32, 30 layers × 3 KV heads × 64,
 no draft, 1 GiB budget, max_num_seqs 8, gamma2 6, V 49,152, `key_variance` false, no
 selection or fold scratch): a KV block is 30 × 2 × 32 × 3 × 64 × 4 = 1,474,560 B and its
-summary 30 × 3 × 64 × 4 + 4 = 23,044 B; fixed = (8 × (6 + 3 + 8) + 13 × 8) rows × 49,152 × 4
-= 47,185,920 B, within 1/16 of 685 blocks' KV (63,129,600 B), so all 8 requests may draft;
-blocks = (2^30 − 47,185,920) // 1,497,604 = 685, so vLLM gets 685 × 1,474,560 B and
-63,668,224 B stay reserved. With the default `key_variance` the summary is 2 × 23,040 + 4 =
-46,084 B and blocks = (2^30 − 47,185,920) // 1,520,644 = 675; with `quest` 3 × 23,040 + 4
-= 69,124 B and 665 blocks.
+summary 30 × 3 × 64 × 4 + 4 = 23,044 B; fixed = (8 × (6 + 1) + 1 + 3 × 8 + 8 × 8 + 13 × 8)
+rows × 49,152 × 4 = 249 × 196,608 = 48,955,392 B (per request its 6 hand-off rows and a
+round's logits; the spare row; one chunk of 8 requests' vocabulary work), within 1/16 of
+684 blocks' KV (63,037,440 B), so all 8 requests may draft; blocks = (2^30 − 48,955,392)
+// 1,497,604 = 684, so vLLM gets 684 × 1,474,560 B and 65,142,784 B stay reserved. With
+the default `key_variance` the summary is 2 × 23,040 + 4 = 46,084 B and blocks =
+(2^30 − 48,955,392) // 1,520,644 = 673; with `quest` 3 × 23,040 + 4 = 69,124 B and 663
+blocks.
 
 Worked example, a small cache (the same model with `key_variance` on, max_num_seqs 256
 (the `LLM` default on CPU), max_model_len 4,096 (128 blocks), 4,096 batched tokens,
 gamma2 4, 9 query heads, 384 MiB): the most blocks is 252, whose KV is 371,589,120 B. One
 read chunk is 1/256 of that, 1,451,520 B (63 tokens' keys of every layer); the fold's five
 pieces, 7,257,600 B, are the largest scratch (a selection's 6,465,600 B). Two drafting
-requests' probability rows (2 × (4 + 3 + 8) + 13 × 2 = 56 rows, 11,010,048 B) and the
-scratch make 18,267,648 B, within 1/16 of the KV (23,224,320 B); a third request's would
-make 23,772,672 B. So 252 × 1,520,644 + 18,267,648 = 401,469,936 B fit (253 blocks would
-not), vLLM gets 252 blocks, and 31,064,064 B (29.6 MiB, 7.7%) stay reserved: 11,613,168 B of
-summaries, the 18,267,648 B and a remainder no block fits in. Sized for 32 drafting requests
-and 64 MiB reads whatever the cache, the fixed part would be 488 MiB: more than the budget.
+requests' probability rows (2 × (4 + 1) + 1 + 3 × 2 + 8 × 2 + 13 × 2 = 59 rows,
+11,599,872 B) and the scratch make 18,857,472 B, within 1/16 of the KV (23,224,320 B); a
+third request's would make 24,559,104 B. So 252 × 1,520,644 + 18,857,472 = 402,059,760 B
+fit (253 blocks would not), vLLM gets 252 blocks, and 31,064,064 B (29.6 MiB, 7.7%) stay
+reserved: 11,613,168 B of summaries, the 18,857,472 B and a remainder no block fits in; 2 of
+the 256 sequences may draft at once, and the log says that a KV cache of 10,662 blocks
+(14,993 MiB) would let all 256 draft. Sized for 256 drafting requests and 64 MiB reads
+whatever the cache, the fixed part would be 1,277 MiB: more than three times the budget.
 
 Worked example at scale (Llama-3.1-8B, bf16 KV cache, block 16, 32 layers × 8 KV heads ×
 128, V 128,256, two levels, gamma2 6, default `key_variance`, one 80 GB GPU): a KV block is
@@ -70,14 +77,18 @@ Worked example at scale (Llama-3.1-8B, bf16 KV cache, block 16, 32 layers × 8 K
 32 × 8 × 128 × 4 (float32 square deviations) = 196,612 B, 3/32 of the block. A 128K-token
 request holds 8,192 blocks: 16 GiB of KV and 1.5 GiB of summaries. Of the ~52 GB left for
 the cache after 16 GB of weights and vLLM's activations at gpu_memory_utilization 0.9,
-about 22,700 blocks fit (≈ 2.8 requests of 128K): no bound bites there (a chunk of 1/256 of
-the cache would be 186 MB, above 64 MiB; all 32 requests' rows and scratch, ~1 GB, are
-far below 1/16 of it). The probability rows are 17 rows of 128,256 × 4 B per drafting
-request (gamma2 = 6 of them the hand-off buffer) plus one sampling chunk, for at most 32
-drafting requests whatever `max_num_seqs`: 15 MB at `--max-num-seqs 1`, 62 MB at 4 (the
-right setting for 128K contexts), 0.49 GB from 32 sequences up (vLLM's default 1,024
-included), of which the hand-off buffer (one row per drafting request,
-patches/handoff_rows.py) is 0.1 GB.
+about 22,700 blocks fit (≈ 2.8 requests of 128K; a chunk of 1/256 of the cache would be
+186 MB, above 64 MiB). The probability rows are 7 rows of 128,256 × 4 B per drafting
+request (3.6 MB: gamma2 = 6 of them the hand-off buffer, patches/handoff_rows.py, one a
+round's logits) plus a fixed part for the rest of a round's vocabulary work, done in chunks
+of 64 requests (1,537 rows, 0.79 GB, less below 64 requests): 16 MB at `--max-num-seqs 1`,
+64 MB at 4 (the right setting for 128K contexts), 0.51 GB at 32, 1.02 GB at 64, 1.25 GB at
+128, 1.71 GB at 256; the scratch, the fold's 0.34 GB at 4 requests, is 0.58 GB at 32 (a
+selection's, in chunks of 32 requests at 128K) and grows by 0.5 MB of queries per request
+past that. vLLM's default of 1,024 sequences would want 4.5 GB of rows and 1.1 GB of
+scratch: more than 1/16 of this cache (2.98 GB), which holds those of 394 drafting
+requests, the cap the start-up log reports (43,099 blocks, 90 GB of KV, would let all
+1,024 draft).
 """
 
 from __future__ import annotations
@@ -85,6 +96,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -94,6 +106,9 @@ from vllm_triforce.core.policy_facts import SummaryKinds
 from vllm_triforce.core.summaries import BlockSummaries
 from vllm_triforce.engine.buffers import (FLOAT32_BYTES, fold_scratch_bytes, lazy_read_bytes,
                                           selection_scratch_bytes, vocabulary_rows)
+
+if TYPE_CHECKING:
+    from vllm_triforce.engine.shape import EngineShape
 
 COUNT_BYTES = 4  # int32 committed-token count per block
 MiB = 2**20
@@ -108,63 +123,6 @@ CHUNK_SHARE_DIVISOR = 256
 class KVBudgetError(TriForceConfigError):
     """The KV budget vLLM has holds no `max_model_len` request once TriForce's reservation
     is taken out of it (raised before vLLM's own, generic, check)."""
-
-
-@dataclass(frozen=True)
-class BufferShape:
-    """What TriForce's fixed buffers are sized from: the engine's config and model."""
-    max_drafting: int        # the drafting cap before the cache bounds it
-    gamma2: int
-    gamma1: int              # 0 without a small draft
-    vocab_size: int
-    num_layers: int          # the target's
-    num_kv_heads: int
-    head_dim: int
-    num_q_heads: int
-    block_size: int
-    max_blocks: int          # blocks of a max_model_len request (0: no selection scratch)
-    max_batched_tokens: int  # tokens of one pass (0: no fold scratch)
-    builder_bytes: int = 0   # the per-layer builders' fixed part (`EngineShape.builder_bytes`)
-
-    @property
-    def key_row_bytes(self) -> int:
-        """One token's keys of every target layer in float32 (one block's summary row)."""
-        return self.num_layers * self.num_kv_heads * self.head_dim * FLOAT32_BYTES
-
-    def chunk_bytes(self, kv_bytes: int | None) -> int:
-        """The most one chunked read copies, for a KV cache of `kv_bytes` (None: one that
-        bounds nothing): 1/CHUNK_SHARE_DIVISOR of it, at most SCORE_CHUNK_BYTES, and at least
-        one block's keys in float32 (what a lazy read of the KV cache copies at the least)."""
-        most = reads.SCORE_CHUNK_BYTES
-        share = most if kv_bytes is None else min(most, kv_bytes // CHUNK_SHARE_DIVISOR)
-        return max(share, self.block_size * self.key_row_bytes)
-
-    def sizing(self, num_blocks: int | None, kv_bytes_per_block: int) -> "Sizing":
-        """The fixed part for a cache of `num_blocks` (None: one that bounds nothing), with
-        the most drafting requests whose rows and scratch fit 1/FIXED_SHARE_DIVISOR of its
-        KV (at least one)."""
-        kv_bytes = None if num_blocks is None else num_blocks * kv_bytes_per_block
-        chunk = self.chunk_bytes(kv_bytes)
-        for drafting in range(self.max_drafting, 0, -1):
-            sizing = self._sized(drafting, chunk, num_blocks)
-            if (kv_bytes is None or drafting == 1
-                    or sizing.scaled_bytes * FIXED_SHARE_DIVISOR <= kv_bytes):
-                return sizing
-        raise AssertionError("max_drafting must be at least 1")
-
-    def _sized(self, drafting: int, chunk: int, num_blocks: int | None) -> "Sizing":
-        width = self.max_blocks if num_blocks is None else min(self.max_blocks, num_blocks)
-        geometry = (self.num_layers, self.num_kv_heads, self.head_dim)
-        scratch = fold_scratch_bytes(self.max_batched_tokens, *geometry, chunk)
-        if width > 0:
-            scratch = max(scratch,
-                          selection_scratch_bytes(drafting, self.num_layers, width,
-                                                  self.num_kv_heads, self.head_dim,
-                                                  self.num_q_heads, chunk, num_blocks),
-                          lazy_read_bytes(drafting * width, *geometry, self.block_size, chunk))
-        rows = vocabulary_rows(drafting, self.gamma2, self.gamma1)
-        return Sizing(num_blocks, drafting, chunk, rows * self.vocab_size * FLOAT32_BYTES,
-                      scratch, self.builder_bytes)
 
 
 @dataclass(frozen=True)
@@ -193,49 +151,82 @@ class Sizing:
 class MemoryPlan:
     kv_bytes_per_block: int       # every layer of the KV-cache group (target and draft)
     summary_bytes_per_block: int  # TriForce's per-block state (and per-layer builders')
-    shape: BufferShape            # what the fixed part is sized from (`sized`)
+    shape: EngineShape            # what the fixed part is sized from (`sized`)
+    builder_bytes: int = 0        # the per-layer builders' fixed part
 
     @classmethod
-    def for_engine(cls, kv_bytes_per_block: int, num_target_layers: int, num_kv_heads: int,
-                   head_dim: int, block_size: int, kv_dtype_bytes: int, kinds: SummaryKinds,
-                   max_num_seqs: int, gamma2: int, gamma1: int,
-                   vocab_size: int, builders: tuple[int, int] = (0, 0),
-                   max_blocks: int = 0, num_q_heads: int = 0,
-                   max_batched_tokens: int = 0) -> "MemoryPlan":
-        """An engine's plan comes from its shape (engine/shape.py `EngineShape.memory_plan`,
-        which calls this). `max_num_seqs`: the most requests that may draft in a step
-        before the cache bounds them, the shape's drafting cap (`EngineShape.max_drafting`:
-        min(vLLM's max_num_seqs, MAX_DRAFTING_REQUESTS)). `kinds`: the optional block
-        state kept (TriForceConfig.summary_kinds(), which the proposer also allocates
-        from).
-        `kv_dtype_bytes`: the bytes of `summary_dtype`,
-        the summaries' element (the KV cache's element unless that is fp8 or int8).
-        `builders`: (bytes per block, fixed bytes) of the per-layer attention-metadata
-        builders a stateful backend needs (engine/shape.py `EngineShape.builder_bytes`).
-        `max_blocks`: blocks of the longest request (max_model_len / block_size, rounded
-        up), `num_q_heads` the target's query heads: with them the plan also holds the block
-        selection's scratch (`selection_scratch_bytes`, `lazy_read_bytes`; 0: left out, as
-        in the first worked example above). `max_batched_tokens`: the most tokens of one
-        pass (vLLM's `max_num_batched_tokens`), for the fold's scratch (`fold_scratch_bytes`;
-        0: left out)."""
-        key_bytes = num_target_layers * num_kv_heads * head_dim * kv_dtype_bytes
-        summary = (key_bytes + COUNT_BYTES + (key_bytes * block_size if kinds.keep_keys else 0)
+    def for_engine(cls, shape: EngineShape, kv_bytes_per_block: int,
+                   builders: tuple[int, int] = (0, 0)) -> "MemoryPlan":
+        """The plan of an engine of `shape` (engine/shape.py; `EngineShape.memory_plan`
+        calls this) beside a KV cache of `kv_bytes_per_block`. `builders`: (bytes per block,
+        fixed bytes) of the per-layer attention-metadata builders a stateful backend needs
+        (`EngineShape.builder_bytes`). From the shape: the optional block state kept
+        (`kinds`, which the proposer also allocates from), the summaries' element
+        (`summary_dtype`: the KV cache's unless that is fp8 or int8), the drafting cap
+        before the cache bounds it (`max_drafting`: vLLM's max_num_seqs); its
+        `max_blocks` (0: a max_model_len of 0) and `num_q_heads` size the block
+        selection's scratch (`selection_scratch_bytes`, `lazy_read_bytes`; 0 blocks: left
+        out, as in the first worked example above), its `max_batched_tokens` the fold's
+        (`fold_scratch_bytes`; 0: left out)."""
+        kinds, element = shape.kinds, shape.summary_dtype.itemsize
+        key_bytes = shape.num_layers * shape.num_kv_heads * shape.head_dim * element
+        summary = (key_bytes + COUNT_BYTES
+                   + (key_bytes * shape.block_size if kinds.keep_keys else 0)
                    + (2 * key_bytes if kinds.keep_bounds else 0)
-                   + (key_bytes // kv_dtype_bytes * FLOAT32_BYTES if kinds.keep_variance else 0))
-        shape = BufferShape(max_num_seqs, gamma2, gamma1,
-                            vocab_size, num_target_layers, num_kv_heads, head_dim,
-                            num_q_heads or num_kv_heads, block_size, max_blocks,
-                            max_batched_tokens, builders[1])
-        return cls(kv_bytes_per_block, summary + builders[0], shape)
+                   + (key_bytes // element * FLOAT32_BYTES if kinds.keep_variance else 0))
+        return cls(kv_bytes_per_block, summary + builders[0], shape, builders[1])
+
+    @property
+    def key_row_bytes(self) -> int:
+        """One token's keys of every target layer in float32 (one block's summary row)."""
+        shape = self.shape
+        return shape.num_layers * shape.num_kv_heads * shape.head_dim * FLOAT32_BYTES
+
+    def chunk_bytes(self, kv_bytes: int | None) -> int:
+        """The most one chunked read copies, for a KV cache of `kv_bytes` (None: one that
+        bounds nothing): 1/CHUNK_SHARE_DIVISOR of it, at most SCORE_CHUNK_BYTES, and at least
+        one block's keys in float32 (what a lazy read of the KV cache copies at the least)."""
+        most = reads.SCORE_CHUNK_BYTES
+        share = most if kv_bytes is None else min(most, kv_bytes // CHUNK_SHARE_DIVISOR)
+        return max(share, self.shape.block_size * self.key_row_bytes)
+
+    def sized(self, num_blocks: int | None) -> Sizing:
+        """The fixed part for a cache of `num_blocks` (None: one that bounds nothing), with
+        the most drafting requests, up to the shape's `max_drafting`, whose rows and scratch
+        fit 1/FIXED_SHARE_DIVISOR of its KV (at least one; both grow with the count, so a
+        bisection finds it)."""
+        kv_bytes = None if num_blocks is None else num_blocks * self.kv_bytes_per_block
+        chunk = self.chunk_bytes(kv_bytes)
+        most = self.shape.max_drafting
+        if kv_bytes is None:
+            return self._sized(most, chunk, num_blocks)
+
+        def too_many(drafting: int) -> bool:
+            scaled = self._sized(drafting, chunk, num_blocks).scaled_bytes
+            return scaled * FIXED_SHARE_DIVISOR > kv_bytes
+
+        fitting = bisect.bisect_left(range(1, most + 1), True, key=too_many)
+        return self._sized(max(fitting, 1), chunk, num_blocks)
+
+    def _sized(self, drafting: int, chunk: int, num_blocks: int | None) -> Sizing:
+        shape = self.shape
+        width = shape.max_blocks if num_blocks is None else min(shape.max_blocks, num_blocks)
+        geometry = (shape.num_layers, shape.num_kv_heads, shape.head_dim)
+        scratch = fold_scratch_bytes(shape.max_batched_tokens, *geometry, chunk)
+        if width > 0:
+            scratch = max(scratch,
+                          selection_scratch_bytes(drafting, shape.num_layers, shape.max_blocks,
+                                                  shape.num_kv_heads, shape.head_dim,
+                                                  shape.num_q_heads, chunk, num_blocks),
+                          lazy_read_bytes(drafting * width, *geometry, shape.block_size, chunk))
+        rows = vocabulary_rows(drafting, shape.gamma2, shape.gamma1)
+        return Sizing(num_blocks, drafting, chunk, rows * shape.vocab_size * FLOAT32_BYTES,
+                      scratch, self.builder_bytes)
 
     @property
     def fixed_bytes(self) -> int:
         """The fixed part at its largest: for a cache that bounds nothing."""
         return self.sized(None).fixed_bytes
-
-    def sized(self, num_blocks: int | None) -> Sizing:
-        """The fixed part for a cache of `num_blocks` (module docstring)."""
-        return self.shape.sizing(num_blocks, self.kv_bytes_per_block)
 
     def footprint(self, num_blocks: int) -> int:
         """KV, summaries and the fixed part of a cache of `num_blocks`."""
@@ -251,6 +242,14 @@ class MemoryPlan:
         while num_blocks > 0 and self.footprint(num_blocks) > available:
             num_blocks -= 1
         return max(num_blocks, 0)
+
+    def blocks_for_drafting(self, drafting: int) -> int:
+        """The fewest KV blocks whose cache lets `drafting` requests draft at once (at
+        most the shape's `max_drafting`): the drafting cap grows with the cache."""
+        unbounded = self.sized(None).scaled_bytes * FIXED_SHARE_DIVISOR
+        most = -(-unbounded // self.kv_bytes_per_block)  # its share bounds nothing there
+        return bisect.bisect_left(range(most + 1), True,
+                                  key=lambda n: self.sized(n).drafting >= drafting)
 
     def kv_budget(self, available: int) -> int:
         """Bytes vLLM may give the KV cache so that KV + summaries + fixed fit `available`."""
@@ -272,8 +271,19 @@ def describe_reservation(plan: MemoryPlan, available: int, num_blocks: int) -> s
     return (f"reserved {reserved / MiB:.1f} MiB ({share:.1f}%) of {available / MiB:.1f} MiB "
             f"before KV-cache sizing: {_parts(plan, sizing, num_blocks)}, remainder "
             f"{remainder / MiB:.1f} MiB; the KV cache gets {num_blocks} blocks, "
-            f"{sizing.drafting} requests draft at once, reads of at most "
-            f"{sizing.chunk_bytes / MiB:.1f} MiB")
+            f"{_drafting(plan, sizing)}, reads of at most {sizing.chunk_bytes / MiB:.1f} MiB")
+
+
+def _drafting(plan: MemoryPlan, sizing: Sizing) -> str:
+    """How many requests may draft at once, and, when the cache's share holds fewer than
+    max_num_seqs, what would let every one draft."""
+    most = plan.shape.max_drafting
+    if sizing.drafting >= most:
+        return f"every request (max_num_seqs {most}) may draft at once"
+    wanted = plan.blocks_for_drafting(most) * plan.kv_bytes_per_block
+    return (f"{sizing.drafting} of max_num_seqs {most} requests may draft at once (their "
+            f"probability rows and scratch take at most 1/{FIXED_SHARE_DIVISOR} of the KV "
+            f"cache; a KV cache of {wanted / MiB:.1f} MiB would let all {most} draft)")
 
 
 def _parts(plan: MemoryPlan, sizing: Sizing, num_blocks: int) -> str:
@@ -311,7 +321,7 @@ def check_one_request(plan: MemoryPlan, available: int, num_blocks: int, needed:
 def allocate_summaries(kinds: SummaryKinds, num_layers: int, num_blocks: int,
                        num_kv_heads: int, head_dim: int, block_size: int, dtype,
                        device=None, chunk_bytes: int | None = None) -> BlockSummaries:
-    """The block summaries `MemoryPlan.for_engine(kinds=kinds, ...)` reserved room for,
+    """The block summaries `MemoryPlan.for_engine` reserved room for (`kinds`: its shape's),
     read by chunks of at most `chunk_bytes` (`Sizing.chunk_bytes`; None: SCORE_CHUNK_BYTES)."""
     return BlockSummaries(num_layers, num_blocks, num_kv_heads, head_dim, block_size,
                           dtype=dtype, device=device, chunk_bytes=chunk_bytes,

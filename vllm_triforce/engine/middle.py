@@ -11,28 +11,125 @@ middle work; round 1 proposes 2 tokens for rows 0 and 5 and each keeps the accep
 one (say row 0 holds 3, row 5 holds 1); round 2 runs only row 5 (2 proposals); and so on until
 every row holds its count. A row may hold more than asked (a round emits up to gamma1 + 1
 tokens); the hand-off takes the first num_drafts.
+
+Memory and host work at serving batch sizes. A round's pass returns the logits of every
+request at once, but what follows over the vocabulary (distributions, verification, draws,
+the copy into the hand-off buffer) runs on chunks of at most MIDDLE_CHUNK_ROWS token rows
+(engine/buffers.py `middle_chunk_requests`), so its temporaries are a fixed amount whatever
+the batch (engine/buffers.py `vocabulary_rows`); one chunk holds up to 64 requests of one
+token, so the chunking costs nothing below that. Each chunk writes its rows into the
+hand-off buffer on the device, before the round's one copy to the host: the rows a
+request did not emit go to the buffer's spare row (`HandOffBuffer`), so no host list
+decides them. What the host builds per round is one list per request at most (positions,
+sizes), never a Python loop per token row of the vocabulary work.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 
+import numpy as np
 import torch
 
 from vllm_triforce.core.verify import GREEDY_TEMPERATURE, sample_tokens, verify, verify_greedy
+from vllm_triforce.engine.buffers import middle_chunk_requests
+from vllm_triforce.engine.forward import Runs
 from vllm_triforce.engine.transfer import to_device
+
+
+class HandOffBuffer:
+    """The draft probabilities vLLM gets, reserved once: `rows` [D, gamma2, V] float32 (as
+    vLLM's rejection sampler reads them), one row per request that may draft (the drafting
+    cap), and one spare row after them in the same allocation, where a round's writes of
+    rows a request did not emit land (`MiddleLoop._keep_probs`)."""
+
+    def __init__(self, drafting: int, gamma2: int, vocab_size: int, device=None):
+        self.flat = torch.zeros(drafting * gamma2 + 1, vocab_size, dtype=torch.float32,
+                                device=device)  # [D * gamma2 + 1, V]
+        self.rows = self.flat[:-1].view(drafting, gamma2, vocab_size)
+        self.spare = drafting * gamma2  # the spare row's index in `flat`
+        self.gamma2 = gamma2
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.nbytes
 
 
 class RequestDrafts:
     """One decoding request's middle tokens, gathered over all the middle rounds of a step,
-    and where its next input sits."""
+    and where its next input sits (a row of `MiddleDrafts`, for code that reads one request
+    at a time)."""
 
     def __init__(self, last_token: int, position: int):
         self.tokens: list[int] = []
         self.last_token = last_token           # newest token, not yet in the target's KV
         self.position = position               # its position
         self.query_row = -1  # row, in the last level-2 pass, of the token before last_token
+
+
+class MiddleDrafts:
+    """The middle tokens of a step's decoding rows, gathered over its rounds, as host arrays
+    (numpy: a round updates every request at once, no Python loop per request), and where
+    each row's next input sits. Entry i is decoding row rows[i]; `drafts[row]` is a copy of
+    one row as a `RequestDrafts`, for the code that reads one request at a time."""
+
+    def __init__(self, rows: list[int], wanted: list[int], last_tokens: np.ndarray,
+                 positions: np.ndarray, width: int):
+        self.rows = np.asarray(rows, dtype=np.int64)         # [n] batch rows
+        self.wanted = np.asarray(wanted, dtype=np.int64)     # [n] middle tokens asked for
+        self.count = np.zeros(len(rows), dtype=np.int64)     # [n] middle tokens held
+        self.tokens = np.zeros((len(rows), width), dtype=np.int64)  # [n, width]
+        self.last_token = np.array(last_tokens, dtype=np.int64)  # [n] see RequestDrafts
+        self.position = np.array(positions, dtype=np.int64)      # [n]
+        self.query_row = np.full(len(rows), -1, dtype=np.int64)  # [n]
+        # [n] each row's hand-off slot (`drafting_slots`): the drafting rows, in order
+        self.slot = np.cumsum(self.wanted > 0) - 1
+        self._index = dict(zip(rows, range(len(rows))))
+
+    def live(self) -> np.ndarray:
+        """Indices of the rows that still want middle tokens."""
+        return np.flatnonzero(self.count < self.wanted)
+
+    def advance(self, live: np.ndarray, host: np.ndarray, first_rows: np.ndarray) -> None:
+        """Rows `live` after a round: host [A, 1 + G + 1] (accepted drafts, then the emitted
+        tokens, -1 padded), first_rows [A] each one's first row in the round's pass.
+        Example, a row holding 2 tokens that accepted 1 draft [a] and emitted [a, r]:
+        tokens[2:4] = [a, r], count 4, last_token r, position + 2, query_row first + 1."""
+        accepted = host[:, 0]
+        emitted = accepted + 1
+        offset = np.arange(host.shape[1] - 1)
+        kept = offset < emitted[:, None]  # [A, G + 1]
+        owner = np.repeat(live, emitted)
+        self.tokens[owner, (self.count[live][:, None] + offset)[kept]] = host[:, 1:][kept]
+        self.last_token[live] = host[np.arange(len(live)), emitted]
+        self.position[live] += emitted
+        self.count[live] += emitted
+        self.query_row[live] = first_rows + accepted  # input `accepted`: the newest kept
+
+    def positions_of(self, rows: list[int]) -> tuple[list[int], list[int]]:
+        """(position, query_row) of batch rows `rows`."""
+        index = [self._index[r] for r in rows]
+        return self.position[index].tolist(), self.query_row[index].tolist()
+
+    def __getitem__(self, row: int) -> RequestDrafts:
+        i = self._index[row]
+        out = RequestDrafts(int(self.last_token[i]), int(self.position[i]))
+        out.tokens, out.query_row = self.tokens[i, :self.count[i]].tolist(), int(self.query_row[i])
+        return out
+
+    def tokens_of(self) -> list[list[int]]:
+        """Each row's middle tokens, in `rows` order."""
+        return [t[:n] for t, n in zip(self.tokens.tolist(), self.count.tolist())]
+
+
+def positions_of(drafts, rows: list[int]) -> tuple[list[int], list[int]]:
+    """(position, query_row) of each of `rows` in `drafts`: a step's `MiddleDrafts`, by its
+    arrays, or any mapping row -> RequestDrafts."""
+    if isinstance(drafts, MiddleDrafts):
+        return drafts.positions_of(rows)
+    return [drafts[r].position for r in rows], [drafts[r].query_row for r in rows]
 
 
 class MiddleLoop:
@@ -54,190 +151,230 @@ class MiddleLoop:
         self.measure = measure_middle_acceptance
         self.on_round_start = None
 
-    def run(self, step, rows: list[int], num_drafts: list[int], probs_out: torch.Tensor,
-            use_draft: bool = True, on_round=None) -> dict[int, RequestDrafts]:
+    def run(self, step, rows: list[int], num_drafts: list[int], probs_out: HandOffBuffer,
+            use_draft: bool = True, on_round=None) -> MiddleDrafts:
         """Middle tokens for decoding `rows` of the retrieval level's `step` (its batch and
         request states): rows[i] gets at least num_drafts[i] (0: no middle
-        work at all). `probs_out` [at least the drafting rows, gamma2, V] (the reserved buffer
-        `hand_off` gives vLLM): the k-th middle token's distribution of the i-th drafting row
-        (`drafting_slots`) goes to probs_out[i, k] as the round that emits it ends (k < gamma2;
-        nothing is written when every row is greedy and measure_middle_acceptance is off),
-        so no round's distributions stay alive after it. `use_draft` False: the small draft
-        sits out (gamma1 = 0 this step).
+        work at all). `probs_out`: the reserved buffer `hand_off` gives vLLM, with a row for
+        at least the drafting rows: the k-th middle token's distribution of the i-th
+        drafting row (`drafting_slots`) goes to probs_out.rows[i, k] as the round that
+        emits it ends (k < gamma2; nothing is written when every row is greedy and
+        measure_middle_acceptance is off), so no round's distributions stay alive after
+        it. `use_draft` False: the small draft sits out (gamma1 = 0 this step).
         `on_round(use_draft, num_active, seconds, tokens_per_request)` hears every round's
         wall time (it ends in a device-to-host copy, so device work is included)."""
-        batch, states = step.batch, step.states
-        drafts_by_row = {r: RequestDrafts(batch.next_tokens[r], batch.committed[r])
-                         for r in rows}
-        wanted = dict(zip(rows, num_drafts))
+        batch = step.batch
         gamma1 = self.gamma1 if use_draft else 0
-        slots = drafting_slots(wanted)
-        measured = list(slots)
-        full_probs = (self._full_cache_probs(step, drafts_by_row, measured) if self.measure
+        drafts = MiddleDrafts(rows, num_drafts, np.asarray(batch.next_tokens)[rows],
+                              np.asarray(batch.committed)[rows],
+                              width=max(num_drafts, default=0) + gamma1 + 1)
+        measured = drafts.rows[drafts.wanted > 0].tolist()
+        full_probs = (self._full_cache_probs(step, drafts, measured) if self.measure
                       else None)
         # every row greedy: vLLM gets no draft probs and a round needs only argmaxes
         argmax_only = not self.measure and all(batch.greedy[r] for r in rows)
         while True:
-            active = [r for r in rows if len(drafts_by_row[r].tokens) < wanted[r]]
-            if not active:
-                return drafts_by_row
-            sizes = [min(gamma1, wanted[r] - len(drafts_by_row[r].tokens)) for r in active]
+            live = drafts.live()
+            if not live.size:
+                return drafts
             if self.on_round_start is not None:
                 self.on_round_start()
             start = time.perf_counter()
-            emitted = self._round(step, drafts_by_row, active, sizes, slots,
+            sizes = np.minimum(gamma1, drafts.wanted[live] - drafts.count[live])
+            emitted = self._round(step, drafts, live, sizes,
                                   None if argmax_only else probs_out)
-            more = [r for r in active if len(drafts_by_row[r].tokens) < wanted[r]]
-            if more:  # next round's blocks, from the newest middle tokens' queries
-                step.select_in_middle(more, drafts_by_row)
+            more = live[drafts.count[live] < drafts.wanted[live]]
+            if more.size:  # next round's blocks, from the newest middle tokens' queries
+                step.select_in_middle(drafts.rows[more].tolist(), drafts)
             if on_round is not None:
-                on_round(gamma1 > 0, len(active), time.perf_counter() - start,
-                         emitted / len(active))
+                on_round(gamma1 > 0, len(live), time.perf_counter() - start,
+                         emitted / len(live))
             self.stats.add(middle_rounds=1)
             if full_probs is not None:  # first round: q at the first middle position
-                q = probs_out[:len(measured), 0]  # the measured rows are the first slots
+                q = probs_out.rows[:len(measured), 0]  # the measured rows are the first slots
                 self.stats.add(middle_pq_sum=float(torch.minimum(full_probs, q).sum()),
                                middle_pq_count=len(measured))
                 full_probs = None
 
     @staticmethod
-    def _full_cache_probs(step, drafts_by_row, rows: list[int]):
+    def _full_cache_probs(step, drafts: MiddleDrafts, rows: list[int]):
         if not rows:
             return None
-        return step.full_cache_probs(rows, [drafts_by_row[r].last_token for r in rows],
-                                     [drafts_by_row[r].position for r in rows])
+        return step.full_cache_probs(rows, [drafts[r].last_token for r in rows],
+                                     [drafts[r].position for r in rows])
 
-    def _round(self, step, drafts_by_row, active: list[int], sizes: list[int],
-               slots: dict[int, int], probs_out: torch.Tensor | None) -> int:
-        """One round for requests `active`, request active[i] proposing sizes[i] tokens;
+    def _round(self, step, drafts: MiddleDrafts, live: np.ndarray, sizes: np.ndarray,
+               probs_out: HandOffBuffer | None) -> int:
+        """One round for the rows `live` of `drafts`, live[i] proposing sizes[i] tokens;
         returns the middle tokens it added over all of them. `probs_out` None: every
         request is greedy and nobody reads the middle distributions (argmax only); else
-        `run`'s buffer, request r's rows at slots[r]. Everything stays on the device until
-        the round's one device-to-host copy of what decides the next round: accepted counts
-        and emitted tokens."""
+        `run`'s buffer, each row's at its slot. Everything stays on the device until the
+        round's one device-to-host copy of what decides the next round: accepted counts and
+        emitted tokens."""
         batch, states = step.batch, step.states
-        argmax_only = probs_out is None
+        active, size_list = drafts.rows[live].tolist(), sizes.tolist()
         proposals, proposal_probs = None, None  # [A, max(sizes)] and [A, max(sizes), V]
-        if max(sizes) > 0:
-            proposals, proposal_probs = self.draft.propose(batch, states, drafts_by_row,
-                                                           active, sizes)
-        num_inputs = [size + 1 for size in sizes]  # [A] the newest token, then the proposals
-        first_rows = [0, *itertools.accumulate(num_inputs)][:-1]  # [A] in the pass
-        logits = step.forward(
-            active, self._input_ids(drafts_by_row, active, proposals, sizes, first_rows),
-            [list(range(drafts_by_row[r].position, drafts_by_row[r].position + n))
-             for r, n in zip(active, num_inputs)])
-        if argmax_only and proposals is None:  # one token per request: its argmax, kept
-            host = [[0, token] for token in logits.argmax(-1).tolist()]  # the one copy
-            for i, r in enumerate(active):
-                drafts_by_row[r].query_row = first_rows[i]
-                self._advance(states[r], drafts_by_row[r], host[i][1:], sizes[i])
-            return len(active)
-        if proposals is None:  # the level drafts alone, one token per request: drawn from p
-            rows = batch.rows_on_device(active)
-            target_probs = batch.probs(logits, active, rows)[:, None]  # [A, 1, V]
-            tokens = sample_tokens(target_probs[:, 0],
-                                   batch.temperature[rows] < GREEDY_TEMPERATURE,
-                                   [states[r].generator for r in active], self.generator)
-            # what `verify` of no drafts draws, in a dozen operations instead of ~55
-            host = [[0, token] for token in tokens.tolist()]  # the round's one copy
+        if max(size_list) > 0:
+            proposals, proposal_probs = self.draft.propose(batch, states, drafts, active,
+                                                           size_list)
+        layout = _RoundLayout(batch.device, size_list)
+        logits = step.forward(active, layout.input_ids(drafts.last_token[live], proposals),
+                              Runs(drafts.position[live], sizes + 1))
+        if probs_out is None and proposals is None:  # one token per request: its argmax
+            argmax = logits.argmax(-1)
+            packed = _packed(torch.zeros_like(argmax), argmax[:, None])
+        elif probs_out is None:  # no vocabulary-wide probabilities at all: nobody reads them
+            argmax = layout.per_request(logits.argmax(-1, keepdim=True))[..., 0]  # [A, W]
+            result = verify_greedy(proposals, argmax, layout.num_drafts)
+            packed = _packed(result.num_accepted, result.output_token_ids)
         else:
-            target_probs, result = self._verify(batch, states, active, sizes, logits,
-                                                num_inputs, proposals, proposal_probs,
-                                                argmax_only)
-            # the round's one device-to-host copy: [A, 1 + G + 1] = num_accepted, then tokens
-            host = torch.cat([result.num_accepted[:, None], result.output_token_ids],
-                             1).tolist()
-        if target_probs is not None:  # each row's new middle tokens' distributions
-            self._keep_probs(drafts_by_row, active, [row[0] + 1 for row in host], target_probs,
-                             [slots[r] for r in active], probs_out)
-        for i, r in enumerate(active):
-            accepted = host[i][0]
-            drafts_by_row[r].query_row = first_rows[i] + accepted  # input `accepted`: newest kept
-            self._advance(states[r], drafts_by_row[r], host[i][1:accepted + 2], sizes[i])
-        return sum(row[0] + 1 for row in host)
+            packed = self._emit(step, drafts, live, active, layout, logits, proposals,
+                                proposal_probs, probs_out)
+        host = _on_host(packed)  # [A, 1 + G + 1]: the round's one device-to-host copy
+        drafts.advance(live, host, np.asarray(layout.first_rows))
+        if proposals is not None:  # each proposing request's round, for its own state
+            self._after_proposals(states, drafts, live, size_list, host[:, 0].tolist())
+        return int(host[:, 0].sum()) + len(live)
 
-    def _verify(self, batch, states, active: list[int], sizes: list[int], logits,
-                num_inputs: list[int], proposals, proposal_probs, argmax_only: bool):
-        """The retrieval level's verification of the small draft's proposals: (target probs
-        [A, max(sizes) + 1, V], or None with `argmax_only`, and the VerifyResult)."""
-        device, shape = logits.device, (len(active), max(num_inputs))
-        owner = [i for i, n in enumerate(num_inputs) for _ in range(n)]  # [T] request index
-        slot = [j for n in num_inputs for j in range(n)]  # [T] input index in its request
-        rows, num_drafts, owner, slot = to_device(device, active, sizes, owner, slot)
-        if argmax_only:  # no vocabulary-wide probabilities at all: nobody reads them
-            argmax = logits.argmax(-1, keepdim=True)  # [T, 1]
-            if shape[1] > 1:  # else one token per request: already [A, 1]
-                argmax = _per_request(argmax, shape, owner, slot)[..., 0]
-            return None, verify_greedy(proposals, argmax, num_drafts)
-        token_rows = [r for r, n in zip(active, num_inputs) for _ in range(n)]
-        target_probs = _per_request(batch.probs(logits, token_rows), shape, owner,
-                                    slot)  # [A, max(sizes) + 1, V]
-        return target_probs, verify(proposals, proposal_probs, target_probs, num_drafts,
-                                    batch.temperature[rows] < GREEDY_TEMPERATURE,
-                                    [states[r].generator or self.generator for r in active],
-                                    all_greedy=all(batch.greedy[r] for r in active))
+    def _emit(self, step, drafts: MiddleDrafts, live: np.ndarray, active: list[int],
+              layout: "_RoundLayout", logits, proposals, proposal_probs,
+              probs_out: HandOffBuffer) -> torch.Tensor:
+        """What the round emits past its pass, chunk by chunk (module docstring): each chunk's
+        distributions and draws (two levels: one draw from p per request; three: `verify`
+        of the small draft's proposals), its rows kept in `probs_out`; returns, per request,
+        [accepted drafts, emitted tokens...] on the device [A, 1 + G + 1]."""
+        batch, states = step.batch, step.states
+        gamma2 = probs_out.gamma2
+        firsts = drafts.count[live]  # each one's next k
+        rows, base, room = to_device(batch.device, active,
+                                     (drafts.slot[live] * gamma2 + firsts).tolist(),
+                                     (gamma2 - firsts).tolist())
+        greedy = batch.temperature[rows] < GREEDY_TEMPERATURE  # [A]
+        all_greedy = all(batch.greedy[r] for r in active)
+        generators = [states[r].generator for r in active]
+        size, parts = middle_chunk_requests(self.gamma1), []
+        for lo in range(0, len(active), size):
+            c = slice(lo, lo + size)
+            tokens = layout.token_rows(c)  # the chunk's rows of the pass
+            of_rows = rows[c] if layout.width == 1 else rows[layout.owner[tokens]]
+            probs = batch.probs(logits[tokens], active[c], of_rows)
+            if proposals is None:  # the level drafts alone: one draw from p per request
+                drawn = sample_tokens(probs, greedy[c], generators[c], self.generator,
+                                      all_greedy=all_greedy)
+                # what `verify` of no drafts draws, in a dozen operations instead of ~55
+                accepted, target_probs = drawn.new_zeros(drawn.shape[0]), probs[:, None]
+                emitted = drawn[:, None]
+            else:
+                target_probs = layout.per_request(probs, c)  # [n, max(sizes) + 1, V]
+                del probs
+                result = verify(proposals[c], proposal_probs[c], target_probs,
+                                layout.num_drafts[c], greedy[c],
+                                [g or self.generator for g in generators[c]],
+                                all_greedy=all_greedy)
+                accepted, emitted = result.num_accepted, result.output_token_ids
+            _keep_probs(probs_out, target_probs, accepted + 1, base[c], room[c])
+            parts.append(_packed(accepted, emitted))
+        return torch.cat(parts)
 
-    @staticmethod
-    def _keep_probs(drafts_by_row, active: list[int], emitted: list[int],
-                    target_probs: torch.Tensor, slots: list[int],
-                    probs_out: torch.Tensor) -> None:
-        """Copy request active[i]'s first emitted[i] rows of target_probs [A, width, V] to
-        probs_out[slots[i], k, :] after its earlier middle tokens (k < gamma2), with one
-        index copy: the round's tensors are freed when the round ends."""
-        gamma2 = probs_out.shape[1]
-        src, dst_row, dst_slot = [], [], []
-        width = target_probs.shape[1]
-        for i, (r, n, slot) in enumerate(zip(active, emitted, slots)):
-            first = len(drafts_by_row[r].tokens)
-            for j in range(min(n, gamma2 - first)):
-                src.append(i * width + j)
-                dst_row.append(slot)
-                dst_slot.append(first + j)
-        if src:
-            src, dst_row, dst_slot = to_device(probs_out.device, src, dst_row, dst_slot)
-            probs_out[dst_row, dst_slot] = target_probs.flatten(0, 1)[src]
+    def _after_proposals(self, states, drafts: MiddleDrafts, live: np.ndarray,
+                         sizes: list[int], accepted: list[int]) -> None:
+        """The small draft's proposals of rows `live` judged: each request's draft KV
+        bookkeeping, refresh acceptance and the counters."""
+        for r, proposed, kept in zip(drafts.rows[live].tolist(), sizes, accepted):
+            if proposed:
+                self.draft.after_round(states[r], drafts[r], proposed, kept)
+                self.refresh.record_round(states[r].refresh, proposed, kept)
+        self.stats.record_middle(sum(sizes), sum(a for a, n in zip(accepted, sizes) if n))
 
-    @staticmethod
-    def _input_ids(drafts_by_row, active: list[int], proposals, sizes: list[int],
-                   first_rows: list[int]):
-        """The round's input ids: per request its newest token, then its proposals. Without
-        proposals a list per request (host values); with them one flat device tensor
-        [sum(sizes) + A], assembled on the device (the host never reads the proposals)."""
-        last_tokens = [drafts_by_row[r].last_token for r in active]
+
+class _RoundLayout:
+    """Where each request's inputs sit in a round's pass: request i (of `active`) runs
+    num_inputs[i] = sizes[i] + 1 tokens (its newest, then its proposals) from row
+    first_rows[i]; on the device, the request of each pass row (`owner`) and its index in
+    that request's inputs (`slot`), computed there, not by a host loop per row.
+    Example, sizes [2, 0, 1]: num_inputs [3, 1, 2], first_rows [0, 3, 4], owner
+    [0, 0, 0, 1, 2, 2], slot [0, 1, 2, 0, 0, 1]."""
+
+    def __init__(self, device, sizes: list[int]):
+        self.device = device
+        self.sizes = sizes
+        self.num_inputs = [size + 1 for size in sizes]  # [A]
+        self.first_rows = [0, *itertools.accumulate(self.num_inputs)][:-1]  # [A]
+        self.num_rows = self.first_rows[-1] + self.num_inputs[-1]
+        self.width = max(self.num_inputs)
+
+    @functools.cached_property
+    def _on_device(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(num_drafts [A], owner [T], slot [T]) on the device, made once, when first read
+        (a round of one token per request needs none of them)."""
+        num_drafts, num_inputs, first_rows = to_device(self.device, self.sizes,
+                                                       self.num_inputs, self.first_rows)
+        owner = torch.repeat_interleave(  # output_size given: no device sync
+            torch.arange(len(self.sizes), device=self.device), num_inputs,
+            output_size=self.num_rows)
+        return num_drafts, owner, torch.arange(self.num_rows, device=self.device) - \
+            first_rows[owner]
+
+    @property
+    def num_drafts(self) -> torch.Tensor:
+        return self._on_device[0]
+
+    @property
+    def owner(self) -> torch.Tensor:
+        return self._on_device[1]
+
+    @property
+    def slot(self) -> torch.Tensor:
+        return self._on_device[2]
+
+    def token_rows(self, requests: slice) -> slice:
+        """The pass rows of requests `requests` (consecutive)."""
+        start, stop, _ = requests.indices(len(self.first_rows))
+        end = self.first_rows[stop] if stop < len(self.first_rows) else self.num_rows
+        return slice(self.first_rows[start], end)
+
+    def per_request(self, token_rows: torch.Tensor, requests: slice = slice(None)):
+        """[T', ...] rows of the pass (those of `requests`) -> [n, width, ...], zero-padded."""
+        rows = self.token_rows(requests)
+        start = requests.indices(len(self.first_rows))[0]
+        out = token_rows.new_zeros(len(self.first_rows[requests]), self.width,
+                                   *token_rows.shape[1:])
+        out[self.owner[rows] - start, self.slot[rows]] = token_rows
+        return out
+
+    def input_ids(self, last_tokens: np.ndarray, proposals: torch.Tensor | None):
+        """The round's input ids [T]: per request its newest token, then its proposals.
+        Without proposals the host's flat list (one token per request); with them one
+        device tensor, assembled on the device (the host never reads the proposals)."""
         if proposals is None:
-            return [[token] for token in last_tokens]
-        width = proposals.shape[1]
-        into = [first + 1 + j for first, size in zip(first_rows, sizes) for j in range(size)]
-        taken = [i * width + j for i, size in enumerate(sizes) for j in range(size)]
-        firsts, lasts, into, taken = to_device(proposals.device, first_rows, last_tokens,
-                                               into, taken)
-        ids = proposals.new_empty(sum(sizes) + len(active))
-        ids[firsts] = lasts
-        ids[into] = proposals.reshape(-1)[taken]
-        return ids
-
-    def _advance(self, state, drafts: RequestDrafts, emitted: list[int],
-                 num_proposed: int) -> None:
-        """`emitted`: the round's accepted drafts then one recovered/bonus token."""
-        accepted = len(emitted) - 1
-        drafts.tokens += emitted
-        drafts.last_token = emitted[-1]
-        drafts.position += accepted + 1
-        if num_proposed:
-            self.draft.after_round(state, drafts, num_proposed, accepted)
-            self.refresh.record_round(state.refresh, num_proposed, accepted)
-            self.stats.record_middle(num_proposed, accepted)
+            return last_tokens.tolist()
+        lasts = to_device(proposals.device, last_tokens.tolist())[0]
+        proposed = proposals[self.owner, (self.slot - 1).clamp(min=0)]
+        return torch.where(self.slot == 0, lasts[self.owner], proposed)
 
 
-def _per_request(token_rows: torch.Tensor, shape: tuple[int, int], owner: torch.Tensor,
-                 slot: torch.Tensor) -> torch.Tensor:
-    """[T, V] rows of consecutive requests -> [A, width, V] (shape = (A, width)),
-    zero-padded: token t goes to [owner[t], slot[t]] (owner, slot [T] on the device, built
-    by the host)."""
-    out = token_rows.new_zeros(*shape, token_rows.shape[-1])
-    out[owner, slot] = token_rows
-    return out
+def _on_host(t: torch.Tensor) -> np.ndarray:
+    """`t` as a host array, in one blocking copy (none on the CPU, where it is already)."""
+    return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
+
+
+def _packed(num_accepted: torch.Tensor, output_token_ids: torch.Tensor) -> torch.Tensor:
+    """[A, 1 + G + 1]: accepted drafts, then the emitted tokens (what the host reads)."""
+    return torch.cat([num_accepted[:, None], output_token_ids], 1)
+
+
+def _keep_probs(probs_out: HandOffBuffer, target_probs: torch.Tensor, emitted: torch.Tensor,
+                base: torch.Tensor, room: torch.Tensor) -> None:
+    """Copy request i's first emitted[i] rows of target_probs [n, width, V] into the
+    hand-off buffer from its flat row base[i] (its slot's row for its next middle token),
+    at most room[i] of them (the rest of its gamma2), with one index copy on the device;
+    every other row goes to the buffer's spare row. Example, gamma2 6, width 3, a request
+    at slot 1 holding 4 middle tokens that emitted 3: base 10, room 2, rows 0 and 1 go to
+    flat rows 10 and 11 (rows[1, 4] and rows[1, 5]), row 2 to the spare row."""
+    j = torch.arange(target_probs.shape[1], device=base.device)
+    kept = (j < emitted[:, None]) & (j < room[:, None])  # [n, width]
+    dst = torch.where(kept, base[:, None] + j, probs_out.spare)
+    probs_out.flat[dst.flatten()] = target_probs.flatten(0, 1)
 
 
 def drafting_slots(depths: dict[int, int]) -> dict[int, int]:
@@ -246,23 +383,24 @@ def drafting_slots(depths: dict[int, int]) -> dict[int, int]:
     return {r: i for i, r in enumerate(r for r, k in depths.items() if k > 0)}
 
 
-def hand_off(batch, states, drafts_by_row: dict[int, RequestDrafts], depths: dict[int, int],
-             probs_buffer: torch.Tensor):
+def hand_off(batch, states, drafts: MiddleDrafts, depths: dict[int, int],
+             probs_buffer: HandOffBuffer):
     """What vLLM gets: one draft list per request (`depths[r]` tokens for decoding row r,
     [] for the others) and, unless every drafting row is greedy, their probs
-    [D, max depth, V] with the request ids of its D rows: a view of `probs_buffer`
-    [MAX_DRAFTING_REQUESTS or fewer, gamma2, V], preallocated and reserved (engine/memory.py),
+    [D, max depth, V] with the request ids of its D rows: a view of `probs_buffer.rows`
+    [drafting cap, gamma2, V], preallocated and reserved (engine/memory.py),
     which `MiddleLoop.run` filled by `drafting_slots`. vLLM finds a request's row by its id
     and reads its first len(drafts[r]) entries (vllm/v1/worker/gpu_model_runner.py,
     `_get_spec_decode_draft_probs`, 0.32.0; the `handoff_rows` patch hands it these ids);
     the others are not cleared. Each row must hold at least its depth in middle tokens."""
-    drafts: list[list[int]] = [[] for _ in range(batch.num_reqs)]
+    out: list[list[int]] = [[] for _ in range(batch.num_reqs)]
     slots = drafting_slots(depths)
     probs, req_ids = None, None
     if slots and not all(batch.greedy[r] for r in slots):
-        probs = probs_buffer[:len(slots), :max(depths.values())]
+        probs = probs_buffer.rows[:len(slots), :max(depths.values())]
         req_ids = [batch.req_ids[r] for r in slots]
-    for r, k in depths.items():
-        drafts[r] = drafts_by_row[r].tokens[:k]
+    for r, tokens in zip(drafts.rows.tolist(), drafts.tokens_of()):
+        k = depths[r]
+        out[r] = tokens[:k]
         states[r].last_num_drafts = k
-    return drafts, probs, req_ids
+    return out, probs, req_ids

@@ -78,7 +78,7 @@ from vllm_triforce.engine.forward import metadata_path
 from vllm_triforce.engine.memory import (MemoryPlan, Sizing, allocate_summaries,
                                          check_one_request, describe_reservation)
 from vllm_triforce.engine.depth import DepthChooser
-from vllm_triforce.engine.middle import MiddleLoop, hand_off
+from vllm_triforce.engine.middle import HandOffBuffer, MiddleLoop, hand_off
 from vllm_triforce.engine.paged_keys import paged_keys_for
 from vllm_triforce.engine.retrieval_level import RetrievalLevel
 from vllm_triforce.engine.shape import EngineShape
@@ -106,7 +106,7 @@ class TriForceProposer(DraftModelProposer):
         self.forced_settings = forced_settings(vllm_config)
         self.reserved_bytes = 0  # set by reserve_memory (patches/kv_reservation.py) ...
         self.sizing: Sizing | None = None  # ... with the limits it reserved for
-        self._probs_buffer: torch.Tensor | None = None
+        self._probs_buffer: HandOffBuffer | None = None
         self._last_draft_probs = None
         self._last_draft_prob_req_ids: list[str] | None = None
         if self.shape.has_draft:
@@ -169,14 +169,16 @@ class TriForceProposer(DraftModelProposer):
                 f"and blocks of {self.block_size}. Please report this with your model.")
         self.sizing = self._agreed_sizing(kv_cache_config.num_blocks)
         self.summaries = allocate_summaries(  # what memory_plan reserved
-            self.cfg.summary_kinds(), num_layers=shape.num_layers,
+            shape.kinds, num_layers=shape.num_layers,
             num_blocks=kv_cache_config.num_blocks, num_kv_heads=shape.num_kv_heads,
             head_dim=shape.head_dim, block_size=shape.block_size, dtype=shape.summary_dtype,
             device=self.device, chunk_bytes=self.sizing.chunk_bytes)
-        # [D, gamma2, V]: the draft probabilities handed to vLLM, one row per drafting request
-        # (the drafting cap, `Sizing.drafting`), reused per step (patches/handoff_rows.py).
-        self._probs_buffer = torch.zeros(self.sizing.drafting, shape.gamma2, shape.vocab_size,
-                                         dtype=torch.float32, device=self.device)
+        # [D, gamma2, V]: the draft probabilities handed to vLLM, one row per request that may
+        # draft (the drafting cap, `Sizing.drafting`: max_num_seqs, or what a small cache's
+        # share holds), float32 as vLLM's rejection sampler reads them, reused per step
+        # (patches/handoff_rows.py).
+        self._probs_buffer = HandOffBuffer(self.sizing.drafting, shape.gamma2,
+                                           shape.vocab_size, self.device)
         backend = self.runner.attn_groups[0][0].backend.get_name()
         metadata_path(backend)  # refuse an unsupported backend now, not at the first pass
         # Every policy's engine checks the reader once, at the first commit (SummaryKeeper):
@@ -202,7 +204,8 @@ class TriForceProposer(DraftModelProposer):
         shape = self.shape
         layer = self.target_layers[0]
         target_groups = [g for groups in self.runner.attn_groups for g in groups]
-        selector = Selector(self.policy, shape.blocks, self.cfg.middle_shortlist, keys=paged_keys)
+        selector = Selector(self.policy, shape.blocks, self.cfg.middle_shortlist, keys=paged_keys,
+                            chunk_requests=shape.selection_chunk_requests)
         keeper = SummaryKeeper(self.summaries, self.capture, selector, self.stats, self.device,
                                unreadable=unreadable)
         self.retrieval = RetrievalLevel(

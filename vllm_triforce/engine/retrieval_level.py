@@ -29,7 +29,8 @@ import torch
 from vllm_triforce.core import reads
 from vllm_triforce.core.blocks import selection_sizes
 from vllm_triforce.core.tables import TableLayout, laid_out_tables
-from vllm_triforce.engine.forward import build_pass, run_pass
+from vllm_triforce.engine.forward import Runs, build_pass, run_pass
+from vllm_triforce.engine.middle import positions_of
 from vllm_triforce.engine.state import stacked, stacked_shortlist
 from vllm_triforce.engine.transfer import to_device
 
@@ -72,19 +73,22 @@ class RetrievalLevel:
         every request whose drafts were judged; its `prefills`: the rows whose pass was a
         prefill chunk (a prompt's, or a recompute's), not a decode or a verification."""
         verified, prefills = [], []
-        for r in range(batch.num_reqs):
+        for r, (state, q_len, rejected) in enumerate(zip(states, batch.q_lens,
+                                                          batch.num_rejected)):
             # vLLM's pass ran the newest token, then at most the drafts handed to it last
             # step (the scheduler may trim them) when it verified them; more is a prefill
-            num_verified = batch.q_lens[r] - 1
-            if num_verified > states[r].last_num_drafts:
+            num_verified = q_len - 1
+            if num_verified > state.last_num_drafts:
                 prefills.append(r)
             elif num_verified > 0:
-                accepted = num_verified - batch.num_rejected[r]
-                verified.append((r, num_verified, accepted))
-                self.stats.record_verification(num_verified, accepted)
+                verified.append((r, num_verified, num_verified - rejected))
                 if judged_alone:
-                    self.refresh.record_round(states[r].refresh, num_verified, accepted)
-            states[r].last_num_drafts = 0
+                    self.refresh.record_round(state.refresh, num_verified,
+                                              num_verified - rejected)
+            state.last_num_drafts = 0
+        if verified:
+            self.stats.record_verification(sum(n for _, n, _ in verified),
+                                           sum(a for _, _, a in verified))
         self.keeper.fold(batch, states, prefills)
         return RetrievalStep(self, batch, states, verified, prefills)
 
@@ -126,8 +130,10 @@ class RetrievalStep:
         """Lazy summaries of requests `rows`' full committed blocks (the keeper's
         `set_full_blocks`), each row at most once a step."""
         keeper = self.level.keeper
+        if not keeper.lazy:
+            return
         rows = [r for r in rows if r not in self._summarised_rows]
-        if not keeper.lazy or not rows:
+        if not rows:
             return
         self._summarised_rows.update(rows)
         start = time.perf_counter()
@@ -147,7 +153,8 @@ class RetrievalStep:
         queries = level.capture.queries
         if queries[0] is None:
             return
-        rest = [r for r in rows if r not in due]
+        due_rows = set(due)
+        rest = [r for r in rows if r not in due_rows]
         self._summarise(due)
         if rest and level.selector.observes:  # h2o accumulates (eager summaries)
             idx, query_rows, committed = to_device(
@@ -160,26 +167,31 @@ class RetrievalStep:
             self._reselect(due, queries, [batch.last_committed_row(r) for r in due],
                            [batch.committed[r] for r in due], keep_shortlist=True)
 
-    def select_in_middle(self, rows: list[int], drafts_by_row) -> None:
+    def select_in_middle(self, rows: list[int], drafts) -> None:
         """Between middle rounds: requests `rows` due a refresh re-select with the query of
-        their newest middle token (`drafts_by_row[r].query_row` of the pass `forward` just
-        ran, at position `drafts_by_row[r].position - 1`; engine/middle.RequestDrafts):
-        the queries `forward` kept of its pass (the capture's buffers: called before another
-        target pass can reuse them). Requests holding this step's shortlist re-rank only it;
-        any other scores every candidate."""
-        batch, states = self.batch, self.states
-        due = [r for r in rows if self.level.refresh.due_in_middle(states[r].refresh,
-                                                                   drafts_by_row[r].position)]
-        if not due or self._pass_queries is None:
+        their newest middle token (its `query_row` in `drafts`, the step's middle tokens
+        (engine/middle.MiddleDrafts, or a mapping row -> RequestDrafts), in the pass
+        `forward` just ran, at its `position` - 1): the queries `forward` kept of its pass
+        (the capture's buffers: called before another target pass can reuse them).
+        Requests holding this step's shortlist re-rank only it; any other scores every
+        candidate. With no refresh interval none is ever due (`due_in_middle`)."""
+        batch, states, refresh = self.batch, self.states, self.level.refresh
+        if self._pass_queries is None or refresh.interval <= 0:
             return
-        self._summarise(due)
-        listed = [r for r in due if states[r].shortlist_committed == batch.committed[r]]
-        rest = [r for r in due if r not in listed]
+        positions, query_rows = positions_of(drafts, rows)
+        due = [i for i, (r, p) in enumerate(zip(rows, positions))
+               if refresh.due_in_middle(states[r].refresh, p)]
+        if not due:
+            return
+        self._summarise([rows[i] for i in due])
+        listed, rest = [], []
+        for i in due:
+            r = rows[i]
+            (listed if states[r].shortlist_committed == batch.committed[r] else rest).append(i)
         for group, use_list in ((listed, True), (rest, False)):
             if group:
-                self._reselect(group, self._pass_queries,
-                               [drafts_by_row[r].query_row for r in group],
-                               [drafts_by_row[r].position for r in group],
+                self._reselect([rows[i] for i in group], self._pass_queries,
+                               [query_rows[i] for i in group], [positions[i] for i in group],
                                use_shortlist=use_list)
 
     def _reselect(self, due: list[int], layer_queries: list,
@@ -247,20 +259,21 @@ class RetrievalStep:
         return torch.stack(qs, dim=1)
 
     # ---- the passes -----------------------------------------------------------------
-    def forward(self, rows: list[int], token_ids: list[list[int]] | torch.Tensor,
-                positions: list[list[int]]) -> torch.Tensor:
-        """Request rows[i] runs positions[i] over its retrieval tables, with ids token_ids[i]
-        (or the flat ids already on the device); returns the logits of every input token
-        [sum of lengths, V]. The per-layer tables are built on the device, only as wide as
-        the widest row needs; their lengths are the host's (`selection_sizes`). Keeps the
-        pass's queries for `select_in_middle`."""
+    def forward(self, rows: list[int], token_ids: list[int] | torch.Tensor,
+                positions: Runs) -> torch.Tensor:
+        """Request rows[i] runs positions.lens[i] tokens from positions.starts[i] over its
+        retrieval tables, with the flat ids `token_ids` (host, or already on the device);
+        returns the logits of every input token [sum of lengths, V]. The per-layer tables
+        are built on the device, only as wide as the widest row needs; their lengths are
+        the host's (`selection_sizes`). Keeps the pass's queries for `select_in_middle`."""
         level, batch, states = self.level, self.batch, self.states
         bs = level.blocks.block_size
-        selected = stacked([states[r].selection for r in rows],
-                           [states[r].selection_row for r in rows])[0]  # [n, L, max_selected]
-        layout = TableLayout.of([states[r].num_selected for r in rows],
-                                [states[r].tail_start for r in rows],
-                                [p[-1] + 1 for p in positions], bs)
+        row_states = [states[r] for r in rows]
+        selected = stacked([st.selection for st in row_states],
+                           [st.selection_row for st in row_states])[0]  # [n, L, max_selected]
+        layout = TableLayout.of([st.num_selected for st in row_states],
+                                [st.tail_start for st in row_states],
+                                (positions.starts + positions.lens).tolist(), bs)
         idx, num_selected, tail_start, num_tails = to_device(
             level.device, rows, layout.num_selected, layout.tail_start, layout.num_tails)
         block_table = batch.block_table[idx]

@@ -3,11 +3,13 @@
 A TriForce engine's sizes follow from its vLLM config alone: the speculative-config keys in
 whole KV blocks (`BlockCounts`), gamma2 (drafts handed to vLLM per step), gamma1 (tokens
 the small draft proposes per middle round, 0 without one), the drafting cap before memory
-bounds it, the limits of one middle pass (what per-layer attention builders are made for),
-and the target's geometry that TriForce's buffers are sized by. `EngineShape.of` works them
-out; the proposer builds one at start and hands each level what it uses, and its memory
-plan (engine/memory.py) comes from `memory_plan` — as does the CPU KV sizing before any
-worker exists (patches/cpu_defaults.py), so the two agree by construction.
+bounds it (vLLM's max_num_seqs: every decoding request may draft), the limits of one
+middle pass through per-layer attention builders, and the target's geometry that
+TriForce's buffers are sized by. `EngineShape.of` reads them from the config and
+`EngineShape.from_sizes` builds the shape from them (as the tests build one); the
+proposer builds one at start and hands each level what it uses, and its memory plan
+(engine/memory.py) comes from `memory_plan` — as does the CPU KV sizing before any worker
+exists (patches/cpu_defaults.py), so the two agree by construction.
 
 Depends on vLLM 0.32.0: `ModelConfig.get_num_layers / get_num_kv_heads /
 get_num_attention_heads / get_head_size / get_vocab_size` (vllm/config/model.py) and the
@@ -21,20 +23,27 @@ from dataclasses import dataclass
 import torch
 
 from vllm_triforce.config import BlockCounts, TriForceConfig, triforce_settings
-from vllm_triforce.engine.buffers import MAX_DRAFTING_REQUESTS
+from vllm_triforce.core.policy_facts import SummaryKinds
+from vllm_triforce.core.selection import selection_chunk_requests
 from vllm_triforce.engine.memory import MemoryPlan, summary_dtype
 
 # FlashInfer's prefill and decode wrappers each keep an 8 MiB int workspace of their own
 # (the float workspace is shared, engine/forward.py `_share_workspace`); an allowance read
 # from FlashInfer's wrapper constructors, not measured here (no GPU in CI).
 FLASHINFER_WRAPPER_BYTES = 2 * 8 * 2**20
+# A middle pass through per-layer builders (FLEX_ATTENTION, FLASHINFER) holds at most this
+# many requests (engine/forward.py `run_pass` splits a larger one): those builders keep
+# buffers per request and KV block in every layer (`per_layer_builder_bytes`), which would
+# otherwise grow with the drafting cap. Stateless builders run a middle pass whole.
+BUILDER_PASS_REQUESTS = 32
 
 
 @dataclass(frozen=True)
 class PassLimits:
-    """The most requests and tokens of one pass through per-layer builders: a middle pass
-    holds at most the drafting cap's requests of at most gamma1 + 1 tokens each
-    (engine/forward.py `run_pass` splits any larger pass, e.g. the acceptance teacher's).
+    """The most requests and tokens of one pass through per-layer builders: at most
+    BUILDER_PASS_REQUESTS requests of at most gamma1 + 1 tokens each (engine/forward.py
+    `run_pass` splits any larger pass: a middle round of more drafting requests, the
+    acceptance teacher's).
     The per-layer builders are made for these limits, not the runner's max_num_seqs and
     max_num_batched_tokens, which size their persistent buffers: FLEX_ATTENTION's for
     Llama-3.1-8B at 128K, 1,024 sequences and 8,192 batched tokens would hold ~0.7 GB per
@@ -44,9 +53,10 @@ class PassLimits:
 
 
 def pass_limits(max_num_seqs: int, max_batched_tokens: int, gamma1: int) -> PassLimits:
-    """A middle pass's limits in an engine of vLLM's `max_num_seqs` and
-    `max_num_batched_tokens`: the drafting cap's requests of gamma1 + 1 tokens each."""
-    requests = min(max_num_seqs, MAX_DRAFTING_REQUESTS)
+    """A middle pass's limits through per-layer builders in an engine of vLLM's
+    `max_num_seqs` and `max_num_batched_tokens`: at most BUILDER_PASS_REQUESTS requests of
+    gamma1 + 1 tokens each."""
+    requests = min(max_num_seqs, BUILDER_PASS_REQUESTS)
     return PassLimits(requests, min(max_batched_tokens, requests * (gamma1 + 1)))
 
 
@@ -54,8 +64,10 @@ def pass_limits(max_num_seqs: int, max_batched_tokens: int, gamma1: int) -> Pass
 class EngineShape:
     cfg: TriForceConfig
     blocks: BlockCounts      # the speculative-config keys in whole KV blocks
+    kinds: SummaryKinds      # the optional block state kept (cfg.summary_kinds())
     gamma2: int              # drafts handed to vLLM per step (num_speculative_tokens)
     gamma1: int              # tokens the small draft proposes per round (0 without one)
+    max_num_seqs: int        # vLLM's: the drafting cap before memory bounds it
     pass_limits: PassLimits
     max_model_len: int
     max_batched_tokens: int  # vLLM's max_num_batched_tokens
@@ -73,9 +85,16 @@ class EngineShape:
 
     @property
     def max_drafting(self) -> int:
-        """min(max_num_seqs, MAX_DRAFTING_REQUESTS), a middle pass's requests; a small cache
-        bounds it further (engine/memory.py `Sizing.drafting`)."""
-        return self.pass_limits.requests
+        """Requests that may draft in one step before memory bounds them: every one vLLM
+        schedules (max_num_seqs); the memory plan lowers it to what fits its share of the
+        cache (engine/memory.py `Sizing.drafting`)."""
+        return self.max_num_seqs
+
+    @property
+    def selection_chunk_requests(self) -> int:
+        """Requests that select blocks at once (core/selection.py), for tables of a
+        max_model_len request."""
+        return selection_chunk_requests(self.max_blocks)
 
     @property
     def block_size(self) -> int:
@@ -96,33 +115,46 @@ class EngineShape:
         cfg = TriForceConfig.from_vllm_config(vllm_config)
         model, parallel = vllm_config.model_config, vllm_config.parallel_config
         sched = vllm_config.scheduler_config
-        gamma1 = cfg.draft_tokens_per_round if cfg.model is not None else 0
-        limits = pass_limits(sched.max_num_seqs, sched.max_num_batched_tokens, gamma1)
         kv_dtype = kv_cache_dtype_str_to_dtype(vllm_config.cache_config.cache_dtype, model)
         q_block = getattr(vllm_config.attention_config, "flex_attn_q_block_size", None) or 0
-        return cls(
-            cfg=cfg, blocks=cfg.in_blocks(vllm_config.cache_config.block_size),
-            gamma2=cfg.num_speculative_tokens, gamma1=gamma1, pass_limits=limits,
-            max_model_len=model.max_model_len,
+        return cls.from_sizes(
+            cfg=cfg, block_size=vllm_config.cache_config.block_size,
+            max_num_seqs=sched.max_num_seqs, max_model_len=model.max_model_len,
             max_batched_tokens=sched.max_num_batched_tokens,
             num_layers=model.get_num_layers(parallel),
             num_kv_heads=model.get_num_kv_heads(parallel),
             num_q_heads=model.get_num_attention_heads(parallel),
             head_dim=model.get_head_size(), vocab_size=model.get_vocab_size(),
-            summary_dtype=summary_dtype(kv_dtype, model.dtype),
-            flex_q_block=max(128, q_block))
+            summary_dtype=summary_dtype(kv_dtype, model.dtype), flex_q_block=q_block)
+
+    @classmethod
+    def from_sizes(cls, *, num_layers: int, num_kv_heads: int, head_dim: int, vocab_size: int,
+                   block_size: int, max_num_seqs: int, cfg: TriForceConfig | None = None,
+                   gamma1: int | None = None, max_model_len: int = 0,
+                   max_batched_tokens: int = 0, num_q_heads: int | None = None,
+                   summary_dtype: torch.dtype = torch.float32,
+                   kinds: SummaryKinds | None = None, flex_q_block: int = 0) -> "EngineShape":
+        """The shape from its sizes: `cfg` (None: the defaults) gives the block counts,
+        gamma2 and the summary kinds (`kinds` overrides them), gamma1 its tokens per round
+        with a small draft (`gamma1` overrides it); `num_q_heads` defaults to the KV heads'
+        count. A max_model_len or max_batched_tokens of 0 sizes no selection or fold
+        scratch (engine/memory.py's first worked example)."""
+        cfg = cfg or TriForceConfig()
+        if gamma1 is None:
+            gamma1 = cfg.draft_tokens_per_round if cfg.model is not None else 0
+        return cls(
+            cfg=cfg, blocks=cfg.in_blocks(block_size), kinds=kinds or cfg.summary_kinds(),
+            gamma2=cfg.num_speculative_tokens, gamma1=gamma1, max_num_seqs=max_num_seqs,
+            pass_limits=pass_limits(max_num_seqs, max_batched_tokens, gamma1),
+            max_model_len=max_model_len, max_batched_tokens=max_batched_tokens,
+            num_layers=num_layers, num_kv_heads=num_kv_heads,
+            num_q_heads=num_q_heads or num_kv_heads, head_dim=head_dim, vocab_size=vocab_size,
+            summary_dtype=summary_dtype, flex_q_block=max(128, flex_q_block))
 
     def memory_plan(self, kv_bytes_per_block: int, backend: str | None) -> MemoryPlan:
         """What the engine allocates beside a KV cache of `kv_bytes_per_block` (every KV
         layer, one rank) with the attention backend named `backend` (None: stateless)."""
-        return MemoryPlan.for_engine(
-            kv_bytes_per_block=kv_bytes_per_block, num_target_layers=self.num_layers,
-            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-            block_size=self.block_size, kv_dtype_bytes=self.summary_dtype.itemsize,
-            kinds=self.cfg.summary_kinds(), max_num_seqs=self.max_drafting,
-            gamma2=self.gamma2, gamma1=self.gamma1, vocab_size=self.vocab_size,
-            builders=self.builder_bytes(backend), max_blocks=self.max_blocks,
-            num_q_heads=self.num_q_heads, max_batched_tokens=self.max_batched_tokens)
+        return MemoryPlan.for_engine(self, kv_bytes_per_block, self.builder_bytes(backend))
 
     def builder_bytes(self, backend: str | None) -> tuple[int, int]:
         """(bytes per KV block, fixed bytes) of a stateful backend's per-layer builders: one
