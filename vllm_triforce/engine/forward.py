@@ -112,7 +112,8 @@ def build_pass(token_ids: list | torch.Tensor, positions: list[list[int]] | Runs
     rows = torch.arange(qsl[-1], device=block_table.device)  # [T]
     if every:
         rows_dev = rows
-    who = torch.searchsorted(qsl_dev[1:], rows, right=True)  # [T] each token's request
+    one_each = qsl[-1] == len(lens)  # one token per request: token t is request t's
+    who = rows if one_each else torch.searchsorted(qsl_dev[1:], rows, right=True)  # [T]
     slots = block_table[who, pos // block_size].long() * block_size + pos % block_size
     return PassInputs(qsl, list(seq_lens), sample_rows,
                       input_ids=(ids if host_ids is not None else token_ids).to(torch.int32),

@@ -97,6 +97,9 @@ class MiddleDrafts:
         tokens, -1 padded), first_rows [A] each one's first row in the round's pass.
         Example, a row holding 2 tokens that accepted 1 draft [a] and emitted [a, r]:
         tokens[2:4] = [a, r], count 4, last_token r, position + 2, query_row first + 1."""
+        if host.shape[1] == 2:  # one token each, no draft to accept (G = 0)
+            self.advance_one(live, host[:, 1])
+            return
         accepted = host[:, 0]
         emitted = accepted + 1
         offset = np.arange(host.shape[1] - 1)
@@ -107,6 +110,15 @@ class MiddleDrafts:
         self.position[live] += emitted
         self.count[live] += emitted
         self.query_row[live] = first_rows + accepted  # input `accepted`: the newest kept
+
+    def advance_one(self, live: np.ndarray, tokens: np.ndarray) -> None:
+        """`advance` of a round that emitted one token per row, tokens [A], after its only
+        input (two levels: nothing proposed, nothing accepted)."""
+        self.tokens[live, self.count[live]] = tokens
+        self.last_token[live] = tokens
+        self.position[live] += 1
+        self.count[live] += 1
+        self.query_row[live] = np.arange(len(live))
 
     def positions_of(self, rows: list[int]) -> tuple[list[int], list[int]]:
         """(position, query_row) of batch rows `rows`."""
@@ -221,9 +233,9 @@ class MiddleLoop:
         logits = step.forward(active, layout.input_ids(drafts.last_token[live], proposals),
                               Runs(drafts.position[live], sizes + 1))
         if probs_out is None and proposals is None:  # one token per request: its argmax
-            argmax = logits.argmax(-1)
-            packed = _packed(torch.zeros_like(argmax), argmax[:, None])
-        elif probs_out is None:  # no vocabulary-wide probabilities at all: nobody reads them
+            drafts.advance_one(live, _on_host(logits.argmax(-1)))  # the round's one copy
+            return len(live)
+        if probs_out is None:  # no vocabulary-wide probabilities at all: nobody reads them
             argmax = layout.per_request(logits.argmax(-1, keepdim=True))[..., 0]  # [A, W]
             result = verify_greedy(proposals, argmax, layout.num_drafts)
             packed = _packed(result.num_accepted, result.output_token_ids)
