@@ -125,29 +125,32 @@ def test_steps_at_a_fixed_depth_teach_the_controller_no_rounds_and_no_cycle():
 
 
 def test_at_most_max_drafting_requests_draft_in_a_step():
-    """The cap engine/memory.py reserves for: the first MAX_DRAFTING_REQUESTS drafting
-    requests keep their depths, the rest run plain; beyond the cap nothing TriForce
-    reserves grows with max_num_seqs (the hand-off buffer has a row per drafting request)."""
-    from vllm_triforce.engine.depth import MAX_DRAFTING_REQUESTS, cap_drafting
+    """The cap the memory plan reserves for (engine/memory.py `Sizing.drafting`): the first
+    `max_drafting` drafting requests keep their depths, the rest run plain; a pass through
+    per-layer builders holds at most BUILDER_PASS_REQUESTS requests whatever max_num_seqs."""
+    from vllm_triforce.engine.depth import cap_drafting
     from vllm_triforce.engine.memory import vocabulary_rows
-    from vllm_triforce.engine.shape import pass_limits
+    from vllm_triforce.engine.shape import BUILDER_PASS_REQUESTS, pass_limits
+
+    CAP = 32
 
     assert cap_drafting([2, 0, 3, 1], 2) == [2, 0, 3, 0]
     stats = TriForceStats()
-    many = [str(i) for i in range(MAX_DRAFTING_REQUESTS + 8)]
-    depths, _ = plan(DepthChooser(6, True, stats, fixed_depth=6), many, 4)
-    assert depths == [4] * MAX_DRAFTING_REQUESTS + [0] * 8
-    assert stats.depth_counts[4] == MAX_DRAFTING_REQUESTS and stats.depth_counts[0] == 8
-    assert pass_limits(1024, 8192, 2).requests == MAX_DRAFTING_REQUESTS  # the shape's cap
-    assert vocabulary_rows(MAX_DRAFTING_REQUESTS, 6, 2) > vocabulary_rows(16, 6, 2)
+    many = [str(i) for i in range(CAP + 8)]
+    depths, _ = plan(DepthChooser(6, True, stats, fixed_depth=6,
+                                  max_drafting=CAP), many, 4)
+    assert depths == [4] * CAP + [0] * 8
+    assert stats.depth_counts[4] == CAP and stats.depth_counts[0] == 8
+    assert pass_limits(1024, 8192, 2).requests == BUILDER_PASS_REQUESTS
+    assert vocabulary_rows(CAP, 6, 2) > vocabulary_rows(16, 6, 2)
 
 
-def _chooser(has_draft=False, budget_blocks=5):
+def _chooser(has_draft=False, budget_blocks=5, max_drafting=None):
     from vllm_triforce.config import BlockCounts
 
     blocks = BlockCounts(block_size=32, budget_blocks=budget_blocks, retrieval_sink_blocks=1,
                          retrieval_recent_blocks=1)
-    return DepthChooser(4, has_draft, TriForceStats(), blocks=blocks)
+    return DepthChooser(4, has_draft, TriForceStats(), blocks=blocks, max_drafting=max_drafting)
 
 
 def test_a_request_whose_context_fits_the_budget_gets_depth_zero():
@@ -173,16 +176,17 @@ def test_a_seeded_request_drafts_full_depth_once_it_outgrows_the_budget_whatever
 
 
 def test_the_drafting_cap_admits_seeded_requests_first():
-    from vllm_triforce.engine.depth import MAX_DRAFTING_REQUESTS, cap_drafting
+    from vllm_triforce.engine.depth import cap_drafting
 
+    CAP = 32
     assert cap_drafting([2, 0, 3, 1], 2, first=[False, False, False, True]) == [2, 0, 0, 1]
-    chooser = _chooser()
+    chooser = _chooser(max_drafting=CAP)
     schedule_depths(chooser.controller, [4])
-    num = MAX_DRAFTING_REQUESTS + 4
+    num = CAP + 4
     seeded = [i >= 4 for i in range(num)]  # the newest 32 are seeded
     depths, _ = plan(chooser, [str(i) for i in range(num)], 4, num_committed=[500] * num,
                      seeded=seeded)
-    assert depths == [0] * 4 + [4] * MAX_DRAFTING_REQUESTS
+    assert depths == [0] * 4 + [4] * CAP
 
 
 def test_without_adaptive_every_request_keeps_the_fixed_depth():

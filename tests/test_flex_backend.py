@@ -225,14 +225,14 @@ print("unchanged")
 def test_plan_reserves_the_per_layer_builders(tiny_llama):
     """A FLEX engine's MemoryPlan adds, over CPU_ATTN's, one per-layer builder per target
     layer (and one build's transient block map), as `per_layer_builder_bytes` sizes them."""
-    from vllm_triforce.engine.buffers import MAX_DRAFTING_REQUESTS
+    from vllm_triforce.engine.shape import BUILDER_PASS_REQUESTS
 
     run(tiny_llama, "CPU_ATTN", two_level())
     run(tiny_llama, "FLEX_ATTENTION", two_level())
     key = repr(sorted(two_level().items()))
     stateless = _PLANS[(tiny_llama, "CPU_ATTN", key)]
     flex = _PLANS[(tiny_llama, "FLEX_ATTENTION", key)]
-    layers, requests = 2, MAX_DRAFTING_REQUESTS  # tiny_llama; max_num_seqs is vLLM's 256
+    layers, requests = 2, BUILDER_PASS_REQUESTS  # tiny_llama; a builder pass's requests
     assert flex.kv_bytes_per_block == stateless.kv_bytes_per_block
     assert flex.summary_bytes_per_block - stateless.summary_bytes_per_block == \
         (layers + 1) * 8 * requests

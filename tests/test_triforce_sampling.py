@@ -10,7 +10,6 @@ import tiny_models
 from engine_helpers import (assert_drafted, drafter_of, force_depths, free_llm,
                             make_engine_kwargs, watch_hand_off)
 from test_triforce_engine import two_level
-from vllm_triforce.engine.depth import MAX_DRAFTING_REQUESTS
 
 pytestmark = pytest.mark.engine
 
@@ -25,10 +24,10 @@ RETRIEVAL_BUDGET = 288
 # Engine seeds (vLLM's sampler and the proposer's generator): a different one per engine,
 # so the TriForce samples are not drawn from the same random stream as the reference's.
 PLAIN_SEED, TRIFORCE_SEED, CORRUPTED_SEED = 0, 1, 2
-# Every engine runs at most MAX_DRAFTING_REQUESTS requests at once, TriForce's cap on
-# drafting requests per step (engine/depth.py), so every sample of a TriForce engine rests on
-# the drafts its schedule asks for (at vLLM's default of 256, seven in eight requests decoded
-# plainly at every step, and the wrong hand-off below changed too few samples to be seen).
+# Every engine runs at most this many requests at once: every one drafts at the depth its
+# schedule asks for (the drafting cap is max_num_seqs), and the steps stay small enough on
+# CPU for NUM_SAMPLES continuations.
+MAX_NUM_SEQS = 32
 # Depths the depth controller uses in turn, 0 included: a draft length chosen without
 # looking at its verification keeps sampling exact.
 SCHEDULE = [3, 0, 2, 1]
@@ -45,7 +44,7 @@ def _samples(model, spec, seed, schedule=None):
     from vllm import LLM, SamplingParams
 
     llm = LLM(str(model), speculative_config=spec,
-              **make_engine_kwargs(seed=seed, max_num_seqs=MAX_DRAFTING_REQUESTS))
+              **make_engine_kwargs(seed=seed, max_num_seqs=MAX_NUM_SEQS))
     if schedule is not None:
         force_depths(llm, schedule)
     hand_off_seen = watch_hand_off(llm) if spec else None

@@ -42,7 +42,7 @@ from vllm_triforce.core.tables import (TableLayout, build_block_tables,  # noqa:
 from vllm_triforce.core.verify import (GREEDY_TEMPERATURE, sample_tokens,  # noqa: E402
                                        sampling_probs, verify)
 from vllm_triforce.engine.batch import StepBatch  # noqa: E402
-from vllm_triforce.engine.middle import MiddleLoop  # noqa: E402
+from vllm_triforce.engine.middle import HandOffBuffer, MiddleLoop  # noqa: E402
 from vllm_triforce.engine.transfer import to_device  # noqa: E402
 from vllm_triforce.bench.syncs import SyncCounter  # noqa: E402
 
@@ -290,7 +290,7 @@ def middle_rounds(dev, device: str, R: int, repeats: int, results: list,
         states = [types.SimpleNamespace(generator=None, refresh=None, last_num_drafts=0)
                   for _ in range(R)]
 
-        buffer = torch.zeros(R, GAMMA2, VOCAB, device=dev)
+        buffer = HandOffBuffer(R, GAMMA2, VOCAB, dev)
 
         def run():
             return loop.run(RetrievalStep(batch, states), list(range(R)), [GAMMA2] * R,
