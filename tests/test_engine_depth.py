@@ -77,7 +77,7 @@ def test_step_time_and_rates_come_from_pure_decode_steps():
     step = step_of(chooser, chooser._last.end + 0.01, ["a"], pure_decode=True, num_tokens=5,
                    emitted=3, verified=[("a", 4, 2)])  # first decode: still paying
     assert not ctl.step.seen
-    assert ctl.requests["a"].accepted[:3] == [1.0, 1.0, 0.0]  # acceptance always counts
+    assert ctl.requests.accepted_of("a")[:3].tolist() == [1.0, 1.0, 0.0]  # acceptance always counts
     step.plan(["a"], 4)
     step.end(drafting=True)
     assert ctl.active.n == 1
@@ -120,7 +120,7 @@ def test_steps_at_a_fixed_depth_teach_the_controller_no_rounds_and_no_cycle():
         assert step.plan(["a"], 4) == ([4], False)
         step.round_done(False, 1, 0.01, 1.0)
         step.end(drafting=True)
-    assert ctl.step.predict(5) == 0.5 and ctl.requests["a"].tried[0] > 0
+    assert ctl.step.predict(5) == 0.5 and ctl.requests.tried_of("a")[0] > 0
     assert not ctl.rounds["retrieval"].seen and not ctl.active.n and not ctl.realised.n
 
 

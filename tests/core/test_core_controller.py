@@ -4,13 +4,14 @@ import itertools
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from vllm_triforce.core.controller import SpeculationController
 from vllm_triforce.core.plans import (DRAFT, RETRIEVAL, ModeCosts, Plan, StepCosts, choose_plan,
                                       gains, plain_rate)
-from vllm_triforce.core.estimates import DecayedLine, PositionAcceptance
+from vllm_triforce.core.estimates import DecayedLine, PositionAcceptance, RequestAcceptance
 
 MS = 1e-3
 
@@ -105,8 +106,37 @@ def test_position_acceptance_counts():
     acc = PositionAcceptance(4, decay=1.0)
     acc.observe(4, 2)  # drafts 1, 2 accepted, 3 rejected, 4 never judged
     acc.observe(1, 1)
-    assert acc.tried == [2, 1, 1, 0] and acc.accepted == [2, 1, 0, 0]
-    assert acc.alphas([0.5] * 4, strength=2.0) == [0.75, 2 / 3, 1 / 3, 0.5]
+    assert acc.tried.tolist() == [2, 1, 1, 0] and acc.accepted.tolist() == [2, 1, 0, 0]
+    assert acc.alphas(np.full(4, 0.5), strength=2.0).tolist() == \
+        pytest.approx([0.75, 2 / 3, 1 / 3, 0.5])
+
+
+def test_a_batch_of_verifications_counts_as_one_at_a_time():
+    """A step's verifications observed at once (in one pass over the positions) give the
+    counts of observing them in order, decay included; per request, the same as a
+    PositionAcceptance of its own."""
+    verified, accepted = [4, 1, 3, 6, 2, 5], [2, 1, 3, 0, 2, 4]
+    one_by_one, at_once = PositionAcceptance(6, decay=0.9), PositionAcceptance(6, decay=0.9)
+    for v, a in zip(verified, accepted):
+        one_by_one.observe(v, a)
+    at_once.observe(verified, accepted)
+    assert at_once.tried == pytest.approx(one_by_one.tried)
+    assert at_once.accepted == pytest.approx(one_by_one.accepted)
+
+    table, alone = RequestAcceptance(6, decay=0.9), PositionAcceptance(6, decay=0.9)
+    for step in range(3):
+        table.observe(["a", "b"], [4, 6], [step, 6])
+        alone.observe(4, step)
+        table.retain(["a", "b", "c"])
+    table.observe(["c"], [2], [1])
+    table.retain(["a", "c"])  # b's row is free again, and c's counts stay its own
+    table.observe(["d"], [3], [3])
+    assert table.tried_of("a") == pytest.approx(alone.tried)
+    assert table.accepted_of("a") == pytest.approx(alone.accepted)
+    assert table.tried_of("c").tolist() == [1, 1, 0, 0, 0, 0] and "b" not in table
+    assert table.tried_of("d").tolist() == [1, 1, 1, 0, 0, 0]
+    prior = np.full(6, 0.5)
+    assert table.alphas(["zz"], prior, 1.0)[0].tolist() == prior.tolist()
 
 
 def test_positions_no_verification_reached_keep_what_they_measured():
@@ -116,7 +146,7 @@ def test_positions_no_verification_reached_keep_what_they_measured():
     acc.observe(4, 4)  # every position reached and accepted once
     for _ in range(20):
         acc.observe(2, 2)  # then depth 2 only: positions 3 and 4 never reached
-    alphas = acc.alphas([0.6] * 4, strength=1.0)
+    alphas = acc.alphas(np.full(4, 0.6), strength=1.0)
     assert alphas[2] == alphas[3] == pytest.approx((1 + 0.6) / (1 + 1))
     assert alphas[0] == pytest.approx((2 + 0.6) / (2 + 1), abs=0.01)  # 2 = 1 / (1 - decay)
 
@@ -134,7 +164,7 @@ def test_a_settled_depth_is_probed_at_another_every_few_drafting_steps():
         depths.append(plan.max_depth)
         for r, k in zip("ab", plan.depths):
             if k:
-                ctl.observe_verification(r, k, min(k, 2))
+                ctl.observe_verifications([r], [k], [min(k, 2)])
         for _ in range(plan.max_depth):
             ctl.observe_round(plan.mode, 2, 1 * MS, 1.0)
         ctl.observe_overhead(plan.max_depth > 0, 0.0)
@@ -183,7 +213,7 @@ def _feed(ctl: SpeculationController, step_fixed, per_token, round_s, alpha, num
         plans.append(plan)
         for i, k in enumerate(plan.depths):
             if k:
-                ctl.observe_verification(f"r{i}", k, int(alpha * k))
+                ctl.observe_verifications([f"r{i}"], [k], [int(alpha * k)])
         active = [k for k in plan.depths if k]
         for _ in range(plan.max_depth):
             ctl.observe_round(plan.mode, len(active), round_s, 1.0)
@@ -260,7 +290,7 @@ def test_near_break_even_drafting_is_probed_often():
                 drafting.append(step)
             for i, k in enumerate(plan.depths):
                 if k:
-                    ctl.observe_verification(f"r{i}", k, min(k, 2))
+                    ctl.observe_verifications([f"r{i}"], [k], [min(k, 2)])
             for _ in range(plan.max_depth):
                 ctl.observe_round(plan.mode, sum(1 for k in plan.depths if k), 10 * MS, 1.0)
             ctl.observe_overhead(plan.max_depth > 0, 0.0)

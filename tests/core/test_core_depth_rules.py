@@ -40,7 +40,7 @@ def _run(ctl, limits, steps, alpha=1.0, round_s=1 * MS):
         active = [k for k in plan.depths if k]
         for r, k in zip(req_ids, plan.depths):
             if k:
-                ctl.observe_verification(r, k, int(alpha * k))
+                ctl.observe_verifications([r], [k], [int(alpha * k)])
         for _ in range(plan.max_depth):
             ctl.observe_round(RETRIEVAL, len(active), round_s, 1.0)
         ctl.observe_overhead(plan.max_depth > 0, 0.0)

@@ -69,9 +69,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 import torch
 
-from vllm_triforce.core.estimates import DecayedLine, DecayedMean, PositionAcceptance, RecentMedian
+from vllm_triforce.core.estimates import (DecayedLine, DecayedMean, PositionAcceptance,
+                                          RecentMedian, RequestAcceptance)
 from vllm_triforce.core.plans import (DRAFT, RETRIEVAL, ModeCosts, Plan, StepCosts,
                                       best_in_mode, choose_plan, gains, plain_rate)
 
@@ -101,7 +104,7 @@ class SpeculationController:
     """Feeds measurements into the estimates and turns them into a Plan every step.
 
     The engine calls, per step: `observe_step` (vLLM's step time and its query tokens),
-    `observe_verification` (per request: drafts verified / accepted), `observe_round` (each
+    `observe_verifications` (per request: drafts verified / accepted), `observe_round` (each
     middle round's time), `observe_overhead` (the rest of the proposer's time), then `plan`.
     """
 
@@ -129,7 +132,7 @@ class SpeculationController:
         self.rounds = {m: DecayedLine() for m in self.modes}
         self.tokens_per_round = {m: DecayedMean(prior=1.0) for m in self.modes}
         self.batch_acceptance = PositionAcceptance(max_depth)
-        self.requests: dict[str, PositionAcceptance] = {}
+        self.requests = RequestAcceptance(max_depth)
         self.current: Plan | None = None
         self._num_plans = 0
         self._since_drafting = 0
@@ -147,10 +150,12 @@ class SpeculationController:
         than requests: it verified drafts)."""
         (self.step if num_tokens > num_reqs else self.plain_step).observe(num_tokens, seconds)
 
-    def observe_verification(self, req_id: str, num_verified: int, num_accepted: int) -> None:
-        self.batch_acceptance.observe(num_verified, num_accepted)
-        acc = self.requests.setdefault(req_id, PositionAcceptance(self.max_depth))
-        acc.observe(num_verified, num_accepted)
+    def observe_verifications(self, req_ids: list[str], num_verified, num_accepted) -> None:
+        """Request req_ids[i]'s drafts, num_verified[i] verified of which the first
+        num_accepted[i] accepted (distinct requests, [R] lists or arrays)."""
+        if len(req_ids):
+            self.batch_acceptance.observe(num_verified, num_accepted)
+            self.requests.observe(req_ids, num_verified, num_accepted)
 
     def observe_round(self, mode: str, num_active: int, seconds: float,
                       tokens_per_request: float) -> None:
@@ -175,9 +180,7 @@ class SpeculationController:
         return self.realised.value
 
     def retain(self, req_ids) -> None:
-        keep = set(req_ids)
-        for r in [r for r in self.requests if r not in keep]:
-            del self.requests[r]
+        self.requests.retain(req_ids)
 
     # ---- the decision
     def costs(self, num_reqs: int) -> StepCosts | None:
@@ -197,10 +200,8 @@ class SpeculationController:
                limits: list[int] | None = None) -> torch.Tensor:
         """[R, max_depth] per-request acceptance profile, shrunk towards the batch's; zero
         past each request's `limits` entry (a draft it may not make gains nothing)."""
-        prior = self.batch_acceptance.alphas([self.prior_alpha] * self.max_depth, 1.0)
-        rows = [self.requests[r].alphas(prior, self.shrink) if r in self.requests else prior
-                for r in req_ids]
-        alphas = torch.tensor(rows, dtype=torch.float64).reshape(len(req_ids), -1)
+        prior = self.batch_acceptance.alphas(np.full(self.max_depth, self.prior_alpha), 1.0)
+        alphas = torch.from_numpy(self.requests.alphas(req_ids, prior, self.shrink))
         return alphas[:, :max_depth] * _allowed(limits, len(req_ids), max_depth)
 
     def plan(self, req_ids: list[str], max_depth: int,

@@ -7,6 +7,8 @@ from __future__ import annotations
 import statistics
 from collections import deque
 
+import numpy as np
+
 
 class DecayedLine:
     """y ~ a + b * x by exponentially decayed least squares (b >= 0: costs grow with x).
@@ -110,17 +112,95 @@ class PositionAcceptance:
 
     def __init__(self, max_depth: int, decay: float = 0.98):
         self.decay = decay
-        self.tried = [0.0] * max_depth     # [max_depth] draft j reached the verifier
-        self.accepted = [0.0] * max_depth  # [max_depth] and was accepted
+        self.tried = np.zeros(max_depth)     # [max_depth] draft j reached the verifier
+        self.accepted = np.zeros(max_depth)  # [max_depth] and was accepted
 
-    def observe(self, num_verified: int, num_accepted: int) -> None:
-        """A verification of `num_verified` drafts that accepted the first `num_accepted`."""
-        d = self.decay
-        for j in range(min(num_verified, num_accepted + 1, len(self.tried))):  # reached
-            self.tried[j] = d * self.tried[j] + 1
-            self.accepted[j] = d * self.accepted[j] + (j < num_accepted)
+    def observe(self, num_verified, num_accepted) -> None:
+        """Verifications in order, the i-th of num_verified[i] drafts that accepted the
+        first num_accepted[i] (ints, or [n] arrays): the same counts as observing them one
+        at a time, in one pass over the positions. A position reached by m of them decays
+        by d**m; the i-th one that reaches it is weighted d**(those reaching it after i)."""
+        reached, hit = _reached(np.atleast_1d(num_verified), np.atleast_1d(num_accepted),
+                                len(self.tried))                   # [n, max_depth] each
+        after = np.cumsum(reached[::-1], axis=0)[::-1] - reached   # reaching it later
+        weight = np.where(reached, self.decay ** after, 0.0)
+        kept = self.decay ** reached.sum(axis=0)
+        self.tried = kept * self.tried + weight.sum(axis=0)
+        self.accepted = kept * self.accepted + (weight * hit).sum(axis=0)
 
-    def alphas(self, prior: list[float], strength: float) -> list[float]:
+    def alphas(self, prior: np.ndarray, strength: float) -> np.ndarray:
         """Posterior means with `strength` pseudo-observations at `prior` per position."""
-        return [(a + strength * p) / (t + strength)
-                for a, t, p in zip(self.accepted, self.tried, prior)]
+        return (self.accepted + strength * prior) / (self.tried + strength)
+
+
+class RequestAcceptance:
+    """`PositionAcceptance` for every live request at once: one row of counts per request
+    (rows reused as requests leave), so a step's verifications update in one pass over
+    the batch, not one Python loop per request. Each request is verified at most once a
+    step."""
+
+    def __init__(self, max_depth: int, decay: float = 0.98):
+        self.decay = decay
+        self.row_of: dict[str, int] = {}
+        self.tried = np.zeros((0, max_depth))     # [rows, max_depth]
+        self.accepted = np.zeros((0, max_depth))  # [rows, max_depth]
+        self._free: list[int] = []
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self.row_of
+
+    def accepted_of(self, req_id: str) -> np.ndarray:
+        return self.accepted[self.row_of[req_id]]
+
+    def tried_of(self, req_id: str) -> np.ndarray:
+        return self.tried[self.row_of[req_id]]
+
+    def observe(self, req_ids: list[str], num_verified: np.ndarray,
+                num_accepted: np.ndarray) -> None:
+        """Request req_ids[i] verified num_verified[i] drafts and accepted the first
+        num_accepted[i] (distinct requests)."""
+        rows = np.array([self._row(r) for r in req_ids], dtype=np.int64)
+        reached, hit = _reached(num_verified, num_accepted, self.tried.shape[1])
+        d = np.where(reached, self.decay, 1.0)
+        self.tried[rows] = d * self.tried[rows] + reached
+        self.accepted[rows] = d * self.accepted[rows] + hit
+
+    def alphas(self, req_ids: list[str], prior: np.ndarray, strength: float) -> np.ndarray:
+        """[R, max_depth]: each request's posterior means; `prior` for one never verified."""
+        rows = np.array([self.row_of.get(r, -1) for r in req_ids], dtype=np.int64)
+        seen = rows >= 0
+        out = np.broadcast_to(prior, (len(req_ids), len(prior))).copy()
+        if seen.any():
+            r = rows[seen]
+            out[seen] = (self.accepted[r] + strength * prior) / (self.tried[r] + strength)
+        return out
+
+    def retain(self, req_ids) -> None:
+        """Forget every request not in `req_ids`."""
+        keep = set(req_ids)
+        for req_id in [r for r in self.row_of if r not in keep]:
+            self._free.append(self.row_of.pop(req_id))
+
+    def _row(self, req_id: str) -> int:
+        row = self.row_of.get(req_id)
+        if row is not None:
+            return row
+        if not self._free:  # double the table
+            grow = max(8, len(self.tried))
+            self._free = list(range(len(self.tried) + grow - 1, len(self.tried) - 1, -1))
+            self.tried = np.concatenate([self.tried, np.zeros((grow, self.tried.shape[1]))])
+            self.accepted = np.concatenate([self.accepted, np.zeros_like(self.tried[:grow])])
+        row = self.row_of[req_id] = self._free.pop()
+        self.tried[row] = 0.0
+        self.accepted[row] = 0.0
+        return row
+
+
+def _reached(num_verified, num_accepted, max_depth: int) -> tuple[np.ndarray, np.ndarray]:
+    """([n, max_depth] draft j reached the verifier, [n, max_depth] and was accepted) of
+    verifications of num_verified[i] drafts accepting the first num_accepted[i]."""
+    num_verified = np.asarray(num_verified, dtype=np.int64)[:, None]
+    num_accepted = np.asarray(num_accepted, dtype=np.int64)[:, None]
+    j = np.arange(max_depth)
+    reached = (j < num_verified) & (j <= num_accepted)
+    return reached, reached & (j < num_accepted)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -85,11 +86,11 @@ class TableLayout:
            block_size: int) -> "TableLayout":
         """Example, block_size 4: one row of 2 selected blocks, tail from block 5, 23 tokens
         (blocks 5 to 5) -> width 3, num_tails [1], compact length 2 * 4 + 23 - 20 = 11."""
-        num_tails = [-(-end // block_size) - t for t, end in zip(tail_start, seq_ends)]
-        width = max(n + m for n, m in zip(num_selected, num_tails))
-        compact = [(n - t) * block_size + end
-                   for n, t, end in zip(num_selected, tail_start, seq_ends)]
-        return cls(width, list(num_selected), list(tail_start), num_tails, compact)
+        n, t = np.asarray(num_selected, np.int64), np.asarray(tail_start, np.int64)
+        end = np.asarray(seq_ends, np.int64)
+        num_tails = -(-end // block_size) - t
+        return cls(int((n + num_tails).max()), n.tolist(), t.tolist(), num_tails.tolist(),
+                   ((n - t) * block_size + end).tolist())
 
 
 def laid_out_tables(selected: Tensor, block_table: Tensor, num_selected: Tensor,

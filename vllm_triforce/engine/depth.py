@@ -147,8 +147,9 @@ class DepthChooser:
         accepted) per request; `pure_decode`: no prefill chunk in it). Feeds the controller
         what that pass measured."""
         self.controller.retain(live_req_ids)
-        for req_id, num_verified, num_accepted in verified:
-            self.controller.observe_verification(req_id, num_verified, num_accepted)
+        if verified:
+            ids, num_verified, num_accepted = zip(*verified)
+            self.controller.observe_verifications(list(ids), num_verified, num_accepted)
         last = self._last
         if (last is not None and pure_decode and last.pure_decode
                 and set(req_ids) <= last.req_ids):

@@ -27,7 +27,6 @@ sizes), never a Python loop per token row of the vocabulary work.
 from __future__ import annotations
 
 import functools
-import itertools
 import time
 
 import numpy as np
@@ -226,10 +225,10 @@ class MiddleLoop:
         batch, states = step.batch, step.states
         active, size_list = drafts.rows[live].tolist(), sizes.tolist()
         proposals, proposal_probs = None, None  # [A, max(sizes)] and [A, max(sizes), V]
-        if max(size_list) > 0:
+        if sizes.max() > 0:
             proposals, proposal_probs = self.draft.propose(batch, states, drafts, active,
                                                            size_list)
-        layout = _RoundLayout(batch.device, size_list)
+        layout = _RoundLayout(batch.device, sizes)
         logits = step.forward(active, layout.input_ids(drafts.last_token[live], proposals),
                               Runs(drafts.position[live], sizes + 1))
         if probs_out is None and proposals is None:  # one token per request: its argmax
@@ -243,7 +242,7 @@ class MiddleLoop:
             packed = self._emit(step, drafts, live, active, layout, logits, proposals,
                                 proposal_probs, probs_out)
         host = _on_host(packed)  # [A, 1 + G + 1]: the round's one device-to-host copy
-        drafts.advance(live, host, np.asarray(layout.first_rows))
+        drafts.advance(live, host, layout.first_rows)
         if proposals is not None:  # each proposing request's round, for its own state
             self._after_proposals(states, drafts, live, size_list, host[:, 0].tolist())
         return int(host[:, 0].sum()) + len(live)
@@ -307,13 +306,13 @@ class _RoundLayout:
     Example, sizes [2, 0, 1]: num_inputs [3, 1, 2], first_rows [0, 3, 4], owner
     [0, 0, 0, 1, 2, 2], slot [0, 1, 2, 0, 0, 1]."""
 
-    def __init__(self, device, sizes: list[int]):
+    def __init__(self, device, sizes: np.ndarray):
         self.device = device
-        self.sizes = sizes
-        self.num_inputs = [size + 1 for size in sizes]  # [A]
-        self.first_rows = [0, *itertools.accumulate(self.num_inputs)][:-1]  # [A]
-        self.num_rows = self.first_rows[-1] + self.num_inputs[-1]
-        self.width = max(self.num_inputs)
+        self.sizes = sizes                                     # [A]
+        self.num_inputs = sizes + 1                            # [A]
+        self.first_rows = np.cumsum(self.num_inputs) - self.num_inputs  # [A]
+        self.num_rows = int(self.first_rows[-1] + self.num_inputs[-1])
+        self.width = int(self.num_inputs.max())
 
     @functools.cached_property
     def _on_device(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -342,8 +341,8 @@ class _RoundLayout:
     def token_rows(self, requests: slice) -> slice:
         """The pass rows of requests `requests` (consecutive)."""
         start, stop, _ = requests.indices(len(self.first_rows))
-        end = self.first_rows[stop] if stop < len(self.first_rows) else self.num_rows
-        return slice(self.first_rows[start], end)
+        end = int(self.first_rows[stop]) if stop < len(self.first_rows) else self.num_rows
+        return slice(int(self.first_rows[start]), end)
 
     def per_request(self, token_rows: torch.Tensor, requests: slice = slice(None)):
         """[T', ...] rows of the pass (those of `requests`) -> [n, width, ...], zero-padded."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from vllm_triforce.core import reads
@@ -113,6 +114,9 @@ class RetrievalStep:
         self._pass_queries: list | None = None  # per layer, the last `forward`'s queries
         # (shortlist, its rows, the Shortlist of those rows): the last subset `_listed` made
         self._last_subset: tuple | None = None
+        # re-selections so far this step, and the last `_selections_of` (key, value)
+        self._num_reselects = 0
+        self._rows_selections: tuple | None = None
 
     def __enter__(self) -> "RetrievalStep":
         return self
@@ -222,6 +226,7 @@ class RetrievalStep:
             st.selection, st.selection_row = logical, i
             st.num_selected, st.tail_start = selection_sizes(batch.committed[r], level.blocks)
             level.refresh.record_selection(st.refresh, prefixes[i])
+        self._num_reselects += 1
         level.stats.add(refreshes=len(due))
 
     def _listed(self, rows: list[int]):
@@ -266,17 +271,12 @@ class RetrievalStep:
         returns the logits of every input token [sum of lengths, V]. The per-layer tables
         are built on the device, only as wide as the widest row needs; their lengths are
         the host's (`selection_sizes`). Keeps the pass's queries for `select_in_middle`."""
-        level, batch, states = self.level, self.batch, self.states
+        level, batch = self.level, self.batch
         bs = level.blocks.block_size
-        row_states = [states[r] for r in rows]
-        selected = stacked([st.selection for st in row_states],
-                           [st.selection_row for st in row_states])[0]  # [n, L, max_selected]
-        layout = TableLayout.of([st.num_selected for st in row_states],
-                                [st.tail_start for st in row_states],
-                                (positions.starts + positions.lens).tolist(), bs)
-        idx, num_selected, tail_start, num_tails = to_device(
-            level.device, rows, layout.num_selected, layout.tail_start, layout.num_tails)
-        block_table = batch.block_table[idx]
+        selected, sizes, block_table = self._selections_of(rows)
+        layout = TableLayout.of(*sizes, positions.starts + positions.lens, bs)
+        num_selected, tail_start, num_tails = to_device(
+            level.device, layout.num_selected, layout.tail_start, layout.num_tails)
         tables = laid_out_tables(selected, block_table, num_selected, tail_start, num_tails,
                                  layout.width)
         inputs = build_pass(token_ids, positions, block_table, bs, layout.compact_lens)
@@ -286,6 +286,23 @@ class RetrievalStep:
                               per_layer, level.stats, level.pass_limits)
         self._pass_queries = list(level.capture.queries)
         return logits
+
+    def _selections_of(self, rows: list[int]):
+        """(selected [n, L, max_selected] logical blocks on the device, (num_selected [n],
+        tail_start [n]) on the host, block_table [n, width]) of requests `rows`: gathered
+        once, and taken again by every pass over the same rows until one of them
+        re-selects (a step's middle rounds run the same rows while none drops out)."""
+        key = (self._num_reselects, rows)
+        if self._rows_selections is not None and self._rows_selections[0] == key:
+            return self._rows_selections[1]
+        row_states = [self.states[r] for r in rows]
+        selected = stacked([st.selection for st in row_states],
+                           [st.selection_row for st in row_states])[0]
+        sizes = (np.array([st.num_selected for st in row_states], dtype=np.int64),
+                 np.array([st.tail_start for st in row_states], dtype=np.int64))
+        block_table = self.batch.block_table[to_device(self.level.device, rows)[0]]
+        self._rows_selections = (key, (selected, sizes, block_table))
+        return selected, sizes, block_table
 
     def full_cache_probs(self, rows: list[int], token_ids: list[int],
                          positions: list[int]) -> torch.Tensor:
