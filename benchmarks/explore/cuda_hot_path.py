@@ -285,7 +285,7 @@ def middle_rounds(dev, device: str, R: int, repeats: int, results: list,
             temperature=torch.full((R,), temp, device=dev), top_k=None,
             top_p=torch.full((R,), 0.9, device=dev), requests=[None] * R)
         loop = MiddleLoop(None, 0, types.SimpleNamespace(
-            record_round=lambda *a: None), Stats(), torch.Generator(device=dev).manual_seed(0),
+            record_rounds=lambda *a: None), Stats(), torch.Generator(device=dev).manual_seed(0),
             False)
         states = [types.SimpleNamespace(generator=None, refresh=None, last_num_drafts=0)
                   for _ in range(R)]

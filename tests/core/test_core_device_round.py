@@ -227,7 +227,7 @@ def test_middle_rounds_sync_once_each(device, greedy, gamma1):
     shared = torch.Generator(device=device).manual_seed(2)
     seeded = torch.Generator(device=device).manual_seed(3)
     loop = MiddleLoop(StandInDraft(draft.to(device), shared) if gamma1 else None,
-                      gamma1=gamma1, refresh=types.SimpleNamespace(record_round=lambda *a: None),
+                      gamma1=gamma1, refresh=types.SimpleNamespace(record_rounds=lambda *a: None),
                       stats=Counts(), generator=shared, measure_middle_acceptance=False)
     batch = make_batch(device, greedy, gen)
     states = [types.SimpleNamespace(generator=seeded if r == 3 else None, refresh=None,
@@ -303,7 +303,7 @@ def test_a_round_of_more_requests_than_a_chunk_equals_one_unchunked_round(gamma1
             monkeypatch.setattr(draft_level, "MIDDLE_CHUNK_ROWS", 10_000)
         shared = torch.Generator().manual_seed(2)
         loop = MiddleLoop(StandInDraft(draft, shared) if gamma1 else None, gamma1=gamma1,
-                          refresh=types.SimpleNamespace(record_round=lambda *a: None),
+                          refresh=types.SimpleNamespace(record_rounds=lambda *a: None),
                           stats=Counts(), generator=shared, measure_middle_acceptance=False)
         batch, states = many_requests("cpu", num, torch.Generator().manual_seed(7))
         buffer = HandOffBuffer(num, 6, VOCAB)
@@ -337,7 +337,7 @@ def test_two_level_middle_tokens_are_draws_from_the_retrieval_level(device):
     target = 0.7 * torch.randn(vocab, vocab, generator=gen)  # top-p keeps several tokens
     shared = torch.Generator(device=device).manual_seed(5)
     loop = MiddleLoop(None, gamma1=0,
-                      refresh=types.SimpleNamespace(record_round=lambda *a: None),
+                      refresh=types.SimpleNamespace(record_rounds=lambda *a: None),
                       stats=Counts(), generator=shared, measure_middle_acceptance=False)
     batch = make_batch(device, [True, False, False, False], gen)
     batch.next_tokens = [1, 2, 3, 4]

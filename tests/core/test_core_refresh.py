@@ -9,39 +9,39 @@ from vllm_triforce.core.refresh import RefreshPolicy
 def test_first_call_then_interval():
     policy = RefreshPolicy(interval=100, acceptance_threshold=0.0)
     state = policy.new_state()
-    assert policy.should_refresh(state, 500)
-    policy.record_selection(state, 500)
-    assert not policy.should_refresh(state, 599)
-    assert policy.should_refresh(state, 600)
-    policy.record_selection(state, 600)
+    assert policy.due_at_start([state], [500])[0]
+    policy.record_selections([state], [500])
+    assert not policy.due_at_start([state], [599])[0]
+    assert policy.due_at_start([state], [600])[0]
+    policy.record_selections([state], [600])
     for _ in range(50):  # acceptance trigger off: bad rounds change nothing
-        policy.record_round(state, 4, 0)
-    assert not policy.should_refresh(state, 650) and state.num_refreshes == 2
+        policy.record_rounds([state], [4], [0])
+    assert not policy.due_at_start([state], [650])[0] and state.num_refreshes == 2
 
 
 def test_rolling_acceptance_below_threshold():
     policy = RefreshPolicy(interval=0, acceptance_threshold=0.5, window=4)
     state = policy.new_state()
-    policy.record_selection(state, 0)
+    policy.record_selections([state], [0])
     for _ in range(3):
-        policy.record_round(state, 2, 0)
-    assert not policy.should_refresh(state, 10**6), "window not full yet; interval off"
-    policy.record_round(state, 2, 0)
-    assert policy.should_refresh(state, 10)
-    policy.record_selection(state, 10)
-    assert state.acceptance() is None and not policy.should_refresh(state, 10)
+        policy.record_rounds([state], [2], [0])
+    assert not policy.due_at_start([state], [10**6])[0], "window not full yet; interval off"
+    policy.record_rounds([state], [2], [0])
+    assert policy.due_at_start([state], [10])[0]
+    policy.record_selections([state], [10])
+    assert state.acceptance() is None and not policy.due_at_start([state], [10])[0]
     for accepted in (2, 2, 2, 0):  # 6 / 8 = 0.75
-        policy.record_round(state, 2, accepted)
-    assert not policy.should_refresh(state, 20)
+        policy.record_rounds([state], [2], [accepted])
+    assert not policy.due_at_start([state], [20])[0]
     for _ in range(2):  # window keeps the last 4 rounds: (2, 0, 0, 0) -> 2 / 8
-        policy.record_round(state, 2, 0)
-    assert state.acceptance() == 0.25 and policy.should_refresh(state, 20)
+        policy.record_rounds([state], [2], [0])
+    assert state.acceptance() == 0.25 and policy.due_at_start([state], [20])[0]
 
 
 def test_validation():
     policy = RefreshPolicy(interval=10, acceptance_threshold=0.3)
     with pytest.raises(ValueError):
-        policy.record_round(policy.new_state(), 2, 3)
+        policy.record_rounds([policy.new_state()], [2], [3])
     with pytest.raises(ValueError):
         RefreshPolicy(interval=10, acceptance_threshold=0.3, window=0)
 
@@ -51,16 +51,16 @@ def test_middle_rounds_refresh_by_the_same_interval():
     a selection made from a token vLLM then rejected is replaced at the next step."""
     every = RefreshPolicy(interval=1, acceptance_threshold=0.0)
     state = every.new_state()
-    assert not every.due_in_middle(state, 10)  # no selection yet: the step's start makes one
-    every.record_selection(state, 10)          # from the query at position 9 (committed)
-    assert every.due_in_middle(state, 11)      # one middle token later
-    every.record_selection(state, 13)          # from middle token 12
-    assert every.should_refresh(state, 11)     # vLLM kept only up to 10: 12 was rejected
+    assert not every.due_in_middle([state], [10])[0]  # no selection yet: the step's start makes one
+    every.record_selections([state], [10])  # from the query at position 9 (committed)
+    assert every.due_in_middle([state], [11])[0]      # one middle token later
+    every.record_selections([state], [13])  # from middle token 12
+    assert every.due_at_start([state], [11])[0]     # vLLM kept only up to 10: 12 was rejected
     sparse = RefreshPolicy(interval=64, acceptance_threshold=0.0)
     state = sparse.new_state()
-    sparse.record_selection(state, 10)
-    assert not sparse.due_in_middle(state, 73) and sparse.due_in_middle(state, 74)
+    sparse.record_selections([state], [10])
+    assert not sparse.due_in_middle([state], [73])[0] and sparse.due_in_middle([state], [74])[0]
     never = RefreshPolicy(interval=0, acceptance_threshold=0.0)
     state = never.new_state()
-    never.record_selection(state, 10)
-    assert not never.due_in_middle(state, 10**6) and not never.should_refresh(state, 10**6)
+    never.record_selections([state], [10])
+    assert not never.due_in_middle([state], [10**6])[0] and not never.due_at_start([state], [10**6])[0]

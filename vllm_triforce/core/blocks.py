@@ -23,6 +23,7 @@ max(5 - 1, 2) = 4, so the tail is blocks 4, 5 and the candidates are blocks 2, 3
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -41,18 +42,25 @@ def candidate_bounds(num_committed: Tensor, blocks: BlockCounts) -> tuple[Tensor
     return sinks, torch.maximum(n_full - blocks.retrieval_recent_blocks, sinks)
 
 
-def selection_sizes(num_committed: int, blocks: BlockCounts) -> tuple[int, int]:
-    """(num_selected, tail_start) that `core/selection.select_blocks` gives a request of
-    num_committed tokens, in Python ints: the host sizes a pass from them without reading
-    the device's Selection back. Same rules as candidate_bounds above; the retrieved
-    count is every candidate when the request fits the budget, else num_retrieved."""
-    n_full = num_committed // blocks.block_size
-    sinks = min(n_full, blocks.retrieval_sink_blocks)
-    start = max(n_full - blocks.retrieval_recent_blocks, sinks)
+def selection_sizes(num_committed, blocks: BlockCounts):
+    """(num_selected, tail_start) that `core/selection.select_blocks` gives a request of num_committed
+    tokens, on the host: Python ints for an int, [R] int64 arrays for an array of
+    requests (one numpy pass over a batch, no call per request). The host sizes a pass
+    from them without reading the device's Selection back. Same rules as
+    candidate_bounds above; the retrieved count is every candidate when the request fits
+    the budget, else num_retrieved."""
+    committed = np.asarray(num_committed, dtype=np.int64)
+    n_full = committed // blocks.block_size
+    sinks = np.minimum(n_full, blocks.retrieval_sink_blocks)
+    start = np.maximum(n_full - blocks.retrieval_recent_blocks, sinks)
     num_candidates = start - sinks
-    total_blocks = -(-num_committed // blocks.block_size)
-    dense = total_blocks <= blocks.budget_blocks or num_candidates <= blocks.num_retrieved
-    return sinks + (num_candidates if dense else blocks.num_retrieved), start
+    total_blocks = -(-committed // blocks.block_size)
+    retrieved = blocks.num_retrieved
+    dense = (total_blocks <= blocks.budget_blocks) | (num_candidates <= retrieved)
+    num_selected = sinks + np.where(dense, num_candidates, retrieved)
+    if committed.ndim == 0:
+        return int(num_selected), int(start)
+    return num_selected, start
 
 
 def candidate_mask(num_committed: Tensor, max_blocks: int, blocks: BlockCounts,

@@ -36,14 +36,18 @@ class RefreshState:
     last_selection: int | None = None  # prefix length whose last token's query selected
     rounds: deque = field(default_factory=deque)  # (num_proposed, num_accepted) since then
     num_refreshes: int = 0
+    proposed: int = 0  # sums over `rounds`
+    accepted: int = 0
 
     def acceptance(self) -> float | None:
         """Rolling acceptance over the recorded rounds (None before any proposal)."""
-        proposed = sum(p for p, _ in self.rounds)
-        return None if proposed == 0 else sum(a for _, a in self.rounds) / proposed
+        return None if self.proposed == 0 else self.accepted / self.proposed
 
 
 class RefreshPolicy:
+    """Each call takes a batch's requests at once (their states, and one value each), so a
+    step asks once, not once per request."""
+
     def __init__(self, interval: int, acceptance_threshold: float, window: int = 8):
         if window < 1:
             raise ValueError(f"refresh window must be >= 1 round, got {window}")
@@ -56,34 +60,47 @@ class RefreshPolicy:
     def new_state(self) -> RefreshState:
         return RefreshState(rounds=deque(maxlen=self.window))
 
-    def should_refresh(self, state: RefreshState, num_committed: int) -> bool:
-        """At a step's start, with `num_committed` tokens of exact KV."""
-        if state.last_selection is None or num_committed < state.last_selection:
-            return True
-        if self.interval > 0 and num_committed - state.last_selection >= self.interval:
-            return True
-        return self._acceptance_dropped(state)
+    def due_at_start(self, states: list[RefreshState], num_committed: list[int]) -> list[bool]:
+        """At a step's start, with num_committed[i] tokens of exact KV for states[i]."""
+        interval, threshold, window = self.interval, self.acceptance_threshold, self.window
+        out = []
+        for state, committed in zip(states, num_committed):
+            last = state.last_selection
+            out.append(last is None or committed < last
+                       or (interval > 0 and committed - last >= interval)
+                       or (threshold > 0 and len(state.rounds) >= window
+                           and state.proposed > 0
+                           and state.accepted / state.proposed < threshold))
+        return out
 
-    def due_in_middle(self, state: RefreshState, prefix: int) -> bool:
-        """Between middle rounds, the newest middle token at position `prefix - 1`."""
-        return (self.interval > 0 and state.last_selection is not None
-                and prefix - state.last_selection >= self.interval)
+    def due_in_middle(self, states: list[RefreshState], prefixes: list[int]) -> list[bool]:
+        """Between middle rounds, states[i]'s newest middle token at position
+        prefixes[i] - 1."""
+        if self.interval <= 0:
+            return [False] * len(states)
+        return [state.last_selection is not None and prefix - state.last_selection >= self.interval
+                for state, prefix in zip(states, prefixes)]
 
-    def _acceptance_dropped(self, state: RefreshState) -> bool:
-        if self.acceptance_threshold <= 0 or len(state.rounds) < self.window:
-            return False
-        rate = state.acceptance()
-        return rate is not None and rate < self.acceptance_threshold
+    def record_selections(self, states: list[RefreshState], prefixes: list[int]) -> None:
+        """states[i]'s request selected with the query of its token at position
+        prefixes[i] - 1."""
+        for state, prefix in zip(states, prefixes):
+            state.last_selection = prefix
+            state.rounds.clear()
+            state.proposed = state.accepted = 0
+            state.num_refreshes += 1
 
-    def record_selection(self, state: RefreshState, prefix: int) -> None:
-        """A selection scored with the query of the token at position `prefix - 1`."""
-        state.last_selection = prefix
-        state.rounds.clear()
-        state.num_refreshes += 1
-
-    def record_round(self, state: RefreshState, num_proposed: int, num_accepted: int) -> None:
-        """One judged round: num_proposed tokens proposed to the level above, num_accepted
-        of them accepted (see the module docstring)."""
-        if not 0 <= num_accepted <= num_proposed:
-            raise ValueError(f"accepted {num_accepted} of {num_proposed} proposed tokens")
-        state.rounds.append((num_proposed, num_accepted))
+    def record_rounds(self, states: list[RefreshState], num_proposed: list[int],
+                      num_accepted: list[int]) -> None:
+        """One judged round each: num_proposed[i] tokens proposed to the level above,
+        num_accepted[i] of them accepted (see the module docstring)."""
+        for state, proposed, accepted in zip(states, num_proposed, num_accepted):
+            if not 0 <= accepted <= proposed:
+                raise ValueError(f"accepted {accepted} of {proposed} proposed tokens")
+            rounds = state.rounds
+            if len(rounds) == rounds.maxlen:  # the oldest leaves the window
+                state.proposed -= rounds[0][0]
+                state.accepted -= rounds[0][1]
+            rounds.append((proposed, accepted))
+            state.proposed += proposed
+            state.accepted += accepted

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from vllm_triforce.core.verify import GREEDY_TEMPERATURE, sampling_probs
@@ -51,11 +52,19 @@ class StepBatch:
             self.seeded = [False] * len(self.req_ids)
         if self.plain is None:
             self.plain = [False] * len(self.req_ids)
-        qsl = self.query_start_loc
-        self.q_lens = [b - a for a, b in zip(qsl[:-1], qsl[1:])]  # [R]
-        # [R] tokens with exact KV, and the first position of the verification pass
-        self.committed = [s - n for s, n in zip(self.seq_lens, self.num_rejected)]
-        self.verify_start = [s - q for s, q in zip(self.seq_lens, self.q_lens)]
+        seq_lens = np.asarray(self.seq_lens, dtype=np.int64)
+        q_lens = np.diff(np.asarray(self.query_start_loc, dtype=np.int64))
+        self.q_lens = q_lens.tolist()  # [R]
+        # [R] tokens with exact KV (also as an array, to index by many rows at once), and
+        # the first position of the verification pass
+        self.committed_array = seq_lens - np.asarray(self.num_rejected, dtype=np.int64)
+        self.committed = self.committed_array.tolist()
+        self.verify_start = (seq_lens - q_lens).tolist()
+        self.greedy_array = np.asarray(self.greedy, dtype=bool)  # [R]
+
+    def all_greedy(self, rows) -> bool:
+        """Every one of requests `rows` (a list or array of rows) is greedy."""
+        return bool(self.greedy_array[rows].all())
 
     def last_committed_row(self, r: int) -> int:
         """Row, in the verification pass, of request r's last committed token."""
@@ -89,7 +98,7 @@ class StepBatch:
 
         return sampling_probs(logits, per_token(self.temperature), per_token(self.top_k),
                               per_token(self.top_p),
-                              all_greedy=all(self.greedy[r] for r in rows))
+                              all_greedy=self.all_greedy(rows))
 
     def token_ids(self, row: int, start: int, end: int) -> list[int]:
         """Token ids at positions [start, end) of request `row` (end <= committed + 1)."""
@@ -146,17 +155,18 @@ class StepBatch:
             cad.seq_lens[:num_reqs], cad.query_start_loc[:num_reqs + 1], rejected,
             next_token_ids[:num_reqs], target_token_ids, temperature < GREEDY_TEMPERATURE)
         top_k, top_p = sampling_metadata.top_k, sampling_metadata.top_p
-        discard = runner.discard_request_mask.np[:num_reqs].tolist()  # numpy: a host array
+        discard = runner.discard_request_mask.np[:num_reqs]  # numpy: a host array
         requests = [runner.requests[r] for r in req_ids]
+        generators = runner.input_batch.generators
         return cls(
             req_ids=req_ids, seq_lens=seq_lens, query_start_loc=qsl, num_rejected=rejected,
-            decoding=[not d for d in discard], next_tokens=next_tokens, verify_ids=verify_ids,
-            greedy=[bool(g) for g in greedy],
+            decoding=(~discard).tolist(), next_tokens=next_tokens, verify_ids=verify_ids,
+            greedy=[g == 1 for g in greedy],
             block_table=cad.block_table_tensor[:num_reqs, :width].to(torch.int32).clone(),
             temperature=temperature,
             top_k=None if top_k is None else top_k[:num_reqs],
             top_p=None if top_p is None else top_p[:num_reqs],
             requests=requests,
-            seeded=[i in runner.input_batch.generators for i in range(num_reqs)],
+            seeded=[i in generators for i in range(num_reqs)] if generators else None,
             plain=[decodes_plainly(r.sampling_params) for r in requests],
         )

@@ -163,7 +163,7 @@ def draft_proposals(batch, states, active: list[int], sizes: list[int], run_step
             proposals = torch.zeros(len(active), max_size, dtype=torch.long,
                                     device=logits.device)
         greedy = batch.temperature[reqs_dev] < GREEDY_TEMPERATURE
-        all_greedy = all(batch.greedy[r] for r in reqs)
+        all_greedy = batch.all_greedy(reqs)
         for lo in range(0, len(rows), chunk_requests):
             c = slice(lo, lo + chunk_requests)
             q = batch.probs(logits[c], reqs[c], reqs_dev[c])  # [n, V]

@@ -130,10 +130,6 @@ class MiddleDrafts:
         out.tokens, out.query_row = self.tokens[i, :self.count[i]].tolist(), int(self.query_row[i])
         return out
 
-    def tokens_of(self) -> list[list[int]]:
-        """Each row's middle tokens, in `rows` order."""
-        return [t[:n] for t, n in zip(self.tokens.tolist(), self.count.tolist())]
-
 
 def positions_of(drafts, rows: list[int]) -> tuple[list[int], list[int]]:
     """(position, query_row) of each of `rows` in `drafts`: a step's `MiddleDrafts`, by its
@@ -183,7 +179,7 @@ class MiddleLoop:
         full_probs = (self._full_cache_probs(step, drafts, measured) if self.measure
                       else None)
         # every row greedy: vLLM gets no draft probs and a round needs only argmaxes
-        argmax_only = not self.measure and all(batch.greedy[r] for r in rows)
+        argmax_only = not self.measure and batch.all_greedy(rows)
         while True:
             live = drafts.live()
             if not live.size:
@@ -261,7 +257,7 @@ class MiddleLoop:
                                      (drafts.slot[live] * gamma2 + firsts).tolist(),
                                      (gamma2 - firsts).tolist())
         greedy = batch.temperature[rows] < GREEDY_TEMPERATURE  # [A]
-        all_greedy = all(batch.greedy[r] for r in active)
+        all_greedy = batch.all_greedy(active)
         generators = [states[r].generator for r in active]
         size, parts = middle_chunk_requests(self.gamma1), []
         for lo in range(0, len(active), size):
@@ -291,10 +287,12 @@ class MiddleLoop:
                          sizes: list[int], accepted: list[int]) -> None:
         """The small draft's proposals of rows `live` judged: each request's draft KV
         bookkeeping, refresh acceptance and the counters."""
-        for r, proposed, kept in zip(drafts.rows[live].tolist(), sizes, accepted):
-            if proposed:
-                self.draft.after_round(states[r], drafts[r], proposed, kept)
-                self.refresh.record_round(states[r].refresh, proposed, kept)
+        proposing = [(r, proposed, kept) for r, proposed, kept
+                     in zip(drafts.rows[live].tolist(), sizes, accepted) if proposed]
+        for r, proposed, kept in proposing:
+            self.draft.after_round(states[r], drafts[r], proposed, kept)
+        self.refresh.record_rounds([states[r].refresh for r, _, _ in proposing],
+                                   [p for _, p, _ in proposing], [k for _, _, k in proposing])
         self.stats.record_middle(sum(sizes), sum(a for a, n in zip(accepted, sizes) if n))
 
 
@@ -405,13 +403,15 @@ def hand_off(batch, states, drafts: MiddleDrafts, depths: dict[int, int],
     `_get_spec_decode_draft_probs`, 0.32.0; the `handoff_rows` patch hands it these ids);
     the others are not cleared. Each row must hold at least its depth in middle tokens."""
     out: list[list[int]] = [[] for _ in range(batch.num_reqs)]
-    slots = drafting_slots(depths)
+    slots = list(drafting_slots(depths))
     probs, req_ids = None, None
-    if slots and not all(batch.greedy[r] for r in slots):
+    if slots and not batch.all_greedy(slots):
         probs = probs_buffer.rows[:len(slots), :max(depths.values())]
         req_ids = [batch.req_ids[r] for r in slots]
-    for r, tokens in zip(drafts.rows.tolist(), drafts.tokens_of()):
-        k = depths[r]
-        out[r] = tokens[:k]
+    rows = drafts.rows.tolist()
+    wanted = [depths[r] for r in rows]
+    tokens = drafts.tokens.tolist()
+    for r, k, row_tokens in zip(rows, wanted, tokens):
+        out[r] = row_tokens[:k]
         states[r].last_num_drafts = k
     return out, probs, req_ids

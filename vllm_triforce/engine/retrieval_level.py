@@ -73,23 +73,23 @@ class RetrievalLevel:
         refresh acceptance. The step's `verified`: (row, drafts verified, accepted) for
         every request whose drafts were judged; its `prefills`: the rows whose pass was a
         prefill chunk (a prompt's, or a recompute's), not a decode or a verification."""
-        verified, prefills = [], []
-        for r, (state, q_len, rejected) in enumerate(zip(states, batch.q_lens,
-                                                          batch.num_rejected)):
-            # vLLM's pass ran the newest token, then at most the drafts handed to it last
-            # step (the scheduler may trim them) when it verified them; more is a prefill
-            num_verified = q_len - 1
-            if num_verified > state.last_num_drafts:
-                prefills.append(r)
-            elif num_verified > 0:
-                verified.append((r, num_verified, num_verified - rejected))
-                if judged_alone:
-                    self.refresh.record_round(state.refresh, num_verified,
-                                              num_verified - rejected)
+        # vLLM's pass ran the newest token, then at most the drafts handed to it last step
+        # (the scheduler may trim them) when it verified them; more is a prefill
+        num_verified = np.asarray(batch.q_lens, dtype=np.int64) - 1  # [R]
+        handed = np.fromiter((st.last_num_drafts for st in states), np.int64, len(states))
+        prefill = num_verified > handed
+        rows = np.flatnonzero(~prefill & (num_verified > 0))
+        num_verified = num_verified[rows]
+        num_accepted = num_verified - np.asarray(batch.num_rejected, dtype=np.int64)[rows]
+        verified = list(zip(rows.tolist(), num_verified.tolist(), num_accepted.tolist()))
+        prefills = np.flatnonzero(prefill).tolist()
+        for state in states:
             state.last_num_drafts = 0
         if verified:
-            self.stats.record_verification(sum(n for _, n, _ in verified),
-                                           sum(a for _, _, a in verified))
+            if judged_alone:
+                self.refresh.record_rounds([states[r].refresh for r, _, _ in verified],
+                                           num_verified.tolist(), num_accepted.tolist())
+            self.stats.record_verification(int(num_verified.sum()), int(num_accepted.sum()))
         self.keeper.fold(batch, states, prefills)
         return RetrievalStep(self, batch, states, verified, prefills)
 
@@ -151,9 +151,9 @@ class RetrievalStep:
         """Re-select the blocks of requests `rows` due a refresh, with the query of their
         newest committed token (vLLM's pass); the others' policies observe."""
         level, batch, states = self.level, self.batch, self.states
-        due = [r for r in rows
-               if states[r].selection is None
-               or level.refresh.should_refresh(states[r].refresh, batch.committed[r])]
+        refresh_due = level.refresh.due_at_start([states[r].refresh for r in rows],
+                                                 batch.committed_array[rows].tolist())
+        due = [r for r, d in zip(rows, refresh_due) if d or states[r].selection is None]
         queries = level.capture.queries
         if queries[0] is None:
             return
@@ -183,8 +183,8 @@ class RetrievalStep:
         if self._pass_queries is None or refresh.interval <= 0:
             return
         positions, query_rows = positions_of(drafts, rows)
-        due = [i for i, (r, p) in enumerate(zip(rows, positions))
-               if refresh.due_in_middle(states[r].refresh, p)]
+        due = [i for i, d in enumerate(refresh.due_in_middle([states[r].refresh for r in rows],
+                                                             positions)) if d]
         if not due:
             return
         self._summarise([rows[i] for i in due])
@@ -209,23 +209,24 @@ class RetrievalStep:
         device; its sizes, which the host needs, follow from the committed length alone
         (core/blocks.selection_sizes)."""
         level, batch, states = self.level, self.batch, self.states
-        idx, query_rows, committed = to_device(level.device, due, query_rows,
-                                               [batch.committed[r] for r in due])
+        committed = batch.committed_array[due]
+        idx, query_rows, committed_dev = to_device(level.device, due, query_rows, committed)
         listed = self._listed(due) if use_shortlist else None
         choice = level.selector.choose(
             self._queries_at(layer_queries, query_rows), level.summaries, batch.block_table[idx],
-            committed, [states[r].policy_state for r in due], shortlist=listed,
+            committed_dev, [states[r].policy_state for r in due], shortlist=listed,
             keep_shortlist=keep_shortlist)
         # kept whole, each request pointing at its row: no operation per request
         logical, kept = choice.selection.logical_blocks, choice.shortlist
+        num_selected, tail_start = (a.tolist() for a in selection_sizes(committed, level.blocks))
+        committed = committed.tolist()
         for i, r in enumerate(due):
             st = states[r]
             if kept is not None:
-                st.shortlists, st.shortlist_row = kept, i
-                st.shortlist_committed = batch.committed[r]
+                st.shortlists, st.shortlist_row, st.shortlist_committed = kept, i, committed[i]
             st.selection, st.selection_row = logical, i
-            st.num_selected, st.tail_start = selection_sizes(batch.committed[r], level.blocks)
-            level.refresh.record_selection(st.refresh, prefixes[i])
+            st.num_selected, st.tail_start = num_selected[i], tail_start[i]
+        level.refresh.record_selections([states[r].refresh for r in due], prefixes)
         self._num_reselects += 1
         level.stats.add(refreshes=len(due))
 
