@@ -7,7 +7,7 @@ in `PATCH_MODULES` order. Each is idempotent, finds the vLLM symbol it changes o
 it (`_util.resolve`), wraps rather than copies (the original stays reachable as
 `__wrapped__`), and records itself in `applied()`. Per patch below: the vLLM symbol (the
 same in 0.32.0 and 0.33.0; `vllm-triforce contract --wheel 0.33.0` checks each against a
-release's sources, vllm_triforce/contract.py PATCH_TARGETS),
+release's sources, vllm_triforce/tools/contract.py PATCH_TARGETS),
 why no official API suffices, how, the gate (when it changes anything), the upstream issue or
 PR, and when to remove it. Each module's docstring has the details.
 

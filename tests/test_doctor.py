@@ -5,7 +5,7 @@ import copy
 
 import pytest
 
-from vllm_triforce import cli, doctor
+from vllm_triforce.tools import cli, doctor
 from vllm_triforce.engine.stats import TriForceStats
 
 ENGINE = {"platform": "cpu", "device_type": "cpu", "vllm_version": "0.32.0",

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_triforce.bench.teacher import Column, TeacherForcedEngine
+from vllm_triforce.tools.bench.teacher import Column, TeacherForcedEngine
 from vllm_triforce.config import BlockCounts
 from vllm_triforce.core.policies import make_policy
 from vllm_triforce.core.refresh import RefreshPolicy

@@ -50,7 +50,7 @@ def spec(levels: int, draft) -> dict:
 def measure(llm, recorder, temperature: float, batch: int) -> tuple[dict, dict]:
     from vllm import SamplingParams
 
-    from vllm_triforce.bench.syncs import summarise
+    from vllm_triforce.tools.bench.syncs import summarise
 
     before = drafter_of(llm).stats.snapshot()
     params = SamplingParams(temperature=temperature, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -66,7 +66,7 @@ def measure(llm, recorder, temperature: float, batch: int) -> tuple[dict, dict]:
 def test_syncs_per_round_and_per_step_meet_the_target(levels, tiny_llama, tiny_draft):
     from vllm import LLM
 
-    from vllm_triforce.bench.syncs import ProposeSyncs, default_device_type
+    from vllm_triforce.tools.bench.syncs import ProposeSyncs, default_device_type
 
     trace = os.environ.get("TRIFORCE_SYNC_SITES") == "1"
     llm = LLM(str(tiny_llama), speculative_config=spec(levels, tiny_draft),
@@ -106,7 +106,7 @@ def test_the_depth_controller_adds_no_device_sync(tiny_llama):
     apart as "host" (no sync on a GPU; on this CPU every tensor counts)."""
     from vllm import LLM
 
-    from vllm_triforce.bench.syncs import ProposeSyncs
+    from vllm_triforce.tools.bench.syncs import ProposeSyncs
 
     llm = LLM(str(tiny_llama), speculative_config={**spec(2, None), "adaptive": True},
               **make_engine_kwargs(enable_prefix_caching=False))

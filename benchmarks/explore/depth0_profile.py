@@ -45,7 +45,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     from vllm_triforce.assets import ensure_model
-    from vllm_triforce.bench import prompts as bench_prompts
+    from vllm_triforce.tools.bench import prompts as bench_prompts
     from vllm_triforce.offline import drafter_of
 
     model = str(ensure_model(args.model))

@@ -4,7 +4,7 @@ Issue 25's measure of the overhead a GPU cannot hide: a 30-layer Llama of hidden
 and a 1,024-token vocabulary (built here, tests/tiny_models.py), two levels, batch 8,
 fixed depth, greedy. Host ms per round = (time in `propose` - time in model forwards) /
 middle rounds (engine/stats.py), over the timed generations; syncs per round and per step
-come from one more, untimed generation (vllm_triforce/bench/syncs.py), where the tree has it.
+come from one more, untimed generation (vllm_triforce/tools/bench/syncs.py), where the tree has it.
 `--ops N`: one more generation counts the aten operations per middle round outside the
 model forwards (each a launch on a GPU; unlike milliseconds on a shared host, the count
 does not move between runs), and prints the N busiest vllm_triforce call sites.
@@ -80,7 +80,7 @@ def main() -> None:
     if args.ops:
         count_operations(llm, drafter, prompts, params, args.ops)
     try:
-        from vllm_triforce.bench.syncs import ProposeSyncs, summarise
+        from vllm_triforce.tools.bench.syncs import ProposeSyncs, summarise
     except ImportError:
         return
     if args.no_syncs:

@@ -1,6 +1,6 @@
 """The selection micro-benchmark runs end to end (tiny shapes) and prints every policy."""
 
-from vllm_triforce.bench import selection_bench
+from vllm_triforce.tools.bench import selection_bench
 from vllm_triforce.core.policies import POLICIES
 
 

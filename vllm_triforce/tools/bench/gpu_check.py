@@ -26,10 +26,10 @@ import os
 import time
 from pathlib import Path
 
-from vllm_triforce.bench.gpu_launch import environment, run_job
-from vllm_triforce.bench.gpu_plan import plan
-from vllm_triforce.bench.gpu_render import render
-from vllm_triforce.bench.gpu_summary import summarise
+from vllm_triforce.tools.bench.gpu_launch import environment, run_job
+from vllm_triforce.tools.bench.gpu_plan import plan
+from vllm_triforce.tools.bench.gpu_render import render
+from vllm_triforce.tools.bench.gpu_summary import summarise
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -170,7 +170,7 @@ def _kernels_ok(results: dict) -> bool:
 
 
 def _models(args, on_gpu: bool) -> dict:
-    from vllm_triforce.bench import gpu_models
+    from vllm_triforce.tools.bench import gpu_models
 
     tokenizer = args.tokenizer
     if tokenizer is None:

@@ -34,8 +34,8 @@ import tempfile
 import time
 
 from vllm_triforce.cpu_openmp import named_runtime, with_intel_openmp
-from vllm_triforce.demo_engine import engine_process, sum_counts
-from vllm_triforce.demo_results import acceptance, report, save_results, save_rounds
+from vllm_triforce.tools.demo_engine import engine_process, sum_counts
+from vllm_triforce.tools.demo_results import acceptance, report, save_results, save_rounds
 
 # Each of the two engines gets 2 GiB of KV cache on CPU: 4 x 8K SmolLM2 tokens in fp32
 # need 1.4.

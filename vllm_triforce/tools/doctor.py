@@ -9,7 +9,7 @@ scheduling and the memory TriForce reserved before KV sizing (engine_settings.py
 patches/kv_reservation.py set these). Then it compares the greedy tokens, reports the
 acceptance and the speed ratio, prints PASS/FAIL/INFO per item and exits 1 on any FAIL.
 
-Child protocol: `python -m vllm_triforce.doctor JOB.json RESULT.json` (JOB: model, spec,
+Child protocol: `python -m vllm_triforce.tools.doctor JOB.json RESULT.json` (JOB: model, spec,
 prompts, max_tokens, dtype, max_model_len). vLLM logs to the child's stdout, so results go
 to a file. Engines run in-process in the child (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) so the
 model runner and the proposer can be inspected (vllm_triforce/offline.py).
@@ -93,7 +93,7 @@ def _model_ref(name: str) -> str:
 
 
 def _base_job(args, target: str) -> dict:
-    from vllm_triforce.bench.prompts import book_prompts
+    from vllm_triforce.tools.bench.prompts import book_prompts
 
     return {"model": target, "prompts": book_prompts(target, args.prompt_tokens, args.batch),
             "max_tokens": args.max_tokens, "dtype": args.dtype,
@@ -118,8 +118,9 @@ def _run_child(job: dict, log_path: Path) -> dict:
         job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
         job_path.write_text(json.dumps(job))
         with open(log_path, "w") as log:
-            proc = subprocess.run([sys.executable, "-m", "vllm_triforce.doctor", str(job_path),
-                                   str(result_path)], stdout=log, stderr=subprocess.STDOUT,
+            proc = subprocess.run([sys.executable, "-m", "vllm_triforce.tools.doctor",
+                                   str(job_path), str(result_path)], stdout=log,
+                                  stderr=subprocess.STDOUT,
                                   env=_child_env(job))
         if proc.returncode == 0 and result_path.exists():
             return json.loads(result_path.read_text())

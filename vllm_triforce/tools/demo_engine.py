@@ -36,7 +36,7 @@ def engine_process(conn, model_dir, spec, prompts, args, eager: bool) -> None:
             if command == "ready":  # the prefill above is done
                 reply = ready
             elif command == "margins":
-                from vllm_triforce.bench.gpu_job import _margins
+                from vllm_triforce.tools.bench.gpu_job import _margins
 
                 logged = SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
                                         ignore_eos=True, logprobs=2)

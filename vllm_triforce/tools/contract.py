@@ -25,7 +25,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # vllm_triforce/
 # Every symbol a patch changes (patches/*.py), `module`, `Class.attribute`.
 PATCH_TARGETS = (
     ("vllm.engine.arg_utils", "EngineArgs.add_cli_args"),                    # cli_args

@@ -1,6 +1,6 @@
 """One engine of `vllm-triforce bench gpu` (bench/gpu_check.py), in its own process.
 
-    python -m vllm_triforce.bench.gpu_job JOB.json RESULT.json
+    python -m vllm_triforce.tools.bench.gpu_job JOB.json RESULT.json
 
 JOB.json: {"kind": "kernels" | "generate" | "costs", "model": DIR, "llm": {LLM kwargs},
 "spec": speculative_config or null, ...kind's fields}. The engine runs in this process
@@ -18,7 +18,8 @@ allocator are in reach:
 Syncs on CUDA are counted twice, differently: `torch.cuda.set_sync_debug_mode("warn")`
 makes every synchronising CUDA call warn; each warning's Python stack says whose it is
 (a frame in vllm_triforce: TriForce's, else vLLM's), divided by the steps vLLM ran. The
-project's `SyncCounter` (vllm_triforce/bench/syncs.py) counts inside `propose`, per middle round.
+project's `SyncCounter` (vllm_triforce/tools/bench/syncs.py) counts inside `propose`, per
+middle round.
 """
 
 from __future__ import annotations
@@ -32,11 +33,11 @@ import traceback
 import warnings
 from pathlib import Path
 
-from vllm_triforce.bench.step_timing import decode_step
+from vllm_triforce.tools.bench.step_timing import decode_step
 
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
               "TOKENIZERS_PARALLELISM": "false"}
-PACKAGE = str(Path(__file__).resolve().parent.parent)
+PACKAGE = str(Path(__file__).resolve().parents[2])  # vllm_triforce/
 
 
 def main(job_path: str, result_path: str) -> int:
@@ -189,7 +190,7 @@ class SyncAttribution:
         if "synchroniz" not in str(message):
             return
         ours = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(PACKAGE)
-                and "/bench/" not in f.filename]
+                and "/tools/" not in f.filename]
         if not ours:
             self.sites["vllm"] += 1
             return
@@ -241,7 +242,7 @@ def run_generate(job: dict) -> dict:
     attribution_error = None
     propose_syncs = None
     if drafter is not None:
-        from vllm_triforce.bench.syncs import ProposeSyncs
+        from vllm_triforce.tools.bench.syncs import ProposeSyncs
 
         propose_syncs = ProposeSyncs(drafter).__enter__()
     if attribution is not None:
@@ -264,7 +265,7 @@ def run_generate(job: dict) -> dict:
     elif attribution_error:
         result["cuda_syncs_error"] = attribution_error
     if drafter is not None:
-        from vllm_triforce.bench.syncs import summarise
+        from vllm_triforce.tools.bench.syncs import summarise
 
         summary = summarise(propose_syncs.take())
         propose_syncs.__exit__(None, None, None)

@@ -80,7 +80,7 @@ class TeacherForcedEngine:
                  kv_cache_gib: int | None = None, block_size: int = 32):
         from vllm import LLM
 
-        from vllm_triforce.bench.worker import ENGINE_ENV
+        from vllm_triforce.tools.bench.worker import ENGINE_ENV
         from vllm_triforce.offline import drafter_of
 
         for key, value in ENGINE_ENV.items():

@@ -1,6 +1,6 @@
 """One benchmark process: build engines for a list of runs, time them, write JSON.
 
-    python -m vllm_triforce.bench.worker JOB.json RESULT.json
+    python -m vllm_triforce.tools.bench.worker JOB.json RESULT.json
 
 JOB.json: {"model": DIR, "prompts": [[token ids], ...], "max_tokens": M,
 "repeats": R, "temperature": T, "top_p": P, "dtype": "auto", "max_model_len": L,
@@ -11,7 +11,7 @@ tokens, prefill_s, decode_s (one per repeat), and for spec runs vLLM's spec-deco
 counters (timed runs only) and, for TriForce, the drafter's per-level counters
 (`stats.snapshot()`).
 
-The parent (`vllm_triforce.bench.runner`) starts one process per run by default:
+The parent (`vllm_triforce.tools.bench.runner`) starts one process per run by default:
 memory is returned between methods and an ngram engine cannot spoil the next engine.
 (vLLM 0.32 on a CPU: once an ngram engine has loaded numba, building another `LLM` in
 the same process fails with `'_lib_fn_wrapper' object has no attribute 'get'`, raised
@@ -28,7 +28,7 @@ import statistics
 import sys
 import time
 
-from vllm_triforce.bench.step_timing import decode_step
+from vllm_triforce.tools.bench.step_timing import decode_step
 from vllm_triforce.offline import drafter_of, free_llm
 
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_TARGET_DEVICE": "cpu",
@@ -103,9 +103,9 @@ def run_one(job: dict, run: dict) -> list[dict]:
 
 
 def _count_syncs(llm, drafter, prompts, params, max_tokens: int = 16) -> dict:
-    """Device syncs per middle round and per step (vllm_triforce/bench/syncs.py) in one more,
+    """Device syncs per middle round and per step (vllm_triforce/tools/bench/syncs.py) in one more,
     untimed generation of up to `max_tokens` (counting slows every op down)."""
-    from vllm_triforce.bench.syncs import ProposeSyncs, summarise
+    from vllm_triforce.tools.bench.syncs import ProposeSyncs, summarise
 
     short = params.clone()
     short.max_tokens = min(params.max_tokens, max_tokens)
