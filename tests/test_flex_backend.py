@@ -8,7 +8,7 @@ describing the second table: every layer would attend over the last layer's sele
 Outputs stay identical (the top level verifies), only acceptance drops, so the test that
 sees it compares acceptance with CPU_ATTN (stateless builder) on the same prompts.
 
-FLEX runs here through the test patch `patches/cpu_flex.py` (env `VLLM_TRIFORCE_CPU_FLEX=1`),
+FLEX runs here through the test patch `tests/cpu_flex.py` (env `VLLM_TRIFORCE_CPU_FLEX=1`),
 whose eager kernel attends densely over the whole KV cache, so engines get a small cache
 (`NUM_BLOCKS`).
 """
@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,7 +40,8 @@ def cpu_flex_patch():
     without the env variable, in which case it recorded the patch as not applicable)."""
     before = os.environ.get(ENV)
     os.environ[ENV] = "1"
-    from vllm_triforce.patches import _util, cpu_flex
+    import cpu_flex
+    from vllm_triforce.patches import _util
 
     _util.check_version()
     cpu_flex.apply()
@@ -204,9 +206,10 @@ def test_unknown_backend_is_refused_with_the_fix():
 def test_patch_changes_nothing_without_the_env_variable():
     """In a fresh process without VLLM_TRIFORCE_CPU_FLEX, apply() records the patch as not
     applicable and leaves the CPU platform and the FLEX module as they were."""
-    code = """
+    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})" + """
+import cpu_flex
 import vllm.platforms.cpu as cpu, vllm.v1.attention.backends.flex_attention as flex
-from vllm_triforce.patches import _util, cpu_flex
+from vllm_triforce.patches import _util
 before = (cpu.CpuPlatform.__dict__["get_attn_backend_cls"], flex.flex_attention_compiled,
           flex.create_block_mask_compiled, flex.FlexAttentionImpl.do_kv_cache_update)
 cpu_flex.apply()

@@ -392,7 +392,8 @@ AGREEMENT_SPEC = {"method": "triforce", "num_speculative_tokens": 4, "retrieval_
 def enable_cpu_flex(monkeypatch) -> None:
     """FLEX_ATTENTION on this CPU through the gated test patch (as tests/test_flex_backend.py:
     the wrapper defers to vLLM unless FLEX is asked for, so it may stay applied)."""
-    from vllm_triforce.patches import _util, cpu_flex
+    import cpu_flex
+    from vllm_triforce.patches import _util
 
     monkeypatch.setenv(cpu_flex.ENV, "1")
     _util.check_version()
