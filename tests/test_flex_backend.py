@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_helpers import (assert_drafted, drafter_of, free_llm, make_engine_kwargs,
-                            record_rerank_calls)
+from engine_helpers import (assert_drafted, drafter_of, free_llm, in_process_llm,
+                            make_engine_kwargs, record_rerank_calls, runner_of)
 from test_triforce_engine import generate, three_level, two_level
 
 pytestmark = pytest.mark.engine
@@ -74,11 +74,9 @@ def run(model, backend, spec=None):
 @contextlib.contextmanager
 def attention_groups(model, backend):
     """The runner's attention groups of a plain engine on `backend` (freed on exit)."""
-    from vllm import LLM
-
-    llm = LLM(str(model), **make_engine_kwargs(**on(backend)))
+    llm = in_process_llm(model, **make_engine_kwargs(**on(backend)))
     try:
-        runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        runner = runner_of(llm)
         yield [g for groups in runner.attn_groups for g in groups]
     finally:
         free_llm(llm)

@@ -11,8 +11,8 @@ acceptance and the speed ratio, prints PASS/FAIL/INFO per item and exits 1 on an
 
 Child protocol: `python -m vllm_triforce.tools.doctor JOB.json RESULT.json` (JOB: model, spec,
 prompts, max_tokens, dtype, max_model_len). vLLM logs to the child's stdout, so results go
-to a file. Engines run in-process in the child (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) so the
-model runner and the proposer can be inspected (vllm_triforce/offline.py).
+to a file. Engines run in-process in the child (vllm_triforce/offline.py) so the model runner
+and the proposer can be inspected.
 """
 
 from __future__ import annotations
@@ -28,8 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PASS, FAIL, INFO = "PASS", "FAIL", "INFO"
-# Engines in-process in the child, so its runner and proposer can be inspected.
-FORCED_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 DEFAULT_ENV = {"VLLM_CPU_KVCACHE_SPACE": "4"}  # GiB, as the demo; ignored off CPU
 # Off CPU, plain vLLM and TriForce run different kernels (one decode token vs. 1 + gamma
 # verified tokens, FULL vs. PIECEWISE graphs), so a bf16/fp16 logit can round differently
@@ -136,12 +134,12 @@ def _logger():
 
 
 def _child_env(job: dict) -> dict:
-    """This environment plus FORCED_ENV; DEFAULT_ENV where unset. Hub access is turned off
-    only when every model is a local directory (a hub id needs it)."""
+    """This environment; DEFAULT_ENV where unset. Hub access is turned off only when every
+    model is a local directory (a hub id needs it)."""
     models = [job["model"]] + ([job["spec"]["model"]] if (job["spec"] or {}).get("model")
                                else [])
     offline = {"HF_HUB_OFFLINE": "1"} if all(Path(m).is_dir() for m in models) else {}
-    return {**DEFAULT_ENV, **offline, **os.environ, **FORCED_ENV}
+    return {**DEFAULT_ENV, **offline, **os.environ}
 
 
 # ------------------------------------------------------------------ checks
@@ -341,13 +339,13 @@ def _speed(plain: dict, tri: dict, device_type: str) -> Check:
 
 def run_child(job: dict) -> dict:
     """Build one engine, prefill, time a greedy generation, describe the engine."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    from vllm_triforce.offline import free_llm
+    from vllm_triforce.offline import free_llm, in_process_llm, runner_of
 
-    llm = LLM(job["model"], speculative_config=job["spec"], seed=0,
-              max_model_len=job["max_model_len"], disable_log_stats=False,
-              enable_prefix_caching=True, **_device_kwargs(job["dtype"]))
+    llm = in_process_llm(job["model"], job["spec"], seed=0, max_model_len=job["max_model_len"],
+                         disable_log_stats=False, enable_prefix_caching=True,
+                         **_device_kwargs(job["dtype"]))
     prompts = [{"prompt_token_ids": ids} for ids in job["prompts"]]
     # Prefill alone (the timed run then hits the prefix cache), then an untimed warm-up:
     # the first decode steps pay one-off initialisation (as in bench/worker.py).
@@ -358,7 +356,7 @@ def run_child(job: dict) -> dict:
                             logprobs=_logprobs_wanted(job))
     decode_s, outs = _timed(llm, prompts, params)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
-    stats = getattr(getattr(_runner_of(llm), "drafter", None), "stats", None)
+    stats = getattr(getattr(runner_of(llm), "drafter", None), "stats", None)
     result = {"tokens": tokens, "prefill_s": prefill_s,
               "tok_s": sum(map(len, tokens)) / decode_s, "logprobs": _top_logprobs(outs),
               "engine": describe_engine(llm), "vllm_spec": _spec_metrics(llm),
@@ -392,18 +390,15 @@ def _device_kwargs(dtype: str | None) -> dict:
     return {"dtype": dtype or "auto"}
 
 
-def _runner_of(llm):
-    core = llm.llm_engine.engine_core.engine_core  # vllm_triforce/offline.py layout
-    return core.model_executor.driver_worker.worker.model_runner
-
-
 def describe_engine(llm) -> dict:
     """What TriForce depends on, read from the built engine (not from what we asked for)."""
     import vllm
     from vllm.platforms import current_platform
 
+    from vllm_triforce.offline import runner_of
+
     config = llm.llm_engine.vllm_config
-    runner = _runner_of(llm)
+    runner = runner_of(llm)
     mode = config.compilation_config.cudagraph_mode
     drafter = getattr(runner, "drafter", None)
     from vllm_triforce.cpu_openmp import runtime_in_use

@@ -4,8 +4,8 @@
 
 JOB.json: {"kind": "kernels" | "generate" | "costs", "model": DIR, "llm": {LLM kwargs},
 "spec": speculative_config or null, ...kind's fields}. The engine runs in this process
-(`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so its runner, the TriForce proposer and the CUDA
-allocator are in reach:
+(vllm_triforce/offline.py), so its runner, the TriForce proposer and the CUDA allocator are
+in reach:
 
 * kernels: vLLM's compiled kernels on this torch (RMSNorm from `_C_stable_libtorch`,
   FlashAttention 3) against torch references; no engine.
@@ -33,10 +33,10 @@ import traceback
 import warnings
 from pathlib import Path
 
+from vllm_triforce.offline import in_process_llm, runner_of
 from vllm_triforce.tools.bench.step_timing import decode_step
 
-ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
-              "TOKENIZERS_PARALLELISM": "false"}
+ENGINE_ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 PACKAGE = str(Path(__file__).resolve().parents[2])  # vllm_triforce/
 
 
@@ -100,15 +100,7 @@ def _fa3_error(torch) -> float:
 # ----------------------------------------------------------------------- engines
 
 def build_llm(job: dict):
-    from vllm import LLM
-
-    return LLM(job["model"], speculative_config=job.get("spec"), disable_log_stats=False,
-               **job["llm"])
-
-
-def runner_of(llm):
-    core = llm.llm_engine.engine_core.engine_core
-    return core.model_executor.driver_worker.worker.model_runner
+    return in_process_llm(job["model"], job.get("spec"), disable_log_stats=False, **job["llm"])
 
 
 def drafter_or_none(llm):

@@ -29,10 +29,9 @@ import sys
 import time
 
 from vllm_triforce.tools.bench.step_timing import decode_step
-from vllm_triforce.offline import drafter_of, free_llm
+from vllm_triforce.offline import drafter_of, free_llm, in_process_llm
 
-ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_TARGET_DEVICE": "cpu",
-              "VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1",
+ENGINE_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1",
               "NUMBA_THREADING_LAYER": "workqueue",
               # host ms per round = propose time - forward time: forwards device-timed on a GPU
               "VLLM_TRIFORCE_TIME_FORWARDS": "1"}
@@ -58,15 +57,15 @@ def run_one(job: dict, run: dict) -> list[dict]:
     same TriForce engine timed again at a fixed depth (`forced`: [k], the proposer's
     `set_fixed_depth(k)`), so fixed depths and the controller are compared on one engine,
     one prefill."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     from vllm_triforce.cpu_openmp import runtime_in_use
 
     spec = run.get("spec")
-    llm = LLM(job["model"], dtype=job.get("dtype", "auto"), enforce_eager=True,
-              block_size=run.get("block_size", job.get("block_size", 32)), seed=job.get("seed", 0),
-              max_model_len=job["max_model_len"], speculative_config=spec,
-              disable_log_stats=False, enable_prefix_caching=True)
+    llm = in_process_llm(job["model"], spec, dtype=job.get("dtype", "auto"), enforce_eager=True,
+                         block_size=run.get("block_size", job.get("block_size", 32)),
+                         seed=job.get("seed", 0), max_model_len=job["max_model_len"],
+                         disable_log_stats=False, enable_prefix_caching=True)
     prompts = [{"prompt_token_ids": ids} for ids in run.get("prompts", job["prompts"])]
     temperature = run.get("temperature", job.get("temperature", 0.0))
     params = SamplingParams(temperature=temperature, top_p=job.get("top_p", 1.0),
