@@ -36,11 +36,11 @@ def engine_process(conn, model_dir, spec, prompts, args, eager: bool) -> None:
             if command == "ready":  # the prefill above is done
                 reply = ready
             elif command == "margins":
-                from vllm_triforce.tools.bench.gpu_job import _margins
+                from vllm_triforce.tools.bench.gpu_engine import top2_margins
 
                 logged = SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
                                         ignore_eos=True, logprobs=2)
-                reply = [_margins(o.outputs[0])
+                reply = [top2_margins(o.outputs[0])
                          for o in llm.generate(prompts, logged, use_tqdm=False)]
             elif command in ("decode", "fixed"):
                 before = drafter.stats.snapshot() if drafter else None

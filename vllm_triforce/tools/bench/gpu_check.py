@@ -10,7 +10,9 @@ is lost to a Python error.
 This module holds the command and the scheduling: which jobs still need to run, in what
 order, within what budget, and saving after each. The rest, by job:
 * bench/gpu_plan.py: the jobs (kernels, exactness, costs) and each engine's settings;
-* bench/gpu_launch.py: one job in a child process (bench/gpu_job.py), the run's machine;
+* bench/gpu_launch.py: one job in a child process (bench/gpu_job.py, whose costs job is
+  bench/gpu_costs.py and whose engine is built and read by bench/gpu_engine.py), the run's
+  machine;
 * bench/gpu_summary.py: what the results conclude (results.json's "summary");
 * bench/gpu_render.py: results.md.
 
