@@ -8,8 +8,8 @@ import json
 import pytest
 
 from engine_helpers import assert_drafted
-from vllm_triforce.tools import cli
 from vllm_triforce.config import TriForceConfig
+from vllm_triforce.tools import cli
 
 
 def run_bench(kind: str, out, model, *extra: str) -> dict:

@@ -22,7 +22,6 @@ import time
 import traceback
 from pathlib import Path
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
@@ -43,9 +42,9 @@ def main() -> None:
     args = parser.parse_args()
 
     import tiny_models
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    from vllm_triforce.offline import drafter_of
+    from vllm_triforce.offline import drafter_of, in_process_llm
 
     tmp = Path(tempfile.mkdtemp(prefix="host_overhead_"))
     target = tiny_models.build_tiny_llama(tmp / "target", num_layers=30, hidden=64, heads=2,
@@ -56,8 +55,8 @@ def main() -> None:
     if args.levels == 3:
         draft = tiny_models.build_tiny_llama_draft(tmp / "draft", vocab_size=1024)
         spec.update(model=str(draft), draft_window_tokens=96)
-    llm = LLM(str(target), dtype="float32", enforce_eager=True, block_size=32,
-              max_model_len=2048, speculative_config=spec, seed=0)
+    llm = in_process_llm(target, spec, dtype="float32", enforce_eager=True, block_size=32,
+                         max_model_len=2048, seed=0)
     prompts = [tiny_models.make_text(args.prompt_words, seed=i) for i in range(args.batch)]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)

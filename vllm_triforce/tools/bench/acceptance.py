@@ -28,12 +28,12 @@ import math
 import time
 from pathlib import Path
 
-from vllm_triforce.tools.bench import prompts as bench_prompts
-from vllm_triforce.tools.bench import report
-from vllm_triforce.tools.bench.teacher import Column, TeacherForcedEngine, measure_span
 from vllm_triforce.config import BlockCounts, TriForceConfig
 from vllm_triforce.core.policies import make_policy
 from vllm_triforce.core.selection import Selector
+from vllm_triforce.tools.bench import prompts as bench_prompts
+from vllm_triforce.tools.bench import report
+from vllm_triforce.tools.bench.teacher import Column, TeacherForcedEngine, measure_span
 
 BLOCK = 32
 # Positions between a column's full selections. The engine re-selects at every drafting step

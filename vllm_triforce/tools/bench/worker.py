@@ -28,8 +28,8 @@ import statistics
 import sys
 import time
 
-from vllm_triforce.tools.bench.step_timing import decode_step
 from vllm_triforce.offline import drafter_of, free_llm, in_process_llm
+from vllm_triforce.tools.bench.step_timing import decode_step
 
 ENGINE_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1",
               "NUMBA_THREADING_LAYER": "workqueue",
