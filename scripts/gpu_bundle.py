@@ -207,7 +207,7 @@ def keep_only_arch(elf: bytearray, sm: int) -> tuple[int, int]:
 
 def copy_tokenizer(dest: Path) -> None:
     """SmolLM2-135M's tokenizer (a real 49,152-token BPE) from this project's model cache."""
-    model = subprocess.run([sys.executable, "-m", "vllm_triforce.cli", "models", "fetch",
+    model = subprocess.run([sys.executable, "-m", "vllm_triforce.tools.cli", "models", "fetch",
                             "smollm2-135m"], check=True, capture_output=True, text=True,
                            cwd=REPO).stdout.strip().splitlines()[-1]
     dest.mkdir(parents=True)

@@ -49,7 +49,7 @@ cp -r patches "$SITE/vllm_triforce/patches"
 DIST="$SITE/vllm_triforce-0.1.0.dist-info"
 mkdir -p "$DIST"
 printf 'Metadata-Version: 2.1\nName: vllm-triforce\nVersion: 0.1.0\n' > "$DIST/METADATA"
-printf '[vllm.general_plugins]\ntriforce = vllm_triforce:register\n\n[console_scripts]\nvllm-triforce = vllm_triforce.cli:main\n' \
+printf '[vllm.general_plugins]\ntriforce = vllm_triforce:register\n\n[console_scripts]\nvllm-triforce = vllm_triforce.tools.cli:main\n' \
   > "$DIST/entry_points.txt"
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
@@ -76,5 +76,5 @@ fi
 if [ -n "${OUT:-}" ]; then  # kept current job by job, in case the run is cut short
   export VLLM_TRIFORCE_GPU_MIRROR="$OUT/gpu"
 fi
-"$PYTHON" -m vllm_triforce.cli bench gpu --out "$OUT_DIR" --tokenizer "$BUNDLE/tokenizer" \
+"$PYTHON" -m vllm_triforce.tools.cli bench gpu --out "$OUT_DIR" --tokenizer "$BUNDLE/tokenizer" \
   --models "$SITE/../models" "${RESUME[@]}" "$@"

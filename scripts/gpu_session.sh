@@ -33,7 +33,7 @@ case "$step" in
     python3 scripts/gpu_model_carry.py assemble --carry .carry/b || exit 1
     python3 scripts/gpu_model_carry.py convert \
       || python3 scripts/gpu_model_carry.py convert --allow-file-differences || exit 1
-    bash scripts/gpu_run.sh -- python3 -m vllm_triforce.cli demo --device cuda \
+    bash scripts/gpu_run.sh -- python3 -m vllm_triforce.tools.cli demo --device cuda \
       --out "$OUT/demo.json" --eager-check > "$OUT/demo.log" 2>&1
     echo "demo: exit $?"
     grep -v " INFO \| DEBUG \|WARNING\|^\s*$\|Loading\|it/s\]" "$OUT/demo.log" | tail -40

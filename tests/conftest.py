@@ -8,7 +8,8 @@ Fixtures (keep the names, other test files depend on them):
 - `engine_env`: the environment every in-process vLLM engine here runs in
   (set in `pytest_configure`, i.e. before any test module imports vLLM).
 - `engine_kwargs(**over)`: keyword arguments for `vllm.LLM`.
-- `free_llm(llm)` / the `llm_factory` fixture: build engines and free them.
+- `free_llm(llm)` / the `llm_factory` fixture: build in-process engines
+  (`vllm_triforce.offline.in_process_llm`) and free them.
 
 Mark tests that build an engine with `@pytest.mark.engine`.
 """
@@ -24,7 +25,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))  # `import tiny_models` from tests
 
 import tiny_models  # noqa: E402
-from engine_helpers import DEFAULT_MAX_MODEL_LEN, free_llm, make_engine_kwargs  # noqa: E402,F401
+from engine_helpers import (DEFAULT_MAX_MODEL_LEN, free_llm, in_process_llm,  # noqa: E402,F401
+                            make_engine_kwargs)
 
 ENGINE_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core + worker in this process
@@ -61,13 +63,12 @@ def engine_kwargs():
 
 @pytest.fixture
 def llm_factory(engine_kwargs):
-    """`make(model, **over)` builds a `vllm.LLM`; every one is freed after the test."""
+    """`make(model, **over)` builds an in-process `vllm.LLM`; every one is freed after the
+    test."""
     built = []
 
     def make(model, **over):
-        from vllm import LLM
-
-        built.append(LLM(str(model), **engine_kwargs(**over)))
+        built.append(in_process_llm(model, **engine_kwargs(**over)))
         return built[-1]
 
     yield make

@@ -1,6 +1,6 @@
 """Engine helpers shared by test modules (import these, not conftest: tests/core has its own)."""
 
-from vllm_triforce.offline import drafter_of, free_llm  # noqa: F401
+from vllm_triforce.offline import drafter_of, free_llm, in_process_llm, runner_of  # noqa: F401
 
 DEFAULT_MAX_MODEL_LEN = 1024
 VLLM_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"  # vLLM's counter of drafts verified

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_triforce import assets, cli
+from vllm_triforce import assets
+from vllm_triforce.tools import cli
 
 PART_BYTES = (b"GGUF fake part one|", b"fake part two|", b"and three")
 

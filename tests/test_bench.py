@@ -8,8 +8,8 @@ import json
 import pytest
 
 from engine_helpers import assert_drafted
-from vllm_triforce import cli
 from vllm_triforce.config import TriForceConfig
+from vllm_triforce.tools import cli
 
 
 def run_bench(kind: str, out, model, *extra: str) -> dict:
@@ -66,7 +66,7 @@ def test_speed_rounds_pair_each_round_with_its_own_plain_run():
     """--rounds: round i's speedup divides round i's plain time by round i's method time (a
     slow process for plain in one round must not decide the others); tokens that differ
     between rounds are not 'identical'."""
-    from vllm_triforce.bench.speed import merge_rounds, summarize
+    from vllm_triforce.tools.bench.speed import merge_rounds, summarize
 
     def run(name, seconds, tokens=((1, 2),)):
         return {"name": name, "decode_s": [seconds], "tokens": [list(t) for t in tokens],
@@ -85,7 +85,7 @@ def test_bench_acceptance_quick(tiny_llama, tmp_path):
     """Teacher-forced acceptance end to end; a sweep budget of 1024 tokens covers the whole
     512 + 8-token documents, so there every policy's q must be p exactly: that proves the
     per-layer tables and the exact rewrite of each measured slot."""
-    from vllm_triforce.bench.acceptance import COLUMNS, default_column
+    from vllm_triforce.tools.bench.acceptance import COLUMNS, default_column
 
     out = tmp_path / "acc"
     data = run_bench("acceptance", out, tiny_llama, "--needle", "--budgets", "1024",
@@ -135,7 +135,7 @@ def test_bench_sweep_quick(tiny_llama, tmp_path):
 def test_bench_selection_takes_its_flags(capsys):
     """`vllm-triforce bench selection` passes its flags to the micro-benchmark (they were
     once swallowed by the subcommand's parser: `--tokens` was an unknown argument)."""
-    from vllm_triforce.bench import selection_bench
+    from vllm_triforce.tools.bench import selection_bench
 
     assert cli.main(["bench", "selection", "--tokens", "256", "--layers", "2", "--budget", "224",
                      "--recent-blocks", "2", "--batch", "1", "--repeat", "1",

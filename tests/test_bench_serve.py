@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from vllm_triforce import cli
-from vllm_triforce.bench import serve
+from vllm_triforce.tools import cli
+from vllm_triforce.tools.bench import serve
 
 
 def test_client_command_asks_for_what_the_table_needs(tmp_path):

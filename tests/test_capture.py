@@ -10,7 +10,7 @@ and the other replays the GPU worker's profile run on an eager one.
 
 import pytest
 
-from engine_helpers import drafter_of
+from engine_helpers import drafter_of, runner_of
 
 pytestmark = pytest.mark.engine
 
@@ -22,11 +22,6 @@ def assert_nothing_captured(llm) -> None:
     capture = drafter_of(llm).capture
     assert all(q is None for q in capture.queries), "queries kept from a dummy run"
     assert all(k is None for k in capture.keys), "keys kept from a dummy run"
-
-
-def model_runner_of(llm):
-    core = llm.llm_engine.engine_core.engine_core
-    return core.model_executor.driver_worker.worker.model_runner
 
 
 def test_start_up_warm_up_run_is_not_captured(tiny_llama, llm_factory):
@@ -41,7 +36,7 @@ def test_profile_run_is_not_captured_but_real_steps_are(tiny_llama, llm_factory)
     from vllm import SamplingParams
 
     llm = llm_factory(tiny_llama, speculative_config=dict(SPEC))
-    model_runner_of(llm).profile_run()  # what the GPU worker runs before sizing the KV cache
+    runner_of(llm).profile_run()  # what the GPU worker runs before sizing the KV cache
     assert_nothing_captured(llm)
 
     drafter = drafter_of(llm)

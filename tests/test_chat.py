@@ -22,7 +22,7 @@ SERVER_START_TIMEOUT_S = 300
 
 @pytest.fixture(scope="module")
 def conversation(smollm2) -> list[dict]:
-    from vllm_triforce.bench.prompts import book_prompts, tokenizer
+    from vllm_triforce.tools.bench.prompts import book_prompts, tokenizer
 
     passage = tokenizer(smollm2).decode(book_prompts(smollm2, PASSAGE_TOKENS, 1)[0])
     return [{"role": "system", "content": "You answer questions about books briefly."},
@@ -32,7 +32,7 @@ def conversation(smollm2) -> list[dict]:
 
 
 def test_smollm2_has_a_chat_template(smollm2):
-    from vllm_triforce.bench.prompts import tokenizer
+    from vllm_triforce.tools.bench.prompts import tokenizer
 
     tok = tokenizer(smollm2)
     assert tok.chat_template

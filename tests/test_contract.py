@@ -1,4 +1,4 @@
-"""The contract with vLLM (vllm_triforce/contract.py): it holds for the installed vLLM, and
+"""The contract with vLLM (vllm_triforce/tools/contract.py): it holds for the installed vLLM, and
 it fails, naming the symbol, on a copy of vLLM's sources with one symbol renamed."""
 
 import shutil
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_triforce import contract
+from vllm_triforce.tools import contract
 
 RUNNER = "vllm/v1/worker/gpu_model_runner.py"
 

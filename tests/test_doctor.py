@@ -5,8 +5,8 @@ import copy
 
 import pytest
 
-from vllm_triforce import cli, doctor
 from vllm_triforce.engine.stats import TriForceStats
+from vllm_triforce.tools import cli, doctor
 
 ENGINE = {"platform": "cpu", "device_type": "cpu", "vllm_version": "0.32.0",
           "cudagraph_mode": "NONE", "enforce_eager": True, "async_scheduling": False,

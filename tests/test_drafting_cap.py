@@ -11,7 +11,7 @@ the greedy tokens are plain vLLM's.
 
 import pytest
 import tiny_models
-from engine_helpers import assert_drafted, drafter_of, free_llm, make_engine_kwargs
+from engine_helpers import assert_drafted, drafter_of, free_llm, in_process_llm, make_engine_kwargs
 
 pytestmark = pytest.mark.engine
 
@@ -34,10 +34,10 @@ def count_drafting(drafter) -> list[tuple[int, int]]:
 
 
 def generate(model, spec):
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    llm = LLM(str(model), speculative_config=spec,
-              **make_engine_kwargs(max_num_seqs=NUM_REQUESTS, max_model_len=512))
+    llm = in_process_llm(model, spec,
+                         **make_engine_kwargs(max_num_seqs=NUM_REQUESTS, max_model_len=512))
     prompts = [tiny_models.make_text(150, seed=i) for i in range(NUM_REQUESTS)]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     try:

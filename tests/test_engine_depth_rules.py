@@ -13,7 +13,7 @@ Budget 160 tokens = 5 blocks of 32 (core/controller.middle_level_is_the_target).
 import pytest
 
 import tiny_models
-from engine_helpers import assert_drafted, drafter_of, free_llm, make_engine_kwargs
+from engine_helpers import assert_drafted, drafter_of, free_llm, in_process_llm, make_engine_kwargs
 
 pytestmark = pytest.mark.engine
 
@@ -73,9 +73,7 @@ def greedy(max_tokens: int):
 
 
 def test_a_request_whose_context_fits_the_budget_never_drafts(tiny_llama):
-    from vllm import LLM
-
-    llm = LLM(str(tiny_llama), speculative_config=spec(), **make_engine_kwargs())
+    llm = in_process_llm(tiny_llama, spec(), **make_engine_kwargs())
     try:
         plans = record_plans(llm)
         fits = prompt_of(llm, 60, seed=1)       # 60 + 40 tokens <= 160
@@ -131,15 +129,13 @@ def test_a_seeded_request_reads_the_same_alone_batched_again_and_on_a_new_engine
         levels, tiny_llama, tiny_qwen2, tiny_draft):
     """Controller on (the default): the clocks, the other requests and the engine's history
     decide the unseeded requests' depths, never the seeded one's (engine/depth.py)."""
-    from vllm import LLM
-
     model, extra = tiny_llama, {}
     if levels == 3:
         model, extra = tiny_qwen2, {"model": str(tiny_draft), "draft_window_tokens": 96,
                                     "draft_tokens_per_round": 2}
     texts = []
     for engine in range(2):
-        llm = LLM(str(model), speculative_config=spec(**extra), **make_engine_kwargs())
+        llm = in_process_llm(model, spec(**extra), **make_engine_kwargs())
         try:
             runs = seeded_runs(llm) if engine == 0 else seeded_runs(llm)[:1]
         finally:
@@ -172,9 +168,7 @@ def plain_rule_requests(llm, bias: dict):
 
 
 def test_min_p_and_logit_bias_requests_get_plain_vllms_tokens_beside_drafting_ones(tiny_llama):
-    from vllm import LLM
-
-    llm = LLM(str(tiny_llama), **make_engine_kwargs())
+    llm = in_process_llm(tiny_llama, **make_engine_kwargs())
     try:
         prompts, _ = plain_rule_requests(llm, {})
         unbiased = list(llm.generate(prompts[:1], greedy(40), use_tqdm=False)[0]
@@ -187,7 +181,7 @@ def test_min_p_and_logit_bias_requests_get_plain_vllms_tokens_beside_drafting_on
         free_llm(llm)
     assert not set(bias) & set(plain[0]) and len(set(plain[0])) > 3
 
-    llm = LLM(str(tiny_llama), speculative_config=spec(), **make_engine_kwargs())
+    llm = in_process_llm(tiny_llama, spec(), **make_engine_kwargs())
     try:
         seen = record_plans(llm)
         before = stats_of(llm)

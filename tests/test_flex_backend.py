@@ -8,7 +8,7 @@ describing the second table: every layer would attend over the last layer's sele
 Outputs stay identical (the top level verifies), only acceptance drops, so the test that
 sees it compares acceptance with CPU_ATTN (stateless builder) on the same prompts.
 
-FLEX runs here through the test patch `patches/cpu_flex.py` (env `VLLM_TRIFORCE_CPU_FLEX=1`),
+FLEX runs here through the test patch `tests/cpu_flex.py` (env `VLLM_TRIFORCE_CPU_FLEX=1`),
 whose eager kernel attends densely over the whole KV cache, so engines get a small cache
 (`NUM_BLOCKS`).
 """
@@ -18,12 +18,13 @@ import os
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
 
-from engine_helpers import (assert_drafted, drafter_of, free_llm, make_engine_kwargs,
-                            record_rerank_calls)
+from engine_helpers import (assert_drafted, drafter_of, free_llm, in_process_llm,
+                            make_engine_kwargs, record_rerank_calls, runner_of)
 from test_triforce_engine import generate, three_level, two_level
 
 pytestmark = pytest.mark.engine
@@ -39,7 +40,8 @@ def cpu_flex_patch():
     without the env variable, in which case it recorded the patch as not applicable)."""
     before = os.environ.get(ENV)
     os.environ[ENV] = "1"
-    from vllm_triforce.patches import _util, cpu_flex
+    import cpu_flex
+    from vllm_triforce.patches import _util
 
     _util.check_version()
     cpu_flex.apply()
@@ -72,11 +74,9 @@ def run(model, backend, spec=None):
 @contextlib.contextmanager
 def attention_groups(model, backend):
     """The runner's attention groups of a plain engine on `backend` (freed on exit)."""
-    from vllm import LLM
-
-    llm = LLM(str(model), **make_engine_kwargs(**on(backend)))
+    llm = in_process_llm(model, **make_engine_kwargs(**on(backend)))
     try:
-        runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        runner = runner_of(llm)
         yield [g for groups in runner.attn_groups for g in groups]
     finally:
         free_llm(llm)
@@ -204,9 +204,10 @@ def test_unknown_backend_is_refused_with_the_fix():
 def test_patch_changes_nothing_without_the_env_variable():
     """In a fresh process without VLLM_TRIFORCE_CPU_FLEX, apply() records the patch as not
     applicable and leaves the CPU platform and the FLEX module as they were."""
-    code = """
+    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})" + """
+import cpu_flex
 import vllm.platforms.cpu as cpu, vllm.v1.attention.backends.flex_attention as flex
-from vllm_triforce.patches import _util, cpu_flex
+from vllm_triforce.patches import _util
 before = (cpu.CpuPlatform.__dict__["get_attn_backend_cls"], flex.flex_attention_compiled,
           flex.create_block_mask_compiled, flex.FlexAttentionImpl.do_kv_cache_update)
 cpu_flex.apply()

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_helpers import assert_drafted, drafter_of, free_llm, make_engine_kwargs
+from engine_helpers import assert_drafted, drafter_of, free_llm, in_process_llm, make_engine_kwargs
 from test_triforce_engine import generate, greedy_params, prompts, two_level
 from vllm_triforce.engine.shape import EngineShape
 from vllm_triforce.engine.retrieval_level import dequantized_query
@@ -38,10 +38,7 @@ needs_fp8_isa = pytest.mark.skipif(
 
 def triforce_on_fp8(model, spec, prompts, params, **over) -> tuple[list, dict, dict]:
     """Greedy tokens, TriForce's counters and its summaries' facts, fp8 KV cache."""
-    from vllm import LLM
-
-    llm = LLM(str(model), speculative_config=spec,
-              **make_engine_kwargs(kv_cache_dtype="fp8", **over))
+    llm = in_process_llm(model, spec, **make_engine_kwargs(kv_cache_dtype="fp8", **over))
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)
         drafter = drafter_of(llm)

@@ -1,4 +1,4 @@
-"""`vllm-triforce bench gpu` (bench/gpu_check.py and its gpu_* siblings) and its offline
+"""`vllm-triforce bench gpu` (tools/bench/gpu_check.py and its gpu_* siblings) and its offline
 bundle (scripts/gpu_bundle.py).
 
 The dry run is the GPU check's own jobs on this CPU (tiny shapes, CPU_ATTN): every line a
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_triforce.bench import gpu_check, gpu_render, gpu_summary
+from vllm_triforce.tools.bench import gpu_check, gpu_render, gpu_summary
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -145,7 +145,7 @@ def test_results_render_from_partial_results():
 
 
 def test_the_gpu_plan_times_costs_first_and_vllm_defaults_before_forced_settings():
-    from vllm_triforce.bench.gpu_plan import plan
+    from vllm_triforce.tools.bench.gpu_plan import plan
 
     models = {"target": "t", "draft": "d", "shape": "s", "tag": "x", "vocab": 1000}
     names = [job["name"] for job in plan(True, models)]
@@ -157,7 +157,7 @@ def test_the_gpu_plan_times_costs_first_and_vllm_defaults_before_forced_settings
 
 
 def test_a_step_lost_in_noise_is_timed_longer_and_never_negative():
-    from vllm_triforce.bench.step_timing import decode_step
+    from vllm_triforce.tools.bench.step_timing import decode_step
 
     calls = []
 

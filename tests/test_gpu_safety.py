@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import vllm_triforce
-from engine_helpers import assert_drafted, drafter_of, free_llm, make_engine_kwargs
+from engine_helpers import (assert_drafted, drafter_of, free_llm, in_process_llm,
+                            make_engine_kwargs, runner_of)
 from vllm_triforce.config import TriForceConfig, TriForceConfigError
 from vllm_triforce.core.policies import make_policy
 from vllm_triforce.core.policy_facts import SummaryKinds
@@ -167,7 +168,7 @@ def test_run_asserts_the_compiled_range():
 def test_three_level_refills_larger_than_max_num_batched_tokens(tiny_qwen2, tiny_draft):
     """A draft window refill (sinks + 96-token window) exceeds a 64-token compiled range.
     Fixed depth (adaptive off): every step drafts, so the small draft runs and refills."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     import tiny_models
 
@@ -178,8 +179,7 @@ def test_three_level_refills_larger_than_max_num_batched_tokens(tiny_qwen2, tiny
             "draft_tokens_per_round": 2, "adaptive": False}
     outputs = {}
     for name, speculative in (("plain", None), ("triforce", spec)):
-        llm = LLM(str(tiny_qwen2), speculative_config=speculative,
-                  **make_engine_kwargs(**limit))
+        llm = in_process_llm(tiny_qwen2, speculative, **make_engine_kwargs(**limit))
         try:
             outs = llm.generate(prompts, params, use_tqdm=False)
             outputs[name] = [list(o.outputs[0].token_ids) for o in outs]
@@ -225,16 +225,12 @@ def test_memory_plan_worked_example():
 @pytest.mark.engine
 def test_reservation_is_computed_and_applied(tiny_llama):
     """The KV cache vLLM builds under TriForce is the 1 GiB budget less the reservation."""
-    from vllm import LLM
-
     kwargs = make_engine_kwargs(max_num_seqs=4)
     blocks = {}
     for name, spec in (("plain", None), ("triforce", dict(SPEC))):
-        llm = LLM(str(tiny_llama), speculative_config=spec, **kwargs)
+        llm = in_process_llm(tiny_llama, spec, **kwargs)
         try:
-            core = llm.llm_engine.engine_core.engine_core
-            blocks[name] = core.model_executor.driver_worker.worker.model_runner \
-                .kv_cache_config.num_blocks
+            blocks[name] = runner_of(llm).kv_cache_config.num_blocks
             if spec:
                 drafter = drafter_of(llm)
                 plan = drafter.memory_plan()

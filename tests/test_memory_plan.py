@@ -15,7 +15,7 @@ their bounds, with SCORE_CHUNK_BYTES cut and with the engine's own smaller read 
 
 import pytest
 import tiny_models
-from engine_helpers import assert_drafted, drafter_of, free_llm, make_engine_kwargs
+from engine_helpers import assert_drafted, drafter_of, free_llm, in_process_llm, make_engine_kwargs
 
 pytestmark = pytest.mark.engine
 
@@ -73,7 +73,7 @@ def test_propose_peak_fits_the_reserved_memory(levels, batch, request, monkeypat
     """`CHUNKED_BATCH` requests of three levels (gamma1 2): more than one chunk of 21
     requests (engine/buffers.py `middle_chunk_requests`), so the fixed part covers the
     chunks' temporaries and each request's own rows."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     target, draft = request.getfixturevalue("big_vocab" if batch == BATCH else "mid_vocab")
     vocab = VOCAB if batch == BATCH else MID_VOCAB
@@ -86,9 +86,10 @@ def test_propose_peak_fits_the_reserved_memory(levels, batch, request, monkeypat
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
     # the chunked batch's prompts prefill in one step, so the profiled calls decode
     batched = {} if batch == BATCH else {"max_num_batched_tokens": 16384}
-    llm = LLM(str(target), speculative_config=spec,
-              **make_engine_kwargs(max_num_seqs=batch, max_model_len=2048,
-                                   kv_cache_memory_bytes=PROFILED_KV_BYTES, **batched))
+    llm = in_process_llm(target, spec,
+                         **make_engine_kwargs(max_num_seqs=batch, max_model_len=2048,
+                                              kv_cache_memory_bytes=PROFILED_KV_BYTES,
+                                              **batched))
     try:
         drafter = drafter_of(llm)
         original, calls, peaks = drafter.propose, [0], []
@@ -360,7 +361,7 @@ def test_the_384_mib_smollm2_engine_starts_drafts_and_reserves_at_most_a_tenth(s
     """The engine of engine/memory.py's small-cache example (fixed depth, so it drafts at
     every step) starts, reserves what the plan says (at most 10% of the budget), sizes its
     hand-off buffer, read chunk and drafting cap by the same `Sizing`, and drafts."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     from vllm_triforce.assets import moby_dick_text
 
@@ -368,8 +369,8 @@ def test_the_384_mib_smollm2_engine_starts_drafts_and_reserves_at_most_a_tenth(s
 
     spec = {"method": "triforce", "num_speculative_tokens": 4, "retrieval_budget": 512,
             "adaptive": False}
-    llm = LLM(str(smollm2), speculative_config=spec,
-              **make_engine_kwargs(max_model_len=4096, kv_cache_memory_bytes=SMALL_CACHE))
+    llm = in_process_llm(smollm2, spec, **make_engine_kwargs(max_model_len=4096,
+                                                             kv_cache_memory_bytes=SMALL_CACHE))
     try:
         drafter = drafter_of(llm)
         out = llm.generate([moby_dick_text()[:6000]],
@@ -399,15 +400,13 @@ def test_a_budget_that_holds_no_request_after_the_reservation_gets_triforces_err
                                                                                    monkeypatch):
     """190 MiB (plain vLLM starts: 135 blocks for a 128-block request) get TriForce's own
     error before vLLM's generic one."""
-    from vllm import LLM
-
     from vllm_triforce.engine.memory import KVBudgetError
 
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")  # vLLM's CPU platform would take it instead
     spec = {"method": "triforce", "num_speculative_tokens": 4, "retrieval_budget": 512}
     with pytest.raises(KVBudgetError, match="cannot hold one request of max_model_len 4096"):
-        LLM(str(smollm2), speculative_config=spec,
-            **make_engine_kwargs(max_model_len=4096, kv_cache_memory_bytes=190 * 2**20))
+        in_process_llm(smollm2, spec, **make_engine_kwargs(max_model_len=4096,
+                                                           kv_cache_memory_bytes=190 * 2**20))
 
 
 # ---- the CPU KV sizing and the worker's reservation: one plan ---------------------------
@@ -418,7 +417,8 @@ AGREEMENT_SPEC = {"method": "triforce", "num_speculative_tokens": 4, "retrieval_
 def enable_cpu_flex(monkeypatch) -> None:
     """FLEX_ATTENTION on this CPU through the gated test patch (as tests/test_flex_backend.py:
     the wrapper defers to vLLM unless FLEX is asked for, so it may stay applied)."""
-    from vllm_triforce.patches import _util, cpu_flex
+    import cpu_flex
+    from vllm_triforce.patches import _util
 
     monkeypatch.setenv(cpu_flex.ENV, "1")
     _util.check_version()
@@ -456,12 +456,10 @@ def test_the_cpu_kv_sizing_and_the_workers_reservation_agree(tiny_llama, monkeyp
 def engine_worker_plan(tiny_llama, monkeypatch, backend: str):
     """(config, the worker's plan, the KV size the CPU sizing gave, (KV blocks, reserved
     bytes)) of an engine on `backend`."""
-    from vllm import LLM
-
     if backend == "FLEX_ATTENTION":
         enable_cpu_flex(monkeypatch)
-    llm = LLM(str(tiny_llama), speculative_config=dict(AGREEMENT_SPEC),
-              attention_config={"backend": backend}, **make_engine_kwargs(max_num_seqs=2))
+    llm = in_process_llm(tiny_llama, dict(AGREEMENT_SPEC), attention_config={"backend": backend},
+                         **make_engine_kwargs(max_num_seqs=2))
     try:
         config, drafter = llm.llm_engine.vllm_config, drafter_of(llm)
         return (config, drafter.memory_plan(), config.cache_config.kv_cache_memory_bytes,

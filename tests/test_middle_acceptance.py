@@ -4,17 +4,14 @@ vLLM's own verification."""
 
 import pytest
 
-from engine_helpers import assert_drafted, drafter_of, free_llm, make_engine_kwargs
+from engine_helpers import assert_drafted, drafter_of, free_llm, in_process_llm, make_engine_kwargs
 from test_triforce_engine import MAX_TOKENS, greedy_params, plain, prompts, two_level
 
 pytestmark = pytest.mark.engine
 
 
 def _run(model, spec, params):
-    from vllm import LLM
-
-    llm = LLM(str(model), speculative_config=spec, disable_log_stats=False,
-              **make_engine_kwargs())
+    llm = in_process_llm(model, spec, disable_log_stats=False, **make_engine_kwargs())
     try:
         outs = llm.generate(prompts(), params, use_tqdm=False)
         stats = drafter_of(llm).stats.snapshot()

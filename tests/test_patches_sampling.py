@@ -207,11 +207,10 @@ def test_seeded_chunked_prefill_matches_plain_unchunked(tiny_llama, llm_factory)
 
 def _main(argv: list[str]) -> None:
     """`seeded MODEL BUDGET`: print the seeded tokens of one engine as JSON."""
-    from engine_helpers import make_engine_kwargs
-    from vllm import LLM
+    from engine_helpers import in_process_llm, make_engine_kwargs
 
     _, model, budget = argv
-    llm = LLM(model, **make_engine_kwargs(**_seeded_engine_kwargs(int(budget))))
+    llm = in_process_llm(model, **make_engine_kwargs(**_seeded_engine_kwargs(int(budget))))
     print(json.dumps(seeded_tokens(llm)))
 
 

@@ -249,7 +249,7 @@ def test_bf16_warning_only_when_emulated(monkeypatch, log_records, dtype, native
 
 def test_bf16_check_matches_bench_default():
     """The warning and `bench`'s default dtype ask the CPU the same question."""
-    from vllm_triforce.bench.cli import default_dtype
+    from vllm_triforce.tools.bench.cli import default_dtype
 
     if torch.cuda.is_available():
         pytest.skip("GPU: bench defaults to the checkpoint dtype regardless")

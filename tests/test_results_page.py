@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_triforce.bench import results_page
+from vllm_triforce.tools.bench import results_page
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 INDEX = BENCH / "cases.json"

@@ -7,7 +7,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_triforce.bench.teacher import Column, TeacherForcedEngine
 from vllm_triforce.config import BlockCounts
 from vllm_triforce.core.policies import make_policy
 from vllm_triforce.core.refresh import RefreshPolicy
@@ -19,6 +18,7 @@ from vllm_triforce.engine.retrieval_level import RetrievalLevel, RetrievalStep
 from vllm_triforce.engine.state import RequestState
 from vllm_triforce.engine.stats import TriForceStats
 from vllm_triforce.engine.summary_keeper import SummaryKeeper
+from vllm_triforce.tools.bench.teacher import Column, TeacherForcedEngine
 
 LAYERS, KV_HEADS, Q_HEADS, DIM, BS = 3, 2, 4, 8, 4
 COMMITTED = 64  # 16 full blocks: 14 candidates with 1 sink and 1 recent block

@@ -391,10 +391,10 @@ def run_tp2(tmp_path: Path, model: Path, backend: str) -> tuple[list[list[int]],
 @pytest.fixture(scope="module")
 def tp1_tokens(tiny_llama) -> list[list[int]]:
     """The reference: TP=1, in this process (uniproc executor)."""
-    from engine_helpers import free_llm
-    from vllm import LLM, SamplingParams
+    from engine_helpers import free_llm, in_process_llm
+    from vllm import SamplingParams
 
-    llm = LLM(str(tiny_llama), **TP_ENGINE_KWARGS)
+    llm = in_process_llm(tiny_llama, **TP_ENGINE_KWARGS)
     try:
         outs = llm.generate(TP_PROMPTS, SamplingParams(**TP_SAMPLING), use_tqdm=False)
     finally:

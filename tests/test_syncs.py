@@ -18,7 +18,7 @@ import os
 
 import pytest
 import tiny_models
-from engine_helpers import drafter_of, free_llm, make_engine_kwargs
+from engine_helpers import drafter_of, free_llm, in_process_llm, make_engine_kwargs
 
 pytestmark = pytest.mark.engine
 
@@ -50,7 +50,7 @@ def spec(levels: int, draft) -> dict:
 def measure(llm, recorder, temperature: float, batch: int) -> tuple[dict, dict]:
     from vllm import SamplingParams
 
-    from vllm_triforce.bench.syncs import summarise
+    from vllm_triforce.tools.bench.syncs import summarise
 
     before = drafter_of(llm).stats.snapshot()
     params = SamplingParams(temperature=temperature, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -64,13 +64,11 @@ def measure(llm, recorder, temperature: float, batch: int) -> tuple[dict, dict]:
 
 @pytest.mark.parametrize("levels", [2, 3])
 def test_syncs_per_round_and_per_step_meet_the_target(levels, tiny_llama, tiny_draft):
-    from vllm import LLM
-
-    from vllm_triforce.bench.syncs import ProposeSyncs, default_device_type
+    from vllm_triforce.tools.bench.syncs import ProposeSyncs, default_device_type
 
     trace = os.environ.get("TRIFORCE_SYNC_SITES") == "1"
-    llm = LLM(str(tiny_llama), speculative_config=spec(levels, tiny_draft),
-              **make_engine_kwargs(enable_prefix_caching=False))  # cases do not share prefills
+    llm = in_process_llm(tiny_llama, spec(levels, tiny_draft),
+                         **make_engine_kwargs(enable_prefix_caching=False))  # no shared prefills
     try:
         with ProposeSyncs(drafter_of(llm), trace=trace) as recorder:
             results = {(levels, t, b): measure(llm, recorder, t, b)
@@ -104,12 +102,10 @@ def test_the_depth_controller_adds_no_device_sync(tiny_llama):
     """With the depth controller on (`adaptive`, the default), a step outside its rounds
     still meets the target: the controller plans on CPU tensors it builds itself, counted
     apart as "host" (no sync on a GPU; on this CPU every tensor counts)."""
-    from vllm import LLM
+    from vllm_triforce.tools.bench.syncs import ProposeSyncs
 
-    from vllm_triforce.bench.syncs import ProposeSyncs
-
-    llm = LLM(str(tiny_llama), speculative_config={**spec(2, None), "adaptive": True},
-              **make_engine_kwargs(enable_prefix_caching=False))
+    llm = in_process_llm(tiny_llama, {**spec(2, None), "adaptive": True},
+                         **make_engine_kwargs(enable_prefix_caching=False))
     try:
         with ProposeSyncs(drafter_of(llm)) as recorder:
             s, drafted = measure(llm, recorder, 0.0, 4)

@@ -9,7 +9,7 @@ import gc
 import pytest
 
 import tiny_models
-from engine_helpers import (assert_drafted, drafter_of, force_depths, free_llm,
+from engine_helpers import (assert_drafted, drafter_of, force_depths, free_llm, in_process_llm,
                             make_engine_kwargs, record_rerank_calls)
 from vllm_triforce.config import FULL_KEY_POLICIES
 
@@ -35,10 +35,8 @@ def greedy_params():
 def generate(model, spec=None, schedule=None, on_engine=None, **over):
     """`schedule`: depths the controller must use in turn (engine_helpers.force_depths);
     `on_engine`: called with the engine before it generates (after the schedule is set)."""
-    from vllm import LLM
-
     kwargs = make_engine_kwargs(**over)
-    llm = LLM(str(model), speculative_config=spec, disable_log_stats=spec is None, **kwargs)
+    llm = in_process_llm(model, spec, disable_log_stats=spec is None, **kwargs)
     if schedule is not None:
         force_depths(llm, schedule)
     if on_engine is not None:
@@ -244,11 +242,8 @@ def test_a_prefix_cache_hit_reuses_the_summaries(tiny_llama, monkeypatch):
     summaries the first requests' prefills folded there are not set again (same content,
     same physical block: the second requests set at most what their own decode
     completed); what the second requests' selections read still equals the eager fold."""
-    from vllm import LLM
-
     compared = shadow_eager_summaries(monkeypatch)
-    llm = LLM(str(tiny_llama), speculative_config=two_level(),
-              **make_engine_kwargs(enable_prefix_caching=True))
+    llm = in_process_llm(tiny_llama, two_level(), **make_engine_kwargs(enable_prefix_caching=True))
     try:
         stats = drafter_of(llm).stats
         runs, summarised = [], []
@@ -328,15 +323,12 @@ def test_live_requests_gauge_drops_when_the_engine_is_freed(tiny_llama):
     earlier tests may still be collected (and retire their own gauges) meanwhile."""
     import json
 
-    from vllm import LLM
-
     from vllm_triforce import metrics as triforce_metrics
 
     def published(source):
         return json.loads((triforce_metrics.metrics_dir() / f"{source}.json").read_text())
 
-    llm = LLM(str(tiny_llama), speculative_config=two_level(), disable_log_stats=False,
-              **make_engine_kwargs())
+    llm = in_process_llm(tiny_llama, two_level(), disable_log_stats=False, **make_engine_kwargs())
     try:
         llm.generate(prompts(), greedy_params(), use_tqdm=False)
         publisher = drafter_of(llm)._metrics
@@ -361,7 +353,7 @@ def test_smollm2_two_level_moby_dick(smollm2):
     full depth); the fixed depth's acceptance printed and checked (the controller drafts
     only when it pays, so its acceptance says nothing about the retrieval cache)."""
     from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     from vllm_triforce.assets import moby_dick_text
 
@@ -371,8 +363,7 @@ def test_smollm2_two_level_moby_dick(smollm2):
     spec = {"method": "triforce", "num_speculative_tokens": 4, "retrieval_budget": 256}
     results = []
     for speculative_config in (None, spec, {**spec, "adaptive": False}):
-        llm = LLM(str(smollm2), speculative_config=speculative_config,
-                  **make_engine_kwargs(max_model_len=4096))
+        llm = in_process_llm(smollm2, speculative_config, **make_engine_kwargs(max_model_len=4096))
         try:
             outs = llm.generate(prompts, params, use_tqdm=False)
             stats = drafter_of(llm).stats.snapshot() if speculative_config else None

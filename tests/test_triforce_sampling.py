@@ -7,7 +7,7 @@ import collections
 import pytest
 
 import tiny_models
-from engine_helpers import (assert_drafted, drafter_of, force_depths, free_llm,
+from engine_helpers import (assert_drafted, drafter_of, force_depths, free_llm, in_process_llm,
                             make_engine_kwargs, watch_hand_off)
 from test_triforce_engine import two_level
 
@@ -41,10 +41,10 @@ def _samples(model, spec, seed, schedule=None):
     temperature 1, and the TriForce counters (None without TriForce) with `watch_hand_off`'s
     counts (`hand_off`): every verification read the probabilities handed for its request.
     `schedule`: depths the depth controller must use in turn (engine_helpers.force_depths)."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    llm = LLM(str(model), speculative_config=spec,
-              **make_engine_kwargs(seed=seed, max_num_seqs=MAX_NUM_SEQS))
+    llm = in_process_llm(model, spec,
+                         **make_engine_kwargs(seed=seed, max_num_seqs=MAX_NUM_SEQS))
     if schedule is not None:
         force_depths(llm, schedule)
     hand_off_seen = watch_hand_off(llm) if spec else None
@@ -152,12 +152,12 @@ def test_distribution_test_catches_a_wrong_hand_off(tiny_llama, plain_samples, m
 
 
 def test_seeded_triforce_is_reproducible(tiny_llama):
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     prompts = [tiny_models.make_text(n, seed=i) for i, n in enumerate((30, 200, 90))]
     runs = []
     for batch in (prompts, prompts[::-1]):  # another batch order: per-request seeds decide
-        llm = LLM(str(tiny_llama), speculative_config=two_level(), **make_engine_kwargs())
+        llm = in_process_llm(tiny_llama, two_level(), **make_engine_kwargs())
         params = [SamplingParams(temperature=0.9, seed=100 + prompts.index(p), max_tokens=24,
                                  ignore_eos=True) for p in batch]
         try:
@@ -171,9 +171,9 @@ def test_seeded_triforce_is_reproducible(tiny_llama):
 
 def test_abort_and_finish_free_request_state(tiny_llama):
     """Requests join, finish and are aborted mid-generation; nothing stays behind."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    llm = LLM(str(tiny_llama), speculative_config=two_level(), **make_engine_kwargs())
+    llm = in_process_llm(tiny_llama, two_level(), **make_engine_kwargs())
     engine = llm.llm_engine
     try:
         greedy = lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)  # noqa

@@ -2,7 +2,7 @@
 
 Supported: vLLM 0.32.x and 0.33.x (`SUPPORTED_VLLM`). The symbols the plugin imports and
 patches, and the keywords vLLM's runner passes to the proposer, are the same in 0.32.0 and
-0.33.0 (`vllm-triforce contract --wheel 0.33.0`, vllm_triforce/contract.py), so there is no
+0.33.0 (`vllm-triforce contract --wheel 0.33.0`, vllm_triforce/tools/contract.py), so there is no
 version branch yet. When a release moves something the plugin uses, the branch goes here,
 named for what it tests (`has_kv_cache_planning_module()`, not `is_033()`), and the
 contract check names the symbol that moved. docs/UPGRADING.md says how to follow a release.

@@ -30,11 +30,11 @@ import sys
 
 import torch
 
-from vllm_triforce.bench import acceptance, teacher
-from vllm_triforce.cli import main
 from vllm_triforce.core import policies, scoring
 from vllm_triforce.core.blocks import full_block_mask
 from vllm_triforce.core.key_policies import TopKOraclePolicy
+from vllm_triforce.tools.bench import acceptance, teacher
+from vllm_triforce.tools.cli import main
 
 
 class SubBlockPolicy(scoring.SelectionPolicy):

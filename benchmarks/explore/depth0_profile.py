@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import os
 import pstats
 import time
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 WATCH = ("propose", "from_runner", "begin_step", "fold", "add_committed",
          "set_full_blocks", "set_blocks", "begin",
@@ -42,21 +40,20 @@ def main() -> None:
                         help="the depth TriForce is forced to (0: the issue-26 case)")
     args = parser.parse_args()
 
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     from vllm_triforce.assets import ensure_model
-    from vllm_triforce.bench import prompts as bench_prompts
-    from vllm_triforce.offline import drafter_of
+    from vllm_triforce.offline import drafter_of, in_process_llm
+    from vllm_triforce.tools.bench import prompts as bench_prompts
 
     model = str(ensure_model(args.model))
     ids = bench_prompts.book_prompts(model, args.prompt_tokens, args.batch)
     spec = None
     if args.engine.startswith("triforce"):
         spec = {"method": "triforce", "num_speculative_tokens": 6, "retrieval_budget": 512}
-    llm = LLM(model, dtype="float32", enforce_eager=True, block_size=32, seed=0,
-              max_model_len=args.prompt_tokens + args.max_tokens + 2 * 6 + 64,
-              speculative_config=spec,
-              **({"async_scheduling": False} if args.engine == "plain-sync" else {}))
+    llm = in_process_llm(model, spec, dtype="float32", enforce_eager=True, block_size=32, seed=0,
+                         max_model_len=args.prompt_tokens + args.max_tokens + 2 * 6 + 64,
+                         **({"async_scheduling": False} if args.engine == "plain-sync" else {}))
     if spec:
         drafter_of(llm).depth.controller.forced = [args.depth]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)

@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
 
@@ -29,11 +28,11 @@ def main() -> None:
     args = parser.parse_args()
 
     from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     import vllm_triforce
     from vllm_triforce import assets
-    from vllm_triforce.offline import drafter_of
+    from vllm_triforce.offline import drafter_of, in_process_llm
 
     model = assets.ensure_model("smollm2-135m")
     ids = AutoTokenizer.from_pretrained(str(model))(assets.moby_dick_text())["input_ids"]
@@ -46,8 +45,8 @@ def main() -> None:
         spec.update(model=str(model), draft_tokens_per_round=2, draft_window_tokens=480)
         params = [greedy] + [SamplingParams(temperature=0.8, top_p=0.9, seed=seed,
                                             max_tokens=64, ignore_eos=True) for seed in (1, 2)]
-    llm = LLM(str(model), dtype="float32", enforce_eager=True, block_size=32, seed=0,
-              max_model_len=4096, speculative_config=spec)
+    llm = in_process_llm(model, spec, dtype="float32", enforce_eager=True, block_size=32, seed=0,
+                         max_model_len=4096)
     outs = llm.generate(prompts, params, use_tqdm=False)
     counts = {k: v for k, v in drafter_of(llm).stats.snapshot().items()
               if isinstance(v, int) and "seconds" not in k}

@@ -4,7 +4,7 @@ Issue 25's measure of the overhead a GPU cannot hide: a 30-layer Llama of hidden
 and a 1,024-token vocabulary (built here, tests/tiny_models.py), two levels, batch 8,
 fixed depth, greedy. Host ms per round = (time in `propose` - time in model forwards) /
 middle rounds (engine/stats.py), over the timed generations; syncs per round and per step
-come from one more, untimed generation (vllm_triforce/bench/syncs.py), where the tree has it.
+come from one more, untimed generation (vllm_triforce/tools/bench/syncs.py), where the tree has it.
 `--ops N`: one more generation counts the aten operations per middle round outside the
 model forwards (each a launch on a GPU; unlike milliseconds on a shared host, the count
 does not move between runs), and prints the N busiest vllm_triforce call sites.
@@ -22,7 +22,6 @@ import time
 import traceback
 from pathlib import Path
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
@@ -43,9 +42,9 @@ def main() -> None:
     args = parser.parse_args()
 
     import tiny_models
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    from vllm_triforce.offline import drafter_of
+    from vllm_triforce.offline import drafter_of, in_process_llm
 
     tmp = Path(tempfile.mkdtemp(prefix="host_overhead_"))
     target = tiny_models.build_tiny_llama(tmp / "target", num_layers=30, hidden=64, heads=2,
@@ -56,8 +55,8 @@ def main() -> None:
     if args.levels == 3:
         draft = tiny_models.build_tiny_llama_draft(tmp / "draft", vocab_size=1024)
         spec.update(model=str(draft), draft_window_tokens=96)
-    llm = LLM(str(target), dtype="float32", enforce_eager=True, block_size=32,
-              max_model_len=2048, speculative_config=spec, seed=0)
+    llm = in_process_llm(target, spec, dtype="float32", enforce_eager=True, block_size=32,
+                         max_model_len=2048, seed=0)
     prompts = [tiny_models.make_text(args.prompt_words, seed=i) for i in range(args.batch)]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
@@ -80,7 +79,7 @@ def main() -> None:
     if args.ops:
         count_operations(llm, drafter, prompts, params, args.ops)
     try:
-        from vllm_triforce.bench.syncs import ProposeSyncs, summarise
+        from vllm_triforce.tools.bench.syncs import ProposeSyncs, summarise
     except ImportError:
         return
     if args.no_syncs:

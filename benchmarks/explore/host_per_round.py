@@ -35,7 +35,6 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
@@ -69,17 +68,16 @@ def main() -> None:
 def measure_engine(args, layers: int, refresh_interval: int) -> dict:
     """One engine: host ms per round (and operations per round) at every batch size."""
     import tiny_models
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    from vllm_triforce.offline import drafter_of, free_llm
+    from vllm_triforce.offline import drafter_of, free_llm, in_process_llm
 
     tmp = Path(tempfile.mkdtemp(prefix="host_per_round_"))
     target = tiny_models.build_tiny_llama(tmp / "target", num_layers=layers, hidden=64,
                                           heads=2, kv_heads=2, vocab_size=1024)
     spec = {**SPEC, "refresh_interval": refresh_interval}
-    llm = LLM(str(target), dtype="float32", enforce_eager=True, block_size=32,
-              max_model_len=1024, max_num_seqs=max(args.batches), speculative_config=spec,
-              seed=0)
+    llm = in_process_llm(target, spec, dtype="float32", enforce_eager=True, block_size=32,
+                         max_model_len=1024, max_num_seqs=max(args.batches), seed=0)
     try:
         drafter = drafter_of(llm)
         drafter.set_fixed_depth(args.depth)

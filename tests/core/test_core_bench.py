@@ -1,7 +1,7 @@
 """The selection micro-benchmark runs end to end (tiny shapes) and prints every policy."""
 
-from vllm_triforce.bench import selection_bench
 from vllm_triforce.core.policies import POLICIES
+from vllm_triforce.tools.bench import selection_bench
 
 
 def test_selection_bench_smoke(capsys):

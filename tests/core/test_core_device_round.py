@@ -6,8 +6,8 @@ selection and shortlist re-ranking, per-layer tables only as wide as needed, the
 loop (engine/middle.py, the real one) over stand-in levels whose "models" are embedding
 lookups, with mixed greedy / top-k / top-p / seeded rows, and the hand-off to vLLM.
 
-On the CPU every tensor counts as a device tensor (vllm_triforce/bench/syncs.py). On CUDA the same
-tests also run under `torch.cuda.set_sync_debug_mode`: "error" where no sync may happen at
+On the CPU every tensor counts as a device tensor (vllm_triforce/tools/bench/syncs.py). On CUDA
+the same tests also run under `torch.cuda.set_sync_debug_mode`: "error" where no sync may happen at
 all, "warn" (each warning recorded) around the middle loop, whose rounds each end in their
 one allowed device-to-host copy. tests/test_syncs.py counts the whole engine under vLLM;
 this file is what a GPU machine without vLLM can run (`pytest tests/core`).
@@ -33,7 +33,7 @@ from vllm_triforce.engine.batch import StepBatch
 from vllm_triforce.engine.draft_level import draft_proposals
 from vllm_triforce.engine.middle import HandOffBuffer, MiddleLoop, hand_off
 from vllm_triforce.engine.transfer import to_device, to_host
-from vllm_triforce.bench.syncs import SyncCounter
+from vllm_triforce.tools.bench.syncs import SyncCounter
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device"))]

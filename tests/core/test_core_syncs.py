@@ -1,5 +1,6 @@
-"""SyncCounter (vllm_triforce/bench/syncs.py) on CPU tensors: every kind of sync counts exactly once,
-under plain autograd mode and under torch.inference_mode (vLLM's), and nothing else counts."""
+"""SyncCounter (vllm_triforce/tools/bench/syncs.py) on CPU tensors: every kind of sync counts
+exactly once, under plain autograd mode and under torch.inference_mode (vLLM's), and nothing
+else counts."""
 
 import subprocess
 import sys
@@ -7,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from vllm_triforce.bench.syncs import SyncCounter
+from vllm_triforce.tools.bench.syncs import SyncCounter
 
 T = torch.arange(6)           # [6] = 0 .. 5
 MASK = torch.arange(6) > 2    # [6] three True
@@ -150,6 +151,6 @@ def test_cuda_syncs_count_once_and_strict_raises():
 
 
 def test_syncs_module_does_not_import_vllm():
-    code = ("import sys, vllm_triforce.bench.syncs; "
+    code = ("import sys, vllm_triforce.tools.bench.syncs; "
             "assert not [m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')]")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,7 +1,7 @@
 """Which KV blocks the middle level (the target on a retrieval cache) attends to.
 
 `Selector` is the one owner of that decision: the engine (engine/retrieval_level.py) and
-the teacher-forced acceptance benchmark (bench/teacher.py) both call `Selector.choose`.
+the teacher-forced acceptance benchmark (tools/bench/teacher.py) both call `Selector.choose`.
 Per refresh: the policy scores the candidate blocks (`policies.py`), a two-stage policy
 re-ranks its shortlist exactly (`rerank_exactly`), `select_blocks` keeps the sinks plus the
 best candidates within the budget. `tables.py` turns the Selection into what vLLM's

@@ -18,7 +18,7 @@ only enforced at selection time.
 One way to the tables, `laid_out_tables`, from each row's sizes. The engine
 (`RetrievalStep.forward`) works the sizes out on the host, which already knows them
 (`TableLayout`, from core/blocks.selection_sizes: no host list as wide as the tables);
-`build_block_tables` / `compact_tables` (bench/, the teacher, the tests) work them out on
+`build_block_tables` / `compact_tables` (tools/bench/, the teacher, the tests) work them out on
 the device from a `selection.Selection` and the rows' lengths, then call it too. So what
 the benchmarks measure is what the engine attends with.
 """

@@ -145,7 +145,7 @@ class MiddleLoop:
     (engine/shape.py: 0 without a small draft); `refresh` hears every round's acceptance,
     `stats` counts, and `generator` samples for requests without a seed of their own.
 
-    `on_round_start`: a seam for profilers (bench/syncs.py), called as each round starts
+    `on_round_start`: a seam for profilers (tools/bench/syncs.py), called as each round starts
     (None: nothing)."""
 
     def __init__(self, draft, gamma1: int, refresh, stats, generator: torch.Generator,

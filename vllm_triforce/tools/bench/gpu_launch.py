@@ -32,7 +32,7 @@ def run_job(job: dict, out: Path, run_index: int, timeout_s: float) -> dict:
         with open(log_path, "w") as log:
             try:
                 proc = subprocess.run(
-                    [sys.executable, "-m", "vllm_triforce.bench.gpu_job", str(job_path),
+                    [sys.executable, "-m", "vllm_triforce.tools.bench.gpu_job", str(job_path),
                      str(result_path)], stdout=log, stderr=subprocess.STDOUT,
                     timeout=timeout_s, env=dict(os.environ))
                 code = proc.returncode

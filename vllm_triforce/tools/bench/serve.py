@@ -33,9 +33,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from vllm_triforce.bench import prompts as bench_prompts
-from vllm_triforce.bench import report
-from vllm_triforce.bench.runner import BenchError
+from vllm_triforce.tools.bench import prompts as bench_prompts
+from vllm_triforce.tools.bench import report
+from vllm_triforce.tools.bench.runner import BenchError
 
 QUICK = dict(num_prompts=4, input_len=256, output_len=16, max_concurrency=2, budget=192,
              enforce_eager=True)

@@ -18,8 +18,8 @@ its shortlist's keys from vLLM's own KV cache (engine/paged_keys.py): here a ran
 cache in CPU_ATTN's layout (the logical one on other devices), one layer's reused for every
 layer, not counted as the policy's memory (vLLM allocates it anyway).
 
-    python -m vllm_triforce.bench.selection_bench            # full (about a minute)
-    python -m vllm_triforce.bench.selection_bench --quick    # tiny shapes, seconds
+    python -m vllm_triforce.tools.bench.selection_bench            # full (about a minute)
+    python -m vllm_triforce.tools.bench.selection_bench --quick    # tiny shapes, seconds
 """
 
 from __future__ import annotations

@@ -17,10 +17,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_triforce.bench.report import markdown_table
-from vllm_triforce.demo_results import demo_glance, demo_section
-from vllm_triforce.demo_results import recorded as demo_recorded
-from vllm_triforce.errors import CommandError
+from vllm_triforce.tools.bench.report import markdown_table
+from vllm_triforce.tools.demo_results import demo_glance, demo_section
+from vllm_triforce.tools.demo_results import recorded as demo_recorded
+from vllm_triforce.tools.errors import CommandError
 
 PROVENANCE = ("machine", "date", "commit")
 

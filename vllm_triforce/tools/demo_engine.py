@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import time
 
-from vllm_triforce.offline import drafter_of, free_llm
+from vllm_triforce.offline import drafter_of, free_llm, in_process_llm
 
 
 def engine_process(conn, model_dir, spec, prompts, args, eager: bool) -> None:
@@ -36,11 +36,11 @@ def engine_process(conn, model_dir, spec, prompts, args, eager: bool) -> None:
             if command == "ready":  # the prefill above is done
                 reply = ready
             elif command == "margins":
-                from vllm_triforce.bench.gpu_job import _margins
+                from vllm_triforce.tools.bench.gpu_engine import top2_margins
 
                 logged = SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
                                         ignore_eos=True, logprobs=2)
-                reply = [_margins(o.outputs[0])
+                reply = [top2_margins(o.outputs[0])
                          for o in llm.generate(prompts, logged, use_tqdm=False)]
             elif command in ("decode", "fixed"):
                 before = drafter.stats.snapshot() if drafter else None
@@ -68,13 +68,13 @@ def _engine(model_dir, spec, prompts, args, eager: bool):
     hit), then WARM_UP_TOKENS decoded untimed. On
     CPU: eager, blocks of 32 tokens; on a GPU: vLLM's defaults (compiled unless `eager`)
     within `--gpu-memory-utilization`."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     max_len = args.prompt_tokens + args.max_tokens + 2 * args.gamma + 64
     device = ({"enforce_eager": True, "block_size": 32} if args.device == "cpu" else
               {"enforce_eager": eager, "gpu_memory_utilization": args.gpu_memory_utilization})
-    llm = LLM(str(model_dir), dtype=args.dtype, seed=0, max_model_len=max_len,
-              speculative_config=spec, disable_log_stats=False, **device)
+    llm = in_process_llm(model_dir, spec, dtype=args.dtype, seed=0, max_model_len=max_len,
+                         disable_log_stats=False, **device)
     start = time.perf_counter()
     for max_tokens in (1, WARM_UP_TOKENS):
         llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens,

@@ -13,9 +13,9 @@ import argparse
 import statistics
 from pathlib import Path
 
-from vllm_triforce.bench import prompts as bench_prompts
-from vllm_triforce.bench import report
-from vllm_triforce.bench.runner import run_methods
+from vllm_triforce.tools.bench import prompts as bench_prompts
+from vllm_triforce.tools.bench import report
+from vllm_triforce.tools.bench.runner import run_methods
 
 DEFAULTS = {"temperature": [0.0, 0.6, 1.0], "budget": [256, 512, 1024],
             "block_size": [32, 64, 128], "context": [2048, 4096, 8000]}

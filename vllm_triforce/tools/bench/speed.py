@@ -13,10 +13,10 @@ import argparse
 import statistics
 from pathlib import Path
 
-from vllm_triforce.bench import prompts as bench_prompts
-from vllm_triforce.bench import report
-from vllm_triforce.bench.runner import run_methods
 from vllm_triforce.config import FULL_KEY_POLICIES, POLICIES
+from vllm_triforce.tools.bench import prompts as bench_prompts
+from vllm_triforce.tools.bench import report
+from vllm_triforce.tools.bench.runner import run_methods
 
 QUICK = dict(prompt_tokens=256, batch=2, max_tokens=8, repeats=1, budget=192)
 

@@ -5,8 +5,8 @@
     vllm-triforce data fetch NAME     fetch a text collection; prints its directory last
     vllm-triforce data list           known text collections, whether cached, where
     vllm-triforce demo                TriForce against plain vLLM on a long book prompt
-                                      (vllm_triforce/demo.py)
-    vllm-triforce bench KIND          benchmarks (vllm_triforce/bench/cli.py): speed,
+                                      (vllm_triforce/tools/demo.py)
+    vllm-triforce bench KIND          benchmarks (vllm_triforce/tools/bench/cli.py): speed,
                                       acceptance, sweep, serve, gpu, selection, report
     vllm-triforce doctor              first run on a new machine (GPU): settings, identity
     vllm-triforce contract [--wheel V] the vLLM symbols the plugin relies on, read from the
@@ -17,7 +17,7 @@ calls `subparsers.add_parser(...)`, adds its arguments and
 `set_defaults(func=handler)`; `handler(args)` returns an exit code (or None for
 0). Register it in SUBCOMMANDS below. Keep the parser function light: import
 vLLM and torch inside the handler, so `vllm-triforce models list` stays instant.
-Expected failures raise CommandError (vllm_triforce/errors.py) or AssetError: the
+Expected failures raise CommandError (vllm_triforce/tools/errors.py) or AssetError: the
 message goes to stderr and the exit code is 2, without a traceback.
 """
 
@@ -27,7 +27,7 @@ import sys
 from typing import Callable
 
 from vllm_triforce import assets
-from vllm_triforce.errors import CommandError
+from vllm_triforce.tools.errors import CommandError
 
 EXPECTED_ERRORS = (CommandError, assets.AssetError)
 EXIT_ERROR = 2
@@ -79,7 +79,7 @@ SUBCOMMANDS: dict[str, Callable] = {
 
 
 def _add_demo_parser(subparsers) -> None:
-    from vllm_triforce.demo import add_demo_parser
+    from vllm_triforce.tools.demo import add_demo_parser
 
     add_demo_parser(subparsers)
 
@@ -88,7 +88,7 @@ SUBCOMMANDS["demo"] = _add_demo_parser
 
 
 def _add_bench_parser(subparsers) -> None:
-    from vllm_triforce.bench.cli import add_bench_parser
+    from vllm_triforce.tools.bench.cli import add_bench_parser
 
     add_bench_parser(subparsers)
 
@@ -97,7 +97,7 @@ SUBCOMMANDS["bench"] = _add_bench_parser
 
 
 def _add_doctor_parser(subparsers) -> None:
-    from vllm_triforce.doctor import add_doctor_parser
+    from vllm_triforce.tools.doctor import add_doctor_parser
 
     add_doctor_parser(subparsers)
 
@@ -106,7 +106,7 @@ SUBCOMMANDS["doctor"] = _add_doctor_parser
 
 
 def _add_contract_parser(subparsers) -> None:
-    from vllm_triforce.contract import add_contract_parser
+    from vllm_triforce.tools.contract import add_contract_parser
 
     add_contract_parser(subparsers)
 

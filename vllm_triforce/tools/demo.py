@@ -34,18 +34,17 @@ import tempfile
 import time
 
 from vllm_triforce.cpu_openmp import named_runtime, with_intel_openmp
-from vllm_triforce.demo_engine import engine_process, sum_counts
-from vllm_triforce.demo_results import acceptance, report, save_results, save_rounds
+from vllm_triforce.tools.demo_engine import engine_process, sum_counts
+from vllm_triforce.tools.demo_results import acceptance, report, save_results, save_rounds
 
 # Each of the two engines gets 2 GiB of KV cache on CPU: 4 x 8K SmolLM2 tokens in fp32
 # need 1.4.
-ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_TARGET_DEVICE": "cpu",
-              "VLLM_CPU_KVCACHE_SPACE": "2",
-              "HF_HUB_OFFLINE": "1"}
+ENGINE_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"}
 # Engines on an NVIDIA GPU: vLLM's own defaults for the plain engine (compiled, CUDA graphs,
 # V2 model runner, async scheduling), TriForce's forced settings for its own; in-process
-# engines (the TriForce engine's counters are read from its proposer), no CPU variables.
-GPU_ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}
+# engines (vllm_triforce/offline.py: the TriForce engine's counters are read from its
+# proposer), no CPU variables.
+GPU_ENGINE_ENV = {"HF_HUB_OFFLINE": "1"}
 # What each device runs unless told otherwise. CPU: 8 x 4,096 tokens in float32, whose KV
 # cache (1.4 GiB) outweighs the weights and whose two prefills take a few minutes of a
 # 2-core machine. GPU: 32 x 7,808 tokens in bf16, where

@@ -9,7 +9,7 @@ import os
 import statistics
 import time
 
-from vllm_triforce.demo_engine import DRAFT_COUNTS
+from vllm_triforce.tools.demo_engine import DRAFT_COUNTS
 
 GPU_RESULTS = "benchmarks/gpu/real_model_2026-11-27/results.md"
 
@@ -311,7 +311,7 @@ def _where_it_pays(args, speedup: float) -> str:
 def save_results(args, plain, tri, fixed) -> int:
     """The verdicts against plain vLLM, where a step's time went, the JSON (`--out`); the
     exit status."""
-    from vllm_triforce.bench.gpu_summary import compare_tokens
+    from vllm_triforce.tools.bench.gpu_summary import compare_tokens
 
     verdict = compare_tokens(plain["tokens"], tri["tokens"], plain.get("margins"))
     fixed_verdict = compare_tokens(plain["tokens"], fixed["tokens"], plain.get("margins"))

@@ -28,12 +28,12 @@ import math
 import time
 from pathlib import Path
 
-from vllm_triforce.bench import prompts as bench_prompts
-from vllm_triforce.bench import report
-from vllm_triforce.bench.teacher import Column, TeacherForcedEngine, measure_span
 from vllm_triforce.config import BlockCounts, TriForceConfig
 from vllm_triforce.core.policies import make_policy
 from vllm_triforce.core.selection import Selector
+from vllm_triforce.tools.bench import prompts as bench_prompts
+from vllm_triforce.tools.bench import report
+from vllm_triforce.tools.bench.teacher import Column, TeacherForcedEngine, measure_span
 
 BLOCK = 32
 # Positions between a column's full selections. The engine re-selects at every drafting step
@@ -222,7 +222,7 @@ def _read_text(path: Path) -> str:
 def _spread(ids: list[int], length: int, num_docs: int, source) -> list[list[int]]:
     """num_docs windows of `length` tokens at evenly spread offsets."""
     if len(ids) < length:
-        from vllm_triforce.bench.runner import BenchError
+        from vllm_triforce.tools.bench.runner import BenchError
 
         raise BenchError(f"{source} has {len(ids)} tokens; a document needs {length}")
     stride = (len(ids) - length) // max(num_docs - 1, 1)

@@ -10,7 +10,9 @@ is lost to a Python error.
 This module holds the command and the scheduling: which jobs still need to run, in what
 order, within what budget, and saving after each. The rest, by job:
 * bench/gpu_plan.py: the jobs (kernels, exactness, costs) and each engine's settings;
-* bench/gpu_launch.py: one job in a child process (bench/gpu_job.py), the run's machine;
+* bench/gpu_launch.py: one job in a child process (bench/gpu_job.py, whose costs job is
+  bench/gpu_costs.py and whose engine is built and read by bench/gpu_engine.py), the run's
+  machine;
 * bench/gpu_summary.py: what the results conclude (results.json's "summary");
 * bench/gpu_render.py: results.md.
 
@@ -26,10 +28,10 @@ import os
 import time
 from pathlib import Path
 
-from vllm_triforce.bench.gpu_launch import environment, run_job
-from vllm_triforce.bench.gpu_plan import plan
-from vllm_triforce.bench.gpu_render import render
-from vllm_triforce.bench.gpu_summary import summarise
+from vllm_triforce.tools.bench.gpu_launch import environment, run_job
+from vllm_triforce.tools.bench.gpu_plan import plan
+from vllm_triforce.tools.bench.gpu_render import render
+from vllm_triforce.tools.bench.gpu_summary import summarise
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -170,7 +172,7 @@ def _kernels_ok(results: dict) -> bool:
 
 
 def _models(args, on_gpu: bool) -> dict:
-    from vllm_triforce.bench import gpu_models
+    from vllm_triforce.tools.bench import gpu_models
 
     tokenizer = args.tokenizer
     if tokenizer is None:

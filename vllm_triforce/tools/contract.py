@@ -25,13 +25,12 @@ import sys
 import zipfile
 from pathlib import Path
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # vllm_triforce/
 # Every symbol a patch changes (patches/*.py), `module`, `Class.attribute`.
 PATCH_TARGETS = (
     ("vllm.engine.arg_utils", "EngineArgs.add_cli_args"),                    # cli_args
     ("vllm.engine.arg_utils", "EngineArgs.create_speculative_config"),       # spec_config
     ("vllm.platforms.cpu", "CpuPlatform.check_and_update_config"),           # cpu_defaults
-    ("vllm.platforms.cpu", "CpuPlatform.get_attn_backend_cls"),              # cpu_flex
     ("vllm.platforms.cpu", "CpuPlatform.ray_device_key"),                    # ray_cpu
     ("vllm.v1.executor.ray_executor_v2", "RayWorkerProc"),                   # ray_cpu
     ("vllm.v1.executor.ray_executor_v2", "RayExecutorV2._get_actor_resource_kwargs"),

@@ -5,9 +5,10 @@ Metadata builders that keep state between `build()` calls (FLEX_ATTENTION's pers
 `physical_to_logical` / `kv_indices` buffers, FlashInfer's shared wrapper) would make every
 layer attend over the last layer's table. CPU_ATTN's builder is stateless, so on this CPU no
 test could see that; with this patch `tests/test_flex_backend.py` runs a stateful builder
-for real. It is a test aid, not a feature: the plugin never applies it (it is not in
-PATCH_MODULES); those tests call `apply()`, and without the env variable even that records
-the patch as not applicable and changes nothing.
+for real. It is a test aid, not a feature: it lives in tests/, so the plugin neither ships nor
+applies it; those tests call `apply()`, and without the env variable even that records the
+patch as not applicable and changes nothing. It uses the plugin's patch helpers
+(`vllm_triforce.patches._util`), so it checks and wraps as every patch does.
 
 What it replaces (vLLM 0.32.0), only when the patch is active:
 - `platforms/cpu.py::CpuPlatform.get_attn_backend_cls` (wrapped): returns CPU_ATTN for every

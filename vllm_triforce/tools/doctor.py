@@ -9,10 +9,8 @@ scheduling and the memory TriForce reserved before KV sizing (engine_settings.py
 patches/kv_reservation.py set these). Then it compares the greedy tokens, reports the
 acceptance and the speed ratio, prints PASS/FAIL/INFO per item and exits 1 on any FAIL.
 
-Child protocol: `python -m vllm_triforce.doctor JOB.json RESULT.json` (JOB: model, spec,
-prompts, max_tokens, dtype, max_model_len). vLLM logs to the child's stdout, so results go
-to a file. Engines run in-process in the child (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) so the
-model runner and the proposer can be inspected (vllm_triforce/offline.py).
+Each child runs doctor_engine.py (one engine, its result as JSON); this module runs the two,
+judges their results (`evaluate`: pure, unit-tested on made-up dicts) and prints the report.
 """
 
 from __future__ import annotations
@@ -23,13 +21,10 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 PASS, FAIL, INFO = "PASS", "FAIL", "INFO"
-# Engines in-process in the child, so its runner and proposer can be inspected.
-FORCED_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 DEFAULT_ENV = {"VLLM_CPU_KVCACHE_SPACE": "4"}  # GiB, as the demo; ignored off CPU
 # Off CPU, plain vLLM and TriForce run different kernels (one decode token vs. 1 + gamma
 # verified tokens, FULL vs. PIECEWISE graphs), so a bf16/fp16 logit can round differently
@@ -37,8 +32,6 @@ DEFAULT_ENV = {"VLLM_CPU_KVCACHE_SPACE": "4"}  # GiB, as the demo; ignored off C
 # half-precision ulp (~0.06-0.125 at logit magnitudes of 8-16). Such a flip is noise, not a
 # loss: we accept a first divergence whose plain-vLLM log-prob gap is at most this.
 NEAR_TIE_NATS = 0.25
-PLAIN_LOGPROBS = 5
-WARMUP_TOKENS = 4
 QUICK = {"prompt_tokens": 512, "max_tokens": 16, "batch": 1, "budget": 256}
 
 
@@ -93,7 +86,7 @@ def _model_ref(name: str) -> str:
 
 
 def _base_job(args, target: str) -> dict:
-    from vllm_triforce.bench.prompts import book_prompts
+    from vllm_triforce.tools.bench.prompts import book_prompts
 
     return {"model": target, "prompts": book_prompts(target, args.prompt_tokens, args.batch),
             "max_tokens": args.max_tokens, "dtype": args.dtype,
@@ -118,8 +111,9 @@ def _run_child(job: dict, log_path: Path) -> dict:
         job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
         job_path.write_text(json.dumps(job))
         with open(log_path, "w") as log:
-            proc = subprocess.run([sys.executable, "-m", "vllm_triforce.doctor", str(job_path),
-                                   str(result_path)], stdout=log, stderr=subprocess.STDOUT,
+            proc = subprocess.run([sys.executable, "-m", "vllm_triforce.tools.doctor_engine",
+                                   str(job_path), str(result_path)], stdout=log,
+                                  stderr=subprocess.STDOUT,
                                   env=_child_env(job))
         if proc.returncode == 0 and result_path.exists():
             return json.loads(result_path.read_text())
@@ -135,12 +129,12 @@ def _logger():
 
 
 def _child_env(job: dict) -> dict:
-    """This environment plus FORCED_ENV; DEFAULT_ENV where unset. Hub access is turned off
-    only when every model is a local directory (a hub id needs it)."""
+    """This environment; DEFAULT_ENV where unset. Hub access is turned off only when every
+    model is a local directory (a hub id needs it)."""
     models = [job["model"]] + ([job["spec"]["model"]] if (job["spec"] or {}).get("model")
                                else [])
     offline = {"HF_HUB_OFFLINE": "1"} if all(Path(m).is_dir() for m in models) else {}
-    return {**DEFAULT_ENV, **offline, **os.environ, **FORCED_ENV}
+    return {**DEFAULT_ENV, **offline, **os.environ}
 
 
 # ------------------------------------------------------------------ checks
@@ -334,128 +328,3 @@ def _speed(plain: dict, tri: dict, device_type: str) -> Check:
            "not judged: a small model on a few thousand tokens is not the KV-bound regime "
            "TriForce targets; use `vllm-triforce bench speed` for that")
     return Check(INFO, "speed ratio", f"TriForce/plain decode {ratio:.2f}x ({why})")
-
-
-# ------------------------------------------------------------------ child
-
-def run_child(job: dict) -> dict:
-    """Build one engine, prefill, time a greedy generation, describe the engine."""
-    from vllm import LLM, SamplingParams
-
-    from vllm_triforce.offline import free_llm
-
-    llm = LLM(job["model"], speculative_config=job["spec"], seed=0,
-              max_model_len=job["max_model_len"], disable_log_stats=False,
-              enable_prefix_caching=True, **_device_kwargs(job["dtype"]))
-    prompts = [{"prompt_token_ids": ids} for ids in job["prompts"]]
-    # Prefill alone (the timed run then hits the prefix cache), then an untimed warm-up:
-    # the first decode steps pay one-off initialisation (as in bench/worker.py).
-    prefill_s = _timed(llm, prompts, SamplingParams(temperature=0.0, max_tokens=1))[0]
-    _timed(llm, prompts, SamplingParams(temperature=0.0, max_tokens=WARMUP_TOKENS,
-                                        ignore_eos=True))
-    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True,
-                            logprobs=_logprobs_wanted(job))
-    decode_s, outs = _timed(llm, prompts, params)
-    tokens = [list(o.outputs[0].token_ids) for o in outs]
-    stats = getattr(getattr(_runner_of(llm), "drafter", None), "stats", None)
-    result = {"tokens": tokens, "prefill_s": prefill_s,
-              "tok_s": sum(map(len, tokens)) / decode_s, "logprobs": _top_logprobs(outs),
-              "engine": describe_engine(llm), "vllm_spec": _spec_metrics(llm),
-              "triforce": stats.snapshot() if stats is not None else None}
-    free_llm(llm)
-    return result
-
-
-def _timed(llm, prompts, params) -> tuple[float, list]:
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    return time.perf_counter() - start, outs
-
-
-def _logprobs_wanted(job: dict) -> int | None:
-    """Off CPU, plain vLLM also returns its top log-probs, to tell a near-tie from a loss
-    (NEAR_TIE_NATS); a top-5 per token costs little next to a forward."""
-    from vllm.platforms import current_platform
-
-    return None if job["spec"] or current_platform.is_cpu() else PLAIN_LOGPROBS
-
-
-def _device_kwargs(dtype: str | None) -> dict:
-    """CPU: fp32 + eager, the settings under which outputs are exactly comparable
-    (CPU_ATTN needs blocks of 32). Elsewhere vLLM's defaults, so the run exercises the
-    CUDA graphs and backend a user gets."""
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu():
-        return {"dtype": dtype or "float32", "enforce_eager": True, "block_size": 32}
-    return {"dtype": dtype or "auto"}
-
-
-def _runner_of(llm):
-    core = llm.llm_engine.engine_core.engine_core  # vllm_triforce/offline.py layout
-    return core.model_executor.driver_worker.worker.model_runner
-
-
-def describe_engine(llm) -> dict:
-    """What TriForce depends on, read from the built engine (not from what we asked for)."""
-    import vllm
-    from vllm.platforms import current_platform
-
-    config = llm.llm_engine.vllm_config
-    runner = _runner_of(llm)
-    mode = config.compilation_config.cudagraph_mode
-    drafter = getattr(runner, "drafter", None)
-    from vllm_triforce.cpu_openmp import runtime_in_use
-
-    return {"platform": _platform_name(current_platform),
-            "device_type": current_platform.device_type,
-            "openmp": runtime_in_use(),
-            "vllm_version": vllm.__version__,
-            "cudagraph_mode": getattr(mode, "name", str(mode)),
-            "enforce_eager": bool(config.model_config.enforce_eager),
-            "async_scheduling": bool(config.scheduler_config.async_scheduling),
-            # V2 lives in vllm/v1/worker/gpu/model_runner.py, V1 in gpu_model_runner.py.
-            "runner": "V2" if ".worker.gpu." in type(runner).__module__ + "." else "V1",
-            "runner_class": type(runner).__name__,
-            "attention_backends": _backend_names(runner),
-            "drafter": type(drafter).__name__ if drafter is not None else "none",
-            "reserved_bytes": getattr(drafter, "reserved_bytes", None),
-            "key_reader": getattr(getattr(getattr(drafter, "retrieval", None), "keeper", None),
-                                  "status", None)}
-
-
-def _platform_name(platform) -> str:
-    if platform.is_cpu():
-        return "cpu"
-    try:
-        return f"{platform.device_type}: {platform.get_device_name()}"
-    except Exception:  # a platform without device names still gets a report line
-        return platform.device_type
-
-
-def _backend_names(runner) -> list[str]:
-    groups = getattr(runner, "attn_groups", None) or []
-    return sorted({g.backend.get_name() for per_kv in groups for g in per_kv})
-
-
-def _top_logprobs(outs) -> list[list[dict]] | None:
-    """Per request, per token: {token id (str): log-prob} of plain vLLM's top choices."""
-    if outs[0].outputs[0].logprobs is None:
-        return None
-    return [[{str(tok): lp.logprob for tok, lp in step.items()}
-             for step in o.outputs[0].logprobs] for o in outs]
-
-
-def _spec_metrics(llm) -> dict:
-    return {m.name: getattr(m, "value", None) for m in llm.get_metrics()
-            if m.name.startswith("vllm:spec_decode_num_")}
-
-
-def main(argv: list[str]) -> int:
-    job = json.loads(Path(argv[0]).read_text())
-    Path(argv[1]).write_text(json.dumps(run_child(job)))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

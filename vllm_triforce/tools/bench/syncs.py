@@ -56,7 +56,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-_PACKAGE_DIR = str(Path(__file__).resolve().parents[1])  # vllm_triforce/
+_PACKAGE_DIR = str(Path(__file__).resolve().parents[2])  # vllm_triforce/
 _THIS_FILE = str(Path(__file__).resolve())
 
 # Under torch.inference_mode composite ops reach the mode undecomposed (`item`, one-argument

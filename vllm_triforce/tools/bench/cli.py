@@ -9,14 +9,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from vllm_triforce.errors import CommandError
+from vllm_triforce.tools.errors import CommandError
 
 DEFAULT_MODEL = "smollm2-135m"
 
 
 def add_bench_parser(subparsers) -> None:
-    from vllm_triforce.bench import (acceptance, gpu_check, results_page, selection_bench, serve,
-                                      speed, sweep)
+    from vllm_triforce.tools.bench import (acceptance, gpu_check, results_page, selection_bench,
+                                            serve, speed, sweep)
 
     parser = subparsers.add_parser("bench",
                                    help="benchmarks: speed, acceptance, serve, selection")
@@ -82,8 +82,8 @@ def resolve_model(name: str | None) -> str | None:
 
 def _handler(kind: str):
     def handle(args: argparse.Namespace) -> int:
-        from vllm_triforce.bench import acceptance, serve, speed, sweep
-        from vllm_triforce.bench.runner import BenchError
+        from vllm_triforce.tools.bench import acceptance, serve, speed, sweep
+        from vllm_triforce.tools.bench.runner import BenchError
 
         args.out.mkdir(parents=True, exist_ok=True)
         if args.dtype is None:
@@ -110,7 +110,7 @@ def _handler(kind: str):
 
 
 def _selection(args: argparse.Namespace) -> int:
-    from vllm_triforce.bench import selection_bench
+    from vllm_triforce.tools.bench import selection_bench
 
     selection_bench.run(args)
     return 0

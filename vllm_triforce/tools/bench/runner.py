@@ -1,4 +1,4 @@
-"""Run benchmark jobs in child processes (`vllm_triforce.bench.worker`), with progress.
+"""Run benchmark jobs in child processes (`vllm_triforce.tools.bench.worker`), with progress.
 
 `run_methods(job, runs, out_dir, isolate=True)` starts one child per run (memory is
 freed between methods; an ngram engine cannot break the next engine). With
@@ -50,7 +50,7 @@ def _run_child(job: dict, out_dir: Path, name: str) -> list[dict]:
         job_path.write_text(json.dumps(job))
         with open(log_path, "w") as log:
             proc = subprocess.run(
-                [sys.executable, "-m", "vllm_triforce.bench.worker", str(job_path),
+                [sys.executable, "-m", "vllm_triforce.tools.bench.worker", str(job_path),
                  str(result_path)], stdout=log, stderr=subprocess.STDOUT,
                  env=with_intel_openmp(os.environ))
         if proc.returncode != 0 or not result_path.exists():

@@ -78,10 +78,8 @@ class TeacherForcedEngine:
 
     def __init__(self, model: str, dtype: str, max_model_len: int, max_num_seqs: int,
                  kv_cache_gib: int | None = None, block_size: int = 32):
-        from vllm import LLM
-
-        from vllm_triforce.bench.worker import ENGINE_ENV
-        from vllm_triforce.offline import drafter_of
+        from vllm_triforce.offline import drafter_of, in_process_llm
+        from vllm_triforce.tools.bench.worker import ENGINE_ENV
 
         for key, value in ENGINE_ENV.items():
             os.environ.setdefault(key, value)
@@ -89,9 +87,9 @@ class TeacherForcedEngine:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
         spec = {"method": "triforce", "num_speculative_tokens": 1,
                 "retrieval_budget": 8 * block_size}  # the engine's own drafts are not measured
-        self.llm = LLM(model, dtype=dtype, enforce_eager=True, block_size=block_size, seed=0,
-                       max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                       speculative_config=spec, enable_prefix_caching=False)
+        self.llm = in_process_llm(model, spec, dtype=dtype, enforce_eager=True,
+                                  block_size=block_size, seed=0, max_model_len=max_model_len,
+                                  max_num_seqs=max_num_seqs, enable_prefix_caching=False)
         self.drafter = drafter_of(self.llm)
         self.block_size = block_size
         # the engine's geometry; each column sets its own budget_blocks

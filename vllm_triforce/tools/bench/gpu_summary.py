@@ -103,7 +103,7 @@ def syncs_per_step(cuda_syncs: dict) -> dict:
     Runs before sites carried their folder recorded the innermost frame as "vllm
     warnings.py:110" or "triforce cpu_seed.py:64": the owner word is dropped and the
     site re-judged by the same rule."""
-    from vllm_triforce.bench.gpu_job import sync_owner
+    from vllm_triforce.tools.bench.gpu_job import sync_owner
 
     sites = cuda_syncs.get("sites") or cuda_syncs.get("top_sites", {})
     owners = {"vllm": 0, "triforce": 0}

@@ -1,6 +1,6 @@
 """One benchmark process: build engines for a list of runs, time them, write JSON.
 
-    python -m vllm_triforce.bench.worker JOB.json RESULT.json
+    python -m vllm_triforce.tools.bench.worker JOB.json RESULT.json
 
 JOB.json: {"model": DIR, "prompts": [[token ids], ...], "max_tokens": M,
 "repeats": R, "temperature": T, "top_p": P, "dtype": "auto", "max_model_len": L,
@@ -11,7 +11,7 @@ tokens, prefill_s, decode_s (one per repeat), and for spec runs vLLM's spec-deco
 counters (timed runs only) and, for TriForce, the drafter's per-level counters
 (`stats.snapshot()`).
 
-The parent (`vllm_triforce.bench.runner`) starts one process per run by default:
+The parent (`vllm_triforce.tools.bench.runner`) starts one process per run by default:
 memory is returned between methods and an ngram engine cannot spoil the next engine.
 (vLLM 0.32 on a CPU: once an ngram engine has loaded numba, building another `LLM` in
 the same process fails with `'_lib_fn_wrapper' object has no attribute 'get'`, raised
@@ -28,11 +28,10 @@ import statistics
 import sys
 import time
 
-from vllm_triforce.bench.step_timing import decode_step
-from vllm_triforce.offline import drafter_of, free_llm
+from vllm_triforce.offline import drafter_of, free_llm, in_process_llm
+from vllm_triforce.tools.bench.step_timing import decode_step
 
-ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_TARGET_DEVICE": "cpu",
-              "VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1",
+ENGINE_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1",
               "NUMBA_THREADING_LAYER": "workqueue",
               # host ms per round = propose time - forward time: forwards device-timed on a GPU
               "VLLM_TRIFORCE_TIME_FORWARDS": "1"}
@@ -58,15 +57,15 @@ def run_one(job: dict, run: dict) -> list[dict]:
     same TriForce engine timed again at a fixed depth (`forced`: [k], the proposer's
     `set_fixed_depth(k)`), so fixed depths and the controller are compared on one engine,
     one prefill."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     from vllm_triforce.cpu_openmp import runtime_in_use
 
     spec = run.get("spec")
-    llm = LLM(job["model"], dtype=job.get("dtype", "auto"), enforce_eager=True,
-              block_size=run.get("block_size", job.get("block_size", 32)), seed=job.get("seed", 0),
-              max_model_len=job["max_model_len"], speculative_config=spec,
-              disable_log_stats=False, enable_prefix_caching=True)
+    llm = in_process_llm(job["model"], spec, dtype=job.get("dtype", "auto"), enforce_eager=True,
+                         block_size=run.get("block_size", job.get("block_size", 32)),
+                         seed=job.get("seed", 0), max_model_len=job["max_model_len"],
+                         disable_log_stats=False, enable_prefix_caching=True)
     prompts = [{"prompt_token_ids": ids} for ids in run.get("prompts", job["prompts"])]
     temperature = run.get("temperature", job.get("temperature", 0.0))
     params = SamplingParams(temperature=temperature, top_p=job.get("top_p", 1.0),
@@ -103,9 +102,9 @@ def run_one(job: dict, run: dict) -> list[dict]:
 
 
 def _count_syncs(llm, drafter, prompts, params, max_tokens: int = 16) -> dict:
-    """Device syncs per middle round and per step (vllm_triforce/bench/syncs.py) in one more,
+    """Device syncs per middle round and per step (vllm_triforce/tools/bench/syncs.py) in one more,
     untimed generation of up to `max_tokens` (counting slows every op down)."""
-    from vllm_triforce.bench.syncs import ProposeSyncs, summarise
+    from vllm_triforce.tools.bench.syncs import ProposeSyncs, summarise
 
     short = params.clone()
     short.max_tokens = min(params.max_tokens, max_tokens)

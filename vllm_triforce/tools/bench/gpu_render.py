@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from vllm_triforce.bench.gpu_summary import MARGIN_EPS, summarise
+from vllm_triforce.tools.bench.gpu_summary import MARGIN_EPS, summarise
 
 
 def render(results: dict) -> str:

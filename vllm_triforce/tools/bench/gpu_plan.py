@@ -79,7 +79,7 @@ def plan(on_gpu: bool, models: dict, kernels_ok: bool = True) -> list[dict]:
 
 
 def _tiny_prompts(vocab: int) -> list[list[int]]:
-    from vllm_triforce.bench.gpu_job import random_prompts
+    from vllm_triforce.tools.bench.gpu_engine import random_prompts
 
     # four prompts of 600-900 tokens: well past the retrieval budget (256) and the draft's
     # window (96), so both caches select and re-base
