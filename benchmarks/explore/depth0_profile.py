@@ -55,7 +55,7 @@ def main() -> None:
                          max_model_len=args.prompt_tokens + args.max_tokens + 2 * 6 + 64,
                          **({"async_scheduling": False} if args.engine == "plain-sync" else {}))
     if spec:
-        drafter_of(llm).depth.controller.forced = [args.depth]
+        drafter_of(llm).set_fixed_depth(args.depth)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in ids]
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
