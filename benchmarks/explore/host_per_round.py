@@ -13,13 +13,14 @@ layout, argmax), which a GPU runs asynchronously: it grows with the batch and wi
 layers the selection scores. So each configuration (`--configs LAYERS:REFRESH_INTERVAL`)
 is measured: 30 layers re-selecting between rounds (refresh_interval 1, the default: most
 of that tensor work) and 2 layers never re-selecting (0: little of it, mostly Python).
-The aten operations per round outside the model forwards (each one a launch on a GPU, a
-count that does not move between runs) are benchmarks/explore/host_overhead.py's `--ops`,
-which takes `--batch`.
+Beside the time, the Python lines the proposer runs per round outside the model forwards,
+over one traced generation (`python_lines_per_round`): a count that neither the machine's
+load nor the CPU's tensor work moves. The aten operations per round (each one a launch on
+a GPU) are benchmarks/explore/host_overhead.py's `--ops`, which takes `--batch`.
 
     .venv/bin/python benchmarks/explore/host_per_round.py [--batches 8 32 64 128]
-        [--configs 30:1 2:0] [--depth 4] [--repeats 3]
-        [--out benchmarks/host_per_round_2026-11-27]
+        [--configs 30:1 2:0] [--depth 4] [--repeats 7]
+        [--out benchmarks/host_per_round_2026-11-28]
 
 Prints a table per configuration and writes results.json and results.md into --out.
 """
@@ -50,11 +51,11 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=["30:1", "2:0"],
                         help="LAYERS:REFRESH_INTERVAL of each engine measured")
     parser.add_argument("--depth", type=int, default=4, help="set_fixed_depth(k)")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--prompt-words", type=int, default=120)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--out", type=Path,
-                        default=REPO / "benchmarks" / "host_per_round_2026-11-27")
+                        default=REPO / "benchmarks" / "host_per_round_2026-11-28")
     args = parser.parse_args()
     tables = []
     for config in args.configs:
@@ -89,7 +90,8 @@ def measure_engine(args, layers: int, refresh_interval: int) -> dict:
                          use_tqdm=False)
             rows.append(measure(llm, drafter, prompts, params, batch, args.repeats))
             print(f"{layers} layers, refresh_interval {refresh_interval}, batch {batch:4d}: "
-                  f"host ms per middle round {rows[-1]['host_ms_per_round']:.2f} (repeats "
+                  f"host ms per middle round {rows[-1]['host_ms_per_round']:.2f}, Python lines "
+                  f"{rows[-1]['python_lines_per_round']:,.0f} (repeats "
                   f"{', '.join(f'{h:.2f}' for h in rows[-1]['repeats'])}; model forwards "
                   f"{rows[-1]['forward_ms_per_round']:.2f} ms)", flush=True)
         return {"layers": layers, "refresh_interval": refresh_interval,
@@ -114,7 +116,48 @@ def measure(llm, drafter, prompts, params, batch: int, repeats: int) -> dict:
         rounds.append(d["middle_rounds"])
     return {"batch": batch, "host_ms_per_round": statistics.median(host_ms),
             "repeats": host_ms, "forward_ms_per_round": statistics.median(forward_ms),
-            "middle_rounds": rounds, "generate_s": statistics.median(wall)}
+            "middle_rounds": rounds, "generate_s": statistics.median(wall),
+            "python_lines_per_round": python_lines_per_round(llm, drafter, prompts, params)}
+
+
+def python_lines_per_round(llm, drafter, prompts, params) -> float:
+    """Python lines the proposer runs per middle round outside the model forwards, over one
+    traced generation: a count no other process on the machine moves, of the host work
+    that is Python's (a GPU's launches and the CPU's tensor work are not in it)."""
+    import vllm_triforce.engine.forward as forward
+
+    counted = {"on": False, "lines": 0}
+
+    def local(frame, event, arg):
+        if event == "line" and counted["on"]:
+            counted["lines"] += 1
+        return local
+
+    def model_untraced(*args, **kwargs):
+        counted["on"] = False
+        try:
+            return run(*args, **kwargs)
+        finally:
+            counted["on"] = True
+
+    def traced(*args, **kwargs):
+        counted["on"] = True
+        sys.settrace(lambda frame, event, arg: local if counted["on"] else None)
+        try:
+            return propose(*args, **kwargs)
+        finally:
+            sys.settrace(None)
+            counted["on"] = False
+
+    run, propose = forward.run, drafter.propose
+    forward.run, drafter.propose = model_untraced, traced
+    try:
+        before = drafter.stats.snapshot()["middle_rounds"]
+        llm.generate(prompts, params, use_tqdm=False)
+        rounds = drafter.stats.snapshot()["middle_rounds"] - before
+    finally:
+        forward.run, drafter.propose = run, propose
+    return counted["lines"] / rounds
 
 
 def machine() -> str:
@@ -145,13 +188,14 @@ def write(out: Path, results: dict) -> None:
         lines += ["", f"## {table['layers']} layers, refresh_interval "
                       f"{table['refresh_interval']} (drafting cap {table['cap']})", "",
                   "| batch | host ms / round | vs smallest batch | model forwards ms / round | "
-                  "middle rounds | generate s |",
-                  "|---|---|---|---|---|---|"]
+                  "middle rounds | generate s | Python lines / round | vs smallest batch |",
+                  "|---|---|---|---|---|---|---|---|"]
         for r in rows:
             lines.append(f"| {r['batch']} | {r['host_ms_per_round']:.2f} | "
                          f"{r['host_ms_per_round'] / smallest:.2f}x | "
                          f"{r['forward_ms_per_round']:.2f} | {r['middle_rounds'][0]} | "
-                         f"{r['generate_s']:.2f} |")
+                         f"{r['generate_s']:.2f} | {r['python_lines_per_round']:,.0f} | "
+                         f"{r['python_lines_per_round'] / rows[0]['python_lines_per_round']:.2f}x |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -6,8 +6,8 @@ date and commit where the run's results.json does not record them. Every number 
 read from a results.json; tests/test_results_page.py checks that the committed page is what this
 module writes, so results are rerun and regenerated, never written in by hand.
 
-One table builder per kind of run folder (what `bench speed`, `serve`, `acceptance`, `sweep` and
-`gpu` write), each with a one-line summary for the page's "at a glance" table.
+One table builder per kind of run folder (`KINDS`: what wrote the folder), each with a one-line
+summary for the page's "at a glance" table.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vllm_triforce.tools.bench.report import markdown_table
-from vllm_triforce.tools.demo_results import demo_glance, demo_section
-from vllm_triforce.tools.demo_results import recorded as demo_recorded
+from vllm_triforce.tools.bench.host_rounds_page import host_rounds_glance, host_rounds_section
+from vllm_triforce.tools.demo_results import demo_glance, demo_section, recorded as demo_recorded
 from vllm_triforce.tools.errors import CommandError
 
 PROVENANCE = ("machine", "date", "commit")
@@ -446,4 +446,5 @@ KINDS = {
     "sweep": (sweep_section, sweep_glance),
     "gpu": (gpu_section, gpu_glance),
     "demo": (demo_section, demo_glance),
+    "host_rounds": (host_rounds_section, host_rounds_glance),
 }
