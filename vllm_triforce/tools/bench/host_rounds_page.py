@@ -1,6 +1,6 @@
 """benchmarks/RESULTS.md's section of a host-work run (kind "host_rounds"): the run folder
 benchmarks/explore/host_per_round.py writes, host ms and Python lines per middle round by
-batch size, one table per engine configuration."""
+batch size, per engine configuration."""
 
 from __future__ import annotations
 
@@ -21,23 +21,23 @@ def host_rounds_glance(data: dict) -> str:
 
 
 def host_rounds_section(data: dict, case) -> tuple[str, str]:
-    """(shape line, one table per configuration)."""
+    """(shape line, the table: every configuration's batches, each against its smallest)."""
     config = data["config"]
     shape = (f"Shape: tiny Llama (hidden 64, 2 KV heads, vocabulary 1,024), two levels, "
              f"fixed depth {config['depth']}, greedy, {config['prompt_words']}-word prompts "
              f"past a {config['spec']['retrieval_budget']}-token budget, "
-             f"{config['max_tokens']} new tokens, every request drafting; median of "
+             f"{config['max_tokens']} new tokens, every request drafting (cap "
+             f"{data['tables'][0]['cap']}); median of "
              f"{config['repeats']} generations.")
-    tables = []
+    rows = []
     for table in data["tables"]:
         first = table["rows"][0]
-        rows = [[r["batch"], f"{r['host_ms_per_round']:.2f}",
-                 f"{r['host_ms_per_round'] / first['host_ms_per_round']:.2f}x",
-                 f"{r['python_lines_per_round']:,.0f}",
-                 f"{r['python_lines_per_round'] / first['python_lines_per_round']:.2f}x",
-                 f"{r['forward_ms_per_round']:.2f}"] for r in table["rows"]]
-        tables.append(f"{table['layers']} layers, refresh_interval {table['refresh_interval']} "
-                      f"(drafting cap {table['cap']}):\n\n" + markdown_table(
-                          ["batch", "host ms / round", "vs smallest", "Python lines / round",
-                           "vs smallest", "model forwards ms / round"], rows))
-    return shape, "\n\n".join(tables)
+        rows += [[f"{table['layers']} layers, refresh {table['refresh_interval']}", r["batch"],
+                  f"{r['host_ms_per_round']:.2f}",
+                  f"{r['host_ms_per_round'] / first['host_ms_per_round']:.2f}x",
+                  f"{r['python_lines_per_round']:,.0f}",
+                  f"{r['python_lines_per_round'] / first['python_lines_per_round']:.2f}x",
+                  f"{r['forward_ms_per_round']:.2f}"] for r in table["rows"]]
+    return shape, markdown_table(
+        ["engine", "batch", "host ms / round", "vs smallest", "Python lines / round",
+         "vs smallest", "model forwards ms / round"], rows)
