@@ -4,6 +4,7 @@ and between middle rounds (both call core.selection.Selector)."""
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -67,6 +68,7 @@ def decode_step(level, table):
     """A decode step (one token per request, COMMITTED committed) of fresh requests: the
     step `RetrievalLevel.begin_step` makes after its commit, which judged no drafts."""
     batch = SimpleNamespace(block_table=table, committed=[COMMITTED] * NUM_REQS,
+                            committed_array=np.full(NUM_REQS, COMMITTED, dtype=np.int64),
                             q_lens=[1] * NUM_REQS, num_rejected=[0] * NUM_REQS,
                             query_start_loc=list(range(NUM_REQS + 1)),
                             last_committed_row=lambda r: r)  # its one token's row
