@@ -1,4 +1,4 @@
-"""The OpenMP runtime of vLLM's CPU kernels (vllm_triforce/cpu_openmp.py): the demo starts its
+"""The OpenMP runtime of vLLM's CPU kernels (vllm_triforce/tools/cpu_openmp.py): the demo starts its
 engines with Intel OpenMP, as vLLM's CPU guide does, unless the user chose a runtime; the
 doctor reports the runtime an engine ran on."""
 
@@ -6,9 +6,9 @@ import os
 import subprocess
 import sys
 
-from vllm_triforce.cpu_openmp import intel_openmp_preload, runtime_in_use, with_intel_openmp
+from vllm_triforce.tools.cpu_openmp import intel_openmp_preload, runtime_in_use, with_intel_openmp
 
-CHILD = ("from vllm_triforce.cpu_openmp import runtime_in_use; import torch; "
+CHILD = ("from vllm_triforce.tools.cpu_openmp import runtime_in_use; import torch; "
          "print(runtime_in_use())")
 
 

@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 
-from vllm_triforce.cpu_openmp import named_runtime, with_intel_openmp
+from vllm_triforce.tools.cpu_openmp import named_runtime, with_intel_openmp
 from vllm_triforce.tools.demo_engine import engine_process, sum_counts
 from vllm_triforce.tools.demo_results import acceptance, report, save_results, save_rounds
 

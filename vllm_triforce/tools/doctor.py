@@ -193,7 +193,7 @@ def _openmp(runtime: str | None, device_type: str) -> list[Check]:
         return []
     if runtime == "Intel OpenMP":
         return [Check(INFO, "OpenMP runtime", runtime)]
-    from vllm_triforce.cpu_openmp import intel_openmp_path
+    from vllm_triforce.tools.cpu_openmp import intel_openmp_path
 
     path = intel_openmp_path()
     fix = (f"LD_PRELOAD={path}" if path

@@ -85,7 +85,7 @@ def describe_engine(llm) -> dict:
     runner = runner_of(llm)
     mode = config.compilation_config.cudagraph_mode
     drafter = getattr(runner, "drafter", None)
-    from vllm_triforce.cpu_openmp import runtime_in_use
+    from vllm_triforce.tools.cpu_openmp import runtime_in_use
 
     return {"platform": _platform_name(current_platform),
             "device_type": current_platform.device_type,

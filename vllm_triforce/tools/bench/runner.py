@@ -5,7 +5,7 @@ freed between methods; an ngram engine cannot break the next engine). With
 `isolate=False` all runs share one child (ngram last), which saves the ~10 s
 start-up per run in `--quick` mode. Child logs go to `<out_dir>/logs/<name>.log`, each child's results
 to `<out_dir>/logs/<name>.json`. Children start with Intel OpenMP preloaded, as vLLM's CPU guide
-sets up (vllm_triforce/cpu_openmp.py); each result records the runtime its process ran on.
+sets up (vllm_triforce/tools/cpu_openmp.py); each result records the runtime its process ran on.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from vllm_triforce.cpu_openmp import with_intel_openmp
+from vllm_triforce.tools.cpu_openmp import with_intel_openmp
 
 logger = logging.getLogger(__name__)
 

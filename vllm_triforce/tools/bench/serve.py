@@ -184,7 +184,7 @@ def serving(cmd: list[str], log: Path, timeout_s: float):
     port = _free_port()
     from vllm_triforce import metrics
 
-    from vllm_triforce.cpu_openmp import with_intel_openmp
+    from vllm_triforce.tools.cpu_openmp import with_intel_openmp
 
     # Each server keeps its own TriForce counters (not a parent's metrics directory), and
     # starts with Intel OpenMP preloaded, as the other benchmarks' engines.

@@ -59,7 +59,7 @@ def run_one(job: dict, run: dict) -> list[dict]:
     one prefill."""
     from vllm import SamplingParams
 
-    from vllm_triforce.cpu_openmp import runtime_in_use
+    from vllm_triforce.tools.cpu_openmp import runtime_in_use
 
     spec = run.get("spec")
     llm = in_process_llm(job["model"], spec, dtype=job.get("dtype", "auto"), enforce_eager=True,
