@@ -351,6 +351,9 @@ def main():
     spec = {m.name: m.value for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode")
             and hasattr(m, "value")}
     print("SPEC_METRICS " + json.dumps(spec), flush=True)
+    # shut down while Ray is up: left to the interpreter's exit, Ray's own exit hook may run
+    # first, and vLLM's executor then kills its actors in a new Ray session (a crash, -11)
+    llm.llm_engine.engine_core.shutdown()
 if __name__ == "__main__":  # the mp executor spawns workers that re-import this file
     main()
 """
