@@ -185,6 +185,7 @@ def write(out: Path, results: dict) -> None:
     for table in results["tables"]:
         rows = table["rows"]
         smallest = rows[0]["host_ms_per_round"]
+        smallest_lines = rows[0]["python_lines_per_round"]
         lines += ["", f"## {table['layers']} layers, refresh_interval "
                       f"{table['refresh_interval']} (drafting cap {table['cap']})", "",
                   "| batch | host ms / round | vs smallest batch | model forwards ms / round | "
@@ -195,7 +196,7 @@ def write(out: Path, results: dict) -> None:
                          f"{r['host_ms_per_round'] / smallest:.2f}x | "
                          f"{r['forward_ms_per_round']:.2f} | {r['middle_rounds'][0]} | "
                          f"{r['generate_s']:.2f} | {r['python_lines_per_round']:,.0f} | "
-                         f"{r['python_lines_per_round'] / rows[0]['python_lines_per_round']:.2f}x |")
+                         f"{r['python_lines_per_round'] / smallest_lines:.2f}x |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -63,4 +63,5 @@ def test_middle_rounds_refresh_by_the_same_interval():
     never = RefreshPolicy(interval=0, acceptance_threshold=0.0)
     state = never.new_state()
     never.record_selections([state], [10])
-    assert not never.due_in_middle([state], [10**6])[0] and not never.due_at_start([state], [10**6])[0]
+    assert not never.due_in_middle([state], [10**6])[0]
+    assert not never.due_at_start([state], [10**6])[0]

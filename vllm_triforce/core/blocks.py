@@ -43,10 +43,10 @@ def candidate_bounds(num_committed: Tensor, blocks: BlockCounts) -> tuple[Tensor
 
 
 def selection_sizes(num_committed, blocks: BlockCounts):
-    """(num_selected, tail_start) that `core/selection.select_blocks` gives a request of num_committed
-    tokens, on the host: Python ints for an int, [R] int64 arrays for an array of
-    requests (one numpy pass over a batch, no call per request). The host sizes a pass
-    from them without reading the device's Selection back. Same rules as
+    """(num_selected, tail_start) that `core/selection.select_blocks` gives a request of
+    num_committed tokens, on the host: Python ints for an int, [R] int64 arrays for an
+    array of requests (one numpy pass over a batch, no call per request). The host sizes a
+    pass from them without reading the device's Selection back. Same rules as
     candidate_bounds above; the retrieved count is every candidate when the request fits
     the budget, else num_retrieved."""
     committed = np.asarray(num_committed, dtype=np.int64)

@@ -66,11 +66,10 @@ class RefreshPolicy:
         out = []
         for state, committed in zip(states, num_committed):
             last = state.last_selection
+            rate = state.acceptance() if threshold > 0 and len(state.rounds) >= window else None
             out.append(last is None or committed < last
                        or (interval > 0 and committed - last >= interval)
-                       or (threshold > 0 and len(state.rounds) >= window
-                           and state.proposed > 0
-                           and state.accepted / state.proposed < threshold))
+                       or (rate is not None and rate < threshold))
         return out
 
     def due_in_middle(self, states: list[RefreshState], prefixes: list[int]) -> list[bool]:
@@ -78,7 +77,8 @@ class RefreshPolicy:
         prefixes[i] - 1."""
         if self.interval <= 0:
             return [False] * len(states)
-        return [state.last_selection is not None and prefix - state.last_selection >= self.interval
+        return [state.last_selection is not None
+                and prefix - state.last_selection >= self.interval
                 for state, prefix in zip(states, prefixes)]
 
     def record_selections(self, states: list[RefreshState], prefixes: list[int]) -> None:

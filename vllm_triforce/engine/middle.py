@@ -408,10 +408,8 @@ def hand_off(batch, states, drafts: MiddleDrafts, depths: dict[int, int],
     if slots and not batch.all_greedy(slots):
         probs = probs_buffer.rows[:len(slots), :max(depths.values())]
         req_ids = [batch.req_ids[r] for r in slots]
-    rows = drafts.rows.tolist()
-    wanted = [depths[r] for r in rows]
-    tokens = drafts.tokens.tolist()
-    for r, k, row_tokens in zip(rows, wanted, tokens):
+    for r, row_tokens in zip(drafts.rows.tolist(), drafts.tokens.tolist()):
+        k = depths[r]
         out[r] = row_tokens[:k]
         states[r].last_num_drafts = k
     return out, probs, req_ids
