@@ -23,7 +23,8 @@ REPO = Path(__file__).resolve().parent.parent
 def test_dry_run_of_the_gpu_check_passes_on_cpu(tmp_path):
     args = argparse.Namespace(out=tmp_path / "out", resume=None, tokenizer=None,
                               models=tmp_path / "models", budget_s=None, only=None,
-                              cases=None, redo=False, dry_run=True)
+                              cases=None, redo=False, dry_run=True, acceptance=None,
+                              summarise=False)
     results = gpu_check.run(args)
     assert {name: job["status"] for name, job in results["jobs"].items()} == {
         "kernels": "ok", "exact-cpu-fp32-plain": "ok", "exact-cpu-fp32-3L": "ok",
@@ -142,6 +143,50 @@ def test_results_render_from_partial_results():
     text = gpu_render.render(results)
     assert "8x32K" in text and "failed" in text
     json.dumps(gpu_summary.summarise(results))
+
+
+def test_the_projection_takes_real_text_acceptance_at_the_cases_budget_ratio(tmp_path):
+    """bench acceptance's default-policy rows become results["acceptance"]; each cost case
+    projects with the point nearest its budget-to-context ratio, against vLLM's defaults,
+    labelled; a plain engine compiled without AOT compile still gives a tax."""
+    bench = {"default_policy": "retrieval_var",
+             "config": {"model": "/m/qwen", "context_tokens": 16384, "temperature": 0.6},
+             "cells": [{"task": "moby", "policy": "retrieval_var", "budget_tokens": 512,
+                        "acceptance": 0.7, "greedy_agreement": 0.6},
+                       {"task": "moby", "policy": "streamingllm", "budget_tokens": 512,
+                        "acceptance": 0.1},
+                       {"task": "needle", "policy": "retrieval_var", "budget_tokens": 512,
+                        "acceptance": 0.1}],
+             "sweep": [{"task": "moby", "policy": "retrieval_var", "budget_tokens": 2048,
+                        "acceptance": 0.9, "greedy_agreement": 0.8}]}
+    path = tmp_path / "acceptance.json"
+    path.write_text(json.dumps(bench))
+    depths = {"0": {"step_ms": 13.0}, "2": {"step_ms": 20.0}, "6": {"step_ms": 40.0}}
+    case = lambda ms: {"status": "ok", "result": {"cases": {  # noqa: E731
+        "8x32K": {"step_ms": ms}, "1x128K": {"step_ms": ms}}}}
+    results = {"runs": [{"date": "d", "gpu": "X"}], "jobs": {
+        "costs-plain-defaults-noaot": case(10.0), "costs-plain-forced": case(12.0),
+        "costs-triforce": {"status": "ok", "result": {"cases": {
+            "8x32K": {"depths": depths}, "1x128K": {"depths": depths}}}}}}
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "results.json").write_text(json.dumps(results))
+    args = argparse.Namespace(out=out, resume=None, acceptance=[path])
+    summary = gpu_check.summarise_only(args)["summary"]
+    rows = {r["case"]: r for r in summary["costs"]}
+    assert rows["8x32K"]["tax"] == pytest.approx(0.2)  # compiled without AOT is compiled
+    wide, narrow = rows["8x32K"]["projection"], rows["1x128K"]["projection"]
+    assert wide["measured_at"] == {"context": 16384, "budget": 2048}  # 4096 / 32256 ~ 1/8
+    assert narrow["measured_at"] == {"context": 16384, "budget": 512}  # 4096 / 130048 ~ 1/32
+    # 1 + 0.9 + 0.81 = 2.71 tokens in 20 ms against 10 ms a token
+    assert wide["acceptance"] == 0.9 and wide["depth"] == 2
+    assert wide["speedup"] == pytest.approx(2.71 * 10 / 20)
+    assert narrow["acceptance"] == 0.7  # 1 + 0.7 + 0.49 tokens in 20 ms
+    assert narrow["depth"] == 2 and narrow["speedup"] == pytest.approx(2.19 * 10 / 20)
+    assert wide["label"] == gpu_summary.PROJECTION
+    text = (out / "results.md").read_text()
+    assert gpu_summary.PROJECTION in text and "1.35x at depth 2" in text
+    assert json.loads((out / "results.json").read_text())["runs"] == results["runs"]
 
 
 def test_the_gpu_plan_times_costs_first_and_vllm_defaults_before_forced_settings():

@@ -51,10 +51,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redo", action="store_true", help="run jobs already done again")
     p.add_argument("--dry-run", action="store_true",
                    help="tiny shapes and CPU sizes even on a GPU machine")
+    p.add_argument("--acceptance", type=Path, nargs="+", default=None,
+                   help="`bench acceptance` results.json files: the default policy's "
+                        "acceptance on real text, from which the cost table projects speedups")
+    p.add_argument("--summarise", action="store_true",
+                   help="run no job: rebuild the summary and results.md of --out's results "
+                        "(with --acceptance, after recording it)")
 
 
 def handle(args: argparse.Namespace) -> int:
-    results = run(args)
+    results = summarise_only(args) if args.summarise else run(args)
     print(render(results))
     print(args.out)
     return 0 if all(j["status"] == "ok" for j in results["jobs"].values()) else 1
@@ -68,6 +74,8 @@ def run(args: argparse.Namespace) -> dict:
     on_gpu = torch.cuda.is_available() and not args.dry_run
     args.out.mkdir(parents=True, exist_ok=True)
     results = _load(args.resume or args.out / "results.json")
+    if args.acceptance:
+        results["acceptance"] = acceptance_points(args.acceptance)
     results.setdefault("runs", []).append(environment())
     results.setdefault("jobs", {})
     models = _models(args, on_gpu)
@@ -112,6 +120,39 @@ def run(args: argparse.Namespace) -> dict:
     results["summary"] = summarise(results)
     _save(args.out, results)
     return results
+
+
+def summarise_only(args: argparse.Namespace) -> dict:
+    results = _load(args.resume or args.out / "results.json")
+    if not results:
+        raise SystemExit(f"bench gpu --summarise: no results.json in {args.out}")
+    if args.acceptance:
+        results["acceptance"] = acceptance_points(args.acceptance)
+    results["summary"] = summarise(results)
+    _save(args.out, results)
+    return results
+
+
+def acceptance_points(paths: list[Path]) -> dict:
+    """The default policy's acceptance (sum of min(p, q) at the bench's temperature) and
+    greedy agreement on the prose rows of `bench acceptance` results, per context and
+    budget: what the cost table's projection multiplies the GPU's step costs by."""
+    points, sources = [], []
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        config = data["config"]
+        for cell in data["cells"] + data.get("sweep", []):
+            if cell["policy"] == data["default_policy"] and cell["task"] != "needle":
+                points.append({"context": config["context_tokens"],
+                               "budget": cell["budget_tokens"], "task": cell["task"],
+                               "acceptance": cell["acceptance"],
+                               "greedy_agreement": cell.get("greedy_agreement"),
+                               "model": Path(config["model"]).name,
+                               "temperature": config["temperature"]})
+        sources.append(str(path))
+    if not points:
+        raise SystemExit(f"bench gpu --acceptance: no default-policy prose rows in {paths}")
+    return {"source": ", ".join(sources), "points": points}
 
 
 NO_AOT = "-noaot"

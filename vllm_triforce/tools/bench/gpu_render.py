@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from vllm_triforce.tools.bench.gpu_summary import MARGIN_EPS, summarise
+from vllm_triforce.tools.bench.gpu_summary import MARGIN_EPS, PROJECTION, summarise
 
 
 def render(results: dict) -> str:
@@ -49,20 +49,31 @@ def render(results: dict) -> str:
         for key, value in mem.items():
             lines.append(f"- {key}: {_mib(key, value)}")
     lines += ["", "## Costs (ms per decode step; TriForce at forced depth k)", "",
+              "Tokens per step with random weights say nothing of real text (a constant "
+              "output accepts every draft). The projection takes each depth's measured step "
+              "and the acceptance of real text at the nearest budget-to-context ratio "
+              "(`bench acceptance` on a CPU): " + PROJECTION + ".", "",
               "| case | plain, vLLM defaults | plain, TriForce's settings | tax | depth: step ms "
-              "(middle round ms, tokens/step) | model speedup at 0.8 / 0.9 | against | engines |",
+              "(middle round ms, tokens/step) | projected speedup (best depth; acceptance, "
+              "measured at) | against | engines |",
               "|---|---|---|---|---|---|---|---|"]
     for r in summary["costs"]:
         ds = "; ".join(f"{k}: {_f(d.get('step_ms'))} ({_f(d.get('middle_round_ms'))}, "
                        f"{_f(d.get('tokens_per_step'))})" for k, d in r["depths"].items())
-        model = r.get("model", {})
-        sp = " / ".join(f"{_f(model[a]['speedup'])}x (k={model[a]['depth']})"
-                        for a in model) or "-"
+        sp = projection_cell(r.get("projection"))
         engines = ", ".join(f"{k}: {v}" for k, v in (r.get("engines") or {}).items() if v)
         lines.append(f"| {r['case']} | {_f(r['plain_defaults_ms'])} | {_f(r['plain_forced_ms'])}"
                      f" | {_pct(r['tax'])} | {ds or '-'} | {sp} | {r.get('reference') or '-'} "
                      f"| {engines or '-'} |")
     return "\n".join(lines) + "\n"
+
+
+def projection_cell(p: dict | None) -> str:
+    if not p or p.get("speedup") is None:
+        return "-"
+    at = p["measured_at"]
+    return (f"{p['speedup']:.2f}x at depth {p['depth']} (acceptance {p['acceptance']:.2f}, "
+            f"budget {at['budget']:,} of {at['context']:,} tokens)")
 
 
 def _f(x) -> str:

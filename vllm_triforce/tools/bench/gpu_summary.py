@@ -1,19 +1,26 @@
 """What `vllm-triforce bench gpu` (bench/gpu_check.py) concludes from its jobs' results: the
 summary in results.json -- exactness (token identity, or divergences explained by plain
 vLLM's near-ties), syncs per step by owner, memory against the reservation, and per cost
-case the plain steps, the tax of TriForce's settings and the cost model's best depth.
+case the plain steps, the tax of TriForce's settings and a projection of the speedup.
+
+The projection is what it says: the GPU measures each depth's step at the 8B shape with
+random weights (which accept everything a constant output allows, so their acceptance
+says nothing), and the acceptance of real text at the same budget-to-context ratio comes
+from the CPU's teacher-forced bench (`bench acceptance`, results["acceptance"]).
 """
 
 from __future__ import annotations
 
+import math
+
 MARGIN_EPS = 0.05  # nats: a bf16 divergence is explained when plain's top-2 margin is below
-ALPHAS = (0.8, 0.9)  # the paper's acceptance range, for the cost model's speedups
+PROJECTION = "projected from GPU step costs and CPU-measured acceptance"
 
 
 def summarise(results: dict) -> dict:
     jobs = results.get("jobs", {})
     return {"exactness": _exactness(jobs), "syncs": _syncs(jobs), "memory": _memory(jobs),
-            "costs": _costs(jobs)}
+            "costs": _costs(jobs, results.get("acceptance"))}
 
 
 def _ok(jobs: dict, name: str) -> dict | None:
@@ -134,7 +141,7 @@ def _memory(jobs: dict) -> dict | None:
     return out
 
 
-def _costs(jobs: dict) -> list[dict]:
+def _costs(jobs: dict, acceptance: dict | None = None) -> list[dict]:
     tri = _cost_result(jobs, "costs-triforce")
     defaults = _cost_result(jobs, "costs-plain-defaults")
     forced = _cost_result(jobs, "costs-plain-forced")
@@ -151,8 +158,9 @@ def _costs(jobs: dict) -> list[dict]:
         modes = {key: ((res or {}).get("cases", {}).get(case) or {}).get("engine")
                  for key, res in (("plain_defaults", defaults), ("plain_forced", forced),
                                   ("triforce", tri))}
-        # the tax compares like with like: both compiled, or both eager
-        same_mode = modes["plain_defaults"] == modes["plain_forced"]
+        # the tax compares like with like: both compiled (AOT compile or not: the same
+        # graphs), or both eager
+        same_mode = _graphs(modes["plain_defaults"]) == _graphs(modes["plain_forced"])
         row.update(plain_defaults_ms=plain_d, plain_forced_ms=plain_f, engines=modes,
                    tax=(plain_f / plain_d - 1.0) if plain_d and plain_f and same_mode
                    else None)
@@ -163,12 +171,30 @@ def _costs(jobs: dict) -> list[dict]:
         row["reference"] = ("vLLM defaults" if plain_d else
                             "plain vLLM with TriForce's settings (vLLM defaults not measured)"
                             if plain_f else None)
-        if depths and reference:
-            row["model"] = {str(a): best_speedup(depths, reference, a) for a in ALPHAS}
-            row["measured"] = {k: d["tokens_per_step"] / d["step_ms"] * reference
-                               for k, d in depths.items() if d.get("step_ms")}
+        if depths and plain_d and acceptance:
+            row["projection"] = project(case, depths, plain_d, acceptance)
         rows.append(row)
     return rows
+
+
+def _graphs(mode: str | None) -> bool | None:
+    return None if mode is None else not mode.startswith("eager")
+
+
+def project(case: str, depths: dict, plain_ms: float, acceptance: dict) -> dict:
+    """The speedup over plain vLLM's defaults at the best depth, with the per-token
+    acceptance measured on real text (`acceptance["points"]`: context, budget, acceptance)
+    at the budget-to-context ratio nearest this case's (gpu_plan's budget and context)."""
+    from vllm_triforce.tools.bench.gpu_plan import COST_SPEC, GPU_CASES
+
+    context = next(c for name, _, c in GPU_CASES if name == case)
+    ratio = COST_SPEC["retrieval_budget"] / context
+    point = min(acceptance["points"],
+                key=lambda p: abs(math.log(p["budget"] / p["context"] / ratio)))
+    best = best_speedup(depths, plain_ms, point["acceptance"])
+    return {**best, "acceptance": point["acceptance"], "label": PROJECTION,
+            "case_ratio": ratio, "measured_at": {k: point[k] for k in ("context", "budget")},
+            "source": acceptance.get("source")}
 
 
 def best_speedup(depths: dict, plain_ms: float, alpha: float) -> dict:
