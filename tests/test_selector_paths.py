@@ -74,7 +74,8 @@ def decode_step(level, table):
                             last_committed_row=lambda r: r)  # its one token's row
     states = [RequestState(refresh=level.refresh.new_state(), policy_state=SelectionState())
               for _ in range(NUM_REQS)]
-    return RetrievalStep(level, batch, states, verified=[], prefills=[])
+    return RetrievalStep(level, batch, states, verified=[], prefills=[],
+                         refresh_rows=np.array([st.refresh for st in states]))
 
 
 @pytest.mark.parametrize("policy,kwargs", [("retrieval", {"variance": True}),

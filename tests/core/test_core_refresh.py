@@ -16,7 +16,7 @@ def test_first_call_then_interval():
     policy.record_selections([state], [600])
     for _ in range(50):  # acceptance trigger off: bad rounds change nothing
         policy.record_rounds([state], [4], [0])
-    assert not policy.due_at_start([state], [650])[0] and state.num_refreshes == 2
+    assert not policy.due_at_start([state], [650])[0] and policy.num_refreshes(state) == 2
 
 
 def test_rolling_acceptance_below_threshold():
@@ -29,13 +29,29 @@ def test_rolling_acceptance_below_threshold():
     policy.record_rounds([state], [2], [0])
     assert policy.due_at_start([state], [10])[0]
     policy.record_selections([state], [10])
-    assert state.acceptance() is None and not policy.due_at_start([state], [10])[0]
+    assert policy.acceptance(state) is None and not policy.due_at_start([state], [10])[0]
     for accepted in (2, 2, 2, 0):  # 6 / 8 = 0.75
         policy.record_rounds([state], [2], [accepted])
     assert not policy.due_at_start([state], [20])[0]
     for _ in range(2):  # window keeps the last 4 rounds: (2, 0, 0, 0) -> 2 / 8
         policy.record_rounds([state], [2], [0])
-    assert state.acceptance() == 0.25 and policy.due_at_start([state], [20])[0]
+    assert policy.acceptance(state) == 0.25 and policy.due_at_start([state], [20])[0]
+
+
+def test_rows_are_reused_and_many_requests_are_judged_at_once():
+    """A batch's requests in one call, each its own row; a released row starts clean."""
+    policy = RefreshPolicy(interval=0, acceptance_threshold=0.5, window=2)
+    states = [policy.new_state() for _ in range(40)]  # past the first capacity
+    assert len(set(states)) == 40
+    policy.record_selections(states, [5] * 40)
+    for _ in range(3):
+        policy.record_rounds(states, [4] * 40, [4 if i % 2 else 0 for i in range(40)])
+    due = policy.due_at_start(states, [9] * 40)
+    assert due.tolist() == [i % 2 == 0 for i in range(40)]
+    policy.release(states[:1])
+    again = policy.new_state()
+    assert again == states[0] and policy.acceptance(again) is None
+    assert policy.due_at_start([again], [9])[0]  # no selection yet
 
 
 def test_validation():

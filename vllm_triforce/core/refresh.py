@@ -26,27 +26,18 @@ interval <= 0 or acceptance_threshold <= 0 switches that trigger off.
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass, field
-
-
-@dataclass
-class RefreshState:
-    """Per-request refresh bookkeeping."""
-    last_selection: int | None = None  # prefix length whose last token's query selected
-    rounds: deque = field(default_factory=deque)  # (num_proposed, num_accepted) since then
-    num_refreshes: int = 0
-    proposed: int = 0  # sums over `rounds`
-    accepted: int = 0
-
-    def acceptance(self) -> float | None:
-        """Rolling acceptance over the recorded rounds (None before any proposal)."""
-        return None if self.proposed == 0 else self.accepted / self.proposed
+import numpy as np
 
 
 class RefreshPolicy:
-    """Each call takes a batch's requests at once (their states, and one value each), so a
-    step asks once, not once per request."""
+    """Every live request's refresh bookkeeping, as arrays with one row per request: its
+    state is that row (`new_state` hands one out, `release` takes it back). Each call
+    takes a batch's requests at once (their states, and one value each, as sequences or
+    numpy arrays): a step asks once, and the work is array work, not a loop over requests.
+
+    A request's row holds the prefix length whose last token's query selected
+    (`last_selection`, -1 before any selection), the last `window` judged rounds since
+    then (a ring of (proposed, accepted)), their sums, and how many selections it made."""
 
     def __init__(self, interval: int, acceptance_threshold: float, window: int = 8):
         if window < 1:
@@ -56,51 +47,101 @@ class RefreshPolicy:
         self.interval = interval
         self.acceptance_threshold = acceptance_threshold
         self.window = window
+        self._free: list[int] = []
+        self._grow(16)
 
-    def new_state(self) -> RefreshState:
-        return RefreshState(rounds=deque(maxlen=self.window))
+    def _grow(self, capacity: int) -> None:
+        old = getattr(self, "last_selection", np.zeros(0, np.int64)).shape[0]
 
-    def due_at_start(self, states: list[RefreshState], num_committed: list[int]) -> list[bool]:
+        def grown(array, fill, *tail):
+            new = np.full((capacity, *tail), fill, dtype=np.int64)
+            if old:
+                new[:old] = array
+            return new
+
+        self.last_selection = grown(getattr(self, "last_selection", None), -1)
+        self._ring = grown(getattr(self, "_ring", None), 0, self.window, 2)
+        for name in ("_held", "_head", "_proposed", "_accepted", "_num_refreshes"):
+            setattr(self, name, grown(getattr(self, name, None), 0))
+        self._free.extend(range(capacity - 1, old - 1, -1))
+
+    def new_state(self) -> int:
+        """A row for a new request: no selection yet, no rounds."""
+        if not self._free:
+            self._grow(2 * self.last_selection.shape[0])
+        row = self._free.pop()
+        self.last_selection[row] = -1
+        self._num_refreshes[row] = 0
+        self._clear(row)
+        return row
+
+    def release(self, states) -> None:
+        """Rows of requests that are gone, free for new ones."""
+        self._free.extend(int(s) for s in states)
+
+    def _clear(self, rows) -> None:
+        self._held[rows] = 0
+        self._head[rows] = 0
+        self._proposed[rows] = 0
+        self._accepted[rows] = 0
+
+    def acceptance(self, state: int) -> float | None:
+        """Rolling acceptance over the recorded rounds (None before any proposal)."""
+        proposed = int(self._proposed[state])
+        return None if proposed == 0 else int(self._accepted[state]) / proposed
+
+    def num_refreshes(self, state: int) -> int:
+        return int(self._num_refreshes[state])
+
+    def due_at_start(self, states, num_committed) -> np.ndarray:
         """At a step's start, with num_committed[i] tokens of exact KV for states[i]."""
-        interval, threshold, window = self.interval, self.acceptance_threshold, self.window
-        out = []
-        for state, committed in zip(states, num_committed):
-            last = state.last_selection
-            rate = state.acceptance() if threshold > 0 and len(state.rounds) >= window else None
-            out.append(last is None or committed < last
-                       or (interval > 0 and committed - last >= interval)
-                       or (rate is not None and rate < threshold))
-        return out
+        rows = np.asarray(states, dtype=np.int64)
+        committed = np.asarray(num_committed, dtype=np.int64)
+        last = self.last_selection[rows]
+        due = (last < 0) | (committed < last)
+        if self.interval > 0:
+            due |= committed - last >= self.interval
+        if self.acceptance_threshold > 0:
+            proposed = self._proposed[rows]
+            judged = (self._held[rows] >= self.window) & (proposed > 0)
+            rate = self._accepted[rows] / np.maximum(proposed, 1)
+            due |= judged & (rate < self.acceptance_threshold)
+        return due
 
-    def due_in_middle(self, states: list[RefreshState], prefixes: list[int]) -> list[bool]:
+    def due_in_middle(self, states, prefixes) -> np.ndarray:
         """Between middle rounds, states[i]'s newest middle token at position
         prefixes[i] - 1."""
+        rows = np.asarray(states, dtype=np.int64)
         if self.interval <= 0:
-            return [False] * len(states)
-        return [state.last_selection is not None
-                and prefix - state.last_selection >= self.interval
-                for state, prefix in zip(states, prefixes)]
+            return np.zeros(rows.shape[0], dtype=bool)
+        last = self.last_selection[rows]
+        return (last >= 0) & (np.asarray(prefixes, dtype=np.int64) - last >= self.interval)
 
-    def record_selections(self, states: list[RefreshState], prefixes: list[int]) -> None:
+    def record_selections(self, states, prefixes) -> None:
         """states[i]'s request selected with the query of its token at position
-        prefixes[i] - 1."""
-        for state, prefix in zip(states, prefixes):
-            state.last_selection = prefix
-            state.rounds.clear()
-            state.proposed = state.accepted = 0
-            state.num_refreshes += 1
+        prefixes[i] - 1 (each request once per call)."""
+        rows = np.asarray(states, dtype=np.int64)
+        self.last_selection[rows] = np.asarray(prefixes, dtype=np.int64)
+        self._clear(rows)
+        self._num_refreshes[rows] += 1
 
-    def record_rounds(self, states: list[RefreshState], num_proposed: list[int],
-                      num_accepted: list[int]) -> None:
-        """One judged round each: num_proposed[i] tokens proposed to the level above,
-        num_accepted[i] of them accepted (see the module docstring)."""
-        for state, proposed, accepted in zip(states, num_proposed, num_accepted):
-            if not 0 <= accepted <= proposed:
-                raise ValueError(f"accepted {accepted} of {proposed} proposed tokens")
-            rounds = state.rounds
-            if len(rounds) == rounds.maxlen:  # the oldest leaves the window
-                state.proposed -= rounds[0][0]
-                state.accepted -= rounds[0][1]
-            rounds.append((proposed, accepted))
-            state.proposed += proposed
-            state.accepted += accepted
+    def record_rounds(self, states, num_proposed, num_accepted) -> None:
+        """One judged round each (each request once per call): num_proposed[i] tokens
+        proposed to the level above, num_accepted[i] of them accepted (see the module
+        docstring)."""
+        rows = np.asarray(states, dtype=np.int64)
+        proposed = np.asarray(num_proposed, dtype=np.int64)
+        accepted = np.asarray(num_accepted, dtype=np.int64)
+        bad = (accepted < 0) | (accepted > proposed)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise ValueError(f"accepted {accepted[i]} of {proposed[i]} proposed tokens")
+        head = self._head[rows]
+        full = self._held[rows] == self.window  # the oldest (at head) leaves the window
+        oldest = self._ring[rows, head]
+        self._proposed[rows] += proposed - np.where(full, oldest[:, 0], 0)
+        self._accepted[rows] += accepted - np.where(full, oldest[:, 1], 0)
+        self._ring[rows, head, 0] = proposed
+        self._ring[rows, head, 1] = accepted
+        self._head[rows] = (head + 1) % self.window
+        self._held[rows] = np.minimum(self._held[rows] + 1, self.window)

@@ -300,7 +300,7 @@ class TriForceProposer(DraftModelProposer):
                                       next_token_ids, num_rejected_tokens_gpu,
                                       sampling_metadata, self.block_size,
                                       num_speculative_tokens)
-        self.states.retain(self.runner.requests)
+        self.refresh.release([st.refresh for st in self.states.retain(self.runner.requests)])
         states = [self.states.get(r, self._new_state) for r in batch.req_ids]
         try:
             with self.capture.paused():  # what it holds is vLLM's pass, read below

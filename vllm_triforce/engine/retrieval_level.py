@@ -85,13 +85,14 @@ class RetrievalLevel:
         prefills = np.flatnonzero(prefill).tolist()
         for state in states:
             state.last_num_drafts = 0
+        # each request's row of the refresh policy's arrays, by batch row
+        refresh_rows = np.fromiter((st.refresh for st in states), np.int64, len(states))
         if verified:
             if judged_alone:
-                self.refresh.record_rounds([states[r].refresh for r, _, _ in verified],
-                                           num_verified.tolist(), num_accepted.tolist())
+                self.refresh.record_rounds(refresh_rows[rows], num_verified, num_accepted)
             self.stats.record_verification(int(num_verified.sum()), int(num_accepted.sum()))
         self.keeper.fold(batch, states, prefills)
-        return RetrievalStep(self, batch, states, verified, prefills)
+        return RetrievalStep(self, batch, states, verified, prefills, refresh_rows)
 
 
 class RetrievalStep:
@@ -101,9 +102,11 @@ class RetrievalStep:
     lengths and blocks change only between steps), the seconds that took, the queries of
     its last `forward`, and the last shortlist of a subset of rows it re-ranked."""
 
-    def __init__(self, level: RetrievalLevel, batch, states, verified, prefills):
+    def __init__(self, level: RetrievalLevel, batch, states, verified, prefills,
+                 refresh_rows: np.ndarray):
         self.level = level
         self.batch, self.states = batch, states
+        self.refresh_rows = refresh_rows  # [R] each request's row of the refresh policy
         self.verified: list[tuple[int, int, int]] = verified
         self.prefills: list[int] = prefills
         # this step's time setting lazy summaries: the blocks a request completed since it
@@ -151,9 +154,10 @@ class RetrievalStep:
         """Re-select the blocks of requests `rows` due a refresh, with the query of their
         newest committed token (vLLM's pass); the others' policies observe."""
         level, batch, states = self.level, self.batch, self.states
-        refresh_due = level.refresh.due_at_start([states[r].refresh for r in rows],
-                                                 batch.committed_array[rows].tolist())
-        due = [r for r, d in zip(rows, refresh_due) if d or states[r].selection is None]
+        # a request that never selected is due (its policy row has no selection yet)
+        refresh_due = level.refresh.due_at_start(self.refresh_rows[rows],
+                                                 batch.committed_array[rows])
+        due = np.asarray(rows, dtype=np.int64)[refresh_due].tolist()
         queries = level.capture.queries
         if queries[0] is None:
             return
@@ -183,8 +187,7 @@ class RetrievalStep:
         if self._pass_queries is None or refresh.interval <= 0:
             return
         positions, query_rows = positions_of(drafts, rows)
-        due = [i for i, d in enumerate(refresh.due_in_middle([states[r].refresh for r in rows],
-                                                             positions)) if d]
+        due = np.flatnonzero(refresh.due_in_middle(self.refresh_rows[rows], positions)).tolist()
         if not due:
             return
         self._summarise([rows[i] for i in due])
@@ -226,7 +229,7 @@ class RetrievalStep:
                 st.shortlists, st.shortlist_row, st.shortlist_committed = kept, i, committed[i]
             st.selection, st.selection_row = logical, i
             st.num_selected, st.tail_start = num_selected[i], tail_start[i]
-        level.refresh.record_selections([states[r].refresh for r in due], prefixes)
+        level.refresh.record_selections(self.refresh_rows[due], prefixes)
         self._num_reselects += 1
         level.stats.add(refreshes=len(due))
 

@@ -43,7 +43,7 @@ class RequestState:
     # after the other, folded into the summaries (-1: none yet)
     eager_start: int = 0
     eager_end: int = -1
-    refresh: object = None                       # core.refresh.RefreshState
+    refresh: int = -1                            # its row of core.refresh.RefreshPolicy
     policy_state: object = None                  # core.scoring.SelectionState (h2o)
     # Small-draft (level 1) KV bookkeeping, in absolute positions.
     draft_valid_upto: int = 0      # draft KV is valid for positions [window_start, this)
@@ -106,10 +106,10 @@ class StateTable:
             state = self.states[req_id] = make(req_id)
         return state
 
-    def retain(self, live_req_ids) -> None:
-        live = set(live_req_ids)
-        for req_id in [r for r in self.states if r not in live]:
-            del self.states[req_id]
+    def retain(self, live_req_ids) -> list[RequestState]:
+        """Drops the states of requests not in `live_req_ids`; returns them."""
+        dropped = [r for r in self.states if r not in live_req_ids]
+        return [self.states.pop(req_id) for req_id in dropped]
 
     def __len__(self) -> int:
         return len(self.states)
