@@ -312,6 +312,8 @@ def acceptance_section(data: dict, case: Case) -> tuple[str, str]:
             + [_pct(cells.get((p, col))) for col in columns] for p in policies]
     for key, name in (("minus_oracle", "per-position oracle"),
                       ("minus_streamingllm", "StreamingLLM")):
+        if not any(key in (cells.get((default, col)) or {}) for col in columns):
+            continue  # the run measured no such column
         rows.append([f"default − {name}"]
                     + [_points((cells.get((default, col)) or {}).get(key)) for col in columns])
     return shape, markdown_table(header, rows)
@@ -323,9 +325,12 @@ def acceptance_glance(data: dict) -> str:
     parts = []
     for task, budget in columns:
         cell = cells[(default, (task, budget))]
-        parts.append(f"{task} at {budget} tokens {_pct(cell)}% "
-                     f"({100 * cell['minus_oracle']['mean']:+.1f} vs the oracle, "
-                     f"{100 * cell['minus_streamingllm']['mean']:+.1f} vs StreamingLLM)")
+        against = ", ".join(f"{100 * cell[key]['mean']:+.1f} vs {name}"
+                            for key, name in (("minus_oracle", "the oracle"),
+                                              ("minus_streamingllm", "StreamingLLM"))
+                            if key in cell)  # a run without that column has none
+        parts.append(f"{task} at {budget} tokens {_pct(cell)}%"
+                     + (f" ({against})" if against else ""))
     return f"default `{default}`: " + "; ".join(parts)
 
 
