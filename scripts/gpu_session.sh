@@ -3,7 +3,8 @@
 # three back-to-back calls, each carrying one part (at most 64 MiB a call):
 #
 #   bash scripts/gpu_session.sh costs [SECONDS]  # carry .bundle: vLLM unpacked, the 8B cost
-#                                                # jobs (vLLM defaults first, then TriForce)
+#                                                # cases not measured yet (vLLM defaults,
+#                                                # TriForce, TriForce's settings)
 #   bash scripts/gpu_session.sh model-a          # carry .carry/a: SmolLM2 part a
 #   bash scripts/gpu_session.sh real [SECONDS]   # carry .carry/b: part b, conversion checked
 #                                                # against the CPU's, the real-model run, then
@@ -22,8 +23,8 @@ budget=${2:-270}
 case "$step" in
   costs)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-    bash scripts/gpu_run.sh --only kernels,costs-plain-defaults,costs-triforce \
-      --cases 8x32K,1x128K --budget-s "$budget" 2>&1 | grep -v " INFO \| DEBUG "
+    bash scripts/gpu_run.sh --only kernels,costs --budget-s "$budget" 2>&1 \
+      | grep -v " INFO \| DEBUG "
     ;;
   model-a)
     python3 scripts/gpu_model_carry.py assemble --carry .carry/a
