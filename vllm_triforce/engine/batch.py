@@ -61,6 +61,12 @@ class StepBatch:
         self.committed = self.committed_array.tolist()
         self.verify_start = (seq_lens - q_lens).tolist()
         self.greedy_array = np.asarray(self.greedy, dtype=bool)  # [R]
+        self._decoding_rows = (list(range(len(self.req_ids))) if all(self.decoding)
+                               else np.flatnonzero(self.decoding).tolist())
+
+    def decoding_rows(self) -> list[int]:
+        """The rows that sampled a real token (not a partial prefill), in order."""
+        return self._decoding_rows
 
     def all_greedy(self, rows) -> bool:
         """Every one of requests `rows` (a list or array of rows) is greedy."""
@@ -161,7 +167,7 @@ class StepBatch:
         return cls(
             req_ids=req_ids, seq_lens=seq_lens, query_start_loc=qsl, num_rejected=rejected,
             decoding=(~discard).tolist(), next_tokens=next_tokens, verify_ids=verify_ids,
-            greedy=[g == 1 for g in greedy],
+            greedy=(np.asarray(greedy) == 1).tolist(),
             block_table=cad.block_table_tensor[:num_reqs, :width].to(torch.int32).clone(),
             temperature=temperature,
             top_k=None if top_k is None else top_k[:num_reqs],

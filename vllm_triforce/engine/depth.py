@@ -73,7 +73,7 @@ def cap_drafting(depths: list[int], cap: int,
     (vLLM's, oldest first), keep theirs; the others run a plain step.
     Examples: cap_drafting([2, 0, 3, 1], 2) -> [2, 0, 3, 0];
     cap_drafting([2, 0, 3, 1], 2, first=[False, False, False, True]) -> [2, 0, 0, 1]."""
-    if sum(1 for k in depths if k > 0) <= cap:  # the usual case: nothing to cut
+    if len(depths) - depths.count(0) <= cap:  # the usual case: nothing to cut
         return list(depths)
     first = first or [False] * len(depths)
     order = ([i for i, f in enumerate(first) if f]
@@ -182,7 +182,9 @@ class DepthChooser:
         plain = plain or [False] * len(req_ids)
         if self.fixed_depth is not None:
             depth = min(self.fixed_depth, max_depth)
-            depths, use_draft = [0 if p else depth for p in plain], self.has_draft
+            depths = ([0 if p else depth for p in plain] if any(plain)
+                      else [depth] * len(req_ids))
+            use_draft = self.has_draft
         else:
             fits = self._fits_budget(num_committed, len(req_ids))
             # the controller decides for the unseeded requests whose context outgrew the

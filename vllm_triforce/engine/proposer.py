@@ -300,8 +300,10 @@ class TriForceProposer(DraftModelProposer):
                                       next_token_ids, num_rejected_tokens_gpu,
                                       sampling_metadata, self.block_size,
                                       num_speculative_tokens)
-        self.refresh.release([st.refresh for st in self.states.retain(self.runner.requests)])
-        states = [self.states.get(r, self._new_state) for r in batch.req_ids]
+        states, dropped = self.states.of_batch(batch.req_ids, self.runner.requests,
+                                               self._new_state)
+        if dropped:
+            self.refresh.release([st.refresh for st in dropped])
         try:
             with self.capture.paused():  # what it holds is vLLM's pass, read below
                 if self.draft is not None:
@@ -339,11 +341,14 @@ class TriForceProposer(DraftModelProposer):
         drafting request is greedy or none drafts). `max_depth`: this step's bound from
         vLLM (num_speculative_tokens, or Dynamic SD's entry for the batch size)."""
         batch, states = step.batch, step.states
-        rows = [r for r in range(batch.num_reqs) if batch.decoding[r]]
-        depths, use_draft = depth.plan([batch.req_ids[r] for r in rows], max_depth,
-                                       num_committed=[batch.committed[r] for r in rows],
-                                       seeded=[batch.seeded[r] for r in rows],
-                                       plain=[batch.plain[r] for r in rows])
+        rows = batch.decoding_rows()
+
+        def of_rows(values: list) -> list:  # the decoding rows' values (all, mostly)
+            return values if len(rows) == batch.num_reqs else [values[r] for r in rows]
+
+        depths, use_draft = depth.plan(of_rows(batch.req_ids), max_depth,
+                                       num_committed=of_rows(batch.committed),
+                                       seeded=of_rows(batch.seeded), plain=of_rows(batch.plain))
         drafting = [r for r, k in zip(rows, depths) if k > 0]
         if not drafting:
             return [[] for _ in range(batch.num_reqs)], None, None

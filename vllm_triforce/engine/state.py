@@ -99,6 +99,22 @@ class StateTable:
 
     def __init__(self):
         self.states: dict[str, RequestState] = {}
+        # the last `of_batch`: its request ids, the live requests' count, and its states
+        self._last: tuple[list[str], int, list[RequestState]] | None = None
+
+    def of_batch(self, req_ids: list[str], live_req_ids, make
+                 ) -> tuple[list[RequestState], list[RequestState]]:
+        """(the states of `req_ids`, in order, made where new; the states dropped because
+        their requests are not in `live_req_ids`). A step whose requests are the last
+        step's, with as many live requests, takes the last step's list again: nothing was
+        dropped (every request of both steps was live at both), nothing is new."""
+        last = self._last
+        if last is not None and last[1] == len(live_req_ids) and last[0] == req_ids:
+            return last[2], []
+        dropped = self.retain(live_req_ids)
+        states = [self.get(r, make) for r in req_ids]
+        self._last = (list(req_ids), len(live_req_ids), states)
+        return states, dropped
 
     def get(self, req_id: str, make) -> RequestState:
         state = self.states.get(req_id)

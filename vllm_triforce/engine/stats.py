@@ -9,6 +9,8 @@ Prometheus.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -61,11 +63,11 @@ class TriForceStats:
     def record_depths(self, depths: list[int]) -> None:
         if not depths:
             return
-        grow = max(depths) + 1 - len(self.depth_counts)
-        self.depth_counts.extend([0] * max(grow, 0))
-        for k in depths:
-            self.depth_counts[k] += 1
-        self.add(**{"drafting_steps" if max(depths) else "plain_steps": 1})
+        deepest = max(depths)
+        self.depth_counts.extend([0] * max(deepest + 1 - len(self.depth_counts), 0))
+        for k, n in Counter(depths).items():
+            self.depth_counts[k] += n
+        self.add(**{"drafting_steps" if deepest else "plain_steps": 1})
 
     def snapshot(self) -> dict[str, int]:
         return {k: (list(v) if isinstance(v, list) else v) for k, v in asdict(self).items()
