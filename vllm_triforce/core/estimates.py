@@ -159,7 +159,10 @@ class RequestAcceptance:
                 num_accepted: np.ndarray) -> None:
         """Request req_ids[i] verified num_verified[i] drafts and accepted the first
         num_accepted[i] (distinct requests)."""
-        rows = np.array([self._row(r) for r in req_ids], dtype=np.int64)
+        get = self.row_of.get
+        rows = np.array([get(r, -1) for r in req_ids], dtype=np.int64)
+        for i in np.flatnonzero(rows < 0).tolist():  # requests verified for the first time
+            rows[i] = self._row(req_ids[i])
         reached, hit = _reached(num_verified, num_accepted, self.tried.shape[1])
         d = np.where(reached, self.decay, 1.0)
         self.tried[rows] = d * self.tried[rows] + reached
@@ -177,8 +180,7 @@ class RequestAcceptance:
 
     def retain(self, req_ids) -> None:
         """Forget every request not in `req_ids`."""
-        keep = set(req_ids)
-        for req_id in [r for r in self.row_of if r not in keep]:
+        for req_id in self.row_of.keys() - _keys(req_ids):
             self._free.append(self.row_of.pop(req_id))
 
     def _row(self, req_id: str) -> int:
@@ -204,3 +206,8 @@ def _reached(num_verified, num_accepted, max_depth: int) -> tuple[np.ndarray, np
     j = np.arange(max_depth)
     reached = (j < num_verified) & (j <= num_accepted)
     return reached, reached & (j < num_accepted)
+
+
+def _keys(ids):
+    """`ids` as a set-like view: a mapping's keys (vLLM's requests dict) as they are."""
+    return ids.keys() if hasattr(ids, "keys") else set(ids)

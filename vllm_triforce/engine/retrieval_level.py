@@ -83,8 +83,8 @@ class RetrievalLevel:
         num_accepted = num_verified - np.asarray(batch.num_rejected, dtype=np.int64)[rows]
         verified = list(zip(rows.tolist(), num_verified.tolist(), num_accepted.tolist()))
         prefills = np.flatnonzero(prefill).tolist()
-        for state in states:
-            state.last_num_drafts = 0
+        for r in np.flatnonzero(handed).tolist():  # read once: the next step's are new
+            states[r].last_num_drafts = 0
         # each request's row of the refresh policy's arrays, by batch row
         refresh_rows = np.fromiter((st.refresh for st in states), np.int64, len(states))
         if verified:

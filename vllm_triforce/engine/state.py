@@ -124,8 +124,8 @@ class StateTable:
 
     def retain(self, live_req_ids) -> list[RequestState]:
         """Drops the states of requests not in `live_req_ids`; returns them."""
-        dropped = [r for r in self.states if r not in live_req_ids]
-        return [self.states.pop(req_id) for req_id in dropped]
+        live = live_req_ids.keys() if hasattr(live_req_ids, "keys") else set(live_req_ids)
+        return [self.states.pop(req_id) for req_id in self.states.keys() - live]
 
     def __len__(self) -> int:
         return len(self.states)

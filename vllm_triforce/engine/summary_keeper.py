@@ -22,6 +22,7 @@ accepted).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from vllm.logger import init_logger
 
@@ -122,10 +123,17 @@ class SummaryKeeper:
         rows, at which positions, in which runs of one block (core/summaries.py) are all
         known on the host, so the fold never waits for the device."""
         bs = self.block_size
-        spans = [(r, batch.verify_start[r], batch.q_lens[r] - batch.num_rejected[r])
-                 for r in rows]  # tokens committed by this pass
-        for piece in token_pieces([span for span in spans if span[2] > 0],
-                                  self.fold_tokens()):
+        rows = np.asarray(rows, dtype=np.int64)
+        starts = np.asarray(batch.verify_start, dtype=np.int64)[rows]
+        counts = (np.asarray(batch.q_lens, dtype=np.int64)
+                  - np.asarray(batch.num_rejected, dtype=np.int64))[rows]  # committed now
+        keep = counts > 0
+        rows, starts, counts = rows[keep], starts[keep], counts[keep]
+        if rows.size and counts.sum() <= self.fold_tokens():  # one piece (every decode step)
+            yield self._one_piece(batch, rows, starts, counts)
+            return
+        spans = list(zip(rows.tolist(), starts.tolist(), counts.tolist()))
+        for piece in token_pieces(spans, self.fold_tokens()):
             rows = [batch.query_start_loc[r] + p - batch.verify_start[r]
                     for r, first, n in piece for p in range(first, first + n)]
             # a request's new tokens fill its own blocks in order: one run per block
@@ -134,6 +142,25 @@ class SummaryKeeper:
                                                       runs)
             block_ids = batch.block_table[owners, positions // bs].long()
             yield rows, block_ids, positions % bs, (runs, num_runs)
+
+    def _one_piece(self, batch, owners: np.ndarray, starts: np.ndarray, counts: np.ndarray):
+        """`committed_tokens`' piece of every span at once, by array operations: request
+        owners[i] committed counts[i] tokens from position starts[i]; the same values as
+        `committed_runs` gives (one run per block a span touches, in order)."""
+        bs = self.block_size
+        owner = np.repeat(owners, counts)  # [T] each token's request row
+        first = np.cumsum(counts) - counts  # each span's first token
+        positions = np.repeat(starts, counts) + np.arange(owner.size) - np.repeat(first, counts)
+        qsl = np.asarray(batch.query_start_loc, dtype=np.int64)
+        verify_start = np.asarray(batch.verify_start, dtype=np.int64)
+        pass_rows = qsl[owner] + positions - verify_start[owner]
+        blocks = positions // bs
+        new_run = np.ones(owner.size, dtype=bool)
+        new_run[1:] = (owner[1:] != owner[:-1]) | (blocks[1:] != blocks[:-1])
+        runs = np.cumsum(new_run) - 1
+        rows, positions, owner, runs = to_device(self.device, pass_rows, positions, owner, runs)
+        block_ids = batch.block_table[owner, positions // bs].long()
+        return rows, block_ids, positions % bs, (runs, int(new_run.sum()))
 
     def fold_tokens(self) -> int:
         """Tokens folded at once (engine/buffers.py `fold_piece_tokens`; `fold_scratch_bytes`
@@ -169,9 +196,14 @@ class SummaryKeeper:
         SCORE_CHUNK_BYTES, or the memory plan's smaller one)."""
         bs = self.block_size
         owners, logical = [], []
-        for r in rows:
-            full = batch.committed[r] // bs
-            ids = batch.requests[r].block_ids[0][:full]  # vLLM's host copy, one KV group
+        committed, requests = batch.committed, batch.requests
+        # vLLM's host copy of each one's full blocks (one KV group); most requests completed
+        # no block since they last selected, and are passed over in one comparison
+        full_ids = [requests[r].block_ids[0][:committed[r] // bs] for r in rows]
+        todo = [(r, ids) for r, ids in zip(rows, full_ids)
+                if ids != states[r].lazily_set_block_ids]
+        for r, ids in todo:
+            full = len(ids)
             state = states[r]
             done = common_prefix(state.lazily_set_block_ids, ids)
             contents = block_contents(batch, r, state, full, bs) if done < full else None
