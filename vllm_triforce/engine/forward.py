@@ -125,20 +125,19 @@ def build_pass(token_ids: list | torch.Tensor, positions: list[list[int]] | Runs
 def build_common(inputs: PassInputs, block_table: torch.Tensor) -> CommonAttentionMetadata:
     """vLLM's metadata of one pass over `block_table` [num_reqs, width] (device, int32):
     device fields from the pass's device copies, host fields from its lists, no copy."""
-    qsl = np.asarray(inputs.query_start_loc, dtype=np.int32)
-    seq_lens = np.asarray(inputs.seq_lens, dtype=np.int32)
+    qsl = inputs.query_start_loc
     return CommonAttentionMetadata(
         query_start_loc=inputs.query_start_loc_dev,
-        query_start_loc_cpu=torch.from_numpy(qsl),
+        query_start_loc_cpu=torch.tensor(qsl, dtype=torch.int32),
         seq_lens=inputs.seq_lens_dev,
         num_reqs=len(inputs.seq_lens),
         num_actual_tokens=inputs.num_tokens,
         max_query_len=int(np.diff(qsl).max()),
-        max_seq_len=int(seq_lens.max()),
+        max_seq_len=max(inputs.seq_lens),
         block_table_tensor=_int32(block_table),
         slot_mapping=inputs.slot_mapping,
         causal=True,
-        seq_lens_cpu_upper_bound=torch.from_numpy(seq_lens),
+        seq_lens_cpu_upper_bound=torch.tensor(inputs.seq_lens, dtype=torch.int32),
     )
 
 
