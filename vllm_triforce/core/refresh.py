@@ -48,21 +48,26 @@ class RefreshPolicy:
         self.acceptance_threshold = acceptance_threshold
         self.window = window
         self._free: list[int] = []
+        # one row per request (filled in by `new_state`): last selection, the ring's
+        # (proposed, accepted) per round, rounds held, the ring's next slot, their sums,
+        # selections made
+        self.last_selection = np.zeros(0, dtype=np.int64)
+        self._ring = np.zeros((0, window, 2), dtype=np.int64)
+        self._held, self._head, self._proposed, self._accepted, self._num_refreshes = (
+            np.zeros(0, dtype=np.int64) for _ in range(5))
         self._grow(16)
 
+    _ROWS = ("last_selection", "_ring", "_held", "_head", "_proposed", "_accepted",
+             "_num_refreshes")
+
     def _grow(self, capacity: int) -> None:
-        old = getattr(self, "last_selection", np.zeros(0, np.int64)).shape[0]
-
-        def grown(array, fill, *tail):
-            new = np.full((capacity, *tail), fill, dtype=np.int64)
-            if old:
-                new[:old] = array
-            return new
-
-        self.last_selection = grown(getattr(self, "last_selection", None), -1)
-        self._ring = grown(getattr(self, "_ring", None), 0, self.window, 2)
-        for name in ("_held", "_head", "_proposed", "_accepted", "_num_refreshes"):
-            setattr(self, name, grown(getattr(self, name, None), 0))
+        """Room for `capacity` requests; the new rows are free."""
+        old = self.last_selection.shape[0]
+        for name in self._ROWS:
+            array = getattr(self, name)
+            grown = np.zeros((capacity, *array.shape[1:]), dtype=np.int64)
+            grown[:old] = array
+            setattr(self, name, grown)
         self._free.extend(range(capacity - 1, old - 1, -1))
 
     def new_state(self) -> int:
