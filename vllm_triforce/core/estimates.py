@@ -180,7 +180,7 @@ class RequestAcceptance:
 
     def retain(self, req_ids) -> None:
         """Forget every request not in `req_ids`."""
-        for req_id in self.row_of.keys() - _keys(req_ids):
+        for req_id in self.row_of.keys() - key_set(req_ids):
             self._free.append(self.row_of.pop(req_id))
 
     def _row(self, req_id: str) -> int:
@@ -208,6 +208,6 @@ def _reached(num_verified, num_accepted, max_depth: int) -> tuple[np.ndarray, np
     return reached, reached & (j < num_accepted)
 
 
-def _keys(ids):
+def key_set(ids):
     """`ids` as a set-like view: a mapping's keys (vLLM's requests dict) as they are."""
     return ids.keys() if hasattr(ids, "keys") else set(ids)

@@ -39,6 +39,9 @@ class RefreshPolicy:
     (`last_selection`, -1 before any selection), the last `window` judged rounds since
     then (a ring of (proposed, accepted)), their sums, and how many selections it made."""
 
+    _ROWS = ("last_selection", "_ring", "_held", "_head", "_proposed", "_accepted",
+             "_num_refreshes")
+
     def __init__(self, interval: int, acceptance_threshold: float, window: int = 8):
         if window < 1:
             raise ValueError(f"refresh window must be >= 1 round, got {window}")
@@ -56,9 +59,6 @@ class RefreshPolicy:
         self._held, self._head, self._proposed, self._accepted, self._num_refreshes = (
             np.zeros(0, dtype=np.int64) for _ in range(5))
         self._grow(16)
-
-    _ROWS = ("last_selection", "_ring", "_held", "_head", "_proposed", "_accepted",
-             "_num_refreshes")
 
     def _grow(self, capacity: int) -> None:
         """Room for `capacity` requests; the new rows are free."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vllm_triforce.core.estimates import key_set
 from vllm_triforce.engine.transfer import to_device
 
 
@@ -106,8 +107,9 @@ class StateTable:
                  ) -> tuple[list[RequestState], list[RequestState]]:
         """(the states of `req_ids`, in order, made where new; the states dropped because
         their requests are not in `live_req_ids`). A step whose requests are the last
-        step's, with as many live requests, takes the last step's list again: nothing was
-        dropped (every request of both steps was live at both), nothing is new."""
+        step's, with as many live requests, takes the last step's list again: none of its
+        requests is new or gone (each was live at both steps). A request outside the batch
+        that left while another arrived is dropped at the next step whose batch differs."""
         last = self._last
         if last is not None and last[1] == len(live_req_ids) and last[0] == req_ids:
             return last[2], []
@@ -124,8 +126,8 @@ class StateTable:
 
     def retain(self, live_req_ids) -> list[RequestState]:
         """Drops the states of requests not in `live_req_ids`; returns them."""
-        live = live_req_ids.keys() if hasattr(live_req_ids, "keys") else set(live_req_ids)
-        return [self.states.pop(req_id) for req_id in self.states.keys() - live]
+        gone = self.states.keys() - key_set(live_req_ids)
+        return [self.states.pop(req_id) for req_id in gone]
 
     def __len__(self) -> int:
         return len(self.states)

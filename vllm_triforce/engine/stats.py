@@ -9,9 +9,8 @@ Prometheus.
 
 from __future__ import annotations
 
-from collections import Counter
-
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 from vllm.logger import init_logger

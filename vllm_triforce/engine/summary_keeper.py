@@ -122,18 +122,18 @@ class SummaryKeeper:
         physical block ids, offsets, (run of each token, number of runs)) each. Which
         rows, at which positions, in which runs of one block (core/summaries.py) are all
         known on the host, so the fold never waits for the device."""
-        bs = self.block_size
+        bs, limit = self.block_size, self.fold_tokens()
         rows = np.asarray(rows, dtype=np.int64)
         starts = np.asarray(batch.verify_start, dtype=np.int64)[rows]
         counts = (np.asarray(batch.q_lens, dtype=np.int64)
                   - np.asarray(batch.num_rejected, dtype=np.int64))[rows]  # committed now
         keep = counts > 0
         rows, starts, counts = rows[keep], starts[keep], counts[keep]
-        if rows.size and counts.sum() <= self.fold_tokens():  # one piece (every decode step)
+        if rows.size and counts.sum() <= limit:  # one piece (every decode step)
             yield self._one_piece(batch, rows, starts, counts)
             return
         spans = list(zip(rows.tolist(), starts.tolist(), counts.tolist()))
-        for piece in token_pieces(spans, self.fold_tokens()):
+        for piece in token_pieces(spans, limit):
             rows = [batch.query_start_loc[r] + p - batch.verify_start[r]
                     for r, first, n in piece for p in range(first, first + n)]
             # a request's new tokens fill its own blocks in order: one run per block

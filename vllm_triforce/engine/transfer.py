@@ -4,11 +4,12 @@ The rule the engine follows: host values are Python, device values are tensors, 
 a GPU every read of a device value makes the host wait for the device (a sync).
 What the host decides (positions, row indices, lengths) is built as Python lists or numpy
 arrays and sent with `to_device`: one copy, non-blocking, from pinned memory on CUDA, so
-the host never waits for the device. What the host must learn from the device comes back in one blocking
-copy: once per step with `to_host` (what vLLM's step decided, engine/batch.py) and once per
-middle round with one `.tolist()` of what decides the next round, its tokens and accepted
-counts packed on the device first (engine/middle.py). tests/test_syncs.py counts a step's
-syncs and holds them to one per middle round and at most three outside the rounds.
+the host never waits for the device. What the host must learn from the device comes
+back in one blocking copy: once per step with `to_host` (what vLLM's step decided,
+engine/batch.py) and once per middle round with one `.tolist()` of what decides the next
+round, its tokens and accepted counts packed on the device first (engine/middle.py).
+tests/test_syncs.py counts a step's syncs and holds them to one per middle round and at
+most three outside the rounds.
 
 vLLM's runner does the same with its `CpuGpuBuffer`s (vllm/v1/utils.py, 0.32.0): host
 numpy arrays copied with `non_blocking=True` from pinned memory.

@@ -166,7 +166,6 @@ def _costs(jobs: dict, acceptance: dict | None = None) -> list[dict]:
                    else None)
         depths = ((tri or {}).get("cases", {}).get(case) or {}).get("depths", {})
         row["depths"] = depths
-        reference = plain_d or plain_f
         # a speedup is only ever taken against vLLM's defaults without saying otherwise
         row["reference"] = ("vLLM defaults" if plain_d else
                             "plain vLLM with TriForce's settings (vLLM defaults not measured)"
@@ -185,9 +184,9 @@ def project(case: str, depths: dict, plain_ms: float, acceptance: dict) -> dict:
     """The speedup over plain vLLM's defaults at the best depth, with the per-token
     acceptance measured on real text (`acceptance["points"]`: context, budget, acceptance)
     at the budget-to-context ratio nearest this case's (gpu_plan's budget and context)."""
-    from vllm_triforce.tools.bench.gpu_plan import COST_SPEC, GPU_CASES
+    from vllm_triforce.tools.bench.gpu_plan import COST_SPEC, CPU_CASES, GPU_CASES
 
-    context = next(c for name, _, c in GPU_CASES if name == case)
+    context = next(c for name, _, c in GPU_CASES + CPU_CASES if name == case)
     ratio = COST_SPEC["retrieval_budget"] / context
     point = min(acceptance["points"],
                 key=lambda p: abs(math.log(p["budget"] / p["context"] / ratio)))
