@@ -28,14 +28,20 @@ BLOCKS = BlockCounts(block_size=BS, budget_blocks=6, retrieval_sink_blocks=1,
 NUM_REQS = 3
 
 
-def logical_blocks(state) -> torch.Tensor:
-    """[num_layers, max_selected] a request's selection: its row of the batch's."""
-    return state.selection[state.selection_row]
+def logical_blocks(step, r: int) -> torch.Tensor:
+    """[num_layers, max_selected] request r's selection: its row of the level's table."""
+    return step.level.selections.logical[step.refresh_rows[r]].long()
 
 
-def shortlist(state) -> torch.Tensor:
-    """[num_layers, S] a request's shortlist, logical blocks: its row of the batch's."""
-    return state.shortlists.logical[state.shortlist_row]
+def sizes(step, r: int) -> tuple[int, int]:
+    """(num_selected, tail_start) of request r's selection, as the host holds them."""
+    table, slot = step.level.selections, step.refresh_rows[r]
+    return int(table.num_selected[slot]), int(table.tail_start[slot])
+
+
+def shortlist(step, r: int) -> torch.Tensor:
+    """[num_layers, S] request r's shortlist, logical blocks: its row of the step's."""
+    return step._shortlist.logical[step.level.selections.shortlist_row[step.refresh_rows[r]]]
 
 
 def summarised_requests(seed: int):
@@ -71,7 +77,7 @@ def decode_step(level, table):
                             committed_array=np.full(NUM_REQS, COMMITTED, dtype=np.int64),
                             q_lens=[1] * NUM_REQS, num_rejected=[0] * NUM_REQS,
                             query_start_loc=list(range(NUM_REQS + 1)),
-                            last_committed_row=lambda r: r)  # its one token's row
+                            last_committed_rows=np.arange(NUM_REQS))  # its one token's row
     states = [RequestState(refresh=level.refresh.new_state(), policy_state=SelectionState())
               for _ in range(NUM_REQS)]
     return RetrievalStep(level, batch, states, verified=[], prefills=[],
@@ -89,17 +95,16 @@ def test_engine_and_teacher_choose_the_same_blocks(policy, kwargs):
     # the engine: a step start, then a middle round's re-selection
     selector = Selector(make_policy(policy, **kwargs), BLOCKS, shortlist_factor=4, keys=summaries)
     step = decode_step(engine_level(summaries, selector, start_query), table)
-    states = step.states
     rows = list(range(NUM_REQS))
     step.select(rows)
-    at_start = [(logical_blocks(s).clone(), s.num_selected, s.tail_start) for s in states]
+    at_start = [(logical_blocks(step, r).clone(), *sizes(step, r)) for r in rows]
     step._pass_queries = [middle_query[:, layer].reshape(NUM_REQS, -1)
                           for layer in range(LAYERS)]  # as a middle round's `forward` keeps
     drafts = {r: RequestDrafts(0, COMMITTED + 1) for r in rows}
     for r in rows:
         drafts[r].query_row = r
     step.select_in_middle(rows, drafts)
-    in_middle = [(logical_blocks(s), s.num_selected, s.tail_start) for s in states]
+    in_middle = [(logical_blocks(step, r), *sizes(step, r)) for r in rows]
 
     # the teacher: the same two selections through a column
     column = Column("c", Selector(make_policy(policy, **kwargs), BLOCKS, 4, keys=summaries),
@@ -121,7 +126,8 @@ def test_engine_and_teacher_choose_the_same_blocks(policy, kwargs):
     if reranks:
         assert column.listed is not None and column.listed.logical.shape == (
             NUM_REQS, LAYERS, 12)
-        assert torch.equal(torch.stack([shortlist(s) for s in states]), column.listed.logical)
+        assert torch.equal(torch.stack([shortlist(step, r) for r in rows]),
+                           column.listed.logical)
     assert any(not torch.equal(a[0], b[0]) for a, b in zip(at_start, in_middle))
 
 
@@ -138,7 +144,6 @@ def test_middle_rounds_of_fewer_requests_reuse_their_shortlist_copy(monkeypatch)
     monkeypatch.setattr(selector.policy, "listed_copy",
                         lambda *a: copies.append(a[1].shape[0]) or real_copy(*a))
     step = decode_step(engine_level(summaries, selector, start_query), table)
-    states = step.states
     rows, left = list(range(NUM_REQS)), [0, 2]
     step.select(rows)
     drafts = {r: RequestDrafts(0, COMMITTED + 1) for r in rows}
@@ -149,15 +154,15 @@ def test_middle_rounds_of_fewer_requests_reuse_their_shortlist_copy(monkeypatch)
         for r in rows:
             drafts[r].query_row, drafts[r].position = r, COMMITTED + 1 + 2 * round_
         step.select_in_middle(rows, drafts)  # every request
-        everyone = [logical_blocks(states[r]).clone() for r in left]
+        everyone = [logical_blocks(step, r).clone() for r in left]
         for r in left:  # a re-selection is due again: the next middle token's query
             drafts[r].position += 1
         step.select_in_middle(left, drafts)  # requests 0 and 2 only
-        assert all(torch.equal(logical_blocks(states[r]), e) for r, e in zip(left, everyone))
-        subsets.append(step._last_subset[2])
+        assert all(torch.equal(logical_blocks(step, r), e) for r, e in zip(left, everyone))
+        subsets.append(step._last_subset[1])
     assert all(s is subsets[0] for s in subsets)
     # per round: the whole list's copy, then the subset's (one copy at a time); the subset
     # object is the same every round, yet each of its copies was freed by the whole one's
     assert copies == [NUM_REQS, 2] * 3
     step.close()
-    assert states[0].shortlists.copy is None and subsets[0].copy is None
+    assert step._shortlist.copy is None and subsets[0].copy is None

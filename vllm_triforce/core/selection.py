@@ -121,6 +121,15 @@ class Shortlist:
                          cut(self.rows), cut(self.counts), cut(self.padding), cut(self.copy),
                          self.copied)
 
+    def subset(self, index: Tensor) -> "Shortlist":
+        """Requests `index` [n] (a device tensor) of this shortlist as a new one: its blocks
+        and Frame, not what its re-ranking read or copied (the subset reads its own, and
+        one copy is held at a time)."""
+        f = self.frame
+        return Shortlist(self.logical[index], self.physical[index],
+                         Frame(f.num_chosen[index], f.sink_ids[index], f.num_selected[index],
+                               f.tail_start[index]))
+
     def summary_rows(self, summaries) -> tuple[Tensor, Tensor]:
         """(rows, counts) of the listed blocks in `summaries`, computed once."""
         if self.rows is None:

@@ -59,6 +59,9 @@ class StepBatch:
         # the first position of the verification pass
         self.committed_array = seq_lens - np.asarray(self.num_rejected, dtype=np.int64)
         self.committed = self.committed_array.tolist()
+        # [R] row, in the verification pass, of each request's last committed token
+        self.last_committed_rows = (np.asarray(self.query_start_loc[1:], dtype=np.int64)
+                                    - np.asarray(self.num_rejected, dtype=np.int64) - 1)
         self.verify_start = (seq_lens - q_lens).tolist()
         self.greedy_array = np.asarray(self.greedy, dtype=bool)  # [R]
         self._decoding_rows = (list(range(len(self.req_ids))) if all(self.decoding)
@@ -71,10 +74,6 @@ class StepBatch:
     def all_greedy(self, rows) -> bool:
         """Every one of requests `rows` (a list or array of rows) is greedy."""
         return bool(self.greedy_array[rows].all())
-
-    def last_committed_row(self, r: int) -> int:
-        """Row, in the verification pass, of request r's last committed token."""
-        return self.query_start_loc[r] + self.q_lens[r] - self.num_rejected[r] - 1
 
     @property
     def num_reqs(self) -> int:

@@ -11,7 +11,8 @@ Leaving the step (`with`, or `close`) frees the shortlists' copies of the summar
 selections made for the rounds (`Selector.release_copies`), however the step ends.
 
 Terms. *committed*: positions whose KV is exact (written by vLLM's full-cache pass and
-accepted). Selections are kept per request as logical blocks (engine/state.py).
+accepted). Selections are kept as logical blocks, by request row, in the level's
+`SelectionTable` (engine/selections.py).
 
 Slots: vLLM reserves KV slots for `num_speculative_tokens` (= gamma2) lookahead positions; a
 round never drafts past gamma2 middle tokens, so every pass here writes only slots inside that
@@ -32,7 +33,7 @@ from vllm_triforce.core.blocks import selection_sizes
 from vllm_triforce.core.tables import TableLayout, laid_out_tables
 from vllm_triforce.engine.forward import Runs, build_pass, run_pass
 from vllm_triforce.engine.middle import positions_of
-from vllm_triforce.engine.state import stacked, stacked_shortlist
+from vllm_triforce.engine.selections import SelectionTable
 from vllm_triforce.engine.transfer import to_device
 
 
@@ -57,6 +58,9 @@ class RetrievalLevel:
         self.selector = selector
         self.refresh = refresh
         self.blocks = selector.blocks
+        # every live request's selection, by its refresh row
+        self.selections = SelectionTable(len(layer_names), self.blocks.max_selected, device)
+        self._num_steps = 0
         self.stats = stats
         self.device = device
         self.pass_limits = pass_limits
@@ -92,7 +96,9 @@ class RetrievalLevel:
                 self.refresh.record_rounds(refresh_rows[rows], num_verified, num_accepted)
             self.stats.record_verification(int(num_verified.sum()), int(num_accepted.sum()))
         self.keeper.fold(batch, states, prefills)
-        return RetrievalStep(self, batch, states, verified, prefills, refresh_rows)
+        self._num_steps += 1
+        return RetrievalStep(self, batch, states, verified, prefills, refresh_rows,
+                             number=self._num_steps)
 
 
 class RetrievalStep:
@@ -100,13 +106,16 @@ class RetrievalStep:
     `RetrievalLevel.begin_step`, after the commit, with what the commit found: `verified`,
     `prefills`). Its own state: the rows whose blocks are summarised this step (committed
     lengths and blocks change only between steps), the seconds that took, the queries of
-    its last `forward`, and the last shortlist of a subset of rows it re-ranked."""
+    its last `forward`, the shortlist its start kept (`SelectionTable.keep_shortlist`
+    under the step's `number`) and the last one of a subset of rows it re-ranked."""
 
     def __init__(self, level: RetrievalLevel, batch, states, verified, prefills,
-                 refresh_rows: np.ndarray):
+                 refresh_rows: np.ndarray, number: int = 0):
         self.level = level
         self.batch, self.states = batch, states
-        self.refresh_rows = refresh_rows  # [R] each request's row of the refresh policy
+        # [R] each request's row of the refresh policy, and of the level's selections
+        self.refresh_rows = refresh_rows
+        self.number = number
         self.verified: list[tuple[int, int, int]] = verified
         self.prefills: list[int] = prefills
         # this step's time setting lazy summaries: the blocks a request completed since it
@@ -115,7 +124,8 @@ class RetrievalStep:
         self.summarise_seconds = 0.0
         self._summarised_rows: set[int] = set()
         self._pass_queries: list | None = None  # per layer, the last `forward`'s queries
-        # (shortlist, its rows, the Shortlist of those rows): the last subset `_listed` made
+        self._shortlist = None  # core/selection.Shortlist the step start kept
+        # (its rows, the Shortlist of those rows): the last subset `_listed` made
         self._last_subset: tuple | None = None
         # re-selections so far this step, and the last `_selections_of` (key, value)
         self._num_reselects = 0
@@ -155,25 +165,23 @@ class RetrievalStep:
         newest committed token (vLLM's pass); the others' policies observe."""
         level, batch, states = self.level, self.batch, self.states
         # a request that never selected is due (its policy row has no selection yet)
+        rows = np.asarray(rows, dtype=np.int64)
         refresh_due = level.refresh.due_at_start(self.refresh_rows[rows],
                                                  batch.committed_array[rows])
-        due = np.asarray(rows, dtype=np.int64)[refresh_due].tolist()
         queries = level.capture.queries
         if queries[0] is None:
             return
-        due_rows = set(due)
-        rest = [r for r in rows if r not in due_rows]
-        self._summarise(due)
-        if rest and level.selector.observes:  # h2o accumulates (eager summaries)
+        due, rest = rows[refresh_due], rows[~refresh_due]
+        self._summarise(due.tolist())
+        if rest.size and level.selector.observes:  # h2o accumulates (eager summaries)
             idx, query_rows, committed = to_device(
-                level.device, rest, [batch.last_committed_row(r) for r in rest],
-                [batch.committed[r] for r in rest])
+                level.device, rest, batch.last_committed_rows[rest], batch.committed_array[rest])
             level.selector.observe(self._queries_at(queries, query_rows), level.summaries,
                                    batch.block_table[idx], committed,
-                                   [states[r].policy_state for r in rest])
-        if due:
-            self._reselect(due, queries, [batch.last_committed_row(r) for r in due],
-                           [batch.committed[r] for r in due], keep_shortlist=True)
+                                   [states[r].policy_state for r in rest.tolist()])
+        if due.size:
+            self._reselect(due.tolist(), queries, batch.last_committed_rows[due],
+                           batch.committed_array[due], keep_shortlist=True)
 
     def select_in_middle(self, rows: list[int], drafts) -> None:
         """Between middle rounds: requests `rows` due a refresh re-select with the query of
@@ -183,27 +191,26 @@ class RetrievalStep:
         (the capture's buffers: called before another target pass can reuse them).
         Requests holding this step's shortlist re-rank only it; any other scores every
         candidate. With no refresh interval none is ever due (`due_in_middle`)."""
-        batch, states, refresh = self.batch, self.states, self.level.refresh
+        refresh = self.level.refresh
         if self._pass_queries is None or refresh.interval <= 0:
             return
         positions, query_rows = positions_of(drafts, rows)
         due = np.flatnonzero(refresh.due_in_middle(self.refresh_rows[rows], positions)).tolist()
         if not due:
             return
-        self._summarise([rows[i] for i in due])
-        listed, rest = [], []
-        for i in due:
-            r = rows[i]
-            (listed if states[r].shortlist_committed == batch.committed[r] else rest).append(i)
-        for group, use_list in ((listed, True), (rest, False)):
-            if group:
-                self._reselect([rows[i] for i in group], self._pass_queries,
-                               [query_rows[i] for i in group], [positions[i] for i in group],
-                               use_shortlist=use_list)
+        due_rows = np.asarray(rows, dtype=np.int64)[due]
+        self._summarise(due_rows.tolist())
+        # requests holding this step's shortlist (the step start selected them) re-rank it
+        holds = (self.level.selections.shortlist_step[self.refresh_rows[due_rows]]
+                 == self.number)
+        query_rows, positions = np.asarray(query_rows)[due], np.asarray(positions)[due]
+        for group, use_list in ((holds, True), (~holds, False)):
+            if group.any():
+                self._reselect(due_rows[group].tolist(), self._pass_queries,
+                               query_rows[group], positions[group], use_shortlist=use_list)
 
-    def _reselect(self, due: list[int], layer_queries: list,
-                  query_rows: list[int], prefixes: list[int], keep_shortlist: bool = False,
-                  use_shortlist: bool = False) -> None:
+    def _reselect(self, due: list[int], layer_queries: list, query_rows, prefixes,
+                  keep_shortlist: bool = False, use_shortlist: bool = False) -> None:
         """Request due[i] re-selects with the query at row query_rows[i] of the pass whose
         per-layer queries are `layer_queries`: its token at position prefixes[i] - 1.
         Candidates are the committed full blocks either way. `keep_shortlist`: keep each
@@ -212,41 +219,39 @@ class RetrievalStep:
         device; its sizes, which the host needs, follow from the committed length alone
         (core/blocks.selection_sizes)."""
         level, batch, states = self.level, self.batch, self.states
-        committed = batch.committed_array[due]
-        idx, query_rows, committed_dev = to_device(level.device, due, query_rows, committed)
-        listed = self._listed(due) if use_shortlist else None
+        committed, slots = batch.committed_array[due], self.refresh_rows[due]
+        idx, query_rows, committed_dev, slots_dev = to_device(level.device, due, query_rows,
+                                                              committed, slots)
+        listed = self._listed(slots) if use_shortlist else None
         choice = level.selector.choose(
             self._queries_at(layer_queries, query_rows), level.summaries, batch.block_table[idx],
-            committed_dev, [states[r].policy_state for r in due], shortlist=listed,
-            keep_shortlist=keep_shortlist)
-        # kept whole, each request pointing at its row: no operation per request
-        logical, kept = choice.selection.logical_blocks, choice.shortlist
-        num_selected, tail_start = (a.tolist() for a in selection_sizes(committed, level.blocks))
-        committed = committed.tolist()
-        for i, r in enumerate(due):
-            st = states[r]
-            if kept is not None:
-                st.shortlists, st.shortlist_row, st.shortlist_committed = kept, i, committed[i]
-            st.selection, st.selection_row = logical, i
-            st.num_selected, st.tail_start = num_selected[i], tail_start[i]
-        level.refresh.record_selections(self.refresh_rows[due], prefixes)
+            committed_dev, [states[r].policy_state for r in due] if level.selector.observes
+            else None, shortlist=listed, keep_shortlist=keep_shortlist)
+        # written into the requests' rows at once: no operation per request
+        level.selections.record(slots, slots_dev, choice.selection.logical_blocks,
+                                *selection_sizes(committed, level.blocks))
+        if choice.shortlist is not None:
+            self._shortlist = choice.shortlist
+            level.selections.keep_shortlist(slots, self.number)
+        level.refresh.record_selections(slots, prefixes)
         self._num_reselects += 1
         level.stats.add(refreshes=len(due))
 
-    def _listed(self, rows: list[int]):
-        """The shortlists requests `rows` hold, as one (`stacked_shortlist`). Requests only
-        drop out of the middle rounds, so a subset repeats: the one made last for the same
-        rows of the same shortlist is taken again, with the summary rows and copy it holds."""
-        shortlists = [self.states[r].shortlists for r in rows]
-        listed_rows = [self.states[r].shortlist_row for r in rows]
-        one = all(s is shortlists[0] for s in shortlists)
+    def _listed(self, slots: np.ndarray):
+        """The rows of this step's shortlist that the requests at refresh rows `slots`
+        hold, as one Shortlist: the shortlist itself when they are all of it, in order,
+        else its `subset`. Requests only drop out of the middle rounds, so a subset
+        repeats: the one made last for the same rows is taken again, with the summary rows
+        and copy it holds."""
+        shortlist = self._shortlist
+        listed_rows = self.level.selections.shortlist_row[slots].tolist()
+        if listed_rows == list(range(shortlist.logical.shape[0])):
+            return shortlist
         last = self._last_subset
-        if one and last is not None and last[0] is shortlists[0] and last[1] == listed_rows:
-            return last[2]
-        listed = stacked_shortlist(shortlists, listed_rows)
-        if one and listed is not shortlists[0]:
-            self._last_subset = (shortlists[0], listed_rows, listed)
-        return listed
+        if last is None or last[0] != listed_rows:
+            index = to_device(self.level.device, listed_rows)[0]
+            self._last_subset = (listed_rows, shortlist.subset(index))
+        return self._last_subset[1]
 
     def _queries_at(self, layer_queries: list, rows: torch.Tensor) -> torch.Tensor:
         """layer_queries[l] [num_tokens, Hq * D] of one pass, rows [n] (device) ->
@@ -299,12 +304,9 @@ class RetrievalStep:
         key = (self._num_reselects, rows)
         if self._rows_selections is not None and self._rows_selections[0] == key:
             return self._rows_selections[1]
-        row_states = [self.states[r] for r in rows]
-        selected = stacked([st.selection for st in row_states],
-                           [st.selection_row for st in row_states])[0]
-        sizes = (np.array([st.num_selected for st in row_states], dtype=np.int64),
-                 np.array([st.tail_start for st in row_states], dtype=np.int64))
-        block_table = self.batch.block_table[to_device(self.level.device, rows)[0]]
+        table, slots = self.level.selections, self.refresh_rows[rows]
+        idx, slots_dev = to_device(self.level.device, rows, slots)
+        selected, sizes, block_table = table.of(slots_dev), table.sizes(slots), self.batch.block_table[idx]
         self._rows_selections = (key, (selected, sizes, block_table))
         return selected, sizes, block_table
 

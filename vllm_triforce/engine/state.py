@@ -1,7 +1,8 @@
 """Per-request TriForce state, created with the request and freed with it.
 
-Keyed by vLLM's request id. Selections are kept as *logical* block indices (positions //
-block_size) and mapped through the request's current block table at every pass, so a
+Keyed by vLLM's request id. Selections (the retrieval level's engine/selections.py, at
+each request's row) are kept as *logical* block indices (positions // block_size) and
+mapped through the request's current block table at every pass, so a
 preempted-and-recomputed request (new physical blocks) stays valid; the only physical ids
 kept, `lazily_set_block_ids`, are compared with the request's current blocks before use.
 Draft-KV bookkeeping is reset by the rule in `invalidate_draft_from`.
@@ -14,26 +15,10 @@ from dataclasses import dataclass, field
 import torch
 
 from vllm_triforce.core.estimates import key_set
-from vllm_triforce.engine.transfer import to_device
 
 
 @dataclass
 class RequestState:
-    # Retrieval selection (level 2): sinks + selected logical blocks per layer, row
-    # `selection_row` of the device tensor [requests, num_layers, max_selected] int64 of
-    # the requests that selected together (kept whole: the next pass takes it as it is when
-    # its requests are those, `stacked`), and, on the host, how many and where the
-    # contiguous tail begins. None until the first selection.
-    selection: torch.Tensor | None = None
-    selection_row: int = 0
-    num_selected: int = 0
-    tail_start: int = 0
-    # Each layer's best candidates at the last step-start selection, re-ranked between
-    # middle rounds: row `shortlist_row` of the core/selection.Shortlist of the requests
-    # that selected together; and the committed length they were ranked at.
-    shortlists: object = None
-    shortlist_row: int = 0
-    shortlist_committed: int = -1
     # Lazy block summaries (engine/summary_keeper.py `set_full_blocks`): the physical ids
     # of the request's full blocks whose summaries it last saw set, in logical order, and
     # the content key of each full block (a hash chained over its tokens and every earlier
@@ -44,7 +29,9 @@ class RequestState:
     # after the other, folded into the summaries (-1: none yet)
     eager_start: int = 0
     eager_end: int = -1
-    refresh: int = -1                            # its row of core.refresh.RefreshPolicy
+    # its row of core.refresh.RefreshPolicy's arrays, and of the retrieval level's
+    # engine/selections.SelectionTable (its selection, the shortlist row it holds)
+    refresh: int = -1
     policy_state: object = None                  # core.scoring.SelectionState (h2o)
     # Small-draft (level 1) KV bookkeeping, in absolute positions.
     draft_valid_upto: int = 0      # draft KV is valid for positions [window_start, this)
@@ -61,38 +48,6 @@ class RequestState:
         self.draft_valid_upto = min(self.draft_valid_upto, position)
         if position < sink_tokens:
             self.draft_sinks_valid = False
-
-
-def stacked(batches: list, rows: list[int], fields=lambda batch: (batch,)) -> list:
-    """Row rows[i] of batches[i], stacked, for each of the tensors `fields(batch)` returns
-    (default: the batch, a tensor, itself). The batch's own tensors when every row is one
-    batch's, all of it in order (a middle round whose requests selected together: no
-    operation at all), one index when they share a batch, else one stack per field."""
-    first = batches[0]
-    if all(b is first for b in batches):
-        tensors = fields(first)
-        if rows == list(range(tensors[0].shape[0])):
-            return list(tensors)
-        index = to_device(tensors[0].device, rows)[0]
-        return [t[index] for t in tensors]
-    per_batch = [fields(b) for b in batches]
-    return [torch.stack([f[k][i] for f, i in zip(per_batch, rows)])
-            for k in range(len(per_batch[0]))]
-
-
-def stacked_shortlist(shortlists: list, rows: list[int]):
-    """`stacked` for core/selection.Shortlists: row rows[i] of shortlists[i], as one; the
-    shortlist itself when all are rows of one, all of it in order."""
-    from vllm_triforce.core.selection import Frame, Shortlist
-
-    first = shortlists[0]
-    if all(s is first for s in shortlists) and rows == list(range(first.logical.shape[0])):
-        return first
-    logical, physical, *frame = stacked(
-        shortlists, rows, lambda s: (s.logical, s.physical, s.frame.num_chosen,
-                                     s.frame.sink_ids, s.frame.num_selected,
-                                     s.frame.tail_start))
-    return Shortlist(logical, physical, Frame(*frame))
 
 
 class StateTable:
