@@ -73,7 +73,8 @@ def engine_level(summaries, selector, queries):
 def decode_step(level, table):
     """A decode step (one token per request, COMMITTED committed) of fresh requests: the
     step `RetrievalLevel.begin_step` makes after its commit, which judged no drafts."""
-    batch = SimpleNamespace(block_table=table, committed=[COMMITTED] * NUM_REQS,
+    batch = SimpleNamespace(block_table=table, num_reqs=NUM_REQS,
+                            committed=[COMMITTED] * NUM_REQS,
                             committed_array=np.full(NUM_REQS, COMMITTED, dtype=np.int64),
                             q_lens=[1] * NUM_REQS, num_rejected=[0] * NUM_REQS,
                             query_start_loc=list(range(NUM_REQS + 1)),

@@ -241,7 +241,7 @@ def test_middle_rounds_sync_once_each(device, greedy, gamma1):
         drafts_by_row = loop.run(step, rows, depths, buffer)
         counter.mark("hand-off")
         drafts, probs, prob_req_ids = hand_off(batch, states, drafts_by_row,
-                                               dict(zip(rows, depths)), buffer)
+                                               depths, buffer)
     rounds = loop.stats.rounds
     assert rounds == 6 if gamma1 == 0 else rounds >= 2  # depth 6: one token or up to 3 a round
     assert counter.counts_of("step") == [rounds], dict(counter.by_op)
@@ -310,7 +310,7 @@ def test_a_round_of_more_requests_than_a_chunk_equals_one_unchunked_round(gamma1
         drafts_by_row = loop.run(StandInRetrieval(target, batch, states), list(range(num)),
                                  depths, buffer)
         drafts, probs, _ = hand_off(batch, states, drafts_by_row,
-                                    dict(enumerate(depths)), buffer)
+                                    depths, buffer)
         return drafts, probs.clone(), loop.stats.rounds
 
     chunked, whole = run(chunked=True), run(chunked=False)

@@ -83,9 +83,11 @@ class MiddleDrafts:
         self.last_token = np.array(last_tokens, dtype=np.int64)  # [n] see RequestDrafts
         self.position = np.array(positions, dtype=np.int64)      # [n]
         self.query_row = np.full(len(rows), -1, dtype=np.int64)  # [n]
-        # [n] each row's hand-off slot (`drafting_slots`): the drafting rows, in order
+        # [n] each row's hand-off slot: the drafting rows (wanted > 0), in order
         self.slot = np.cumsum(self.wanted > 0) - 1
-        self._index = dict(zip(rows, range(len(rows))))
+        # batch row -> entry (-1: not a decoding row)
+        self._index = np.full(int(self.rows.max(initial=-1)) + 1, -1, dtype=np.int64)
+        self._index[self.rows] = np.arange(len(rows))
 
     def live(self) -> np.ndarray:
         """Indices of the rows that still want middle tokens."""
@@ -119,10 +121,10 @@ class MiddleDrafts:
         self.count[live] += 1
         self.query_row[live] = np.arange(len(live))
 
-    def positions_of(self, rows: list[int]) -> tuple[list[int], list[int]]:
-        """(position, query_row) of batch rows `rows`."""
-        index = [self._index[r] for r in rows]
-        return self.position[index].tolist(), self.query_row[index].tolist()
+    def positions_of(self, rows) -> tuple[np.ndarray, np.ndarray]:
+        """(position, query_row) [n] of batch rows `rows` (a list or array)."""
+        index = self._index[np.asarray(rows, dtype=np.int64)]
+        return self.position[index], self.query_row[index]
 
     def __getitem__(self, row: int) -> RequestDrafts:
         i = self._index[row]
@@ -131,12 +133,13 @@ class MiddleDrafts:
         return out
 
 
-def positions_of(drafts, rows: list[int]) -> tuple[list[int], list[int]]:
-    """(position, query_row) of each of `rows` in `drafts`: a step's `MiddleDrafts`, by its
-    arrays, or any mapping row -> RequestDrafts."""
+def positions_of(drafts, rows) -> tuple[np.ndarray, np.ndarray]:
+    """(position, query_row) [n] of each of `rows` in `drafts`: a step's `MiddleDrafts`, by
+    its arrays, or any mapping row -> RequestDrafts."""
     if isinstance(drafts, MiddleDrafts):
         return drafts.positions_of(rows)
-    return [drafts[r].position for r in rows], [drafts[r].query_row for r in rows]
+    return (np.array([drafts[r].position for r in rows], dtype=np.int64),
+            np.array([drafts[r].query_row for r in rows], dtype=np.int64))
 
 
 class MiddleLoop:
@@ -164,7 +167,7 @@ class MiddleLoop:
         request states): rows[i] gets at least num_drafts[i] (0: no middle
         work at all). `probs_out`: the reserved buffer `hand_off` gives vLLM, with a row for
         at least the drafting rows: the k-th middle token's distribution of the i-th
-        drafting row (`drafting_slots`) goes to probs_out.rows[i, k] as the round that
+        drafting row (`MiddleDrafts.slot`) goes to probs_out.rows[i, k] as the round that
         emits it ends (k < gamma2; nothing is written when every row is greedy and
         measure_middle_acceptance is off), so no round's distributions stay alive after
         it. `use_draft` False: the small draft sits out (gamma1 = 0 this step).
@@ -192,7 +195,7 @@ class MiddleLoop:
                                   None if argmax_only else probs_out)
             more = live[drafts.count[live] < drafts.wanted[live]]
             if more.size:  # next round's blocks, from the newest middle tokens' queries
-                step.select_in_middle(drafts.rows[more].tolist(), drafts)
+                step.select_in_middle(drafts.rows[more], drafts)
             if on_round is not None:
                 on_round(gamma1 > 0, len(live), time.perf_counter() - start,
                          emitted / len(live))
@@ -386,30 +389,30 @@ def _keep_probs(probs_out: HandOffBuffer, target_probs: torch.Tensor, emitted: t
     probs_out.flat[dst.flatten()] = target_probs.flatten(0, 1)
 
 
-def drafting_slots(depths: dict[int, int]) -> dict[int, int]:
-    """Row -> its row in the hand-off buffer: the drafting rows (depth > 0), in order.
-    Example: {0: 3, 2: 0, 5: 6} -> {0: 0, 5: 1}."""
-    return {r: i for i, r in enumerate(r for r, k in depths.items() if k > 0)}
-
-
-def hand_off(batch, states, drafts: MiddleDrafts, depths: dict[int, int],
+def hand_off(batch, states, drafts: MiddleDrafts, depths: list[int],
              probs_buffer: HandOffBuffer):
-    """What vLLM gets: one draft list per request (`depths[r]` tokens for decoding row r,
-    [] for the others) and, unless every drafting row is greedy, their probs
-    [D, max depth, V] with the request ids of its D rows: a view of `probs_buffer.rows`
-    [drafting cap, gamma2, V], preallocated and reserved (engine/memory.py),
-    which `MiddleLoop.run` filled by `drafting_slots`. vLLM finds a request's row by its id
-    and reads its first len(drafts[r]) entries (vllm/v1/worker/gpu_model_runner.py,
+    """What vLLM gets: one draft list per request (`depths[i]` tokens for decoding row
+    drafts.rows[i], [] for the others) and, unless every drafting row is greedy, their
+    probs [D, max depth, V] with the request ids of its D rows: a view of
+    `probs_buffer.rows` [drafting cap, gamma2, V], preallocated and reserved
+    (engine/memory.py), which `MiddleLoop.run` filled at each drafting row's slot
+    (`MiddleDrafts.slot`: the drafting rows, in order). vLLM finds a request's row by its
+    id and reads its first len(drafts[r]) entries (vllm/v1/worker/gpu_model_runner.py,
     `_get_spec_decode_draft_probs`, 0.32.0; the `handoff_rows` patch hands it these ids);
     the others are not cleared. Each row must hold at least its depth in middle tokens."""
-    out: list[list[int]] = [[] for _ in range(batch.num_reqs)]
-    slots = list(drafting_slots(depths))
+    k = np.asarray(depths, dtype=np.int64)
+    drafting = drafts.rows[k > 0]
     probs, req_ids = None, None
-    if slots and not batch.all_greedy(slots):
-        probs = probs_buffer.rows[:len(slots), :max(depths.values())]
-        req_ids = [batch.req_ids[r] for r in slots]
-    for r, row_tokens in zip(drafts.rows.tolist(), drafts.tokens.tolist()):
-        k = depths[r]
-        out[r] = row_tokens[:k]
-        states[r].last_num_drafts = k
+    if drafting.size and not batch.all_greedy(drafting):
+        probs = probs_buffer.rows[:drafting.size, :int(k.max())]
+        req_ids = [batch.req_ids[r] for r in drafting.tolist()]
+    tokens = [row[:n] for row, n in zip(drafts.tokens.tolist(), depths)]
+    if len(tokens) == batch.num_reqs:  # every request decodes: its rows are 0, 1, ...
+        out = tokens
+    else:
+        out = [[] for _ in range(batch.num_reqs)]
+        for r, row_tokens in zip(drafts.rows.tolist(), tokens):
+            out[r] = row_tokens
+    for r, n in zip(drafting.tolist(), k[k > 0].tolist()):  # the others' are 0 already
+        states[r].last_num_drafts = n
     return out, probs, req_ids

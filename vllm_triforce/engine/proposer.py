@@ -356,7 +356,7 @@ class TriForceProposer(DraftModelProposer):
         drafts_by_row = self.middle.run(step, rows, depths, self._probs_buffer,
                                         use_draft and self.draft is not None,
                                         on_round=depth.round_done)
-        return hand_off(batch, states, drafts_by_row, dict(zip(rows, depths)), self._probs_buffer)
+        return hand_off(batch, states, drafts_by_row, depths, self._probs_buffer)
 
     def _publish_stats(self) -> None:
         """Log and export the counters from TP rank 0 (every rank holds the same ones)."""

@@ -122,7 +122,7 @@ class RetrievalStep:
         # last selected (after a plain stretch, all of that stretch's at once), so the
         # depth controller does not count it as a cost of drafting (`DepthStep.end`)
         self.summarise_seconds = 0.0
-        self._summarised_rows: set[int] = set()
+        self._summarised_rows = np.zeros(batch.num_reqs, dtype=bool)  # [R]
         self._pass_queries: list | None = None  # per layer, the last `forward`'s queries
         self._shortlist = None  # core/selection.Shortlist the step start kept
         # (its rows, the Shortlist of those rows): the last subset `_listed` made
@@ -143,19 +143,19 @@ class RetrievalStep:
         self.level.selector.release_copies()
         self._pass_queries = None
 
-    def _summarise(self, rows: list[int]) -> None:
+    def _summarise(self, rows: np.ndarray) -> None:
         """Lazy summaries of requests `rows`' full committed blocks (the keeper's
         `set_full_blocks`), each row at most once a step."""
         keeper = self.level.keeper
         if not keeper.lazy:
             return
-        rows = [r for r in rows if r not in self._summarised_rows]
-        if not rows:
+        rows = rows[~self._summarised_rows[rows]]
+        if not rows.size:
             return
-        self._summarised_rows.update(rows)
+        self._summarised_rows[rows] = True
         start = time.perf_counter()
         try:
-            keeper.set_full_blocks(self.batch, self.states, rows)
+            keeper.set_full_blocks(self.batch, self.states, rows.tolist())
         finally:
             self.summarise_seconds += time.perf_counter() - start
 
@@ -172,7 +172,7 @@ class RetrievalStep:
         if queries[0] is None:
             return
         due, rest = rows[refresh_due], rows[~refresh_due]
-        self._summarise(due.tolist())
+        self._summarise(due)
         if rest.size and level.selector.observes:  # h2o accumulates (eager summaries)
             idx, query_rows, committed = to_device(
                 level.device, rest, batch.last_committed_rows[rest], batch.committed_array[rest])
@@ -183,8 +183,8 @@ class RetrievalStep:
             self._reselect(due.tolist(), queries, batch.last_committed_rows[due],
                            batch.committed_array[due], keep_shortlist=True)
 
-    def select_in_middle(self, rows: list[int], drafts) -> None:
-        """Between middle rounds: requests `rows` due a refresh re-select with the query of
+    def select_in_middle(self, rows, drafts) -> None:
+        """Between middle rounds: requests `rows` (a list or array) due a refresh re-select with the query of
         their newest middle token (its `query_row` in `drafts`, the step's middle tokens
         (engine/middle.MiddleDrafts, or a mapping row -> RequestDrafts), in the pass
         `forward` just ran, at its `position` - 1): the queries `forward` kept of its pass
@@ -194,16 +194,16 @@ class RetrievalStep:
         refresh = self.level.refresh
         if self._pass_queries is None or refresh.interval <= 0:
             return
+        rows = np.asarray(rows, dtype=np.int64)
         positions, query_rows = positions_of(drafts, rows)
-        due = np.flatnonzero(refresh.due_in_middle(self.refresh_rows[rows], positions)).tolist()
-        if not due:
+        due = refresh.due_in_middle(self.refresh_rows[rows], positions)
+        if not due.any():
             return
-        due_rows = np.asarray(rows, dtype=np.int64)[due]
-        self._summarise(due_rows.tolist())
+        due_rows, query_rows, positions = rows[due], query_rows[due], positions[due]
+        self._summarise(due_rows)
         # requests holding this step's shortlist (the step start selected them) re-rank it
         holds = (self.level.selections.shortlist_step[self.refresh_rows[due_rows]]
                  == self.number)
-        query_rows, positions = np.asarray(query_rows)[due], np.asarray(positions)[due]
         for group, use_list in ((holds, True), (~holds, False)):
             if group.any():
                 self._reselect(due_rows[group].tolist(), self._pass_queries,
