@@ -13,10 +13,17 @@ layout, argmax), which a GPU runs asynchronously: it grows with the batch and wi
 layers the selection scores. So each configuration (`--configs LAYERS:REFRESH_INTERVAL`)
 is measured: 30 layers re-selecting between rounds (refresh_interval 1, the default: most
 of that tensor work) and 2 layers never re-selecting (0: little of it, mostly Python).
-Beside the time, the Python lines the proposer runs per round outside the model forwards,
-over one traced generation (`python_lines_per_round`): a count that neither the machine's
-load nor the CPU's tensor work moves. The aten operations per round (each one a launch on
-a GPU) are benchmarks/explore/host_overhead.py's `--ops`, which takes `--batch`.
+Beside the time, over further generations of the same prompts:
+  * the Python lines the proposer runs per round outside the model forwards, traced
+    (`python_lines_per_round`): a count that neither the machine's load nor the CPU's
+    tensor work moves;
+  * the aten operations per round outside the model forwards (`aten_ops_per_round`; each
+    one a kernel launch on a GPU) and the time spent inside them (`kernel_ms_per_round`,
+    median of `--repeats` // 2 generations under a TorchDispatchMode that times each one):
+    on a CPU that is the tensor work a GPU would run on the device, asynchronously.
+    `host_ms_per_round` less it (`host_less_kernels_ms`) is what a GPU's host would still
+    do per round besides the launches; a difference of two medians, so it carries both
+    medians' noise. Call sites: benchmarks/explore/host_overhead.py `--ops`.
 
     .venv/bin/python benchmarks/explore/host_per_round.py [--batches 8 32 64 128]
         [--configs 30:1 2:0] [--depth 4] [--repeats 7]
@@ -91,7 +98,9 @@ def measure_engine(args, layers: int, refresh_interval: int) -> dict:
             rows.append(measure(llm, drafter, prompts, params, batch, args.repeats))
             print(f"{layers} layers, refresh_interval {refresh_interval}, batch {batch:4d}: "
                   f"host ms per middle round {rows[-1]['host_ms_per_round']:.2f}, Python lines "
-                  f"{rows[-1]['python_lines_per_round']:,.0f} (repeats "
+                  f"{rows[-1]['python_lines_per_round']:,.0f}, aten ops "
+                  f"{rows[-1]['aten_ops_per_round']:.0f}, of the ms in tensor kernels "
+                  f"{rows[-1]['kernel_ms_per_round']:.2f} (repeats "
                   f"{', '.join(f'{h:.2f}' for h in rows[-1]['repeats'])}; model forwards "
                   f"{rows[-1]['forward_ms_per_round']:.2f} ms)", flush=True)
         return {"layers": layers, "refresh_interval": refresh_interval,
@@ -114,10 +123,62 @@ def measure(llm, drafter, prompts, params, batch: int, repeats: int) -> dict:
         host_ms.append(1000 * (d["middle_seconds"] - d["forward_seconds"]) / d["middle_rounds"])
         forward_ms.append(1000 * d["forward_seconds"] / d["middle_rounds"])
         rounds.append(d["middle_rounds"])
-    return {"batch": batch, "host_ms_per_round": statistics.median(host_ms),
+    ops, kernel_ms = tensor_work_per_round(llm, drafter, prompts, params, max(repeats // 2, 1))
+    host = statistics.median(host_ms)
+    return {"batch": batch, "host_ms_per_round": host,
             "repeats": host_ms, "forward_ms_per_round": statistics.median(forward_ms),
             "middle_rounds": rounds, "generate_s": statistics.median(wall),
-            "python_lines_per_round": python_lines_per_round(llm, drafter, prompts, params)}
+            "python_lines_per_round": python_lines_per_round(llm, drafter, prompts, params),
+            "aten_ops_per_round": ops, "kernel_ms_per_round": kernel_ms,
+            "host_less_kernels_ms": host - kernel_ms}
+
+
+def tensor_work_per_round(llm, drafter, prompts, params, repeats: int) -> tuple[float, float]:
+    """(aten operations per middle round outside the model forwards, ms per round inside
+    them: median over `repeats` generations). Each operation is timed where it reaches
+    the dispatcher, so the mode's own Python is not in the time."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import vllm_triforce.engine.forward as forward
+
+    count = {"model": 0, "ops": 0, "seconds": 0.0}
+
+    class Timing(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if count["model"]:
+                return func(*args, **(kwargs or {}))
+            start = time.perf_counter()
+            try:
+                return func(*args, **(kwargs or {}))
+            finally:
+                count["seconds"] += time.perf_counter() - start
+                count["ops"] += 1
+
+    def model_untimed(*args, **kwargs):
+        count["model"] += 1
+        try:
+            return run(*args, **kwargs)
+        finally:
+            count["model"] -= 1
+
+    def timed(*args, **kwargs):
+        with Timing():
+            return propose(*args, **kwargs)
+
+    run, propose = forward.run, drafter.propose
+    forward.run, drafter.propose = model_untimed, timed
+    ops, kernel_ms = [], []
+    try:
+        for _ in range(repeats):
+            count.update(ops=0, seconds=0.0)
+            before = drafter.stats.snapshot()["middle_rounds"]
+            llm.generate(prompts, params, use_tqdm=False)
+            rounds = drafter.stats.snapshot()["middle_rounds"] - before
+            ops.append(count["ops"] / rounds)
+            kernel_ms.append(1000 * count["seconds"] / rounds)
+    finally:
+        forward.run, drafter.propose = run, propose
+    return statistics.median(ops), statistics.median(kernel_ms)
 
 
 def python_lines_per_round(llm, drafter, prompts, params) -> float:
@@ -188,12 +249,17 @@ def write(out: Path, results: dict) -> None:
         smallest_lines = rows[0]["python_lines_per_round"]
         lines += ["", f"## {table['layers']} layers, refresh_interval "
                       f"{table['refresh_interval']} (drafting cap {table['cap']})", "",
-                  "| batch | host ms / round | vs smallest batch | model forwards ms / round | "
-                  "middle rounds | generate s | Python lines / round | vs smallest batch |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| batch | host ms / round | vs smallest batch | of which tensor kernels ms | "
+                  "host less kernels ms | vs smallest batch | aten ops / round | "
+                  "model forwards ms / round | middle rounds | generate s | "
+                  "Python lines / round | vs smallest batch |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             lines.append(f"| {r['batch']} | {r['host_ms_per_round']:.2f} | "
                          f"{r['host_ms_per_round'] / smallest:.2f}x | "
+                         f"{r['kernel_ms_per_round']:.2f} | {r['host_less_kernels_ms']:.2f} | "
+                         f"{r['host_less_kernels_ms'] / rows[0]['host_less_kernels_ms']:.2f}x | "
+                         f"{r['aten_ops_per_round']:.0f} | "
                          f"{r['forward_ms_per_round']:.2f} | {r['middle_rounds'][0]} | "
                          f"{r['generate_s']:.2f} | {r['python_lines_per_round']:,.0f} | "
                          f"{r['python_lines_per_round'] / smallest_lines:.2f}x |")
