@@ -287,7 +287,7 @@ def middle_rounds(dev, device: str, R: int, repeats: int, results: list,
         loop = MiddleLoop(None, 0, types.SimpleNamespace(
             record_rounds=lambda *a: None), Stats(), torch.Generator(device=dev).manual_seed(0),
             False)
-        states = [types.SimpleNamespace(generator=None, refresh=None, last_num_drafts=0)
+        states = [types.SimpleNamespace(generator=None, refresh=None)
                   for _ in range(R)]
 
         buffer = HandOffBuffer(R, GAMMA2, VOCAB, dev)

@@ -23,7 +23,15 @@ Beside the time, over further generations of the same prompts:
     on a CPU that is the tensor work a GPU would run on the device, asynchronously.
     `host_ms_per_round` less it (`host_less_kernels_ms`) is what a GPU's host would still
     do per round besides the launches; a difference of two medians, so it carries both
-    medians' noise. Call sites: benchmarks/explore/host_overhead.py `--ops`.
+    medians' noise. Call sites: benchmarks/explore/host_overhead.py `--ops`;
+  * the host's speed after a forward (`fixed_work_us`): a fixed piece of host work
+    (`fixed_host_work`: Python, numpy and small torch operations, the same at every batch)
+    timed right after each model forward, median over one generation. On a CPU the model's
+    own work at a large batch evicts the host's caches, so the same host work takes
+    longer there (1.3-1.55x at batch 128 against batch 8 on a 2-core EPYC); a GPU's model
+    work leaves the host's caches alone. `host_less_kernels_ms` scaled by the smallest
+    batch's fixed_work_us over this batch's (`same_speed_ms`) is the host work at the
+    smallest batch's host speed: the figure the target applies to.
 
     .venv/bin/python benchmarks/explore/host_per_round.py [--batches 8 32 64 128]
         [--configs 30:1 2:0] [--depth 4] [--repeats 7]
@@ -98,11 +106,16 @@ def measure_engine(args, layers: int, refresh_interval: int) -> dict:
             rows.append(measure(llm, drafter, prompts, params, batch, args.repeats))
             print(f"{layers} layers, refresh_interval {refresh_interval}, batch {batch:4d}: "
                   f"host ms per middle round {rows[-1]['host_ms_per_round']:.2f}, Python lines "
-                  f"{rows[-1]['python_lines_per_round']:,.0f}, aten ops "
+                  f"{rows[-1]['python_lines_per_round']:,.0f} (in the rounds "
+                  f"{rows[-1]['round_lines_per_round']:,.0f}), aten ops "
                   f"{rows[-1]['aten_ops_per_round']:.0f}, of the ms in tensor kernels "
-                  f"{rows[-1]['kernel_ms_per_round']:.2f} (repeats "
+                  f"{rows[-1]['kernel_ms_per_round']:.2f}, fixed host work "
+                  f"{rows[-1]['fixed_work_us']:.0f} us (repeats "
                   f"{', '.join(f'{h:.2f}' for h in rows[-1]['repeats'])}; model forwards "
                   f"{rows[-1]['forward_ms_per_round']:.2f} ms)", flush=True)
+        for r in rows:  # at the smallest batch's host speed
+            r["same_speed_ms"] = (r["host_less_kernels_ms"] * rows[0]["fixed_work_us"]
+                                  / r["fixed_work_us"])
         return {"layers": layers, "refresh_interval": refresh_interval,
                 "cap": drafter.depth.max_drafting, "rows": rows}
     finally:
@@ -124,13 +137,52 @@ def measure(llm, drafter, prompts, params, batch: int, repeats: int) -> dict:
         forward_ms.append(1000 * d["forward_seconds"] / d["middle_rounds"])
         rounds.append(d["middle_rounds"])
     ops, kernel_ms = tensor_work_per_round(llm, drafter, prompts, params, max(repeats // 2, 1))
+    fixed_us = fixed_work_after_forwards(llm, prompts, params)
+    lines, round_lines = python_lines_per_round(llm, drafter, prompts, params)
     host = statistics.median(host_ms)
     return {"batch": batch, "host_ms_per_round": host,
             "repeats": host_ms, "forward_ms_per_round": statistics.median(forward_ms),
             "middle_rounds": rounds, "generate_s": statistics.median(wall),
-            "python_lines_per_round": python_lines_per_round(llm, drafter, prompts, params),
+            "python_lines_per_round": lines, "round_lines_per_round": round_lines,
             "aten_ops_per_round": ops, "kernel_ms_per_round": kernel_ms,
-            "host_less_kernels_ms": host - kernel_ms}
+            "host_less_kernels_ms": host - kernel_ms, "fixed_work_us": fixed_us}
+
+
+def fixed_host_work() -> int:
+    """The same host work at every batch: a Python loop and dict, small numpy and small
+    torch operations (a few dozen microseconds)."""
+    import numpy as np
+    import torch
+
+    total = sum(i * 2 for i in range(50))
+    table = {i: i + 1 for i in range(20)}
+    values, tensor = np.arange(16), torch.arange(16)
+    for _ in range(5):
+        total += int(values[values > 3].sum()) + int((tensor + 1)[tensor > 2].sum())
+    return total + len(table)
+
+
+def fixed_work_after_forwards(llm, prompts, params) -> float:
+    """Median microseconds `fixed_host_work` takes right after each model forward of one
+    generation (outside the forward's timing: it runs after the forward returned)."""
+    import vllm_triforce.engine.forward as forward
+
+    times = []
+
+    def run_then_fixed_work(*args, **kwargs):
+        out = run(*args, **kwargs)
+        start = time.perf_counter()
+        fixed_host_work()
+        times.append(time.perf_counter() - start)
+        return out
+
+    run = forward.run
+    forward.run = run_then_fixed_work
+    try:
+        llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        forward.run = run
+    return 1e6 * statistics.median(times)
 
 
 def tensor_work_per_round(llm, drafter, prompts, params, repeats: int) -> tuple[float, float]:
@@ -181,17 +233,23 @@ def tensor_work_per_round(llm, drafter, prompts, params, repeats: int) -> tuple[
     return statistics.median(ops), statistics.median(kernel_ms)
 
 
-def python_lines_per_round(llm, drafter, prompts, params) -> float:
-    """Python lines the proposer runs per middle round outside the model forwards, over one
-    traced generation: a count no other process on the machine moves, of the host work
-    that is Python's (a GPU's launches and the CPU's tensor work are not in it)."""
+def python_lines_per_round(llm, drafter, prompts, params) -> tuple[float, float]:
+    """(Python lines the proposer runs per middle round outside the model forwards, of
+    which inside the rounds: `MiddleLoop._round` and `RetrievalStep.select_in_middle`),
+    over one traced generation: counts no other process on the machine moves, of the host
+    work that is Python's (a GPU's launches and the CPU's tensor work are not in it). The
+    rest is the step's own work (the commit, the plan, the step-start selection, the
+    hand-off), once a step whatever its rounds."""
     import vllm_triforce.engine.forward as forward
+    from vllm_triforce.engine.middle import MiddleLoop
+    from vllm_triforce.engine.retrieval_level import RetrievalStep
 
-    counted = {"on": False, "lines": 0}
+    counted = {"on": False, "round": 0, "lines": 0, "round_lines": 0}
 
     def local(frame, event, arg):
         if event == "line" and counted["on"]:
             counted["lines"] += 1
+            counted["round_lines"] += counted["round"] > 0
         return local
 
     def model_untraced(*args, **kwargs):
@@ -200,6 +258,15 @@ def python_lines_per_round(llm, drafter, prompts, params) -> float:
             return run(*args, **kwargs)
         finally:
             counted["on"] = True
+
+    def in_round(method):
+        def counted_as_round(*args, **kwargs):
+            counted["round"] += 1
+            try:
+                return method(*args, **kwargs)
+            finally:
+                counted["round"] -= 1
+        return counted_as_round
 
     def traced(*args, **kwargs):
         counted["on"] = True
@@ -211,14 +278,17 @@ def python_lines_per_round(llm, drafter, prompts, params) -> float:
             counted["on"] = False
 
     run, propose = forward.run, drafter.propose
+    round_, select_in_middle = MiddleLoop._round, RetrievalStep.select_in_middle
     forward.run, drafter.propose = model_untraced, traced
+    MiddleLoop._round, RetrievalStep.select_in_middle = in_round(round_), in_round(select_in_middle)
     try:
         before = drafter.stats.snapshot()["middle_rounds"]
         llm.generate(prompts, params, use_tqdm=False)
         rounds = drafter.stats.snapshot()["middle_rounds"] - before
     finally:
         forward.run, drafter.propose = run, propose
-    return counted["lines"] / rounds
+        MiddleLoop._round, RetrievalStep.select_in_middle = round_, select_in_middle
+    return counted["lines"] / rounds, counted["round_lines"] / rounds
 
 
 def machine() -> str:
@@ -250,15 +320,17 @@ def write(out: Path, results: dict) -> None:
         lines += ["", f"## {table['layers']} layers, refresh_interval "
                       f"{table['refresh_interval']} (drafting cap {table['cap']})", "",
                   "| batch | host ms / round | vs smallest batch | of which tensor kernels ms | "
-                  "host less kernels ms | vs smallest batch | aten ops / round | "
+                  "host less kernels ms | fixed host work us | at the smallest batch's "
+                  "host speed ms | vs smallest batch | aten ops / round | "
                   "model forwards ms / round | middle rounds | generate s | "
                   "Python lines / round | vs smallest batch |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             lines.append(f"| {r['batch']} | {r['host_ms_per_round']:.2f} | "
                          f"{r['host_ms_per_round'] / smallest:.2f}x | "
                          f"{r['kernel_ms_per_round']:.2f} | {r['host_less_kernels_ms']:.2f} | "
-                         f"{r['host_less_kernels_ms'] / rows[0]['host_less_kernels_ms']:.2f}x | "
+                         f"{r['fixed_work_us']:.0f} | {r['same_speed_ms']:.2f} | "
+                         f"{r['same_speed_ms'] / rows[0]['same_speed_ms']:.2f}x | "
                          f"{r['aten_ops_per_round']:.0f} | "
                          f"{r['forward_ms_per_round']:.2f} | {r['middle_rounds'][0]} | "
                          f"{r['generate_s']:.2f} | {r['python_lines_per_round']:,.0f} | "

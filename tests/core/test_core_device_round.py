@@ -230,8 +230,8 @@ def test_middle_rounds_sync_once_each(device, greedy, gamma1):
                       gamma1=gamma1, refresh=types.SimpleNamespace(record_rounds=lambda *a: None),
                       stats=Counts(), generator=shared, measure_middle_acceptance=False)
     batch = make_batch(device, greedy, gen)
-    states = [types.SimpleNamespace(generator=seeded if r == 3 else None, refresh=None,
-                                    last_num_drafts=0) for r in range(len(greedy))]
+    states = [types.SimpleNamespace(generator=seeded if r == 3 else None, refresh=None)
+              for r in range(len(greedy))]
     step = StandInRetrieval(target.to(device), batch, states)
     rows, depths = [0, 1, 2, 3], [6, 5, 0, 6]
     buffer = HandOffBuffer(3, 6, VOCAB, device)  # a row per drafting request
@@ -240,7 +240,7 @@ def test_middle_rounds_sync_once_each(device, greedy, gamma1):
     with cuda_sync_warnings(device) as caught, SyncCounter(device_type=device) as counter:
         drafts_by_row = loop.run(step, rows, depths, buffer)
         counter.mark("hand-off")
-        drafts, probs, prob_req_ids = hand_off(batch, states, drafts_by_row,
+        drafts, probs, prob_req_ids = hand_off(batch, drafts_by_row,
                                                depths, buffer)
     rounds = loop.stats.rounds
     assert rounds == 6 if gamma1 == 0 else rounds >= 2  # depth 6: one token or up to 3 a round
@@ -280,7 +280,7 @@ def many_requests(device: str, num: int, gen):
         top_p=torch.tensor([(1.0, 1.0, 0.9, 0.8)[r % 4] for r in range(num)], device=device),
         requests=[None] * num)
     states = [types.SimpleNamespace(generator=torch.Generator(device=device).manual_seed(r),
-                                    refresh=None, last_num_drafts=0) for r in range(num)]
+                                    refresh=None) for r in range(num)]
     return batch, states
 
 
@@ -309,7 +309,7 @@ def test_a_round_of_more_requests_than_a_chunk_equals_one_unchunked_round(gamma1
         buffer = HandOffBuffer(num, 6, VOCAB)
         drafts_by_row = loop.run(StandInRetrieval(target, batch, states), list(range(num)),
                                  depths, buffer)
-        drafts, probs, _ = hand_off(batch, states, drafts_by_row,
+        drafts, probs, _ = hand_off(batch, drafts_by_row,
                                     depths, buffer)
         return drafts, probs.clone(), loop.stats.rounds
 
@@ -341,7 +341,7 @@ def test_two_level_middle_tokens_are_draws_from_the_retrieval_level(device):
                       stats=Counts(), generator=shared, measure_middle_acceptance=False)
     batch = make_batch(device, [True, False, False, False], gen)
     batch.next_tokens = [1, 2, 3, 4]
-    states = [types.SimpleNamespace(generator=None, refresh=None, last_num_drafts=0)
+    states = [types.SimpleNamespace(generator=None, refresh=None)
               for _ in range(4)]
     step = StandInRetrieval(target.to(device), batch, states)
     rows = [0, 1, 2, 3]

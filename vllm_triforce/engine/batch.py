@@ -140,11 +140,15 @@ class StepBatch:
 
     @classmethod
     def from_runner(cls, runner, cad, target_token_ids, next_token_ids, num_rejected_tokens_gpu,
-                    sampling_metadata, block_size: int, max_lookahead: int) -> "StepBatch":
+                    sampling_metadata, block_size: int, max_lookahead: int,
+                    previous: "StepBatch | None" = None) -> "StepBatch":
         """`max_lookahead`: positions past seq_len this step may touch (gamma2); the block
         table is kept (on the device) only as wide as that needs, not max_model_len /
         block_size. What the host needs comes in ONE copy (`to_host`): on a GPU each separate
-        `.tolist()` would be a sync."""
+        `.tolist()` would be a sync. `previous`: the last step's batch; where its requests
+        are this one's, in the same rows, what never changes during a request (its
+        `CachedRequestState`, whether it is seeded, whether it decodes plainly) is taken
+        from it instead of read per request."""
         num_reqs = cad.num_reqs
         device = next_token_ids.device
         width = min(cad.block_table_tensor.shape[1],
@@ -161,8 +165,13 @@ class StepBatch:
             next_token_ids[:num_reqs], target_token_ids, temperature < GREEDY_TEMPERATURE)
         top_k, top_p = sampling_metadata.top_k, sampling_metadata.top_p
         discard = runner.discard_request_mask.np[:num_reqs]  # numpy: a host array
-        requests = [runner.requests[r] for r in req_ids]
-        generators = runner.input_batch.generators
+        if previous is not None and previous.req_ids == req_ids:
+            requests, seeded, plain = previous.requests, previous.seeded, previous.plain
+        else:
+            requests = [runner.requests[r] for r in req_ids]
+            generators = runner.input_batch.generators
+            seeded = [i in generators for i in range(num_reqs)] if generators else None
+            plain = [decodes_plainly(r.sampling_params) for r in requests]
         return cls(
             req_ids=req_ids, seq_lens=seq_lens, query_start_loc=qsl, num_rejected=rejected,
             decoding=(~discard).tolist(), next_tokens=next_tokens, verify_ids=verify_ids,
@@ -171,7 +180,5 @@ class StepBatch:
             temperature=temperature,
             top_k=None if top_k is None else top_k[:num_reqs],
             top_p=None if top_p is None else top_p[:num_reqs],
-            requests=requests,
-            seeded=[i in generators for i in range(num_reqs)] if generators else None,
-            plain=[decodes_plainly(r.sampling_params) for r in requests],
+            requests=requests, seeded=seeded, plain=plain,
         )

@@ -222,7 +222,7 @@ class DepthChooser:
 
     @staticmethod
     def _warn_if_seeded_over_cap(depths: list[int], seeded: list[bool], cap: int) -> None:
-        if sum(1 for k, s in zip(depths, seeded) if s and k > 0) > cap:
+        if any(seeded) and sum(1 for k, s in zip(depths, seeded) if s and k > 0) > cap:
             logger.warning_once(
                 "TriForce: more than %d seeded requests would draft in one step, the most a "
                 "step drafts for: those past the cap decode plainly that step, so their "

@@ -389,8 +389,7 @@ def _keep_probs(probs_out: HandOffBuffer, target_probs: torch.Tensor, emitted: t
     probs_out.flat[dst.flatten()] = target_probs.flatten(0, 1)
 
 
-def hand_off(batch, states, drafts: MiddleDrafts, depths: list[int],
-             probs_buffer: HandOffBuffer):
+def hand_off(batch, drafts: MiddleDrafts, depths: list[int], probs_buffer: HandOffBuffer):
     """What vLLM gets: one draft list per request (`depths[i]` tokens for decoding row
     drafts.rows[i], [] for the others) and, unless every drafting row is greedy, their
     probs [D, max depth, V] with the request ids of its D rows: a view of
@@ -413,6 +412,4 @@ def hand_off(batch, states, drafts: MiddleDrafts, depths: list[int],
         out = [[] for _ in range(batch.num_reqs)]
         for r, row_tokens in zip(drafts.rows.tolist(), tokens):
             out[r] = row_tokens
-    for r, n in zip(drafting.tolist(), k[k > 0].tolist()):  # the others' are 0 already
-        states[r].last_num_drafts = n
     return out, probs, req_ids

@@ -57,6 +57,7 @@ import os
 import time
 import weakref
 
+import numpy as np
 import torch
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import Attention
@@ -115,6 +116,7 @@ class TriForceProposer(DraftModelProposer):
         self.refresh = RefreshPolicy(self.cfg.refresh_interval,
                                      self.cfg.refresh_acceptance_threshold)
         self.states = StateTable()
+        self._last_batch: StepBatch | None = None  # what the next step's may take again
         self.stats = TriForceStats()
         self._metrics = metrics.Publisher(f"{os.getpid()}-{id(self)}", self.stats.snapshot)
         weakref.finalize(self, metrics.retire, self._metrics)
@@ -299,7 +301,8 @@ class TriForceProposer(DraftModelProposer):
         batch = StepBatch.from_runner(self.runner, common_attn_metadata, target_token_ids,
                                       next_token_ids, num_rejected_tokens_gpu,
                                       sampling_metadata, self.block_size,
-                                      num_speculative_tokens)
+                                      num_speculative_tokens, previous=self._last_batch)
+        self._last_batch = batch
         states, dropped = self.states.of_batch(batch.req_ids, self.runner.requests,
                                                self._new_state)
         if dropped:
@@ -349,14 +352,15 @@ class TriForceProposer(DraftModelProposer):
         depths, use_draft = depth.plan(of_rows(batch.req_ids), max_depth,
                                        num_committed=of_rows(batch.committed),
                                        seeded=of_rows(batch.seeded), plain=of_rows(batch.plain))
-        drafting = [r for r, k in zip(rows, depths) if k > 0]
-        if not drafting:
+        drafting = np.asarray(rows, dtype=np.int64)[np.asarray(depths, dtype=np.int64) > 0]
+        if not drafting.size:
             return [[] for _ in range(batch.num_reqs)], None, None
         step.select(drafting)
         drafts_by_row = self.middle.run(step, rows, depths, self._probs_buffer,
                                         use_draft and self.draft is not None,
                                         on_round=depth.round_done)
-        return hand_off(batch, states, drafts_by_row, depths, self._probs_buffer)
+        step.record_handed(drafts_by_row.rows, depths)
+        return hand_off(batch, drafts_by_row, depths, self._probs_buffer)
 
     def _publish_stats(self) -> None:
         """Log and export the counters from TP rank 0 (every rank holds the same ones)."""

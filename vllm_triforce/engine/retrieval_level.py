@@ -61,6 +61,8 @@ class RetrievalLevel:
         # every live request's selection, by its refresh row
         self.selections = SelectionTable(len(layer_names), self.blocks.max_selected, device)
         self._num_steps = 0
+        self._last_states: list | None = None  # the last step's states, and their rows
+        self._last_rows = np.zeros(0, dtype=np.int64)
         self.stats = stats
         self.device = device
         self.pass_limits = pass_limits
@@ -80,17 +82,19 @@ class RetrievalLevel:
         # vLLM's pass ran the newest token, then at most the drafts handed to it last step
         # (the scheduler may trim them) when it verified them; more is a prefill
         num_verified = np.asarray(batch.q_lens, dtype=np.int64) - 1  # [R]
-        handed = np.fromiter((st.last_num_drafts for st in states), np.int64, len(states))
+        # each request's row of the refresh policy's arrays and of the selections, by
+        # batch row: the last step's again when its states are (the batch is unchanged)
+        if states is not self._last_states:
+            self._last_states = states
+            self._last_rows = np.fromiter((st.refresh for st in states), np.int64, len(states))
+        refresh_rows = self._last_rows
+        handed = self.selections.take_handed(refresh_rows)  # read once: the next are new
         prefill = num_verified > handed
         rows = np.flatnonzero(~prefill & (num_verified > 0))
         num_verified = num_verified[rows]
         num_accepted = num_verified - np.asarray(batch.num_rejected, dtype=np.int64)[rows]
         verified = list(zip(rows.tolist(), num_verified.tolist(), num_accepted.tolist()))
         prefills = np.flatnonzero(prefill).tolist()
-        for r in np.flatnonzero(handed).tolist():  # read once: the next step's are new
-            states[r].last_num_drafts = 0
-        # each request's row of the refresh policy's arrays, by batch row
-        refresh_rows = np.fromiter((st.refresh for st in states), np.int64, len(states))
         if verified:
             if judged_alone:
                 self.refresh.record_rounds(refresh_rows[rows], num_verified, num_accepted)
@@ -142,6 +146,12 @@ class RetrievalStep:
         themselves stay with their requests until the next selection)."""
         self.level.selector.release_copies()
         self._pass_queries = None
+
+    def record_handed(self, rows: np.ndarray, num_drafts: list[int]) -> None:
+        """Decoding rows `rows` were handed num_drafts[i] drafts (what the next step's
+        `begin_step` counts as verified)."""
+        self.level.selections.record_handed(self.refresh_rows[rows],
+                                            np.asarray(num_drafts, dtype=np.int64))
 
     def _summarise(self, rows: np.ndarray) -> None:
         """Lazy summaries of requests `rows`' full committed blocks (the keeper's

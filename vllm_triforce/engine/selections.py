@@ -15,10 +15,12 @@ class SelectionTable:
     hands it, `RequestState.refresh`): on the device its logical blocks per layer, sinks
     and selected blocks ascending, PAD after (`logical`, [rows, num_layers, max_selected]
     int32); on the host how many (`num_selected`) and the first block of its contiguous
-    tail (`tail_start`); and which row of a step-start shortlist it holds
-    (`shortlist_row`), with the number of the step that made it (`shortlist_step`, -1:
-    none). A re-selection writes its requests' rows with one index, and a pass reads
-    its requests' with one: no tensor, list or field per request.
+    tail (`tail_start`); which row of a step-start shortlist it holds (`shortlist_row`),
+    with the number of the step that made it (`shortlist_step`, -1: none); and the
+    drafts it was handed last step (`handed`: what vLLM's next pass verifies, read and
+    cleared when that step begins). A re-selection writes its requests' rows with one
+    index, and a pass reads its requests' with one: no tensor, list or field per
+    request.
 
     A row is read only after its request's first selection wrote it (a request that
     never selected is due one, `RefreshPolicy.due_at_start`), so a row freed and handed to
@@ -37,6 +39,7 @@ class SelectionTable:
         self.tail_start = np.zeros(capacity, dtype=np.int64)
         self.shortlist_row = np.zeros(capacity, dtype=np.int64)
         self.shortlist_step = np.full(capacity, -1, dtype=np.int64)
+        self.handed = np.zeros(capacity, dtype=np.int64)
 
     def record(self, rows: np.ndarray, rows_on_device: Tensor, logical: Tensor,
                num_selected: np.ndarray, tail_start: np.ndarray) -> None:
@@ -52,6 +55,19 @@ class SelectionTable:
         """Requests at `rows` hold rows 0, 1, ... of the shortlist step `step` made."""
         self.shortlist_row[rows] = np.arange(rows.shape[0])
         self.shortlist_step[rows] = step
+
+    def record_handed(self, rows: np.ndarray, num_drafts: np.ndarray) -> None:
+        """Requests at `rows` were handed num_drafts[i] drafts this step."""
+        self._fit(int(rows.max(initial=-1)) + 1)
+        self.handed[rows] = num_drafts
+
+    def take_handed(self, rows: np.ndarray) -> np.ndarray:
+        """[n] the drafts the requests at `rows` were handed last step, read once (the
+        rows go back to 0)."""
+        self._fit(int(rows.max(initial=-1)) + 1)
+        handed = self.handed[rows]
+        self.handed[rows[handed > 0]] = 0
+        return handed
 
     def of(self, rows_on_device: Tensor) -> Tensor:
         """[n, num_layers, max_selected] the selections of the requests at those rows."""
@@ -71,7 +87,7 @@ class SelectionTable:
         grown[:old] = self.logical
         self.logical = grown
         for name, fill in (("num_selected", 0), ("tail_start", 0), ("shortlist_row", 0),
-                           ("shortlist_step", -1)):
+                           ("shortlist_step", -1), ("handed", 0)):
             array = np.full(capacity, fill, dtype=np.int64)
             array[:old] = getattr(self, name)
             setattr(self, name, array)

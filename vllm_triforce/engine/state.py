@@ -37,8 +37,6 @@ class RequestState:
     draft_valid_upto: int = 0      # draft KV is valid for positions [window_start, this)
     draft_sinks_valid: bool = False
     draft_rebase_offset: int = 0   # see core/streaming.py
-    # Middle-level drafts handed to vLLM last step (to count top-level acceptance).
-    last_num_drafts: int = 0
     generator: torch.Generator | None = None
 
     def invalidate_draft_from(self, position: int, sink_tokens: int) -> None:
