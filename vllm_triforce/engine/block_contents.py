@@ -21,11 +21,13 @@ def block_contents(batch, row: int, state, full: int, block_size: int) -> list[i
         previous = hash(("vllm-triforce", getattr(lora, "lora_int_id", 0)))
     else:
         previous = contents[-1]
-    for i in range(known, full):
-        tokens = batch.committed_block_tokens(row, i * block_size, (i + 1) * block_size)
-        if tokens is None:
-            return None
-        previous = hash((previous, tuple(tokens)))
+    if full <= known:
+        return contents
+    tokens = batch.committed_block_tokens(row, known * block_size, full * block_size)
+    if tokens is None:
+        return None
+    for start in range(0, len(tokens), block_size):  # one read, then a hash per block
+        previous = hash((previous, tuple(tokens[start:start + block_size])))
         contents.append(previous)
     return contents
 
