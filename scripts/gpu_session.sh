@@ -9,6 +9,9 @@
 #   bash scripts/gpu_session.sh real [SECONDS]   # carry .carry/b: part b, conversion checked
 #                                                # against the CPU's, the real-model run, then
 #                                                # the cost jobs still missing, in SECONDS
+#   bash scripts/gpu_session.sh host-rounds [SECONDS]  # carry .bundle: host ms per middle
+#                                                # round at batch 8-128 with the tiny model
+#                                                # (benchmarks/explore/host_per_round.py)
 #
 # Results go to $OUT (gpu/ of bench gpu; demo.json, demo.log of the real-model run) as
 # each part completes. Parts: scripts/gpu_bundle.py (.bundle), scripts/gpu_model_carry.py
@@ -18,13 +21,17 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-session-out}
 mkdir -p "$OUT"
 export VLLM_TRIFORCE_CACHE=/tmp/vt-cache
-step=${1:?costs, model-a or real}
+step=${1:?costs, model-a, real or host-rounds}
 budget=${2:-270}
 case "$step" in
   costs)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     bash scripts/gpu_run.sh --only kernels,costs --budget-s "$budget" 2>&1 \
       | grep -v " INFO \| DEBUG "
+    ;;
+  host-rounds)
+    timeout "$budget" bash scripts/gpu_run.sh -- python3 "$PWD/benchmarks/explore/host_per_round.py" \
+      --out "$OUT/host_per_round" 2>&1 | grep -v " INFO \| DEBUG \|WARNING"
     ;;
   model-a)
     python3 scripts/gpu_model_carry.py assemble --carry .carry/a

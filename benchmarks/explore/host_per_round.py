@@ -26,11 +26,19 @@ Beside the time, over further generations of the same prompts:
     medians' noise. Call sites: benchmarks/explore/host_overhead.py `--ops`;
   * the host's speed after a forward (`fixed_work_us`): a fixed piece of host work
     (`fixed_host_work`: Python, numpy and small torch operations, the same at every batch)
-    timed right after each model forward, median over one generation. On a CPU the model's
-    own work at a large batch evicts the host's caches, so the same host work takes
-    longer there (1.3-1.55x at batch 128 against batch 8 on a 2-core EPYC); a GPU's model
-    work leaves the host's caches alone. It varies between runs of this host (1.0-2.4x),
-    so it is shown, not used to scale the other figures.
+    timed right after each model forward, median over one generation. On a CPU the same
+    host work takes longer after a larger batch's forward (the model's work shares the
+    host's cores and caches: 1.0-2.4x at batch 128 against batch 8 on a 2-core EPYC,
+    varying between runs, so it is shown, not used to scale the other figures); a GPU's
+    model work leaves the host alone.
+
+On a GPU (bfloat16 there by default, `--dtype`) the model's work and the tensor kernels run
+on the device and `host_ms_per_round` is the host's own work and launches: the figure the
+issue's target is about, measured directly. From a lent machine's bundle
+(benchmarks/gpu/README.md):
+
+    bash scripts/gpu_run.sh -- python3 $PWD/benchmarks/explore/host_per_round.py \
+        --out $OUT/host_per_round
 
     .venv/bin/python benchmarks/explore/host_per_round.py [--batches 8 32 64 128]
         [--configs 30:1 2:0] [--depth 4] [--repeats 7]
@@ -68,9 +76,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--prompt-words", type=int, default=120)
     parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--dtype", default=None,
+                        help="the model's (default: float32 on a CPU, bfloat16 on a GPU, "
+                             "where the stock attention backends take no float32)")
     parser.add_argument("--out", type=Path,
                         default=REPO / "benchmarks" / "host_per_round_2026-11-28")
     args = parser.parse_args()
+    if args.dtype is None:
+        import torch
+        args.dtype = "bfloat16" if torch.cuda.is_available() else "float32"
     tables = []
     for config in args.configs:
         layers, refresh = (int(part) for part in config.split(":"))
@@ -91,7 +105,7 @@ def measure_engine(args, layers: int, refresh_interval: int) -> dict:
     target = tiny_models.build_tiny_llama(tmp / "target", num_layers=layers, hidden=64,
                                           heads=2, kv_heads=2, vocab_size=1024)
     spec = {**SPEC, "refresh_interval": refresh_interval}
-    llm = in_process_llm(target, spec, dtype="float32", enforce_eager=True, block_size=32,
+    llm = in_process_llm(target, spec, dtype=args.dtype, enforce_eager=True, block_size=32,
                          max_model_len=1024, max_num_seqs=max(args.batches), seed=0)
     try:
         drafter = drafter_of(llm)
@@ -109,7 +123,9 @@ def measure_engine(args, layers: int, refresh_interval: int) -> dict:
                   f"{rows[-1]['round_lines_per_round']:,.0f}), aten ops "
                   f"{rows[-1]['aten_ops_per_round']:.0f}, of the ms in tensor kernels "
                   f"{rows[-1]['kernel_ms_per_round']:.2f}, fixed host work "
-                  f"{rows[-1]['fixed_work_us']:.0f} us (repeats "
+                  f"{rows[-1]['fixed_work_us']:.0f} us; steady steps: host ms per round "
+                  f"{rows[-1]['steady_host_ms_per_round']:.2f}, Python lines "
+                  f"{rows[-1]['steady_lines_per_round']:,.0f} (repeats "
                   f"{', '.join(f'{h:.2f}' for h in rows[-1]['repeats'])}; model forwards "
                   f"{rows[-1]['forward_ms_per_round']:.2f} ms)", flush=True)
         return {"layers": layers, "refresh_interval": refresh_interval,
@@ -118,13 +134,50 @@ def measure_engine(args, layers: int, refresh_interval: int) -> dict:
         free_llm(llm)
 
 
+def steady_steps(drafter, on_step):
+    """Wraps `drafter.propose` so that `on_step(steady, host_seconds, rounds)` hears each
+    step: `steady` when its requests are the last step's, every one decoding (no request
+    came, went or prefilled: the steps between a batch's admission and its end).
+    Returns a function that unwraps it."""
+    propose, stats = drafter.propose, drafter.stats
+
+    def observed(*args, **kwargs):
+        last = drafter._last_batch
+        middle, forward, rounds = stats.middle_seconds, stats.forward_seconds, stats.middle_rounds
+        out = propose(*args, **kwargs)
+        batch = drafter._last_batch
+        steady = (last is not None and batch is not last and batch.req_ids == last.req_ids
+                  and all(batch.decoding))
+        on_step(steady, (stats.middle_seconds - middle) - (stats.forward_seconds - forward),
+                stats.middle_rounds - rounds)
+        return out
+
+    drafter.propose = observed
+
+    def unwrap():
+        drafter.propose = propose
+    return unwrap
+
+
 def measure(llm, drafter, prompts, params, batch: int, repeats: int) -> dict:
-    """Host ms per round over `repeats` timed generations of `prompts` (median)."""
-    host_ms, forward_ms, wall, rounds = [], [], [], []
+    """Host ms per round over `repeats` timed generations of `prompts` (median), over all
+    steps and over the steady ones (`steady_steps`)."""
+    host_ms, forward_ms, wall, rounds, steady_ms, steady_rounds = [], [], [], [], [], []
     for _ in range(repeats):
+        steady = {"seconds": 0.0, "rounds": 0}
+
+        def on_step(is_steady, seconds, num_rounds):
+            if is_steady:
+                steady["seconds"] += seconds
+                steady["rounds"] += num_rounds
+
+        unwrap = steady_steps(drafter, on_step)
         before = drafter.stats.snapshot()
         start = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
+        try:
+            llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            unwrap()
         wall.append(time.perf_counter() - start)
         after = drafter.stats.snapshot()
         d = {k: after[k] - before[k] for k in COUNTERS}
@@ -132,16 +185,20 @@ def measure(llm, drafter, prompts, params, batch: int, repeats: int) -> dict:
         host_ms.append(1000 * (d["middle_seconds"] - d["forward_seconds"]) / d["middle_rounds"])
         forward_ms.append(1000 * d["forward_seconds"] / d["middle_rounds"])
         rounds.append(d["middle_rounds"])
+        steady_ms.append(1000 * steady["seconds"] / max(steady["rounds"], 1))
+        steady_rounds.append(steady["rounds"])
     ops, kernel_ms = tensor_work_per_round(llm, drafter, prompts, params, max(repeats // 2, 1))
     fixed_us = fixed_work_after_forwards(llm, prompts, params)
-    lines, round_lines = python_lines_per_round(llm, drafter, prompts, params)
+    lines, round_lines, steady_lines = python_lines_per_round(llm, drafter, prompts, params)
     host = statistics.median(host_ms)
     return {"batch": batch, "host_ms_per_round": host,
             "repeats": host_ms, "forward_ms_per_round": statistics.median(forward_ms),
             "middle_rounds": rounds, "generate_s": statistics.median(wall),
             "python_lines_per_round": lines, "round_lines_per_round": round_lines,
             "aten_ops_per_round": ops, "kernel_ms_per_round": kernel_ms,
-            "host_less_kernels_ms": host - kernel_ms, "fixed_work_us": fixed_us}
+            "host_less_kernels_ms": host - kernel_ms, "fixed_work_us": fixed_us,
+            "steady_host_ms_per_round": statistics.median(steady_ms),
+            "steady_rounds": steady_rounds, "steady_lines_per_round": steady_lines}
 
 
 def fixed_host_work() -> int:
@@ -229,13 +286,13 @@ def tensor_work_per_round(llm, drafter, prompts, params, repeats: int) -> tuple[
     return statistics.median(ops), statistics.median(kernel_ms)
 
 
-def python_lines_per_round(llm, drafter, prompts, params) -> tuple[float, float]:
+def python_lines_per_round(llm, drafter, prompts, params) -> tuple[float, float, float]:
     """(Python lines the proposer runs per middle round outside the model forwards, of
-    which inside the rounds: `MiddleLoop._round` and `RetrievalStep.select_in_middle`),
-    over one traced generation: counts no other process on the machine moves, of the host
-    work that is Python's (a GPU's launches and the CPU's tensor work are not in it). The
-    rest is the step's own work (the commit, the plan, the step-start selection, the
-    hand-off), once a step whatever its rounds."""
+    which inside the rounds: `MiddleLoop._round` and `RetrievalStep.select_in_middle`, and
+    per round of the steady steps, `steady_steps`), over one traced generation: counts no
+    other process on the machine moves, of the host work that is Python's (a GPU's launches
+    and the CPU's tensor work are not in it). The rest is the step's own work (the commit,
+    the plan, the step-start selection, the hand-off), once a step whatever its rounds."""
     import vllm_triforce.engine.forward as forward
     from vllm_triforce.engine.middle import MiddleLoop
     from vllm_triforce.engine.retrieval_level import RetrievalStep
@@ -273,18 +330,29 @@ def python_lines_per_round(llm, drafter, prompts, params) -> tuple[float, float]
             sys.settrace(None)
             counted["on"] = False
 
+    steady = {"lines": 0, "rounds": 0, "before": 0}
+
+    def on_step(is_steady, seconds, num_rounds):
+        if is_steady:
+            steady["lines"] += counted["lines"] - steady["before"]
+            steady["rounds"] += num_rounds
+        steady["before"] = counted["lines"]
+
     run, propose = forward.run, drafter.propose
     round_, select_in_middle = MiddleLoop._round, RetrievalStep.select_in_middle
     forward.run, drafter.propose = model_untraced, traced
     MiddleLoop._round, RetrievalStep.select_in_middle = in_round(round_), in_round(select_in_middle)
+    unwrap = steady_steps(drafter, on_step)
     try:
         before = drafter.stats.snapshot()["middle_rounds"]
         llm.generate(prompts, params, use_tqdm=False)
         rounds = drafter.stats.snapshot()["middle_rounds"] - before
     finally:
+        unwrap()
         forward.run, drafter.propose = run, propose
         MiddleLoop._round, RetrievalStep.select_in_middle = round_, select_in_middle
-    return counted["lines"] / rounds, counted["round_lines"] / rounds
+    return (counted["lines"] / rounds, counted["round_lines"] / rounds,
+            steady["lines"] / max(steady["rounds"], 1))
 
 
 def machine() -> str:
@@ -294,6 +362,9 @@ def machine() -> str:
                     if line.startswith("Model name"))
     except (OSError, StopIteration):
         name = platform.processor() or "unknown"
+    import torch
+    if torch.cuda.is_available():  # the host is the CPU, the device the GPU
+        return f"{torch.cuda.get_device_name()}, host {name}, {os.cpu_count()} CPUs"
     return f"{name}, {os.cpu_count()} CPUs"
 
 
@@ -302,8 +373,8 @@ def write(out: Path, results: dict) -> None:
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     config = results["config"]
     lines = ["# Host ms per middle round by batch size", "",
-             f"Tiny Llama (hidden 64, 2 KV heads, V 1,024), two levels, fixed depth "
-             f"{config['depth']}, greedy, {config['prompt_words']}-word prompts past a "
+             f"Tiny Llama (hidden 64, 2 KV heads, V 1,024, {config.get('dtype', 'float32')}), "
+             f"two levels, fixed depth {config['depth']}, greedy, {config['prompt_words']}-word prompts past a "
              f"{SPEC['retrieval_budget']}-token budget, {config['max_tokens']} new tokens; "
              f"median of {config['repeats']} generations; {config['machine']}.", "",
              f"    .venv/bin/python benchmarks/explore/host_per_round.py --batches "
@@ -316,20 +387,26 @@ def write(out: Path, results: dict) -> None:
         lines += ["", f"## {table['layers']} layers, refresh_interval "
                       f"{table['refresh_interval']} (drafting cap {table['cap']})", "",
                   "| batch | host ms / round | vs smallest batch | of which tensor kernels ms | "
-                  "host less kernels ms | vs smallest batch | fixed host work us | "
+                  "host less kernels ms | vs smallest batch | steady steps: host ms / round | "
+                  "vs smallest batch | fixed host work us | "
                   "aten ops / round | model forwards ms / round | middle rounds | generate s | "
-                  "Python lines / round | vs smallest batch | of which in the rounds |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "Python lines / round | vs smallest batch | of which in the rounds | "
+                  "steady steps: Python lines / round | vs smallest batch |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             lines.append(f"| {r['batch']} | {r['host_ms_per_round']:.2f} | "
                          f"{r['host_ms_per_round'] / smallest:.2f}x | "
                          f"{r['kernel_ms_per_round']:.2f} | {r['host_less_kernels_ms']:.2f} | "
                          f"{r['host_less_kernels_ms'] / rows[0]['host_less_kernels_ms']:.2f}x | "
+                         f"{r['steady_host_ms_per_round']:.2f} | "
+                         f"{r['steady_host_ms_per_round'] / rows[0]['steady_host_ms_per_round']:.2f}x | "
                          f"{r['fixed_work_us']:.0f} | {r['aten_ops_per_round']:.0f} | "
                          f"{r['forward_ms_per_round']:.2f} | {r['middle_rounds'][0]} | "
                          f"{r['generate_s']:.2f} | {r['python_lines_per_round']:,.0f} | "
                          f"{r['python_lines_per_round'] / smallest_lines:.2f}x | "
-                         f"{r['round_lines_per_round']:,.0f} |")
+                         f"{r['round_lines_per_round']:,.0f} | "
+                         f"{r['steady_lines_per_round']:,.0f} | "
+                         f"{r['steady_lines_per_round'] / rows[0]['steady_lines_per_round']:.2f}x |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

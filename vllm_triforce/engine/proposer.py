@@ -305,8 +305,10 @@ class TriForceProposer(DraftModelProposer):
         self._last_batch = batch
         states, dropped = self.states.of_batch(batch.req_ids, self.runner.requests,
                                                self._new_state)
-        if dropped:
-            self.refresh.release([st.refresh for st in dropped])
+        if dropped:  # their rows, free for new requests
+            rows = [st.refresh for st in dropped]
+            self.retrieval.selections.release(rows)
+            self.refresh.release(rows)
         try:
             with self.capture.paused():  # what it holds is vLLM's pass, read below
                 if self.draft is not None:

@@ -22,10 +22,10 @@ class SelectionTable:
     index, and a pass reads its requests' with one: no tensor, list or field per
     request.
 
-    A row is read only after its request's first selection wrote it (a request that
-    never selected is due one, `RefreshPolicy.due_at_start`), so a row freed and handed to
-    a new request needs no clearing; its shortlist step is that of a step before the new
-    request's first, which no step's number equals. The table grows, by doubling, as the
+    A selection is read only after its request's first selection wrote it (a request
+    that never selected is due one, `RefreshPolicy.due_at_start`); `release` clears what
+    a new request at a freed row could read first: the drafts handed and the shortlist's
+    step. The table grows, by doubling, as the
     refresh policy's rows do (its rows are max_num_seqs at most while no request is
     preempted): 4 B per layer and selected block, at most 32 KiB a request for Llama-3.1-8B
     with a 4,096-token budget of 16-token blocks (32 layers x 256 blocks x 4 B), as the
@@ -68,6 +68,14 @@ class SelectionTable:
         handed = self.handed[rows]
         self.handed[rows[handed > 0]] = 0
         return handed
+
+    def release(self, rows) -> None:
+        """The requests at `rows` are gone: a new request there holds no drafts and no
+        shortlist."""
+        rows = np.asarray(rows, dtype=np.int64)
+        rows = rows[rows < self.handed.shape[0]]
+        self.handed[rows] = 0
+        self.shortlist_step[rows] = -1
 
     def of(self, rows_on_device: Tensor) -> Tensor:
         """[n, num_layers, max_selected] the selections of the requests at those rows."""

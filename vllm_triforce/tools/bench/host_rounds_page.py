@@ -1,6 +1,6 @@
 """benchmarks/RESULTS.md's section of a host-work run (kind "host_rounds"): the run folder
-benchmarks/explore/host_per_round.py writes, host ms and Python lines per middle round by
-batch size, per engine configuration."""
+benchmarks/explore/host_per_round.py writes, host ms, the tensor kernels' share of it, aten
+operations and Python lines per middle round by batch size, per engine configuration."""
 
 from __future__ import annotations
 
@@ -12,11 +12,14 @@ def host_rounds_glance(data: dict) -> str:
     parts = []
     for table in data["tables"]:
         first, last = table["rows"][0], table["rows"][-1]
-        parts.append(
-            f"{table['layers']} layers, refresh {table['refresh_interval']}: batch "
-            f"{last['batch']} vs {first['batch']}: host ms/round "
-            f"{last['host_ms_per_round'] / first['host_ms_per_round']:.2f}x, Python lines "
-            f"{last['python_lines_per_round'] / first['python_lines_per_round']:.2f}x")
+        part = (f"{table['layers']} layers, refresh {table['refresh_interval']}: batch "
+                f"{last['batch']} vs {first['batch']}: host ms/round "
+                f"{last['host_ms_per_round'] / first['host_ms_per_round']:.2f}x, Python lines "
+                f"{last['python_lines_per_round'] / first['python_lines_per_round']:.2f}x")
+        if "round_lines_per_round" in first:  # runs since the lines inside the rounds
+            part += (f" (inside the rounds "
+                     f"{last['round_lines_per_round'] / first['round_lines_per_round']:.2f}x)")
+        parts.append(part)
     return "; ".join(parts)
 
 
@@ -29,15 +32,25 @@ def host_rounds_section(data: dict, case) -> tuple[str, str]:
              f"{config['max_tokens']} new tokens, every request drafting (cap "
              f"{data['tables'][0]['cap']}); median of "
              f"{config['repeats']} generations.")
-    rows = []
+    rows, split = [], all("kernel_ms_per_round" in r for t in data["tables"] for r in t["rows"])
     for table in data["tables"]:
         first = table["rows"][0]
-        rows += [[f"{table['layers']} layers, refresh {table['refresh_interval']}", r["batch"],
-                  f"{r['host_ms_per_round']:.2f}",
-                  f"{r['host_ms_per_round'] / first['host_ms_per_round']:.2f}x",
-                  f"{r['python_lines_per_round']:,.0f}",
-                  f"{r['python_lines_per_round'] / first['python_lines_per_round']:.2f}x",
-                  f"{r['forward_ms_per_round']:.2f}"] for r in table["rows"]]
-    return shape, markdown_table(
-        ["engine", "batch", "host ms / round", "vs smallest", "Python lines / round",
-         "vs smallest", "model forwards ms / round"], rows)
+        for r in table["rows"]:
+            row = [f"{table['layers']} layers, refresh {table['refresh_interval']}", r["batch"],
+                   f"{r['host_ms_per_round']:.2f}",
+                   f"{r['host_ms_per_round'] / first['host_ms_per_round']:.2f}x"]
+            if split:  # the tensor kernels' share, the operations, the rounds' own lines
+                row += [f"{r['kernel_ms_per_round']:.2f}", f"{r['host_less_kernels_ms']:.2f}",
+                        f"{r['aten_ops_per_round']:.0f}"]
+            row += [f"{r['python_lines_per_round']:,.0f}",
+                    f"{r['python_lines_per_round'] / first['python_lines_per_round']:.2f}x"]
+            if split:
+                row.append(f"{r['round_lines_per_round']:,.0f}")
+            rows.append(row + [f"{r['forward_ms_per_round']:.2f}"])
+    head = ["engine", "batch", "host ms / round", "vs smallest"]
+    if split:
+        head += ["of which tensor kernels ms", "host less kernels ms", "aten ops / round"]
+    head += ["Python lines / round", "vs smallest"]
+    if split:
+        head.append("of which inside the rounds")
+    return shape, markdown_table(head + ["model forwards ms / round"], rows)
