@@ -19,6 +19,11 @@ def host_rounds_glance(data: dict) -> str:
         if "round_lines_per_round" in first:  # runs since the lines inside the rounds
             part += (f" (inside the rounds "
                      f"{last['round_lines_per_round'] / first['round_lines_per_round']:.2f}x)")
+        if "steady_lines_per_round" in first:  # and the steady steps
+            part += (f"; steady steps: host ms/round "
+                     f"{last['steady_host_ms_per_round'] / first['steady_host_ms_per_round']:.2f}x"
+                     f", Python lines "
+                     f"{last['steady_lines_per_round'] / first['steady_lines_per_round']:.2f}x")
         parts.append(part)
     return "; ".join(parts)
 
@@ -31,26 +36,34 @@ def host_rounds_section(data: dict, case) -> tuple[str, str]:
              f"past a {config['spec']['retrieval_budget']}-token budget, "
              f"{config['max_tokens']} new tokens, every request drafting (cap "
              f"{data['tables'][0]['cap']}); median of "
-             f"{config['repeats']} generations.")
-    rows, split = [], all("kernel_ms_per_round" in r for t in data["tables"] for r in t["rows"])
+             f"{config['repeats']} generations. Steady steps: those whose requests are the "
+             f"last step's, every one decoding (no request came, went or prefilled); tensor "
+             f"kernels: the time inside aten operations outside the model forwards (a GPU "
+             f"runs them on the device); ms columns are per middle round.")
+    rows, split = [], all("steady_lines_per_round" in r for t in data["tables"] for r in t["rows"])
     for table in data["tables"]:
         first = table["rows"][0]
         for r in table["rows"]:
             row = [f"{table['layers']} layers, refresh {table['refresh_interval']}", r["batch"],
                    f"{r['host_ms_per_round']:.2f}",
                    f"{r['host_ms_per_round'] / first['host_ms_per_round']:.2f}x"]
-            if split:  # the tensor kernels' share, the operations, the rounds' own lines
+            if split:  # the tensor kernels' share, the steady steps, the operations
                 row += [f"{r['kernel_ms_per_round']:.2f}", f"{r['host_less_kernels_ms']:.2f}",
+                        f"{r['steady_host_ms_per_round']:.2f}",
+                        f"{r['steady_host_ms_per_round'] / first['steady_host_ms_per_round']:.2f}x",
                         f"{r['aten_ops_per_round']:.0f}"]
             row += [f"{r['python_lines_per_round']:,.0f}",
                     f"{r['python_lines_per_round'] / first['python_lines_per_round']:.2f}x"]
-            if split:
-                row.append(f"{r['round_lines_per_round']:,.0f}")
+            if split:  # the rounds' own lines, the steady steps'
+                row += [f"{r['round_lines_per_round']:,.0f}",
+                        f"{r['steady_lines_per_round']:,.0f}",
+                        f"{r['steady_lines_per_round'] / first['steady_lines_per_round']:.2f}x"]
             rows.append(row + [f"{r['forward_ms_per_round']:.2f}"])
     head = ["engine", "batch", "host ms / round", "vs smallest"]
     if split:
-        head += ["of which tensor kernels ms", "host less kernels ms", "aten ops / round"]
+        head += ["of which tensor kernels", "less kernels", "steady steps", "vs smallest",
+                 "aten ops / round"]
     head += ["Python lines / round", "vs smallest"]
     if split:
-        head.append("of which inside the rounds")
+        head += ["inside the rounds", "steady steps", "vs smallest"]
     return shape, markdown_table(head + ["model forwards ms / round"], rows)
