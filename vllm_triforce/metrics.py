@@ -10,8 +10,7 @@ from a worker's proposer to the front end's stat loggers, so:
   writes: at once after a step that saw a request come or go; after any other step at
   most every PUBLISH_INTERVAL_S seconds, the latest within that time; and, in the caller's
   thread, at once before a scrape in the same process (`LLM.get_metrics()` offline). A
-  step never waits for a write (one took 1-1.5 ms on a 2-core EPYC, in the step, before
-  the thread wrote them);
+  step never waits for a file write;
 - the directory is created by the first process that loads the plugin (the front end, which
   starts engine core and workers afterwards) and passed down in `VLLM_TRIFORCE_METRICS_DIR`
   (vLLM forwards `VLLM_*` variables to its workers, Ray actors included);

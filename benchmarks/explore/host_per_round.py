@@ -238,6 +238,17 @@ def fixed_work_after_forwards(llm, prompts, params) -> float:
     return 1e6 * statistics.median(times)
 
 
+def inside(depth: dict, key: str, function):
+    """`function`, with depth[key] one higher while a call of it runs (nested calls count)."""
+    def counted(*args, **kwargs):
+        depth[key] += 1
+        try:
+            return function(*args, **kwargs)
+        finally:
+            depth[key] -= 1
+    return counted
+
+
 def tensor_work_per_round(llm, drafter, prompts, params, repeats: int) -> tuple[float, float]:
     """(aten operations per middle round outside the model forwards, ms per round inside
     them: median over `repeats` generations). Each operation is timed where it reaches
@@ -259,19 +270,12 @@ def tensor_work_per_round(llm, drafter, prompts, params, repeats: int) -> tuple[
                 count["seconds"] += time.perf_counter() - start
                 count["ops"] += 1
 
-    def model_untimed(*args, **kwargs):
-        count["model"] += 1
-        try:
-            return run(*args, **kwargs)
-        finally:
-            count["model"] -= 1
-
     def timed(*args, **kwargs):
         with Timing():
             return propose(*args, **kwargs)
 
     run, propose = forward.run, drafter.propose
-    forward.run, drafter.propose = model_untimed, timed
+    forward.run, drafter.propose = inside(count, "model", run), timed
     ops, kernel_ms = [], []
     try:
         for _ in range(repeats):
@@ -312,15 +316,6 @@ def python_lines_per_round(llm, drafter, prompts, params) -> tuple[float, float,
         finally:
             counted["on"] = True
 
-    def in_round(method):
-        def counted_as_round(*args, **kwargs):
-            counted["round"] += 1
-            try:
-                return method(*args, **kwargs)
-            finally:
-                counted["round"] -= 1
-        return counted_as_round
-
     def traced(*args, **kwargs):
         counted["on"] = True
         sys.settrace(lambda frame, event, arg: local if counted["on"] else None)
@@ -341,7 +336,8 @@ def python_lines_per_round(llm, drafter, prompts, params) -> tuple[float, float,
     run, propose = forward.run, drafter.propose
     round_, select_in_middle = MiddleLoop._round, RetrievalStep.select_in_middle
     forward.run, drafter.propose = model_untraced, traced
-    MiddleLoop._round, RetrievalStep.select_in_middle = in_round(round_), in_round(select_in_middle)
+    MiddleLoop._round = inside(counted, "round", round_)
+    RetrievalStep.select_in_middle = inside(counted, "round", select_in_middle)
     unwrap = steady_steps(drafter, on_step)
     try:
         before = drafter.stats.snapshot()["middle_rounds"]

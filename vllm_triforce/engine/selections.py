@@ -25,11 +25,10 @@ class SelectionTable:
     A selection is read only after its request's first selection wrote it (a request
     that never selected is due one, `RefreshPolicy.due_at_start`); `release` clears what
     a new request at a freed row could read first: the drafts handed and the shortlist's
-    step. The table grows, by doubling, as the
-    refresh policy's rows do (its rows are max_num_seqs at most while no request is
-    preempted): 4 B per layer and selected block, at most 32 KiB a request for Llama-3.1-8B
-    with a 4,096-token budget of 16-token blocks (32 layers x 256 blocks x 4 B), as the
-    selections' own tensors held before; it is not part of the memory plan's reservation."""
+    step. The table grows, by doubling, as the refresh policy's rows do (max_num_seqs of
+    them while no request is preempted): 4 B per layer and selected block, at most 32 KiB
+    a request for Llama-3.1-8B with a 4,096-token budget of 16-token blocks (32 layers x
+    256 blocks x 4 B). It is not part of the memory plan's reservation."""
 
     def __init__(self, num_layers: int, max_selected: int, device: torch.device,
                  capacity: int = 16):
