@@ -31,7 +31,7 @@ case "$step" in
     ;;
   host-rounds)
     timeout "$budget" bash scripts/gpu_run.sh -- python3 "$PWD/benchmarks/explore/host_per_round.py" \
-      --out "$OUT/host_per_round" 2>&1 | grep -v " INFO \| DEBUG \|WARNING"
+      --configs 2:0 30:1 --out "$OUT/host_per_round" 2>&1 | grep -v " INFO \| DEBUG \|WARNING"
     ;;
   model-a)
     python3 scripts/gpu_model_carry.py assemble --carry .carry/a

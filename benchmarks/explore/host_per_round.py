@@ -85,13 +85,11 @@ def main() -> None:
     if args.dtype is None:
         import torch
         args.dtype = "bfloat16" if torch.cuda.is_available() else "float32"
-    tables = []
-    for config in args.configs:
+    tables, setup = [], {**vars(args), "out": str(args.out), "spec": SPEC, "machine": machine()}
+    for config in args.configs:  # written as each engine's table completes
         layers, refresh = (int(part) for part in config.split(":"))
         tables.append(measure_engine(args, layers, refresh))
-    write(args.out, {"config": {**vars(args), "out": str(args.out), "spec": SPEC,
-                                "machine": machine()},
-                     "tables": tables})
+        write(args.out, {"config": setup, "tables": tables})
 
 
 def measure_engine(args, layers: int, refresh_interval: int) -> dict:
