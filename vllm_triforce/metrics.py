@@ -107,13 +107,18 @@ class Publisher:
         with self._lock:
             if self._closed:
                 return
+            # the thread is woken only when this changes what it waits for: nothing was
+            # pending (it sleeps until told), or the write became urgent; otherwise it
+            # already sleeps until the pending write is due
+            wake = not self._pending or (at_once and not self._urgent)
             self._pending = True
             self._urgent = self._urgent or at_once
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, daemon=True,
                                                 name=f"triforce-metrics-{self.source_id}")
                 self._thread.start()
-            self._wake.notify()
+            elif wake:
+                self._wake.notify()
 
     def _run(self) -> None:
         """The thread: wait until something pending is due, take it, write it."""
