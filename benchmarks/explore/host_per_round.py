@@ -368,7 +368,8 @@ def write(out: Path, results: dict) -> None:
     config = results["config"]
     lines = ["# Host ms per middle round by batch size", "",
              f"Tiny Llama (hidden 64, 2 KV heads, V 1,024, {config.get('dtype', 'float32')}), "
-             f"two levels, fixed depth {config['depth']}, greedy, {config['prompt_words']}-word prompts past a "
+             f"two levels, fixed depth {config['depth']}, greedy, "
+             f"{config['prompt_words']}-word prompts past a "
              f"{SPEC['retrieval_budget']}-token budget, {config['max_tokens']} new tokens; "
              f"median of {config['repeats']} generations; {config['machine']}.", "",
              f"    .venv/bin/python benchmarks/explore/host_per_round.py --batches "
@@ -387,20 +388,22 @@ def write(out: Path, results: dict) -> None:
                   "Python lines / round | vs smallest batch | of which in the rounds | "
                   "steady steps: Python lines / round | vs smallest batch |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        first = rows[0]
         for r in rows:
             lines.append(f"| {r['batch']} | {r['host_ms_per_round']:.2f} | "
                          f"{r['host_ms_per_round'] / smallest:.2f}x | "
                          f"{r['kernel_ms_per_round']:.2f} | {r['host_less_kernels_ms']:.2f} | "
-                         f"{r['host_less_kernels_ms'] / rows[0]['host_less_kernels_ms']:.2f}x | "
+                         f"{r['host_less_kernels_ms'] / first['host_less_kernels_ms']:.2f}x | "
                          f"{r['steady_host_ms_per_round']:.2f} | "
-                         f"{r['steady_host_ms_per_round'] / rows[0]['steady_host_ms_per_round']:.2f}x | "
+                         f"{r['steady_host_ms_per_round'] / first['steady_host_ms_per_round']:.2f}"
+                         f"x | "
                          f"{r['fixed_work_us']:.0f} | {r['aten_ops_per_round']:.0f} | "
                          f"{r['forward_ms_per_round']:.2f} | {r['middle_rounds'][0]} | "
                          f"{r['generate_s']:.2f} | {r['python_lines_per_round']:,.0f} | "
                          f"{r['python_lines_per_round'] / smallest_lines:.2f}x | "
                          f"{r['round_lines_per_round']:,.0f} | "
                          f"{r['steady_lines_per_round']:,.0f} | "
-                         f"{r['steady_lines_per_round'] / rows[0]['steady_lines_per_round']:.2f}x |")
+                         f"{r['steady_lines_per_round'] / first['steady_lines_per_round']:.2f}x |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

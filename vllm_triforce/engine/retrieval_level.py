@@ -194,11 +194,12 @@ class RetrievalStep:
                            batch.committed_array[due], keep_shortlist=True)
 
     def select_in_middle(self, rows, drafts) -> None:
-        """Between middle rounds: requests `rows` (a list or array) due a refresh re-select with the query of
-        their newest middle token (its `query_row` in `drafts`, the step's middle tokens
-        (engine/middle.MiddleDrafts, or a mapping row -> RequestDrafts), in the pass
-        `forward` just ran, at its `position` - 1): the queries `forward` kept of its pass
-        (the capture's buffers: called before another target pass can reuse them).
+        """Between middle rounds: requests `rows` (a list or array) due a refresh re-select
+        with the query of their newest middle token (its `query_row` in `drafts`, the
+        step's middle tokens (engine/middle.MiddleDrafts, or a mapping row ->
+        RequestDrafts), in the pass `forward` just ran, at its `position` - 1): the queries
+        `forward` kept of its pass (the capture's buffers: called before another target
+        pass can reuse them).
         Requests holding this step's shortlist re-rank only it; any other scores every
         candidate. With no refresh interval none is ever due (`due_in_middle`)."""
         refresh = self.level.refresh
@@ -316,7 +317,8 @@ class RetrievalStep:
             return self._rows_selections[1]
         table, slots = self.level.selections, self.refresh_rows[rows]
         idx, slots_dev = to_device(self.level.device, rows, slots)
-        selected, sizes, block_table = table.of(slots_dev), table.sizes(slots), self.batch.block_table[idx]
+        selected, sizes = table.of(slots_dev), table.sizes(slots)
+        block_table = self.batch.block_table[idx]
         self._rows_selections = (key, (selected, sizes, block_table))
         return selected, sizes, block_table
 
