@@ -116,7 +116,7 @@ PR, and when to remove it. Each module's docstring has the details.
             stay refused). Upstream: none known.
     Remove: when vLLM's rejection sampler applies min_p and logit_bias to drafted rows.
 
-Not a patch: `vllm_triforce/engine/capture.py` wraps `forward` of the target model's own
+Not a patch: `vllm_triforce/engine/device/capture.py` wraps `forward` of the target model's own
 attention impl *instances* when the proposer loads (per-layer queries and new keys for block
 summaries and selection; no class in vLLM changes). It checks `AttentionImpl.forward`'s
 signature there.

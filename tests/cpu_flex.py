@@ -1,6 +1,6 @@
 """TEST patch: let vLLM's CPU platform run FLEX_ATTENTION, gated on `VLLM_TRIFORCE_CPU_FLEX=1`.
 
-Why: TriForce's middle level builds attention metadata per layer (`engine/forward.py`).
+Why: TriForce's middle level builds attention metadata per layer (`engine/device/forward.py`).
 Metadata builders that keep state between `build()` calls (FLEX_ATTENTION's persistent
 `physical_to_logical` / `kv_indices` buffers, FlashInfer's shared wrapper) would make every
 layer attend over the last layer's table. CPU_ATTN's builder is stateless, so on this CPU no

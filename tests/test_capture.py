@@ -1,4 +1,4 @@
-"""engine/capture.py records nothing during vLLM's dummy and profile runs.
+"""engine/device/capture.py records nothing during vLLM's dummy and profile runs.
 
 vLLM sizes the KV cache from the peak memory of its profile run (`profile_run`: one dummy
 forward of max_num_batched_tokens tokens, vllm/v1/worker/gpu_model_runner.py, 0.32.0). A
@@ -87,7 +87,7 @@ def test_capture_survives_graph_pool_reuse(tiny_llama, llm_factory, monkeypatch)
     import torch
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
-    from vllm_triforce.engine.capture import DEFAULT_COPY_TOKENS
+    from vllm_triforce.engine.device.capture import DEFAULT_COPY_TOKENS
 
     prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 250 + 1 for j in range(300 + 60 * i)]}
                for i in range(3)]

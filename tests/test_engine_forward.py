@@ -1,9 +1,9 @@
-"""engine/forward.build_pass: the one builder of a pass's ids, positions, slots and query
+"""engine/device/forward.build_pass: the one builder of a pass's ids, positions, slots and query
 starts (hand-worked case from its docstring)."""
 
 import torch
 
-from vllm_triforce.engine.forward import build_pass
+from vllm_triforce.engine.device.forward import build_pass
 
 
 def test_build_pass_docstring_example():

@@ -1,6 +1,6 @@
 """TriForce under a STATEFUL attention-metadata builder: vLLM's FLEX_ATTENTION on this CPU.
 
-The middle level gives every target layer its own block table (engine/forward.py
+The middle level gives every target layer its own block table (engine/device/forward.py
 `layer_metadata`). FLEX_ATTENTION's builder keeps persistent buffers that the metadata it
 returns points into (`physical_to_logical`, `kv_indices`; vllm/v1/attention/backends/
 flex_attention.py, 0.32.0), so two builds through one builder leave the first metadata
@@ -84,7 +84,7 @@ def attention_groups(model, backend):
 
 def decode_pass():
     """Two requests decoding one token each; 40 and 70 tokens = 2 and 3 blocks of 32."""
-    from vllm_triforce.engine.forward import PassInputs
+    from vllm_triforce.engine.device.forward import PassInputs
 
     return PassInputs.make([0, 1, 2], [40, 70], [0, 1],
                            input_ids=torch.tensor([5, 6], dtype=torch.int32),
@@ -107,7 +107,7 @@ def test_flex_layers_keep_their_own_tables(tiny_llama):
     are the builder's persistent buffers, rewritten by the second layer's build."""
     from vllm.v1.attention.backends.flex_attention import physical_to_logical_mapping
 
-    from vllm_triforce.engine.forward import layer_metadata
+    from vllm_triforce.engine.device.forward import layer_metadata
 
     inputs = decode_pass()
     with attention_groups(tiny_llama, "FLEX_ATTENTION") as groups:
@@ -137,7 +137,7 @@ def two_level_pass_limits(config):
 def assert_builders_within_plan(group) -> None:
     """The per-layer builders are made for a middle pass's limits (`PassLimits`), and what
     each keeps after a build fits `per_layer_builder_bytes`, which MemoryPlan reserves."""
-    from vllm_triforce.engine import forward
+    from vllm_triforce.engine.device import forward
     from vllm_triforce.engine.shape import per_layer_builder_bytes
 
     layer_groups = forward._LAYER_GROUPS[group]
@@ -168,7 +168,7 @@ def _tensor_bytes(builder) -> int:
 
 def test_stateless_backend_builds_once_per_pass(tiny_llama, monkeypatch):
     """CPU_ATTN: one build per pass, then each layer a shallow copy with its own table."""
-    from vllm_triforce.engine.forward import layer_metadata
+    from vllm_triforce.engine.device.forward import layer_metadata
 
     with attention_groups(tiny_llama, "CPU_ATTN") as groups:
         (group,) = groups
@@ -191,7 +191,7 @@ def test_stateless_backend_builds_once_per_pass(tiny_llama, monkeypatch):
 
 def test_unknown_backend_is_refused_with_the_fix():
     from vllm_triforce.config import SUPPORTED_ATTENTION_BACKENDS, TriForceConfigError
-    from vllm_triforce.engine.forward import METADATA_PATHS, layer_metadata
+    from vllm_triforce.engine.device.forward import METADATA_PATHS, layer_metadata
 
     assert set(METADATA_PATHS) == set(SUPPORTED_ATTENTION_BACKENDS)
     backend = types.SimpleNamespace(get_name=lambda: "XFORMERS")

@@ -20,7 +20,7 @@ from engine_helpers import (assert_drafted, drafter_of, free_llm, in_process_llm
 from vllm_triforce.config import TriForceConfig, TriForceConfigError
 from vllm_triforce.core.policies import make_policy
 from vllm_triforce.core.policy_facts import SummaryKinds
-from vllm_triforce.engine.forward import PassInputs, run, split_pass
+from vllm_triforce.engine.device.forward import PassInputs, run, split_pass
 from vllm_triforce.engine.shape import EngineShape
 
 SPEC = {"method": "triforce", "num_speculative_tokens": 4, "retrieval_budget": 160,

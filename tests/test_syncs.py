@@ -7,7 +7,7 @@ counter gives `vllm-triforce bench speed` its syncs columns.
 On a CPU-only machine every tensor counts as a device tensor: a scalar read of what would be
 a host tensor on a GPU, or a blocking `.to(device)` of a tensor already there, counts too, so
 meeting the target on a CPU means the engine follows its rule "host values are Python,
-device values are tensors" (engine/transfer.py). On a CUDA machine the same test counts real
+device values are tensors" (engine/device/transfer.py). On a CUDA machine the same test counts real
 syncs (host-to-device copies are non-blocking from pinned memory there).
 
 TRIFORCE_SYNC_SITES=1 also prints, per case, the 15 engine lines with the most syncs (by

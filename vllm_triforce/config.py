@@ -32,7 +32,7 @@ POLICIES = POLICY_NAMES
 FULL_KEY_POLICIES = tuple(name for name, f in POLICY_FACTS.items() if f.keeps_keys)
 
 # Attention backends whose metadata TriForce builds correctly per layer
-# (engine/forward.py says how each is handled). Anything else is refused at config time.
+# (engine/device/forward.py says how each is handled). Anything else is refused at config time.
 SUPPORTED_ATTENTION_BACKENDS = ("CPU_ATTN", "FLASH_ATTN", "TRITON_ATTN", "FLASHINFER",
                                 "FLEX_ATTENTION")
 
@@ -103,6 +103,11 @@ class TriForceConfig:
     # acceptance sum_x min(p(x), q(x)) (the paper's Table 1 quantity). Costs one target
     # pass per step; outputs are unchanged.
     measure_middle_acceptance: bool = False
+    # Run the middle level's passes over persistent buffers, one pass shape per token bucket
+    # (engine/device/round_graph.py): captured as CUDA graphs on FLASH_ATTN and TRITON_ATTN
+    # on a GPU, replayed eagerly over the same buffers elsewhere. Off until a GPU has shown
+    # the graphs exact; a pass that fits no bucket takes today's path either way.
+    round_graphs: bool = False
     # vLLM keys passed through to the draft-model path.
     passthrough: dict[str, Any] = field(default_factory=dict)
 
@@ -125,6 +130,11 @@ class TriForceConfig:
             raise TriForceConfigError(
                 f"speculative_config['adaptive']={self.adaptive!r} must be true (choose the "
                 "depth every step) or false (always num_speculative_tokens).")
+        if not isinstance(self.round_graphs, bool):
+            raise TriForceConfigError(
+                f"speculative_config['round_graphs']={self.round_graphs!r} must be true (the "
+                "middle level's passes over persistent buffers, as CUDA graphs on a GPU) or "
+                "false (each pass built anew, the default).")
         if not isinstance(self.measure_middle_acceptance, bool):
             raise TriForceConfigError(
                 "speculative_config['measure_middle_acceptance']="

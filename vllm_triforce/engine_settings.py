@@ -5,7 +5,7 @@ source; CPU forces most of them off, which is why CPU tests never saw them):
 
 | setting | CUDA default | why TriForce breaks | what we do |
 |---|---|---|---|
-| `cudagraph_mode` | FULL_AND_PIECEWISE | a FULL graph replays attention without Python, so the capture hook (engine/capture.py) sees no query/key: summaries miss committed keys and selections never refresh | default PIECEWISE (attention stays an eager custom op, vllm/model_executor/layers/attention/attention.py); refuse FULL, FULL_AND_PIECEWISE, FULL_DECODE_ONLY |
+| `cudagraph_mode` | FULL_AND_PIECEWISE | a FULL graph replays attention without Python, so the capture hook (engine/device/capture.py) sees no query/key: summaries miss committed keys and selections never refresh | default PIECEWISE (attention stays an eager custom op, vllm/model_executor/layers/attention/attention.py); refuse FULL, FULL_AND_PIECEWISE, FULL_DECODE_ONLY |
 | async scheduling | on for `draft_model` (vllm/config/vllm.py ~1585) | the proposer reads token ids that are still -1 placeholders | default off; refuse an explicit on |
 | model runner | V2 unless `VLLM_USE_V2_MODEL_RUNNER=0` | the TriForce proposer lives in the V1 runner; V2 would silently run its own draft-model speculator | set 0; refuse an explicit 1 and the features that force V2 (watermarking, HiSparse) |
 | data parallelism | 1 | ranks run different numbers of middle passes; MoE DP collectives then hang (vllm/forward_context.py ~299) | refuse `data_parallel_size > 1` |
@@ -139,7 +139,7 @@ def _requested_backend(engine_args) -> str | None:
 
 def check_attention_backend(name: str | None) -> None:
     """Refuse a backend outside the allow-list: at config time for the requested backend,
-    and again when the attention backend is built (engine/forward.py `metadata_path`)."""
+    and again when the attention backend is built (engine/device/forward.py `metadata_path`)."""
     if name is not None and name not in SUPPORTED_ATTENTION_BACKENDS:
         raise _fix(f"attention backend {name}",
                    "TriForce builds attention metadata per layer and supports only backends "

@@ -43,7 +43,7 @@ from vllm_triforce.core.verify import (GREEDY_TEMPERATURE, sample_tokens,  # noq
                                        sampling_probs, verify)
 from vllm_triforce.engine.batch import StepBatch  # noqa: E402
 from vllm_triforce.engine.middle import HandOffBuffer, MiddleLoop  # noqa: E402
-from vllm_triforce.engine.transfer import to_device  # noqa: E402
+from vllm_triforce.engine.device.transfer import to_device  # noqa: E402
 from vllm_triforce.tools.bench.syncs import SyncCounter  # noqa: E402
 
 LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK, VOCAB, GAMMA2 = 32, 32, 8, 128, 16, 128_256, 6

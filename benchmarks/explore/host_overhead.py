@@ -95,7 +95,7 @@ def count_operations(llm, drafter, prompts, params, top: int) -> None:
     """Aten operations per middle round outside the model forwards, by call site."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from vllm_triforce.engine import forward
+    from vllm_triforce.engine.device import forward
 
     in_model = [0]  # > 0 inside a model forward: its operations are not counted
     sites: collections.Counter = collections.Counter()

@@ -216,7 +216,7 @@ def fixed_host_work() -> int:
 def fixed_work_after_forwards(llm, prompts, params) -> float:
     """Median microseconds `fixed_host_work` takes right after each model forward of one
     generation (outside the forward's timing: it runs after the forward returned)."""
-    import vllm_triforce.engine.forward as forward
+    import vllm_triforce.engine.device.forward as forward
 
     times = []
 
@@ -253,7 +253,7 @@ def tensor_work_per_round(llm, drafter, prompts, params, repeats: int) -> tuple[
     the dispatcher, so the mode's own Python is not in the time."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    import vllm_triforce.engine.forward as forward
+    import vllm_triforce.engine.device.forward as forward
 
     count = {"model": 0, "ops": 0, "seconds": 0.0}
 
@@ -295,7 +295,7 @@ def python_lines_per_round(llm, drafter, prompts, params) -> tuple[float, float,
     other process on the machine moves, of the host work that is Python's (a GPU's launches
     and the CPU's tensor work are not in it). The rest is the step's own work (the commit,
     the plan, the step-start selection, the hand-off), once a step whatever its rounds."""
-    import vllm_triforce.engine.forward as forward
+    import vllm_triforce.engine.device.forward as forward
     from vllm_triforce.engine.middle import MiddleLoop
     from vllm_triforce.engine.retrieval_level import RetrievalStep
 

@@ -32,7 +32,7 @@ from vllm_triforce.core.verify import sample_tokens
 from vllm_triforce.engine.batch import StepBatch
 from vllm_triforce.engine.draft_level import draft_proposals
 from vllm_triforce.engine.middle import HandOffBuffer, MiddleLoop, hand_off
-from vllm_triforce.engine.transfer import to_device, to_host
+from vllm_triforce.engine.device.transfer import to_device, to_host
 from vllm_triforce.tools.bench.syncs import SyncCounter
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(

@@ -20,7 +20,7 @@ import torch
 
 from vllm_triforce.core.verify import GREEDY_TEMPERATURE, sampling_probs
 from vllm_triforce.engine.depth import decodes_plainly
-from vllm_triforce.engine.transfer import to_device, to_host
+from vllm_triforce.engine.device.transfer import to_device, to_host
 
 
 @dataclass

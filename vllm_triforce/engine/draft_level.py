@@ -19,8 +19,8 @@ from vllm_triforce.config import TriForceConfigError
 from vllm_triforce.core.streaming import DraftWindow
 from vllm_triforce.core.verify import GREEDY_TEMPERATURE, sample_tokens
 from vllm_triforce.engine.buffers import MIDDLE_CHUNK_ROWS
-from vllm_triforce.engine.forward import build_pass, run_pass
-from vllm_triforce.engine.transfer import to_device
+from vllm_triforce.engine.device.forward import build_pass, run_pass
+from vllm_triforce.engine.device.transfer import to_device
 
 
 def draft_window(shape, max_draft_position: int) -> DraftWindow:

@@ -34,8 +34,8 @@ import torch
 
 from vllm_triforce.core.verify import GREEDY_TEMPERATURE, sample_tokens, verify, verify_greedy
 from vllm_triforce.engine.buffers import middle_chunk_requests
-from vllm_triforce.engine.forward import Runs
-from vllm_triforce.engine.transfer import to_device
+from vllm_triforce.engine.device.forward import Runs
+from vllm_triforce.engine.device.transfer import to_device
 
 
 class HandOffBuffer:

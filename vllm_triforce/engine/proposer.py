@@ -72,10 +72,11 @@ from vllm_triforce.core.refresh import RefreshPolicy
 from vllm_triforce.core.scoring import SelectionState
 from vllm_triforce.core.selection import Selector
 from vllm_triforce.core.summaries import BlockSummaries
-from vllm_triforce.engine import capture
 from vllm_triforce.engine.batch import StepBatch
+from vllm_triforce.engine.device import capture
+from vllm_triforce.engine.device.forward import metadata_path
+from vllm_triforce.engine.device.round_graph import RoundBounds, RoundGraphs
 from vllm_triforce.engine.draft_level import DraftLevel, draft_window
-from vllm_triforce.engine.forward import metadata_path
 from vllm_triforce.engine.memory import (MemoryPlan, Sizing, allocate_summaries,
                                          check_one_request, describe_reservation)
 from vllm_triforce.engine.depth import DepthChooser
@@ -213,7 +214,8 @@ class TriForceProposer(DraftModelProposer):
         self.retrieval = RetrievalLevel(
             self.target_model, self.vllm_config, target_groups, self.target_layer_names,
             layer.num_heads, layer.head_size, self.capture, keeper, selector,
-            self.refresh, self.stats, self.device, pass_limits=shape.pass_limits)
+            self.refresh, self.stats, self.device, pass_limits=shape.pass_limits,
+            round_graphs=self._round_graphs(target_groups))
         self.draft = None
         if self.shape.has_draft:
             self.draft = DraftLevel(self.model, self.vllm_config, self.draft_attn_groups,
@@ -226,6 +228,38 @@ class TriForceProposer(DraftModelProposer):
                                   max_drafting=self.sizing.drafting)
         self.middle = MiddleLoop(self.draft, shape.gamma1, self.refresh, self.stats,
                                  self.generator, self.cfg.measure_middle_acceptance)
+
+    def _round_graphs(self, target_groups) -> RoundGraphs | None:
+        """The middle passes over persistent buffers (`round_graphs`: engine/device/
+        round_graph.py), or None (off, or this backend builds metadata per layer); the
+        start-up log says which path the middle level takes, and why."""
+        if not self.cfg.round_graphs:
+            logger.info("TriForce middle passes: built per pass (round_graphs off)")
+            return None
+        shape = self.shape
+        groups = [g for g in target_groups
+                  if set(g.layer_names) & set(self.target_layer_names)]
+        group = groups[0]
+        tp = self.vllm_config.parallel_config.tensor_parallel_size
+        path, why = RoundGraphs.path(group.backend.get_name(), self.device, tp,
+                                     group.kernel_block_size)
+        if len(groups) != 1:
+            path, why = "per pass", f"target layers in {len(groups)} attention groups"
+        if path == "per pass":
+            logger.info("TriForce middle passes: built per pass (%s)", why)
+            return None
+        bounds = RoundBounds.of(shape.blocks.budget_blocks, shape.block_size, shape.gamma1,
+                                shape.gamma2, self.cfg.refresh_interval, self.sizing.drafting,
+                                shape.max_blocks, shape.max_batched_tokens)
+        self.capture.use_step_buffers()  # vLLM's passes into buffers too, not clones
+        graphs = RoundGraphs(self.target_model, self.vllm_config, group,
+                             self.target_layer_names, bounds, self.capture, self.device,
+                             use_cuda_graphs=path == "cuda graphs")
+        logger.info("TriForce middle passes: %s (%s), %d token buckets up to %d tokens x %d "
+                    "requests x %d blocks; input buffers %.1f MiB", path, why,
+                    len(bounds.buckets), bounds.max_tokens, bounds.max_requests,
+                    bounds.max_width, graphs.buffers.nbytes / 2**20)
+        return graphs
 
     def _draft_window(self):
         hf = self.speculative_config.draft_model_config.hf_config

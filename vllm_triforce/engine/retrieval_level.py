@@ -23,6 +23,7 @@ ever take committed keys.
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -31,10 +32,10 @@ import torch
 from vllm_triforce.core import reads
 from vllm_triforce.core.blocks import selection_sizes
 from vllm_triforce.core.tables import TableLayout, laid_out_tables
-from vllm_triforce.engine.forward import Runs, build_pass, run_pass
+from vllm_triforce.engine.device.forward import TIME_FORWARDS_ENV, Runs, build_pass, run_pass
 from vllm_triforce.engine.middle import positions_of
 from vllm_triforce.engine.selections import SelectionTable
-from vllm_triforce.engine.transfer import to_device
+from vllm_triforce.engine.device.transfer import to_device
 
 
 class RetrievalLevel:
@@ -47,7 +48,7 @@ class RetrievalLevel:
 
     def __init__(self, model, vllm_config, attn_groups, layer_names: list[str], num_heads: int,
                  head_size: int, capture, keeper, selector, refresh, stats, device,
-                 pass_limits=None):
+                 pass_limits=None, round_graphs=None):
         self.model = model
         self.vllm_config = vllm_config
         self.attn_groups = attn_groups
@@ -66,6 +67,9 @@ class RetrievalLevel:
         self.stats = stats
         self.device = device
         self.pass_limits = pass_limits
+        # the passes over persistent buffers (engine/device/round_graph.py), with
+        # `round_graphs`; None: every pass is built anew (`run_pass`)
+        self.round_graphs = round_graphs
 
     @property
     def summaries(self):
@@ -300,11 +304,29 @@ class RetrievalStep:
         tables = laid_out_tables(selected, block_table, num_selected, tail_start, num_tails,
                                  layout.width)
         inputs = build_pass(token_ids, positions, block_table, bs, layout.compact_lens)
-        per_layer = dict(zip(level.layer_names, tables.unbind(0)))  # one op, not one per layer
-        with level.capture.recording():  # its queries may re-select the next round's blocks
-            logits = run_pass(level.model, level.vllm_config, level.attn_groups, inputs,
-                              per_layer, level.stats, level.pass_limits)
+        # its queries may re-select the next round's blocks: the capture records them
+        logits = self._replayed(inputs, tables) if level.round_graphs is not None else None
+        if logits is None:
+            per_layer = dict(zip(level.layer_names, tables.unbind(0)))  # one op, not per layer
+            with level.capture.recording():
+                logits = run_pass(level.model, level.vllm_config, level.attn_groups, inputs,
+                                  per_layer, level.stats, level.pass_limits)
         self._pass_queries = list(level.capture.queries)
+        return logits
+
+    def _replayed(self, inputs, tables: torch.Tensor) -> torch.Tensor | None:
+        """The pass over the level's persistent buffers, in its token bucket (None: it fits
+        none, and takes `run_pass`)."""
+        level = self.level
+        start = time.perf_counter()
+        logits = level.round_graphs.run(inputs, tables)
+        if logits is None:
+            level.stats.add(round_graph_misses=1)
+            return None
+        if logits.is_cuda and os.environ.get(TIME_FORWARDS_ENV) == "1":
+            torch.cuda.synchronize(logits.device)
+        level.stats.add(round_graph_passes=1, forward_seconds=time.perf_counter() - start)
+        level.stats.max_pass_tokens = max(level.stats.max_pass_tokens, inputs.num_tokens)
         return logits
 
     def _selections_of(self, rows: list[int]):

@@ -28,11 +28,11 @@ from vllm_triforce.core.selection import selection_chunk_requests
 from vllm_triforce.engine.memory import MemoryPlan, summary_dtype
 
 # FlashInfer's prefill and decode wrappers each keep an 8 MiB int workspace of their own
-# (the float workspace is shared, engine/forward.py `_share_workspace`); an allowance read
+# (the float workspace is shared, engine/device/forward.py `_share_workspace`); an allowance read
 # from FlashInfer's wrapper constructors, not measured here (no GPU in CI).
 FLASHINFER_WRAPPER_BYTES = 2 * 8 * 2**20
 # A middle pass through per-layer builders (FLEX_ATTENTION, FLASHINFER) holds at most this
-# many requests (engine/forward.py `run_pass` splits a larger one): those builders keep
+# many requests (engine/device/forward.py `run_pass` splits a larger one): those builders keep
 # buffers per request and KV block in every layer (`per_layer_builder_bytes`), which would
 # otherwise grow with the drafting cap. Stateless builders run a middle pass whole.
 BUILDER_PASS_REQUESTS = 32
@@ -41,7 +41,7 @@ BUILDER_PASS_REQUESTS = 32
 @dataclass(frozen=True)
 class PassLimits:
     """The most requests and tokens of one pass through per-layer builders: at most
-    BUILDER_PASS_REQUESTS requests of at most gamma1 + 1 tokens each (engine/forward.py
+    BUILDER_PASS_REQUESTS requests of at most gamma1 + 1 tokens each (engine/device/forward.py
     `run_pass` splits any larger pass: a middle round of more drafting requests, the
     acceptance teacher's).
     The per-layer builders are made for these limits, not the runner's max_num_seqs and
@@ -181,9 +181,9 @@ def per_layer_builder_bytes(backend: str, limits: PassLimits, pages: int,
     and R-SWA kv_indices [T, P + 1] int32, and [T]- and [R]-sized int32 vectors (q =
     `flex_q_block`: attention_config's query block, at least 128); FLASHINFER: paged_kv_indices
     [R * P] int32, its indptr and last-page vectors (host and device),
-    FLASHINFER_WRAPPER_BYTES. Backends whose builder keeps no state (engine/forward.py
+    FLASHINFER_WRAPPER_BYTES. Backends whose builder keeps no state (engine/device/forward.py
     METADATA_PATHS): none."""
-    from vllm_triforce.engine.forward import BUILDER_PER_LAYER, METADATA_PATHS
+    from vllm_triforce.engine.device.forward import BUILDER_PER_LAYER, METADATA_PATHS
 
     if METADATA_PATHS.get(backend) != BUILDER_PER_LAYER:
         return 0, 0

@@ -32,8 +32,12 @@ class TriForceStats:
     live_requests: int = 0     # gauge: requests holding per-request state
     middle_seconds: float = 0.0  # wall time inside the proposer (levels 1-2), cost model
     forward_seconds: float = 0.0  # of which: model forwards (levels 1-2), device-synchronised
-    split_passes: int = 0      # passes split to fit max_num_batched_tokens (engine/forward.py)
+    split_passes: int = 0      # passes split to fit max_num_batched_tokens (engine/device/forward.py)
     max_pass_tokens: int = 0   # gauge: the largest forward the proposer ran
+    # round_graphs only (engine/device/round_graph.py): middle passes run over the
+    # persistent buffers, and passes that fit no bucket (today's path instead)
+    round_graph_passes: int = 0
+    round_graph_misses: int = 0
     # measure_middle_acceptance only: sum over measured positions of sum_x min(p, q), p the
     # full-cache and q the retrieval-cache distribution, and the number of positions.
     middle_pq_sum: float = 0.0

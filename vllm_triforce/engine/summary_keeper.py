@@ -30,7 +30,7 @@ from vllm_triforce.core import reads
 from vllm_triforce.core.summaries import committed_runs, token_pieces
 from vllm_triforce.engine.block_contents import block_contents, common_prefix
 from vllm_triforce.engine.buffers import fold_piece_tokens
-from vllm_triforce.engine.transfer import to_device
+from vllm_triforce.engine.device.transfer import to_device
 
 logger = init_logger("vllm.triforce")
 

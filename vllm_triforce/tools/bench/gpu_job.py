@@ -101,7 +101,7 @@ def _fa3_error(torch) -> float:
 
 class SyncAttribution:
     """Every synchronising CUDA call (torch's sync debug mode), recorded by the innermost
-    frame of this package on its Python stack (`engine/forward.py:123`,
+    frame of this package on its Python stack (`engine/device/forward.py:123`,
     `patches/cpu_seed.py:64`), or `vllm` where there is none. `owner` says whose work it
     is: TriForce's when that frame is the proposer's (engine/, core/) or the sync
     counter's wrapper around it (syncs.py); a patch's frame (patches/) is a thin wrapper

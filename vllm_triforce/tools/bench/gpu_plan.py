@@ -43,7 +43,7 @@ GPU_CASES = (("8x32K", 8, 32768 - 512), ("1x128K", 1, 131072 - 1024), ("32x8K", 
              ("64x8K", 64, 8192 - 256))
 GPU_DEPTHS = [0, 2, 4, 6]
 # TriForce's engine leaves more of the GPU free than plain's: a long prefill chunk's
-# captured queries and keys are not in vLLM's profile run (engine/capture.py).
+# captured queries and keys are not in vLLM's profile run (engine/device/capture.py).
 GPU_MEMORY = {"plain": 0.9, "triforce": 0.85}
 CPU_CASES = (("2x1K", 2, 1024), ("1x2K", 1, 2048))
 

@@ -9,7 +9,7 @@ position t = C + j (j < P, one row per document, one token per row):
         `core/tables.py`, from the column's scores), input = the text's token at t;
   p   = the target over its full table, same input.
 
-Both run through `engine/forward.run_pass`, the one metadata builder the engine uses.
+Both run through `engine/device/forward.run_pass`, the one metadata builder the engine uses.
 Every pass writes the token's KV into its real slot t; a q pass writes APPROXIMATE KV, so
 all q passes at t run first and the full pass at t LAST: it reads only exact slots < t
 plus its own slot (each layer writes before it attends) and rewrites slot t exactly, so
@@ -159,7 +159,7 @@ class TeacherForcedEngine:
     def _pass(self, tokens: list[int], t: int, block_table: torch.Tensor, tables,
               seq_lens: torch.Tensor) -> torch.Tensor:
         """One token per document at position t; returns logits [num_docs, V]."""
-        from vllm_triforce.engine.forward import build_pass, run_pass
+        from vllm_triforce.engine.device.forward import build_pass, run_pass
 
         d = self.drafter
         inputs = build_pass([[token] for token in tokens], [[t]] * len(tokens), block_table,

@@ -23,7 +23,7 @@ import torch
 from vllm.forward_context import set_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
-from vllm_triforce.engine.transfer import to_device
+from vllm_triforce.engine.device.transfer import to_device
 from vllm_triforce.engine_settings import check_attention_backend
 
 

@@ -21,6 +21,15 @@ copies per layer of a decode-sized pass (benchmarks/explore/capture_copy.py meas
 Under FULL CUDA graphs attention does not run Python at all, so TriForce needs eager or
 piecewise graphs (engine_settings.py).
 
+Persistent buffers (`CaptureBuffers`, with `round_graphs`): instead of a clone per pass, a
+pass of at most the buffers' tokens is copied into [layers, tokens, width] tensors
+allocated once, and what is kept is a view of them. A CUDA graph that records the pass
+records the copy, so a replay refreshes the buffers as a clone never could. vLLM's passes
+and TriForce's middle passes copy into buffers of their own (`LayerCapture.step_buffers`,
+and the buffers a `recording(into=...)` names), so a middle round never overwrites the
+queries and keys of vLLM's pass before the next step's commit has read them. A middle
+pass keeps queries only: nothing reads a middle pass's keys.
+
 Nothing is recorded when `attn_metadata` is None: that is a vLLM dummy run, not a step.
 `GPUModelRunner._dummy_run` (vllm/v1/worker/gpu_model_runner.py, 0.32.0) builds metadata
 only when `force_attention` or a FULL graph asks for it, and sets the forward context's
@@ -36,11 +45,49 @@ from __future__ import annotations
 import contextlib
 import inspect
 
+import torch
+
 PATCHED_ATTR = "__vllm_triforce_capture__"
 # vLLM's default largest CUDA-graph size (CompilationConfig.max_cudagraph_capture_size),
 # for configs that leave it unset (CPU): passes of at most this many tokens are copied.
 DEFAULT_COPY_TOKENS = 512
 _EXPECTED = ("self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output")
+
+
+class CaptureBuffers:
+    """Persistent copies of each target layer's query (and, with `keep_keys`, key) of a
+    pass of at most `max_tokens` tokens: query [num_layers, max_tokens, width] in the dtype
+    the attention receives, made at the first copy (an fp8 query stays fp8, see
+    retrieval_level.dequantized_query) and never again unless that dtype or width changes.
+    `put` copies one layer's tensor in and returns the view of its rows, shaped as given."""
+
+    def __init__(self, num_layers: int, max_tokens: int, keep_keys: bool):
+        self.num_layers, self.max_tokens, self.keep_keys = num_layers, max_tokens, keep_keys
+        self.buffers: dict[str, torch.Tensor] = {}  # "query" / "key" -> [L, max_tokens, width]
+
+    def fits(self, num_tokens: int) -> bool:
+        return num_tokens <= self.max_tokens
+
+    def put(self, name: str, index: int, tensor: torch.Tensor) -> torch.Tensor:
+        """tensor [n, ...] -> buffer[index, :n] holding a copy, viewed as tensor's shape."""
+        width = tensor.shape[1:].numel()
+        buffer = self.buffers.get(name)
+        if buffer is None or buffer.dtype != tensor.dtype or buffer.shape[-1] != width:
+            buffer = torch.empty(self.num_layers, self.max_tokens, width, dtype=tensor.dtype,
+                                 device=tensor.device)
+            self.buffers[name] = buffer
+        view = buffer[index, :tensor.shape[0]].view(tensor.shape)
+        view.copy_(tensor)
+        return view
+
+    def view(self, name: str, index: int, num_tokens: int) -> torch.Tensor:
+        """The rows a pass of `num_tokens` tokens left in layer `index`'s buffer, [n, width]
+        (what a CUDA graph's replay refreshed without running Python)."""
+        return self.buffers[name][index, :num_tokens]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers.values())
 
 
 class LayerCapture:
@@ -60,6 +107,16 @@ class LayerCapture:
         self.keys: list = [None] * num_layers
         self.copy_tokens = copy_tokens
         self._on = True  # switched only by `paused` and `recording`
+        # vLLM's passes of at most copy_tokens tokens copy into these when set
+        # (`use_step_buffers`); None: clones
+        self.step_buffers: CaptureBuffers | None = None
+        self._into: CaptureBuffers | None = None  # a `recording(into=...)` scope's buffers
+
+    def use_step_buffers(self) -> CaptureBuffers:
+        """vLLM's passes of at most `copy_tokens` tokens are kept in persistent buffers
+        from now on, not as clones (module docstring)."""
+        self.step_buffers = CaptureBuffers(len(self.queries), self.copy_tokens, keep_keys=True)
+        return self.step_buffers
 
     @property
     def is_recording(self) -> bool:
@@ -72,10 +129,15 @@ class LayerCapture:
             yield self
 
     @contextlib.contextmanager
-    def recording(self):
-        """Every target pass inside is recorded; the state before is restored on leaving."""
-        with self._switched(True):
-            yield self
+    def recording(self, into: CaptureBuffers | None = None):
+        """Every target pass inside is recorded; the state before is restored on leaving.
+        `into`: its queries go into these buffers (a middle pass's, keys not kept)."""
+        before, self._into = self._into, into
+        try:
+            with self._switched(True):
+                yield self
+        finally:
+            self._into = before
 
     @contextlib.contextmanager
     def _switched(self, on: bool):
@@ -86,11 +148,25 @@ class LayerCapture:
             self._on = before
 
     def record(self, index: int, query, key) -> None:
-        if query.shape[0] <= self.copy_tokens:  # may be a graph replay's pool memory
-            query = query.clone()
-            key = key.clone() if key is not None else None
+        into = self._into
+        if into is not None and into.fits(query.shape[0]):  # a middle pass: queries only
+            query, key = into.put("query", index, query), None
+        elif query.shape[0] <= self.copy_tokens:  # may be a graph replay's pool memory
+            buffers = self.step_buffers
+            if buffers is not None:
+                query = buffers.put("query", index, query)
+                key = buffers.put("key", index, key) if key is not None else None
+            else:
+                query = query.clone()
+                key = key.clone() if key is not None else None
         self.queries[index] = query
         self.keys[index] = key
+
+    def take_views(self, buffers: CaptureBuffers, num_tokens: int) -> None:
+        """Every layer's query is now `buffers`' first `num_tokens` rows (after a CUDA
+        graph's replay, which copied them without running `record`); no keys."""
+        self.queries = [buffers.view("query", i, num_tokens) for i in range(len(self.queries))]
+        self.keys = [None] * len(self.keys)
 
     def clear(self) -> None:
         self.queries = [None] * len(self.queries)

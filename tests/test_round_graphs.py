@@ -1,0 +1,209 @@
+"""engine/device/round_graph.py: the middle level's passes over persistent buffers.
+
+A CUDA graph replays the kernels it captured over the addresses it captured, with the host
+values it captured. On the CPU the same buckets replay eagerly over the same buffers
+(`EagerReplay`), and `ReplayGuard` fails any replay whose attention reads another tensor
+or another host value than the bucket's first run: what a real graph would silently
+freeze. Here: the buffers' padding (pure tensors), the guard failing when it should, and
+engines with `round_graphs` giving today's tokens, selections and acceptance, two and
+three levels, while padding writes no real KV slot.
+"""
+
+import pytest
+import torch
+
+from vllm_triforce.engine.device.capture import CaptureBuffers, LayerCapture
+from vllm_triforce.engine.device.forward import build_pass
+from vllm_triforce.engine.device.round_graph import (PADDING_SLOT, PassBuffers, ReplayGuard,
+                                                     ReplayMismatch, RoundBounds)
+
+
+def bounds(**over) -> RoundBounds:
+    kwargs = dict(budget_blocks=5, block_size=4, gamma1=0, gamma2=4, refresh_interval=1,
+                  drafting=8, max_blocks=64, max_batched_tokens=2048)
+    kwargs.update(over)
+    return RoundBounds.of(**kwargs)
+
+
+def test_buckets_cover_every_pass_up_to_the_largest():
+    b = bounds(drafting=40, gamma1=1)  # 40 requests of up to 2 tokens: 80 tokens
+    assert b.max_tokens == 80 and b.buckets[-1] == 80 and b.max_requests == 40
+    assert [b.bucket(t, 1) for t in (1, 3, 5, 17, 49, 80)] == [1, 4, 8, 24, 64, 80]
+    assert b.bucket(81, 1) is None
+    assert b.requests_of(4) == 4 and b.requests_of(80) == 40
+    assert b.max_query_len == 2
+
+
+def test_width_bound_holds_the_budget_and_a_step_of_tail_growth():
+    # 5 budget blocks of 4 tokens; after a selection the tail gains at most
+    # 1 (interval) + 4 (gamma2) + 1 (gamma1 + 1) = 6 tokens: 2 more blocks, and one for
+    # a tail block that starts part-full
+    b = bounds()
+    assert b.max_width == 5 + 2 + 1 and b.max_seq_len == 8 * 4
+    assert b.bucket(1, 8) == 1 and b.bucket(1, 9) is None
+    assert bounds(max_blocks=6).max_width == 6  # never wider than a max_model_len request
+
+
+def test_load_pads_so_nothing_is_written_or_read():
+    """Three requests of [2, 1, 1] tokens in the 8-token bucket: padded tokens get slot -1,
+    id 0 and position 0; padded requests repeat the last query start and have length 0."""
+    b = bounds(gamma1=1)
+    buffers = PassBuffers(b, num_layers=2, device="cpu")
+    table = torch.tensor([[10, 11], [20, 21], [30, 31]], dtype=torch.int32)
+    inputs = build_pass([[7, 8], [9], [5]], [[5, 6], [2], [3]], table, 4, [7, 3, 4])
+    tables = torch.arange(2 * 3 * 2, dtype=torch.int32).view(2, 3, 2)
+    bucket = b.bucket(inputs.num_tokens, 2)
+    assert bucket == 4 and b.requests_of(bucket) == 4
+    buffers.slot_mapping.fill_(99)  # what an earlier round could have left
+    buffers.load(inputs, tables, bucket, b.requests_of(bucket))
+    assert buffers.input_ids[:4].tolist() == [7, 8, 9, 5]
+    assert buffers.slot_mapping[:4].tolist() == [45, 46, 82, 123]
+    buffers.load(build_pass([[7], [9]], [[5], [2]], table[:2], 4, [6, 3]), tables[:, :2], 2, 2)
+    assert buffers.slot_mapping[:2].tolist() == [45, 82]
+    assert buffers.slot_mapping[2:4].tolist() == [82, 123]  # past bucket 2: left, never read
+    buffers.load(inputs, tables, 8, 4)  # the same pass in the 8-token bucket
+    assert buffers.slot_mapping[4:8].tolist() == [PADDING_SLOT] * 4
+    assert buffers.input_ids[4:8].tolist() == [0] * 4 and buffers.positions[4:8].tolist() == [0] * 4
+    assert buffers.query_start_loc[:5].tolist() == [0, 2, 3, 4, 4]
+    assert buffers.seq_lens[:4].tolist() == [7, 3, 4, 0]
+    assert torch.equal(buffers.tables[:, :3, :2], tables)
+
+
+def test_capture_buffers_views_equal_clones_and_stay_apart():
+    """Persistent copies equal the clones they replace; a middle pass's buffers never
+    alias vLLM's pass's, so a round cannot overwrite what the next commit reads."""
+    capture = LayerCapture(num_layers=2, copy_tokens=8)
+    step = capture.use_step_buffers()
+    rounds = CaptureBuffers(2, 4, keep_keys=False)
+    q, k = torch.randn(3, 2, 4), torch.randn(3, 1, 4)
+    capture.record(0, q, k)
+    assert torch.equal(capture.queries[0], q) and torch.equal(capture.keys[0], k)
+    assert capture.queries[0].data_ptr() == step.buffers["query"].data_ptr()
+    step_query = capture.queries[0]
+    with capture.recording(into=rounds):
+        capture.record(0, q * 2, k * 2)
+    assert capture.keys[0] is None  # a middle pass keeps queries only
+    assert torch.equal(capture.queries[0], q * 2) and torch.equal(step_query, q)
+    assert rounds.buffers["query"].data_ptr() != step.buffers["query"].data_ptr()
+    capture.record(1, torch.randn(9, 2, 4), None)  # larger than the buffers: by reference
+    assert capture.queries[1].shape[0] == 9
+
+
+def test_replay_guard_fails_a_replay_that_reads_another_table():
+    """The guard is not a test that cannot fail: a bucket whose second run reads a table at
+    another address, or another host value, is refused."""
+    from types import SimpleNamespace
+
+    table, lens = torch.zeros(2, 3, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    meta = SimpleNamespace(query_start_loc=torch.zeros(3), seq_lens=lens, block_table=table,
+                           slot_mapping=torch.zeros(2), num_actual_tokens=2, max_query_len=1,
+                           max_seq_len=8, causal=True)
+    impl = SimpleNamespace(forward=lambda layer, q, k, v, cache, m, *a, **kw: None)
+    guard = ReplayGuard().install([SimpleNamespace(impl=impl)])
+    cache = torch.zeros(4)
+
+    def attend():
+        impl.forward(None, None, None, None, cache, meta)
+
+    for _ in range(2):
+        with guard.watching(2):
+            attend()
+    assert guard.replays_checked == 1
+    meta.block_table = table.clone()  # a table allocated per round
+    with pytest.raises(ReplayMismatch, match="block_table"):
+        with guard.watching(2):
+            attend()
+    meta.block_table, meta.num_actual_tokens = table, 1  # a host value decided per round
+    with pytest.raises(ReplayMismatch, match="num_actual_tokens"):
+        with guard.watching(2):
+            attend()
+    guard.remove()
+    assert not hasattr(impl.forward, "__wrapped__") and guard._impls == []
+
+
+# ---- engines ------------------------------------------------------------------------
+
+SPEC = {"method": "triforce", "num_speculative_tokens": 4, "retrieval_budget": 160,
+        "retrieval_sink_tokens": 16, "retrieval_recent_tokens": 32, "adaptive": False}
+
+
+def _prompts(n: int) -> list[dict]:
+    return [{"prompt_token_ids": [(7 * i + 3 * j) % 250 + 1 for j in range(300 + 60 * i)]}
+            for i in range(n)]
+
+
+def _run(llm, prompts, watch_kv: bool = False) -> dict:
+    """Greedy tokens, every selection, TriForce's counters, and (`watch_kv`) the KV blocks
+    each round pass over the buffers changed against the blocks its real tokens own."""
+    from vllm import SamplingParams
+
+    from engine_helpers import assert_drafted, drafter_of, runner_of
+
+    drafter = drafter_of(llm)
+    selector, selections = drafter.retrieval.selector, []
+    choose = selector.choose
+
+    def recording_choose(*args, **kwargs):
+        choice = choose(*args, **kwargs)
+        selections.append(choice.selection.logical_blocks.tolist())
+        return choice
+
+    selector.choose = recording_choose
+    graphs, writes = drafter.retrieval.round_graphs, []
+    guard = None
+    if graphs is not None:
+        guard = graphs.guard = ReplayGuard().install(drafter.target_layers)
+        if watch_kv:
+            caches = runner_of(llm).kv_caches
+            run = graphs.run
+
+            def watched_run(inputs, tables):
+                before = [c.clone() for c in caches]
+                out = run(inputs, tables)
+                block = drafter.block_size
+                changed = set()
+                for was, now in zip(before, caches):  # [num_blocks, ...] on CPU_ATTN
+                    diff = (was != now).reshape(was.shape[0], -1).any(-1)
+                    changed |= set(torch.nonzero(diff).flatten().tolist())
+                real = set((inputs.slot_mapping // block).tolist())
+                writes.append((out is not None and inputs.num_tokens
+                               < graphs.bounds.bucket(inputs.num_tokens, tables.shape[-1]),
+                               changed, real))
+                return out
+
+            graphs.run = watched_run
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)
+    stats = drafter.stats.snapshot()
+    assert_drafted(stats, levels=3 if drafter.shape.has_draft else 2)
+    if guard is not None:
+        guard.remove()
+    return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "selections": selections,
+            "accepted": (stats["top_proposed"], stats["top_accepted"],
+                         stats["middle_proposed"], stats["middle_accepted"]),
+            "stats": stats, "guard": guard, "writes": writes}
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("levels", [2, 3])
+def test_round_graphs_give_todays_tokens_selections_and_acceptance(
+        levels, tiny_llama, tiny_draft, llm_factory):
+    spec = dict(SPEC)
+    if levels == 3:
+        spec.update(model=str(tiny_draft), draft_tokens_per_round=2)
+    prompts = _prompts(3)  # three requests: one-token rounds pad 3 -> 4
+    plain = _run(llm_factory(tiny_llama, speculative_config=spec), prompts)
+    graphed = _run(llm_factory(tiny_llama, speculative_config=dict(spec, round_graphs=True)),
+                   prompts, watch_kv=True)
+    stats = graphed["stats"]
+    assert stats["round_graph_passes"] > 0 and stats["round_graph_misses"] == 0, stats
+    assert stats["round_graph_passes"] == stats["middle_rounds"]
+    assert graphed["guard"].replays_checked > 0
+    assert plain["selections"], "no selection was made: the test proves nothing"
+    assert graphed["selections"] == plain["selections"]
+    assert graphed["accepted"] == plain["accepted"]
+    assert graphed["tokens"] == plain["tokens"]
+    padded = [(changed, real) for was_padded, changed, real in graphed["writes"] if was_padded]
+    assert padded, "no round ran padded: the padding check proves nothing"
+    assert any(changed for changed, _ in padded), "no KV write was seen: the check is blind"
+    for changed, real in padded:
+        assert changed <= real, f"padding wrote KV blocks {sorted(changed - real)}"

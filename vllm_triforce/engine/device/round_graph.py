@@ -1,0 +1,412 @@
+"""The middle level's passes over persistent buffers: one pass shape per token bucket, its
+attention metadata built once, captured as a CUDA graph on a GPU and replayed eagerly
+over the same buffers everywhere else.
+
+Why. Today's path (`forward.run_pass`) builds a pass's inputs, its per-layer metadata and
+its forward context anew every round, and on a GPU runs vLLM's compiled model without
+CUDA graphs: a middle round of Llama-3.1-8B's shape costs ~25 ms of host time for ~7 ms of
+device work. Here every input a round's pass reads lives in a buffer allocated once
+(`PassBuffers`: ids, positions, slots, query starts, sequence lengths, the per-layer tables
+[layers, requests, width]); a round writes them (`PassBuffers.load`) and runs its bucket
+(`BucketPass`), whose per-layer metadata were built once over views of those buffers.
+
+Buckets. A pass of T tokens over R requests runs in the smallest bucket of at least T
+tokens (`RoundBounds.buckets`), with R_pad = min(bucket, max_requests) request rows (a
+request has at least one token, so R <= T <= bucket). Padding cannot write and is never
+read: padded tokens have slot -1 (vLLM's PADDING_SLOT_ID, which every KV-cache write
+skips), id 0 and position 0; padded requests have no query token (the query starts repeat
+T) and sequence length 0; the metadata's host values are the bucket's bounds (its token
+and request counts, `max_query_len` gamma1 + 1, `max_seq_len` the widest row's tokens), the
+same at every round, as a CUDA graph freezes them. A pass larger than the largest bucket,
+or wider than `RoundBounds.max_width`, takes today's path (`RoundGraphs.run` returns None).
+
+Per round, what cannot be frozen is refreshed in place (`BucketPass.refresh`): the
+scheduler metadata that CPU_ATTN and FA3 compute from the lengths (vLLM's builders make it
+in `build()`; vllm/v1/attention/backends/cpu_attn.py and flash_attn.py, 0.32.0) is built
+again over the buffers and handed to the captured objects (eager) or copied into the
+captured tensor (CUDA graph). Nothing else is built per round.
+
+Replays. `EagerReplay` runs the bucket's closure (forward context, model, logits) over the
+buffers: the CPU's twin of the graph, and the path for FLASHINFER / FLEX_ATTENTION-free
+backends without CUDA graphs. `CudaGraphReplay` captures the same closure once per bucket
+(largest first, in one private memory pool, after vLLM's KV cache exists) and replays it;
+on FLASH_ATTN and TRITON_ATTN only, with one tensor-parallel rank (custom all-reduce must
+be captured under vLLM's `graph_capture`, not done here). The capture hook copies each
+layer's query into `CaptureBuffers` inside the closure, so a graph's replay refreshes them
+too (engine/device/capture.py).
+
+`ReplayGuard` (tests): a spy on the target layers' attention that records, at a bucket's
+first run, every input tensor's address and every host value the attention reads, and
+fails any later run that differs: what a real CUDA graph would silently freeze.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass
+
+import torch
+from vllm.forward_context import set_forward_context
+from vllm.v1.attention.backend import CommonAttentionMetadata
+
+from vllm_triforce.engine.device.forward import PassInputs, SWAP_TABLE, _with_table, metadata_path
+
+# Token buckets of a round's pass (two levels: one token per drafting request; three:
+# up to gamma1 + 1), capped at the bounds' largest.
+ROUND_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+# Largest bucket: rounds of more tokens take today's path (a serving batch of 256
+# requests drafting alone, 128 with gamma1 = 1).
+MAX_ROUND_TOKENS = 256
+PADDING_SLOT = -1  # vLLM's PADDING_SLOT_ID (vllm/v1/spec_decode/utils.py): no KV write
+# Backends whose metadata vLLM captures in FULL CUDA graphs whatever the batch
+# (AttentionCGSupport.ALWAYS) and whose tables TriForce swaps per layer (forward.SWAP_TABLE).
+GRAPH_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN")
+# Metadata fields a builder computes from the lengths (host work a graph cannot redo).
+REFRESHED_FIELDS = ("scheduler_metadata",)
+
+
+@dataclass(frozen=True)
+class RoundBounds:
+    """Every bound of a middle pass's shape, decided once (`of`).
+
+    Width: a row holds its selection (at most `max_selected` blocks) and its tail, from the
+    tail's start at the last selection through the block of its newest token; between
+    selections the tail grows by the tokens since (at most the refresh interval, or one
+    step's gamma2 + gamma1 + 1 more while middle rounds run). With `refresh_interval` 0
+    (select once) the tail grows without bound: such rows outgrow `max_width` in time and
+    take today's path."""
+    max_tokens: int        # the largest bucket
+    max_requests: int      # request rows of the largest bucket
+    max_width: int         # blocks in a compacted row
+    max_query_len: int     # gamma1 + 1
+    block_size: int
+    buckets: tuple[int, ...]
+
+    @classmethod
+    def of(cls, budget_blocks: int, block_size: int, gamma1: int, gamma2: int,
+           refresh_interval: int, drafting: int, max_blocks: int,
+           max_batched_tokens: int) -> "RoundBounds":
+        per_request = gamma1 + 1
+        max_tokens = min(MAX_ROUND_TOKENS, drafting * per_request, max_batched_tokens)
+        buckets = tuple(b for b in ROUND_BUCKETS if b < max_tokens) + (max_tokens,)
+        growth = max(refresh_interval, 1) + gamma2 + per_request  # tokens past a selection
+        width = min(max_blocks, budget_blocks + -(-growth // block_size) + 1)
+        return cls(max_tokens, min(drafting, max_tokens), width, per_request, block_size,
+                   buckets)
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.max_width * self.block_size
+
+    def bucket(self, num_tokens: int, width: int) -> int | None:
+        """The bucket of a pass of `num_tokens` tokens over rows `width` blocks wide (None:
+        it fits none)."""
+        if num_tokens > self.max_tokens or width > self.max_width:
+            return None
+        return self.buckets[bisect.bisect_left(self.buckets, num_tokens)]
+
+    def requests_of(self, bucket: int) -> int:
+        return min(bucket, self.max_requests)
+
+
+class PassBuffers:
+    """The persistent inputs of a middle pass, at the bounds' largest shape (device)."""
+
+    def __init__(self, bounds: RoundBounds, num_layers: int, device):
+        tokens, reqs, width = bounds.max_tokens, bounds.max_requests, bounds.max_width
+        self.input_ids = torch.zeros(tokens, dtype=torch.int32, device=device)  # [T]
+        self.positions = torch.zeros(tokens, dtype=torch.int64, device=device)  # [T]
+        self.slot_mapping = torch.full((tokens,), PADDING_SLOT, dtype=torch.int64,
+                                       device=device)  # [T]
+        self.query_start_loc = torch.zeros(reqs + 1, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(reqs, dtype=torch.int32, device=device)  # [R]
+        self.tables = torch.zeros(num_layers, reqs, width, dtype=torch.int32,
+                                  device=device)  # [L, R, W]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.input_ids, self.positions, self.slot_mapping,
+                                      self.query_start_loc, self.seq_lens, self.tables))
+
+    def load(self, inputs: PassInputs, tables: torch.Tensor, bucket: int,
+             bucket_requests: int) -> None:
+        """Write a pass (`inputs`, tables [L, R, W]) into the buffers, padded to the bucket
+        (module docstring). Table entries past a row's length are never read: what an
+        earlier round left there stays."""
+        num_tokens, num_reqs, width = inputs.num_tokens, len(inputs.seq_lens), tables.shape[-1]
+        self.input_ids[:num_tokens].copy_(inputs.input_ids)
+        self.input_ids[num_tokens:bucket].zero_()
+        self.positions[:num_tokens].copy_(inputs.positions)
+        self.positions[num_tokens:bucket].zero_()
+        self.slot_mapping[:num_tokens].copy_(inputs.slot_mapping)
+        self.slot_mapping[num_tokens:bucket].fill_(PADDING_SLOT)
+        self.query_start_loc[:num_reqs + 1].copy_(inputs.query_start_loc_dev)
+        self.query_start_loc[num_reqs + 1:bucket_requests + 1].fill_(num_tokens)
+        self.seq_lens[:num_reqs].copy_(inputs.seq_lens_dev)
+        self.seq_lens[num_reqs:bucket_requests].zero_()
+        self.tables[:, :num_reqs, :width].copy_(tables)
+
+    def clear(self) -> None:
+        """A pass of padding only: what a bucket is built and captured over."""
+        self.slot_mapping.fill_(PADDING_SLOT)
+        self.query_start_loc.zero_()
+        self.seq_lens.zero_()
+
+
+class BucketPass:
+    """One bucket's pass: views of the buffers, the per-layer metadata built over them
+    once, and the closure a replay runs (forward context, model, logits of every row)."""
+
+    def __init__(self, owner: "RoundGraphs", tokens: int):
+        buffers, bounds = owner.buffers, owner.bounds
+        self.owner = owner
+        self.tokens, self.requests = tokens, bounds.requests_of(tokens)
+        reqs = self.requests
+        self.input_ids = buffers.input_ids[:tokens]
+        self.positions = buffers.positions[:tokens]
+        self.slot_mapping = buffers.slot_mapping[:tokens]
+        # host copies that builders read on the host: on the CPU the buffers themselves;
+        # on a GPU fixed bounds (a graph freezes host values)
+        qsl_bound = (torch.arange(reqs + 1, dtype=torch.int32) * bounds.max_query_len).clamp_(
+            max=tokens)
+        lens_bound = torch.full((reqs,), bounds.max_seq_len, dtype=torch.int32)
+        on_host = not owner.host_bounds
+        self.common = CommonAttentionMetadata(
+            query_start_loc=buffers.query_start_loc[:reqs + 1],
+            query_start_loc_cpu=buffers.query_start_loc[:reqs + 1] if on_host else qsl_bound,
+            seq_lens=buffers.seq_lens[:reqs],
+            num_reqs=reqs,
+            num_actual_tokens=tokens,
+            max_query_len=bounds.max_query_len,
+            max_seq_len=bounds.max_seq_len,
+            block_table_tensor=buffers.tables[0, :reqs],
+            slot_mapping=self.slot_mapping,
+            causal=True,
+            seq_lens_cpu_upper_bound=buffers.seq_lens[:reqs] if on_host else lens_bound,
+        )
+        self.group = owner.group
+        base = self.group.build_metadata(self.common)
+        builder = self.group.get_metadata_builder()
+        self.metas = {name: _with_table(builder, base, buffers.tables[i, :reqs],
+                                        self.slot_mapping)
+                      for i, name in enumerate(owner.layer_names)}
+        self.slots_by_layer = dict.fromkeys(self.metas, self.slot_mapping)
+
+    def refresh(self, in_place: bool) -> None:
+        """The metadata a builder computes from the lengths, built again over the buffers:
+        handed to the per-layer objects (eager), or copied into the tensors they hold (a
+        captured graph reads those addresses)."""
+        fresh = self.group.build_metadata(self.common)
+        for field in REFRESHED_FIELDS:
+            value = getattr(fresh, field, None)
+            if not isinstance(value, torch.Tensor):
+                continue
+            if in_place:
+                captured = getattr(next(iter(self.metas.values())), field)
+                captured.copy_(value)
+            else:
+                for meta in self.metas.values():
+                    setattr(meta, field, value)
+
+    def closure(self) -> torch.Tensor:
+        """[bucket tokens, V] logits of the pass over the buffers (what a graph records)."""
+        owner = self.owner
+        with set_forward_context(self.metas, owner.vllm_config, num_tokens=self.tokens,
+                                 slot_mapping=self.slots_by_layer):
+            hidden = owner.model(input_ids=self.input_ids, positions=self.positions,
+                                 intermediate_tensors=None, inputs_embeds=None)
+        if isinstance(hidden, tuple):
+            hidden = hidden[0]
+        return owner.model.compute_logits(hidden)
+
+
+class EagerReplay:
+    """Runs a bucket's closure over the buffers: the CPU's twin of a CUDA graph."""
+
+    def __init__(self, bucket: BucketPass):
+        self.bucket = bucket
+
+    def run(self) -> torch.Tensor:
+        self.bucket.refresh(in_place=False)
+        return self.bucket.closure()
+
+
+class CudaGraphReplay:
+    """A bucket's closure captured as one CUDA graph in `pool` (after one eager warm-up
+    run), replayed with its scheduler metadata refreshed in place. Its logits live in the
+    pool: read them before the next round's replay."""
+
+    def __init__(self, bucket: BucketPass, pool):
+        self.bucket = bucket
+        bucket.refresh(in_place=True)
+        bucket.closure()  # warm-up: lazy initialisations happen outside the capture
+        torch.cuda.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.logits = bucket.closure()
+
+    def run(self) -> torch.Tensor:
+        self.bucket.refresh(in_place=True)
+        self.graph.replay()
+        return self.logits
+
+
+class RoundGraphs:
+    """The owner of the middle level's passes over persistent buffers (module docstring):
+    `run` loads a pass into the buffers and replays its bucket, or returns None for a pass
+    that fits no bucket. Built for the target `model` and its attention `group` (the one
+    KV-cache group; its layers `layer_names`, in layer order), `bounds`, and the capture
+    whose round buffers the passes' queries go to."""
+
+    def __init__(self, model, vllm_config, group, layer_names: list[str], bounds: RoundBounds,
+                 capture, device, use_cuda_graphs: bool):
+        self.model, self.vllm_config = model, vllm_config
+        self.group, self.layer_names = group, layer_names
+        self.bounds = bounds
+        self.capture = capture
+        self.buffers = PassBuffers(bounds, len(layer_names), device)
+        from vllm_triforce.engine.device.capture import CaptureBuffers
+        self.query_buffers = CaptureBuffers(len(layer_names), bounds.max_tokens,
+                                            keep_keys=False)
+        self.use_cuda_graphs = use_cuda_graphs
+        self.host_bounds = torch.device(device).type != "cpu"
+        self.replays: dict[int, EagerReplay | CudaGraphReplay] = {}
+        self.guard: ReplayGuard | None = None  # tests: `ReplayGuard.watch`
+        self._pool = None
+
+    @staticmethod
+    def path(backend: str, device, tensor_parallel_size: int,
+             kernel_block_size: int | None) -> tuple[str, str]:
+        """(path, why): "cuda graphs", "eager" (over the buffers, no graph) or "per pass"
+        (today's path: the buffers cannot serve this backend)."""
+        if metadata_path(backend) != SWAP_TABLE or kernel_block_size is not None:
+            return "per pass", (f"{backend} builds metadata per layer" if kernel_block_size
+                                is None else "kernel blocks differ from KV blocks")
+        if torch.device(device).type != "cuda":
+            return "eager", "no CUDA device"
+        if backend not in GRAPH_BACKENDS:
+            return "eager", f"{backend} is not captured"
+        if tensor_parallel_size > 1:
+            return "eager", "tensor parallel all-reduce is not captured yet"
+        return "cuda graphs", backend
+
+    def run(self, inputs: PassInputs, tables: torch.Tensor) -> torch.Tensor | None:
+        """Logits [T, V] of every token of the pass `inputs` over tables [L, R, W], its
+        queries left in the capture (views of the round buffers); None: no bucket fits."""
+        bucket = self.bounds.bucket(inputs.num_tokens, tables.shape[-1])
+        if bucket is None:
+            return None
+        replay = self.replays.get(bucket) or self._prepare(bucket)  # before the load
+        self.buffers.load(inputs, tables, bucket, self.bounds.requests_of(bucket))
+        with self.capture.recording(into=self.query_buffers):
+            if self.guard is not None:
+                with self.guard.watching(bucket):
+                    logits = replay.run()
+            else:
+                logits = replay.run()
+        self.capture.take_views(self.query_buffers, inputs.num_tokens)
+        return logits[:inputs.num_tokens]
+
+    def _prepare(self, bucket: int):
+        """The bucket's replay; with CUDA graphs every bucket is captured at the first
+        round, largest first, into one pool (a smaller graph reuses the larger's memory).
+        Built and captured over a pass of padding only (`PassBuffers.clear`)."""
+        self.buffers.clear()
+        if not self.use_cuda_graphs:
+            self.replays[bucket] = EagerReplay(BucketPass(self, bucket))
+            return self.replays[bucket]
+        self._pool = torch.cuda.graph_pool_handle()
+        start = time.perf_counter()
+        with self.capture.recording(into=self.query_buffers):
+            for size in sorted(self.bounds.buckets, reverse=True):
+                self.replays[size] = CudaGraphReplay(BucketPass(self, size), self._pool)
+        from vllm.logger import init_logger
+        init_logger("vllm.triforce").info(
+            "TriForce round graphs: %d captured in %.1f s", len(self.replays),
+            time.perf_counter() - start)
+        return self.replays[bucket]
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffers.nbytes + self.query_buffers.nbytes
+
+
+class ReplayMismatch(AssertionError):
+    """A replay read another tensor, or another host value, than its capture did."""
+
+
+class ReplayGuard:
+    """Holds every replay of a bucket to what its first run read (module docstring): per
+    attention call, the metadata object, the addresses and shapes of its query starts,
+    lengths, table and slots, its host values, and the KV cache's address. A spy wraps
+    the target layers' `impl.forward` while installed (`install` / `remove`)."""
+
+    TENSORS = ("query_start_loc", "seq_lens", "block_table", "slot_mapping")
+    SCALARS = ("num_actual_tokens", "max_query_len", "max_seq_len", "causal")
+
+    def __init__(self):
+        self.captured: dict[int, list] = {}
+        self.replays_checked = 0
+        self._bucket: int | None = None
+        self._seen: list = []
+        self._impls: list = []
+
+    def install(self, layers) -> "ReplayGuard":
+        for layer in layers:
+            impl, forward = layer.impl, layer.impl.forward
+            self._impls.append((impl, forward))
+            impl.forward = self._spy(forward)
+        return self
+
+    def remove(self) -> None:
+        for impl, forward in self._impls:
+            impl.forward = forward
+        self._impls = []
+
+    def _spy(self, forward):
+        def spied(layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
+            if self._bucket is not None and attn_metadata is not None:
+                self._seen.append(self._reading(kv_cache, attn_metadata))
+            return forward(layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
+        return spied
+
+    def _reading(self, kv_cache, meta) -> tuple:
+        tensors = tuple((name, _address(getattr(meta, name, None))) for name in self.TENSORS)
+        scalars = tuple((name, getattr(meta, name, None)) for name in self.SCALARS)
+        return id(meta), _address(kv_cache), tensors, scalars
+
+    def watching(self, bucket: int):
+        import contextlib
+
+        @contextlib.contextmanager
+        def scope():
+            self._bucket, self._seen = bucket, []
+            try:
+                yield
+            finally:
+                self._bucket = None
+            self._check(bucket, self._seen)
+        return scope()
+
+    def _check(self, bucket: int, seen: list) -> None:
+        if not seen:
+            raise ReplayMismatch(f"bucket {bucket}: no attention call was seen")
+        if bucket not in self.captured:
+            self.captured[bucket] = seen
+            return
+        self.replays_checked += 1
+        for i, (was, now) in enumerate(zip(self.captured[bucket], seen)):
+            if was != now:
+                raise ReplayMismatch(f"bucket {bucket}, attention call {i}: captured {was}, "
+                                     f"replayed {now}")
+        if len(seen) != len(self.captured[bucket]):
+            raise ReplayMismatch(f"bucket {bucket}: {len(seen)} attention calls, captured "
+                                 f"{len(self.captured[bucket])}")
+
+
+def _address(tensor) -> tuple | None:
+    """(data pointer, shape, strides) of a tensor; None for anything else."""
+    if not isinstance(tensor, torch.Tensor):
+        return None
+    return tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride())
