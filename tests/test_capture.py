@@ -78,12 +78,14 @@ def _run_recording_selections(llm, prompts) -> dict:
             "accepted": (stats["top_proposed"], stats["top_accepted"])}
 
 
-def test_capture_survives_graph_pool_reuse(tiny_llama, llm_factory, monkeypatch):
+@pytest.mark.parametrize("round_graphs", [False, True], ids=["clones", "buffers"])
+def test_capture_survives_graph_pool_reuse(round_graphs, tiny_llama, llm_factory, monkeypatch):
     """Under PIECEWISE CUDA graphs, the query and key a layer's attention is handed live in
     the graph pool, which the next pieces overwrite before the proposer reads them. Here
     every pass a GPU may replay as a graph (at most capture.DEFAULT_COPY_TOKENS tokens:
     vLLM's CPU config sets no capture sizes) has its query and key overwritten right after
-    each layer's attention: selections, acceptance and tokens must not change."""
+    each layer's attention: selections, acceptance and tokens must not change, whether the
+    capture keeps clones or copies into its persistent buffers (`round_graphs`)."""
     import torch
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
@@ -91,7 +93,7 @@ def test_capture_survives_graph_pool_reuse(tiny_llama, llm_factory, monkeypatch)
 
     prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 250 + 1 for j in range(300 + 60 * i)]}
                for i in range(3)]
-    spec = dict(SPEC, num_speculative_tokens=4, adaptive=False)
+    spec = dict(SPEC, num_speculative_tokens=4, adaptive=False, round_graphs=round_graphs)
     clean = _run_recording_selections(llm_factory(tiny_llama, speculative_config=spec),
                                       prompts)
 
@@ -107,8 +109,10 @@ def test_capture_survives_graph_pool_reuse(tiny_llama, llm_factory, monkeypatch)
         return out
 
     monkeypatch.setattr(CPUAttentionBackendImpl, "forward", reusing_pool)
-    overwritten = _run_recording_selections(
-        llm_factory(tiny_llama, speculative_config=spec), prompts)
+    llm = llm_factory(tiny_llama, speculative_config=spec)
+    overwritten = _run_recording_selections(llm, prompts)
+    buffers = drafter_of(llm).capture.step_buffers
+    assert (buffers is not None and buffers.nbytes > 0) == round_graphs
     assert clean["selections"], "no selection was made: the test proves nothing"
     assert overwritten["selections"] == clean["selections"]
     assert overwritten["accepted"] == clean["accepted"]

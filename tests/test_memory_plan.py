@@ -153,10 +153,10 @@ def test_selection_scratch_fits_its_reservation(monkeypatch, strategy, chunk_kib
     from vllm_triforce.core.selection import Selector
     from vllm_triforce.core.summaries import BlockSummaries
     from vllm_triforce.config import BlockCounts
-    from vllm_triforce.engine import buffers, retrieval_level
+    from vllm_triforce.engine import buffers
 
     limit = limit_reads(monkeypatch, limited_by, chunk_kib * 2**10)
-    monkeypatch.setattr(retrieval_level, "STACKED_QUERIES_BYTES", 0)
+    monkeypatch.setattr(buffers, "STACKED_QUERIES_BYTES", 0)
     reqs, layers, heads, dim, q_heads, bs, width = 8, 4, 2, 64, 4, 16, 96
     gen = torch.Generator().manual_seed(0)
     summaries = BlockSummaries(layers, reqs * width, heads, dim, bs, keep_variance=True,

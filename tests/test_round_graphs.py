@@ -189,7 +189,7 @@ def test_round_graphs_give_todays_tokens_selections_and_acceptance(
         levels, tiny_llama, tiny_draft, llm_factory):
     spec = dict(SPEC)
     if levels == 3:
-        spec.update(model=str(tiny_draft), draft_tokens_per_round=2)
+        spec.update(model=str(tiny_draft), draft_window_tokens=96, draft_tokens_per_round=2)
     prompts = _prompts(3)  # three requests: one-token rounds pad 3 -> 4
     plain = _run(llm_factory(tiny_llama, speculative_config=spec), prompts)
     graphed = _run(llm_factory(tiny_llama, speculative_config=dict(spec, round_graphs=True)),

@@ -29,6 +29,13 @@ from vllm_triforce.core import reads
 from vllm_triforce.core.selection import selection_chunk_requests
 from vllm_triforce.core.verify import SAMPLING_CHUNK_ROWS
 
+# `RetrievalStep._queries_at` (engine/retrieval_level.py) stacks a pass's queries whole up
+# to this size (a middle round's: 32 requests of a few tokens, e.g. Llama-3.1-8B 32 x 3
+# tokens x 32 layers x 4,096 x 2 B = 24 MiB at most with gamma1 = 2; at batch 8 and
+# gamma1 = 0, 2 MiB) and one read chunk (a small cache's is small: engine/memory.py
+# reserves the smaller of the two).
+STACKED_QUERIES_BYTES = 32 * 2**20
+
 FLOAT32_BYTES = 4
 # vocabulary-wide temporaries per row of `sampling_probs` (`vocabulary_rows` lists them),
 # with room to spare (benchmarks/explore/sampling_chunks.py measures them on a GPU,
@@ -110,8 +117,6 @@ def selection_scratch_bytes(drafting: int, num_layers: int, max_blocks: int,
     drafting requests (R = 32: 262,144 / 8,192): 201 MB of scores + 93 MB of dots + 201 MB
     of reads + 84 MB of queries = 0.58 GB, and 0.5 MB of queries more per drafting request
     past 32; at 4 requests 25 + 12 + 201 + 40 MB = 0.28 GB."""
-    from vllm_triforce.engine.retrieval_level import STACKED_QUERIES_BYTES
-
     chunk = _read_chunk(chunk_bytes)
     requests = min(drafting, selection_chunk_requests(max_blocks))
     store = 2 * requests * max_blocks  # "all" reads the store only when it is this small

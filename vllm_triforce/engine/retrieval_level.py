@@ -34,6 +34,7 @@ from vllm_triforce.core.blocks import selection_sizes
 from vllm_triforce.core.tables import TableLayout, laid_out_tables
 from vllm_triforce.engine.device.forward import TIME_FORWARDS_ENV, Runs, build_pass, run_pass
 from vllm_triforce.engine.middle import positions_of
+from vllm_triforce.engine.buffers import STACKED_QUERIES_BYTES
 from vllm_triforce.engine.selections import SelectionTable
 from vllm_triforce.engine.device.transfer import to_device
 
@@ -363,11 +364,6 @@ class RetrievalStep:
 
 
 
-# `_queries_at` stacks a pass's queries whole up to this size (a middle round's: 32 requests
-# of a few tokens, e.g. Llama-3.1-8B 32 x 3 tokens x 32 layers x 4,096 x 2 B = 24 MiB at
-# most with gamma1 = 2; at batch 8 and gamma1 = 0, 2 MiB) and one read chunk (a small
-# cache's is small: engine/memory.py reserves the smaller of the two).
-STACKED_QUERIES_BYTES = 32 * 2**20
 
 
 def dequantized_query(query: torch.Tensor, q_scale: float) -> torch.Tensor:

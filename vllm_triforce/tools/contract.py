@@ -10,7 +10,8 @@ What is checked, each failure naming the symbol:
    own sources, so the list cannot drift): the module exists and binds NAME at its top level
    (a definition, an assignment, an import, or a lazy module `__getattr__` that names it);
 2. patch targets (PATCH_TARGETS): each `module:Class.method` a patch wraps or replaces is
-   defined in that class's body;
+   defined in that class's body, and so is each attribute read on vLLM's objects
+   (READ_ATTRIBUTES);
 3. the proposer's call: the keywords `GPUModelRunner.propose_draft_token_ids` passes to
    `self.drafter.propose(...)` (the draft-model call, the one with `target_token_ids`) are
    all parameters of `TriForceProposer.propose`.
@@ -46,6 +47,19 @@ PATCH_TARGETS = (
     ("vllm.v1.worker.gpu_worker", "Worker.determine_available_memory"),      # kv_reservation
     ("vllm.v1.worker.cpu_worker", "CPUWorker.determine_available_memory"),   # kv_reservation
 )
+# Every attribute the plugin reads or calls on vLLM's objects that no import names, with
+# the file of ours that reads it: the middle passes over persistent buffers
+# (engine/device/round_graph.py) and per-layer tables (engine/device/forward.py).
+READ_ATTRIBUTES = (
+    ("vllm.v1.attention.backend", "CommonAttentionMetadata.query_start_loc_cpu"),
+    ("vllm.v1.attention.backend", "CommonAttentionMetadata.seq_lens_cpu_upper_bound"),
+    ("vllm.v1.attention.backend", "AttentionMetadataBuilder.update_block_table"),
+    ("vllm.v1.attention.backends.flash_attn", "FlashAttentionMetadataBuilder.update_block_table"),
+    ("vllm.v1.attention.backends.flash_attn", "FlashAttentionMetadata.scheduler_metadata"),
+    ("vllm.v1.attention.backends.cpu_attn", "CPUAttentionMetadata.scheduler_metadata"),
+    ("vllm.v1.worker.utils", "AttentionGroup.build_metadata"),
+    ("vllm.v1.worker.utils", "AttentionGroup.get_metadata_builder"),
+)
 RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 PROPOSE_CALLER = "GPUModelRunner.propose_draft_token_ids"
 
@@ -70,6 +84,7 @@ def _run(args) -> int:
         print(f"contract: {problem}")
     print(f"contract: {'broken' if problems else 'holds'} for {what}: "
           f"{len(plugin_imports())} imports, {len(PATCH_TARGETS)} patch targets, "
+          f"{len(READ_ATTRIBUTES)} attributes read, "
           f"the proposer's call")
     return 1 if problems else 0
 
@@ -79,7 +94,8 @@ def check(vllm_root: Path) -> list[str]:
     empty when the contract holds."""
     source = Sources(vllm_root)
     problems = [p for module, name in plugin_imports() for p in source.binds(module, name)]
-    problems += [p for module, qualname in PATCH_TARGETS for p in source.defines(module, qualname)]
+    problems += [p for module, qualname in PATCH_TARGETS + READ_ATTRIBUTES
+                 for p in source.defines(module, qualname)]
     problems += propose_keywords_problems(source)
     return problems
 

@@ -13,8 +13,8 @@ device work. Here every input a round's pass reads lives in a buffer allocated o
 Buckets. A pass of T tokens over R requests runs in the smallest bucket of at least T
 tokens (`RoundBounds.buckets`), with R_pad = min(bucket, max_requests) request rows (a
 request has at least one token, so R <= T <= bucket). Padding cannot write and is never
-read: padded tokens have slot -1 (vLLM's PADDING_SLOT_ID, which every KV-cache write
-skips), id 0 and position 0; padded requests have no query token (the query starts repeat
+read: padded tokens have slot -1 (vLLM's PADDING_SLOT_ID, vllm/v1/spec_decode/utils.py,
+which every KV-cache write skips), id 0 and position 0; padded requests have no query token (the query starts repeat
 T) and sequence length 0; the metadata's host values are the bucket's bounds (its token
 and request counts, `max_query_len` gamma1 + 1, `max_seq_len` the widest row's tokens), the
 same at every round, as a CUDA graph freezes them. A pass larger than the largest bucket,
@@ -49,6 +49,7 @@ from dataclasses import dataclass
 import torch
 from vllm.forward_context import set_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.spec_decode.utils import PADDING_SLOT_ID
 
 from vllm_triforce.engine.device.forward import PassInputs, SWAP_TABLE, _with_table, metadata_path
 
@@ -58,7 +59,7 @@ ROUND_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # Largest bucket: rounds of more tokens take today's path (a serving batch of 256
 # requests drafting alone, 128 with gamma1 = 1).
 MAX_ROUND_TOKENS = 256
-PADDING_SLOT = -1  # vLLM's PADDING_SLOT_ID (vllm/v1/spec_decode/utils.py): no KV write
+PADDING_SLOT = PADDING_SLOT_ID  # -1: every KV-cache write skips the token
 # Backends whose metadata vLLM captures in FULL CUDA graphs whatever the batch
 # (AttentionCGSupport.ALWAYS) and whose tables TriForce swaps per layer (forward.SWAP_TABLE).
 GRAPH_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN")
