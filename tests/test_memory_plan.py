@@ -9,8 +9,10 @@ probability buffer must fit the fixed part the engine reserved (`Sizing.fixed_by
 `vocabulary_rows`). The model's forwards inside `propose` count too: on a GPU their logits
 are TriForce's as well. The selection, the fold and the lazy reads are profiled against
 their bounds, with SCORE_CHUNK_BYTES cut and with the engine's own smaller read chunk
-(`BlockSummaries.chunk_bytes`). The bounds by the cache's size are worked by hand, and a
-384 MiB SmolLM2 engine starts, drafts, and reserves at most a tenth of its budget.
+(`BlockSummaries.chunk_bytes`). The bounds by the cache's size are worked by hand, a
+384 MiB SmolLM2 engine starts, drafts, and reserves at most a tenth of its budget, and at
+Llama-3.1-8B's shape (computed, not allocated) compact summaries keep at least 96% of the
+KV blocks plain vLLM makes of the same memory, as the start-up line says.
 """
 
 import pytest
@@ -184,14 +186,16 @@ def test_selection_scratch_fits_its_reservation(monkeypatch, strategy, chunk_kib
 
 
 @pytest.mark.parametrize("limited_by", CHUNK_LIMITS)
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fold_scratch_fits_its_reservation(monkeypatch, dtype, limited_by):
+@pytest.mark.parametrize("dtype,compact", [("float32", False), ("bfloat16", False),
+                                           ("bfloat16", True)])
+def test_fold_scratch_fits_its_reservation(monkeypatch, dtype, compact, limited_by):
     """Folding a prefill pass's keys into the summaries (engine/summary_keeper.py, by
     pieces of one read chunk of float32 keys) holds at most `fold_scratch_bytes` at once:
     profiled on CPU with the read chunk cut to 64 KiB, by SCORE_CHUNK_BYTES or by the
     summaries' own `chunk_bytes` (2 requests' prompt chunks of 700 and 333 tokens, the
-    second starting inside a block; 4 layers of 2 x 64 keys, key variance and bounds).
-    Folded whole, the same pass would not fit; by pieces it ends with the same summaries."""
+    second starting inside a block; 4 layers of 2 x 64 keys, key variance, per channel or
+    compact, and bounds). Folded whole, the same pass would not fit; by pieces it ends with
+    the same summaries."""
     from types import SimpleNamespace
 
     import torch
@@ -217,7 +221,7 @@ def test_fold_scratch_fits_its_reservation(monkeypatch, dtype, limited_by):
         level.device = torch.device("cpu")
         level.summaries = BlockSummaries(layers, 2 * width, heads, dim, bs,
                                          dtype=getattr(torch, dtype), keep_bounds=True,
-                                         keep_variance=True, **limit)
+                                         keep_variance=True, compact_variance=compact, **limit)
 
         def run():
             for committed in level.committed_tokens(batch, [0, 1]):
@@ -280,32 +284,129 @@ def test_a_small_cache_keeps_a_small_share_worked_example():
     assert plan.fixed_bytes > 3 * SMALL_CACHE  # 256 requests, 64 MiB reads: 1,286 MiB
 
 
-def test_the_read_chunk_is_a_256th_of_the_cache_between_one_block_and_64_mib():
+def test_the_read_chunk_is_a_16th_of_the_limit_between_one_block_and_64_mib():
+    """A read copies at most 1/16 of what the rows and scratch may take (`scaled_limit`):
+    1/256 of a cache under 3.2 GiB, (192 MiB + 1/256 of it) / 16 above."""
     plan = smollm2_plan()
     block_keys = 32 * 30 * 3 * 64 * 4  # 737,280 B: what a lazy read copies at the least
     assert plan.chunk_bytes(256 * 2**20) == 2**20
     assert plan.chunk_bytes(100 * 2**20) == block_keys  # 400 KiB would hold no block
     assert plan.chunk_bytes(0) == block_keys
-    assert plan.chunk_bytes(32 * 2**30) == plan.chunk_bytes(None) == 64 * 2**20
+    assert plan.chunk_bytes(32 * 2**30) == (192 + 128) * 2**20 // 16 == 20 * 2**20
+    assert plan.chunk_bytes(208 * 2**30) == plan.chunk_bytes(None) == 64 * 2**20
 
 
-def test_the_drafting_cap_grows_with_the_cache_within_a_sixteenth():
-    """From the smallest cache up to one that bounds nothing: the cap never shrinks as the
-    cache grows, up to max_num_seqs (256), rows and scratch stay within 1/16 of the KV
-    unless one request alone passes it, and a larger budget never gives fewer blocks."""
+def test_the_limit_is_a_16th_of_a_small_cache_and_192_mib_plus_a_256th_of_a_large_one():
+    from vllm_triforce.engine.memory import scaled_limit
+
+    mib, gib = 2**20, 2**30
+    assert scaled_limit(384 * mib) == 24 * mib
+    assert scaled_limit(3 * gib) == 192 * mib  # a 16th: 192 + 12 MiB by the second rule
+    assert scaled_limit(4 * gib) == 208 * mib  # 192 + 16 MiB: less than a 16th, 256 MiB
+    assert scaled_limit(100 * gib) == 592 * mib
+    assert scaled_limit(100 * gib) < 100 * gib // 128
+
+
+def test_the_drafting_cap_grows_with_the_cache_within_its_limit():
+    """From the smallest cache up to one that bounds nothing (past 3.2 GiB the limit grows
+    by 1/256 of the cache, the reads by 1/16 of that): the cap never shrinks as the cache
+    grows, up to max_num_seqs (256), rows and scratch stay within `scaled_limit` unless one
+    request alone passes it, and a larger budget never gives fewer blocks."""
+    from vllm_triforce.engine.memory import scaled_limit
+
     plan = smollm2_plan()
+    every = plan.blocks_for_drafting(256)  # what the start-up log names for all to draft
+    assert plan.sized(every).drafting == 256 > plan.sized(every - 1).drafting
+    sizes = sorted({int(1.15 ** i) for i in range(95)} | set(range(0, 3000, 80))
+                   | {every - 1, every, every * 2})  # 0 .. 2,200 blocks (3.2 GiB) .. 395,106
     caps, blocks = [], []
-    for num_blocks in range(0, 12_000, 80):
+    for num_blocks in sizes:
         sizing = plan.sized(num_blocks)
         kv_bytes = num_blocks * plan.kv_bytes_per_block
-        assert sizing.drafting == 1 or sizing.scaled_bytes * 16 <= kv_bytes
+        assert sizing.drafting == 1 or sizing.scaled_bytes <= scaled_limit(kv_bytes)
         caps.append(sizing.drafting)
         blocks.append(plan.blocks_for(plan.footprint(num_blocks)))
         assert blocks[-1] >= num_blocks
     assert caps == sorted(caps) and caps[0] == 1 and caps[-1] == 256  # max_num_seqs
     assert blocks == sorted(blocks)
-    every = plan.blocks_for_drafting(256)  # what the start-up log names for all to draft
-    assert plan.sized(every).drafting == 256 > plan.sized(every - 1).drafting
+
+
+# ---- Llama-3.1-8B's shape: TriForce keeps 96% of plain vLLM's blocks (engine/memory.py) --
+KV_8B = 32 * 2 * 16 * 8 * 128 * 2  # 2 MiB: a block of every layer's keys and values, bf16
+# what plain vLLM made 55,604 blocks of on an H200 at gpu_memory_utilization 0.9
+# (benchmarks/gpu/results.json), and the ~52 GB an 80 GB GPU leaves the cache
+H200_AVAILABLE, GPU_80GB_AVAILABLE = 55_604 * KV_8B, 52 * 10**9
+
+
+def llama_8b_plan(compact: bool, max_num_seqs: int = 256):
+    """engine/memory.py's example at scale: Llama-3.1-8B's shape (32 layers x 8 KV heads x
+    128, 32 query heads, V 128,256), bf16 KV cache, block 16, max_model_len 131,072, 8,192
+    batched tokens, two levels, gamma2 6; `compact`: `compact_key_variance`. No per-layer
+    builders (FLASH_ATTN, the GPU bench's backend, keeps none)."""
+    import torch
+
+    from vllm_triforce.config import TriForceConfig
+    from vllm_triforce.engine.shape import EngineShape
+
+    cfg = TriForceConfig(num_speculative_tokens=6, compact_key_variance=compact)
+    shape = EngineShape.from_sizes(
+        num_layers=32, num_kv_heads=8, head_dim=128, vocab_size=128_256, block_size=16,
+        max_num_seqs=max_num_seqs, cfg=cfg, max_model_len=131_072, max_batched_tokens=8192,
+        num_q_heads=32, summary_dtype=torch.bfloat16)
+    return shape.memory_plan(KV_8B, backend=None)
+
+
+def test_compact_summaries_cost_17_512ths_of_the_kv_at_llama_8b_shape():
+    """Per 2 MiB block: bf16 key sums and a count (1/32 of the block) and the key variance,
+    32 x 8 x 128 float32s by default (3/32 in all), 32 x 8 x 8 bands in bf16 compact."""
+    from vllm_triforce.engine.memory import summary_parts
+
+    default, compact = llama_8b_plan(compact=False), llama_8b_plan(compact=True)
+    assert summary_parts(default.shape) == {"mean keys": 65_536 + 4, "key variance": 131_072}
+    assert summary_parts(compact.shape) == {"mean keys": 65_536 + 4, "key variance": 4_096}
+    assert default.summary_bytes_per_block == 196_612 == 3 * KV_8B // 32 + 4
+    assert compact.summary_bytes_per_block == 69_636 == 17 * KV_8B // 512 + 4
+
+
+@pytest.mark.parametrize("available,plain,compact_blocks,default_blocks,drafting", [
+    (H200_AVAILABLE, 55_604, 53_533, 50_574, 15),
+    (GPU_80GB_AVAILABLE, 24_795, 23_816, 22_511, 11)])
+def test_llama_8b_keeps_96_percent_of_plain_vllms_blocks_with_compact_summaries(
+        available, plain, compact_blocks, default_blocks, drafting):
+    """engine/memory.py's example at scale, computed, not allocated: with compact summaries
+    the plan keeps at least 96% of the blocks plain vLLM makes of the same memory, on an
+    H200 and on an 80 GB GPU, whatever max_num_seqs (the limit on rows and scratch, not
+    vLLM's 1,024 sequences, caps the drafting requests); the per-channel float32 variance
+    (the default) keeps 91%."""
+    from vllm_triforce.engine.memory import scaled_limit
+
+    assert available // KV_8B == plain
+    compact, default = llama_8b_plan(compact=True), llama_8b_plan(compact=False)
+    assert compact.blocks_for(available) == compact_blocks >= 0.96 * plain
+    assert default.blocks_for(available) == default_blocks < 0.92 * plain
+    sizing = compact.sized(compact_blocks)
+    assert sizing.drafting == drafting
+    assert sizing.fixed_bytes <= scaled_limit(compact_blocks * KV_8B)
+    assert llama_8b_plan(compact=True, max_num_seqs=1024).blocks_for(available) == compact_blocks
+
+
+def test_the_start_up_line_gives_the_blocks_against_plain_vllm_and_each_buffer():
+    """`describe_reservation` (the proposer's start-up log) at the H200 example: the blocks
+    kept against plain vLLM's, the reservation and each of its buffers, the summaries store
+    by store, the drafting cap and what would lift it."""
+    from vllm_triforce.engine.memory import describe_reservation
+
+    plan = llama_8b_plan(compact=True)
+    line = describe_reservation(plan, H200_AVAILABLE, plan.blocks_for(H200_AVAILABLE))
+    for part in ("the KV cache gets 53533 blocks, 96.3% of the 55604 plain vLLM would make "
+                 "of 111208.0 MiB; reserved 4142.0 MiB (3.7%)",
+                 "block summaries 3555.1 MiB (mean keys 3346.0 MiB, key variance 209.1 MiB)",
+                 "probability rows 228.0 MiB (15 drafting requests)", "scratch 356.9 MiB",
+                 "remainder 1.9 MiB", "15 of max_num_seqs 256 requests may draft at once",
+                 "at most 610.2 MiB beside this KV cache",
+                 "a KV cache of 1030524.0 MiB would let all 256 draft",
+                 "reads of at most 38.1 MiB"):
+        assert part in line, part
 
 
 def test_selection_scratch_is_no_wider_than_the_cache():

@@ -61,6 +61,7 @@ def test_version_gate_refuses_other_vllm(found):
     ({"selection_policy": "random"}, "selection_policy"),
     ({"refresh_acceptance_threshold": 2}, "refresh_acceptance_threshold"),
     ({"key_variance": "yes"}, "key_variance"),
+    ({"compact_key_variance": 1}, "compact_key_variance"),
 ])
 def test_config_errors_name_the_key(spec, key):
     with pytest.raises(TriForceConfigError, match=key):

@@ -435,24 +435,28 @@ def test_middle_rounds_rerank_the_step_start_shortlist(tiny_llama, monkeypatch, 
         assert not listed
 
 
-@pytest.mark.parametrize("variance", [True, False])
+@pytest.mark.parametrize("variance", ["per channel", "compact", None])
 def test_key_variance_is_the_default_and_can_be_turned_off(tiny_llama, monkeypatch, variance):
     """By default `retrieval` scores blocks by mean key + key variance (the squared-key
-    sums are read at every selection); key_variance false reads none. Outputs identical."""
+    sums, one per channel of tiny_llama's 32, are read at every selection);
+    compact_key_variance keeps 8 bands of them; key_variance false reads none. Outputs
+    identical."""
     from vllm_triforce.core.summaries import BlockSummaries
 
-    reads = []
+    widths = []
     real = BlockSummaries.deviations
     monkeypatch.setattr(BlockSummaries, "deviations",
-                        lambda self: reads.append(1) or real(self))
+                        lambda self: widths.append(real(self).shape[-1]) or real(self))
     spec = two_level(refresh_interval=1)
-    if not variance:
+    if variance is None:
         spec["key_variance"] = False
+    if variance == "compact":
+        spec["compact_key_variance"] = True
     tokens, stats, _ = generate(tiny_llama, spec)
     assert tokens == plain(tiny_llama)
     assert_drafted(stats)
     assert stats["refreshes"] > 0
-    assert bool(reads) == variance
+    assert set(widths) == {"per channel": {32}, "compact": {8}, None: set()}[variance]
 
 
 # ---- the depth controller (core/controller.py, engine/depth.py) --------------------------

@@ -95,6 +95,15 @@ class TriForceConfig:
     # of a float32 KV cache, 1/block_size of a bf16 one (at block size 16 with the bf16 key
     # sums, the summaries are 3/32 of the KV cache).
     key_variance: bool = True
+    # With `key_variance`: keep the variance per band of channels (8 per KV head, each
+    # holding whole RoPE rotation pairs, core/summaries.py) in the summaries' dtype instead
+    # of per channel in float32: at block size 16, head size 128 and bf16 the summaries
+    # are 17/512 of the KV cache instead of 3/32, and TriForce keeps at least 96% of plain
+    # vLLM's KV blocks at Llama-3.1-8B's shape (engine/memory.py). A score weighs each band
+    # by the mean of its channels' q^2. Off until the acceptance bench shows it within a
+    # point of the per-channel variance (column `retrieval_var_compact` against
+    # `retrieval_var`).
+    compact_key_variance: bool = False
     # h2o / topk_oracle keep a copy of every committed key (as much memory as the key
     # cache): for benchmarks. Refused unless the user opts in here.
     allow_full_key_copy: bool = False
@@ -147,6 +156,11 @@ class TriForceConfig:
             raise TriForceConfigError(
                 f"speculative_config['key_variance']={self.key_variance!r} must be true (mean "
                 "key + key variance, the default) or false (mean key only).")
+        if not isinstance(self.compact_key_variance, bool):
+            raise TriForceConfigError(
+                f"speculative_config['compact_key_variance']={self.compact_key_variance!r} "
+                "must be true (the key variance per band of channels, in the KV cache's dtype: "
+                "less memory) or false (per channel in float32, the default).")
         if not isinstance(self.allow_full_key_copy, bool):
             raise TriForceConfigError(
                 f"speculative_config['allow_full_key_copy']={self.allow_full_key_copy!r} must be "
@@ -199,7 +213,8 @@ class TriForceConfig:
     def summary_kinds(self) -> SummaryKinds:
         """The block state the policy reads: what the memory plan reserves and the proposer
         allocates (`BlockSummaries(**dataclasses.asdict(kinds))`)."""
-        return summary_kinds(self.selection_policy, self.key_variance)
+        return summary_kinds(self.selection_policy, self.key_variance,
+                             self.compact_key_variance)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TriForceConfig":

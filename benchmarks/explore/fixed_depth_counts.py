@@ -6,7 +6,7 @@ off (every request drafts gamma2 every step, so no clock decides anything): the 
 every integer counter of the proposer. Two levels with greedy requests; `--three-level`:
 SmolLM2 as its own small draft (gamma1 2), one greedy request and two seeded sampled ones.
 Run it on two trees and compare the lines, e.g. the tree before a change, unpacked with its
-`patches/` linked as `vllm_triforce/patches`:
+`patches/` linked as `vllm_triforce/patches`, or with and without `--round-graphs`:
 
     git archive <rev> | tar -x -C /tmp/old && ln -s /tmp/old/patches /tmp/old/vllm_triforce/patches
     PYTHONPATH=/tmp/old .venv/bin/python benchmarks/explore/fixed_depth_counts.py | tail -1 > old.json
@@ -25,6 +25,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--three-level", action="store_true")
+    parser.add_argument("--round-graphs", action="store_true",
+                        help="the middle passes over persistent buffers (`round_graphs`); "
+                             "its own counters (round_graph_*) are left out of the line")
     args = parser.parse_args()
 
     from transformers import AutoTokenizer
@@ -45,11 +48,13 @@ def main() -> None:
         spec.update(model=str(model), draft_tokens_per_round=2, draft_window_tokens=480)
         params = [greedy] + [SamplingParams(temperature=0.8, top_p=0.9, seed=seed,
                                             max_tokens=64, ignore_eos=True) for seed in (1, 2)]
+    if args.round_graphs:
+        spec["round_graphs"] = True
     llm = in_process_llm(model, spec, dtype="float32", enforce_eager=True, block_size=32, seed=0,
                          max_model_len=4096)
     outs = llm.generate(prompts, params, use_tqdm=False)
     counts = {k: v for k, v in drafter_of(llm).stats.snapshot().items()
-              if isinstance(v, int) and "seconds" not in k}
+              if isinstance(v, int) and "seconds" not in k and not k.startswith("round_graph")}
     print(json.dumps({"tree": vllm_triforce.__file__,
                       "tokens": [list(o.outputs[0].token_ids) for o in outs],
                       "counts": counts}))

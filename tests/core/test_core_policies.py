@@ -86,10 +86,10 @@ def ref_mass(query, keys, n):
     return out
 
 
-def setup(num_q, num_kv, lengths=(37, 9, 24), seed=0, squares=False):
+def setup(num_q, num_kv, lengths=(37, 9, 24), seed=0, squares=False, compact=False):
     summaries, table, keys = make_pool(list(lengths), num_layers=2, num_kv_heads=num_kv,
                                        head_dim=8, block_size=BS, seed=seed,
-                                       keep_variance=squares)
+                                       keep_variance=squares, compact_variance=compact)
     query = torch.randn(len(lengths), 2, num_q, 8, generator=torch.Generator().manual_seed(seed + 1))
     return summaries, table, keys, query, torch.tensor(lengths)
 
@@ -367,6 +367,75 @@ def test_retrieval_with_variance_matches_reference(num_q, num_kv, aggregation):
         for layer in range(2):
             ids = listed[r, layer]
             torch.testing.assert_close(rescored[r, layer, ids], scores[r, layer, ids])
+
+
+# head_dim 8 in 2 bands of whole rotation pairs (core/summaries.py): channels 0, 1, 4, 5
+# and 2, 3, 6, 7
+BANDS_OF_8 = ([0, 1, 4, 5], [2, 3, 6, 7])
+
+
+def ref_compact_variance_scores(query, keys, n, aggregation):
+    """Mean + compact variance, per query head: q . mu / sqrt(D) + 1/2 sum over bands of the
+    band's mean q_d^2 / D x the sum of its channels' variances -> [L, n_full]."""
+    def score(q, block):
+        var = block.var(0, unbiased=False)
+        bands = sum(float((q[b] * q[b]).mean() * var[b].sum()) for b in BANDS_OF_8)
+        return float(q @ block.mean(0)) + 0.5 * bands
+    return ref_per_block(query, keys, n, aggregation, score)
+
+
+@pytest.mark.parametrize("num_q,num_kv", [(14, 2), (4, 4)])
+@pytest.mark.parametrize("aggregation", ["sum", "max", "softmax"])
+@pytest.mark.parametrize("strategy", ["gather", "all"])
+def test_retrieval_with_compact_variance_matches_reference(num_q, num_kv, aggregation,
+                                                           strategy):
+    """A compact variance (2 bands of 4 channels) is scored as the reference does, by
+    `block_scores` with either read, and by a shortlist's re-ranking."""
+    from vllm_triforce.core.selection import best_candidates
+    summaries, table, keys, query, lengths = setup(num_q, num_kv, squares=True, compact=True)
+    assert summaries.deviations().shape[-1] == 2
+    policy = make_policy("retrieval", aggregation=aggregation, strategy=strategy,
+                         variance=True)
+    scores = policy.block_scores(query, summaries, table, lengths, None)
+    for r, n in enumerate(lengths.tolist()):
+        ref = ref_compact_variance_scores(query[r], keys[r], n, aggregation)
+        torch.testing.assert_close(scores[r, :, :n // BS], ref, rtol=1e-4, atol=1e-5)
+    if aggregation == "softmax":
+        return
+    listed = best_candidates(scores, lengths, geometry(BS, 4, 1, 1), size=3)
+    rescored = rescore_shortlist(policy, query, summaries, table, listed)
+    for r in (0, 2):
+        for layer in range(2):
+            ids = listed[r, layer]
+            torch.testing.assert_close(rescored[r, layer, ids], scores[r, layer, ids])
+
+
+def test_compact_variance_scores_as_per_channel_where_a_band_shares_one_variance():
+    """Keys whose channels of a band vary alike (the same deviations in each): the compact
+    score equals the per-channel one, from the store, a shortlist and its copy."""
+    from vllm_triforce.core.summaries import BlockSummaries
+    gen = torch.Generator().manual_seed(9)
+    per_channel = BlockSummaries(2, 6, 2, 8, BS, keep_variance=True)
+    compact = BlockSummaries(2, 6, 2, 8, BS, keep_variance=True, compact_variance=True)
+    base = torch.randn(2, 6 * BS, 2, 8, generator=gen)  # [L, T, H, D]
+    wobble = torch.randn(2, 6 * BS, 2, 2, generator=gen)  # one per band
+    keys = base.mean(1, keepdim=True) + wobble[..., [0, 0, 1, 1, 0, 0, 1, 1]]
+    rows = torch.arange(6 * BS)
+    for s in (per_channel, compact):
+        s.add_committed([keys[l].flatten(1) for l in range(2)], rows, rows // BS, rows % BS)
+    query = torch.randn(2, 2, 4, 8, generator=gen)
+    table, committed = torch.tensor([[0, 1, 2, 3, 4, 5], [5, 3, 1, 0, 2, 4]]), torch.tensor(
+        [6 * BS, 6 * BS])
+    policy = make_policy("retrieval", variance=True)
+    expected = policy.block_scores(query, per_channel, table, committed)
+    torch.testing.assert_close(policy.block_scores(query, compact, table, committed), expected)
+    listed = table[:, None, :4].expand(2, 2, 4)
+    rows, counts = compact.layer_rows(listed), compact.counts[listed].float()
+    copy = policy.listed_copy(compact, rows, counts)
+    assert copy.shape == (2, 2, 4, 2 * 8 + 2 * 2)
+    for scores in (policy.shortlist_scores(query, compact, listed),
+                   policy.shortlist_scores(query, compact, listed, copy=copy)):
+        torch.testing.assert_close(scores, expected[:, :, :4])
 
 
 def test_variance_finds_the_outlier_key_the_mean_dilutes():

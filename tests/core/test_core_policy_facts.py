@@ -1,7 +1,6 @@
 """One table of policy facts (core/policy_facts.py): the memory plan reserves exactly what
 the proposer allocates, for every policy, and what is allocated is what the policy reads."""
 
-import dataclasses
 import subprocess
 import sys
 
@@ -18,14 +17,16 @@ from vllm_triforce.engine.shape import EngineShape
 LAYERS, HEADS, DIM, BLOCK, NUM_BLOCKS = 3, 2, 8, 4, 10
 
 
-@pytest.mark.parametrize("key_variance", [True, False])
+@pytest.mark.parametrize("key_variance,compact", [(True, False), (True, True), (False, False)])
 @pytest.mark.parametrize("kv_dtype,model_dtype", [
     (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
     (torch.uint8, torch.bfloat16),  # an fp8 KV cache: vLLM's KV spec says uint8
 ])
 @pytest.mark.parametrize("policy", POLICIES)
-def test_plan_reserves_what_the_allocation_holds(policy, kv_dtype, model_dtype, key_variance):
+def test_plan_reserves_what_the_allocation_holds(policy, kv_dtype, model_dtype, key_variance,
+                                                  compact):
     cfg = TriForceConfig(selection_policy=policy, key_variance=key_variance,
+                         compact_key_variance=compact,
                          allow_full_key_copy=policy in FULL_KEY_POLICIES)
     kinds = cfg.summary_kinds()
     dtype = summary_dtype(kv_dtype, model_dtype)  # as the proposer's plan and allocation
@@ -59,8 +60,8 @@ def test_policy_classes_take_their_flags_from_the_table():
                                allow_full_key_copy=True).summary_kinds()
         policy = make_policy(name, **TriForceConfig(selection_policy=name,
                                                     allow_full_key_copy=True).policy_kwargs())
-        assert dataclasses.astuple(kinds) == (policy.needs_keys, policy.needs_bounds,
-                                              policy.needs_variance), name
+        assert (kinds.keep_keys, kinds.keep_bounds, kinds.keep_variance) == (
+            policy.needs_keys, policy.needs_bounds, policy.needs_variance), name
 
 
 def test_config_reads_the_table_without_torch():

@@ -1,5 +1,6 @@
 """BlockSummaries: incremental sums == brute-force means of the committed keys."""
 
+import pytest
 import torch
 
 from core_toys import make_pool, write_pass
@@ -173,3 +174,49 @@ def test_set_blocks_equals_committing_every_offset():
         assert torch.allclose(getattr(lazy, store), getattr(eager, store), atol=1e-6), store
     assert torch.equal(lazy.counts, eager.counts) and lazy.counts[blocks].tolist() == [BS] * 3
     assert torch.allclose(lazy.square_deviations, eager.square_deviations, atol=1e-5)
+
+
+def test_variance_width_takes_bands_of_whole_rotation_pairs():
+    from vllm_triforce.core.summaries import variance_dtype, variance_width
+    assert [variance_width(d, True) for d in (128, 64, 80, 8, 12)] == [8, 8, 4, 2, 1]
+    assert variance_width(128, False) == 128
+    with pytest.raises(ValueError, match="even head size"):
+        variance_width(7, True)
+    assert variance_dtype(torch.bfloat16, True) == torch.bfloat16
+    assert variance_dtype(torch.float16, True) == torch.float32  # a band's sum may overflow
+    assert variance_dtype(torch.bfloat16, False) == torch.float32
+
+
+def test_compact_variance_is_the_per_channel_one_summed_over_bands():
+    """compact_variance keeps, per band (head_dim 8: channels 0, 1, 4, 5 and 2, 3, 6, 7),
+    the sum of the per-channel square deviations: pass by pass (a block reused after a
+    reset), set at once from full blocks, and as `with_compact_variance` folds a
+    per-channel store; in the summaries' dtype, 2 values per KV head."""
+    gen = torch.Generator().manual_seed(7)
+    L, N, H, D, BS = 2, 4, 2, 8, 4
+    per_channel = BlockSummaries(L, N, H, D, BS, keep_variance=True)
+    compact = BlockSummaries(L, N, H, D, BS, keep_variance=True, compact_variance=True)
+    keys = 3 + torch.randn(L, 14, H, D, generator=gen)
+    blocks = torch.tensor([2] * 4 + [0] * 4 + [3] * 4 + [2] * 2)  # block 2 reused at 12
+    offsets = torch.tensor(list(range(4)) * 3 + [0, 1])
+    for lo, hi in ((0, 1), (1, 5), (5, 10), (10, 12), (12, 14)):
+        for s in (per_channel, compact):
+            s.add_committed([keys[l, lo:hi].flatten(1) for l in range(L)],
+                            torch.arange(hi - lo), blocks[lo:hi], offsets[lo:hi])
+    folded = torch.stack([per_channel.deviations()[..., band].sum(-1)
+                          for band in ([0, 1, 4, 5], [2, 3, 6, 7])], dim=-1)
+    assert compact.deviations().shape == (L, N, H, 2)
+    torch.testing.assert_close(compact.deviations(), folded)
+    torch.testing.assert_close(per_channel.with_compact_variance().deviations(), folded)
+    assert compact.nbytes() == BlockSummaries(L, N, H, D, BS).nbytes() + L * N * H * 2 * 4
+    full = keys[:, :12].unflatten(1, (3, BS)).transpose(2, 3)  # [L, 3, H, BS, D]
+    for s in (per_channel, compact):
+        s.set_blocks(torch.tensor([1, 0, 3]), full)
+    torch.testing.assert_close(compact.deviations()[:, [1, 0, 3]], torch.stack(
+        [per_channel.deviations()[:, [1, 0, 3]][..., band].sum(-1)
+         for band in ([0, 1, 4, 5], [2, 3, 6, 7])], dim=-1))
+    bf16 = BlockSummaries(L, N, H, D, BS, dtype=torch.bfloat16, keep_variance=True,
+                          compact_variance=True)
+    assert bf16.deviations().dtype == torch.bfloat16
+    view = per_channel.with_compact_variance(torch.bfloat16)
+    assert view.deviations().dtype == torch.bfloat16 and view.sums is per_channel.sums

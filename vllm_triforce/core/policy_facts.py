@@ -21,7 +21,8 @@ class PolicyFacts:
     keeps_keys: bool = False
     # Keeps per-block per-channel key minima and maxima (two key-sized vectors per block).
     keeps_bounds: bool = False
-    # `key_variance` applies: with it, one float32 key-sized vector per block more.
+    # `key_variance` applies: with it, one float32 key-sized vector per block more (or,
+    # with `compact_key_variance`, 8 values per KV head in the summaries' dtype).
     takes_key_variance: bool = False
     # Between middle rounds, re-ranks the step start's shortlist (`middle_shortlist`).
     reranks_shortlist: bool = False
@@ -49,10 +50,15 @@ class SummaryKinds:
     keep_keys: bool = False
     keep_bounds: bool = False
     keep_variance: bool = False
+    compact_variance: bool = False  # the variance per band of channels (core/summaries.py)
 
 
-def summary_kinds(policy: str, key_variance: bool) -> SummaryKinds:
-    """The block state policy `policy` reads, `key_variance` as configured."""
+def summary_kinds(policy: str, key_variance: bool,
+                  compact_key_variance: bool = False) -> SummaryKinds:
+    """The block state policy `policy` reads, `key_variance` and `compact_key_variance`
+    as configured."""
     facts = POLICY_FACTS[policy]
+    keep_variance = facts.takes_key_variance and key_variance
     return SummaryKinds(keep_keys=facts.keeps_keys, keep_bounds=facts.keeps_bounds,
-                        keep_variance=facts.takes_key_variance and key_variance)
+                        keep_variance=keep_variance,
+                        compact_variance=keep_variance and compact_key_variance)

@@ -8,7 +8,19 @@ Two summaries per (layer, physical block, KV head), both updated from committed 
 - optionally (`keep_variance=True`, `retrieval` with its key variance, the engine default),
   the sum of squared deviations of the keys from the block's mean, per channel (the
   variance times the count), combined pass by pass (Chan et al.'s parallel variance), so a
-  score reads it as directly as the sums: no squared-mean term over many blocks.
+  score reads it as directly as the sums: no squared-mean term over many blocks; float32.
+  Compact (`compact_variance=True`): the same sums added up over each of COMPACT_BANDS
+  *bands* of a head's channels, in the summaries' dtype (bf16 in a bf16 engine, float32
+  for float16, whose range a band's sum can pass): 8 values per KV head instead of
+  head_dim float32s, 1/32 of the per-channel store at head_dim 128 in bf16.
+
+Bands. Channel d of a head of D channels is in band (d mod D/2) // (D / (2 x bands)): the
+two halves of a head share their bands, so each band holds whole RoPE rotation pairs
+(channels d and d + D/2 under vLLM's neox-style rotation; 2i and 2i + 1 under GPT-J's, a
+band taking an even number of channels from each half) and, under the neox style, one
+range of rotation frequencies. Example, D = 8, 2 bands: band 0 = channels 0, 1, 4, 5;
+band 1 = 2, 3, 6, 7. A score weighs a band by the mean of its channels' weights
+(`variance_weights`), which is exact when the band's channels share one variance.
 
 One vLLM KV block is one TriForce retrieval chunk. For every layer, KV head and
 *physical* block we keep the running sum of the block's committed keys (post-RoPE,
@@ -29,7 +41,8 @@ selects nothing touches no summary.
 Memory: the store is indexed by physical block id and shared by all requests, like
 the KV cache itself, so blocks shared through prefix caching are summarised once.
 It is sized once for the whole KV cache (`nbytes()` reports it: ~1/block_size of the
-key cache for the sums, twice that again with the bounds) and nothing is freed per
+key cache for the sums, twice that again with the bounds; engine/memory.py reserves it
+before vLLM sizes its cache) and nothing is freed per
 request: a freed block is simply overwritten when it is reused, because the first token
 written at offset 0 resets the block. Per-request state (selection, H2O accumulators) lives in
 `scoring.SelectionState` and is dropped with the request.
@@ -43,6 +56,39 @@ import torch
 from torch import Tensor
 
 from vllm_triforce.core.tensors import on_device
+
+# Values a compact key variance keeps per KV head (fewer where the head is too narrow for
+# bands of an even number of channels: `variance_width`)
+COMPACT_BANDS = 8
+
+
+def variance_width(head_dim: int, compact: bool) -> int:
+    """Values of key variance per KV head: head_dim (one per channel) or, compact, the
+    most of COMPACT_BANDS, 4, 2 bands that take an even number of channels from each half
+    of the head (whole rotation pairs, module docstring), else 1. Example: 128 -> 8 bands
+    of 16 channels; 80 -> 4 bands of 20; 12 -> 1 band."""
+    if not compact:
+        return head_dim
+    if head_dim % 2:
+        raise ValueError(f"a compact key variance needs an even head size, not {head_dim}")
+    return next((b for b in (COMPACT_BANDS, 4, 2) if head_dim % (4 * b) == 0), 1)
+
+
+def variance_dtype(dtype: torch.dtype, compact: bool) -> torch.dtype:
+    """The key variance's element: float32 per channel; compact, the summaries' `dtype`
+    where that is bfloat16 or float32 (a band's sum of squares can pass float16's range:
+    16 keys of magnitude 20 in 16 channels already make 102,400)."""
+    return dtype if compact and dtype in (torch.bfloat16, torch.float32) else torch.float32
+
+
+def fold_bands(x: Tensor, width: int, reduce: str = "sum") -> Tensor:
+    """x [..., D] per channel -> [..., width] per band (module docstring), by `reduce`
+    ("sum" or "mean") over each band's channels; x itself when width == D."""
+    head_dim = x.shape[-1]
+    if width == head_dim:
+        return x
+    per_band = x.unflatten(-1, (2, width, head_dim // (2 * width)))  # [..., half, band, d]
+    return per_band.sum((-3, -1)) if reduce == "sum" else per_band.mean((-3, -1))
 
 
 def token_pieces(spans, limit: int):
@@ -86,7 +132,7 @@ class BlockSummaries:
                  block_size: int, dtype: torch.dtype = torch.float32, device=None,
                  keep_keys: bool = False, key_dtype: torch.dtype | None = None,
                  keep_bounds: bool = False, keep_variance: bool = False,
-                 chunk_bytes: int | None = None):
+                 compact_variance: bool = False, chunk_bytes: int | None = None):
         if min(num_layers, num_blocks, num_kv_heads, head_dim, block_size) <= 0:
             raise ValueError("BlockSummaries: all sizes must be positive")
         # The most bytes one chunked read of these summaries (or of the keys they summarise)
@@ -116,12 +162,16 @@ class BlockSummaries:
         if keep_bounds:
             self.mins = torch.full_like(self.sums, float("inf"))
             self.maxs = torch.full_like(self.sums, float("-inf"))
-        # [num_layers, num_blocks, num_kv_heads, head_dim] per channel, the sum over the
-        # block's committed keys of (k - block mean)^2 (retrieval with variance=True),
-        # float32 whatever `dtype`.
+        # [num_layers, num_blocks, num_kv_heads, W] the sum over the block's committed keys
+        # of (k - block mean)^2 (retrieval with variance=True): per channel (W = head_dim,
+        # float32 whatever `dtype`) or, `compact_variance`, per band (W = `variance_width`,
+        # in `variance_dtype`; module docstring).
+        self.variance_width = variance_width(head_dim, compact_variance)
         self.square_deviations: Tensor | None = None
         if keep_variance:
-            self.square_deviations = torch.zeros_like(self.sums, dtype=torch.float32)
+            self.square_deviations = torch.zeros(
+                num_layers, num_blocks, num_kv_heads, self.variance_width,
+                dtype=variance_dtype(dtype, compact_variance), device=device)
 
     @property
     def device(self) -> torch.device:
@@ -188,8 +238,9 @@ class BlockSummaries:
         self.counts.index_fill_(0, ids, self.block_size)
         if self.square_deviations is not None:
             mean = sums / self.block_size
+            per_channel = (keys - mean[:, :, :, None]).square_().sum(3)  # [L, n, H, D]
             self.square_deviations.index_copy_(
-                1, ids, (keys - mean[:, :, :, None]).square_().sum(3))
+                1, ids, self._to_bands(per_channel).to(self.square_deviations.dtype))
         if self.mins is not None:
             self.mins.index_copy_(1, ids, keys.amin(3).to(self.mins.dtype))
             self.maxs.index_copy_(1, ids, keys.amax(3).to(self.maxs.dtype))
@@ -226,7 +277,13 @@ class BlockSummaries:
         n_a = self.counts[touched].float()[:, None, None]
         mean_a = self.sums[:, touched].float() / n_a.clamp(min=1)
         shift = (mean_b - mean_a).square() * (n_a * n_b / (n_a + n_b))
-        self.square_deviations[:, touched] += m2_b + shift
+        # compact: a band's M2 is the sum of its channels', so the update adds up the same way
+        self.square_deviations[:, touched] += self._to_bands(m2_b + shift).to(
+            self.square_deviations.dtype)
+
+    def _to_bands(self, per_channel: Tensor) -> Tensor:
+        """[..., head_dim] square deviations -> the store's [..., variance_width]."""
+        return fold_bands(per_channel, self.variance_width)
 
     def _gather_rows(self, layer_keys: Sequence[Tensor], rows: Tensor) -> Tensor:
         shape = (rows.numel(), self.num_kv_heads, self.head_dim)
@@ -242,10 +299,32 @@ class BlockSummaries:
         return self.keys[layer][:, :, head][ids].transpose(-1, -2)
 
     def deviations(self) -> Tensor:
-        """square_deviations [L, num_blocks, H, D]; / counts = each channel's key variance."""
+        """square_deviations [L, num_blocks, H, W]; / counts = each channel's key variance
+        (W = head_dim), or the sum of a band's channels' variances (compact)."""
         if self.square_deviations is None:
             raise ValueError("key variances need BlockSummaries(keep_variance=True)")
         return self.square_deviations
+
+    def variance_weights(self, weights: Tensor) -> Tensor:
+        """Per-channel weights [..., head_dim] of the key variance (a score's 1/2 q^2) ->
+        [..., W], so that weights . deviations() is sum_d w_d M2_d per channel, and
+        compact, sum over bands of the band's mean weight x its M2 (exact when a band's
+        channels share one variance)."""
+        return fold_bands(weights, self.variance_width, reduce="mean")
+
+    def with_compact_variance(self, dtype: torch.dtype | None = None) -> "BlockSummaries":
+        """These summaries with their per-channel variance folded into bands (`dtype`:
+        its element, None: `variance_dtype`), sharing every other store: what summaries
+        kept with `compact_variance=True` hold (up to the rounding of their own updates),
+        for a benchmark that compares the two over one engine's keys (bench acceptance)."""
+        if self.square_deviations is None or self.variance_width != self.head_dim:
+            raise ValueError("with_compact_variance folds a per-channel key variance")
+        compact = BlockSummaries.__new__(BlockSummaries)
+        vars(compact).update(vars(self))
+        compact.variance_width = variance_width(self.head_dim, True)
+        compact.square_deviations = fold_bands(self.square_deviations, compact.variance_width).to(
+            dtype or variance_dtype(self.sums.dtype, True))
+        return compact
 
     def layer_rows(self, blocks: Tensor) -> Tensor:
         """blocks [R, L, S] physical ids (-1 reads as block 0) -> [R, L, S] rows of a store
@@ -255,10 +334,10 @@ class BlockSummaries:
         return layer * self.num_blocks + ids
 
     def rows_of(self, store: Tensor, rows: Tensor) -> Tensor:
-        """store [L, num_blocks, H, D] at `layer_rows` [R, L, S] -> [R, L, S, H, D], one
+        """store [L, num_blocks, H, W] at `layer_rows` [R, L, S] -> [R, L, S, H, W], one
         row gather."""
         picked = store.view(self.num_layers * self.num_blocks, -1).index_select(0, rows.flatten())
-        return picked.view(*rows.shape, self.num_kv_heads, self.head_dim)
+        return picked.view(*rows.shape, self.num_kv_heads, store.shape[-1])
 
     def bounds(self, layer: int, block_table: Tensor) -> tuple[Tensor, Tensor]:
         """One layer's key bounds: block_table [R, B] physical ids -> (mins, maxs), each

@@ -59,6 +59,8 @@ class RetrievalPolicy(SelectionPolicy):
     constant, where the mean alone is E[q . k]. A block whose mass comes from a few keys far
     along q (a needle) has a large variance there that its mean dilutes. Needs
     BlockSummaries(keep_variance=True); costs one more dot product per block, either strategy.
+    A compact variance (BlockSummaries(compact_variance=True): per band of channels) is
+    weighed by each band's mean q_d^2 (`BlockSummaries.variance_weights`).
     """
     name = "retrieval"
 
@@ -82,13 +84,14 @@ class RetrievalPolicy(SelectionPolicy):
         if self.aggregation == "sum":  # linear in q: one dot product per KV group
             scores = self._summed_scores(q.sum(3).flatten(2), summaries, ids, summaries.sums)
             if self.variance:
-                scores += 0.5 * self._summed_scores(q.square().sum(3).flatten(2), summaries, ids,
+                weights = summaries.variance_weights(q.square().sum(3)).flatten(2)
+                scores += 0.5 * self._summed_scores(weights, summaries, ids,
                                                     summaries.deviations())
             return scores
         per_head = self._per_head_scores(q, summaries, ids, summaries.sums)  # [R, L, H, G, B]
         if self.variance:
-            per_head += 0.5 * self._per_head_scores(q.square(), summaries, ids,
-                                                    summaries.deviations())
+            per_head += 0.5 * self._per_head_scores(summaries.variance_weights(q.square()),
+                                                    summaries, ids, summaries.deviations())
         if candidates is None:
             candidates = full_block_mask(on_device(num_committed, q.device), summaries.block_size,
                                          block_table.shape[1])
@@ -102,10 +105,11 @@ class RetrievalPolicy(SelectionPolicy):
         q = group_query(query, summaries.num_kv_heads)  # [R, L, H, G, D]
         q = q * (self.scale or 1.0 / math.sqrt(q.shape[-1]))
         if copy is not None:
-            return self._copied_scores(q, copy)
+            return self._copied_scores(q, copy, summaries)
         weights = [(q, summaries.sums)]
         if self.variance:
-            weights.append((0.5 * q.square(), summaries.deviations()))
+            weights.append((0.5 * summaries.variance_weights(q.square()),
+                            summaries.deviations()))
         if counts is None:
             counts = summaries.counts[blocks.clamp(min=0)].clamp(min=1).float()  # [R, L, S]
         if rows is None:
@@ -126,8 +130,8 @@ class RetrievalPolicy(SelectionPolicy):
         return aggregate_heads(per_head, self.aggregation, blocks[:, 0] >= 0)
 
     def listed_copy(self, summaries, rows, counts):
-        """aggregation "sum" only: [R, L, S, n * H * D] float32, the listed blocks' mean
-        keys (then, with `variance`, their keys' variances) at `layer_rows` `rows`
+        """aggregation "sum" only: [R, L, S, H * D (+ H * W)] float32, the listed blocks'
+        mean keys (then, with `variance`, their keys' variances) at `layer_rows` `rows`
         [R, L, S], divided by `counts` once here instead of at every re-ranking; None where
         the copy would take more than one read chunk (`read_limit`; Llama-3.1-8B's default
         shortlist of 988 blocks per layer: 259 MB per request), as the chunked reads are
@@ -137,26 +141,27 @@ class RetrievalPolicy(SelectionPolicy):
         if self.aggregation != "sum":
             return None
         stores = [summaries.sums, *([summaries.deviations()] if self.variance else [])]
-        width = summaries.num_kv_heads * summaries.head_dim
-        if len(stores) * rows.numel() * width * 4 > read_limit(summaries):
+        widths = [store[0, 0].numel() for store in stores]  # H * D, then H * W
+        if sum(widths) * rows.numel() * 4 > read_limit(summaries):
             return None
-        copy = torch.empty(*rows.shape, len(stores), width, dtype=torch.float32,
-                           device=rows.device)
-        flat = rows.flatten()
-        for i, store in enumerate(stores):
-            picked = store.view(-1, width).index_select(0, flat)  # [R * L * S, H * D]
-            copy[..., i, :].copy_(picked.view(*rows.shape, width))
+        copy = torch.empty(*rows.shape, sum(widths), dtype=torch.float32, device=rows.device)
+        flat, start = rows.flatten(), 0
+        for store, width in zip(stores, widths):
+            picked = store.view(-1, width).index_select(0, flat)  # [R * L * S, width]
+            copy[..., start:start + width].copy_(picked.view(*rows.shape, width))
+            start += width
             del picked  # freed before the next store's rows are read
-        copy.div_(counts[..., None, None])
-        return copy.flatten(3)
+        return copy.div_(counts[..., None])
 
     @staticmethod
-    def _copied_scores(q: Tensor, copy: Tensor) -> Tensor:
-        """q [R, L, H, G, D] (scaled) and a `listed_copy` [R, L, S, n * H * D] -> [R, L, S]:
-        q . mean key (+ 1/2 q^2 . key variance), summed over each group's query heads."""
+    def _copied_scores(q: Tensor, copy: Tensor, summaries: BlockSummaries) -> Tensor:
+        """q [R, L, H, G, D] (scaled) and a `listed_copy` [R, L, S, H * D (+ H * W)] ->
+        [R, L, S]: q . mean key (+ 1/2 q^2 . key variance), summed over each group's query
+        heads."""
         weights = q.sum(3).flatten(2)  # [R, L, H * D]
         if copy.shape[-1] > weights.shape[-1]:  # the variances' weights follow
-            weights = torch.cat([weights, q.square().sum(3).flatten(2).mul_(0.5)], -1)
+            squares = summaries.variance_weights(q.square().sum(3)).flatten(2)  # [R, L, H * W]
+            weights = torch.cat([weights, squares.mul_(0.5)], -1)
         return rows_dot(weights, copy)
 
     def _use_all_blocks(self, summaries: BlockSummaries, ids: Tensor) -> bool:

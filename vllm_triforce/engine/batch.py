@@ -46,6 +46,9 @@ class StepBatch:
     # [R] needs vLLM's plain sampler for every token (engine/depth.decodes_plainly: min_p,
     # logit_bias); None: no request does
     plain: list[bool] | None = None
+    # [R] never drafts (engine/plain_steps.never_drafts): the proposer sets it after
+    # building the batch; None: every request may
+    never_drafts: np.ndarray | None = None
 
     def __post_init__(self):
         if self.seeded is None:

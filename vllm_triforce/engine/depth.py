@@ -122,7 +122,7 @@ class DepthChooser:
                  share=None, blocks=None, max_drafting: int | None = None):
         self.configured_depth = self.fixed_depth = fixed_depth
         # the drafting cap the memory plan reserved for (engine/memory.py `Sizing.drafting`:
-        # max_num_seqs, or what a small cache's share holds)
+        # max_num_seqs, or what the cache's share holds: `scaled_limit`)
         self.max_drafting = max_drafting
         self.share = share  # obj -> rank 0's obj, on every rank (None: one rank)
         self.blocks = blocks  # config.BlockCounts (None: every context outgrows the budget)

@@ -11,14 +11,16 @@ blocks fit what is available (`MemoryPlan.blocks_for`), where
 * the per-block part (scales with the cache) is the block summaries, one key-sized vector
   per target layer and KV head in `summary_dtype` (the KV cache's, or the model's for an
   fp8 / int8 cache) plus an int32 count (≈ KV bytes / (2 × block_size) for the target's
-  layers); plus, with `key_variance` (the default for `retrieval`), one more such vector in
-  float32 (the keys' square deviations); plus, for `quest`, two more (per-channel key min
+  layers); plus, with `key_variance` (the default for `retrieval`), the keys' square
+  deviations: one more such vector in float32 or, with `compact_key_variance`, 8 values per
+  target layer and KV head in `summary_dtype` (core/summaries.py's bands: at head size 128
+  in bf16, 1/16 of the key sums); plus, for `quest`, two more (per-channel key min
   and max); plus, only with `allow_full_key_copy`, a copy of every committed key (h2o,
-  topk_oracle); plus, with FLEX_ATTENTION, the block map (`physical_to_logical`) of one
-  metadata builder per target layer, made for a middle pass's limits (engine/shape.py
-  `PassLimits`: at most BUILDER_PASS_REQUESTS = 32 requests, `per_layer_builder_bytes`;
-  FLASHINFER's builders are all fixed part): 8 B per block per request of a pass and layer
-  (Llama-3.1-8B: 8.3 KiB per 2 MiB block);
+  topk_oracle) (`summary_parts` lists them); plus, with FLEX_ATTENTION, the block map
+  (`physical_to_logical`) of one metadata builder per target layer, made for a middle
+  pass's limits (engine/shape.py `PassLimits`: at most BUILDER_PASS_REQUESTS = 32
+  requests, `per_layer_builder_bytes`; FLASHINFER's builders are all fixed part): 8 B per
+  block per request of a pass and layer (Llama-3.1-8B: 8.3 KiB per 2 MiB block);
 * the fixed part (`MemoryPlan.sized(n)`, a `Sizing`; each buffer's bound in
   engine/buffers.py) is: the probability rows, float32
   distributions over the vocabulary (`vocabulary_rows`: per drafting request, the
@@ -31,17 +33,21 @@ blocks fit what is available (`MemoryPlan.blocks_for`), where
   (`fold_scratch_bytes`), which never run at the same time; and the per-layer builders'
   fixed part (FLEX's index tables, 5-7 MB per layer at 128K: 6.3 MB at gamma1 = 1).
 
-What can exist bounds the fixed part, so that TriForce's share of a small cache stays
-small: no table is wider than the blocks the cache holds; one chunked read (of summaries,
-of keys from the KV cache, a fold piece, a pass's stacked queries) copies at most
-1/CHUNK_SHARE_DIVISOR of the cache's bytes (at least one block's keys in float32, at most
-SCORE_CHUNK_BYTES); and the drafting cap, the requests that may draft in one step, is
-vLLM's max_num_seqs (every request it schedules) or, where the cache is too small for
-their rows, the most whose probability rows and scratch fit 1/FIXED_SHARE_DIVISOR of the
-cache, and at least one (the start-up log says which, and how much cache would let every
-request draft). The proposer allocates by
-the `Sizing` it reserved: its read chunk (`BlockSummaries.chunk_bytes`, which every chunked
-read obeys), the hand-off buffer's rows and the depth planner's cap (its drafting count).
+What can exist bounds the fixed part, so that TriForce's share of a cache stays small,
+however small or large: no table is wider than the blocks the cache holds; the drafting
+cap, the requests that may draft in one step, is vLLM's max_num_seqs (every request it
+schedules) or, where the cache's share cannot hold their rows, the most whose probability
+rows and scratch fit `scaled_limit` of the cache (1/FIXED_SHARE_DIVISOR of it, and at most
+LARGE_CACHE_FIXED_BYTES + 1/LARGE_CACHE_SHARE_DIVISOR of it: a large cache is bought for
+KV), and at least one; and one chunked read (of summaries, of keys from the KV cache, a
+fold piece, a pass's stacked queries) copies at most 1/CHUNK_SHARE_DIVISOR of that limit
+(1/256 of a small cache's bytes; at least one block's keys in float32, at most
+SCORE_CHUNK_BYTES). The start-up log (`describe_reservation`) gives the KV blocks TriForce
+leaves against those plain vLLM would make of the same memory, what each of TriForce's
+buffers costs, how many requests may draft and how much cache would let every one draft.
+The proposer allocates by the `Sizing` it reserved: its read chunk
+(`BlockSummaries.chunk_bytes`, which every chunked read obeys), the hand-off buffer's rows
+and the depth planner's cap (its drafting count).
 A budget left without room for one `max_model_len` request is refused with `KVBudgetError`,
 which names each part of the reservation and the fix.
 
@@ -67,28 +73,32 @@ requests' probability rows (2 × (4 + 1) + 1 + 3 × 2 + 8 × 2 + 13 × 2 = 59 ro
 third request's would make 24,559,104 B. So 252 × 1,520,644 + 18,857,472 = 402,059,760 B
 fit (253 blocks would not), vLLM gets 252 blocks, and 31,064,064 B (29.6 MiB, 7.7%) stay
 reserved: 11,613,168 B of summaries, the 18,857,472 B and a remainder no block fits in; 2 of
-the 256 sequences may draft at once, and the log says that a KV cache of 10,662 blocks
-(14,993 MiB) would let all 256 draft. Sized for 256 drafting requests and 64 MiB reads
+the 256 sequences may draft at once, and the log says that a KV cache of 197,553 blocks
+(277,809 MiB) would let all 256 draft. Sized for 256 drafting requests and 64 MiB reads
 whatever the cache, the fixed part would be 1,277 MiB: more than three times the budget.
 
-Worked example at scale (Llama-3.1-8B, bf16 KV cache, block 16, 32 layers × 8 KV heads ×
-128, V 128,256, two levels, gamma2 6, default `key_variance`, one 80 GB GPU): a KV block is
-32 × 2 × 16 × 8 × 128 × 2 = 2,097,152 B; its summary 32 × 8 × 128 × 2 (bf16 key sums) + 4 +
-32 × 8 × 128 × 4 (float32 square deviations) = 196,612 B, 3/32 of the block. A 128K-token
-request holds 8,192 blocks: 16 GiB of KV and 1.5 GiB of summaries. Of the ~52 GB left for
-the cache after 16 GB of weights and vLLM's activations at gpu_memory_utilization 0.9,
-about 22,700 blocks fit (≈ 2.8 requests of 128K; a chunk of 1/256 of the cache would be
-186 MB, above 64 MiB). The probability rows are 7 rows of 128,256 × 4 B per drafting
-request (3.6 MB: gamma2 = 6 of them the hand-off buffer, patches/handoff_rows.py, one a
-round's logits) plus a fixed part for the rest of a round's vocabulary work, done in chunks
-of 64 requests (1,537 rows, 0.79 GB, less below 64 requests): 16 MB at `--max-num-seqs 1`,
-64 MB at 4 (the right setting for 128K contexts), 0.51 GB at 32, 1.02 GB at 64, 1.25 GB at
-128, 1.71 GB at 256; the scratch, the fold's 0.34 GB at 4 requests, is 0.58 GB at 32 (a
-selection's, in chunks of 32 requests at 128K) and grows by 0.5 MB of queries per request
-past that. vLLM's default of 1,024 sequences would want 4.5 GB of rows and 1.1 GB of
-scratch: more than 1/16 of this cache (2.98 GB), which holds those of 394 drafting
-requests, the cap the start-up log reports (43,099 blocks, 90 GB of KV, would let all
-1,024 draft).
+Worked example at scale (Llama-3.1-8B: bf16 KV cache, block 16, 32 layers × 8 KV heads ×
+128, 32 query heads, V 128,256; two levels, gamma2 6, max_model_len 131,072, 8,192 batched
+tokens, max_num_seqs 256): a KV block is 32 × 2 × 16 × 8 × 128 × 2 = 2,097,152 B. Its
+summaries are 32 × 8 × 128 × 2 + 4 = 65,540 B of bf16 key sums and a count (1/32 of the
+block) plus the key variance: by default 32 × 8 × 128 × 4 = 131,072 B in float32 (196,612 B
+in all, 3/32 of the block); with `compact_key_variance` 32 × 8 × 8 bands × 2 = 4,096 B in
+bf16 (69,636 B, 17/512). A 128K-token request holds 8,192 blocks: 16 GiB of KV and 1.5 GiB
+of default summaries, 0.53 GiB of compact ones. On an H200 at gpu_memory_utilization 0.9,
+plain vLLM made 55,604 blocks of 111,208 MiB (benchmarks/gpu/results.json). Beside such a
+cache the rows and scratch may take 192 MiB + 1/256 of the KV (610 MiB) and a read copies
+at most a 16th of that (38 MiB), so 15 requests draft at once: 466 probability rows of
+128,256 × 4 B (per request its 6 hand-off rows, patches/handoff_rows.py, and a round's
+logits; a chunk of 15 requests' vocabulary work, 24 rows each; the spare row), 228.0 MiB,
+and a selection's scratch over tables of up to 8,192 blocks, 356.9 MiB. So 53,533 blocks
+fit with compact summaries, 96.3% of plain vLLM's, and 4,142 MiB stay reserved (3,555.1 MiB
+of summaries, 584.9 MiB of rows and scratch, 1.9 MiB no block fits in); with the default
+ones 50,574 (91.0%: 9,482.8 MiB of summaries). On an 80 GB GPU (~52 GB for the cache
+after 16 GB of weights and vLLM's activations: 24,795 plain blocks) the limit is 378 MiB,
+reads copy 23.6 MiB and 11 requests draft: 23,816 blocks with compact summaries (96.1%),
+22,511 with the default ones (90.8%). vLLM's default of 1,024 sequences changes none of
+this: the limit, not max_num_seqs, caps the drafting requests (the log says that 1.7 TiB
+of KV cache would let all 1,024 draft).
 """
 
 from __future__ import annotations
@@ -103,7 +113,7 @@ import torch
 from vllm_triforce.config import TriForceConfigError
 from vllm_triforce.core import reads
 from vllm_triforce.core.policy_facts import SummaryKinds
-from vllm_triforce.core.summaries import BlockSummaries
+from vllm_triforce.core.summaries import BlockSummaries, variance_dtype, variance_width
 from vllm_triforce.engine.buffers import (FLOAT32_BYTES, fold_scratch_bytes, lazy_read_bytes,
                                           selection_scratch_bytes, vocabulary_rows)
 
@@ -113,11 +123,47 @@ if TYPE_CHECKING:
 COUNT_BYTES = 4  # int32 committed-token count per block
 MiB = 2**20
 # The fixed part follows the cache it serves (module docstring): the drafting requests'
-# probability rows and scratch take at most 1/16 of the KV cache's bytes, and one chunked
-# read at most 1/256 of them (the fold's FOLD_COPIES pieces: 2%). A cache of 16 GiB or more
-# reads chunks of the full SCORE_CHUNK_BYTES.
+# probability rows and scratch take at most 1/16 of the KV cache's bytes and at most
+# LARGE_CACHE_FIXED_BYTES + 1/256 of them (`scaled_limit`: the smaller of the two from a
+# cache of 3.2 GiB up, for a large cache is bought for KV: with compact summaries TriForce
+# keeps 96% of plain vLLM's blocks of an 80 GB GPU at Llama-3.1-8B's shape), and one
+# chunked read at most 1/16 of that limit (1/256 of a small cache; the fold's FOLD_COPIES
+# pieces: 5/16 of the limit), so the scratch grows no faster than the limit and a larger
+# cache never lets fewer requests draft. From a limit of 1 GiB (a cache of 208 GiB) reads
+# take chunks of the full SCORE_CHUNK_BYTES.
 FIXED_SHARE_DIVISOR = 16
-CHUNK_SHARE_DIVISOR = 256
+LARGE_CACHE_FIXED_BYTES = 192 * MiB
+LARGE_CACHE_SHARE_DIVISOR = 256
+CHUNK_SHARE_DIVISOR = 16
+
+
+def scaled_limit(kv_bytes: int) -> int:
+    """The most the drafting requests' probability rows and scratch may take beside a KV
+    cache of `kv_bytes`: 1/FIXED_SHARE_DIVISOR of it, and at most LARGE_CACHE_FIXED_BYTES
+    + 1/LARGE_CACHE_SHARE_DIVISOR of it. Example: 384 MiB -> 24 MiB; 100 GiB -> 592 MiB."""
+    return min(kv_bytes // FIXED_SHARE_DIVISOR,
+               LARGE_CACHE_FIXED_BYTES + kv_bytes // LARGE_CACHE_SHARE_DIVISOR)
+
+
+def summary_parts(shape: EngineShape) -> dict[str, int]:
+    """Bytes per KV block of each store of the block summaries an engine of `shape` keeps
+    (core/summaries.py `BlockSummaries`, as `allocate_summaries` makes it): the key sums in
+    `summary_dtype` and the count; per `shape.kinds`, the key variance (per channel in
+    float32, or per band: `variance_width`, `variance_dtype`), the key bounds (min and
+    max), a copy of the keys."""
+    kinds, dtype = shape.kinds, shape.summary_dtype
+    heads = shape.num_layers * shape.num_kv_heads  # one vector per target layer and KV head
+    key_bytes = heads * shape.head_dim * dtype.itemsize
+    parts = {"mean keys": key_bytes + COUNT_BYTES}
+    if kinds.keep_variance:
+        width = variance_width(shape.head_dim, kinds.compact_variance)
+        element = variance_dtype(dtype, kinds.compact_variance).itemsize
+        parts["key variance"] = heads * width * element
+    if kinds.keep_bounds:
+        parts["key bounds"] = 2 * key_bytes
+    if kinds.keep_keys:
+        parts["key copy"] = key_bytes * shape.block_size
+    return parts
 
 
 class KVBudgetError(TriForceConfigError):
@@ -139,7 +185,7 @@ class Sizing:
 
     @property
     def scaled_bytes(self) -> int:
-        """The part the drafting cap keeps within 1/FIXED_SHARE_DIVISOR of the KV."""
+        """The part the drafting cap keeps within `scaled_limit` of the KV."""
         return self.probability_bytes + self.scratch_bytes
 
     @property
@@ -168,12 +214,7 @@ class MemoryPlan:
         selection's scratch (`selection_scratch_bytes`, `lazy_read_bytes`; 0 blocks: left
         out, as in the first worked example above), its `max_batched_tokens` the fold's
         (`fold_scratch_bytes`; 0: left out)."""
-        kinds, element = shape.kinds, shape.summary_dtype.itemsize
-        key_bytes = shape.num_layers * shape.num_kv_heads * shape.head_dim * element
-        summary = (key_bytes + COUNT_BYTES
-                   + (key_bytes * shape.block_size if kinds.keep_keys else 0)
-                   + (2 * key_bytes if kinds.keep_bounds else 0)
-                   + (key_bytes // element * FLOAT32_BYTES if kinds.keep_variance else 0))
+        summary = sum(summary_parts(shape).values())
         return cls(kv_bytes_per_block, summary + builders[0], shape, builders[1])
 
     @property
@@ -184,26 +225,28 @@ class MemoryPlan:
 
     def chunk_bytes(self, kv_bytes: int | None) -> int:
         """The most one chunked read copies, for a KV cache of `kv_bytes` (None: one that
-        bounds nothing): 1/CHUNK_SHARE_DIVISOR of it, at most SCORE_CHUNK_BYTES, and at least
-        one block's keys in float32 (what a lazy read of the KV cache copies at the least)."""
+        bounds nothing): 1/CHUNK_SHARE_DIVISOR of its `scaled_limit` (1/256 of a small
+        cache), at most SCORE_CHUNK_BYTES, and at least one block's keys in float32 (what a
+        lazy read of the KV cache copies at the least)."""
         most = reads.SCORE_CHUNK_BYTES
-        share = most if kv_bytes is None else min(most, kv_bytes // CHUNK_SHARE_DIVISOR)
+        share = (most if kv_bytes is None
+                 else min(most, scaled_limit(kv_bytes) // CHUNK_SHARE_DIVISOR))
         return max(share, self.shape.block_size * self.key_row_bytes)
 
     def sized(self, num_blocks: int | None) -> Sizing:
         """The fixed part for a cache of `num_blocks` (None: one that bounds nothing), with
         the most drafting requests, up to the shape's `max_drafting`, whose rows and scratch
-        fit 1/FIXED_SHARE_DIVISOR of its KV (at least one; both grow with the count, so a
+        fit `scaled_limit` of its KV (at least one; both grow with the count, so a
         bisection finds it)."""
         kv_bytes = None if num_blocks is None else num_blocks * self.kv_bytes_per_block
         chunk = self.chunk_bytes(kv_bytes)
         most = self.shape.max_drafting
         if kv_bytes is None:
             return self._sized(most, chunk, num_blocks)
+        limit = scaled_limit(kv_bytes)
 
         def too_many(drafting: int) -> bool:
-            scaled = self._sized(drafting, chunk, num_blocks).scaled_bytes
-            return scaled * FIXED_SHARE_DIVISOR > kv_bytes
+            return self._sized(drafting, chunk, num_blocks).scaled_bytes > limit
 
         fitting = bisect.bisect_left(range(1, most + 1), True, key=too_many)
         return self._sized(max(fitting, 1), chunk, num_blocks)
@@ -246,8 +289,10 @@ class MemoryPlan:
     def blocks_for_drafting(self, drafting: int) -> int:
         """The fewest KV blocks whose cache lets `drafting` requests draft at once (at
         most the shape's `max_drafting`): the drafting cap grows with the cache."""
-        unbounded = self.sized(None).scaled_bytes * FIXED_SHARE_DIVISOR
-        most = -(-unbounded // self.kv_bytes_per_block)  # its share bounds nothing there
+        unbounded = self.sized(None).scaled_bytes
+        kv_bytes = max(unbounded * FIXED_SHARE_DIVISOR,  # `scaled_limit` bounds nothing there
+                       (unbounded - LARGE_CACHE_FIXED_BYTES) * LARGE_CACHE_SHARE_DIVISOR)
+        most = -(-kv_bytes // self.kv_bytes_per_block)
         return bisect.bisect_left(range(most + 1), True,
                                   key=lambda n: self.sized(n).drafting >= drafting)
 
@@ -262,16 +307,21 @@ class MemoryPlan:
 
 
 def describe_reservation(plan: MemoryPlan, available: int, num_blocks: int) -> str:
-    """The start-up line of `reserve_memory`: TriForce's share of `available`, its parts
-    and the remainder (less than one block of KV + summaries, which no block fits in)."""
+    """The start-up line of `reserve_memory`: the KV blocks TriForce leaves vLLM against
+    those plain vLLM would make of the same `available` bytes, the reservation's share of
+    them, each of its buffers and the remainder (less than one block of KV + summaries,
+    which no block fits in)."""
     sizing = plan.sized(num_blocks)
+    plain = max(available, 0) // plan.kv_bytes_per_block
+    kept = 100 * num_blocks / plain if plain else 100.0
     reserved = available - num_blocks * plan.kv_bytes_per_block
     remainder = available - plan.footprint(num_blocks)
     share = 100 * reserved / available if available > 0 else 0.0
-    return (f"reserved {reserved / MiB:.1f} MiB ({share:.1f}%) of {available / MiB:.1f} MiB "
-            f"before KV-cache sizing: {_parts(plan, sizing, num_blocks)}, remainder "
-            f"{remainder / MiB:.1f} MiB; the KV cache gets {num_blocks} blocks, "
-            f"{_drafting(plan, sizing)}, reads of at most {sizing.chunk_bytes / MiB:.1f} MiB")
+    return (f"the KV cache gets {num_blocks} blocks, {kept:.1f}% of the {plain} plain vLLM "
+            f"would make of {available / MiB:.1f} MiB; reserved {reserved / MiB:.1f} MiB "
+            f"({share:.1f}%) before KV-cache sizing: {_parts(plan, sizing, num_blocks)}, "
+            f"remainder {remainder / MiB:.1f} MiB; {_drafting(plan, sizing)}, reads of at "
+            f"most {sizing.chunk_bytes / MiB:.1f} MiB")
 
 
 def _drafting(plan: MemoryPlan, sizing: Sizing) -> str:
@@ -281,18 +331,32 @@ def _drafting(plan: MemoryPlan, sizing: Sizing) -> str:
     if sizing.drafting >= most:
         return f"every request (max_num_seqs {most}) may draft at once"
     wanted = plan.blocks_for_drafting(most) * plan.kv_bytes_per_block
+    limit = scaled_limit(sizing.num_blocks * plan.kv_bytes_per_block)
     return (f"{sizing.drafting} of max_num_seqs {most} requests may draft at once (their "
-            f"probability rows and scratch take at most 1/{FIXED_SHARE_DIVISOR} of the KV "
-            f"cache; a KV cache of {wanted / MiB:.1f} MiB would let all {most} draft)")
+            f"probability rows and scratch take at most {limit / MiB:.1f} MiB beside this KV "
+            f"cache: 1/{FIXED_SHARE_DIVISOR} of it, and at most "
+            f"{LARGE_CACHE_FIXED_BYTES / MiB:.0f} MiB + 1/{LARGE_CACHE_SHARE_DIVISOR}; a KV "
+            f"cache of {wanted / MiB:.1f} MiB would let all {most} draft)")
 
 
 def _parts(plan: MemoryPlan, sizing: Sizing, num_blocks: int) -> str:
-    parts = [f"block summaries {num_blocks * plan.summary_bytes_per_block / MiB:.1f} MiB",
-             f"probability rows {sizing.probability_bytes / MiB:.1f} MiB "
-             f"({sizing.drafting} drafting requests)",
-             f"scratch {sizing.scratch_bytes / MiB:.1f} MiB"]
+    """Each of TriForce's buffers beside a KV cache of `num_blocks`, in MiB: the block
+    summaries (each of their stores, `summary_parts`), a stateful backend's per-layer
+    block maps, the probability rows, the scratch, the per-layer builders' fixed part."""
+    def mib(nbytes: int) -> str:
+        return f"{nbytes / MiB:.1f} MiB"
+
+    stores = summary_parts(plan.shape)
+    each = ", ".join(f"{name} {mib(num_blocks * b)}" for name, b in stores.items())
+    parts = [f"block summaries {mib(num_blocks * sum(stores.values()))} ({each})"]
+    maps = plan.summary_bytes_per_block - sum(stores.values())
+    if maps:
+        parts.append(f"per-layer builders' block maps {mib(num_blocks * maps)}")
+    parts += [f"probability rows {mib(sizing.probability_bytes)} "
+              f"({sizing.drafting} drafting requests)",
+              f"scratch {mib(sizing.scratch_bytes)}"]
     if sizing.builder_bytes:
-        parts.append(f"per-layer builders {sizing.builder_bytes / MiB:.1f} MiB")
+        parts.append(f"per-layer builders {mib(sizing.builder_bytes)}")
     return ", ".join(parts)
 
 

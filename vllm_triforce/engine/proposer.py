@@ -82,6 +82,7 @@ from vllm_triforce.engine.memory import (MemoryPlan, Sizing, allocate_summaries,
 from vllm_triforce.engine.depth import DepthChooser
 from vllm_triforce.engine.middle import HandOffBuffer, MiddleLoop, hand_off
 from vllm_triforce.engine.paged_keys import paged_keys_for
+from vllm_triforce.engine.plain_steps import PlainSteps
 from vllm_triforce.engine.retrieval_level import RetrievalLevel
 from vllm_triforce.engine.shape import EngineShape
 from vllm_triforce.engine.state import RequestState, StateTable
@@ -133,6 +134,9 @@ class TriForceProposer(DraftModelProposer):
         self.draft: DraftLevel | None = None
         self.middle: MiddleLoop | None = None
         self.depth: DepthChooser | None = None  # the depth controller (engine/depth.py)
+        # the steps with nothing to do, found on the host (engine/plain_steps.py)
+        self.plain_steps: PlainSteps | None = None
+        self._handed_last = False  # the last step handed a request drafts
         logger.info("TriForce: %s levels, gamma2=%d, gamma1=%d, retrieval budget %d blocks of %d "
                     "tokens, policy %s%s", 3 if self.shape.has_draft else 2,
                     self.shape.gamma2, self.shape.gamma1, self.shape.blocks.budget_blocks,
@@ -228,6 +232,7 @@ class TriForceProposer(DraftModelProposer):
                                   max_drafting=self.sizing.drafting)
         self.middle = MiddleLoop(self.draft, shape.gamma1, self.refresh, self.stats,
                                  self.generator, self.cfg.measure_middle_acceptance)
+        self.plain_steps = PlainSteps(shape.blocks, keeper, self.depth, self.stats)
 
     def _round_graphs(self, target_groups) -> RoundGraphs | None:
         """The middle passes over persistent buffers (`round_graphs`: engine/device/
@@ -332,10 +337,18 @@ class TriForceProposer(DraftModelProposer):
                 num_rejected_tokens_gpu=None, slot_mappings=None) -> list[list[int]]:
         self._last_draft_probs, self._last_draft_prob_req_ids = None, None
         start = time.perf_counter()
+        plain = self.plain_steps.try_step(self.runner, common_attn_metadata, start,
+                                          self._handed_last)
+        if plain is not None:  # nothing to do: no device value read, no batch built
+            self.capture.clear()
+            self.stats.add(middle_seconds=time.perf_counter() - start)
+            self._publish_stats()
+            return plain
         batch = StepBatch.from_runner(self.runner, common_attn_metadata, target_token_ids,
                                       next_token_ids, num_rejected_tokens_gpu,
                                       sampling_metadata, self.block_size,
                                       num_speculative_tokens, previous=self._last_batch)
+        batch.never_drafts = self.plain_steps.never(batch.req_ids, self.runner.requests)
         self._last_batch = batch
         states, dropped = self.states.of_batch(batch.req_ids, self.runner.requests,
                                                self._new_state)
@@ -355,7 +368,8 @@ class TriForceProposer(DraftModelProposer):
         finally:
             self.capture.clear()  # vLLM's next pass records afresh
         self._last_draft_probs, self._last_draft_prob_req_ids = probs, prob_req_ids
-        depth.end(drafting=any(drafts), one_time=step.summarise_seconds)
+        self._handed_last = any(drafts)
+        depth.end(drafting=self._handed_last, one_time=step.summarise_seconds)
         self.stats.add(middle_seconds=time.perf_counter() - start)
         self._publish_stats()
         # one list per request, [] allowed (vLLM's variable-length path), also at a fixed

@@ -38,6 +38,8 @@ class TriForceStats:
     # persistent buffers, and passes that fit no bucket (today's path instead)
     round_graph_passes: int = 0
     round_graph_misses: int = 0
+    # plain steps decided on the host with no TriForce work at all (engine/plain_steps.py)
+    host_plain_steps: int = 0
     # measure_middle_acceptance only: sum over measured positions of sum_x min(p, q), p the
     # full-cache and q the retrieval-cache distribution, and the number of positions.
     middle_pq_sum: float = 0.0

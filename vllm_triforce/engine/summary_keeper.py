@@ -82,11 +82,22 @@ class SummaryKeeper:
                 return
             self._check_reader(reader, *first[:3])
             self.lazy = self.reader is not None and self._lazy_possible()
-        folded = prefills if self.lazy else range(batch.num_reqs)
+        folded = self._lazy_folds(batch, prefills) if self.lazy else range(batch.num_reqs)
         for committed in self.committed_tokens(batch, folded):
             fold_committed(self.summaries, self.capture.keys, committed)
         if self.lazy:
-            self._record_folded_blocks(batch, states, prefills)
+            self._record_folded_blocks(batch, states, folded)
+
+    @staticmethod
+    def _lazy_folds(batch, prefills: list[int]) -> list[int]:
+        """The prefill rows whose keys are folded when summaries are set lazily: those of
+        requests that may draft. A request that never drafts (batch.never_drafts) needs no
+        summary; should it draft after all (a fixed depth set later), its blocks are set
+        lazily before it selects, as decoded blocks are (`set_full_blocks`)."""
+        never = batch.never_drafts
+        if never is None or not prefills:
+            return prefills
+        return [r for r in prefills if not never[r]]
 
     def _record_folded_blocks(self, batch, states, prefills: list[int]) -> None:
         """After a fold of `prefills`' passes: the blocks each completed, every key of which

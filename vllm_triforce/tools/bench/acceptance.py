@@ -64,6 +64,8 @@ COLUMNS = {
                       "Retrieval (mean key + variance, sum)"),
     "retrieval_var_softmax": ("retrieval", {"variance": True, "aggregation": "softmax"}, STEP,
                               MIDDLE, "Retrieval (mean key + variance, softmax)"),
+    "retrieval_var_compact": ("retrieval", {"variance": True}, STEP, MIDDLE,
+                              "Retrieval (mean key + variance per band in bf16, sum)"),
     "quest": ("quest", {}, STEP, MIDDLE, "Quest (min/max, softmax)"),
     "quest_max": ("quest", {"aggregation": "max"}, STEP, MIDDLE, "Quest (min/max, max)"),
     "quest_sum": ("quest", {"aggregation": "sum"}, STEP, MIDDLE, "Quest (min/max, sum)"),
@@ -79,7 +81,11 @@ COLUMNS = {
     "retrieval_once_per_span": ("retrieval", {}, ONCE_PER_SPAN, False,
                                 "Retrieval, once per span (refresh_interval 64)"),
 }
-# paired differences: against the per-position oracle, StreamingLLM and mean-key retrieval
+# columns that score the key variance per band of channels, in bf16 (`compact_key_variance`,
+# teacher.py `TeacherForcedEngine.compact_summaries`)
+COMPACT_COLUMNS = ("retrieval_var_compact",)
+# paired differences: against the per-position oracle, StreamingLLM, mean-key retrieval and
+# the engine's default (`default_column`)
 ORACLE, BASELINE, MEAN_KEY = "topk_oracle_per_position", "streamingllm", "retrieval"
 SWEEP_PLOT = (ORACLE, "topk_oracle", "h2o", "quest", "retrieval", "retrieval_var", "rerank",
               BASELINE)  # the rest: table
@@ -91,8 +97,9 @@ def default_column() -> str:
     """The column that selects as the engine does with its default config."""
     cfg = TriForceConfig()
     return next(name for name, (policy, kwargs, every, middle, _) in COLUMNS.items()
-                if (policy, kwargs, every, middle)
-                == (cfg.selection_policy, cfg.policy_kwargs(), STEP, MIDDLE))
+                if (policy, kwargs, every, middle, name in COMPACT_COLUMNS)
+                == (cfg.selection_policy, cfg.policy_kwargs(), STEP, MIDDLE,
+                    cfg.summary_kinds().compact_variance))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -192,7 +199,7 @@ def _column(name: str, blocks: BlockCounts, keys) -> Column:
     policy = make_policy(policy, **kwargs)
     shortlist = SHORTLIST if middle == MIDDLE else 0  # the Selector ignores it if it cannot
     return Column(f"{name}@{blocks.budget_blocks}", Selector(policy, blocks, shortlist, keys),
-                  refresh_every, bool(middle))
+                  refresh_every, bool(middle), compact_variance=name in COMPACT_COLUMNS)
 
 
 # ---- rows ------------------------------------------------------------------------------
@@ -260,7 +267,7 @@ def _cells(task: str, result, names: list[str], budget: int) -> list[dict]:
                 "positions": len(acc[name]), "greedy_agreement": mean_ci(agree)[0],
                 "greedy_ci95": list(mean_ci(agree)[1:]), "budget_tokens": budget * BLOCK}
         for ref, key in ((BASELINE, "minus_streamingllm"), (ORACLE, "minus_oracle"),
-                         (MEAN_KEY, "minus_retrieval")):
+                         (MEAN_KEY, "minus_retrieval"), (default_column(), "minus_default")):
             if ref in acc and ref != name:
                 diff = mean_ci([a - b for a, b in zip(acc[name], acc[ref])])
                 cell[key] = {"mean": diff[0], "ci95": list(diff[1:])}
@@ -284,11 +291,12 @@ def _diff(cell: dict, key: str) -> str:
 
 def _table(cells: list[dict]) -> str:
     header = ["policy", "acceptance % [95% CI]", "− StreamingLLM, points", "− oracle, points",
-              "− Retrieval, points", "greedy agreement %", "positions"]
+              "− Retrieval, points", "− engine default, points", "greedy agreement %",
+              "positions"]
     rows = [[COLUMNS[c["policy"]][-1] + f" (`{c['policy']}`)",
              f"{_pct(c['acceptance'])} {_interval(*c['ci95'])}", _diff(c, "minus_streamingllm"),
-             _diff(c, "minus_oracle"), _diff(c, "minus_retrieval"), _pct(c["greedy_agreement"]),
-             c["positions"]]
+             _diff(c, "minus_oracle"), _diff(c, "minus_retrieval"), _diff(c, "minus_default"),
+             _pct(c["greedy_agreement"]), c["positions"]]
             for c in cells]
     return report.markdown_table(header, rows)
 

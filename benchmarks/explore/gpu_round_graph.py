@@ -1,0 +1,769 @@
+"""Round graphs on a GPU (issue 59): are the graphed middle passes the passes they replace,
+and what does a middle round cost with them?
+
+TriForce's middle passes over persistent buffers (`round_graphs: true`,
+engine/device/round_graph.py) replay as CUDA graphs on FLASH_ATTN and TRITON_ATTN, and
+eagerly over the same buffers on a CPU, where the tests hold them to today's path. What
+only a GPU can show, in three parts, most valuable first:
+
+(a) Correctness, a tiny random 4-layer Llama (gpu_models.build_tiny_pair), FLASH_ATTN bf16,
+    compiled, fixed depth 4, two levels and three. Every middle round's pass also runs
+    today's way first (`forward.run_pass`, same inputs and tables) and the graph's logits
+    and captured queries are held against it (max |delta|, argmax agreement): a graph that
+    froze a stale table, length or address shows here at once. Then the engine's greedy
+    tokens against a plain vLLM engine's (with TriForce's forced settings: like with like;
+    a bf16 divergence must sit where plain's top-2 margin is a near-tie,
+    gpu_summary.compare_tokens), drafts verified (top_proposed > 0); syncs per middle round
+    (tools/bench/syncs.py, and torch's sync debug mode); the same engine with its round
+    graphs switched off (`drafter.retrieval.round_graphs = None`) for acceptance.
+(b) Cost at Llama-3.1-8B's width (a few layers, dummy weights), 8 x 7,680 tokens, depth 6:
+    ms per middle round with graphs and without, in ONE engine, alternating twice (a drift
+    of the machine shows as a difference between the two passes of each mode); each mode
+    also with VLLM_TRIFORCE_TIME_FORWARDS=1 (a sync per pass: the forwards' device time)
+    and the graph replays' device time from CUDA events (no sync); TriForce's CUDA memory
+    (what `initialize_attn_backend` keeps, what each capture took, the peak above each
+    `propose`'s entry) against its reservation (`drafter.reserved_bytes`).
+(c) Cost at SmolLM2-135M's shape (dummy weights), 32 x 7,808 tokens: ms per middle round and
+    per step at depths 6 and 0, graphs on and off in one engine.
+
+Each engine runs in a child process of its own: a CUDA error in a replay (an illegal
+address, say) leaves its process's context unusable, and would take every later engine with
+it. The parent runs the engines of `--parts` in order of value (a's two-level engine, b, a's
+plain and three-level engines, c), skips one whose estimate does not fit what is left of
+`--budget-s`, stops one that outlasts it, and writes `--out`/results.json after every engine
+(an engine's partial results too); the engines' logs go to `--out`/jobs.log.
+
+On a lent GPU, from the bundle (benchmarks/gpu/README.md; carry `.bundle`):
+
+    bash scripts/gpu_session.sh round-graphs 400 a,b     # then, within 30 s:
+    bash scripts/gpu_session.sh round-graphs 300 c
+
+On a CPU, a smoke test of this script (tiny sizes, CPU_ATTN float32, eager):
+
+    .venv/bin/python benchmarks/explore/gpu_round_graph.py --device cpu --out /tmp/rg --parts a
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from vllm_triforce.tools.bench.gpu_plan import COST_SPEC, FORCED_SETTINGS, TINY_SPEC
+
+# The draft's keys in three levels (gpu_plan's exactness rows).
+THREE_LEVELS = {"draft_window_tokens": 96, "draft_tokens_per_round": 2}
+# SmolLM2-135M's config.json, written over Llama-3.1-8B's (every field that differs).
+SMOLLM2_SHAPE = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                 "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+                 "vocab_size": 49152, "max_position_embeddings": 8192, "rope_theta": 100000.0,
+                 "rope_scaling": None, "tie_word_embeddings": True, "bos_token_id": 1,
+                 "eos_token_id": 2}
+# On a CPU, parts b and c keep their model's family at a width two cores run in seconds.
+CPU_WIDTH = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 64}
+# Sizes by device. a: prompts of shortest + i * step tokens (past TINY_SPEC's 256-token
+# budget); b, c: batch x context, the short and long decode of a step's timing
+# (tools/bench/step_timing.py).
+SIZES = {
+    "cuda": {"a": {"prompts": 4, "shortest": 600, "step": 100, "max_tokens": 48, "depth": 4,
+                   "llm": {"dtype": "bfloat16", "block_size": 32, "max_model_len": 4096,
+                           "gpu_memory_utilization": 0.3,
+                           # 4 x 5 tokens verified a step: fewer graph sizes, a faster start
+                           "compilation_config": {"max_cudagraph_capture_size": 32}}},
+             "b": {"batch": 8, "context": 7680, "depth": 6, "decode": (8, 40), "over": {},
+                   "budget": COST_SPEC["retrieval_budget"],
+                   "llm": {"max_model_len": 8192, "max_num_seqs": 64}},
+             "c": {"batch": 32, "context": 7808, "depths": (6, 0), "decode": (8, 40),
+                   "over": {}, "budget": 512, "llm": {"max_model_len": 8192}}},
+    "cpu": {"a": {"prompts": 2, "shortest": 400, "step": 80, "max_tokens": 16, "depth": 4,
+                  "llm": {"dtype": "float32", "block_size": 32, "max_model_len": 1024}},
+            "b": {"batch": 2, "context": 1024, "depth": 6, "decode": (4, 12), "budget": 256,
+                  "over": {**CPU_WIDTH, "num_hidden_layers": 2}, "llm": {"max_model_len": 2048}},
+            "c": {"batch": 2, "context": 1024, "depths": (6, 0), "decode": (4, 12),
+                  "budget": 256, "over": {"num_hidden_layers": 2},
+                  "llm": {"max_model_len": 2048}}},
+}
+# (engine, part), in the order they run: each part's most telling engine first.
+JOBS = (("a-2L", "a"), ("b", "b"), ("a-plain", "a"), ("a-3L", "a"), ("c", "c"))
+# Seconds an engine's job is expected to take (start, prefill, generations), from the H200
+# start-up times in benchmarks/gpu/README.md (a compiled engine 70-110 s, an eager tiny one
+# 36-39 s) and, on a CPU, this machine's: an engine is skipped when less is left.
+ESTIMATE_S = {"cuda": {"a-2L": 100, "b": 160, "a-plain": 80, "a-3L": 100, "c": 200},
+              "cpu": {"a-2L": 70, "b": 60, "a-plain": 40, "a-3L": 80, "c": 60}}
+COUNTERS = ("top_proposed", "top_accepted", "middle_proposed", "middle_accepted",
+            "middle_rounds", "middle_seconds", "forward_seconds", "round_graph_passes",
+            "round_graph_misses", "refreshes", "plain_steps", "drafting_steps")
+PER_ROUND_KEPT = 16  # rounds of (a) kept one by one in the results; all are summarised
+TIME_FORWARDS = "VLLM_TRIFORCE_TIME_FORWARDS"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--parts", default="a,b,c")
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                   help="default: cuda when torch sees one")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="skip engines that cannot finish within this many seconds")
+    p.add_argument("--tokenizer", type=Path, default=None,
+                   help="a tokenizer folder (default: SmolLM2-135M's from the model cache)")
+    p.add_argument("--work", type=Path, default=Path("/tmp/vt-round-graph"))
+    p.add_argument("--b-layers", type=int, default=8, help="layers of part b's model")
+    p.add_argument("--job", help=argparse.SUPPRESS)  # a child: the engine it runs
+    p.add_argument("--job-out", type=Path, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.device is None:
+        import torch
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.job:
+        sys.exit(run_child(args))
+    sys.exit(run_parent(args))
+
+
+# ---------------------------------------------------------------------------- parent
+
+def run_parent(args) -> int:
+    """Every selected engine in a child process, within the budget; results.json after each."""
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.work.mkdir(parents=True, exist_ok=True)
+    args.tokenizer = resolve_tokenizer(args.tokenizer).resolve()
+    parts = set(args.parts.split(","))
+    results = {"config": {k: str(v) for k, v in vars(args).items() if v is not None},
+               "sizes": SIZES[args.device], "jobs": {}, "checks": {}}
+    start, failed = time.perf_counter(), 0
+    for name, part in JOBS:
+        if part not in parts:
+            continue
+        left = None if args.budget_s is None else args.budget_s - (time.perf_counter() - start)
+        if left is not None and left < ESTIMATE_S[args.device][name]:
+            results["jobs"][name] = {"status": "skipped", "left_s": left,
+                                     "estimate_s": ESTIMATE_S[args.device][name]}
+        else:
+            results["jobs"][name] = run_job(args, name, left)
+        failed += results["jobs"][name]["status"] not in ("ok", "skipped")
+        results["checks"] = checks(results["jobs"])
+        write(args.out, results)
+        print(f"[{time.perf_counter() - start:6.0f} s] {name}: "
+              f"{results['jobs'][name]['status']}", flush=True)
+    print(json.dumps(results["checks"], indent=1))
+    return int(failed > 0)
+
+
+def resolve_tokenizer(path: Path | None) -> Path:
+    if path is not None:
+        return path
+    from vllm_triforce import assets
+    return assets.ensure_model("smollm2-135m")
+
+
+def run_job(args, name: str, left: float | None) -> dict:
+    """One engine in a child process (its own session, so a timeout stops everything it
+    started); its log appended to jobs.log; its results, partial ones too, read back."""
+    partial = args.work / f"{name}.json"
+    partial.unlink(missing_ok=True)
+    command = [sys.executable, str(Path(__file__).resolve()), "--job", name,
+               "--job-out", str(partial), "--out", str(args.out), "--device", args.device,
+               "--tokenizer", str(args.tokenizer), "--work", str(args.work),
+               "--b-layers", str(args.b_layers)]
+    log = args.out / "jobs.log"
+    start = time.perf_counter()
+    with log.open("a") as sink:
+        sink.write(f"\n===== {name} =====\n")
+        sink.flush()
+        child = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+        try:
+            status = "ok" if child.wait(timeout=left) == 0 else "failed"
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+            status = "stopped at the budget"
+    job = {"status": status, "wall_s": time.perf_counter() - start}
+    if partial.exists():
+        job["result"] = json.loads(partial.read_text())
+    if status != "ok":
+        print(log_tail(log), flush=True)
+    return job
+
+
+def log_tail(log: Path, lines: int = 25) -> str:
+    """The last lines of a log without vLLM's INFO and DEBUG lines."""
+    kept = [line for line in log.read_text(errors="replace").splitlines()
+            if " INFO " not in line and " DEBUG " not in line]
+    return "\n".join(kept[-lines:])
+
+
+def write(out: Path, results: dict) -> None:
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+
+
+# ---------------------------------------------------------------------------- checks
+
+def checks(jobs: dict) -> dict:
+    """The figures issue 59 asks of each part, from the engines' results."""
+    done = {name: job["result"] for name, job in jobs.items()
+            if job.get("result") and "error" not in job["result"]}
+    out = {}
+    for name in ("a-2L", "a-3L"):
+        if name in done:
+            out[name] = levels_check(done[name], done.get("a-plain"))
+    for name in ("b", "c"):
+        if name in done and "summary" in done[name]:
+            out[name] = done[name]["summary"]
+    return out
+
+
+def levels_check(result: dict, plain: dict | None) -> dict:
+    from vllm_triforce.tools.bench.gpu_summary import compare_tokens
+
+    out = {"path": result.get("round_graphs", {}).get("path")}
+    for key in ("compared", "synced", "per_pass"):
+        run = result.get(key)
+        if not run or "tokens" not in run:
+            continue
+        row = {"acceptance": acceptance(run["stats"]), "drafted": run["stats"]["top_proposed"] > 0,
+               "round_graph_passes": run["stats"]["round_graph_passes"],
+               "round_graph_misses": run["stats"]["round_graph_misses"]}
+        if plain is not None and "tokens" in plain:
+            row["against_plain"] = compare_tokens(plain["tokens"], run["tokens"],
+                                                  plain.get("margins"))
+        for extra in ("rounds", "syncs"):
+            if extra in run:
+                row[extra] = {k: v for k, v in run[extra].items() if k != "by_op"}
+        out[key] = row
+    graphs, eager = out.get("compared", {}), out.get("per_pass", {})
+    if graphs.get("acceptance") is not None and eager.get("acceptance") is not None:
+        out["acceptance_points_apart"] = 100 * (graphs["acceptance"] - eager["acceptance"])
+    return out
+
+
+def acceptance(stats: dict) -> float | None:
+    return stats["top_accepted"] / stats["top_proposed"] if stats["top_proposed"] else None
+
+
+# ----------------------------------------------------------------------------- child
+
+class Report(dict):
+    """A child's results, written to its file whenever `save` is called."""
+
+    def __init__(self, path: Path):
+        super().__init__()
+        self.path = path
+
+    def save(self) -> None:
+        self.path.write_text(json.dumps(self))
+
+
+def run_child(args) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.device == "cpu":
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    report = Report(args.job_out)
+    report["device_name"] = device_name(args.device)
+    run = {"a-2L": lambda: job_levels(args, report, 2), "a-3L": lambda: job_levels(args, report, 3),
+           "a-plain": lambda: job_plain(args, report), "b": lambda: job_width(args, report),
+           "c": lambda: job_smollm2(args, report)}[args.job]
+    try:
+        run()
+    except BaseException:  # the finding: kept with whatever the job measured before
+        report["error"] = traceback.format_exc()[-4000:]
+        report.save()
+        raise
+    report.save()
+    return 0
+
+
+def device_name(device: str) -> str:
+    import platform
+
+    import torch
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"
+
+
+def engine_llm(args, part: str, **over) -> dict:
+    """LLM keywords of a part's engine: FLASH_ATTN bf16 compiled on a GPU (dummy weights
+    for b and c), CPU_ATTN float32 eager on a CPU."""
+    if args.device == "cpu":
+        base = {"dtype": "float32", "enforce_eager": True, "block_size": 32,
+                "attention_config": {"backend": "CPU_ATTN"}}
+    else:
+        base = {"dtype": "bfloat16", "gpu_memory_utilization": 0.85,
+                "attention_config": {"backend": "FLASH_ATTN"}}
+    if part != "a":
+        base["load_format"] = "dummy"
+    return {**base, "seed": 0, **SIZES[args.device][part]["llm"], **over}
+
+
+def build(args, report: Report, model: Path, spec: dict | None, part: str, **over):
+    """The engine, its start time and facts in the report."""
+    from vllm_triforce.tools.bench.gpu_engine import build_llm, engine_facts
+
+    start = time.perf_counter()
+    llm = build_llm({"model": str(model), "spec": spec, "llm": engine_llm(args, part, **over)})
+    report["start_s"] = time.perf_counter() - start
+    report["facts"] = engine_facts(llm)
+    report.save()
+    return llm
+
+
+def tokenizer_vocab(args) -> int:
+    from vllm_triforce.tools.bench import gpu_models
+    return gpu_models.tokenizer_vocab_size(args.tokenizer)
+
+
+# ------------------------------------------------------------------ (a) correctness
+
+def tiny_models(args) -> tuple[Path, Path]:
+    from vllm_triforce.tools.bench import gpu_models
+    return gpu_models.build_tiny_pair(args.work / "tiny", args.tokenizer)
+
+
+def tiny_prompts(args) -> list[list[int]]:
+    from vllm_triforce.tools.bench.gpu_engine import random_prompts
+
+    a = SIZES[args.device]["a"]
+    longest = a["shortest"] + a["step"] * (a["prompts"] - 1)
+    return [p[:a["shortest"] + a["step"] * i] for i, p in
+            enumerate(random_prompts(a["prompts"], longest, tokenizer_vocab(args), seed=3))]
+
+
+def greedy(args, logprobs: int | None = None):
+    from vllm import SamplingParams
+    return SamplingParams(temperature=0.0, max_tokens=SIZES[args.device]["a"]["max_tokens"],
+                          ignore_eos=True, logprobs=logprobs)
+
+
+def job_plain(args, report: Report) -> None:
+    """Plain vLLM with TriForce's forced settings (V1 runner, PIECEWISE graphs, synchronous
+    scheduling): the tokens, and plain's own top-2 log-prob margins at every position."""
+    from vllm_triforce.tools.bench.gpu_engine import token_prompts, top2_margins
+
+    os.environ.update(FORCED_SETTINGS["env"])
+    forced = FORCED_SETTINGS["llm"]
+    compilation = {**SIZES[args.device]["a"]["llm"].get("compilation_config", {}),
+                   **forced["compilation_config"]}
+    over = ({"async_scheduling": False} if args.device == "cpu" else
+            {**forced, "compilation_config": compilation})
+    llm = build(args, report, tiny_models(args)[0], None, "a", **over)
+    outputs = llm.generate(token_prompts(tiny_prompts(args)), greedy(args, logprobs=2),
+                           use_tqdm=False)
+    report["tokens"] = [list(o.outputs[0].token_ids) for o in outputs]
+    report["margins"] = [top2_margins(o.outputs[0]) for o in outputs]
+
+
+def job_levels(args, report: Report, levels: int) -> None:
+    """TriForce with round graphs, two or three levels, fixed depth: three generations of
+    the same prompts, each saved as it completes: every round against today's path
+    (`compared`), syncs counted (`synced`), round graphs off (`per_pass`)."""
+    from vllm_triforce.tools.bench.gpu_engine import drafter_or_none
+
+    target, draft = tiny_models(args)
+    spec = {**TINY_SPEC, "round_graphs": True,
+            **({"model": str(draft), **THREE_LEVELS} if levels == 3 else {})}
+    llm = build(args, report, target, spec, "a")
+    drafter = drafter_or_none(llm)
+    drafter.set_fixed_depth(SIZES[args.device]["a"]["depth"])
+    graphs = drafter.retrieval.round_graphs
+    captures = watch_captures(graphs) if graphs is not None else []
+    prompts, params = tiny_prompts(args), greedy(args)
+    for key, generation in (("compared", compared_generation), ("synced", synced_generation),
+                            ("per_pass", per_pass_generation)):
+        report[key] = generation(llm, drafter, prompts, params)
+        report["round_graphs"] = {**graphs_facts(drafter), "captures": captures}
+        report.save()
+
+
+def generate(llm, drafter, prompts, params) -> dict:
+    """Greedy tokens of `prompts`, the wall time, and TriForce's counters over the call."""
+    from vllm_triforce.tools.bench.gpu_engine import token_prompts
+
+    before, start = drafter.stats.snapshot(), time.perf_counter()
+    outputs = llm.generate(token_prompts(prompts), params, use_tqdm=False)
+    wall, after = time.perf_counter() - start, drafter.stats.snapshot()
+    return {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "wall_s": wall,
+            "stats": {k: after[k] - before[k] for k in COUNTERS}}
+
+
+def compared_generation(llm, drafter, prompts, params) -> dict:
+    """A generation in which every round's pass also runs today's way, just before its
+    replay, over the same inputs and tables (`against_eager`). Both write the same KV
+    slots with the same tokens; the replay writes last, so the engine goes on from the
+    graph's state."""
+    graphs = drafter.retrieval.round_graphs
+    if graphs is None:
+        return {"skipped": "no round graphs (path per pass): see the engine's log"}
+    rounds: list[dict] = []
+    graphs.run = against_eager(drafter.retrieval, graphs, graphs.run, rounds)
+    try:
+        out = generate(llm, drafter, prompts, params)
+    finally:
+        del graphs.run  # the instance's wrapper: the class's `run` again
+    out["rounds"] = summarise_rounds(rounds)
+    out["per_round"] = rounds[:PER_ROUND_KEPT]
+    return out
+
+
+def against_eager(level, graphs, run, rounds: list):
+    """`graphs.run`, with each pass that fits a bucket first run by `forward.run_pass`
+    (its queries recorded into buffers of its own, so neither vLLM's pass's nor the
+    round's are touched) and the two compared into `rounds`."""
+    from vllm_triforce.engine.device.capture import CaptureBuffers
+
+    scratch = CaptureBuffers(len(level.layer_names), graphs.bounds.max_tokens, keep_keys=False)
+
+    def compared(inputs, tables):
+        if graphs.bounds.bucket(inputs.num_tokens, tables.shape[-1]) is None:
+            return run(inputs, tables)  # a miss: today's path runs anyway
+        eager, eager_queries = eager_pass(level, scratch, inputs, tables)
+        logits = run(inputs, tables)
+        rounds.append(difference(logits, eager, level.capture.queries, eager_queries, inputs))
+        return logits
+    return compared
+
+
+def eager_pass(level, scratch, inputs, tables):
+    """(logits, per-layer queries) of today's path over `inputs` and tables [L, R, W]."""
+    from vllm_triforce.engine.device.forward import run_pass
+
+    per_layer = dict(zip(level.layer_names, tables.unbind(0)))
+    with level.capture.recording(into=scratch):
+        logits = run_pass(level.model, level.vllm_config, level.attn_groups, inputs,
+                          per_layer, None, level.pass_limits)
+    return logits, list(level.capture.queries)
+
+
+def difference(graph, eager, graph_queries, eager_queries, inputs) -> dict:
+    """How far a replay's logits [T, V] and queries are from today's path's."""
+    if graph.shape[0] != eager.shape[0]:  # run_pass returns the sampled rows only
+        graph = graph[inputs.sample_rows_dev]
+    g, e = graph.float(), eager.float()
+    dq = max((a.reshape(a.shape[0], -1).float() - b.reshape(b.shape[0], -1).float()
+              ).abs().max().item() for a, b in zip(graph_queries, eager_queries))
+    return {"tokens": inputs.num_tokens, "max_abs_logits": (g - e).abs().max().item(),
+            "logits_scale": e.abs().max().item(),
+            "argmax_equal": (g.argmax(-1) == e.argmax(-1)).float().mean().item(),
+            "max_abs_query": dq}
+
+
+def summarise_rounds(rounds: list[dict]) -> dict:
+    if not rounds:
+        return {"compared": 0}
+    return {"compared": len(rounds),
+            "max_abs_logits": max(r["max_abs_logits"] for r in rounds),
+            "median_abs_logits": statistics.median(r["max_abs_logits"] for r in rounds),
+            "logits_scale": max(r["logits_scale"] for r in rounds),
+            "min_argmax_equal": min(r["argmax_equal"] for r in rounds),
+            "mean_argmax_equal": statistics.fmean(r["argmax_equal"] for r in rounds),
+            "max_abs_query": max(r["max_abs_query"] for r in rounds),
+            "tokens": sorted({r["tokens"] for r in rounds})}
+
+
+def synced_generation(llm, drafter, prompts, params) -> dict:
+    """A generation with the syncs inside `propose` counted per middle round
+    (tools/bench/syncs.py; on a CPU every tensor counts, an approximation), and on a GPU
+    torch's sync debug mode attributing every synchronising CUDA call to its site
+    (gpu_job.SyncAttribution: TriForce's, or vLLM's)."""
+    import torch
+
+    from vllm_triforce.tools.bench.gpu_job import SyncAttribution, sync_owner
+    from vllm_triforce.tools.bench.syncs import ProposeSyncs, summarise
+
+    attribution = SyncAttribution() if torch.cuda.is_available() else None
+    with ProposeSyncs(drafter) as recorder:
+        if attribution is not None:
+            with attribution:
+                out = generate(llm, drafter, prompts, params)
+        else:
+            out = generate(llm, drafter, prompts, params)
+    s = summarise(recorder.take())
+    out["syncs"] = {k: s[k] for k in ("max_round", "mean_round", "num_rounds", "max_step",
+                                      "mean_step", "once", "host")}
+    out["syncs"]["by_op"] = s["by_op"]
+    if attribution is not None:
+        ours = sum(n for site, n in attribution.sites.items() if sync_owner(site) == "triforce")
+        out["syncs"]["cuda_sites"] = dict(attribution.sites.most_common())
+        out["syncs"]["cuda_triforce_per_round"] = ours / max(out["stats"]["middle_rounds"], 1)
+    return out
+
+
+def per_pass_generation(llm, drafter, prompts, params) -> dict:
+    """The same generation with the round graphs off: today's per-pass path."""
+    level = drafter.retrieval
+    graphs, level.round_graphs = level.round_graphs, None
+    try:
+        return generate(llm, drafter, prompts, params)
+    finally:
+        level.round_graphs = graphs
+
+
+def graphs_facts(drafter) -> dict:
+    graphs = drafter.retrieval.round_graphs
+    if graphs is None:
+        return {"path": "per pass"}
+    b = graphs.bounds
+    return {"path": "cuda graphs" if graphs.use_cuda_graphs else "eager over buffers",
+            "buckets": list(b.buckets), "max_tokens": b.max_tokens,
+            "max_requests": b.max_requests, "max_width": b.max_width,
+            "buffer_bytes": graphs.nbytes, "prepared": sorted(graphs.replays)}
+
+
+def watch_captures(graphs) -> list[dict]:
+    """Each `_prepare` (a bucket built; on a GPU every bucket captured at once): its
+    seconds and, on a GPU, what the allocator holds after it beyond before: `bytes`
+    allocated (the graphs' live outputs), `reserved_bytes` (the private pool's segments
+    too, and what the warm-up runs left cached: an upper bound)."""
+    import torch
+
+    captures, prepare, cuda = [], graphs._prepare, torch.cuda.is_available()
+
+    def held() -> tuple[int, int]:
+        return (torch.cuda.memory_allocated(), torch.cuda.memory_reserved()) if cuda else (0, 0)
+
+    def measured(bucket):
+        before, start = held(), time.perf_counter()
+        replay = prepare(bucket)
+        after = held()
+        captures.append({"bucket": bucket, "s": time.perf_counter() - start,
+                         "bytes": after[0] - before[0] if cuda else None,
+                         "reserved_bytes": after[1] - before[1] if cuda else None})
+        return replay
+    graphs._prepare = measured
+    return captures
+
+
+# --------------------------------------------------------------------- (b), (c) costs
+
+def job_width(args, report: Report) -> None:
+    """(b): Llama-3.1-8B's width, `--b-layers` layers, depth 6: graphs on and off, twice
+    each, with and without the forwards synchronised."""
+    from vllm_triforce.tools.bench import gpu_models
+
+    s = SIZES[args.device]["b"]
+    over = {"num_hidden_layers": args.b_layers, **s["over"]}
+    if args.device == "cpu":
+        over["vocab_size"] = tokenizer_vocab(args)
+    model = gpu_models.write_llama_8b_shape(
+        args.work / f"llama-8b-width-{over['num_hidden_layers']}l", args.tokenizer, **over)
+    spec = {**COST_SPEC, "retrieval_budget": s["budget"], "round_graphs": True}
+    plan = [(s["depth"], on, synced) for on in (True, False, True, False)
+            for synced in (False, True)]
+    cost_job(args, report, model, spec, "b", plan)
+
+
+def job_smollm2(args, report: Report) -> None:
+    """(c): SmolLM2-135M's shape: ms per round and per step at depths 6 and 0, graphs on
+    and off, twice each."""
+    from vllm_triforce.tools.bench import gpu_models
+
+    s = SIZES[args.device]["c"]
+    model = gpu_models.write_llama_8b_shape(args.work / "smollm2-135m-shape", args.tokenizer,
+                                            **{**SMOLLM2_SHAPE, **s["over"]})
+    spec = {**COST_SPEC, "retrieval_budget": s["budget"], "round_graphs": True}
+    plan = [(depth, on, False) for depth in s["depths"] for on in (True, False, True, False)]
+    cost_job(args, report, model, spec, "c", plan)
+
+
+def cost_job(args, report: Report, model: Path, spec: dict, part: str, plan) -> None:
+    """One engine: prefill, then a row per (depth, graphs on, forwards synchronised) of
+    `plan`, saved as each completes; the summary and memory last."""
+    import torch
+
+    from vllm_triforce.tools.bench.gpu_costs import MemoryProbe, timed_generate
+    from vllm_triforce.tools.bench.gpu_engine import drafter_or_none, random_prompts
+
+    s, cuda = SIZES[args.device][part], torch.cuda.is_available()
+    memory = MemoryProbe() if cuda else None
+    if memory is not None:
+        memory.install_init_probe()
+    llm = build(args, report, model, spec, part)
+    drafter = drafter_or_none(llm)
+    graphs = drafter.retrieval.round_graphs
+    report["captures"] = watch_captures(graphs) if graphs is not None else []
+    peaks, timer = PeakProbe(drafter, cuda), ReplayTimer(graphs, cuda)
+    prompts = random_prompts(s["batch"], s["context"], tokenizer_vocab(args), seed=s["context"])
+    report["prefill_s"] = timed_generate(llm, prompts, 1)
+    report["rows"] = []
+    for depth, on, synced in plan:
+        report["rows"].append(measure(llm, drafter, graphs, prompts, s["decode"], depth, on,
+                                      synced, peaks, timer))
+        report["round_graphs"] = graphs_facts(drafter) if graphs is not None else None
+        report.save()
+    report["memory"] = memory_report(drafter, memory, peaks, report["captures"])
+    report["summary"] = summarise_rows(report["rows"], report["memory"])
+
+
+def measure(llm, drafter, graphs, prompts, decode, depth: int, on: bool, synced: bool,
+            peaks, timer) -> dict:
+    """One row: round graphs on or off, forwards synchronised or not, a warm-up decode,
+    then the step's time from a short and a long decode (step_timing.decode_step) and the
+    long one's split (gpu_costs.depth_row: ms per middle round, of which forwards)."""
+    from vllm_triforce.tools.bench.gpu_costs import depth_row, timed_generate
+    from vllm_triforce.tools.bench.step_timing import decode_step
+
+    drafter.retrieval.round_graphs = graphs if on else None
+    os.environ.pop(TIME_FORWARDS, None)
+    if synced:
+        os.environ[TIME_FORWARDS] = "1"
+    drafter.set_fixed_depth(depth)
+    short, long = decode
+    peaks.label = None  # the warm-up's peak holds the first capture: not a propose's own
+    timed_generate(llm, prompts, short)  # warm-up in this mode (on: captures the first time)
+    peaks.label = "graphs" if on else "per pass"
+    if on:
+        timer.install()
+    timer.take()
+    counted = []
+
+    def timed(m: int) -> tuple[float, int]:
+        before = drafter.stats.snapshot()
+        wall = timed_generate(llm, prompts, m)
+        after = drafter.stats.snapshot()
+        counted.append((m, wall, before, after))
+        return wall, sum(after[k] - before[k] for k in ("plain_steps", "drafting_steps"))
+
+    try:
+        timing = decode_step(timed, short, long, repeats=1)
+    finally:
+        os.environ.pop(TIME_FORWARDS, None)
+    m, wall, before, after = [c for c in counted if c[0] == timing["long"]][-1]
+    row = depth_row(before, after, wall, m - 1, len(prompts))
+    replay_ms, replays = timer.take()
+    row.update(depth=depth, graphs=on, synced_forwards=synced,
+               step_ms=None if timing["step_s"] is None else 1000 * timing["step_s"],
+               timing=timing, replays=replays,
+               replay_ms_per_round=replay_ms / replays if replays else None,
+               **{k: after[k] - before[k] for k in ("round_graph_passes",
+                                                    "round_graph_misses")})
+    return row
+
+
+class PeakProbe:
+    """The CUDA allocator's peak above its level at entry of each `propose`, the largest
+    per `label` (the mode being measured; None: not recorded); nothing on a CPU."""
+
+    def __init__(self, drafter, cuda: bool):
+        self.label, self.peaks = None, {}
+        if cuda:
+            self._install(drafter)
+
+    def _install(self, drafter) -> None:
+        import torch
+
+        propose = drafter.propose
+
+        def measured(*args, **kwargs):
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            try:
+                return propose(*args, **kwargs)
+            finally:
+                if self.label is not None:
+                    peak = torch.cuda.max_memory_allocated() - base
+                    self.peaks[self.label] = max(self.peaks.get(self.label, 0), peak)
+
+        drafter.propose = measured
+
+
+class ReplayTimer:
+    """The time of each bucket replay (the scheduler metadata's refresh and the graph's
+    replay): on a GPU from CUDA events around it, device time without a sync per round
+    (creating the two events costs the host a few microseconds); on a CPU its wall time."""
+
+    def __init__(self, graphs, cuda: bool):
+        self.graphs, self.cuda, self.marks = graphs, cuda, []
+
+    def install(self) -> None:
+        """Wrap every replay prepared so far that is not wrapped yet."""
+        for replay in (self.graphs.replays.values() if self.graphs is not None else ()):
+            if "run" not in vars(replay):
+                replay.run = self._timed(replay.run)
+
+    def _timed(self, run):
+        import torch
+
+        def timed():
+            if not self.cuda:
+                start = time.perf_counter()
+                out = run()
+                self.marks.append(time.perf_counter() - start)
+                return out
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            out = run()
+            end.record()
+            self.marks.append((start, end))
+            return out
+        return timed
+
+    def take(self) -> tuple[float, int]:
+        """(ms of the replays since the last take, their number)."""
+        import torch
+
+        marks, self.marks = self.marks, []
+        if self.cuda and marks:
+            torch.cuda.synchronize()
+            return sum(a.elapsed_time(b) for a, b in marks), len(marks)
+        return 1000 * sum(marks), len(marks)
+
+
+def memory_report(drafter, memory, peaks: PeakProbe, captures: list) -> dict | None:
+    """TriForce's CUDA memory against its reservation, per mode: what
+    `initialize_attn_backend` keeps, what the graphs' captures hold (their pool's
+    reserved segments: the upper bound), each mode's propose peak (None on a CPU)."""
+    if memory is None:
+        return None
+    import torch
+
+    captured = sum(c["reserved_bytes"] or 0 for c in captures)
+    return {"reserved_bytes": drafter.reserved_bytes, "persistent_bytes": memory.persistent,
+            "capture_bytes": captured, "propose_peak_bytes": dict(peaks.peaks),
+            "within_reservation": {label: memory.persistent + captured + peak
+                                   <= drafter.reserved_bytes
+                                   for label, peak in peaks.peaks.items()},
+            "max_reserved_by_torch": torch.cuda.max_memory_reserved()}
+
+
+def summarise_rows(rows: list[dict], memory: dict | None) -> dict:
+    """Per depth and mode, medians over the rows: ms per step and per middle round
+    (unsynchronised rows), the forwards' ms per round (synchronised rows: device time
+    of the passes) and the replays' device ms per round; with graphs, a round's cost over
+    its pass's device time."""
+    out = {}
+    for depth in sorted({r["depth"] for r in rows}, reverse=True):
+        for on in (True, False):
+            mine = [r for r in rows if r["depth"] == depth and r["graphs"] == on]
+            free = [r for r in mine if not r["synced_forwards"]]
+            synced = [r for r in mine if r["synced_forwards"]]
+            cell = {"step_ms": median(r["step_ms"] for r in free),
+                    "middle_round_ms": median(r["middle_round_ms"] for r in free),
+                    "middle_round_ms_each": [r["middle_round_ms"] for r in free],
+                    "acceptance": median(r["acceptance"] for r in free),
+                    "forward_ms_per_round_synced": median(r["forward_ms_per_round"]
+                                                          for r in synced),
+                    "replay_ms_per_round": median(r["replay_ms_per_round"] for r in mine)}
+            if on and cell["middle_round_ms"] and cell["replay_ms_per_round"]:
+                cell["round_over_replay"] = cell["middle_round_ms"] / cell["replay_ms_per_round"]
+            out[f"depth {depth}, {'graphs' if on else 'per pass'}"] = cell
+    if memory is not None:
+        out["within_reservation"] = memory["within_reservation"]
+    return out
+
+
+def median(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+if __name__ == "__main__":
+    main()

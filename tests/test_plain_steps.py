@@ -1,0 +1,86 @@
+"""engine/plain_steps.py: steps with nothing to do are found on the host, and cost nothing.
+
+A step in which no request can draft (every context fits the retrieval budget, nothing was
+handed last step, no key must be folded) returns vLLM its empty drafts before reading any
+device value: no sync (on a CPU every read of a tensor counts as one,
+tools/bench/syncs.py), no batch, no TriForce work. Requests that outgrow the budget
+later still draft, and every output stays plain vLLM's.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_triforce.engine.plain_steps import never_drafts
+
+SPEC = {"method": "triforce", "num_speculative_tokens": 4, "retrieval_budget": 160,
+        "retrieval_sink_tokens": 16, "retrieval_recent_tokens": 32}
+
+
+def request(prompt: int, max_tokens, min_p: float = 0.0):
+    params = SimpleNamespace(max_tokens=max_tokens, min_p=min_p, logit_bias=None)
+    return SimpleNamespace(num_prompt_tokens=prompt, sampling_params=params)
+
+
+def test_never_drafts_when_its_longest_context_fits_or_it_samples_plainly():
+    # blocks of 32, a 4,096-token budget (128 blocks): the docstring's example
+    assert never_drafts(request(1500, 48), 32, 128)
+    assert not never_drafts(request(1500, 4000), 32, 128)
+    assert never_drafts(request(4000, 96), 32, 128)  # 4,096 tokens: 128 blocks, fits
+    assert not never_drafts(request(4000, 97), 32, 128)
+    assert not never_drafts(request(100, None), 32, 128)  # no bound on its length
+    assert never_drafts(request(9000, 4000, min_p=0.1), 32, 128)  # vLLM's plain sampler
+
+
+def _generate(llm, prompts, max_tokens: int):
+    from vllm import SamplingParams
+
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                ignore_eos=True), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _prompts(n: int, length: int) -> list[dict]:
+    return [{"prompt_token_ids": [(11 * i + 5 * j) % 250 + 1 for j in range(length)]}
+            for i in range(n)]
+
+
+@pytest.mark.engine
+def test_a_job_inside_the_budget_does_no_triforce_work_and_no_sync(tiny_llama, llm_factory):
+    from engine_helpers import drafter_of
+    from vllm_triforce.tools.bench.syncs import ProposeSyncs, summarise
+
+    prompts = _prompts(3, 60)  # 60 + 12 tokens: 3 blocks of 32, the budget holds 5
+    plain = _generate(llm_factory(tiny_llama), prompts, 12)
+    llm = llm_factory(tiny_llama, speculative_config=dict(SPEC))
+    drafter = drafter_of(llm)
+    with ProposeSyncs(drafter) as recorder:
+        recorder.take()
+        tokens = _generate(llm, prompts, 12)
+        syncs = summarise(recorder.take())
+    stats = drafter.stats.snapshot()
+    assert tokens == plain
+    assert stats["host_plain_steps"] >= 12 and stats["drafting_steps"] == 0, stats
+    assert stats["host_plain_steps"] == syncs["num_steps"], (stats, syncs)
+    assert syncs["max_step"] == 0 and syncs["once"] == 0, syncs["by_op"]
+    assert len(drafter.states) == 0  # no request state was ever made
+    assert drafter.retrieval.keeper.status == "not checked yet"  # nor the reader checked
+
+
+@pytest.mark.engine
+def test_requests_that_outgrow_the_budget_draft_after_host_plain_steps(tiny_llama,
+                                                                        llm_factory):
+    """Prompts of 100 tokens that grow to 220 (the budget holds 160): plain steps on the
+    host while they fit, then drafting; the tokens are plain vLLM's and drafts were
+    verified."""
+    from engine_helpers import assert_drafted, drafter_of, force_depths
+
+    prompts = _prompts(2, 100)
+    plain = _generate(llm_factory(tiny_llama), prompts, 120)
+    llm = llm_factory(tiny_llama, speculative_config=dict(SPEC))
+    force_depths(llm, [4, 2, 3])  # the controller's path, its budget rule still applies
+    tokens = _generate(llm, prompts, 120)
+    stats = drafter_of(llm).stats.snapshot()
+    assert_drafted(stats)
+    assert stats["host_plain_steps"] > 0, stats
+    assert tokens == plain
