@@ -338,7 +338,8 @@ KV_8B = 32 * 2 * 16 * 8 * 128 * 2  # 2 MiB: a block of every layer's keys and va
 H200_AVAILABLE, GPU_80GB_AVAILABLE = 55_604 * KV_8B, 52 * 10**9
 
 
-def llama_8b_plan(compact: bool, max_num_seqs: int = 256):
+def llama_8b_plan(compact: bool, max_num_seqs: int = 256, round_graphs: bool = False,
+                  backend: str | None = None):
     """engine/memory.py's example at scale: Llama-3.1-8B's shape (32 layers x 8 KV heads x
     128, 32 query heads, V 128,256), bf16 KV cache, block 16, max_model_len 131,072, 8,192
     batched tokens, two levels, gamma2 6; `compact`: `compact_key_variance`. No per-layer
@@ -348,12 +349,37 @@ def llama_8b_plan(compact: bool, max_num_seqs: int = 256):
     from vllm_triforce.config import TriForceConfig
     from vllm_triforce.engine.shape import EngineShape
 
-    cfg = TriForceConfig(num_speculative_tokens=6, compact_key_variance=compact)
+    cfg = TriForceConfig(num_speculative_tokens=6, compact_key_variance=compact,
+                         round_graphs=round_graphs)
     shape = EngineShape.from_sizes(
         num_layers=32, num_kv_heads=8, head_dim=128, vocab_size=128_256, block_size=16,
         max_num_seqs=max_num_seqs, cfg=cfg, max_model_len=131_072, max_batched_tokens=8192,
         num_q_heads=32, summary_dtype=torch.bfloat16)
-    return shape.memory_plan(KV_8B, backend=None)
+    return shape.memory_plan(KV_8B, backend=backend)
+
+
+def test_round_graphs_reserve_their_buffers_and_on_flash_attn_their_pool():
+    """`round_graphs` reserves buffers.round_graph_bytes (the worked example there: 15
+    drafting requests at the H200 example), the pool only where the passes are CUDA graphs
+    (FLASH_ATTN), and the start-up line names it; with compact summaries the 8B plan still
+    keeps 96% of plain vLLM's blocks."""
+    from vllm_triforce.engine.memory import describe_reservation
+
+    off = llama_8b_plan(compact=True).sized(53_000)
+    eager = llama_8b_plan(compact=True, round_graphs=True).sized(53_000)
+    graphs = llama_8b_plan(compact=True, round_graphs=True, backend="FLASH_ATTN")
+    sized = graphs.sized(53_000)
+    assert off.round_bytes == 0 and off.drafting == eager.drafting == sized.drafting == 15
+    mib = 2**20
+    assert eager.round_bytes == 495_784 + 32 * 15 * 4096 * 2 + 32 * 512 * 40 * 128 * 2
+    pool = 15 * 128_256 * 4 + 15 * 4096 * 16 * 2 + 5 * mib
+    assert sized.round_bytes == eager.round_bytes + pool
+    assert round(sized.round_bytes / mib, 1) == 178.4
+    assert sized.fixed_bytes == off.fixed_bytes + sized.round_bytes
+    blocks = graphs.blocks_for(H200_AVAILABLE)
+    assert blocks >= 0.96 * 55_604
+    line = describe_reservation(graphs, H200_AVAILABLE, blocks)
+    assert "round graphs' buffers and pool 178.4 MiB" in line
 
 
 def test_compact_summaries_cost_17_512ths_of_the_kv_at_llama_8b_shape():

@@ -14,8 +14,9 @@ import torch
 
 from vllm_triforce.engine.device.capture import CaptureBuffers, LayerCapture
 from vllm_triforce.engine.device.forward import build_pass
+from vllm_triforce.engine.device.bounds import RoundBounds
 from vllm_triforce.engine.device.round_graph import (PADDING_SLOT, PassBuffers, ReplayGuard,
-                                                     ReplayMismatch, RoundBounds)
+                                                     ReplayMismatch)
 
 
 def bounds(**over) -> RoundBounds:
@@ -175,12 +176,15 @@ def _run(llm, prompts, watch_kv: bool = False) -> dict:
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)
     stats = drafter.stats.snapshot()
     assert_drafted(stats, levels=3 if drafter.shape.has_draft else 2)
+    round_bytes = None
     if guard is not None:
         guard.remove()
+        round_bytes = (graphs.nbytes + drafter.capture.step_buffers.nbytes,
+                       drafter.sizing.round_bytes)
     return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "selections": selections,
             "accepted": (stats["top_proposed"], stats["top_accepted"],
                          stats["middle_proposed"], stats["middle_accepted"]),
-            "stats": stats, "guard": guard, "writes": writes}
+            "stats": stats, "guard": guard, "writes": writes, "round_bytes": round_bytes}
 
 
 @pytest.mark.engine
@@ -198,6 +202,8 @@ def test_round_graphs_give_todays_tokens_selections_and_acceptance(
     assert stats["round_graph_passes"] > 0 and stats["round_graph_misses"] == 0, stats
     assert stats["round_graph_passes"] == stats["middle_rounds"]
     assert graphed["guard"].replays_checked > 0
+    allocated, reserved = graphed["round_bytes"]
+    assert 0 < allocated <= reserved, graphed["round_bytes"]  # the memory plan holds them
     assert plain["selections"], "no selection was made: the test proves nothing"
     assert graphed["selections"] == plain["selections"]
     assert graphed["accepted"] == plain["accepted"]

@@ -183,3 +183,39 @@ def _read_chunk(chunk_bytes: int | None) -> int:
     """What a read chunk of `chunk_bytes` copies at run time (`reads.read_limit`)."""
     most = reads.SCORE_CHUNK_BYTES
     return most if chunk_bytes is None else min(most, chunk_bytes)
+
+
+# A graph's private pool holds, beside the largest bucket's logits, the activations live
+# at once within a layer: an allowance of this many hidden-sized rows per token (the qkv
+# projection, the attention's output, the MLP's gate and up projections at up to 3.5x the
+# hidden size, the residual), not measured here (no GPU in CI).
+ACTIVATION_ROWS = 16
+# vLLM's own allowance for one captured graph's overhead (profile_cudagraph_memory,
+# vllm/v1/worker/gpu_model_runner.py, 0.32.0)
+GRAPH_OVERHEAD_BYTES = 2**20
+
+
+def round_graph_bytes(bounds, num_layers: int, num_q_heads: int, num_kv_heads: int,
+                      head_dim: int, vocab_size: int, element: int, capture_tokens: int,
+                      cuda_graphs: bool) -> int:
+    """What `round_graphs` allocates beside the KV cache (engine/device/): the middle
+    pass's input buffers at `bounds` (engine/device/bounds.RoundBounds: ids, positions,
+    slots, query starts, lengths, per-layer tables [L, R, W]), its queries' copies (one
+    hidden-sized row per token and layer), the copies of vLLM's passes' queries and keys
+    (`capture_tokens` rows per layer, device/capture.CaptureBuffers) and, with CUDA graphs,
+    their one pool: the largest bucket's logits (float32, the widest they come), its
+    activations (ACTIVATION_ROWS) and GRAPH_OVERHEAD_BYTES per graph. `element`: the
+    model's bytes per value. Example, Llama-3.1-8B (32 layers, 32 x 128 query heads, 8 KV
+    heads, V 128,256, bf16), 15 drafting requests (5 buckets up to 15 tokens), two levels,
+    rows of 258 blocks, 512 capture tokens: inputs 0.5 MiB, queries 3.8 MiB, vLLM's copies
+    160 MiB, pool 14.2 MiB (logits 7.3, activations 1.9, 5 graphs): 178.4 MiB."""
+    tokens, requests, width = bounds.max_tokens, bounds.max_requests, bounds.max_width
+    hidden = num_q_heads * head_dim
+    inputs = tokens * (4 + 8 + 8) + (2 * requests + 1) * 4 + num_layers * requests * width * 4
+    queries = num_layers * tokens * hidden * element
+    step_copies = num_layers * capture_tokens * (num_q_heads + num_kv_heads) * head_dim * element
+    pool = 0
+    if cuda_graphs:
+        pool = (tokens * vocab_size * FLOAT32_BYTES + tokens * hidden * ACTIVATION_ROWS * element
+                + len(bounds.buckets) * GRAPH_OVERHEAD_BYTES)
+    return inputs + queries + step_copies + pool

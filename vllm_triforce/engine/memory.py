@@ -115,7 +115,8 @@ from vllm_triforce.core import reads
 from vllm_triforce.core.policy_facts import SummaryKinds
 from vllm_triforce.core.summaries import BlockSummaries, variance_dtype, variance_width
 from vllm_triforce.engine.buffers import (FLOAT32_BYTES, fold_scratch_bytes, lazy_read_bytes,
-                                          selection_scratch_bytes, vocabulary_rows)
+                                          round_graph_bytes, selection_scratch_bytes,
+                                          vocabulary_rows)
 
 if TYPE_CHECKING:
     from vllm_triforce.engine.shape import EngineShape
@@ -182,6 +183,7 @@ class Sizing:
     probability_bytes: int  # `vocabulary_rows` for `drafting` requests, float32
     scratch_bytes: int      # the largest of the selection's, a lazy read's and the fold's
     builder_bytes: int      # the per-layer builders' fixed part
+    round_bytes: int = 0    # `round_graphs`: buffers and graph pool (buffers.round_graph_bytes)
 
     @property
     def scaled_bytes(self) -> int:
@@ -190,7 +192,7 @@ class Sizing:
 
     @property
     def fixed_bytes(self) -> int:
-        return self.scaled_bytes + self.builder_bytes
+        return self.scaled_bytes + self.builder_bytes + self.round_bytes
 
 
 @dataclass(frozen=True)
@@ -199,10 +201,12 @@ class MemoryPlan:
     summary_bytes_per_block: int  # TriForce's per-block state (and per-layer builders')
     shape: EngineShape            # what the fixed part is sized from (`sized`)
     builder_bytes: int = 0        # the per-layer builders' fixed part
+    cuda_graphs: bool = False     # `round_graphs` captures CUDA graphs (their pool counts)
 
     @classmethod
     def for_engine(cls, shape: EngineShape, kv_bytes_per_block: int,
-                   builders: tuple[int, int] = (0, 0)) -> "MemoryPlan":
+                   builders: tuple[int, int] = (0, 0),
+                   cuda_graphs: bool = False) -> "MemoryPlan":
         """The plan of an engine of `shape` (engine/shape.py; `EngineShape.memory_plan`
         calls this) beside a KV cache of `kv_bytes_per_block`. `builders`: (bytes per block,
         fixed bytes) of the per-layer attention-metadata builders a stateful backend needs
@@ -213,9 +217,10 @@ class MemoryPlan:
         `max_blocks` (0: a max_model_len of 0) and `num_q_heads` size the block
         selection's scratch (`selection_scratch_bytes`, `lazy_read_bytes`; 0 blocks: left
         out, as in the first worked example above), its `max_batched_tokens` the fold's
-        (`fold_scratch_bytes`; 0: left out)."""
+        (`fold_scratch_bytes`; 0: left out). `cuda_graphs`: with `round_graphs`, the middle
+        passes are CUDA graphs, whose pool is reserved too (`round_graph_bytes`)."""
         summary = sum(summary_parts(shape).values())
-        return cls(kv_bytes_per_block, summary + builders[0], shape, builders[1])
+        return cls(kv_bytes_per_block, summary + builders[0], shape, builders[1], cuda_graphs)
 
     @property
     def key_row_bytes(self) -> int:
@@ -264,7 +269,17 @@ class MemoryPlan:
                           lazy_read_bytes(drafting * width, *geometry, shape.block_size, chunk))
         rows = vocabulary_rows(drafting, shape.gamma2, shape.gamma1)
         return Sizing(num_blocks, drafting, chunk, rows * shape.vocab_size * FLOAT32_BYTES,
-                      scratch, self.builder_bytes)
+                      scratch, self.builder_bytes, self._round_bytes(drafting))
+
+    def _round_bytes(self, drafting: int) -> int:
+        """`round_graphs`' buffers (and graph pool) for `drafting` requests; 0 without it."""
+        shape = self.shape
+        if not shape.cfg.round_graphs:
+            return 0
+        return round_graph_bytes(shape.round_bounds(drafting), shape.num_layers,
+                                 shape.num_q_heads, shape.num_kv_heads, shape.head_dim,
+                                 shape.vocab_size, shape.summary_dtype.itemsize,
+                                 shape.capture_tokens, self.cuda_graphs)
 
     @property
     def fixed_bytes(self) -> int:
@@ -357,6 +372,9 @@ def _parts(plan: MemoryPlan, sizing: Sizing, num_blocks: int) -> str:
               f"scratch {mib(sizing.scratch_bytes)}"]
     if sizing.builder_bytes:
         parts.append(f"per-layer builders {mib(sizing.builder_bytes)}")
+    if sizing.round_bytes:
+        parts.append(f"round graphs' buffers{' and pool' if plan.cuda_graphs else ''} "
+                     f"{mib(sizing.round_bytes)}")
     return ", ".join(parts)
 
 

@@ -75,7 +75,7 @@ from vllm_triforce.core.summaries import BlockSummaries
 from vllm_triforce.engine.batch import StepBatch
 from vllm_triforce.engine.device import capture
 from vllm_triforce.engine.device.forward import metadata_path
-from vllm_triforce.engine.device.round_graph import RoundBounds, RoundGraphs
+from vllm_triforce.engine.device.round_graph import RoundGraphs
 from vllm_triforce.engine.draft_level import DraftLevel, draft_window
 from vllm_triforce.engine.memory import (MemoryPlan, Sizing, allocate_summaries,
                                          check_one_request, describe_reservation)
@@ -253,9 +253,7 @@ class TriForceProposer(DraftModelProposer):
         if path == "per pass":
             logger.info("TriForce middle passes: built per pass (%s)", why)
             return None
-        bounds = RoundBounds.of(shape.blocks.budget_blocks, shape.block_size, shape.gamma1,
-                                shape.gamma2, self.cfg.refresh_interval, self.sizing.drafting,
-                                shape.max_blocks, shape.max_batched_tokens)
+        bounds = shape.round_bounds(self.sizing.drafting)  # what the memory plan reserved
         self.capture.use_step_buffers()  # vLLM's passes into buffers too, not clones
         graphs = RoundGraphs(self.target_model, self.vllm_config, group,
                              self.target_layer_names, bounds, self.capture, self.device,

@@ -25,6 +25,8 @@ import torch
 from vllm_triforce.config import BlockCounts, TriForceConfig, triforce_settings
 from vllm_triforce.core.policy_facts import SummaryKinds
 from vllm_triforce.core.selection import selection_chunk_requests
+from vllm_triforce.engine.device.bounds import GRAPH_BACKENDS, RoundBounds
+from vllm_triforce.engine.device.capture import DEFAULT_COPY_TOKENS
 from vllm_triforce.engine.memory import MemoryPlan, summary_dtype
 
 # FlashInfer's prefill and decode wrappers each keep an 8 MiB int workspace of their own
@@ -78,6 +80,9 @@ class EngineShape:
     vocab_size: int
     summary_dtype: torch.dtype  # the block summaries' element (engine/memory.py)
     flex_q_block: int        # attention_config's flex_attn_q_block_size, at least 128
+    # vLLM's max_cudagraph_capture_size: vLLM's passes of at most this many tokens are kept
+    # as copies by the capture (engine/device/capture.py)
+    capture_tokens: int = DEFAULT_COPY_TOKENS
 
     @property
     def has_draft(self) -> bool:
@@ -105,6 +110,13 @@ class EngineShape:
         """Blocks of a max_model_len request."""
         return -(-self.max_model_len // self.block_size)
 
+    def round_bounds(self, drafting: int) -> RoundBounds:
+        """The bounds of a middle pass over persistent buffers (`round_graphs`) when
+        `drafting` requests may draft at once (engine/device/bounds.py)."""
+        return RoundBounds.of(self.blocks.budget_blocks, self.block_size, self.gamma1,
+                              self.gamma2, self.cfg.refresh_interval, drafting,
+                              self.max_blocks, self.max_batched_tokens)
+
     @classmethod
     def of(cls, vllm_config) -> "EngineShape | None":
         """The shape of the TriForce engine `vllm_config` describes (None: not TriForce)."""
@@ -125,7 +137,9 @@ class EngineShape:
             num_kv_heads=model.get_num_kv_heads(parallel),
             num_q_heads=model.get_num_attention_heads(parallel),
             head_dim=model.get_head_size(), vocab_size=model.get_vocab_size(),
-            summary_dtype=summary_dtype(kv_dtype, model.dtype), flex_q_block=q_block)
+            summary_dtype=summary_dtype(kv_dtype, model.dtype), flex_q_block=q_block,
+            capture_tokens=(vllm_config.compilation_config.max_cudagraph_capture_size
+                            or DEFAULT_COPY_TOKENS))
 
     @classmethod
     def from_sizes(cls, *, num_layers: int, num_kv_heads: int, head_dim: int, vocab_size: int,
@@ -133,7 +147,8 @@ class EngineShape:
                    gamma1: int | None = None, max_model_len: int = 0,
                    max_batched_tokens: int = 0, num_q_heads: int | None = None,
                    summary_dtype: torch.dtype = torch.float32,
-                   kinds: SummaryKinds | None = None, flex_q_block: int = 0) -> "EngineShape":
+                   kinds: SummaryKinds | None = None, flex_q_block: int = 0,
+                   capture_tokens: int = DEFAULT_COPY_TOKENS) -> "EngineShape":
         """The shape from its sizes: `cfg` (None: the defaults) gives the block counts,
         gamma2 and the summary kinds (`kinds` overrides them), gamma1 its tokens per round
         with a small draft (`gamma1` overrides it); `num_q_heads` defaults to the KV heads'
@@ -149,12 +164,14 @@ class EngineShape:
             max_model_len=max_model_len, max_batched_tokens=max_batched_tokens,
             num_layers=num_layers, num_kv_heads=num_kv_heads,
             num_q_heads=num_q_heads or num_kv_heads, head_dim=head_dim, vocab_size=vocab_size,
-            summary_dtype=summary_dtype, flex_q_block=max(128, flex_q_block))
+            summary_dtype=summary_dtype, flex_q_block=max(128, flex_q_block),
+            capture_tokens=capture_tokens)
 
     def memory_plan(self, kv_bytes_per_block: int, backend: str | None) -> MemoryPlan:
         """What the engine allocates beside a KV cache of `kv_bytes_per_block` (every KV
         layer, one rank) with the attention backend named `backend` (None: stateless)."""
-        return MemoryPlan.for_engine(self, kv_bytes_per_block, self.builder_bytes(backend))
+        return MemoryPlan.for_engine(self, kv_bytes_per_block, self.builder_bytes(backend),
+                                     cuda_graphs=backend in GRAPH_BACKENDS)
 
     def builder_bytes(self, backend: str | None) -> tuple[int, int]:
         """(bytes per KV block, fixed bytes) of a stateful backend's per-layer builders: one
