@@ -12,6 +12,11 @@
 #   bash scripts/gpu_session.sh host-rounds [SECONDS]  # carry .bundle: host ms per middle
 #                                                # round at batch 8-128 with the tiny model
 #                                                # (benchmarks/explore/host_per_round.py)
+#   bash scripts/gpu_session.sh round-graphs [SECONDS] [PARTS]  # carry .bundle: the middle
+#                                                # passes' CUDA graphs against today's path
+#                                                # (a), their cost at the 8B width (b) and at
+#                                                # SmolLM2's shape (c); PARTS a,b by default
+#                                                # (benchmarks/explore/gpu_round_graph.py)
 #
 # Results go to $OUT (gpu/ of bench gpu; demo.json, demo.log of the real-model run) as
 # each part completes. Parts: scripts/gpu_bundle.py (.bundle), scripts/gpu_model_carry.py
@@ -21,7 +26,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-session-out}
 mkdir -p "$OUT"
 export VLLM_TRIFORCE_CACHE=/tmp/vt-cache
-step=${1:?costs, model-a, real or host-rounds}
+step=${1:?costs, model-a, real, host-rounds or round-graphs}
 budget=${2:-270}
 case "$step" in
   costs)
@@ -32,6 +37,13 @@ case "$step" in
   host-rounds)
     timeout "$budget" bash scripts/gpu_run.sh -- python3 "$PWD/benchmarks/explore/host_per_round.py" \
       --configs 2:0 30:1 --out "$OUT/host_per_round" 2>&1 | grep -v " INFO \| DEBUG \|WARNING"
+    ;;
+  round-graphs)
+    # the script's own budget leaves the bundle's unpack (about 25 s) and a margin
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    timeout "$budget" bash scripts/gpu_run.sh -- python3 "$PWD/benchmarks/explore/gpu_round_graph.py" \
+      --parts "${3:-a,b}" --budget-s $((budget - 40)) --tokenizer "$PWD/.bundle/tokenizer" \
+      --out "$OUT/round_graph" 2>&1 | grep -v " INFO \| DEBUG \|WARNING"
     ;;
   model-a)
     python3 scripts/gpu_model_carry.py assemble --carry .carry/a

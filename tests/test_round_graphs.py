@@ -88,6 +88,11 @@ def test_capture_buffers_views_equal_clones_and_stay_apart():
     assert rounds.buffers["query"].data_ptr() != step.buffers["query"].data_ptr()
     capture.record(1, torch.randn(9, 2, 4), None)  # larger than the buffers: by reference
     assert capture.queries[1].shape[0] == 9
+    with capture.recording(into=rounds):  # a middle pass larger than its buffers: a clone
+        big = torch.randn(6, 2, 4)
+        capture.record(0, big, big)
+    assert torch.equal(capture.queries[0], big) and capture.keys[0] is None
+    assert capture.queries[0].data_ptr() != big.data_ptr() and torch.equal(step_query, q)
 
 
 def test_replay_guard_fails_a_replay_that_reads_another_table():

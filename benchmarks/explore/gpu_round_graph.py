@@ -15,12 +15,16 @@ only a GPU can show, in three parts, most valuable first:
     a bf16 divergence must sit where plain's top-2 margin is a near-tie,
     gpu_summary.compare_tokens), drafts verified (top_proposed > 0); syncs per middle round
     (tools/bench/syncs.py, and torch's sync debug mode); the same engine with its round
-    graphs switched off (`drafter.retrieval.round_graphs = None`) for acceptance.
-(b) Cost at Llama-3.1-8B's width (a few layers, dummy weights), 8 x 7,680 tokens, depth 6:
-    ms per middle round with graphs and without, in ONE engine, alternating twice (a drift
-    of the machine shows as a difference between the two passes of each mode); each mode
-    also with VLLM_TRIFORCE_TIME_FORWARDS=1 (a sync per pass: the forwards' device time)
-    and the graph replays' device time from CUDA events (no sync); TriForce's CUDA memory
+    graphs switched off (`drafter.retrieval.round_graphs = None`): the same tokens, and
+    acceptance within a few points.
+(b) Cost at Llama-3.1-8B's width (`--b-layers`, 8 by default: a pass's device time is about
+    a quarter of the 32-layer model's, while the host's work per round is not, so a round's
+    cost over its device time is if anything higher here), dummy weights, 8 x 7,680 tokens,
+    depth 6: ms per middle round with graphs and without, in ONE engine, alternating twice
+    (a drift of the machine shows as a difference between the two passes of each mode);
+    each mode also with VLLM_TRIFORCE_TIME_FORWARDS=1 (a sync per pass: the forwards' time
+    as the device finishes them), and the graph replays' device time from CUDA events
+    around their launches (no sync); TriForce's CUDA memory
     (what `initialize_attn_backend` keeps, what each capture took, the peak above each
     `propose`'s entry) against its reservation (`drafter.reserved_bytes`).
 (c) Cost at SmolLM2-135M's shape (dummy weights), 32 x 7,808 tokens: ms per middle round and
@@ -28,15 +32,15 @@ only a GPU can show, in three parts, most valuable first:
 
 Each engine runs in a child process of its own: a CUDA error in a replay (an illegal
 address, say) leaves its process's context unusable, and would take every later engine with
-it. The parent runs the engines of `--parts` in order of value (a's two-level engine, b, a's
-plain and three-level engines, c), skips one whose estimate does not fit what is left of
-`--budget-s`, stops one that outlasts it, and writes `--out`/results.json after every engine
-(an engine's partial results too); the engines' logs go to `--out`/jobs.log.
+it. The parent runs the engines of `--parts` in order of value (`JOBS`), starts one only
+when its first result fits what is left of `--budget-s`, stops one that outlasts it, and
+writes `--out`/results.json after every engine (an engine's partial results too, and the
+figures the issue asks for under "checks"); the engines' logs go to `--out`/jobs.log.
 
 On a lent GPU, from the bundle (benchmarks/gpu/README.md; carry `.bundle`):
 
-    bash scripts/gpu_session.sh round-graphs 400 a,b     # then, within 30 s:
-    bash scripts/gpu_session.sh round-graphs 300 c
+    bash scripts/gpu_session.sh round-graphs 420 a,b     # then, within 30 s:
+    bash scripts/gpu_session.sh round-graphs 240 c
 
 On a CPU, a smoke test of this script (tiny sizes, CPU_ATTN float32, eager):
 
@@ -78,10 +82,10 @@ SIZES = {
                            "gpu_memory_utilization": 0.3,
                            # 4 x 5 tokens verified a step: fewer graph sizes, a faster start
                            "compilation_config": {"max_cudagraph_capture_size": 32}}},
-             "b": {"batch": 8, "context": 7680, "depth": 6, "decode": (8, 40), "over": {},
+             "b": {"batch": 8, "context": 7680, "depth": 6, "decode": (8, 64), "over": {},
                    "budget": COST_SPEC["retrieval_budget"],
                    "llm": {"max_model_len": 8192, "max_num_seqs": 64}},
-             "c": {"batch": 32, "context": 7808, "depths": (6, 0), "decode": (8, 40),
+             "c": {"batch": 32, "context": 7808, "depths": (6, 0), "decode": (8, 64),
                    "over": {}, "budget": 512, "llm": {"max_model_len": 8192}}},
     "cpu": {"a": {"prompts": 2, "shortest": 400, "step": 80, "max_tokens": 16, "depth": 4,
                   "llm": {"dtype": "float32", "block_size": 32, "max_model_len": 1024}},
@@ -91,13 +95,16 @@ SIZES = {
                   "budget": 256, "over": {"num_hidden_layers": 2},
                   "llm": {"max_model_len": 2048}}},
 }
-# (engine, part), in the order they run: each part's most telling engine first.
-JOBS = (("a-2L", "a"), ("b", "b"), ("a-plain", "a"), ("a-3L", "a"), ("c", "c"))
-# Seconds an engine's job is expected to take (start, prefill, generations), from the H200
-# start-up times in benchmarks/gpu/README.md (a compiled engine 70-110 s, an eager tiny one
-# 36-39 s) and, on a CPU, this machine's: an engine is skipped when less is left.
-ESTIMATE_S = {"cuda": {"a-2L": 100, "b": 160, "a-plain": 80, "a-3L": 100, "c": 200},
-              "cpu": {"a-2L": 70, "b": 60, "a-plain": 40, "a-3L": 80, "c": 60}}
+# (engine, part), in the order they run, most telling first: two levels against today's
+# path, the 8B width's cost, three levels, then plain vLLM's tokens (the engines' own
+# graphs-off generations already hold the graphs to today's path), SmolLM2's shape.
+JOBS = (("a-2L", "a"), ("b", "b"), ("a-3L", "a"), ("a-plain", "a"), ("c", "c"))
+# Seconds an engine takes to its first saved result (start, prefill, first generation or
+# row), from the H200 start-up times in benchmarks/gpu/README.md (a compiled engine in
+# 70-110 s) and, on a CPU, this machine's: an engine is started only when that much of the
+# budget is left; one cut short at the budget's end keeps what it saved.
+FIRST_RESULT_S = {"cuda": {"a-2L": 80, "b": 110, "a-3L": 90, "a-plain": 80, "c": 110},
+                  "cpu": {"a-2L": 30, "b": 30, "a-3L": 40, "a-plain": 40, "c": 30}}
 COUNTERS = ("top_proposed", "top_accepted", "middle_proposed", "middle_accepted",
             "middle_rounds", "middle_seconds", "forward_seconds", "round_graph_passes",
             "round_graph_misses", "refreshes", "plain_steps", "drafting_steps")
@@ -112,7 +119,8 @@ def main() -> None:
     p.add_argument("--device", choices=("cuda", "cpu"), default=None,
                    help="default: cuda when torch sees one")
     p.add_argument("--budget-s", type=float, default=None,
-                   help="skip engines that cannot finish within this many seconds")
+                   help="start an engine only when its first result fits in what is "
+                        "left of this many seconds; stop it at the end")
     p.add_argument("--tokenizer", type=Path, default=None,
                    help="a tokenizer folder (default: SmolLM2-135M's from the model cache)")
     p.add_argument("--work", type=Path, default=Path("/tmp/vt-round-graph"))
@@ -143,9 +151,9 @@ def run_parent(args) -> int:
         if part not in parts:
             continue
         left = None if args.budget_s is None else args.budget_s - (time.perf_counter() - start)
-        if left is not None and left < ESTIMATE_S[args.device][name]:
+        if left is not None and left < FIRST_RESULT_S[args.device][name]:
             results["jobs"][name] = {"status": "skipped", "left_s": left,
-                                     "estimate_s": ESTIMATE_S[args.device][name]}
+                                     "first_result_s": FIRST_RESULT_S[args.device][name]}
         else:
             results["jobs"][name] = run_job(args, name, left)
         failed += results["jobs"][name]["status"] not in ("ok", "skipped")
@@ -208,25 +216,30 @@ def write(out: Path, results: dict) -> None:
 # ---------------------------------------------------------------------------- checks
 
 def checks(jobs: dict) -> dict:
-    """The figures issue 59 asks of each part, from the engines' results."""
-    done = {name: job["result"] for name, job in jobs.items()
-            if job.get("result") and "error" not in job["result"]}
+    """The figures issue 59 asks of each part, from what the engines saved (an engine cut
+    short or failed too: its rows so far)."""
+    saved = {name: job["result"] for name, job in jobs.items() if job.get("result")}
     out = {}
     for name in ("a-2L", "a-3L"):
-        if name in done:
-            out[name] = levels_check(done[name], done.get("a-plain"))
+        if name in saved:
+            out[name] = levels_check(saved[name], saved.get("a-plain"))
     for name in ("b", "c"):
-        if name in done and "summary" in done[name]:
-            out[name] = done[name]["summary"]
+        if saved.get(name, {}).get("rows"):
+            out[name] = summarise_rows(saved[name]["rows"], saved[name].get("memory"))
     return out
 
 
 def levels_check(result: dict, plain: dict | None) -> dict:
+    """Per generation of a TriForce engine of (a): acceptance, drafts verified, the passes
+    that took the graphs, its tokens against plain vLLM's and against the same engine's
+    with the graphs off, the rounds against today's path, the syncs."""
     from vllm_triforce.tools.bench.gpu_summary import compare_tokens
 
     out = {"path": result.get("round_graphs", {}).get("path")}
     for key in ("compared", "synced", "per_pass"):
         run = result.get(key)
+        if run and "error" in run:
+            out[key] = {"error": run["error"].strip().splitlines()[-1]}
         if not run or "tokens" not in run:
             continue
         row = {"acceptance": acceptance(run["stats"]), "drafted": run["stats"]["top_proposed"] > 0,
@@ -235,9 +248,13 @@ def levels_check(result: dict, plain: dict | None) -> dict:
         if plain is not None and "tokens" in plain:
             row["against_plain"] = compare_tokens(plain["tokens"], run["tokens"],
                                                   plain.get("margins"))
+        if key != "per_pass" and "tokens" in result.get("per_pass", {}):
+            row["against_per_pass"] = compare_tokens(result["per_pass"]["tokens"],
+                                                     run["tokens"], None)
         for extra in ("rounds", "syncs"):
             if extra in run:
-                row[extra] = {k: v for k, v in run[extra].items() if k != "by_op"}
+                row[extra] = {k: v for k, v in run[extra].items()
+                              if k not in ("by_op", "cuda_sites")}
         out[key] = row
     graphs, eager = out.get("compared", {}), out.get("per_pass", {})
     if graphs.get("acceptance") is not None and eager.get("acceptance") is not None:
@@ -263,6 +280,7 @@ class Report(dict):
 
 
 def run_child(args) -> int:
+    """One engine's job (`--job`), its report saved as it goes and on any error."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.device == "cpu":
@@ -283,6 +301,7 @@ def run_child(args) -> int:
 
 
 def device_name(device: str) -> str:
+    """The card's name (every number in the results is this card's), or the CPU's."""
     import platform
 
     import torch
@@ -379,8 +398,11 @@ def job_levels(args, report: Report, levels: int) -> None:
     prompts, params = tiny_prompts(args), greedy(args)
     for key, generation in (("compared", compared_generation), ("synced", synced_generation),
                             ("per_pass", per_pass_generation)):
-        report[key] = generation(llm, drafter, prompts, params)
-        report["round_graphs"] = {**graphs_facts(drafter), "captures": captures}
+        try:
+            report[key] = generation(llm, drafter, prompts, params)
+        except Exception:  # kept; the next generation may still run (a CUDA error: not)
+            report[key] = {"error": traceback.format_exc()[-4000:]}
+        report["round_graphs"] = {**graphs_facts(graphs), "captures": captures}
         report.save()
 
 
@@ -507,8 +529,8 @@ def per_pass_generation(llm, drafter, prompts, params) -> dict:
         level.round_graphs = graphs
 
 
-def graphs_facts(drafter) -> dict:
-    graphs = drafter.retrieval.round_graphs
+def graphs_facts(graphs) -> dict:
+    """The path the middle passes take, the buckets' bounds, what is prepared so far."""
     if graphs is None:
         return {"path": "per pass"}
     b = graphs.bounds
@@ -597,10 +619,10 @@ def cost_job(args, report: Report, model: Path, spec: dict, part: str, plan) -> 
     for depth, on, synced in plan:
         report["rows"].append(measure(llm, drafter, graphs, prompts, s["decode"], depth, on,
                                       synced, peaks, timer))
-        report["round_graphs"] = graphs_facts(drafter) if graphs is not None else None
+        report["round_graphs"] = graphs_facts(graphs)
         report.save()
+    drafter.retrieval.round_graphs = graphs
     report["memory"] = memory_report(drafter, memory, peaks, report["captures"])
-    report["summary"] = summarise_rows(report["rows"], report["memory"])
 
 
 def measure(llm, drafter, graphs, prompts, decode, depth: int, on: bool, synced: bool,
@@ -676,33 +698,31 @@ class PeakProbe:
 
 
 class ReplayTimer:
-    """The time of each bucket replay (the scheduler metadata's refresh and the graph's
-    replay): on a GPU from CUDA events around it, device time without a sync per round
-    (creating the two events costs the host a few microseconds); on a CPU its wall time."""
+    """The time of each bucket replay. A captured graph's: from CUDA events recorded just
+    before and after its launch (`EventTimedGraph`), its device time without a sync per
+    round (the two events cost the host a few microseconds); the host's work before the
+    launch (loading the buffers, refreshing the scheduler metadata) is not in it. An
+    eager replay's (a CPU's): its wall time."""
 
     def __init__(self, graphs, cuda: bool):
         self.graphs, self.cuda, self.marks = graphs, cuda, []
 
     def install(self) -> None:
-        """Wrap every replay prepared so far that is not wrapped yet."""
+        """Time every replay prepared so far that is not timed yet."""
         for replay in (self.graphs.replays.values() if self.graphs is not None else ()):
-            if "run" not in vars(replay):
-                replay.run = self._timed(replay.run)
+            if getattr(replay, "timed", False):
+                continue
+            replay.timed = True
+            if self.cuda and hasattr(replay, "graph"):  # CudaGraphReplay
+                replay.graph = EventTimedGraph(replay.graph, self.marks)
+            else:
+                replay.run = self._wall_timed(replay.run)
 
-    def _timed(self, run):
-        import torch
-
+    def _wall_timed(self, run):
         def timed():
-            if not self.cuda:
-                start = time.perf_counter()
-                out = run()
-                self.marks.append(time.perf_counter() - start)
-                return out
-            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-            start.record()
+            start = time.perf_counter()
             out = run()
-            end.record()
-            self.marks.append((start, end))
+            self.marks.append(time.perf_counter() - start)
             return out
         return timed
 
@@ -710,11 +730,28 @@ class ReplayTimer:
         """(ms of the replays since the last take, their number)."""
         import torch
 
-        marks, self.marks = self.marks, []
-        if self.cuda and marks:
+        marks, self.marks[:] = list(self.marks), []
+        if self.cuda and marks and not isinstance(marks[0], float):
             torch.cuda.synchronize()
             return sum(a.elapsed_time(b) for a, b in marks), len(marks)
         return 1000 * sum(marks), len(marks)
+
+
+class EventTimedGraph:
+    """A captured torch.cuda.CUDAGraph whose `replay` appends (start, end) CUDA events
+    around its launch to `marks` (what CudaGraphReplay.run calls)."""
+
+    def __init__(self, graph, marks: list):
+        self.graph, self.marks = graph, marks
+
+    def replay(self) -> None:
+        import torch
+
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        start.record()
+        self.graph.replay()
+        end.record()
+        self.marks.append((start, end))
 
 
 def memory_report(drafter, memory, peaks: PeakProbe, captures: list) -> dict | None:

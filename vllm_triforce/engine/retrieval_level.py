@@ -71,6 +71,9 @@ class RetrievalLevel:
         # the passes over persistent buffers (engine/device/round_graph.py), with
         # `round_graphs`; None: every pass is built anew (`run_pass`)
         self.round_graphs = round_graphs
+        # where a middle pass's queries go: the round buffers with `round_graphs` (also for
+        # a pass that fits no bucket: vLLM's pass's buffers stay its own); None: clones
+        self.middle_queries = None if round_graphs is None else round_graphs.query_buffers
 
     @property
     def summaries(self):
@@ -309,7 +312,7 @@ class RetrievalStep:
         logits = self._replayed(inputs, tables) if level.round_graphs is not None else None
         if logits is None:
             per_layer = dict(zip(level.layer_names, tables.unbind(0)))  # one op, not per layer
-            with level.capture.recording():
+            with level.capture.recording(into=level.middle_queries):
                 logits = run_pass(level.model, level.vllm_config, level.attn_groups, inputs,
                                   per_layer, level.stats, level.pass_limits)
         self._pass_queries = list(level.capture.queries)

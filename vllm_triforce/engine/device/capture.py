@@ -149,8 +149,12 @@ class LayerCapture:
 
     def record(self, index: int, query, key) -> None:
         into = self._into
-        if into is not None and into.fits(query.shape[0]):  # a middle pass: queries only
-            query, key = into.put("query", index, query), None
+        if into is not None:  # a middle pass: queries only, never in vLLM's pass's buffers
+            if into.fits(query.shape[0]):
+                query = into.put("query", index, query)
+            elif query.shape[0] <= self.copy_tokens:
+                query = query.clone()
+            key = None
         elif query.shape[0] <= self.copy_tokens:  # may be a graph replay's pool memory
             buffers = self.step_buffers
             if buffers is not None:
