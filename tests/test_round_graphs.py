@@ -49,7 +49,7 @@ def test_load_pads_so_nothing_is_written_or_read():
     """Three requests of [2, 1, 1] tokens in the 8-token bucket: padded tokens get slot -1,
     id 0 and position 0; padded requests repeat the last query start and have length 0."""
     b = bounds(gamma1=1)
-    buffers = PassBuffers(b, num_layers=2, device="cpu")
+    buffers = PassBuffers(b, num_tables=2, device="cpu")
     table = torch.tensor([[10, 11], [20, 21], [30, 31]], dtype=torch.int32)
     inputs = build_pass([[7, 8], [9], [5]], [[5, 6], [2], [3]], table, 4, [7, 3, 4])
     tables = torch.arange(2 * 3 * 2, dtype=torch.int32).view(2, 3, 2)
@@ -156,7 +156,15 @@ def _run(llm, prompts, watch_kv: bool = False) -> dict:
 
     selector.choose = recording_choose
     graphs, writes = drafter.retrieval.round_graphs, []
-    guard = None
+    guard = draft_guard = None
+    draft_graphs = drafter.draft.round_graphs if drafter.draft is not None else None
+    if draft_graphs is not None:
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention import Attention
+
+        layers = get_layers_from_vllm_config(drafter.vllm_config, Attention,
+                                             draft_graphs.layer_names)
+        draft_guard = draft_graphs.guard = ReplayGuard().install(list(layers.values()))
     if graphs is not None:
         guard = graphs.guard = ReplayGuard().install(drafter.target_layers)
         if watch_kv:
@@ -184,12 +192,16 @@ def _run(llm, prompts, watch_kv: bool = False) -> dict:
     round_bytes = None
     if guard is not None:
         guard.remove()
-        round_bytes = (graphs.nbytes + drafter.capture.step_buffers.nbytes,
-                       drafter.sizing.round_bytes)
+        allocated = graphs.nbytes + drafter.capture.step_buffers.nbytes
+        if draft_graphs is not None:
+            draft_guard.remove()
+            allocated += draft_graphs.buffers.nbytes
+        round_bytes = (allocated, drafter.sizing.round_bytes)
     return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "selections": selections,
             "accepted": (stats["top_proposed"], stats["top_accepted"],
                          stats["middle_proposed"], stats["middle_accepted"]),
-            "stats": stats, "guard": guard, "writes": writes, "round_bytes": round_bytes}
+            "stats": stats, "guard": guard, "draft_guard": draft_guard, "writes": writes,
+            "round_bytes": round_bytes}
 
 
 @pytest.mark.engine
@@ -204,9 +216,14 @@ def test_round_graphs_give_todays_tokens_selections_and_acceptance(
     graphed = _run(llm_factory(tiny_llama, speculative_config=dict(spec, round_graphs=True)),
                    prompts, watch_kv=True)
     stats = graphed["stats"]
-    assert stats["round_graph_passes"] > 0 and stats["round_graph_misses"] == 0, stats
-    assert stats["round_graph_passes"] == stats["middle_rounds"]
+    assert stats["round_graph_passes"] > 0, stats
     assert graphed["guard"].replays_checked > 0
+    if levels == 2:  # every middle pass fits a bucket
+        assert stats["round_graph_passes"] == stats["middle_rounds"], stats
+        assert stats["round_graph_misses"] == 0, stats
+    else:  # the small draft's passes too; its first passes over a prompt's window miss
+        assert stats["round_graph_passes"] > stats["middle_rounds"], stats
+        assert graphed["draft_guard"].replays_checked > 0
     allocated, reserved = graphed["round_bytes"]
     assert 0 < allocated <= reserved, graphed["round_bytes"]  # the memory plan holds them
     assert plain["selections"], "no selection was made: the test proves nothing"

@@ -9,6 +9,11 @@ Worked example, one request, gamma2 = 3: the verification pass ran tokens
 rejected, so num_rejected = 2 and vLLM sampled a recovered token r at position 102.
 committed = seq_len - num_rejected = 102: positions < 102 now hold exact KV (t, d1),
 r is `next_token` at position `committed` and has no KV yet.
+
+Model Runner V2 (vllm/v1/worker/gpu/, 0.32.0 and 0.33.0) tells the same step otherwise
+(`from_mrv2`): its `InputBatch` in batch rows, and per request-state *slot* (a request's
+row in the runner's persistent state, `input_batch.idx_mapping[row]`, which is not its
+batch row) the last sampled tokens and the sampler's parameters. Both build the same batch.
 """
 
 from __future__ import annotations
@@ -154,8 +159,7 @@ class StepBatch:
         from it instead of read per request."""
         num_reqs = cad.num_reqs
         device = next_token_ids.device
-        width = min(cad.block_table_tensor.shape[1],
-                    (cad.max_seq_len + max_lookahead) // block_size + 1)
+        width = _table_width(cad.block_table_tensor, cad.max_seq_len, max_lookahead, block_size)
         req_ids = list(runner.input_batch.req_ids[:num_reqs])
         rejected = (torch.zeros(num_reqs, dtype=torch.long, device=device)
                     if num_rejected_tokens_gpu is None else num_rejected_tokens_gpu[:num_reqs])
@@ -185,3 +189,88 @@ class StepBatch:
             top_p=None if top_p is None else top_p[:num_reqs],
             requests=requests, seeded=seeded, plain=plain,
         )
+
+    @classmethod
+    def from_mrv2(cls, input_batch, num_sampled, num_rejected, last_sampled, sampling,
+                  block_table, requests, block_size: int, max_lookahead: int,
+                  previous: "StepBatch | None" = None) -> "StepBatch":
+        """The batch `from_runner` builds, from what Model Runner V2 hands its speculator
+        (`GPUModelRunner.sample_tokens` -> `speculator.propose`, vllm/v1/worker/gpu/
+        model_runner.py, 0.32.0 and 0.33.0), after `postprocess_sampled`:
+
+        - `input_batch`: the verification pass's `InputBatch` (batch rows: req_ids,
+          idx_mapping, query_start_loc, seq_lens, input_ids, num_tokens);
+        - `num_sampled`, `num_rejected`: device [num_reqs] (0 sampled: a partial prefill,
+          vLLM's `get_num_sampled_and_rejected`);
+        - `last_sampled`: device [max_num_reqs, 1] by slot (`req_states.last_sampled_tokens`,
+          already holding this step's token);
+        - `sampling`: the sampler's `SamplingStates` (`runner.sampler.sampling_states`):
+          temperature / top_k / top_p by slot, each a host array `.np` (the source of truth)
+          and its device copy `.gpu`; top-k = vocab_size and top-p = 1 mean off; and
+          `seeds_set` [max_num_reqs], a seed given by the user;
+        - `block_table`: device [>= num_reqs, max_blocks], the pass's table in batch rows
+          (`BlockTables.input_block_tables[0]`; the per-layer `attn_metadata` MRV2 passes
+          is each backend's own type, its common fields are these);
+        - `requests`: req_id -> a record that reads like V1's `CachedRequestState`
+          (engine/mrv2/requests.py: MRV2 keeps no such object on the host).
+
+        One device-to-host copy, as `from_runner`. A partial prefill's `next_token` is its
+        last known token (V1's backup token: no token was sampled for it).
+
+        Example, slots ≠ rows: rows [a, c] at slots idx_mapping [2, 0] read last_sampled[2]
+        and last_sampled[0], temperature.np[2] and temperature.np[0]."""
+        num_reqs = input_batch.num_reqs
+        req_ids = list(input_batch.req_ids[:num_reqs])
+        slots = input_batch.idx_mapping[:num_reqs]  # device [R]
+        slots_np = np.asarray(input_batch.idx_mapping_np[:num_reqs])  # host [R]
+        sampled_tokens = last_sampled.view(last_sampled.shape[0], -1)[slots, -1]  # [R]
+        seq_lens, qsl, rejected, sampled, sampled_tokens, verify_ids = to_host(
+            input_batch.seq_lens[:num_reqs], input_batch.query_start_loc[:num_reqs + 1],
+            num_rejected[:num_reqs], num_sampled[:num_reqs], sampled_tokens,
+            input_batch.input_ids[:input_batch.num_tokens])
+        if previous is not None and previous.req_ids == req_ids:
+            records, plain = previous.requests, previous.plain
+        else:
+            records = [requests[r] for r in req_ids]
+            plain = [decodes_plainly(r.sampling_params) for r in records]
+        decoding = [n > 0 for n in sampled]
+        next_tokens = [token if d else _last_known_token(record)
+                       for token, d, record in zip(sampled_tokens, decoding, records)]
+        greedy = sampling.temperature.np[slots_np] < GREEDY_TEMPERATURE  # host [R]
+        temperature = sampling.temperature.gpu[slots].float()
+        temperature = torch.where(temperature < GREEDY_TEMPERATURE, 0.0, temperature)
+        seeded = sampling.seeds_set[slots_np] & ~greedy  # vLLM's RANDOM_SEED requests
+        width = _table_width(block_table, max(seq_lens, default=0), max_lookahead, block_size)
+        return cls(
+            req_ids=req_ids, seq_lens=seq_lens, query_start_loc=qsl, num_rejected=rejected,
+            decoding=decoding, next_tokens=next_tokens, verify_ids=verify_ids,
+            greedy=greedy.tolist(),
+            block_table=block_table[:num_reqs, :width].to(torch.int32).clone(),
+            temperature=temperature,
+            top_k=_used_by_slot(sampling.top_k, slots, slots_np, off=sampling.vocab_size),
+            top_p=_used_by_slot(sampling.top_p, slots, slots_np, off=1.0),
+            requests=records,
+            seeded=seeded.tolist() if seeded.any() else None, plain=plain,
+        )
+
+
+def _table_width(block_table: torch.Tensor, max_seq_len: int, max_lookahead: int,
+                 block_size: int) -> int:
+    """Columns of the block table a step can reach: its longest sequence plus the
+    lookahead, never more than the table has."""
+    return min(block_table.shape[1], (max_seq_len + max_lookahead) // block_size + 1)
+
+
+def _used_by_slot(values, slots: torch.Tensor, slots_np: np.ndarray, off):
+    """MRV2's per-slot sampling parameter (`.np` host, `.gpu` device) for the batch's rows,
+    device [R]; None when no row uses it (every value is `off`), as V1's sampling
+    metadata leaves it out (vLLM's `SamplingStates.get_top_k_top_p` decides alike)."""
+    if np.all(values.np[slots_np] == off):
+        return None
+    return values.gpu[slots]
+
+
+def _last_known_token(request) -> int:
+    """The newest token vLLM holds for `request` (V1's `backup_next_token_ids`)."""
+    return int(request.get_token_id(request.num_prompt_tokens
+                                     + len(request.output_token_ids) - 1))

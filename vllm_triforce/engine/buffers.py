@@ -197,7 +197,7 @@ GRAPH_OVERHEAD_BYTES = 2**20
 
 def round_graph_bytes(bounds, num_layers: int, num_q_heads: int, num_kv_heads: int,
                       head_dim: int, vocab_size: int, element: int, capture_tokens: int,
-                      cuda_graphs: bool) -> int:
+                      cuda_graphs: bool, draft_bounds=None) -> int:
     """What `round_graphs` allocates beside the KV cache (engine/device/): the middle
     pass's input buffers at `bounds` (engine/device/bounds.RoundBounds: ids, positions,
     slots, query starts, lengths, per-layer tables [L, R, W]), its queries' copies (one
@@ -208,14 +208,27 @@ def round_graph_bytes(bounds, num_layers: int, num_q_heads: int, num_kv_heads: i
     model's bytes per value. Example, Llama-3.1-8B (32 layers, 32 x 128 query heads, 8 KV
     heads, V 128,256, bf16), 15 drafting requests (5 buckets up to 15 tokens), two levels,
     rows of 258 blocks, 512 capture tokens: inputs 0.5 MiB, queries 3.8 MiB, vLLM's copies
-    160 MiB, pool 14.2 MiB (logits 7.3, activations 1.9, 5 graphs): 178.4 MiB."""
+    160 MiB, pool 14.2 MiB (logits 7.3, activations 1.9, 5 graphs): 178.4 MiB.
+    `draft_bounds` (three levels): the small draft's inputs (one table) and, with CUDA
+    graphs, its pool, sized with the target's hidden size (the draft's is smaller)."""
     tokens, requests, width = bounds.max_tokens, bounds.max_requests, bounds.max_width
     hidden = num_q_heads * head_dim
     inputs = tokens * (4 + 8 + 8) + (2 * requests + 1) * 4 + num_layers * requests * width * 4
     queries = num_layers * tokens * hidden * element
     step_copies = num_layers * capture_tokens * (num_q_heads + num_kv_heads) * head_dim * element
-    pool = 0
-    if cuda_graphs:
-        pool = (tokens * vocab_size * FLOAT32_BYTES + tokens * hidden * ACTIVATION_ROWS * element
-                + len(bounds.buckets) * GRAPH_OVERHEAD_BYTES)
-    return inputs + queries + step_copies + pool
+    pool = _pool_bytes(bounds, tokens, hidden, vocab_size, element) if cuda_graphs else 0
+    draft = 0
+    if draft_bounds is not None:
+        d_tokens, d_reqs = draft_bounds.max_tokens, draft_bounds.max_requests
+        draft = d_tokens * (4 + 8 + 8) + (2 * d_reqs + 1) * 4 + d_reqs * draft_bounds.max_width * 4
+        if cuda_graphs:
+            draft += _pool_bytes(draft_bounds, d_reqs, hidden, vocab_size, element)
+    return inputs + queries + step_copies + pool + draft
+
+
+def _pool_bytes(bounds, logit_rows: int, hidden: int, vocab_size: int, element: int) -> int:
+    """A level's graph pool: `logit_rows` rows of float32 logits, the largest bucket's
+    activations (ACTIVATION_ROWS per token) and GRAPH_OVERHEAD_BYTES per graph."""
+    return (logit_rows * vocab_size * FLOAT32_BYTES
+            + bounds.max_tokens * hidden * ACTIVATION_ROWS * element
+            + len(bounds.buckets) * GRAPH_OVERHEAD_BYTES)

@@ -44,7 +44,9 @@ class DraftLevel:
     """The small draft: `model` with its attention groups `attn_groups`, over `window`."""
 
     def __init__(self, model, vllm_config, attn_groups, window: DraftWindow, stats,
-                 generator: torch.Generator, device):
+                 generator: torch.Generator, device, round_graphs=None):
+        """`round_graphs`: its passes over persistent buffers (engine/device/round_graph.py,
+        with `round_graphs`); None: every pass built anew."""
         self.model = model
         self.vllm_config = vllm_config
         self.attn_groups = attn_groups
@@ -52,6 +54,7 @@ class DraftLevel:
         self.stats = stats
         self.generator = generator  # shared by requests without a seed of their own
         self.device = device
+        self.round_graphs = round_graphs
 
     def invalidate(self, batch, states) -> None:
         """The verification pass recomputed each request's tokens from its verify_start."""
@@ -118,6 +121,13 @@ class DraftLevel:
         inputs = build_pass(token_ids, positions, block_table, w.block_size,
                             [w.compact_len(end) for end in seq_ends], sample_last=True,
                             model_positions=rebased)
+        graphs = self.round_graphs
+        logits = None if graphs is None else graphs.run(inputs, table[None])
+        if logits is not None:
+            self.stats.add(round_graph_passes=1)
+            return logits
+        if graphs is not None:
+            self.stats.add(round_graph_misses=1)
         return run_pass(self.model, self.vllm_config, self.attn_groups, inputs, table,
                         self.stats)
 

@@ -276,10 +276,11 @@ class MemoryPlan:
         shape = self.shape
         if not shape.cfg.round_graphs:
             return 0
+        draft = shape.draft_round_bounds(drafting) if shape.has_draft else None
         return round_graph_bytes(shape.round_bounds(drafting), shape.num_layers,
                                  shape.num_q_heads, shape.num_kv_heads, shape.head_dim,
                                  shape.vocab_size, shape.summary_dtype.itemsize,
-                                 shape.capture_tokens, self.cuda_graphs)
+                                 shape.capture_tokens, self.cuda_graphs, draft)
 
     @property
     def fixed_bytes(self) -> int:

@@ -219,12 +219,14 @@ class TriForceProposer(DraftModelProposer):
             self.target_model, self.vllm_config, target_groups, self.target_layer_names,
             layer.num_heads, layer.head_size, self.capture, keeper, selector,
             self.refresh, self.stats, self.device, pass_limits=shape.pass_limits,
-            round_graphs=self._round_graphs(target_groups))
+            round_graphs=self._round_graphs("middle", self.target_layer_names, target_groups))
         self.draft = None
         if self.shape.has_draft:
             self.draft = DraftLevel(self.model, self.vllm_config, self.draft_attn_groups,
                                     self._draft_window(), self.stats, self.generator,
-                                    self.device)
+                                    self.device, round_graphs=self._round_graphs(
+                                        "draft", sorted(self._draft_attn_layer_names),
+                                        self.draft_attn_groups))
         tp = self.vllm_config.parallel_config.tensor_parallel_size
         self.depth = DepthChooser(shape.gamma2, shape.has_draft, self.stats,
                                   fixed_depth=None if self.cfg.adaptive else shape.gamma2,
@@ -234,32 +236,35 @@ class TriForceProposer(DraftModelProposer):
                                  self.generator, self.cfg.measure_middle_acceptance)
         self.plain_steps = PlainSteps(shape.blocks, keeper, self.depth, self.stats)
 
-    def _round_graphs(self, target_groups) -> RoundGraphs | None:
-        """The middle passes over persistent buffers (`round_graphs`: engine/device/
-        round_graph.py), or None (off, or this backend builds metadata per layer); the
-        start-up log says which path the middle level takes, and why."""
+    def _round_graphs(self, level: str, layer_names, groups) -> RoundGraphs | None:
+        """A level's passes over persistent buffers (`round_graphs`: engine/device/
+        round_graph.py): "middle", the target's layers `layer_names` over a table per layer,
+        or "draft", the small draft's over one table. None: off, or this backend builds
+        metadata per layer; the start-up log says which path the level takes, and why."""
         if not self.cfg.round_graphs:
-            logger.info("TriForce middle passes: built per pass (round_graphs off)")
+            logger.info("TriForce %s passes: built per pass (round_graphs off)", level)
             return None
-        shape = self.shape
-        groups = [g for g in target_groups
-                  if set(g.layer_names) & set(self.target_layer_names)]
-        group = groups[0]
+        shape, names = self.shape, set(layer_names)
+        groups = [g for g in groups if set(g.layer_names) & names]
         tp = self.vllm_config.parallel_config.tensor_parallel_size
-        path, why = RoundGraphs.path(group.backend.get_name(), self.device, tp,
-                                     group.kernel_block_size)
+        path, why = RoundGraphs.path(groups[0].backend.get_name(), self.device, tp,
+                                     groups[0].kernel_block_size)
         if len(groups) != 1:
-            path, why = "per pass", f"target layers in {len(groups)} attention groups"
+            path, why = "per pass", f"{level} layers in {len(groups)} attention groups"
         if path == "per pass":
-            logger.info("TriForce middle passes: built per pass (%s)", why)
+            logger.info("TriForce %s passes: built per pass (%s)", level, why)
             return None
-        bounds = shape.round_bounds(self.sizing.drafting)  # what the memory plan reserved
+        draft = level == "draft"
+        # what the memory plan reserved
+        bounds = (shape.draft_round_bounds if draft else shape.round_bounds)(self.sizing.drafting)
         self.capture.use_step_buffers()  # vLLM's passes into buffers too, not clones
-        graphs = RoundGraphs(self.target_model, self.vllm_config, group,
-                             self.target_layer_names, bounds, self.capture, self.device,
-                             use_cuda_graphs=path == "cuda graphs")
-        logger.info("TriForce middle passes: %s (%s), %d token buckets up to %d tokens x %d "
-                    "requests x %d blocks; input buffers %.1f MiB", path, why,
+        graphs = RoundGraphs(self.model if draft else self.target_model, self.vllm_config,
+                             groups[0], list(layer_names), bounds,
+                             None if draft else self.capture, self.device,
+                             use_cuda_graphs=path == "cuda graphs", shared_table=draft,
+                             sample_last=draft)
+        logger.info("TriForce %s passes: %s (%s), %d token buckets up to %d tokens x %d "
+                    "requests x %d blocks; input buffers %.1f MiB", level, path, why,
                     len(bounds.buckets), bounds.max_tokens, bounds.max_requests,
                     bounds.max_width, graphs.buffers.nbytes / 2**20)
         return graphs

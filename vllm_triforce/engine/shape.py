@@ -117,6 +117,13 @@ class EngineShape:
                               self.gamma2, self.cfg.refresh_interval, drafting,
                               self.max_blocks, self.max_batched_tokens)
 
+    def draft_round_bounds(self, drafting: int) -> RoundBounds:
+        """The same for the small draft's passes over its StreamingLLM table."""
+        blocks = self.blocks
+        return RoundBounds.of_draft(blocks.draft_sink_blocks + blocks.draft_window_blocks,
+                                    self.block_size, self.gamma1, self.gamma2, drafting,
+                                    self.max_batched_tokens)
+
     @classmethod
     def of(cls, vllm_config) -> "EngineShape | None":
         """The shape of the TriForce engine `vllm_config` describes (None: not TriForce)."""

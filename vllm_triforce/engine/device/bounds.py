@@ -48,14 +48,30 @@ class RoundBounds:
         return cls(max_tokens, min(drafting, max_tokens), width, per_request, block_size,
                    buckets)
 
+    @classmethod
+    def of_draft(cls, table_blocks: int, block_size: int, gamma1: int, gamma2: int,
+                 drafting: int, max_batched_tokens: int) -> "RoundBounds":
+        """The small draft's passes (engine/draft_level.py): one StreamingLLM table of
+        `table_blocks` blocks for every layer; a request runs its pending tokens first (in
+        a step after a drafting one, the tokens vLLM accepted and its own: at most
+        gamma2 + gamma1 + 1), then one token a step. A longer pending run (after a plain
+        stretch, a rebase or the sinks' first pass) takes today's path."""
+        per_request = gamma2 + gamma1 + 1
+        max_tokens = min(MAX_ROUND_TOKENS, drafting * per_request, max_batched_tokens)
+        buckets = tuple(b for b in ROUND_BUCKETS if b < max_tokens) + (max_tokens,)
+        return cls(max_tokens, min(drafting, max_tokens), table_blocks, per_request,
+                   block_size, buckets)
+
     @property
     def max_seq_len(self) -> int:
         return self.max_width * self.block_size
 
-    def bucket(self, num_tokens: int, width: int) -> int | None:
-        """The bucket of a pass of `num_tokens` tokens over rows `width` blocks wide (None:
-        it fits none)."""
-        if num_tokens > self.max_tokens or width > self.max_width:
+    def bucket(self, num_tokens: int, width: int, max_query_len: int = 1) -> int | None:
+        """The bucket of a pass of `num_tokens` tokens over rows `width` blocks wide whose
+        longest query is `max_query_len` tokens (None: it fits none: a graph freezes the
+        longest query its kernels were chosen for)."""
+        if (num_tokens > self.max_tokens or width > self.max_width
+                or max_query_len > self.max_query_len):
             return None
         return self.buckets[bisect.bisect_left(self.buckets, num_tokens)]
 

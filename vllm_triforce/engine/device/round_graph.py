@@ -42,6 +42,7 @@ fails any later run that differs: what a real CUDA graph would silently freeze.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -50,6 +51,7 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.spec_decode.utils import PADDING_SLOT_ID
 
 from vllm_triforce.engine.device.bounds import GRAPH_BACKENDS, RoundBounds
+from vllm_triforce.engine.device.capture import CaptureBuffers
 from vllm_triforce.engine.device.forward import PassInputs, SWAP_TABLE, _with_table, metadata_path
 
 PADDING_SLOT = PADDING_SLOT_ID  # -1: every KV-cache write skips the token
@@ -60,7 +62,9 @@ REFRESHED_FIELDS = ("scheduler_metadata",)
 class PassBuffers:
     """The persistent inputs of a middle pass, at the bounds' largest shape (device)."""
 
-    def __init__(self, bounds: RoundBounds, num_layers: int, device):
+    def __init__(self, bounds: RoundBounds, num_tables: int, device):
+        """`num_tables`: one per layer (the middle level), or 1 shared by every layer (the
+        small draft)."""
         tokens, reqs, width = bounds.max_tokens, bounds.max_requests, bounds.max_width
         self.input_ids = torch.zeros(tokens, dtype=torch.int32, device=device)  # [T]
         self.positions = torch.zeros(tokens, dtype=torch.int64, device=device)  # [T]
@@ -68,8 +72,8 @@ class PassBuffers:
                                        device=device)  # [T]
         self.query_start_loc = torch.zeros(reqs + 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(reqs, dtype=torch.int32, device=device)  # [R]
-        self.tables = torch.zeros(num_layers, reqs, width, dtype=torch.int32,
-                                  device=device)  # [L, R, W]
+        self.tables = torch.zeros(num_tables, reqs, width, dtype=torch.int32,
+                                  device=device)  # [L or 1, R, W]
 
     @property
     def nbytes(self) -> int:
@@ -134,11 +138,17 @@ class BucketPass:
         )
         self.group = owner.group
         base = self.group.build_metadata(self.common)
-        builder = self.group.get_metadata_builder()
-        self.metas = {name: _with_table(builder, base, buffers.tables[i, :reqs],
-                                        self.slot_mapping)
-                      for i, name in enumerate(owner.layer_names)}
+        if buffers.tables.shape[0] == 1:  # one table for every layer: one metadata
+            self.metas = dict.fromkeys(owner.layer_names, base)
+        else:
+            builder = self.group.get_metadata_builder()
+            self.metas = {name: _with_table(builder, base, buffers.tables[i, :reqs],
+                                            self.slot_mapping)
+                          for i, name in enumerate(owner.layer_names)}
         self.slots_by_layer = dict.fromkeys(self.metas, self.slot_mapping)
+        # sample_last: each request's last token, its row found in the graph from the
+        # query starts (a padded request's is the last real token: read, never used)
+        self.query_ends = buffers.query_start_loc[1:reqs + 1] if owner.sample_last else None
 
     def refresh(self, in_place: bool) -> None:
         """The metadata a builder computes from the lengths, built again over the buffers:
@@ -165,6 +175,8 @@ class BucketPass:
                                  intermediate_tensors=None, inputs_embeds=None)
         if isinstance(hidden, tuple):
             hidden = hidden[0]
+        if self.query_ends is not None:
+            hidden = hidden[self.query_ends.long() - 1]  # [R_pad, hidden]
         return owner.model.compute_logits(hidden)
 
 
@@ -207,13 +219,17 @@ class RoundGraphs:
     whose round buffers the passes' queries go to."""
 
     def __init__(self, model, vllm_config, group, layer_names: list[str], bounds: RoundBounds,
-                 capture, device, use_cuda_graphs: bool):
+                 capture, device, use_cuda_graphs: bool, shared_table: bool = False,
+                 sample_last: bool = False):
+        """`capture` None: the model's layers are not captured (the small draft's);
+        `shared_table`: one table for every layer (tables [1, R, W] in `run`);
+        `sample_last`: logits of each request's last token only (else of every token)."""
         self.model, self.vllm_config = model, vllm_config
         self.group, self.layer_names = group, layer_names
         self.bounds = bounds
         self.capture = capture
-        self.buffers = PassBuffers(bounds, len(layer_names), device)
-        from vllm_triforce.engine.device.capture import CaptureBuffers
+        self.sample_last = sample_last
+        self.buffers = PassBuffers(bounds, 1 if shared_table else len(layer_names), device)
         self.query_buffers = CaptureBuffers(len(layer_names), bounds.max_tokens,
                                             keep_keys=False)
         self.use_cuda_graphs = use_cuda_graphs
@@ -239,21 +255,31 @@ class RoundGraphs:
         return "cuda graphs", backend
 
     def run(self, inputs: PassInputs, tables: torch.Tensor) -> torch.Tensor | None:
-        """Logits [T, V] of every token of the pass `inputs` over tables [L, R, W], its
-        queries left in the capture (views of the round buffers); None: no bucket fits."""
-        bucket = self.bounds.bucket(inputs.num_tokens, tables.shape[-1])
+        """Logits of the pass `inputs` over tables [L or 1, R, W]: [T, V] for every token,
+        or [R, V] with `sample_last`; its queries left in the capture (views of the round
+        buffers). None: no bucket fits (the caller takes today's path)."""
+        qsl = inputs.query_start_loc
+        longest = max(b - a for a, b in zip(qsl[:-1], qsl[1:]))
+        bucket = self.bounds.bucket(inputs.num_tokens, tables.shape[-1], longest)
         if bucket is None:
             return None
         replay = self.replays.get(bucket) or self._prepare(bucket)  # before the load
         self.buffers.load(inputs, tables, bucket, self.bounds.requests_of(bucket))
-        with self.capture.recording(into=self.query_buffers):
+        with self._recording():
             if self.guard is not None:
                 with self.guard.watching(bucket):
                     logits = replay.run()
             else:
                 logits = replay.run()
-        self.capture.take_views(self.query_buffers, inputs.num_tokens)
-        return logits[:inputs.num_tokens]
+        if self.capture is not None:
+            self.capture.take_views(self.query_buffers, inputs.num_tokens)
+        return logits[:len(inputs.seq_lens) if self.sample_last else inputs.num_tokens]
+
+    def _recording(self):
+        """The capture's scope of a pass: its queries into the round buffers."""
+        if self.capture is None:
+            return contextlib.nullcontext()
+        return self.capture.recording(into=self.query_buffers)
 
     def _prepare(self, bucket: int):
         """The bucket's replay; with CUDA graphs every bucket is captured at the first
@@ -265,7 +291,7 @@ class RoundGraphs:
             return self.replays[bucket]
         self._pool = torch.cuda.graph_pool_handle()
         start = time.perf_counter()
-        with self.capture.recording(into=self.query_buffers):
+        with self._recording():
             for size in sorted(self.bounds.buckets, reverse=True):
                 self.replays[size] = CudaGraphReplay(BucketPass(self, size), self._pool)
         from vllm.logger import init_logger
@@ -324,8 +350,6 @@ class ReplayGuard:
         return id(meta), _address(kv_cache), tensors, scalars
 
     def watching(self, bucket: int):
-        import contextlib
-
         @contextlib.contextmanager
         def scope():
             self._bucket, self._seen = bucket, []

@@ -1,0 +1,46 @@
+"""Per-request draft counts handed back to vLLM's scheduler from Model Runner V2.
+
+Under synchronous scheduling, after each step `EngineCore` hands the runner's
+`take_draft_token_ids()` to `Scheduler.update_draft_token_ids` (vllm/v1/engine/core.py,
+0.32.0 and 0.33.0), and the scheduler schedules each request's own list: its length is
+the number of draft slots the request verifies next step, the ids themselves are not read
+(the runner takes the drafts from `req_states.draft_tokens` on the device). MRV2's
+`DraftTokensHandler.get_draft_tokens` (vllm/v1/worker/gpu/spec_decode/utils.py) hands
+`[-1] * K` to every request, K = num_speculative_tokens (with structured outputs, the K
+real ids, for the grammar); TriForce drafts k_r <= K tokens for request r (0: a plain
+decode, no verification slots, vLLM's plain sampler). `DraftCounts` wraps the stock
+handler and keeps the first k_r of each list: `[-1] * k_r`, or the k_r real ids.
+
+Example, K = 3: depths {a: 3, b: 0, c: 1} turn the stock [[-1]*3] * 3 into
+[[-1, -1, -1], [], [-1]]; next step the scheduler gives a 4 tokens, b 1 and c 2.
+A request the speculator set no depth for this step (a dummy run's) gets none.
+"""
+
+from __future__ import annotations
+
+from vllm.v1.outputs import DraftTokenIds
+
+
+class DraftCounts:
+    """The runner's `draft_tokens_handler` (`set_draft_tokens`, `get_draft_tokens`), with
+    per-request counts set by the speculator (`set_depths`) each step, before the runner
+    calls `set_draft_tokens` (vllm/v1/worker/gpu/model_runner.py `sample_tokens`)."""
+
+    def __init__(self, stock):
+        self.stock = stock  # vLLM's DraftTokensHandler: the copy for structured outputs
+        self.depths: dict[str, int] = {}
+
+    def set_depths(self, req_ids: list[str], depths: list[int]) -> None:
+        """This step's draft count per request (k_r, 0 <= k_r <= K)."""
+        self.depths = dict(zip(req_ids, depths))
+
+    def set_draft_tokens(self, input_batch, draft_tokens) -> None:
+        self.stock.set_draft_tokens(input_batch, draft_tokens)
+
+    def get_draft_tokens(self) -> DraftTokenIds | None:
+        stock = self.stock.get_draft_tokens()
+        if stock is None:
+            return None
+        counts = [self.depths.get(req_id, 0) for req_id in stock.req_ids]
+        return DraftTokenIds(stock.req_ids, [list(ids[:k]) for ids, k
+                                             in zip(stock.draft_token_ids, counts)])
