@@ -17,6 +17,7 @@ min_p 0.1 (vLLM's plain sampler only). b: prompt 100..109, temperature 1, seed 7
 
 from __future__ import annotations
 
+import inspect
 import types
 
 import numpy as np
@@ -247,8 +248,7 @@ def test_records_commit_what_the_step_committed():
 
 def test_records_refuse_a_missed_step():
     records = mrv2_records()
-    del records["a"].output_token_ids[-1]  # position 7 (the pass's t) lost
-    records["a"].output_token_ids.pop()
+    records["a"].output_token_ids.clear()  # positions 6 and 7 lost; the pass starts at 7
     with pytest.raises(RuntimeError, match="commit was missed"):
         records.commit(mrv2_batch(records))
 
@@ -259,3 +259,296 @@ def test_a_prompt_given_as_embeddings_has_no_ids():
     with pytest.raises(ValueError, match="prompt embedding"):
         record.get_token_id(0)
     assert record.get_token_id(6) == 20  # outputs are known
+
+
+# ------------------------------------------------------ vLLM's real (pure-Python) scheduler
+
+SCHED_BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def scheduler_config(tiny_llama):
+    """A VllmConfig with K draft slots. "ngram" because it loads no draft model: the
+    scheduler reads only num_speculative_tokens."""
+    from vllm.config import (CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig,
+                             VllmConfig)
+
+    cache = CacheConfig(block_size=SCHED_BLOCK, enable_prefix_caching=False)
+    return VllmConfig(
+        model_config=ModelConfig(model=str(tiny_llama), dtype="float32", max_model_len=256),
+        scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64,
+                                         max_model_len=256, is_encoder_decoder=False),
+        cache_config=cache,
+        speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=K,
+                                             prompt_lookup_max=2, prompt_lookup_min=1))
+
+
+def real_scheduler(config, num_blocks: int = 64):
+    """vLLM's Scheduler as MRV2 is served (resumed requests come as new ones)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    config.cache_config.num_gpu_blocks = num_blocks
+    spec = FullAttentionSpec(block_size=SCHED_BLOCK, num_kv_heads=1, head_size=16,
+                             dtype=torch.float32)
+    kv = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                       kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
+    scheduler = Scheduler(vllm_config=config, kv_cache_config=kv, block_size=SCHED_BLOCK,
+                          structured_output_manager=StructuredOutputManager(config))
+    scheduler.use_v2_model_runner = True
+    return scheduler
+
+
+def add_requests(scheduler, prompt_lens: dict[str, int], max_tokens: int = 20) -> None:
+    from vllm.v1.request import Request
+
+    for i, (req_id, n) in enumerate(prompt_lens.items()):
+        scheduler.add_request(Request(
+            request_id=req_id, prompt_token_ids=[(7 * i + j) % 500 for j in range(n)],
+            sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            pooling_params=None))
+
+
+def run_step(scheduler, scheduler_output, sampled: dict[str, list[int]] | None = None):
+    """The worker's answer to one step: `sampled[r]` for r (default one token, 500 + the
+    step's index), nothing for a partial prefill."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    req_ids = list(scheduler_output.num_scheduled_tokens)
+    tokens = []
+    for r in req_ids:
+        request = scheduler.requests[r]
+        partial = request.num_computed_tokens < request.num_tokens
+        tokens.append([] if partial else (sampled or {}).get(r, [500 + len(tokens)]))
+    output = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=tokens,
+                               req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                               logprobs=None, prompt_logprobs_dict={}, pooler_output=[])
+    scheduler.update_from_output(scheduler_output, output)
+
+
+def stock_handler():
+    """MRV2's own DraftTokensHandler, without the CUDA stream its __init__ makes (used only
+    for structured outputs, which these tests do not have)."""
+    from vllm.v1.worker.gpu.spec_decode.utils import DraftTokensHandler
+
+    handler = DraftTokensHandler.__new__(DraftTokensHandler)
+    handler.device, handler.req_ids, handler.draft_tokens_np = None, [], None
+    return handler
+
+
+def test_draft_counts_reach_the_real_scheduler(scheduler_config):
+    from vllm_triforce.engine.mrv2.draft_tokens import DraftCounts
+
+    scheduler = real_scheduler(scheduler_config)
+    add_requests(scheduler, {"r0": 10, "r1": 11, "r2": 12})
+    run_step(scheduler, scheduler.schedule())  # the three prompts, one token each
+    req_ids = ["r0", "r1", "r2"]
+    counts = DraftCounts(stock_handler())
+    counts.set_depths(req_ids, [3, 0, 1])
+    batch = types.SimpleNamespace(req_ids=req_ids, has_structured_output_reqs=False)
+    counts.set_draft_tokens(batch, torch.full((3, K), 5))  # the runner's [R, K] drafts
+    assert counts.stock.get_draft_tokens().draft_token_ids == [[-1] * K] * 3  # stock: K each
+    scheduler.update_draft_token_ids(counts.get_draft_tokens())
+
+    second = scheduler.schedule()
+    assert second.num_scheduled_tokens == {"r0": 4, "r1": 1, "r2": 2}
+    assert second.scheduled_spec_decode_tokens == {"r0": [-1] * K, "r2": [-1]}
+    # r0 keeps 1 of its 3 drafts (2 sampled), r2 its only one (2 sampled), r1 decodes
+    run_step(scheduler, second, {"r0": [600, 601], "r1": [602], "r2": [603, 604]})
+    computed = {r: scheduler.requests[r].num_computed_tokens for r in req_ids}
+    assert computed == {"r0": 12, "r1": 12, "r2": 14}
+
+
+def test_draft_counts_trim_real_ids_for_structured_outputs():
+    """With structured outputs the stock handler hands the K real ids (for the grammar)."""
+    from vllm.v1.outputs import DraftTokenIds
+
+    from vllm_triforce.engine.mrv2.draft_tokens import DraftCounts
+
+    stock = types.SimpleNamespace(
+        get_draft_tokens=lambda: DraftTokenIds(["x", "y", "z"], [[1, 2, 3], [4, 5, 6], [7, 8, 9]]))
+    counts = DraftCounts(stock)
+    counts.set_depths(["x", "y"], [2, 0])  # z: no depth set this step (a dummy run's)
+    assert counts.get_draft_tokens().draft_token_ids == [[1, 2], [], []]
+
+
+def test_records_follow_the_real_scheduler(scheduler_config):
+    """Blocks as the scheduler hands them out, finished requests gone, and a preempted
+    request resumed as new with the outputs it had (MRV2's form of a resumption)."""
+    scheduler = real_scheduler(scheduler_config, num_blocks=7)  # 6 usable: 3 + 3
+    add_requests(scheduler, {"r0": 40, "r1": 40}, max_tokens=12)
+    records, preempted, resumed, steps = RequestRecords(), set(), {}, 0
+    while scheduler.requests and steps < 40:
+        output = scheduler.schedule()
+        records.apply(output)
+        preempted |= output.preempted_req_ids or set()
+        for new in output.scheduled_new_reqs:
+            if new.req_id in preempted:
+                resumed[new.req_id] = list(records[new.req_id].output_token_ids)
+        for r in output.num_scheduled_tokens:
+            request = scheduler.requests[r]
+            assert records[r].block_ids[0] == scheduler.kv_cache_manager.get_block_ids(r)[0]
+            assert records[r].num_prompt_tokens == request.num_prompt_tokens
+            assert records[r].output_token_ids == list(request.output_token_ids)
+        run_step(scheduler, output)
+        for r in output.num_scheduled_tokens:  # the worker's commit, without a StepBatch
+            if r in scheduler.requests and scheduler.requests[r].output_token_ids:
+                records[r].output_token_ids[:] = scheduler.requests[r].output_token_ids
+        steps += 1
+    assert preempted == {"r1"}  # r0's fourth block came from r1
+    assert len(resumed["r1"]) > 0  # it came back knowing the outputs it had
+    assert not scheduler.requests and set(records) <= {"r0", "r1"}
+    final = scheduler.schedule()
+    records.apply(final)
+    assert not records  # both finished
+
+
+# ------------------------------------------------------------------- 3. draft logits
+
+def test_keep_logits_writes_each_middle_token_at_its_slot_and_step():
+    """A round of two drafting requests (K 3, 4 slots): row 0 at slot 3 held no middle
+    token and emitted 2 (steps 0, 1); row 1 at slot 1 held 2 and emitted 2 (step 2, then
+    step 3, past K: the spare row). Rows past `emitted` are padding."""
+    buffer = DraftLogitsBuffer(MAX_REQS, K, VOCAB, torch.float32)
+    logits = torch.arange(2 * 3 * VOCAB, dtype=torch.float32).view(2, 3, VOCAB) + 1
+    keep_logits(buffer, logits, emitted=torch.tensor([2, 2]), slots=torch.tensor([3, 1]),
+                first_k=torch.tensor([0, 2]))
+    expected = torch.zeros(MAX_REQS, K, VOCAB)
+    expected[3, 0], expected[3, 1], expected[1, 2] = logits[0, 0], logits[0, 1], logits[1, 0]
+    assert torch.equal(buffer.logits, expected)
+    assert buffer.logits.shape == (MAX_REQS, K, VOCAB) and buffer.logits.is_contiguous()
+
+
+def test_keep_logits_refuses_another_dtype_than_the_verifiers():
+    buffer = DraftLogitsBuffer(MAX_REQS, K, VOCAB, torch.bfloat16)
+    with pytest.raises(TypeError, match="another q"):
+        keep_logits(buffer, torch.zeros(1, 1, VOCAB), torch.tensor([1]), torch.tensor([0]),
+                    torch.tensor([0]))
+
+
+def verifier_q(draft_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """MRV2's verifier's draft distribution: the stored logits upcast to float32, divided
+    by T, log-softmaxed (rejection_sampler_utils.py `_compute_global_logprobs_and_logsumexp`)."""
+    return torch.log_softmax(draft_logits.float() / temperature, -1).exp()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_logits_give_the_verifier_the_distribution_tokens_were_drawn_from(dtype):
+    """c (row 1, slot 0, T 0.8, top-k 5) drafts 3 middle tokens in one round: they are
+    drawn from the temperature-only batch's probs of the round's logits, and
+    softmax(draft_logits[0, k] / 0.8) is that distribution, for each k. With top-k
+    applied (the V1 hand-off's distribution) the verifier would assume another q."""
+    batch = mrv2_batch()
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(1)).to(dtype)
+    buffer = DraftLogitsBuffer(MAX_REQS, K, VOCAB, dtype)
+    keep_logits(buffer, logits[None], emitted=torch.tensor([3]), slots=torch.tensor([0]),
+                first_k=torch.tensor([0]))
+    drawn_from = temperature_only(batch).probs(logits, [1, 1, 1])
+    q = verifier_q(buffer.logits[0], 0.8)
+    torch.testing.assert_close(drawn_from, q, rtol=1e-5, atol=1e-7)
+    assert not torch.allclose(batch.probs(logits, [1, 1, 1]), q, atol=1e-3)  # top-k 5 of 32
+    assert torch.equal(drawn_from, sampling_probs(logits, torch.full((3,), 0.8)))
+
+
+def test_middle_draws_follow_the_verifiers_q():
+    """20,000 draws of c's first middle token with core/verify.sample_tokens from the
+    temperature-only probs: their frequencies are softmax(draft_logits[0, 0] / T)."""
+    batch = temperature_only(mrv2_batch())
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(2)) * 2
+    buffer = DraftLogitsBuffer(MAX_REQS, K, VOCAB, torch.float32)
+    keep_logits(buffer, logits[None], torch.tensor([1]), torch.tensor([0]), torch.tensor([0]))
+    n = 20_000
+    probs = batch.probs(logits, [1]).expand(n, VOCAB)
+    draws = sample_tokens(probs, torch.zeros(n, dtype=torch.bool), [None] * n,
+                          torch.Generator().manual_seed(3))
+    freq = torch.bincount(draws, minlength=VOCAB).double() / n
+    q = verifier_q(buffer.logits[0, 0], 0.8).double()
+    assert (freq - q).abs().max() < 4 * (q * (1 - q) / n).sqrt().max() + 1e-3
+
+
+def test_temperature_only_keeps_everything_else():
+    batch = mrv2_batch()
+    plain = temperature_only(batch)
+    assert plain.top_k is None and plain.top_p is None
+    assert plain.committed == batch.committed and plain.seeded == batch.seeded
+    assert plain.temperature is batch.temperature and plain.requests is batch.requests
+    assert temperature_only(plain) is plain  # nothing to drop
+
+
+# ----------------------------------------------- 4. the speculator, runner and worker
+
+@pytest.fixture(scope="module")
+def binding():
+    """engine/mrv2/speculator.py: importing it imports vLLM's MRV2 runner and GPU worker."""
+    from vllm_triforce.engine.mrv2 import speculator
+    return speculator
+
+
+def test_the_binding_classes_take_vllms_places(binding):
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+    from vllm.v1.worker.gpu.spec_decode.speculator import BaseSpeculator, DraftModelSpeculator
+    from vllm.v1.worker.gpu_worker import Worker
+
+    assert issubclass(binding.TriForceSpeculator, DraftModelSpeculator)  # runner's isinstance
+    assert issubclass(binding.TriForceRunnerV2, GPUModelRunner)
+    assert issubclass(binding.TriForceWorker, Worker)
+    ours = inspect.signature(binding.TriForceSpeculator.propose).parameters
+    theirs = inspect.signature(BaseSpeculator.propose).parameters
+    assert list(ours) == list(theirs)  # same names, same order (R2 passes both ways)
+    for method in ("load_model", "set_attn", "propose"):
+        assert method in vars(binding.TriForceSpeculator)
+    assert "_make_model_runner" in vars(binding.TriForceWorker)
+
+
+def speculator_stand_in(records):
+    """What TriForceSpeculator.propose reads of itself, built without vLLM's __init__
+    (which loads a config)."""
+    from vllm_triforce.engine.mrv2.draft_tokens import DraftCounts
+
+    stock = stock_handler()
+    return types.SimpleNamespace(
+        draft_tokens=torch.zeros(MAX_REQS, K, dtype=torch.int64), num_speculative_steps=K,
+        records=records, sampling_states=sampling_states(), _last_batch=None,
+        block_tables=types.SimpleNamespace(input_block_tables=[mrv2_block_table()]),
+        shape=types.SimpleNamespace(block_size=BLOCK), draft_counts=DraftCounts(stock))
+
+
+def test_propose_builds_the_batch_commits_and_hands_depth_zero(binding):
+    records = mrv2_records()
+    this = speculator_stand_in(records)
+    num_sampled, num_rejected, last_sampled = mrv2_sampled()
+    drafts = binding.TriForceSpeculator.propose(
+        this, mrv2_input_batch(), {}, {}, None, None, num_sampled, num_rejected,
+        last_sampled, None, None, None, num_speculative_tokens=K)
+    assert drafts.shape == (3, K) and bool((drafts == -1).all())
+    assert this._last_batch.next_tokens == [40, 70, 109]
+    assert records["a"].output_token_ids == [20, 21, 30, 40]  # committed
+    assert this.draft_counts.depths == {"a": 0, "c": 0, "b": 0}
+
+
+def test_a_dummy_propose_reads_no_request(binding):
+    this = speculator_stand_in(RequestRecords())  # no record: a real batch would fail
+    drafts = binding.TriForceSpeculator.propose(
+        this, mrv2_input_batch(), {}, {}, None, None, *mrv2_sampled(), None, None, None,
+        dummy_run=True)
+    assert drafts.shape == (3, K) and this._last_batch is None
+    assert this.draft_counts.depths == {}
+
+
+# ---------------------------------------------------------------------- 5. the contract
+
+def test_the_contract_reads_mrv2s_instance_attributes_and_its_propose_calls(tmp_path):
+    from vllm_triforce.tools import contract
+
+    source = contract.Sources(contract.installed_root())
+    assert source.defines("vllm.v1.worker.gpu.sample.states", "SamplingStates.top_k") == []
+    assert source.defines("vllm.v1.worker.gpu.sample.states", "SamplingStates.top_m") != []
+    assert contract.speculator_call_problems(source) == []
+    runner = tmp_path / "vllm" / "v1" / "worker" / "gpu" / "model_runner.py"
+    runner.parent.mkdir(parents=True)
+    runner.write_text("class GPUModelRunner:\n    def step(self):\n"
+                      "        self.speculator.propose(1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,"
+                      " hidden_mask=None)\n")
+    problems = contract.speculator_call_problems(contract.Sources(tmp_path))
+    assert any("propose(hidden_mask=...)" in p for p in problems), problems

@@ -217,13 +217,13 @@ class StepBatch:
         One device-to-host copy, as `from_runner`. A partial prefill's `next_token` is its
         last known token (V1's backup token: no token was sampled for it).
 
-        Example, slots ≠ rows: rows [a, c] at slots idx_mapping [2, 0] read last_sampled[2]
-        and last_sampled[0], temperature.np[2] and temperature.np[0]."""
+        Example, slots are not rows: rows [a, c] at slots idx_mapping [2, 0] read
+        last_sampled[2] and last_sampled[0], temperature.np[2] and temperature.np[0]."""
         num_reqs = input_batch.num_reqs
         req_ids = list(input_batch.req_ids[:num_reqs])
         slots = input_batch.idx_mapping[:num_reqs]  # device [R]
         slots_np = np.asarray(input_batch.idx_mapping_np[:num_reqs])  # host [R]
-        sampled_tokens = last_sampled.view(last_sampled.shape[0], -1)[slots, -1]  # [R]
+        sampled_tokens = last_sampled.reshape(last_sampled.shape[0], -1)[slots, -1]  # [R]
         seq_lens, qsl, rejected, sampled, sampled_tokens, verify_ids = to_host(
             input_batch.seq_lens[:num_reqs], input_batch.query_start_loc[:num_reqs + 1],
             num_rejected[:num_reqs], num_sampled[:num_reqs], sampled_tokens,

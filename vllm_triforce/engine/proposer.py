@@ -263,6 +263,7 @@ class TriForceProposer(DraftModelProposer):
                              None if draft else self.capture, self.device,
                              use_cuda_graphs=path == "cuda graphs", shared_table=draft,
                              sample_last=draft)
+        graphs.planned_bytes = self.sizing.round_bytes
         logger.info("TriForce %s passes: %s (%s), %d token buckets up to %d tokens x %d "
                     "requests x %d blocks; input buffers %.1f MiB", level, path, why,
                     len(bounds.buckets), bounds.max_tokens, bounds.max_requests,

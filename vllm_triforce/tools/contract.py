@@ -11,10 +11,14 @@ What is checked, each failure naming the symbol:
    (a definition, an assignment, an import, or a lazy module `__getattr__` that names it);
 2. patch targets (PATCH_TARGETS): each `module:Class.method` a patch wraps or replaces is
    defined in that class's body, and so is each attribute read on vLLM's objects
-   (READ_ATTRIBUTES);
+   (READ_ATTRIBUTES; an instance attribute counts where a method of the class assigns
+   `self.attribute`);
 3. the proposer's call: the keywords `GPUModelRunner.propose_draft_token_ids` passes to
    `self.drafter.propose(...)` (the draft-model call, the one with `target_token_ids`) are
-   all parameters of `TriForceProposer.propose`.
+   all parameters of `TriForceProposer.propose`; and every `self.speculator.propose(...)`
+   of Model Runner V2's `GPUModelRunner` passes no more positional arguments than
+   `TriForceSpeculator.propose` (engine/mrv2/speculator.py) takes, and only keywords it
+   takes.
 """
 
 from __future__ import annotations
@@ -59,9 +63,57 @@ READ_ATTRIBUTES = (
     ("vllm.v1.attention.backends.cpu_attn", "CPUAttentionMetadata.scheduler_metadata"),
     ("vllm.v1.worker.utils", "AttentionGroup.build_metadata"),
     ("vllm.v1.worker.utils", "AttentionGroup.get_metadata_builder"),
+) + (  # Model Runner V2 (engine/mrv2/, engine/batch.py `StepBatch.from_mrv2`)
+    ("vllm.v1.worker.gpu.input_batch", "InputBatch.req_ids"),
+    ("vllm.v1.worker.gpu.input_batch", "InputBatch.num_reqs"),
+    ("vllm.v1.worker.gpu.input_batch", "InputBatch.idx_mapping"),
+    ("vllm.v1.worker.gpu.input_batch", "InputBatch.idx_mapping_np"),
+    ("vllm.v1.worker.gpu.input_batch", "InputBatch.seq_lens"),
+    ("vllm.v1.worker.gpu.input_batch", "InputBatch.query_start_loc"),
+    ("vllm.v1.worker.gpu.input_batch", "InputBatch.input_ids"),
+    ("vllm.v1.worker.gpu.input_batch", "InputBatch.num_tokens"),
+    ("vllm.v1.worker.gpu.sample.states", "SamplingStates.temperature"),
+    ("vllm.v1.worker.gpu.sample.states", "SamplingStates.top_k"),
+    ("vllm.v1.worker.gpu.sample.states", "SamplingStates.top_p"),
+    ("vllm.v1.worker.gpu.sample.states", "SamplingStates.seeds_set"),
+    ("vllm.v1.worker.gpu.sample.states", "SamplingStates.vocab_size"),
+    ("vllm.v1.worker.gpu.buffer_utils", "UvaBackedTensor.np"),
+    ("vllm.v1.worker.gpu.buffer_utils", "UvaBackedTensor.gpu"),
+    ("vllm.v1.worker.gpu.block_table", "BlockTables.input_block_tables"),
+    ("vllm.v1.worker.gpu.states", "RequestState.last_sampled_tokens"),
+    ("vllm.v1.worker.gpu.sample.sampler", "Sampler.sampling_states"),
+    ("vllm.v1.worker.gpu.spec_decode.utils", "DraftTokensHandler.set_draft_tokens"),
+    ("vllm.v1.worker.gpu.spec_decode.utils", "DraftTokensHandler.get_draft_tokens"),
+    ("vllm.v1.worker.gpu.spec_decode.speculator", "BaseSpeculator.propose"),
+    ("vllm.v1.worker.gpu.spec_decode.speculator", "DraftModelSpeculator.load_model"),
+    ("vllm.v1.worker.gpu.spec_decode.speculator", "DraftModelSpeculator.set_attn"),
+    ("vllm.v1.worker.gpu.spec_decode.speculator", "DraftModelSpeculator.draft_logits"),
+    ("vllm.v1.worker.gpu.spec_decode.speculator", "DraftModelSpeculator.draft_tokens"),
+    ("vllm.v1.worker.gpu.spec_decode.speculator",
+     "DraftModelSpeculator.num_speculative_steps"),
+    ("vllm.v1.worker.gpu.spec_decode.speculator",
+     "DraftModelSpeculator.draft_attn_layer_names"),
+    ("vllm.v1.worker.gpu.spec_decode.speculator", "DraftModelSpeculator.supports_mm_inputs"),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.speculator"),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.draft_tokens_handler"),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.sampler"),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.load_model"),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.update_requests"),
+    ("vllm.v1.worker.gpu_worker", "Worker._make_model_runner"),
+    ("vllm.v1.worker.gpu_worker", "Worker.use_v2_model_runner"),
+    ("vllm.v1.core.sched.output", "NewRequestData.prefill_token_ids"),
+    ("vllm.v1.core.sched.output", "NewRequestData.prompt_len"),
+    ("vllm.v1.core.sched.output", "NewRequestData.block_ids"),
+    ("vllm.v1.core.sched.output", "CachedRequestData.new_block_ids"),
+    ("vllm.v1.core.sched.output", "SchedulerOutput.finished_req_ids"),
+    ("vllm.v1.core.sched.output", "SchedulerOutput.preempted_req_ids"),
+    ("vllm.v1.core.sched.output", "SchedulerOutput.scheduled_new_reqs"),
+    ("vllm.v1.core.sched.output", "SchedulerOutput.scheduled_cached_reqs"),
+    ("vllm.v1.outputs", "DraftTokenIds.draft_token_ids"),
 )
 RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 PROPOSE_CALLER = "GPUModelRunner.propose_draft_token_ids"
+MRV2_RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
 
 
 def add_contract_parser(subparsers) -> None:
@@ -85,7 +137,7 @@ def _run(args) -> int:
     print(f"contract: {'broken' if problems else 'holds'} for {what}: "
           f"{len(plugin_imports())} imports, {len(PATCH_TARGETS)} patch targets, "
           f"{len(READ_ATTRIBUTES)} attributes read, "
-          f"the proposer's call")
+          f"the proposer's and the MRV2 speculator's calls")
     return 1 if problems else 0
 
 
@@ -97,6 +149,7 @@ def check(vllm_root: Path) -> list[str]:
     problems += [p for module, qualname in PATCH_TARGETS + READ_ATTRIBUTES
                  for p in source.defines(module, qualname)]
     problems += propose_keywords_problems(source)
+    problems += speculator_call_problems(source)
     return problems
 
 
@@ -165,6 +218,37 @@ def propose_keywords_problems(source: "Sources") -> list[str]:
             if name not in accepted]
 
 
+def our_speculator_params() -> tuple[int, set[str]]:
+    """(positional parameters after self, every parameter name) of
+    `TriForceSpeculator.propose`."""
+    tree = ast.parse((PACKAGE_DIR / "engine" / "mrv2" / "speculator.py").read_text())
+    args = _find(tree, "TriForceSpeculator.propose").args
+    return len(args.args) - 1, {a.arg for a in args.args + args.kwonlyargs}
+
+
+def speculator_call_problems(source: "Sources") -> list[str]:
+    """Every `self.speculator.propose(...)` in MRV2's runner, against our signature."""
+    tree = source.tree(MRV2_RUNNER_MODULE)
+    if tree is None:
+        return [f"{MRV2_RUNNER_MODULE}: no such module (Model Runner V2)"]
+    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call)
+             and isinstance(node.func, ast.Attribute) and node.func.attr == "propose"
+             and ast.unparse(node.func.value) == "self.speculator"]
+    if not calls:
+        return [f"{MRV2_RUNNER_MODULE}: no self.speculator.propose(...) call"]
+    num_positional, accepted = our_speculator_params()
+    problems = []
+    for call in calls:
+        if len(call.args) > num_positional:
+            problems.append(f"{MRV2_RUNNER_MODULE} line {call.lineno} passes "
+                            f"{len(call.args)} positional arguments to propose; "
+                            f"TriForceSpeculator.propose takes {num_positional}")
+        problems += [f"{MRV2_RUNNER_MODULE} line {call.lineno} passes propose({k.arg}=...), "
+                     "which TriForceSpeculator.propose does not take"
+                     for k in call.keywords if k.arg not in accepted]
+    return problems
+
+
 # --------------------------------------------------------------- vLLM's side
 
 class Sources:
@@ -218,6 +302,9 @@ class Sources:
             return found
         cls_name, attr = qualname.rsplit(".", 1)
         cls = _find(tree, cls_name)
+        found = _assigned_on_self(cls, attr)
+        if found is not None:
+            return found
         for base in getattr(cls, "bases", []):
             if isinstance(base, ast.Name):
                 where = next((self.imported_module(module, node)
@@ -278,6 +365,19 @@ def _find(tree: ast.Module, qualname: str) -> ast.AST | None:
             return None
         node = match
     return node
+
+
+def _assigned_on_self(cls: ast.AST | None, attr: str) -> ast.AST | None:
+    """The first statement in a method of `cls` that assigns `self.attr`, if any (an
+    instance attribute: MRV2's state objects declare theirs in `__init__`, its
+    speculators some in `load_model`)."""
+    for node in ast.walk(cls) if isinstance(cls, ast.ClassDef) else ():
+        targets = (node.targets if isinstance(node, ast.Assign)
+                   else [node.target] if isinstance(node, ast.AnnAssign) else [])
+        if any(isinstance(t, ast.Attribute) and t.attr == attr
+               and isinstance(t.value, ast.Name) and t.value.id == "self" for t in targets):
+            return node
+    return None
 
 
 def _defines(node: ast.AST, name: str) -> bool:

@@ -1,6 +1,8 @@
-"""The middle level's passes over persistent buffers: one pass shape per token bucket, its
-attention metadata built once, captured as a CUDA graph on a GPU and replayed eagerly
-over the same buffers everywhere else.
+"""The passes of a middle round over persistent buffers: one pass shape per token bucket,
+its attention metadata built once, captured as a CUDA graph on a GPU and replayed eagerly
+over the same buffers everywhere else. The retrieval level's passes (the target over a
+table per layer) and the small draft's (one table, each request's last token sampled)
+each have their own `RoundGraphs`.
 
 Why. Today's path (`forward.run_pass`) builds a pass's inputs, its per-layer metadata and
 its forward context anew every round, and on a GPU runs vLLM's compiled model without
@@ -14,11 +16,12 @@ Buckets. A pass of T tokens over R requests runs in the smallest bucket of at le
 tokens (`RoundBounds.buckets`), with R_pad = min(bucket, max_requests) request rows (a
 request has at least one token, so R <= T <= bucket). Padding cannot write and is never
 read: padded tokens have slot -1 (vLLM's PADDING_SLOT_ID, vllm/v1/spec_decode/utils.py,
-which every KV-cache write skips), id 0 and position 0; padded requests have no query token (the query starts repeat
-T) and sequence length 0; the metadata's host values are the bucket's bounds (its token
-and request counts, `max_query_len` gamma1 + 1, `max_seq_len` the widest row's tokens), the
-same at every round, as a CUDA graph freezes them. A pass larger than the largest bucket,
-or wider than `RoundBounds.max_width`, takes today's path (`RoundGraphs.run` returns None).
+which every KV-cache write skips), id 0 and position 0; padded requests have no query
+token (the query starts repeat T) and sequence length 0; the metadata's host values are
+the bucket's bounds (its token and request counts, `max_query_len`, `max_seq_len` the
+widest row's tokens), the same at every round, as a CUDA graph freezes them. A pass larger
+than the largest bucket, wider than `RoundBounds.max_width` or with a longer query than
+`max_query_len` takes today's path (`RoundGraphs.run` returns None).
 
 Per round, what cannot be frozen is refreshed in place (`BucketPass.refresh`): the
 scheduler metadata that CPU_ATTN and FA3 compute from the lengths (vLLM's builders make it
@@ -27,8 +30,9 @@ again over the buffers and handed to the captured objects (eager) or copied into
 captured tensor (CUDA graph). Nothing else is built per round.
 
 Replays. `EagerReplay` runs the bucket's closure (forward context, model, logits) over the
-buffers: the CPU's twin of the graph, and the path for FLASHINFER / FLEX_ATTENTION-free
-backends without CUDA graphs. `CudaGraphReplay` captures the same closure once per bucket
+buffers: the CPU's twin of the graph, and the path of a GPU run that captures no graph
+(tensor parallelism). FLASHINFER and FLEX_ATTENTION build metadata per layer and keep
+today's path (`RoundGraphs.path`). `CudaGraphReplay` captures the same closure once per bucket
 (largest first, in one private memory pool, after vLLM's KV cache exists) and replays it;
 on FLASH_ATTN and TRITON_ATTN only, with one tensor-parallel rank (custom all-reduce must
 be captured under vLLM's `graph_capture`, not done here). The capture hook copies each
@@ -60,7 +64,7 @@ REFRESHED_FIELDS = ("scheduler_metadata",)
 
 
 class PassBuffers:
-    """The persistent inputs of a middle pass, at the bounds' largest shape (device)."""
+    """The persistent inputs of a level's passes, at the bounds' largest shape (device)."""
 
     def __init__(self, bounds: RoundBounds, num_tables: int, device):
         """`num_tables`: one per layer (the middle level), or 1 shared by every layer (the
@@ -122,7 +126,7 @@ class BucketPass:
         qsl_bound = (torch.arange(reqs + 1, dtype=torch.int32) * bounds.max_query_len).clamp_(
             max=tokens)
         lens_bound = torch.full((reqs,), bounds.max_seq_len, dtype=torch.int32)
-        on_host = not owner.host_bounds
+        on_host = owner.buffers_on_host
         self.common = CommonAttentionMetadata(
             query_start_loc=buffers.query_start_loc[:reqs + 1],
             query_start_loc_cpu=buffers.query_start_loc[:reqs + 1] if on_host else qsl_bound,
@@ -233,9 +237,10 @@ class RoundGraphs:
         self.query_buffers = CaptureBuffers(len(layer_names), bounds.max_tokens,
                                             keep_keys=False)
         self.use_cuda_graphs = use_cuda_graphs
-        self.host_bounds = torch.device(device).type != "cpu"
+        self.buffers_on_host = torch.device(device).type == "cpu"  # no host value to freeze
         self.replays: dict[int, EagerReplay | CudaGraphReplay] = {}
-        self.guard: ReplayGuard | None = None  # tests: `ReplayGuard.watch`
+        self.guard: ReplayGuard | None = None  # tests: `ReplayGuard.watching`
+        self.planned_bytes = 0  # what the memory plan reserved (the proposer sets it)
         self._pool = None
 
     @staticmethod
@@ -290,14 +295,16 @@ class RoundGraphs:
             self.replays[bucket] = EagerReplay(BucketPass(self, bucket))
             return self.replays[bucket]
         self._pool = torch.cuda.graph_pool_handle()
-        start = time.perf_counter()
+        start, reserved = time.perf_counter(), torch.cuda.memory_reserved()
         with self._recording():
             for size in sorted(self.bounds.buckets, reverse=True):
                 self.replays[size] = CudaGraphReplay(BucketPass(self, size), self._pool)
         from vllm.logger import init_logger
         init_logger("vllm.triforce").info(
-            "TriForce round graphs: %d captured in %.1f s", len(self.replays),
-            time.perf_counter() - start)
+            "TriForce round graphs: %d captured (buckets %s) in %.1f s, %.1f MiB more "
+            "reserved by torch (the plan reserved %.1f MiB for the buffers and pools)",
+            len(self.replays), list(self.bounds.buckets), time.perf_counter() - start,
+            (torch.cuda.memory_reserved() - reserved) / 2**20, self.planned_bytes / 2**20)
         return self.replays[bucket]
 
     @property
