@@ -235,3 +235,24 @@ def test_round_graphs_give_todays_tokens_selections_and_acceptance(
     assert any(changed for changed, _ in padded), "no KV write was seen: the check is blind"
     for changed, real in padded:
         assert changed <= real, f"padding wrote KV blocks {sorted(changed - real)}"
+
+
+def test_one_token_ahead_reads_as_the_drafts_will_after_the_round():
+    """A round that emits one token per row (two levels) leaves each row one position on
+    and its query at its index in the pass: `OneTokenAhead` says so before the round's
+    tokens are read, so the re-selection can be launched before its copy to the host. The
+    view and the drafts after `advance_one` agree (docstring example: rows 0 and 2 of
+    three, at positions 10 and 40)."""
+    import numpy as np
+
+    from vllm_triforce.engine.middle import MiddleDrafts, positions_of
+
+    drafts = MiddleDrafts([4, 5, 6], [3, 0, 2], np.array([1, 2, 3]),
+                          np.array([10, 20, 40]), width=4)
+    live = np.array([0, 2])
+    ahead = drafts.after_one_token(live)
+    assert [a.tolist() for a in positions_of(ahead, [6])] == [[41], [1]]
+    predicted = positions_of(ahead, [4, 6])
+    drafts.advance_one(live, np.array([7, 8]))
+    after = positions_of(drafts, [4, 6])
+    assert all((p == a).all() for p, a in zip(predicted, after)), (predicted, after)

@@ -126,6 +126,11 @@ class MiddleDrafts:
         index = self._index[np.asarray(rows, dtype=np.int64)]
         return self.position[index], self.query_row[index]
 
+    def after_one_token(self, live: np.ndarray) -> "OneTokenAhead":
+        """Where the rows `live` will stand once a round that emits exactly one token each
+        (nothing proposed) ends, known before its tokens are read (`OneTokenAhead`)."""
+        return OneTokenAhead(self, live)
+
     def __getitem__(self, row: int) -> RequestDrafts:
         i = self._index[row]
         out = RequestDrafts(int(self.last_token[i]), int(self.position[i]))
@@ -133,10 +138,28 @@ class MiddleDrafts:
         return out
 
 
+class OneTokenAhead:
+    """`MiddleDrafts.positions_of` as it will read after a round in which each of the rows
+    `live` emits one token and proposes none (two levels, or the small draft sitting out):
+    every position one further, and each row's query at its index in the round's pass
+    (`advance_one`). So the round's re-selections can be launched before its one
+    device-to-host copy, and on a GPU the host's selection work overlaps the device's
+    pass. Example: live [0, 2] at positions [10, 40] -> positions_of([2]) = ([41], [1])."""
+
+    def __init__(self, drafts: MiddleDrafts, live: np.ndarray):
+        self.drafts = drafts
+        self.query_row = np.full(len(drafts.rows), -1, dtype=np.int64)  # [n]
+        self.query_row[live] = np.arange(len(live))
+
+    def positions_of(self, rows) -> tuple[np.ndarray, np.ndarray]:
+        index = self.drafts._index[np.asarray(rows, dtype=np.int64)]
+        return self.drafts.position[index] + 1, self.query_row[index]
+
+
 def positions_of(drafts, rows) -> tuple[np.ndarray, np.ndarray]:
-    """(position, query_row) [n] of each of `rows` in `drafts`: a step's `MiddleDrafts`, by
-    its arrays, or any mapping row -> RequestDrafts."""
-    if isinstance(drafts, MiddleDrafts):
+    """(position, query_row) [n] of each of `rows` in `drafts`: a step's `MiddleDrafts` (or
+    its `OneTokenAhead`), by its arrays, or any mapping row -> RequestDrafts."""
+    if isinstance(drafts, (MiddleDrafts, OneTokenAhead)):
         return drafts.positions_of(rows)
     return (np.array([drafts[r].position for r in rows], dtype=np.int64),
             np.array([drafts[r].query_row for r in rows], dtype=np.int64))
@@ -191,10 +214,13 @@ class MiddleLoop:
                 self.on_round_start()
             start = time.perf_counter()
             sizes = np.minimum(gamma1, drafts.wanted[live] - drafts.count[live])
+            # next round's blocks, from the newest middle tokens' queries: where a round
+            # emits one token per row, launched before its copy to the host (`OneTokenAhead`)
+            ahead = self._reselect_ahead(step, drafts, live) if gamma1 == 0 else None
             emitted = self._round(step, drafts, live, sizes,
-                                  None if argmax_only else probs_out)
+                                  None if argmax_only else probs_out, before_copy=ahead)
             more = live[drafts.count[live] < drafts.wanted[live]]
-            if more.size:  # next round's blocks, from the newest middle tokens' queries
+            if ahead is None and more.size:
                 step.select_in_middle(drafts.rows[more], drafts)
             if on_round is not None:
                 on_round(gamma1 > 0, len(live), time.perf_counter() - start,
@@ -207,6 +233,19 @@ class MiddleLoop:
                 full_probs = None
 
     @staticmethod
+    def _reselect_ahead(step, drafts: MiddleDrafts, live: np.ndarray):
+        """The re-selection after a round that emits one token per row of `live`, as a call
+        for `_round` to make before its copy to the host: the rows that will still want
+        tokens, where the round leaves them."""
+        more = live[drafts.count[live] + 1 < drafts.wanted[live]]
+        ahead = drafts.after_one_token(live)
+
+        def reselect() -> None:
+            if more.size:
+                step.select_in_middle(drafts.rows[more], ahead)
+        return reselect
+
+    @staticmethod
     def _full_cache_probs(step, drafts: MiddleDrafts, rows: list[int]):
         if not rows:
             return None
@@ -214,13 +253,14 @@ class MiddleLoop:
                                      [drafts[r].position for r in rows])
 
     def _round(self, step, drafts: MiddleDrafts, live: np.ndarray, sizes: np.ndarray,
-               probs_out: HandOffBuffer | None) -> int:
+               probs_out: HandOffBuffer | None, before_copy=None) -> int:
         """One round for the rows `live` of `drafts`, live[i] proposing sizes[i] tokens;
         returns the middle tokens it added over all of them. `probs_out` None: every
         request is greedy and nobody reads the middle distributions (argmax only); else
         `run`'s buffer, each row's at its slot. Everything stays on the device until the
         round's one device-to-host copy of what decides the next round: accepted counts and
-        emitted tokens."""
+        emitted tokens; `before_copy` (None: nothing) is called just before it."""
+        before_copy = before_copy or (lambda: None)
         batch, states = step.batch, step.states
         active, size_list = drafts.rows[live].tolist(), sizes.tolist()
         proposals, proposal_probs = None, None  # [A, max(sizes)] and [A, max(sizes), V]
@@ -231,7 +271,9 @@ class MiddleLoop:
         logits = step.forward(active, layout.input_ids(drafts.last_token[live], proposals),
                               Runs(drafts.position[live], sizes + 1))
         if probs_out is None and proposals is None:  # one token per request: its argmax
-            drafts.advance_one(live, _on_host(logits.argmax(-1)))  # the round's one copy
+            tokens = logits.argmax(-1)
+            before_copy()
+            drafts.advance_one(live, _on_host(tokens))  # the round's one copy
             return len(live)
         if probs_out is None:  # no vocabulary-wide probabilities at all: nobody reads them
             argmax = layout.per_request(logits.argmax(-1, keepdim=True))[..., 0]  # [A, W]
@@ -240,6 +282,7 @@ class MiddleLoop:
         else:
             packed = self._emit(step, drafts, live, active, layout, logits, proposals,
                                 proposal_probs, probs_out)
+        before_copy()
         host = _on_host(packed)  # [A, 1 + G + 1]: the round's one device-to-host copy
         drafts.advance(live, host, layout.first_rows)
         if proposals is not None:  # each proposing request's round, for its own state
