@@ -13,6 +13,8 @@ rebase) and samples e_1, then single-token steps sample e_2..e_g.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from vllm_triforce.config import TriForceConfigError
@@ -122,9 +124,10 @@ class DraftLevel:
                             [w.compact_len(end) for end in seq_ends], sample_last=True,
                             model_positions=rebased)
         graphs = self.round_graphs
+        start = time.perf_counter()
         logits = None if graphs is None else graphs.run(inputs, table[None])
         if logits is not None:
-            self.stats.add(round_graph_passes=1)
+            self.stats.add(round_graph_passes=1, forward_seconds=time.perf_counter() - start)
             return logits
         if graphs is not None:
             self.stats.add(round_graph_misses=1)

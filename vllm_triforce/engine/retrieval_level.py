@@ -32,11 +32,11 @@ import torch
 from vllm_triforce.core import reads
 from vllm_triforce.core.blocks import selection_sizes
 from vllm_triforce.core.tables import TableLayout, laid_out_tables
-from vllm_triforce.engine.device.forward import TIME_FORWARDS_ENV, Runs, build_pass, run_pass
-from vllm_triforce.engine.middle import positions_of
 from vllm_triforce.engine.buffers import STACKED_QUERIES_BYTES
-from vllm_triforce.engine.selections import SelectionTable
+from vllm_triforce.engine.device.forward import TIME_FORWARDS_ENV, Runs, build_pass, run_pass
 from vllm_triforce.engine.device.transfer import to_device
+from vllm_triforce.engine.middle import positions_of
+from vllm_triforce.engine.selections import SelectionTable
 
 
 class RetrievalLevel:
@@ -372,9 +372,6 @@ class RetrievalStep:
         logits = run_pass(level.model, level.vllm_config, level.attn_groups, inputs,
                           per_layer, level.stats, level.pass_limits)
         return batch.probs(logits, rows, idx)
-
-
-
 
 
 def dequantized_query(query: torch.Tensor, q_scale: float) -> torch.Tensor:

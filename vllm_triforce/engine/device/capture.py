@@ -134,8 +134,10 @@ class LayerCapture:
 
     def use_step_buffers(self) -> CaptureBuffers:
         """vLLM's passes of at most `copy_tokens` tokens are kept in persistent buffers
-        from now on, not as clones (module docstring)."""
-        self.step_buffers = CaptureBuffers(len(self.queries), self.copy_tokens, keep_keys=True)
+        from now on, not as clones (module docstring). Once: a second call keeps them."""
+        if self.step_buffers is None:
+            self.step_buffers = CaptureBuffers(len(self.queries), self.copy_tokens,
+                                               keep_keys=True)
         return self.step_buffers
 
     @property
