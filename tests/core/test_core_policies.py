@@ -351,14 +351,21 @@ def ref_variance_scores(query, keys, n, aggregation):
 @pytest.mark.parametrize("num_q,num_kv", [(14, 2), (9, 3), (4, 4)])
 @pytest.mark.parametrize("aggregation", ["sum", "max", "softmax"])
 def test_retrieval_with_variance_matches_reference(num_q, num_kv, aggregation):
-    from vllm_triforce.core.selection import best_candidates
     summaries, table, keys, query, lengths = setup(num_q, num_kv, squares=True)
     policy = make_policy("retrieval", aggregation=aggregation, variance=True)
     assert policy.needs_variance and policy.reranks_shortlist
+    assert_scores_match(policy, summaries, table, keys, query, lengths, aggregation,
+                        ref_variance_scores)
+
+
+def assert_scores_match(policy, summaries, table, keys, query, lengths, aggregation, ref):
+    """`policy`'s block scores equal `ref`'s per request, and (but for softmax) a
+    shortlist's re-ranking gives its blocks the same scores."""
+    from vllm_triforce.core.selection import best_candidates
     scores = policy.block_scores(query, summaries, table, lengths, None)
     for r, n in enumerate(lengths.tolist()):
-        ref = ref_variance_scores(query[r], keys[r], n, aggregation)
-        torch.testing.assert_close(scores[r, :, :n // BS], ref, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(scores[r, :, :n // BS], ref(query[r], keys[r], n, aggregation),
+                                   rtol=1e-4, atol=1e-5)
     if aggregation == "softmax":
         return
     listed = best_candidates(scores, lengths, geometry(BS, 4, 1, 1), size=3)
@@ -391,23 +398,12 @@ def test_retrieval_with_compact_variance_matches_reference(num_q, num_kv, aggreg
                                                            strategy):
     """A compact variance (2 bands of 4 channels) is scored as the reference does, by
     `block_scores` with either read, and by a shortlist's re-ranking."""
-    from vllm_triforce.core.selection import best_candidates
     summaries, table, keys, query, lengths = setup(num_q, num_kv, squares=True, compact=True)
     assert summaries.deviations().shape[-1] == 2
     policy = make_policy("retrieval", aggregation=aggregation, strategy=strategy,
                          variance=True)
-    scores = policy.block_scores(query, summaries, table, lengths, None)
-    for r, n in enumerate(lengths.tolist()):
-        ref = ref_compact_variance_scores(query[r], keys[r], n, aggregation)
-        torch.testing.assert_close(scores[r, :, :n // BS], ref, rtol=1e-4, atol=1e-5)
-    if aggregation == "softmax":
-        return
-    listed = best_candidates(scores, lengths, geometry(BS, 4, 1, 1), size=3)
-    rescored = rescore_shortlist(policy, query, summaries, table, listed)
-    for r in (0, 2):
-        for layer in range(2):
-            ids = listed[r, layer]
-            torch.testing.assert_close(rescored[r, layer, ids], scores[r, layer, ids])
+    assert_scores_match(policy, summaries, table, keys, query, lengths, aggregation,
+                        ref_compact_variance_scores)
 
 
 def test_compact_variance_scores_as_per_channel_where_a_band_shares_one_variance():
