@@ -85,10 +85,13 @@ class SummaryKeeper:
         if reader is not None and not reader.checked:  # once, at the first commit
             if capture.keys[0] is None:
                 return
-            first = next(self.committed_tokens(batch, self._rows_with_keys(batch)), None)
+            first = next(self.committed_tokens(batch, range(batch.num_reqs)), None)
             if first is None:
                 return
-            self._check_reader(reader, *first[:3])
+            piece = self._kept_keys(first[:3])
+            if not piece[0].numel():  # no key of its kept rows commits now: a later pass
+                return
+            self._check_reader(reader, *piece)
             self.lazy = self.reader is not None and self._lazy_possible()
             capture.key_rows = 0  # checked: a compact pass keeps no key from now on
             if not self.lazy:  # every key folded: keep a large pass whole again
@@ -102,16 +105,14 @@ class SummaryKeeper:
         if self.lazy:
             self._record_folded_blocks(batch, states, folded)
 
-    def _rows_with_keys(self, batch) -> list[int]:
-        """The requests whose committed keys the capture holds, for the reader's check:
-        all, or in a compact pass those within its first `key_rows` rows (at least the
-        first request, whose first fold piece, of at most `fold_tokens` = key_rows tokens
-        from its first row, is held). Decided on the host from the pass's query starts."""
+    def _kept_keys(self, piece):
+        """The part of a fold piece (rows, block ids, offsets) whose keys the capture kept:
+        all, or in a compact pass its first `key_rows` rows (once, for the reader's check)."""
         if not self.capture.compacted:
-            return list(range(batch.num_reqs))
-        kept = self.capture.keys[0].shape[0]
-        qsl = batch.query_start_loc
-        return [r for r in range(batch.num_reqs) if qsl[r + 1] <= kept] or [0]
+            return piece
+        rows, block_ids, offsets = piece
+        kept = rows < self.capture.keys[0].shape[0]
+        return rows[kept], block_ids[kept], offsets[kept]
 
     def _set_prefills_from_cache(self, batch, states, prefills: list[int]) -> None:
         """A compact pass (`LayerCapture.compact_large_passes`) kept no keys to fold: its
