@@ -42,10 +42,9 @@ COST_SPEC = {"method": "triforce", "num_speculative_tokens": 6, "retrieval_budge
 GPU_CASES = (("8x32K", 8, 32768 - 512), ("1x128K", 1, 131072 - 1024), ("32x8K", 32, 8192 - 512),
              ("64x8K", 64, 8192 - 256))
 GPU_DEPTHS = [0, 2, 4, 6]
-# Both at vLLM's default: a long prefill chunk's queries and keys, which vLLM's profile run
-# does not see, are no longer held by the capture (LayerCapture.compact_large_passes; at
-# 0.85 before, 2026-11-28), so the block counts compare at the same settings.
-GPU_MEMORY = {"plain": 0.9, "triforce": 0.9}
+# TriForce's engine leaves more of the GPU free than plain's: a long prefill chunk's
+# captured queries and keys are not in vLLM's profile run (engine/device/capture.py).
+GPU_MEMORY = {"plain": 0.9, "triforce": 0.85}
 CPU_CASES = (("2x1K", 2, 1024), ("1x2K", 1, 2048))
 
 
