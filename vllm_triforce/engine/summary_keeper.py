@@ -1,22 +1,17 @@
 """Level 2's block summaries: kept equal to the committed keys, folded or read back lazily.
 
-By default a prompt's summaries are set as it is computed, the rest lazily. A selection
-scores only *full* committed blocks, so a block's summaries are needed only once it is
-full, and then never change. A prefill pass (a prompt chunk, or a preempted request's
-recompute: more tokens than a verification) folds its keys, which the capture holds in
-memory right then, into the summaries (`BlockSummaries.add_committed`, by pieces of one
-read chunk); the blocks it completes are recorded as set. A pass larger than the capture
-copies (vLLM's `max_cudagraph_capture_size`, a long prompt chunk) keeps none of its keys
-where summaries are set lazily (`LayerCapture.compact_large_passes`: holding every
-layer's keys of a 16K-token chunk would keep 5.4 GB of activations alive at
-Llama-3.1-8B's shape): its prefills' full blocks are set from the KV cache right after
-it, by read chunks (`set_full_blocks`), the same summaries. Blocks completed while
+By default a prompt's summaries are folded as it is computed, the rest set lazily. A
+selection scores only *full* committed blocks, so a block's summaries are needed only once
+it is full, and then never change. A prefill pass (a prompt chunk, or a preempted
+request's recompute: more tokens than a verification) folds its keys, which the capture
+holds in memory right then, into the summaries (`BlockSummaries.add_committed`, by pieces
+of one read chunk); the blocks it completes are recorded as set. Blocks completed while
 decoding are set just before their request selects, from their keys read back from vLLM's
 KV cache (engine/paged_keys.py, `BlockSummaries.set_blocks`). So a decode step in which
-nobody selects (every plain step) does no per-layer TriForce work at all, and a request's
-first selection never reads its whole prompt back inside a decode step (work as large as
-the prompt where a decode step has the least room for it). A request that never drafts
-(engine/plain_steps.py `never_drafts`) has no prompt summarised at all. Every committed token's key is folded at every step (eagerly)
+nobody selects (every plain step) does no per-layer TriForce work at all, and no prompt is
+ever read back (lazily, a request's first selection would read its whole prompt's keys
+back from the cache inside a decode step, work as large as the prompt where a decode step
+has the least room for it). Every committed token's key is folded at every step (eagerly)
 where the cache cannot be read back exactly: no reader for the backend or ISA, a reader
 that failed its check, an fp8 cache (read back, its keys are rounded), or a policy that
 keeps its own copy of the keys or observes every step (topk_oracle, h2o).
@@ -78,56 +73,20 @@ class SummaryKeeper:
         those of the prefill passes `prefills` (see top). At the first pass with keys, the
         cache reader is checked against them first; when it reads the cache exactly and
         nothing needs eager summaries, the keeper folds prefills only from there on."""
-        capture = self.capture
-        if capture.keys[0] is None and not capture.compacted:
+        if self.capture.keys[0] is None:
             return
         reader = self.reader
         if reader is not None and not reader.checked:  # once, at the first commit
-            if capture.keys[0] is None:
-                return
             first = next(self.committed_tokens(batch, range(batch.num_reqs)), None)
             if first is None:
                 return
-            piece = self._kept_keys(first[:3])
-            if not piece[0].numel():  # no key of its kept rows commits now: a later pass
-                return
-            self._check_reader(reader, *piece)
+            self._check_reader(reader, *first[:3])
             self.lazy = self.reader is not None and self._lazy_possible()
-            capture.key_rows = 0  # checked: a compact pass keeps no key from now on
-            if not self.lazy:  # every key folded: keep a large pass whole again
-                capture.compact_rows = None
-        if capture.compacted:
-            self._set_prefills_from_cache(batch, states, prefills)
-            return
         folded = self._lazy_folds(batch, prefills) if self.lazy else range(batch.num_reqs)
         for committed in self.committed_tokens(batch, folded):
             fold_committed(self.summaries, self.capture.keys, committed)
         if self.lazy:
             self._record_folded_blocks(batch, states, folded)
-
-    def _kept_keys(self, piece):
-        """The part of a fold piece (rows, block ids, offsets) whose keys the capture kept:
-        all, or in a compact pass its first `key_rows` rows (once, for the reader's check)."""
-        if not self.capture.compacted:
-            return piece
-        rows, block_ids, offsets = piece
-        kept = rows < self.capture.keys[0].shape[0]
-        return rows[kept], block_ids[kept], offsets[kept]
-
-    def _set_prefills_from_cache(self, batch, states, prefills: list[int]) -> None:
-        """A compact pass (`LayerCapture.compact_large_passes`) kept no keys to fold: its
-        prefills' full blocks are set from vLLM's KV cache instead, now, in read chunks
-        (`set_full_blocks`): the same summaries, without the pass's keys held alive. Only
-        an engine whose reader failed its check on this very pass is left without them
-        (logged), and keeps its large passes whole from then on."""
-        if not self.lazy:
-            logger.warning_once(
-                "TriForce: a prefill's keys were not kept (the KV-cache reader failed its "
-                "check on it); its blocks have no summaries, which lowers acceptance only.")
-            return
-        rows = self._lazy_folds(batch, prefills)
-        if rows:
-            self.set_full_blocks(batch, states, rows)
 
     @staticmethod
     def _lazy_folds(batch, prefills: list[int]) -> list[int]:
@@ -235,11 +194,6 @@ class SummaryKeeper:
         """Summaries set from the cache equal the eager ones (see top)."""
         return (self.reader.fp8 is None and self.summaries.keys is None
                 and not self.selector.observes)
-
-    def may_be_lazy(self) -> bool:
-        """Whether summaries will be set from the cache once the reader passes its check
-        (the capture may then keep large passes compact: `compact_large_passes`)."""
-        return self.reader is not None and self._lazy_possible()
 
     # ---- lazily, before a selection -------------------------------------------------
     def set_full_blocks(self, batch, states, rows: list[int]) -> None:
