@@ -345,6 +345,8 @@ class TriForceProposer(DraftModelProposer):
                                           self._handed_last)
         if plain is not None:  # nothing to do: no device value read, no batch built
             self.capture.clear()
+            if len(self.states):  # states of requests that left go now, not at a later step
+                self._release(self.states.retain(self.runner.requests))
             self.stats.add(middle_seconds=time.perf_counter() - start)
             self._publish_stats()
             return plain
@@ -356,10 +358,7 @@ class TriForceProposer(DraftModelProposer):
         self._last_batch = batch
         states, dropped = self.states.of_batch(batch.req_ids, self.runner.requests,
                                                self._new_state)
-        if dropped:  # their rows, free for new requests
-            rows = [st.refresh for st in dropped]
-            self.retrieval.selections.release(rows)
-            self.refresh.release(rows)
+        self._release(dropped)
         try:
             with self.capture.paused():  # what it holds is vLLM's pass, read below
                 if self.draft is not None:
@@ -379,6 +378,13 @@ class TriForceProposer(DraftModelProposer):
         # one list per request, [] allowed (vLLM's variable-length path), also at a fixed
         # depth: a request over the drafting cap, or prefilling, gets no draft
         return drafts
+
+    def _release(self, dropped: list) -> None:
+        """The rows of requests whose states were dropped, free for new requests."""
+        if dropped:
+            rows = [st.refresh for st in dropped]
+            self.retrieval.selections.release(rows)
+            self.refresh.release(rows)
 
     def _begin_depth(self, step, start: float):
         """The step's engine/depth.DepthStep, from what vLLM's pass measured (the commit,

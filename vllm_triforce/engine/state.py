@@ -80,6 +80,8 @@ class StateTable:
     def retain(self, live_req_ids) -> list[RequestState]:
         """Drops the states of requests not in `live_req_ids`; returns them."""
         gone = self.states.keys() - key_set(live_req_ids)
+        if gone:  # the last batch's list may hold them: never taken again
+            self._last = None
         return [self.states.pop(req_id) for req_id in gone]
 
     def __len__(self) -> int:
