@@ -122,3 +122,20 @@ def watch_hand_off(llm) -> dict:
 
     drafter.propose, runner._get_spec_decode_draft_probs = proposing, reading
     return seen
+
+
+def record_selections(drafter) -> list:
+    """Every selection `drafter`'s retrieval level chooses from now on, as its logical
+    blocks per layer (host lists), appended to the returned list: its Selector's `choose`
+    is wrapped on the instance."""
+    selector, selections = drafter.retrieval.selector, []
+    choose = selector.choose
+
+    def recording_choose(*args, **kwargs):
+        choice = choose(*args, **kwargs)
+        selections.append(choice.selection.logical_blocks.tolist())
+        return choice
+
+    selector.choose = recording_choose
+    return selections
+

@@ -58,18 +58,10 @@ def _run_recording_selections(llm, prompts) -> dict:
     and TriForce's draft counts, of an engine at a fixed depth (`adaptive: false`)."""
     from vllm import SamplingParams
 
-    from engine_helpers import assert_drafted
+    from engine_helpers import assert_drafted, record_selections
 
     drafter = drafter_of(llm)
-    selector, selections = drafter.retrieval.selector, []
-    choose = selector.choose
-
-    def recording_choose(*args, **kwargs):
-        choice = choose(*args, **kwargs)
-        selections.append(choice.selection.logical_blocks.tolist())
-        return choice
-
-    selector.choose = recording_choose
+    selections = record_selections(drafter)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24),
                         use_tqdm=False)
     stats = drafter.stats.snapshot()

@@ -143,18 +143,10 @@ def _run(llm, prompts, watch_kv: bool = False) -> dict:
     each round pass over the buffers changed against the blocks its real tokens own."""
     from vllm import SamplingParams
 
-    from engine_helpers import assert_drafted, drafter_of, runner_of
+    from engine_helpers import assert_drafted, drafter_of, record_selections, runner_of
 
     drafter = drafter_of(llm)
-    selector, selections = drafter.retrieval.selector, []
-    choose = selector.choose
-
-    def recording_choose(*args, **kwargs):
-        choice = choose(*args, **kwargs)
-        selections.append(choice.selection.logical_blocks.tolist())
-        return choice
-
-    selector.choose = recording_choose
+    selections = record_selections(drafter)
     graphs, writes = drafter.retrieval.round_graphs, []
     guard = draft_guard = None
     draft_graphs = drafter.draft.round_graphs if drafter.draft is not None else None
