@@ -426,9 +426,10 @@ def test_the_start_up_line_gives_the_blocks_against_plain_vllm_and_each_buffer()
     line = describe_reservation(plan, H200_AVAILABLE, plan.blocks_for(H200_AVAILABLE))
     for part in ("the KV cache gets 53533 blocks, 96.3% of the 55604 plain vLLM would make "
                  "of 111208.0 MiB; reserved 4142.0 MiB (3.7%)",
-                 "block summaries 3555.1 MiB (mean keys 3346.0 MiB, key variance 209.1 MiB)",
+                 "block summaries 3555.3 MiB (mean keys 3346.0 MiB, key variance 209.1 MiB, "
+                 "channel profile 0.1 MiB)",
                  "probability rows 228.0 MiB (15 drafting requests)", "scratch 356.9 MiB",
-                 "remainder 1.9 MiB", "15 of max_num_seqs 256 requests may draft at once",
+                 "remainder 1.8 MiB", "15 of max_num_seqs 256 requests may draft at once",
                  "at most 610.2 MiB beside this KV cache",
                  "a KV cache of 1030524.0 MiB would let all 256 draft",
                  "reads of at most 38.1 MiB"):

@@ -100,7 +100,8 @@ class TriForceConfig:
     # of per channel in float32: at block size 16, head size 128 and bf16 the summaries
     # are 17/512 of the KV cache instead of 3/32, and TriForce keeps at least 96% of plain
     # vLLM's KV blocks at Llama-3.1-8B's shape (engine/memory.py). A score weighs each band
-    # by the mean of its channels' q^2. Opt-in: on the acceptance bench (column
+    # by its channels' q^2, each by its share of the band's M2 over every block folded so
+    # far (the channel profile, per layer and KV head). Opt-in: on the acceptance bench (column
     # `retrieval_var_compact` against `retrieval_var`, benchmarks/HISTORY.md) it stays within
     # a point at budgets of 512-1,024 of 16K tokens, not at 2,048-4,096 (1.1-1.7 below).
     compact_key_variance: bool = False

@@ -50,8 +50,8 @@ def ref_aggregate(per_head, aggregation):
 
 
 def ref_per_block(query, keys, n, aggregation, score):
-    """score(q [D] / sqrt(D), block keys [BS, D]) per query head and full block, by loops,
-    then aggregated -> [L, n_full]."""
+    """score(q [D] / sqrt(D), block keys [BS, D], layer, KV head) per query head and full
+    block, by loops, then aggregated -> [L, n_full]."""
     num_layers, num_q, dim = query.shape
     group = num_q // keys.shape[2]
     per_head = torch.zeros(num_layers, num_q, n // BS)
@@ -59,14 +59,15 @@ def ref_per_block(query, keys, n, aggregation, score):
         for h in range(num_q):
             for b in range(n // BS):
                 block = keys[layer, b * BS:(b + 1) * BS, h // group]  # [BS, D]
-                per_head[layer, h, b] = score(query[layer, h] / math.sqrt(dim), block)
+                per_head[layer, h, b] = score(query[layer, h] / math.sqrt(dim), block, layer,
+                                              h // group)
     return ref_aggregate(per_head, aggregation)
 
 
 def ref_quest(query, keys, n, aggregation):
     """Quest bound: per head, sum over channels of the larger of q_d * min_d and
     q_d * max_d over the block's keys -> [L, n_full]."""
-    def bound(q, block):
+    def bound(q, block, *_):
         lo, hi = block.amin(0), block.amax(0)
         return sum(max(float(q[d] * lo[d]), float(q[d] * hi[d])) for d in range(len(q)))
     return ref_per_block(query, keys, n, aggregation, bound)
@@ -381,14 +382,27 @@ def assert_scores_match(policy, summaries, table, keys, query, lengths, aggregat
 BANDS_OF_8 = ([0, 1, 4, 5], [2, 3, 6, 7])
 
 
-def ref_compact_variance_scores(query, keys, n, aggregation):
+def ref_channel_profile(keys, lengths):
+    """keys: per request [L, n, H, D] -> [L, H, D]: each channel's squared deviations from
+    its block's mean, summed over every committed block, partial ones too."""
+    profile = 0.0
+    for k, n in zip(keys, lengths):
+        for lo in range(0, n, BS):
+            block = k[:, lo:lo + BS]  # [L, t, H, D]
+            profile = profile + (block - block.mean(1, keepdim=True)).square().sum(1)
+    return profile
+
+
+def ref_compact_variance_scores(profile):
     """Mean + compact variance, per query head: q . mu / sqrt(D) + 1/2 sum over bands of the
-    band's mean q_d^2 / D x the sum of its channels' variances -> [L, n_full]."""
-    def score(q, block):
-        var = block.var(0, unbiased=False)
-        bands = sum(float((q[b] * q[b]).mean() * var[b].sum()) for b in BANDS_OF_8)
+    sum of its channels' variances x their q_d^2 / D, each weighed by its share of the band
+    in the channel `profile` [L, H, D] -> ref(query, keys, n, aggregation) [L, n_full]."""
+    def score(q, block, layer, head):
+        var, weight = block.var(0, unbiased=False), profile[layer, head]
+        bands = sum(float((q[b] * q[b] * weight[b]).sum() / weight[b].sum() * var[b].sum())
+                    for b in BANDS_OF_8)
         return float(q @ block.mean(0)) + 0.5 * bands
-    return ref_per_block(query, keys, n, aggregation, score)
+    return lambda query, keys, n, aggregation: ref_per_block(query, keys, n, aggregation, score)
 
 
 @pytest.mark.parametrize("num_q,num_kv", [(14, 2), (4, 4)])
@@ -400,10 +414,12 @@ def test_retrieval_with_compact_variance_matches_reference(num_q, num_kv, aggreg
     `block_scores` with either read, and by a shortlist's re-ranking."""
     summaries, table, keys, query, lengths = setup(num_q, num_kv, squares=True, compact=True)
     assert summaries.deviations().shape[-1] == 2
+    profile = ref_channel_profile(keys, lengths.tolist())
+    torch.testing.assert_close(summaries.channel_profile, profile, rtol=1e-4, atol=1e-4)
     policy = make_policy("retrieval", aggregation=aggregation, strategy=strategy,
                          variance=True)
     assert_scores_match(policy, summaries, table, keys, query, lengths, aggregation,
-                        ref_compact_variance_scores)
+                        ref_compact_variance_scores(profile))
 
 
 def test_compact_variance_scores_as_per_channel_where_a_band_shares_one_variance():
@@ -432,6 +448,32 @@ def test_compact_variance_scores_as_per_channel_where_a_band_shares_one_variance
     for scores in (policy.shortlist_scores(query, compact, listed),
                    policy.shortlist_scores(query, compact, listed, copy=copy)):
         torch.testing.assert_close(scores, expected[:, :, :4])
+
+
+def test_compact_variance_scores_as_per_channel_where_blocks_split_a_band_as_the_profile():
+    """Keys whose channels of a band vary alike but at channels' own scales (channel 0 ten
+    times the rest: a head's outlier channel, in every block): each block's M2 splits among
+    a band's channels as the channel profile does, so the compact score equals the
+    per-channel one; weighed by the band's mean q_d^2 instead, it would not."""
+    from vllm_triforce.core.summaries import BlockSummaries
+    gen = torch.Generator().manual_seed(11)
+    per_channel = BlockSummaries(2, 6, 2, 8, BS, keep_variance=True)
+    compact = BlockSummaries(2, 6, 2, 8, BS, keep_variance=True, compact_variance=True)
+    wobble = torch.randn(2, 6 * BS, 2, 2, generator=gen)[..., [0, 0, 1, 1, 0, 0, 1, 1]]
+    scale = torch.tensor([10.0, 1, 1, 1, 1, 1, 1, 1])
+    keys = torch.randn(2, 1, 2, 8, generator=gen) + wobble * scale
+    rows = torch.arange(6 * BS)
+    for s in (per_channel, compact):
+        s.add_committed([keys[l].flatten(1) for l in range(2)], rows, rows // BS, rows % BS)
+    query = torch.randn(2, 2, 4, 8, generator=gen)
+    table, committed = torch.tensor([[0, 1, 2, 3, 4, 5], [5, 3, 1, 0, 2, 4]]), torch.tensor(
+        [6 * BS, 6 * BS])
+    policy = make_policy("retrieval", variance=True)
+    expected = policy.block_scores(query, per_channel, table, committed)
+    torch.testing.assert_close(policy.block_scores(query, compact, table, committed), expected)
+    flat = per_channel.with_compact_variance(profile=False)  # each band by its mean weight
+    torch.testing.assert_close(flat.deviations(), compact.deviations())
+    assert not torch.allclose(policy.block_scores(query, flat, table, committed), expected)
 
 
 def test_variance_finds_the_outlier_key_the_mean_dilutes():

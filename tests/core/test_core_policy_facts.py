@@ -35,7 +35,10 @@ def test_plan_reserves_what_the_allocation_holds(policy, kv_dtype, model_dtype, 
                                    summary_dtype=dtype)
     plan = shape.memory_plan(LAYERS * 2 * BLOCK * HEADS * DIM * kv_dtype.itemsize, backend=None)
     summaries = allocate_summaries(kinds, LAYERS, NUM_BLOCKS, HEADS, DIM, BLOCK, dtype)
-    assert summaries.nbytes() == NUM_BLOCKS * plan.summary_bytes_per_block
+    assert summaries.nbytes() == (NUM_BLOCKS * plan.summary_bytes_per_block
+                                  + plan.sized(NUM_BLOCKS).profile_bytes)
+    assert plan.sized(NUM_BLOCKS).profile_bytes == (LAYERS * HEADS * DIM * 4
+                                                    if kinds.compact_variance else 0)
     # ... and it is what the configured policy reads: it scores with it
     scorer = make_policy(policy, **cfg.policy_kwargs())
     num_committed = torch.tensor([5 * BLOCK])

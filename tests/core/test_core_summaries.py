@@ -208,10 +208,20 @@ def test_compact_variance_is_the_per_channel_one_summed_over_bands():
     assert compact.deviations().shape == (L, N, H, 2)
     torch.testing.assert_close(compact.deviations(), folded)
     torch.testing.assert_close(per_channel.with_compact_variance().deviations(), folded)
-    assert compact.nbytes() == BlockSummaries(L, N, H, D, BS).nbytes() + L * N * H * 2 * 4
+    # its channel profile: every block's per-channel M2 folded so far, block 2's first
+    # four keys too, though the block was reset since
+    def m2(block):  # [L, n, H, D] -> [L, H, D]
+        return (block - block.mean(1, keepdim=True)).square().sum(1)
+    history = sum(m2(keys[:, lo:lo + 4]) for lo in (0, 4, 8, 12))
+    torch.testing.assert_close(compact.channel_profile, history)
+    profile_bytes = L * H * D * 4
+    assert compact.nbytes() == (BlockSummaries(L, N, H, D, BS).nbytes() + L * N * H * 2 * 4
+                                + profile_bytes)
     full = keys[:, :12].unflatten(1, (3, BS)).transpose(2, 3)  # [L, 3, H, BS, D]
     for s in (per_channel, compact):
         s.set_blocks(torch.tensor([1, 0, 3]), full)
+    torch.testing.assert_close(compact.channel_profile, history + sum(
+        m2(keys[:, lo:lo + 4]) for lo in (0, 4, 8)))
     torch.testing.assert_close(compact.deviations()[:, [1, 0, 3]], torch.stack(
         [per_channel.deviations()[:, [1, 0, 3]][..., band].sum(-1)
          for band in ([0, 1, 4, 5], [2, 3, 6, 7])], dim=-1))

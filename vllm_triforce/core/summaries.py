@@ -19,8 +19,11 @@ two halves of a head share their bands, so each band holds whole RoPE rotation p
 (channels d and d + D/2 under vLLM's neox-style rotation; 2i and 2i + 1 under GPT-J's, a
 band taking an even number of channels from each half) and, under the neox style, one
 range of rotation frequencies. Example, D = 8, 2 bands: band 0 = channels 0, 1, 4, 5;
-band 1 = 2, 3, 6, 7. A score weighs a band by the mean of its channels' weights
-(`variance_weights`), which is exact when the band's channels share one variance.
+band 1 = 2, 3, 6, 7. A score weighs a band's M2 by its channels' weights, each in
+proportion to that channel's share of the band's M2 over every block folded so far (the
+*channel profile*, per layer and KV head: a head's outlier channels are its own, block
+after block; `variance_weights`); exact when every block's M2 in a band splits among its
+channels as the profile's does; before any block, by the channels' mean weight.
 
 One vLLM KV block is one TriForce retrieval chunk. For every layer, KV head and
 *physical* block we keep the running sum of the block's committed keys (post-RoPE,
@@ -62,16 +65,17 @@ from vllm_triforce.core.tensors import on_device
 COMPACT_BANDS = 8
 
 
-def variance_width(head_dim: int, compact: bool) -> int:
+def variance_width(head_dim: int, compact: bool, bands: int = COMPACT_BANDS) -> int:
     """Values of key variance per KV head: head_dim (one per channel) or, compact, the
-    most of COMPACT_BANDS, 4, 2 bands that take an even number of channels from each half
-    of the head (whole rotation pairs, module docstring), else 1. Example: 128 -> 8 bands
-    of 16 channels; 80 -> 4 bands of 20; 12 -> 1 band."""
+    most of `bands`, bands / 2, ..., 2 bands that take an even number of channels from
+    each half of the head (whole rotation pairs, module docstring), else 1. Example: 128
+    -> 8 bands of 16 channels; 80 -> 4 bands of 20; 12 -> 1 band."""
     if not compact:
         return head_dim
     if head_dim % 2:
         raise ValueError(f"a compact key variance needs an even head size, not {head_dim}")
-    return next((b for b in (COMPACT_BANDS, 4, 2) if head_dim % (4 * b) == 0), 1)
+    widths = [bands >> i for i in range(bands.bit_length()) if bands >> i >= 2]
+    return next((b for b in widths if head_dim % (4 * b) == 0), 1)
 
 
 def variance_dtype(dtype: torch.dtype, compact: bool) -> torch.dtype:
@@ -89,6 +93,15 @@ def fold_bands(x: Tensor, width: int, reduce: str = "sum") -> Tensor:
         return x
     per_band = x.unflatten(-1, (2, width, head_dim // (2 * width)))  # [..., half, band, d]
     return per_band.sum((-3, -1)) if reduce == "sum" else per_band.mean((-3, -1))
+
+
+def band_shares(profile: Tensor, width: int) -> Tensor:
+    """profile [..., D] per-channel M2 totals -> [..., D] each channel's share of its
+    band's total (module docstring); equal shares in a band whose total is 0."""
+    head_dim = profile.shape[-1]
+    per_band = profile.float().unflatten(-1, (2, width, head_dim // (2 * width)))
+    per_band = per_band + torch.finfo(torch.float32).tiny  # an empty band: equal shares
+    return (per_band / per_band.sum((-3, -1), keepdim=True)).flatten(-3)
 
 
 def token_pieces(spans, limit: int):
@@ -172,6 +185,14 @@ class BlockSummaries:
             self.square_deviations = torch.zeros(
                 num_layers, num_blocks, num_kv_heads, self.variance_width,
                 dtype=variance_dtype(dtype, compact_variance), device=device)
+        # [num_layers, num_kv_heads, head_dim] float32, compact only: the per-channel M2
+        # of every block folded so far (the channel profile, module docstring), and the
+        # shares `variance_weights` reads, made again after a fold changed the profile.
+        self.channel_profile: Tensor | None = None
+        self._shares: Tensor | None = None
+        if keep_variance and self.variance_width < head_dim:
+            self.channel_profile = torch.zeros(num_layers, num_kv_heads, head_dim,
+                                               dtype=torch.float32, device=device)
 
     @property
     def device(self) -> torch.device:
@@ -282,7 +303,11 @@ class BlockSummaries:
             self.square_deviations.dtype)
 
     def _to_bands(self, per_channel: Tensor) -> Tensor:
-        """[..., head_dim] square deviations -> the store's [..., variance_width]."""
+        """[L, n, H, head_dim] square deviations -> the store's [L, n, H, variance_width],
+        counted into the channel profile."""
+        if self.channel_profile is not None:
+            self.channel_profile += per_channel.sum(1)
+            self._shares = None
         return fold_bands(per_channel, self.variance_width)
 
     def _gather_rows(self, layer_keys: Sequence[Tensor], rows: Tensor) -> Tensor:
@@ -306,24 +331,36 @@ class BlockSummaries:
         return self.square_deviations
 
     def variance_weights(self, weights: Tensor) -> Tensor:
-        """Per-channel weights [..., head_dim] of the key variance (a score's 1/2 q^2) ->
-        [..., W], so that weights . deviations() is sum_d w_d M2_d per channel, and
-        compact, sum over bands of the band's mean weight x its M2 (exact when a band's
-        channels share one variance)."""
-        return fold_bands(weights, self.variance_width, reduce="mean")
+        """Per-channel weights [R, L, H, (G,) head_dim] of the key variance (a score's
+        1/2 q^2) -> [R, L, H, (G,) W], so that weights . deviations() is sum_d w_d M2_d per
+        channel, and compact, sum over bands of its M2 x its channels' weights, each by
+        its share of the band in the channel profile (module docstring)."""
+        if self.channel_profile is None:
+            return fold_bands(weights, self.variance_width)
+        if self._shares is None:
+            self._shares = band_shares(self.channel_profile, self.variance_width)
+        shares = self._shares.view(self.num_layers, self.num_kv_heads,
+                                   *[1] * (weights.dim() - 4), self.head_dim)
+        return fold_bands(weights * shares, self.variance_width)
 
-    def with_compact_variance(self, dtype: torch.dtype | None = None) -> "BlockSummaries":
+    def with_compact_variance(self, dtype: torch.dtype | None = None, profile: bool = True,
+                              bands: int = COMPACT_BANDS) -> "BlockSummaries":
         """These summaries with their per-channel variance folded into bands (`dtype`:
         its element, None: `variance_dtype`), sharing every other store: what summaries
         kept with `compact_variance=True` hold (up to the rounding of their own updates),
-        for a benchmark that compares the two over one engine's keys (bench acceptance)."""
+        for a benchmark that compares the two over one engine's keys (bench acceptance).
+        `profile`: with the channel profile of every block in the store (False: bands
+        weighed by their channels' mean weight); `bands`: COMPACT_BANDS or another."""
         if self.square_deviations is None or self.variance_width != self.head_dim:
             raise ValueError("with_compact_variance folds a per-channel key variance")
         compact = BlockSummaries.__new__(BlockSummaries)
         vars(compact).update(vars(self))
-        compact.variance_width = variance_width(self.head_dim, True)
+        compact.variance_width = variance_width(self.head_dim, True, bands)
         compact.square_deviations = fold_bands(self.square_deviations, compact.variance_width).to(
             dtype or variance_dtype(self.sums.dtype, True))
+        per_channel = self.square_deviations.sum(1).float()  # [L, H, D]
+        compact.channel_profile = per_channel if profile else torch.ones_like(per_channel)
+        compact._shares = None
         return compact
 
     def layer_rows(self, blocks: Tensor) -> Tensor:
@@ -356,5 +393,7 @@ class BlockSummaries:
             total += self.mins.nbytes + self.maxs.nbytes
         if self.square_deviations is not None:
             total += self.square_deviations.nbytes
+        if self.channel_profile is not None:
+            total += self.channel_profile.nbytes
         return total
 

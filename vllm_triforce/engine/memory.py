@@ -167,6 +167,17 @@ def summary_parts(shape: EngineShape) -> dict[str, int]:
     return parts
 
 
+def summary_fixed_bytes(shape: EngineShape) -> int:
+    """Bytes of the block summaries that do not scale with the cache: with a compact key
+    variance, the channel profile (`BlockSummaries.channel_profile`: one float32 per target
+    layer, KV head and channel; Llama-3.1-8B: 128 KiB); else 0."""
+    kinds = shape.kinds
+    if not (kinds.keep_variance
+            and variance_width(shape.head_dim, kinds.compact_variance) < shape.head_dim):
+        return 0
+    return shape.num_layers * shape.num_kv_heads * shape.head_dim * FLOAT32_BYTES
+
+
 class KVBudgetError(TriForceConfigError):
     """The KV budget vLLM has holds no `max_model_len` request once TriForce's reservation
     is taken out of it (raised before vLLM's own, generic, check)."""
@@ -184,6 +195,7 @@ class Sizing:
     scratch_bytes: int      # the largest of the selection's, a lazy read's and the fold's
     builder_bytes: int      # the per-layer builders' fixed part
     round_bytes: int = 0    # `round_graphs`: buffers and graph pool (buffers.round_graph_bytes)
+    profile_bytes: int = 0  # the summaries' channel profile (`summary_fixed_bytes`)
 
     @property
     def scaled_bytes(self) -> int:
@@ -192,7 +204,7 @@ class Sizing:
 
     @property
     def fixed_bytes(self) -> int:
-        return self.scaled_bytes + self.builder_bytes + self.round_bytes
+        return self.scaled_bytes + self.builder_bytes + self.round_bytes + self.profile_bytes
 
 
 @dataclass(frozen=True)
@@ -269,7 +281,8 @@ class MemoryPlan:
                           lazy_read_bytes(drafting * width, *geometry, shape.block_size, chunk))
         rows = vocabulary_rows(drafting, shape.gamma2, shape.gamma1)
         return Sizing(num_blocks, drafting, chunk, rows * shape.vocab_size * FLOAT32_BYTES,
-                      scratch, self.builder_bytes, self._round_bytes(drafting))
+                      scratch, self.builder_bytes, self._round_bytes(drafting),
+                      summary_fixed_bytes(shape))
 
     def _round_bytes(self, drafting: int) -> int:
         """`round_graphs`' buffers (and graph pool) for `drafting` requests; 0 without it."""
@@ -364,7 +377,10 @@ def _parts(plan: MemoryPlan, sizing: Sizing, num_blocks: int) -> str:
 
     stores = summary_parts(plan.shape)
     each = ", ".join(f"{name} {mib(num_blocks * b)}" for name, b in stores.items())
-    parts = [f"block summaries {mib(num_blocks * sum(stores.values()))} ({each})"]
+    if sizing.profile_bytes:
+        each += f", channel profile {mib(sizing.profile_bytes)}"
+    summaries = num_blocks * sum(stores.values()) + sizing.profile_bytes
+    parts = [f"block summaries {mib(summaries)} ({each})"]
     maps = plan.summary_bytes_per_block - sum(stores.values())
     if maps:
         parts.append(f"per-layer builders' block maps {mib(num_blocks * maps)}")

@@ -31,6 +31,7 @@ from pathlib import Path
 from vllm_triforce.config import BlockCounts, TriForceConfig
 from vllm_triforce.core.policies import make_policy
 from vllm_triforce.core.selection import Selector
+from vllm_triforce.core.summaries import COMPACT_BANDS
 from vllm_triforce.tools.bench import prompts as bench_prompts
 from vllm_triforce.tools.bench import report
 from vllm_triforce.tools.bench.teacher import Column, TeacherForcedEngine, measure_span
@@ -65,7 +66,12 @@ COLUMNS = {
     "retrieval_var_softmax": ("retrieval", {"variance": True, "aggregation": "softmax"}, STEP,
                               MIDDLE, "Retrieval (mean key + variance, softmax)"),
     "retrieval_var_compact": ("retrieval", {"variance": True}, STEP, MIDDLE,
-                              "Retrieval (mean key + variance per band in bf16, sum)"),
+                              "Retrieval (mean key + variance per band in bf16, profiled, sum)"),
+    "retrieval_var_compact_flat": ("retrieval", {"variance": True}, STEP, MIDDLE,
+                                   "Retrieval (mean key + variance per band in bf16, sum)"),
+    "retrieval_var_compact16": ("retrieval", {"variance": True}, STEP, MIDDLE,
+                                "Retrieval (mean key + variance per 16 bands in bf16, profiled, "
+                                "sum)"),
     "quest": ("quest", {}, STEP, MIDDLE, "Quest (min/max, softmax)"),
     "quest_max": ("quest", {"aggregation": "max"}, STEP, MIDDLE, "Quest (min/max, max)"),
     "quest_sum": ("quest", {"aggregation": "sum"}, STEP, MIDDLE, "Quest (min/max, sum)"),
@@ -82,8 +88,10 @@ COLUMNS = {
                                 "Retrieval, once per span (refresh_interval 64)"),
 }
 # columns that score the key variance per band of channels, in bf16 (`compact_key_variance`,
-# teacher.py `TeacherForcedEngine.compact_summaries`)
-COMPACT_COLUMNS = ("retrieval_var_compact",)
+# teacher.py `TeacherForcedEngine.compact_summaries`): (with the channel profile, bands)
+COMPACT_COLUMNS = {"retrieval_var_compact": (True, COMPACT_BANDS),
+                   "retrieval_var_compact_flat": (False, COMPACT_BANDS),
+                   "retrieval_var_compact16": (True, 16)}
 # paired differences: against the per-position oracle, StreamingLLM, mean-key retrieval and
 # the engine's default (`default_column`)
 ORACLE, BASELINE, MEAN_KEY = "topk_oracle_per_position", "streamingllm", "retrieval"
@@ -97,9 +105,9 @@ def default_column() -> str:
     """The column that selects as the engine does with its default config."""
     cfg = TriForceConfig()
     return next(name for name, (policy, kwargs, every, middle, _) in COLUMNS.items()
-                if (policy, kwargs, every, middle, name in COMPACT_COLUMNS)
+                if (policy, kwargs, every, middle, COMPACT_COLUMNS.get(name))
                 == (cfg.selection_policy, cfg.policy_kwargs(), STEP, MIDDLE,
-                    cfg.summary_kinds().compact_variance))
+                    (True, COMPACT_BANDS) if cfg.summary_kinds().compact_variance else None))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -199,7 +207,7 @@ def _column(name: str, blocks: BlockCounts, keys) -> Column:
     policy = make_policy(policy, **kwargs)
     shortlist = SHORTLIST if middle == MIDDLE else 0  # the Selector ignores it if it cannot
     return Column(f"{name}@{blocks.budget_blocks}", Selector(policy, blocks, shortlist, keys),
-                  refresh_every, bool(middle), compact_variance=name in COMPACT_COLUMNS)
+                  refresh_every, bool(middle), compact_variance=COMPACT_COLUMNS.get(name))
 
 
 # ---- rows ------------------------------------------------------------------------------

@@ -46,7 +46,7 @@ import torch
 from vllm_triforce.config import BlockCounts
 from vllm_triforce.core.scoring import SelectionState
 from vllm_triforce.core.selection import Selection, Selector, Shortlist
-from vllm_triforce.core.summaries import BlockSummaries
+from vllm_triforce.core.summaries import COMPACT_BANDS, BlockSummaries
 from vllm_triforce.core.tables import build_block_tables
 from vllm_triforce.core.verify import sampling_probs
 
@@ -60,8 +60,9 @@ class Column:
     refresh_every: int = 0  # positions between selections; 0: once per span
     middle_queries: bool = False  # in between: re-select with its own pass's query
     # score the key variance per band of channels, in bf16 (`compact_key_variance`): the
-    # engine's per-channel store folded as a bf16 engine would keep it
-    compact_variance: bool = False
+    # engine's per-channel store folded as a bf16 engine would keep it; (profile, bands):
+    # `TeacherForcedEngine.compact_summaries`'s arguments
+    compact_variance: tuple[bool, int] | None = None
     # filled during a span
     selection: Selection | None = None
     states: list = field(default_factory=list)  # SelectionState per document (h2o)
@@ -100,7 +101,7 @@ class TeacherForcedEngine:
         layer = self.drafter.target_layers[0]
         self.num_q_heads, self.head_dim = layer.num_heads, layer.head_size
         self.summaries = self._widen_summaries()
-        self._compact: BlockSummaries | None = None  # `compact_summaries`, until a prefill
+        self._compact: dict = {}  # `compact_summaries`, until a prefill
         self._next_id = 0
 
     def _widen_summaries(self) -> BlockSummaries:
@@ -119,21 +120,24 @@ class TeacherForcedEngine:
     def num_blocks(self) -> int:
         return self.summaries.num_blocks
 
-    def compact_summaries(self) -> BlockSummaries:
-        """The summaries with their key variance folded into bands and rounded to bf16
-        (`BlockSummaries.with_compact_variance`: what an engine with `compact_key_variance`
-        and a bf16 KV cache keeps, up to the rounding of its own updates), made once per
-        prefill: the measured passes fold nothing into the summaries."""
-        if self._compact is None:
-            self._compact = self.summaries.with_compact_variance(torch.bfloat16)
-        return self._compact
+    def compact_summaries(self, profile: bool = True,
+                          bands: int = COMPACT_BANDS) -> BlockSummaries:
+        """The summaries with their key variance folded into `bands` bands and rounded to
+        bf16 (`BlockSummaries.with_compact_variance`: what an engine with
+        `compact_key_variance` and a bf16 KV cache keeps, up to the rounding of its own
+        updates; `profile` False: without the channel profile), made once per prefill:
+        the measured passes fold nothing into the summaries."""
+        if (profile, bands) not in self._compact:
+            self._compact[profile, bands] = self.summaries.with_compact_variance(
+                torch.bfloat16, profile, bands)
+        return self._compact[profile, bands]
 
     def prefill(self, documents: list[list[int]]) -> tuple[list[str], torch.Tensor]:
         """Prefill the documents as live requests; returns their ids and block table
         [num_docs, max_blocks] int32 (physical ids, 0-padded)."""
         from vllm import SamplingParams
 
-        self._compact = None  # the summaries change
+        self._compact = {}  # the summaries change
         needed = sum(-(-(len(doc) + 1) // self.block_size) for doc in documents)
         if needed > self.num_blocks - 1:  # vLLM keeps one null block
             raise RuntimeError(f"{len(documents)} documents need {needed} KV blocks, the cache "
@@ -211,7 +215,8 @@ class TeacherForcedEngine:
         """Column's selection for `committed` tokens; `middle`: between middle rounds (the
         column's shortlist, if it keeps one, is re-ranked instead of every candidate)."""
         num_committed = torch.full((query.shape[0],), committed, dtype=torch.long)
-        summaries = self.compact_summaries() if column.compact_variance else self.summaries
+        summaries = (self.compact_summaries(*column.compact_variance)
+                     if column.compact_variance else self.summaries)
         choice = column.selector.choose(query, summaries, block_table, num_committed,
                                         column.states or None,
                                         shortlist=column.listed if middle else None,
