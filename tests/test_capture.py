@@ -109,3 +109,74 @@ def test_capture_survives_graph_pool_reuse(round_graphs, tiny_llama, llm_factory
     assert overwritten["selections"] == clean["selections"]
     assert overwritten["accepted"] == clean["accepted"]
     assert overwritten["tokens"] == clean["tokens"]
+
+
+def test_a_compact_pass_keeps_each_requests_last_rows_and_nothing_of_the_pass():
+    """`compact_large_passes` (docstring examples): rows 2, query starts [0, 3, 7] keep rows
+    [1, 2, 5, 6]; request 1's row 6 is kept row 3, its row 5 kept row 2; keys of the
+    first rows only, as copies: nothing of the pass's own tensors stays alive."""
+    import numpy as np
+    import torch
+
+    from vllm_triforce.engine.device.capture import LayerCapture
+
+    capture = LayerCapture(num_layers=1, copy_tokens=4)
+    capture.compact_large_passes(rows_per_request=2, key_rows=3)
+    query, key = torch.randn(7, 2, 4), torch.randn(7, 1, 4)
+    capture.record(0, query, key, torch.tensor([0, 3, 7], dtype=torch.int32))
+    assert capture.compacted
+    assert torch.equal(capture.queries[0], query[[1, 2, 5, 6]])
+    assert torch.equal(capture.keys[0], key[:3])
+    for kept in (capture.queries[0], capture.keys[0]):
+        assert kept.untyped_storage().data_ptr() not in (
+            query.untyped_storage().data_ptr(), key.untyped_storage().data_ptr())
+    rows = capture.last_rows(np.array([1, 1, 0]), np.array([6, 5, 2]), [0, 3, 7])
+    assert rows.tolist() == [3, 2, 1]
+    capture.record(0, query[:4], key[:4], torch.tensor([0, 4], dtype=torch.int32))
+    assert not capture.compacted and capture.last_rows(np.array([0]), np.array([3]),
+                                                       [0, 4]).tolist() == [3]
+    # a padded query_start_loc (FLEX's persistent buffer, stale entries after R + 1): the
+    # pass's requests keep their rows, the padding's rows stay inside the pass
+    padded = torch.tensor([0, 3, 7, 10**6, -5], dtype=torch.int32)
+    capture.record(0, query, key, padded)
+    assert torch.equal(capture.queries[0][:4], query[[1, 2, 5, 6]])
+    assert capture.queries[0].shape[0] == 8 and capture.compacted
+    # `when` says no (summaries no longer set from the cache): the pass is kept whole
+    capture.compact_large_passes(rows_per_request=2, key_rows=3, when=lambda: False)
+    capture.record(0, query, key, torch.tensor([0, 3, 7], dtype=torch.int32))
+    assert not capture.compacted and capture.queries[0] is query
+
+
+def test_compact_prefills_set_the_same_summaries_from_the_cache(tiny_llama, llm_factory):
+    """With `prefill_from_cache` (prefills kept compact: here every pass over 64 tokens),
+    a prompt's blocks are set from vLLM's KV cache at its prefill instead of folded from its
+    keys: every block both engines summarised holds the same summaries, the tokens are the
+    same and drafts were verified."""
+    import torch
+    from vllm import SamplingParams
+
+    from engine_helpers import assert_drafted
+
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 250 + 1 for j in range(300 + 60 * i)]}
+               for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    runs = {}
+    for compact in (False, True):
+        spec = dict(SPEC, num_speculative_tokens=4, adaptive=False, prefill_from_cache=compact)
+        llm = llm_factory(tiny_llama, speculative_config=spec)
+        drafter = drafter_of(llm)
+        drafter.capture.copy_tokens = 64
+        assert (drafter.capture.compact_rows is not None) == compact
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert_drafted(drafter.stats.snapshot())
+        assert drafter.retrieval.keeper.lazy
+        runs[compact] = ([list(o.outputs[0].token_ids) for o in outs],
+                         drafter.summaries.sums.clone(), drafter.summaries.counts.clone(),
+                         drafter.block_size, drafter.stats.snapshot()["summarised_blocks"])
+    (tokens, sums, counts, bs, read), (c_tokens, c_sums, c_counts, _, c_read) = (runs[False],
+                                                                                 runs[True])
+    assert c_tokens == tokens
+    assert c_read >= read + 3 * 300 // bs  # the prompts' blocks came from the cache
+    both = (counts == bs) & (c_counts == bs)  # [num_blocks] full in both engines
+    assert both.sum() >= 3 * 300 // bs, "too few blocks summarised: the test proves little"
+    torch.testing.assert_close(c_sums[:, both], sums[:, both], rtol=1e-5, atol=1e-5)

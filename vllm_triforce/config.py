@@ -118,6 +118,15 @@ class TriForceConfig:
     # on a GPU, replayed eagerly over the same buffers elsewhere. Off until a GPU has shown
     # the graphs exact; a pass that fits no bucket takes today's path either way.
     round_graphs: bool = False
+    # Where summaries are set from vLLM's KV cache (engine/summary_keeper.py: a backend
+    # whose cache TriForce reads back exactly), a pass larger than the capture's copies (a
+    # long prompt chunk) keeps only its requests' last query rows, not every layer's query
+    # and key (which hold the pass's activations alive: 5.4 GB for a 16K-token chunk at
+    # Llama-3.1-8B's shape, a peak vLLM's profile run never sees), and its prompts' full
+    # blocks are set from the cache right after it (engine/device/capture.py
+    # `compact_large_passes`). Off until a GPU lease has shown it at vLLM's default
+    # gpu_memory_utilization.
+    prefill_from_cache: bool = False
     # vLLM keys passed through to the draft-model path.
     passthrough: dict[str, Any] = field(default_factory=dict)
 
@@ -145,6 +154,11 @@ class TriForceConfig:
                 f"speculative_config['round_graphs']={self.round_graphs!r} must be true (the "
                 "middle level's passes over persistent buffers, as CUDA graphs on a GPU) or "
                 "false (each pass built anew, the default).")
+        if not isinstance(self.prefill_from_cache, bool):
+            raise TriForceConfigError(
+                f"speculative_config['prefill_from_cache']={self.prefill_from_cache!r} must be "
+                "true (a long prompt chunk's summaries set from the KV cache, its keys not "
+                "held) or false (folded from its keys, the default).")
         if not isinstance(self.measure_middle_acceptance, bool):
             raise TriForceConfigError(
                 "speculative_config['measure_middle_acceptance']="

@@ -215,6 +215,10 @@ class TriForceProposer(DraftModelProposer):
                             chunk_requests=shape.selection_chunk_requests)
         keeper = SummaryKeeper(self.summaries, self.capture, selector, self.stats, self.device,
                                unreadable=unreadable)
+        if self.cfg.prefill_from_cache and keeper.may_be_lazy():
+            # a long prefill's blocks come from the cache, not its keys (config.py)
+            self.capture.compact_large_passes(shape.gamma2 + 1, keeper.fold_tokens(),
+                                              when=keeper.may_be_lazy)
         self.retrieval = RetrievalLevel(
             self.target_model, self.vllm_config, target_groups, self.target_layer_names,
             layer.num_heads, layer.head_size, self.capture, keeper, selector,

@@ -193,13 +193,21 @@ class RetrievalStep:
         self._summarise(due)
         if rest.size and level.selector.observes:  # h2o accumulates (eager summaries)
             idx, query_rows, committed = to_device(
-                level.device, rest, batch.last_committed_rows[rest], batch.committed_array[rest])
+                level.device, rest, self._newest_rows(rest), batch.committed_array[rest])
             level.selector.observe(self._queries_at(queries, query_rows), level.summaries,
                                    batch.block_table[idx], committed,
                                    [states[r].policy_state for r in rest.tolist()])
         if due.size:
-            self._reselect(due.tolist(), queries, batch.last_committed_rows[due],
+            self._reselect(due.tolist(), queries, self._newest_rows(due),
                            batch.committed_array[due], keep_shortlist=True)
+
+    def _newest_rows(self, rows: np.ndarray) -> np.ndarray:
+        """Where the capture keeps the query of requests `rows`' newest committed token of
+        vLLM's pass (its row of the pass, or of a compact pass's kept rows:
+        `LayerCapture.last_rows`)."""
+        batch = self.batch
+        return self.level.capture.last_rows(rows, batch.last_committed_rows[rows],
+                                            batch.query_start_loc)
 
     def select_in_middle(self, rows, drafts) -> None:
         """Between middle rounds: requests `rows` (a list or array) due a refresh re-select

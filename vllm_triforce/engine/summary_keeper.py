@@ -5,16 +5,23 @@ selection scores only *full* committed blocks, so a block's summaries are needed
 it is full, and then never change. A prefill pass (a prompt chunk, or a preempted
 request's recompute: more tokens than a verification) folds its keys, which the capture
 holds in memory right then, into the summaries (`BlockSummaries.add_committed`, by pieces
-of one read chunk); the blocks it completes are recorded as set. Blocks completed while
-decoding are set just before their request selects, from their keys read back from vLLM's
-KV cache (engine/paged_keys.py, `BlockSummaries.set_blocks`). So a decode step in which
-nobody selects (every plain step) does no per-layer TriForce work at all, and no prompt is
-ever read back (lazily, a request's first selection would read its whole prompt's keys
-back from the cache inside a decode step, work as large as the prompt where a decode step
-has the least room for it). Every committed token's key is folded at every step (eagerly)
-where the cache cannot be read back exactly: no reader for the backend or ISA, a reader
-that failed its check, an fp8 cache (read back, its keys are rounded), or a policy that
-keeps its own copy of the keys or observes every step (topk_oracle, h2o).
+of one read chunk); the blocks it completes are recorded as set. With `prefill_from_cache`
+(config.py), a pass larger than the capture copies (vLLM's `max_cudagraph_capture_size`,
+a long prompt chunk) keeps none of its keys where summaries are set lazily
+(`LayerCapture.compact_large_passes`: holding every layer's keys of a 16K-token chunk
+keeps 5.4 GB of activations alive at Llama-3.1-8B's shape): its prefills' full blocks are
+set from the KV cache right after it, by read chunks (`set_full_blocks`), the same
+summaries. Blocks completed while decoding are set just before their request selects,
+from their keys read back from vLLM's KV cache (engine/paged_keys.py,
+`BlockSummaries.set_blocks`). So a decode step in which nobody selects (every plain step)
+does no per-layer TriForce work at all, and a request's first selection never reads its
+whole prompt back inside a decode step (work as large as the prompt where a decode step
+has the least room for it). A request that never drafts (engine/plain_steps.py
+`never_drafts`) has no prompt summarised at all. Every committed token's key is folded at
+every step (eagerly) where the cache cannot be read back exactly: no reader for the
+backend or ISA, a reader that failed its check, an fp8 cache (read back, its keys are
+rounded), or a policy that keeps its own copy of the keys or observes every step
+(topk_oracle, h2o).
 
 Terms. *committed*: positions whose KV is exact (written by vLLM's full-cache pass and
 accepted).
@@ -73,20 +80,55 @@ class SummaryKeeper:
         those of the prefill passes `prefills` (see top). At the first pass with keys, the
         cache reader is checked against them first; when it reads the cache exactly and
         nothing needs eager summaries, the keeper folds prefills only from there on."""
-        if self.capture.keys[0] is None:
+        capture = self.capture
+        if capture.keys[0] is None and not capture.compacted:
             return
         reader = self.reader
         if reader is not None and not reader.checked:  # once, at the first commit
-            first = next(self.committed_tokens(batch, range(batch.num_reqs)), None)
+            if capture.keys[0] is None:
+                return
+            first = next(self.committed_tokens(batch, self._rows_with_keys(batch)), None)
             if first is None:
                 return
             self._check_reader(reader, *first[:3])
             self.lazy = self.reader is not None and self._lazy_possible()
+            capture.key_rows = 0  # checked: a compact pass keeps no key from now on
+            if not self.lazy:  # every key folded: keep a large pass whole again
+                capture.compact_rows = None
+        if capture.compacted:
+            self._set_prefills_from_cache(batch, states, prefills)
+            return
         folded = self._lazy_folds(batch, prefills) if self.lazy else range(batch.num_reqs)
         for committed in self.committed_tokens(batch, folded):
             fold_committed(self.summaries, self.capture.keys, committed)
         if self.lazy:
             self._record_folded_blocks(batch, states, folded)
+
+    def _rows_with_keys(self, batch) -> list[int]:
+        """The requests whose committed keys the capture holds, for the reader's check:
+        all, or in a compact pass those within its first `key_rows` rows (at least the
+        first request, whose first fold piece, of at most `fold_tokens` = key_rows tokens
+        from its first row, is held). Decided on the host from the pass's query starts."""
+        if not self.capture.compacted:
+            return list(range(batch.num_reqs))
+        kept = self.capture.keys[0].shape[0]
+        qsl = batch.query_start_loc
+        return [r for r in range(batch.num_reqs) if qsl[r + 1] <= kept] or [0]
+
+    def _set_prefills_from_cache(self, batch, states, prefills: list[int]) -> None:
+        """A compact pass (`LayerCapture.compact_large_passes`) kept no keys to fold: its
+        prefills' full blocks are set from vLLM's KV cache instead, now, in read chunks
+        (`set_full_blocks`): the same summaries, without the pass's keys held alive. Only
+        an engine whose reader failed its check on this very pass is left without them
+        (logged), and keeps its large passes whole from then on."""
+        if not self.lazy:
+            logger.warning_once(
+                "TriForce: a prefill's keys were not kept (the KV-cache reader failed its "
+                "check on it); its blocks have no summaries, which lowers acceptance only.")
+            return
+        rows = self._lazy_folds(batch, prefills)
+        if rows:
+            self.set_full_blocks(batch, states, rows)
 
     @staticmethod
     def _lazy_folds(batch, prefills: list[int]) -> list[int]:
@@ -194,6 +236,11 @@ class SummaryKeeper:
         """Summaries set from the cache equal the eager ones (see top)."""
         return (self.reader.fp8 is None and self.summaries.keys is None
                 and not self.selector.observes)
+
+    def may_be_lazy(self) -> bool:
+        """Whether summaries will be set from the cache once the reader passes its check
+        (the capture may then keep large passes compact: `compact_large_passes`)."""
+        return self.reader is not None and self._lazy_possible()
 
     # ---- lazily, before a selection -------------------------------------------------
     def set_full_blocks(self, batch, states, rows: list[int]) -> None:

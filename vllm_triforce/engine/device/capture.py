@@ -16,7 +16,9 @@ time the proposer selects blocks, layer l's query could hold another layer's dat
 acceptance would collapse without a word (verification keeps outputs exact). So a pass of
 at most `copy_tokens` tokens, the largest that vLLM may replay as a graph
 (`max_cudagraph_capture_size`), is kept as copies; a larger pass never replays a graph and
-is kept by reference, so a prefill chunk is never copied. The copies cost two device
+is kept by reference, so a prefill chunk is never copied (or, `compact_large_passes`,
+only its requests' last rows of queries are: the engine then needs none of its keys). The
+copies cost two device
 copies per layer of a decode-sized pass (benchmarks/explore/capture_copy.py measures them).
 Under FULL CUDA graphs attention does not run Python at all, so TriForce needs eager or
 piecewise graphs (engine_settings.py).
@@ -45,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 
+import numpy as np
 import torch
 
 PATCHED_ATTR = "__vllm_triforce_capture__"
@@ -111,6 +114,29 @@ class LayerCapture:
         # (`use_step_buffers`); None: clones
         self.step_buffers: CaptureBuffers | None = None
         self._into: CaptureBuffers | None = None  # a `recording(into=...)` scope's buffers
+        # `compact_large_passes`: a larger pass keeps its requests' last rows of queries
+        # (`compact_rows` each) and the keys of its first `key_rows` rows, as copies
+        self.compact_rows: int | None = None
+        self.key_rows = 0
+        self.compacted = False  # the last pass recorded was kept compact (`last_rows`)
+        self._compact_when = None  # asked at each large pass's first layer
+        self._compact_pass = False  # its answer for the pass being recorded
+
+    def compact_large_passes(self, rows_per_request: int, key_rows: int,
+                             when=None) -> None:
+        """From now on, a pass of vLLM's larger than `copy_tokens` (a prefill chunk) keeps,
+        instead of every layer's query and key by reference (which holds the whole pass's
+        activations alive: 5.4 GB for a 16K-token chunk of Llama-3.1-8B), copies of each
+        request's last `rows_per_request` query rows (all a selection reads: the newest
+        committed token's, at most gamma2 rows before a request's last) and of its first
+        `key_rows` rows of keys (the cache reader's check, engine/summary_keeper.py), or
+        none with `key_rows` 0. For engines whose summaries are set from vLLM's KV cache
+        (`SummaryKeeper.lazy`), which then reads a prefill's blocks back (`last_rows`
+        maps a pass row to its kept row). `when`: asked at each large pass's first layer
+        (None: always): whether that pass may be kept compact (the keeper's summaries may
+        still be set from the cache: a benchmark may widen them after start-up)."""
+        self.compact_rows, self.key_rows = rows_per_request, key_rows
+        self._compact_when = when
 
     def use_step_buffers(self) -> CaptureBuffers:
         """vLLM's passes of at most `copy_tokens` tokens are kept in persistent buffers
@@ -149,15 +175,29 @@ class LayerCapture:
         finally:
             self._on = before
 
-    def record(self, index: int, query, key) -> None:
+    def record(self, index: int, query, key, query_start_loc=None) -> None:
+        """Keep layer `index`'s query and key of this pass (module docstring);
+        `query_start_loc` [R + 1] (device): the pass's requests, for `compact_large_passes`."""
         into = self._into
+        if index == 0:
+            self.compacted = False
+            self._compact_pass = bool(
+                self.compact_rows and query_start_loc is not None and into is None
+                and query.shape[0] > self.copy_tokens
+                and (self._compact_when is None or self._compact_when()))
         if into is not None:  # a middle pass: queries only, never in vLLM's pass's buffers
             if into.fits(query.shape[0]):
                 query = into.put("query", index, query)
             elif query.shape[0] <= self.copy_tokens:
                 query = query.clone()
             key = None
-        elif query.shape[0] <= self.copy_tokens:  # may be a graph replay's pool memory
+        elif query.shape[0] > self.copy_tokens:  # never a graph's: by reference, or compact
+            if self._compact_pass:
+                query = query[self._kept_rows(query_start_loc, query.shape[0])]
+                key = (key[:self.key_rows].clone() if key is not None and self.key_rows
+                       else None)
+                self.compacted = True
+        else:  # may be a graph replay's pool memory
             buffers = self.step_buffers
             if buffers is not None:
                 query = buffers.put("query", index, query)
@@ -168,6 +208,31 @@ class LayerCapture:
         self.queries[index] = query
         self.keys[index] = key
 
+    def _kept_rows(self, query_start_loc, num_tokens: int) -> torch.Tensor:
+        """[R * compact_rows] the rows a compact pass of `num_tokens` keeps: each request's
+        last compact_rows rows, in order (rows before a short request's first are another
+        request's, and never read). Example, rows 2, query starts [0, 3, 7]: rows
+        [1, 2, 5, 6]. A backend may hand a longer, padded `query_start_loc` (FLEX: its
+        persistent buffer): the first R + 1 entries are the pass's, and the rows kept for
+        the padding, clamped into the pass, are never read."""
+        ends = query_start_loc[1:].long()  # [R (+ padding)]
+        back = torch.arange(self.compact_rows - 1, -1, -1, device=ends.device)
+        return (ends[:, None] - 1 - back[None, :]).clamp_(0, num_tokens - 1).flatten()
+
+    def last_rows(self, rows: np.ndarray, pass_rows: np.ndarray,
+                  query_start_loc: list[int]) -> np.ndarray:
+        """Where the queries of requests `rows` at rows `pass_rows` of the last pass are
+        kept: the pass rows themselves, or in a compact pass (`compacted`) row
+        r * compact_rows + (compact_rows - 1) - (its last row - pass row) of the kept ones;
+        `query_start_loc` [R + 1] the pass's on the host. Example, rows 2, query starts
+        [0, 3, 7]: request 1's row 6 is kept row 3, its row 5 kept row 2."""
+        if not self.compacted:
+            return pass_rows
+        last = np.asarray(query_start_loc, dtype=np.int64)[np.asarray(rows) + 1] - 1
+        back = last - pass_rows
+        assert (back < self.compact_rows).all(), "a compact pass kept no such row"
+        return np.asarray(rows) * self.compact_rows + self.compact_rows - 1 - back
+
     def take_views(self, buffers: CaptureBuffers, num_tokens: int) -> None:
         """Every layer's query is now `buffers`' first `num_tokens` rows (after a CUDA
         graph's replay, which copied them without running `record`); no keys."""
@@ -177,6 +242,7 @@ class LayerCapture:
     def clear(self) -> None:
         self.queries = [None] * len(self.queries)
         self.keys = [None] * len(self.keys)
+        self.compacted = False
 
 
 def install(layers, copy_tokens: int | None = None) -> LayerCapture:
@@ -209,7 +275,7 @@ def _unwrapped(forward):
 def _wrap_forward(forward, index: int, capture: LayerCapture):
     def captured_forward(layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
         if capture.is_recording and attn_metadata is not None:  # None: a dummy run (see top)
-            capture.record(index, query, key)
+            capture.record(index, query, key, getattr(attn_metadata, "query_start_loc", None))
         return forward(layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
 
     captured_forward.__wrapped__ = forward
