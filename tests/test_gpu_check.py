@@ -194,11 +194,15 @@ def test_the_gpu_plan_times_costs_first_and_vllm_defaults_before_forced_settings
 
     models = {"target": "t", "draft": "d", "shape": "s", "tag": "x", "vocab": 1000}
     names = [job["name"] for job in plan(True, models)]
-    assert names[:4] == ["kernels", "costs-plain-defaults", "costs-triforce",
-                         "costs-plain-forced"], names
-    assert names[4:] and all(n.startswith("exact-") for n in names[4:]), names
+    assert names[:5] == ["kernels", "costs-plain-defaults", "costs-triforce",
+                         "costs-plain-forced", "costs-triforce-kv"], names
+    assert names[5:] and all(n.startswith("exact-") for n in names[5:]), names
     costs = plan(True, models)[1]
     assert [c["name"] for c in costs["cases"]][:2] == ["8x32K", "1x128K"]
+    # the KV cache given back: compact summaries, no prefill peak, at plain vLLM's setting
+    kept = plan(True, models)[4]
+    assert kept["spec"]["compact_key_variance"] and kept["spec"]["prefill_from_cache"]
+    assert kept["llm"]["gpu_memory_utilization"] == costs["llm"]["gpu_memory_utilization"]
 
 
 def test_a_step_lost_in_noise_is_timed_longer_and_never_negative():

@@ -189,7 +189,8 @@ def shadow_eager_summaries(monkeypatch) -> list[int]:
         if id(s) not in shadows:
             shadows[id(s)] = BlockSummaries(
                 s.num_layers, s.num_blocks, s.num_kv_heads, s.head_dim, s.block_size,
-                keep_bounds=s.mins is not None, keep_variance=s.square_deviations is not None)
+                keep_bounds=s.mins is not None, keep_variance=s.square_deviations is not None,
+                compact_variance=s.channel_profile is not None)
         if self.capture.keys[0] is not None:
             for committed in self.committed_tokens(batch, range(batch.num_reqs)):
                 summary_keeper.fold_committed(shadows[id(s)], self.capture.keys, committed)
@@ -437,10 +438,10 @@ def test_middle_rounds_rerank_the_step_start_shortlist(tiny_llama, monkeypatch, 
 
 @pytest.mark.parametrize("variance", ["per channel", "compact", None])
 def test_key_variance_is_the_default_and_can_be_turned_off(tiny_llama, monkeypatch, variance):
-    """By default `retrieval` scores blocks by mean key + key variance (the squared-key
-    sums, one per channel of tiny_llama's 32, are read at every selection);
-    compact_key_variance keeps 8 bands of them; key_variance false reads none. Outputs
-    identical."""
+    """By default `retrieval` scores blocks by mean key + key variance, kept compact (the
+    squared-key sums of 8 bands of tiny_llama's 32 channels are read at every selection);
+    compact_key_variance false keeps one per channel; key_variance false reads none.
+    Outputs identical."""
     from vllm_triforce.core.summaries import BlockSummaries
 
     widths = []
@@ -450,8 +451,8 @@ def test_key_variance_is_the_default_and_can_be_turned_off(tiny_llama, monkeypat
     spec = two_level(refresh_interval=1)
     if variance is None:
         spec["key_variance"] = False
-    if variance == "compact":
-        spec["compact_key_variance"] = True
+    if variance == "per channel":
+        spec["compact_key_variance"] = False
     tokens, stats, _ = generate(tiny_llama, spec)
     assert tokens == plain(tiny_llama)
     assert_drafted(stats)

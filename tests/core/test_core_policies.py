@@ -344,7 +344,7 @@ def ref_variance_scores(query, keys, n, aggregation):
     """Mean + variance, per query head: q . mu / sqrt(D) + 1/2 sum_d q_d^2 var_d / D (the log
     of E[exp(q . k / sqrt(D))] for keys with that per-channel mean and variance, channels
     independent) -> [L, n_full]."""
-    def score(q, block):
+    def score(q, block, *_):
         return float(q @ block.mean(0) + 0.5 * (q * q) @ block.var(0, unbiased=False))
     return ref_per_block(query, keys, n, aggregation, score)
 

@@ -28,7 +28,8 @@ def engine_facts(llm) -> dict:
              "cudagraph_mode": str(cfg.compilation_config.cudagraph_mode),
              "async_scheduling": bool(cfg.scheduler_config.async_scheduling),
              "max_num_seqs": cfg.scheduler_config.max_num_seqs,
-             "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens}
+             "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
+             "gpu_memory_utilization": cfg.cache_config.gpu_memory_utilization}
     try:
         facts["kv_bytes_per_block"] = sum(
             spec.page_size_bytes for spec in runner.get_kv_cache_spec().values())

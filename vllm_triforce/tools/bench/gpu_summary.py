@@ -138,6 +138,14 @@ def _memory(jobs: dict) -> dict | None:
         if block_bytes:
             out["kv_bytes_given_up"] = (plain["facts"]["num_gpu_blocks"]
                                         - facts["num_gpu_blocks"]) * block_bytes
+    kept = _cost_result(jobs, "costs-triforce-kv")  # compact, no prefill peak, at 0.9
+    if kept is not None and "facts" in kept:
+        out["kv_kept"] = {**(kept.get("memory") or {}),
+                          "kv_blocks": kept["facts"]["num_gpu_blocks"],
+                          "gpu_memory_utilization": kept["facts"].get("gpu_memory_utilization")}
+        if plain is not None and "facts" in plain:
+            out["kv_kept"]["of_plain"] = (kept["facts"]["num_gpu_blocks"]
+                                          / plain["facts"]["num_gpu_blocks"])
     return out
 
 
