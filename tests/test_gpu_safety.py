@@ -215,10 +215,10 @@ def test_memory_plan_worked_example():
     quest = smollm2_plan(keep_bounds=True)  # selection_policy "quest": min + max
     assert quest.summary_bytes_per_block == 69_124
     assert quest.kv_budget(2**30) == 663 * 1_474_560
-    variance = smollm2_plan(keep_variance=True)  # key_variance per channel
+    variance = smollm2_plan(keep_variance=True)  # key_variance (the default)
     assert variance.summary_bytes_per_block == 46_084
     assert variance.kv_budget(2**30) == 673 * 1_474_560
-    compact = smollm2_plan(keep_variance=True, compact_variance=True)  # the default
+    compact = smollm2_plan(keep_variance=True, compact_variance=True)  # compact_key_variance
     assert compact.summary_bytes_per_block == 23_044 + 30 * 3 * 8 * 4 == 25_924
     assert compact.fixed_bytes == 48_955_392 + 30 * 3 * 64 * 4  # the channel profile
     assert compact.kv_budget(2**30) == 682 * 1_474_560
@@ -251,7 +251,6 @@ def test_reservation_is_computed_and_applied(tiny_llama):
                                   + plan.sized(blocks["triforce"]).profile_bytes)
     assert summaries.sums.dtype == torch.float32  # the KV cache's dtype in this engine
     assert summaries.square_deviations is not None  # key_variance, the default
-    assert summaries.channel_profile is not None  # compact_key_variance, the default
 
 
 def test_plugin_chosen_cpu_kv_size_leaves_room_for_the_reservation():

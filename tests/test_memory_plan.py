@@ -248,7 +248,7 @@ SMALL_CACHE = 384 * 2**20
 
 def smollm2_plan(max_num_seqs=256, kv_bytes_per_block=1_474_560, backend=None):
     """engine/memory.py's small-cache example: SmolLM2-135M float32 (30 layers x 3 KV heads
-    x 64, 9 query heads, V 49,152), block 32, key variance per channel, vLLM's CPU `LLM` defaults
+    x 64, 9 query heads, V 49,152), block 32, key variance, vLLM's CPU `LLM` defaults
     (256 sequences, the shape's drafting cap before the cache bounds it; 4,096 batched
     tokens), max_model_len 4,096, gamma2 4, two levels: an EngineShape from these sizes."""
     from vllm_triforce.config import TriForceConfig
@@ -256,8 +256,7 @@ def smollm2_plan(max_num_seqs=256, kv_bytes_per_block=1_474_560, backend=None):
 
     shape = EngineShape.from_sizes(
         num_layers=30, num_kv_heads=3, head_dim=64, vocab_size=49_152, block_size=32,
-        max_num_seqs=max_num_seqs,
-        cfg=TriForceConfig(num_speculative_tokens=4, compact_key_variance=False),
+        max_num_seqs=max_num_seqs, cfg=TriForceConfig(num_speculative_tokens=4),
         max_model_len=4096, max_batched_tokens=4096, num_q_heads=9)
     return shape.memory_plan(kv_bytes_per_block, backend)
 

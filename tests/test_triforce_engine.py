@@ -438,10 +438,10 @@ def test_middle_rounds_rerank_the_step_start_shortlist(tiny_llama, monkeypatch, 
 
 @pytest.mark.parametrize("variance", ["per channel", "compact", None])
 def test_key_variance_is_the_default_and_can_be_turned_off(tiny_llama, monkeypatch, variance):
-    """By default `retrieval` scores blocks by mean key + key variance, kept compact (the
-    squared-key sums of 8 bands of tiny_llama's 32 channels are read at every selection);
-    compact_key_variance false keeps one per channel; key_variance false reads none.
-    Outputs identical."""
+    """By default `retrieval` scores blocks by mean key + key variance (the squared-key
+    sums, one per channel of tiny_llama's 32, are read at every selection);
+    compact_key_variance keeps 8 bands of them; key_variance false reads none. Outputs
+    identical."""
     from vllm_triforce.core.summaries import BlockSummaries
 
     widths = []
@@ -451,8 +451,8 @@ def test_key_variance_is_the_default_and_can_be_turned_off(tiny_llama, monkeypat
     spec = two_level(refresh_interval=1)
     if variance is None:
         spec["key_variance"] = False
-    if variance == "per channel":
-        spec["compact_key_variance"] = False
+    if variance == "compact":
+        spec["compact_key_variance"] = True
     tokens, stats, _ = generate(tiny_llama, spec)
     assert tokens == plain(tiny_llama)
     assert_drafted(stats)

@@ -90,9 +90,10 @@ class TriForceConfig:
     # `retrieval` (and `rerank`'s first stage): score a block by its mean key plus half the
     # query-weighted per-channel variance of its keys (an estimate of log E[exp(q.k)] over the
     # block), not the mean key alone, which hides a block whose keys spread out towards the
-    # query (`bench acceptance` compares the two). Costs 8 values per block, layer and KV
-    # head in the KV cache's dtype (`compact_key_variance`; per channel in float32 without
-    # it: 1/(2 x block_size) of a float32 KV cache, 1/block_size of a bf16 one).
+    # query (`bench acceptance` compares the two). Costs one more key-sized vector per
+    # block, float32 whatever the KV cache's dtype (square deviations): 1/(2 x block_size)
+    # of a float32 KV cache, 1/block_size of a bf16 one (at block size 16 with the bf16 key
+    # sums, the summaries are 3/32 of the KV cache).
     key_variance: bool = True
     # With `key_variance`: keep the variance per band of channels (8 per KV head, each
     # holding whole RoPE rotation pairs, core/summaries.py) in the summaries' dtype instead
@@ -100,11 +101,11 @@ class TriForceConfig:
     # are 17/512 of the KV cache instead of 3/32, and TriForce keeps at least 96% of plain
     # vLLM's KV blocks at Llama-3.1-8B's shape (engine/memory.py; 91% per channel). A score
     # weighs each band by its channels' q^2, each by its share of the band's M2 over every
-    # block folded so far (the channel profile, per layer and KV head). On the acceptance
-    # bench (column `retrieval_var_compact` against `retrieval_var`, per channel:
-    # benchmarks/RESULTS.md `acceptance_compact`) within half a point at budgets of 512-4,096
-    # of 16K tokens. False: per channel in float32.
-    compact_key_variance: bool = True
+    # block folded so far (the channel profile, per layer and KV head). Opt-in: on the
+    # acceptance bench (column `retrieval_var_compact`, benchmarks/HISTORY.md) within half a
+    # point of the per-channel variance on Qwen2.5-Coder-0.5B at 16K tokens (budgets
+    # 512-4,096), but 1.1 below on SmolLM2-135M at 4K and 4.8 below on its needle task.
+    compact_key_variance: bool = False
     # h2o / topk_oracle keep a copy of every committed key (as much memory as the key
     # cache): for benchmarks. Refused unless the user opts in here.
     allow_full_key_copy: bool = False
@@ -175,7 +176,7 @@ class TriForceConfig:
             raise TriForceConfigError(
                 f"speculative_config['compact_key_variance']={self.compact_key_variance!r} "
                 "must be true (the key variance per band of channels, in the KV cache's dtype: "
-                "less memory, the default) or false (per channel in float32).")
+                "less memory) or false (per channel in float32, the default).")
         if not isinstance(self.allow_full_key_copy, bool):
             raise TriForceConfigError(
                 f"speculative_config['allow_full_key_copy']={self.allow_full_key_copy!r} must be "

@@ -59,13 +59,13 @@ rows × 49,152 × 4 = 249 × 196,608 = 48,955,392 B (per request its 6 hand-off 
 round's logits; the spare row; one chunk of 8 requests' vocabulary work), within 1/16 of
 684 blocks' KV (63,037,440 B), so all 8 requests may draft; blocks = (2^30 − 48,955,392)
 // 1,497,604 = 684, so vLLM gets 684 × 1,474,560 B and 65,142,784 B stay reserved. With
-the default `key_variance`, compact (8 bands, float32 like these summaries), the summary is
-23,044 + 30 × 3 × 8 × 4 = 25,924 B and the channel profile's 23,040 B join the fixed part:
-blocks = (2^30 − 48,978,432) // 1,500,484 = 682; per channel (`compact_key_variance`
-false) 2 × 23,040 + 4 = 46,084 B and (2^30 − 48,955,392) // 1,520,644 = 673 blocks; with
-`quest` 3 × 23,040 + 4 = 69,124 B and 663 blocks.
+the default `key_variance` (per channel) the summary is 2 × 23,040 + 4 = 46,084 B and
+blocks = (2^30 − 48,955,392) // 1,520,644 = 673; with `compact_key_variance` (8 bands,
+float32 like these summaries) 23,044 + 30 × 3 × 8 × 4 = 25,924 B, and the channel
+profile's 23,040 B join the fixed part: (2^30 − 48,978,432) // 1,500,484 = 682 blocks;
+with `quest` 3 × 23,040 + 4 = 69,124 B and 663 blocks.
 
-Worked example, a small cache (the same model with `key_variance` per channel, max_num_seqs 256
+Worked example, a small cache (the same model with `key_variance` on, max_num_seqs 256
 (the `LLM` default on CPU), max_model_len 4,096 (128 blocks), 4,096 batched tokens,
 gamma2 4, 9 query heads, 384 MiB): the most blocks is 252, whose KV is 371,589,120 B. One
 read chunk is 1/256 of that, 1,451,520 B (63 tokens' keys of every layer); the fold's five
@@ -93,13 +93,13 @@ at most a 16th of that (38 MiB), so 15 requests draft at once: 466 probability r
 128,256 × 4 B (per request its 6 hand-off rows, patches/handoff_rows.py, and a round's
 logits; a chunk of 15 requests' vocabulary work, 24 rows each; the spare row), 228.0 MiB,
 and a selection's scratch over tables of up to 8,192 blocks, 356.9 MiB. So 53,533 blocks
-fit with the default compact summaries, 96.3% of plain vLLM's, and 4,142 MiB stay reserved
-(3,555.3 MiB of summaries, their 128 KiB channel profile included, 584.9 MiB of rows and
-scratch, 1.8 MiB no block fits in); with a per-channel float32 variance
-(`compact_key_variance` false) 50,574 (91.0%: 9,482.8 MiB of summaries). On an 80 GB GPU (~52 GB for the cache
+fit with compact summaries, 96.3% of plain vLLM's, and 4,142 MiB stay reserved (3,555.3 MiB
+of summaries, their 128 KiB channel profile included, 584.9 MiB of rows and scratch, 1.8
+MiB no block fits in); with the default per-channel float32 variance 50,574 (91.0%:
+9,482.8 MiB of summaries). On an 80 GB GPU (~52 GB for the cache
 after 16 GB of weights and vLLM's activations: 24,795 plain blocks) the limit is 378 MiB,
 reads copy 23.6 MiB and 11 requests draft: 23,816 blocks with compact summaries (96.1%),
-22,511 with per-channel ones (90.8%). vLLM's default of 1,024 sequences changes none of
+22,511 with the default ones (90.8%). vLLM's default of 1,024 sequences changes none of
 this: the limit, not max_num_seqs, caps the drafting requests (the log says that 1.7 TiB
 of KV cache would let all 1,024 draft).
 """
