@@ -12,6 +12,10 @@
 #   bash scripts/gpu_session.sh host-rounds [SECONDS]  # carry .bundle: host ms per middle
 #                                                # round at batch 8-128 with the tiny model
 #                                                # (benchmarks/explore/host_per_round.py)
+#   bash scripts/gpu_session.sh kv-kept [SECONDS]  # carry .bundle: the KV cache TriForce
+#                                                # keeps (compact summaries, prefill_from_cache,
+#                                                # at gpu_memory_utilization 0.9) and the
+#                                                # tokens with prefill_from_cache on
 #   bash scripts/gpu_session.sh round-graphs [SECONDS] [PARTS]  # carry .bundle: the middle
 #                                                # passes' CUDA graphs against today's path
 #                                                # (a), their cost at the 8B width (b) and at
@@ -26,13 +30,19 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-session-out}
 mkdir -p "$OUT"
 export VLLM_TRIFORCE_CACHE=/tmp/vt-cache
-step=${1:?costs, model-a, real, host-rounds or round-graphs}
+step=${1:?costs, kv-kept, model-a, real, host-rounds or round-graphs}
 budget=${2:-270}
 case "$step" in
   costs)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     bash scripts/gpu_run.sh --only kernels,costs --budget-s "$budget" 2>&1 \
       | grep -v " INFO \| DEBUG "
+    ;;
+  kv-kept)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    bash scripts/gpu_run.sh --budget-s "$budget" --only \
+      kernels,kv-kept,exact-flash-bf16-plain,exact-flash-bf16-fromcache \
+      2>&1 | grep -v " INFO \| DEBUG "
     ;;
   host-rounds)
     timeout "$budget" bash scripts/gpu_run.sh -- python3 "$PWD/benchmarks/explore/host_per_round.py" \

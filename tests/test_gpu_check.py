@@ -195,7 +195,7 @@ def test_the_gpu_plan_times_costs_first_and_vllm_defaults_before_forced_settings
     models = {"target": "t", "draft": "d", "shape": "s", "tag": "x", "vocab": 1000}
     names = [job["name"] for job in plan(True, models)]
     assert names[:5] == ["kernels", "costs-plain-defaults", "costs-triforce",
-                         "costs-plain-forced", "costs-triforce-kv"], names
+                         "costs-plain-forced", "kv-kept"], names
     assert names[5:] and all(n.startswith("exact-") for n in names[5:]), names
     costs = plan(True, models)[1]
     assert [c["name"] for c in costs["cases"]][:2] == ["8x32K", "1x128K"]
@@ -203,6 +203,10 @@ def test_the_gpu_plan_times_costs_first_and_vllm_defaults_before_forced_settings
     kept = plan(True, models)[4]
     assert kept["spec"]["compact_key_variance"] and kept["spec"]["prefill_from_cache"]
     assert kept["llm"]["gpu_memory_utilization"] == costs["llm"]["gpu_memory_utilization"]
+    # ... and its tokens with prefill_from_cache, against the plain job its name leads to
+    fromcache = next(job for job in plan(True, models) if job["name"].endswith("-fromcache"))
+    assert fromcache["spec"]["prefill_from_cache"]
+    assert fromcache["name"].rsplit("-", 1)[0] + "-plain" == fromcache["reference"]
 
 
 def test_a_step_lost_in_noise_is_timed_longer_and_never_negative():

@@ -46,7 +46,7 @@ GPU_DEPTHS = [0, 2, 4, 6]
 # captured queries and keys are not in vLLM's profile run (engine/device/capture.py).
 GPU_MEMORY = {"plain": 0.9, "triforce": 0.85}
 CPU_CASES = (("2x1K", 2, 1024), ("1x2K", 1, 2048))
-# The KV cache given back (GPU only, job costs-triforce-kv, run last): TriForce's engine with
+# The KV cache given back (GPU only, job kv-kept, after the cost jobs): TriForce's engine with
 # compact summaries and no prefill peak, at plain vLLM's gpu_memory_utilization; its block
 # count against plain's, its propose peak against its reservation, at the 1 x 128K case
 # (every prefill chunk at its longest) with drafting.
@@ -80,6 +80,10 @@ def plan(on_gpu: bool, models: dict, kernels_ok: bool = True) -> list[dict]:
                                        "draft_tokens_per_round": 2} if n == 3 else {}))
             jobs.append({**base, "name": f"exact-{tag}-{n}L", "spec": spec, "llm": llm,
                          "levels": n, "reference": f"exact-{tag}-plain"})
+        if on_gpu:  # the prompts' passes pass the capture's 512 copied tokens: kept compact
+            jobs.append({**base, "name": f"exact-{tag}-fromcache",
+                         "spec": {**TINY_SPEC, "prefill_from_cache": True}, "llm": llm,
+                         "levels": 2, "reference": f"exact-{tag}-plain"})
     return jobs
 
 
@@ -126,7 +130,7 @@ def _cost_jobs(on_gpu: bool, models: dict, kernels_ok: bool) -> list[dict]:
         return [triforce, forced]
     defaults = {**common, **sizes, "name": "costs-plain-defaults",
                 "llm": {**llm, "max_num_seqs": plain_seqs}}
-    kept = {**triforce, "name": "costs-triforce-kv", "spec": {**spec, **KV_KEPT_SPEC},
+    kept = {**triforce, "name": "kv-kept", "spec": {**spec, **KV_KEPT_SPEC},
             "cases": [c for c in cases if c["name"] == "1x128K"], "depths": [0, 6],
             "llm": {**tri_llm, "gpu_memory_utilization": GPU_MEMORY["plain"]},
             "estimate_s": 90, "many_requests": None}

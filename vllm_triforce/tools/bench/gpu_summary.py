@@ -138,7 +138,7 @@ def _memory(jobs: dict) -> dict | None:
         if block_bytes:
             out["kv_bytes_given_up"] = (plain["facts"]["num_gpu_blocks"]
                                         - facts["num_gpu_blocks"]) * block_bytes
-    kept = _cost_result(jobs, "costs-triforce-kv")  # compact, no prefill peak, at 0.9
+    kept = _cost_result(jobs, "kv-kept")  # compact, no prefill peak, at 0.9
     if kept is not None and "facts" in kept:
         out["kv_kept"] = {**(kept.get("memory") or {}),
                           "kv_blocks": kept["facts"]["num_gpu_blocks"],
