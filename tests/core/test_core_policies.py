@@ -422,25 +422,35 @@ def test_retrieval_with_compact_variance_matches_reference(num_q, num_kv, aggreg
                         ref_compact_variance_scores(profile))
 
 
+# 6 full blocks of 2 layers x 2 KV heads x 8 channels, read in two orders
+BAND_TABLE = torch.tensor([[0, 1, 2, 3, 4, 5], [5, 3, 1, 0, 2, 4]])
+BAND_COMMITTED = torch.tensor([6 * BS, 6 * BS])
+
+
+def per_channel_and_compact(keys):
+    """keys [2, 6 * BS, 2, 8] committed to a per-channel and a compact store (2 bands)."""
+    from vllm_triforce.core.summaries import BlockSummaries
+    stores = (BlockSummaries(2, 6, 2, 8, BS, keep_variance=True),
+              BlockSummaries(2, 6, 2, 8, BS, keep_variance=True, compact_variance=True))
+    rows = torch.arange(6 * BS)
+    for s in stores:
+        s.add_committed([keys[l].flatten(1) for l in range(2)], rows, rows // BS, rows % BS)
+    return stores
+
+
 def test_compact_variance_scores_as_per_channel_where_a_band_shares_one_variance():
     """Keys whose channels of a band vary alike (the same deviations in each): the compact
     score equals the per-channel one, from the store, a shortlist and its copy."""
-    from vllm_triforce.core.summaries import BlockSummaries
     gen = torch.Generator().manual_seed(9)
-    per_channel = BlockSummaries(2, 6, 2, 8, BS, keep_variance=True)
-    compact = BlockSummaries(2, 6, 2, 8, BS, keep_variance=True, compact_variance=True)
     base = torch.randn(2, 6 * BS, 2, 8, generator=gen)  # [L, T, H, D]
     wobble = torch.randn(2, 6 * BS, 2, 2, generator=gen)  # one per band
-    keys = base.mean(1, keepdim=True) + wobble[..., [0, 0, 1, 1, 0, 0, 1, 1]]
-    rows = torch.arange(6 * BS)
-    for s in (per_channel, compact):
-        s.add_committed([keys[l].flatten(1) for l in range(2)], rows, rows // BS, rows % BS)
-    query = torch.randn(2, 2, 4, 8, generator=gen)
-    table, committed = torch.tensor([[0, 1, 2, 3, 4, 5], [5, 3, 1, 0, 2, 4]]), torch.tensor(
-        [6 * BS, 6 * BS])
+    per_channel, compact = per_channel_and_compact(
+        base.mean(1, keepdim=True) + wobble[..., [0, 0, 1, 1, 0, 0, 1, 1]])
+    query, table = torch.randn(2, 2, 4, 8, generator=gen), BAND_TABLE
     policy = make_policy("retrieval", variance=True)
-    expected = policy.block_scores(query, per_channel, table, committed)
-    torch.testing.assert_close(policy.block_scores(query, compact, table, committed), expected)
+    expected = policy.block_scores(query, per_channel, table, BAND_COMMITTED)
+    torch.testing.assert_close(policy.block_scores(query, compact, table, BAND_COMMITTED),
+                               expected)
     listed = table[:, None, :4].expand(2, 2, 4)
     rows, counts = compact.layer_rows(listed), compact.counts[listed].float()
     copy = policy.listed_copy(compact, rows, counts)
@@ -455,25 +465,19 @@ def test_compact_variance_scores_as_per_channel_where_blocks_split_a_band_as_the
     times the rest: a head's outlier channel, in every block): each block's M2 splits among
     a band's channels as the channel profile does, so the compact score equals the
     per-channel one; weighed by the band's mean q_d^2 instead, it would not."""
-    from vllm_triforce.core.summaries import BlockSummaries
     gen = torch.Generator().manual_seed(11)
-    per_channel = BlockSummaries(2, 6, 2, 8, BS, keep_variance=True)
-    compact = BlockSummaries(2, 6, 2, 8, BS, keep_variance=True, compact_variance=True)
     wobble = torch.randn(2, 6 * BS, 2, 2, generator=gen)[..., [0, 0, 1, 1, 0, 0, 1, 1]]
     scale = torch.tensor([10.0, 1, 1, 1, 1, 1, 1, 1])
-    keys = torch.randn(2, 1, 2, 8, generator=gen) + wobble * scale
-    rows = torch.arange(6 * BS)
-    for s in (per_channel, compact):
-        s.add_committed([keys[l].flatten(1) for l in range(2)], rows, rows // BS, rows % BS)
-    query = torch.randn(2, 2, 4, 8, generator=gen)
-    table, committed = torch.tensor([[0, 1, 2, 3, 4, 5], [5, 3, 1, 0, 2, 4]]), torch.tensor(
-        [6 * BS, 6 * BS])
+    per_channel, compact = per_channel_and_compact(
+        torch.randn(2, 1, 2, 8, generator=gen) + wobble * scale)
+    query, table = torch.randn(2, 2, 4, 8, generator=gen), BAND_TABLE
     policy = make_policy("retrieval", variance=True)
-    expected = policy.block_scores(query, per_channel, table, committed)
-    torch.testing.assert_close(policy.block_scores(query, compact, table, committed), expected)
+    expected = policy.block_scores(query, per_channel, table, BAND_COMMITTED)
+    torch.testing.assert_close(policy.block_scores(query, compact, table, BAND_COMMITTED),
+                               expected)
     flat = per_channel.with_compact_variance(profile=False)  # each band by its mean weight
     torch.testing.assert_close(flat.deviations(), compact.deviations())
-    assert not torch.allclose(policy.block_scores(query, flat, table, committed), expected)
+    assert not torch.allclose(policy.block_scores(query, flat, table, BAND_COMMITTED), expected)
 
 
 def test_variance_finds_the_outlier_key_the_mean_dilutes():
