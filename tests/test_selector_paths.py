@@ -14,6 +14,7 @@ from vllm_triforce.core.refresh import RefreshPolicy
 from vllm_triforce.core.scoring import SelectionState
 from vllm_triforce.core.selection import Selector
 from vllm_triforce.core.summaries import BlockSummaries
+from vllm_triforce.engine.device.capture import LayerCapture
 from vllm_triforce.engine.middle import RequestDrafts
 from vllm_triforce.engine.retrieval_level import RetrievalLevel, RetrievalStep
 from vllm_triforce.engine.state import RequestState
@@ -62,8 +63,8 @@ def summarised_requests(seed: int):
 def engine_level(summaries, selector, queries):
     """A RetrievalLevel whose capture holds `queries` [R, L, Hq, D] as the last committed
     tokens' (one token per request in the verification pass)."""
-    capture = SimpleNamespace(queries=[queries[:, layer].reshape(NUM_REQS, -1)
-                                       for layer in range(LAYERS)])
+    capture = LayerCapture(LAYERS)
+    capture.queries = [queries[:, layer].reshape(NUM_REQS, -1) for layer in range(LAYERS)]
     stats, device = TriForceStats(), torch.device("cpu")
     keeper = SummaryKeeper(summaries, capture, selector, stats, device)
     return RetrievalLevel(None, None, None, [f"layer{i}" for i in range(LAYERS)], Q_HEADS, DIM,
