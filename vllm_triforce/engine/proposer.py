@@ -219,6 +219,16 @@ class TriForceProposer(DraftModelProposer):
             # a long prefill's blocks come from the cache, not its keys (config.py)
             self.capture.compact_large_passes(shape.gamma2 + 1, keeper.fold_tokens(),
                                               when=keeper.may_be_lazy)
+            logger.info("TriForce prefills: a pass of more than %d tokens keeps each request's "
+                        "last %d query rows; its prompts' summaries are read back from the KV "
+                        "cache (prefill_from_cache)", self.capture.copy_tokens, shape.gamma2 + 1)
+        elif self.cfg.prefill_from_cache:
+            logger.warning("TriForce prefills: prefill_from_cache has no effect here, summaries "
+                           "are folded from every key (%s)",
+                           unreadable or "the policy or the KV cache's dtype needs them")
+        else:
+            logger.info("TriForce prefills: folded from their keys as computed, a long prompt "
+                        "chunk's held until then (prefill_from_cache off)")
         self.retrieval = RetrievalLevel(
             self.target_model, self.vllm_config, target_groups, self.target_layer_names,
             layer.num_heads, layer.head_size, self.capture, keeper, selector,
