@@ -246,7 +246,8 @@ class BlockSummaries:
         of their keys [L, n, H, block_size, D] (any float dtype, e.g. read back from the KV
         cache: engine/paged_keys.py): what `add_committed` would hold after committing
         every offset of each block, whatever the blocks held before, so setting a block
-        twice changes nothing. The engine's lazy summaries (engine/summary_keeper.py) use
+        twice changes nothing (but a compact store's channel profile, a history of every
+        fold). The engine's lazy summaries (engine/summary_keeper.py) use
         it, for all layers at once: a few operations per read, not a few per layer. Counts
         become block_size."""
         if keys.shape[3] != self.block_size:
