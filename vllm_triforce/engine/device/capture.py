@@ -18,8 +18,8 @@ at most `copy_tokens` tokens, the largest that vLLM may replay as a graph
 (`max_cudagraph_capture_size`), is kept as copies; a larger pass never replays a graph and
 is kept by reference, so a prefill chunk is never copied (or, `compact_large_passes`,
 only its requests' last rows of queries are: the engine then needs none of its keys). The
-copies cost two device
-copies per layer of a decode-sized pass (benchmarks/explore/capture_copy.py measures them).
+copies cost two device copies per layer of a decode-sized pass
+(benchmarks/explore/capture_copy.py measures them).
 Under FULL CUDA graphs attention does not run Python at all, so TriForce needs eager or
 piecewise graphs (engine_settings.py).
 
