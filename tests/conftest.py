@@ -41,6 +41,22 @@ def pytest_configure(config):
     cache_root = tempfile.mkdtemp(prefix="vllm-triforce-cache-")
     config._vllm_cache_root = cache_root
     os.environ.update(ENGINE_ENV, VLLM_CACHE_ROOT=cache_root)
+    _one_thread_per_worker()
+
+
+def _one_thread_per_worker() -> None:
+    """Under pytest-xdist with a worker per core (scripts/test.sh on 2 cores), each worker's
+    torch, its in-process engines and the processes it starts use one OpenMP thread: two
+    workers of one thread per core each, not 2 x 2 threads whose parallel regions wait on
+    each other. Set before any engine: vLLM's CPU worker makes `torch.set_num_threads` a
+    no-op once it has started. Tests that choose threads themselves (tensor parallelism's
+    VLLM_CPU_OMP_THREADS_BIND) still do."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers and workers >= (os.cpu_count() or 1):
+        import torch
+
+        torch.set_num_threads(1)
+        os.environ["OMP_NUM_THREADS"] = "1"
 
 
 def pytest_unconfigure(config):

@@ -204,9 +204,11 @@ def test_round_graphs_give_todays_tokens_selections_and_acceptance(
     if levels == 3:
         spec.update(model=str(tiny_draft), draft_window_tokens=96, draft_tokens_per_round=2)
     prompts = _prompts(3)  # three requests: one-token rounds pad 3 -> 4
-    plain = _run(llm_factory(tiny_llama, speculative_config=spec), prompts)
-    graphed = _run(llm_factory(tiny_llama, speculative_config=dict(spec, round_graphs=True)),
-                   prompts, watch_kv=True)
+    # a KV cache of 64 blocks of 32 (the prompts take 42): the padding check copies it per pass
+    small = dict(num_gpu_blocks_override=64)
+    plain = _run(llm_factory(tiny_llama, speculative_config=spec, **small), prompts)
+    graphed = _run(llm_factory(tiny_llama, speculative_config=dict(spec, round_graphs=True),
+                               **small), prompts, watch_kv=True)
     stats = graphed["stats"]
     assert stats["round_graph_passes"] > 0, stats
     assert graphed["guard"].replays_checked > 0

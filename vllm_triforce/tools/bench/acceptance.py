@@ -72,6 +72,17 @@ COLUMNS = {
     "retrieval_var_compact16": ("retrieval", {"variance": True}, STEP, MIDDLE,
                                 "Retrieval (mean key + variance per 16 bands in bf16, profiled, "
                                 "sum)"),
+    "retrieval_var_compact_fp32": ("retrieval", {"variance": True}, STEP, MIDDLE,
+                                   "Retrieval (mean key + variance per band in float32, "
+                                   "profiled, sum)"),
+    "retrieval_var_bf16": ("retrieval", {"variance": True}, STEP, MIDDLE,
+                           "Retrieval (mean key + variance per channel in bf16, sum)"),
+    "retrieval_var_fp8": ("retrieval", {"variance": True}, STEP, MIDDLE,
+                          "Retrieval (mean key + variance per channel, both in fp8 scaled per "
+                          "block and head, sum)"),
+    "retrieval_var_fp8_mean": ("retrieval", {"variance": True}, STEP, MIDDLE,
+                               "Retrieval (mean key in fp8 scaled per block and head + "
+                               "variance, sum)"),
     "quest": ("quest", {}, STEP, MIDDLE, "Quest (min/max, softmax)"),
     "quest_max": ("quest", {"aggregation": "max"}, STEP, MIDDLE, "Quest (min/max, max)"),
     "quest_sum": ("quest", {"aggregation": "sum"}, STEP, MIDDLE, "Quest (min/max, sum)"),
@@ -87,11 +98,16 @@ COLUMNS = {
     "retrieval_once_per_span": ("retrieval", {}, ONCE_PER_SPAN, False,
                                 "Retrieval, once per span (refresh_interval 64)"),
 }
-# columns that score the key variance per band of channels, in bf16 (`compact_key_variance`,
-# teacher.py `TeacherForcedEngine.compact_summaries`): (with the channel profile, bands)
-COMPACT_COLUMNS = {"retrieval_var_compact": (True, COMPACT_BANDS),
-                   "retrieval_var_compact_flat": (False, COMPACT_BANDS),
-                   "retrieval_var_compact16": (True, 16)}
+# columns that score the key variance per band of channels (`compact_key_variance`) or
+# rounded, and the mean key rounded (teacher.py `TeacherForcedEngine.compact_summaries`):
+# (with the channel profile, bands or None: per channel, the variance's element, the mean's)
+COMPACT_COLUMNS = {"retrieval_var_compact": (True, COMPACT_BANDS, "bfloat16", None),
+                   "retrieval_var_compact_flat": (False, COMPACT_BANDS, "bfloat16", None),
+                   "retrieval_var_compact16": (True, 16, "bfloat16", None),
+                   "retrieval_var_compact_fp32": (True, COMPACT_BANDS, "float32", None),
+                   "retrieval_var_bf16": (False, None, "bfloat16", None),
+                   "retrieval_var_fp8": (False, None, "float8_e4m3fn", "float8_e4m3fn"),
+                   "retrieval_var_fp8_mean": (False, None, None, "float8_e4m3fn")}
 # paired differences: against the per-position oracle, StreamingLLM, mean-key retrieval and
 # the engine's default (`default_column`)
 ORACLE, BASELINE, MEAN_KEY = "topk_oracle_per_position", "streamingllm", "retrieval"
@@ -107,7 +123,8 @@ def default_column() -> str:
     return next(name for name, (policy, kwargs, every, middle, _) in COLUMNS.items()
                 if (policy, kwargs, every, middle, COMPACT_COLUMNS.get(name))
                 == (cfg.selection_policy, cfg.policy_kwargs(), STEP, MIDDLE,
-                    (True, COMPACT_BANDS) if cfg.summary_kinds().compact_variance else None))
+                    (True, COMPACT_BANDS, "bfloat16", None) if cfg.summary_kinds().compact_variance
+                    else None))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -124,6 +141,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "selection made at its first position for all of them")
     p.add_argument("--needle-documents", type=int, default=16,
                    help="needle documents (8 measured positions each)")
+    p.add_argument("--needle-seed", type=int, default=0,
+                   help="another seed: other passphrases and speeches (a fresh sample)")
     p.add_argument("--budget-fraction", type=float, default=0.03)
     p.add_argument("--budgets", type=int, nargs="*", default=[],
                    help="budget sweep (tokens) of the prose rows, beside the main budget")
@@ -182,6 +201,8 @@ def run_acceptance(args, model: str, out: Path) -> dict:
                        "block_size": BLOCK, "sink_blocks": g.retrieval_sink_blocks,
                        "recent_blocks": g.retrieval_recent_blocks, "span": args.span, "step_positions": STEP,
                        "warmup": args.warmup, "temperature": args.temperature,
+                       **({"needle_documents": args.needle_documents,
+                           "needle_seed": args.needle_seed} if args.needle else {}),
                        "top_p": args.top_p, "interval": "mean +- 1.96 SE over positions",
                        "wall_seconds": round(wall, 1)},
             "cells": cells, "sweep": sweep_cells}
@@ -222,7 +243,8 @@ def _tasks(args, model: str) -> dict[str, tuple[list[list[int]], int, int]]:
         ids = bench_prompts.tokenizer(model)(_read_text(args.text))["input_ids"]
         tasks["text"] = (_spread(ids, length, num_docs, args.text), args.context_tokens, span)
     if args.needle:
-        tasks["needle"] = _needle_task(model, args.context_tokens, args.needle_documents)
+        tasks["needle"] = _needle_task(model, args.context_tokens, args.needle_documents,
+                                        args.needle_seed)
     return tasks
 
 
@@ -244,11 +266,11 @@ def _spread(ids: list[int], length: int, num_docs: int, source) -> list[list[int
     return [ids[i * stride: i * stride + length] for i in range(num_docs)]
 
 
-def _needle_task(model: str, context: int, num_docs: int):
+def _needle_task(model: str, context: int, num_docs: int, seed: int = 0):
     """Documents = needle prompt (context tokens, ends with the question) + the answer;
     the measured positions are the answer's tokens."""
     tok = bench_prompts.tokenizer(model)
-    needles = bench_prompts.needle_prompts(model, context, num_docs)
+    needles = bench_prompts.needle_prompts(model, context, num_docs, seed)
     answers = [tok(f" {n['passphrase']}.", add_special_tokens=False)["input_ids"]
                for n in needles]
     span = min(map(len, answers))
@@ -327,6 +349,9 @@ def _write_md(path: Path, data: dict) -> None:
              f"per span of {c['span']} positions (`_once_per_span`). "
              f"Engine default policy: `{data['default_policy']}`. Wall time "
              f"{c['wall_seconds']:.0f} s.")
+    if "needle_documents" in c:
+        intro += (f" Needle: {c['needle_documents']} documents"
+                  + (f", seed {c['needle_seed']}." if c["needle_seed"] else "."))
     sections = [intro]
     for task in dict.fromkeys(cell["task"] for cell in data["cells"]):
         sections.append(f"## {task}\n\n" + _table([x for x in data["cells"] if x["task"] == task]))

@@ -28,7 +28,8 @@ def needle_prompts(model_dir, num_tokens: int, batch: int, seed: int = 0) -> lis
     """SOTU speeches with "The secret passphrase is NNNNNN." at 40% depth, then a question.
 
     Returns [{"ids": [...], "passphrase": "NNNNNN"}]; each prompt is `num_tokens` long and
-    starts at a different speech.
+    starts at a different speech. Another `seed` draws other passphrases and starts past the
+    speeches of seeds below it (a fresh sample of documents).
     """
     from vllm_triforce.assets import sotu_documents
 
@@ -42,7 +43,7 @@ def needle_prompts(model_dir, num_tokens: int, batch: int, seed: int = 0) -> lis
         needle = tok(f" The secret passphrase is {passphrase}. Remember it: {passphrase}. ",
                      add_special_tokens=False)["input_ids"]
         hay_len = num_tokens - len(needle) - len(question)
-        hay = _haystack(tok, docs[(b * 37) % len(docs):], hay_len)
+        hay = _haystack(tok, docs[((b + seed * batch) * 37) % len(docs):], hay_len)
         depth = int(hay_len * NEEDLE_DEPTH)
         out.append({"ids": hay[:depth] + needle + hay[depth:] + question,
                     "passphrase": passphrase})

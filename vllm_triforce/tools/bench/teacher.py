@@ -59,10 +59,10 @@ class Column:
     selector: Selector
     refresh_every: int = 0  # positions between selections; 0: once per span
     middle_queries: bool = False  # in between: re-select with its own pass's query
-    # score the key variance per band of channels, in bf16 (`compact_key_variance`): the
-    # engine's per-channel store folded as a bf16 engine would keep it; (profile, bands):
-    # `TeacherForcedEngine.compact_summaries`'s arguments
-    compact_variance: tuple[bool, int] | None = None
+    # score the key variance per band of channels (`compact_key_variance`) or rounded: the
+    # engine's per-channel store folded as a bf16 engine would keep it; (profile, bands,
+    # element): `TeacherForcedEngine.compact_summaries`'s arguments
+    compact_variance: tuple[bool, int | None, str] | None = None
     # filled during a span
     selection: Selection | None = None
     states: list = field(default_factory=list)  # SelectionState per document (h2o)
@@ -120,17 +120,31 @@ class TeacherForcedEngine:
     def num_blocks(self) -> int:
         return self.summaries.num_blocks
 
-    def compact_summaries(self, profile: bool = True,
-                          bands: int = COMPACT_BANDS) -> BlockSummaries:
+    def compact_summaries(self, profile: bool = True, bands: int | None = COMPACT_BANDS,
+                          dtype: str | None = "bfloat16",
+                          mean_dtype: str | None = None) -> BlockSummaries:
         """The summaries with their key variance folded into `bands` bands and rounded to
-        bf16 (`BlockSummaries.with_compact_variance`: what an engine with
+        `dtype` (`BlockSummaries.with_compact_variance`: what an engine with
         `compact_key_variance` and a bf16 KV cache keeps, up to the rounding of its own
-        updates; `profile` False: without the channel profile), made once per prefill:
-        the measured passes fold nothing into the summaries."""
-        if (profile, bands) not in self._compact:
-            self._compact[profile, bands] = self.summaries.with_compact_variance(
-                torch.bfloat16, profile, bands)
-        return self._compact[profile, bands]
+        updates; `profile` False: without the channel profile), or (`bands` None) kept per
+        channel and only rounded (None: exact); `mean_dtype`: the mean keys rounded too.
+        A float8 element is scaled per layer, block and KV head (its largest magnitude to
+        the format's largest). Made once per prefill: the measured passes fold nothing
+        into the summaries."""
+        key = (profile, bands, dtype, mean_dtype)
+        if key not in self._compact:
+            source = self.summaries
+            if bands is not None:
+                summaries = source.with_compact_variance(getattr(torch, dtype), profile, bands)
+            else:
+                summaries = BlockSummaries.__new__(BlockSummaries)
+                vars(summaries).update(vars(source))
+                summaries.square_deviations = _rounded(source.deviations(), dtype)
+            if mean_dtype is not None:
+                counts = source.counts.float().view(1, -1, 1, 1).clamp(min=1)
+                summaries.sums = _rounded(source.sums.float() / counts, mean_dtype) * counts
+            self._compact[key] = summaries
+        return self._compact[key]
 
     def prefill(self, documents: list[list[int]]) -> tuple[list[str], torch.Tensor]:
         """Prefill the documents as live requests; returns their ids and block table
@@ -298,3 +312,16 @@ def _walk(engine, documents, block_table, context, num_positions, columns, warmu
         result.acceptance[column.name] = [x for doc in per_doc[column.name] for x in doc]
         result.agreement[column.name] = [x for doc in agree_doc[column.name] for x in doc]
     return result
+
+
+def _rounded(x: torch.Tensor, dtype: str | None) -> torch.Tensor:
+    """x [..., D] float32 as stored in `dtype` and read back (None: x); a float8 is scaled
+    per row of D (a layer's, block's and KV head's channels)."""
+    if dtype is None:
+        return x
+    element = getattr(torch, dtype)
+    if element.itemsize > 1:
+        return x.to(element).float()
+    x = x.float()
+    scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-30) / torch.finfo(element).max
+    return (x / scale).to(element).float() * scale
