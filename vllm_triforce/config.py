@@ -104,7 +104,8 @@ class TriForceConfig:
     # block folded so far (the channel profile, per layer and KV head). Opt-in: on the
     # acceptance bench (column `retrieval_var_compact`, benchmarks/HISTORY.md) within half a
     # point of the per-channel variance on Qwen2.5-Coder-0.5B at 16K tokens (budgets
-    # 512-4,096), but 1.1 below on SmolLM2-135M at 4K and 4.8 below on its needle task.
+    # 512-4,096) and 0.4 below on SmolLM2-135M's Moby-Dick at 4K, but 2.0 below on its
+    # needle task (896 positions; the bands cost it, not their bf16 rounding).
     compact_key_variance: bool = False
     # h2o / topk_oracle keep a copy of every committed key (as much memory as the key
     # cache): for benchmarks. Refused unless the user opts in here.
