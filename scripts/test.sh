@@ -2,7 +2,9 @@
 # Set up (idempotent) and run the test suite. Extra arguments go to pytest.
 # Two workers (pytest-xdist), each taking whole test files: most tests build tiny engines whose
 # time is Python on one core, so two files at once use both cores of a 2-core machine
-# (measured: 44.5 min one at a time). TEST_WORKERS=0 runs them in this process, one at a time.
+# (measured: 44.5 min one at a time), each worker on one OpenMP thread (tests/conftest.py; with
+# two threads each, 35 min against 20 on a 2-core Intel Xeon). TEST_WORKERS=0 runs them in this
+# process, one at a time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

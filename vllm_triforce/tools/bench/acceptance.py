@@ -83,6 +83,12 @@ COLUMNS = {
     "retrieval_var_fp8_mean": ("retrieval", {"variance": True}, STEP, MIDDLE,
                                "Retrieval (mean key in fp8 scaled per block and head + "
                                "variance, sum)"),
+    "retrieval_var_fp8_var": ("retrieval", {"variance": True}, STEP, MIDDLE,
+                              "Retrieval (mean key + variance per channel in fp8 scaled per "
+                              "block and head, sum)"),
+    "retrieval_var_fp8_log": ("retrieval", {"variance": True}, STEP, MIDDLE,
+                              "Retrieval (mean key in fp8 + variance per channel in an 8-bit "
+                              "log code, both scaled per block and head, sum)"),
     "quest": ("quest", {}, STEP, MIDDLE, "Quest (min/max, softmax)"),
     "quest_max": ("quest", {"aggregation": "max"}, STEP, MIDDLE, "Quest (min/max, max)"),
     "quest_sum": ("quest", {"aggregation": "sum"}, STEP, MIDDLE, "Quest (min/max, sum)"),
@@ -107,7 +113,9 @@ COMPACT_COLUMNS = {"retrieval_var_compact": (True, COMPACT_BANDS, "bfloat16", No
                    "retrieval_var_compact_fp32": (True, COMPACT_BANDS, "float32", None),
                    "retrieval_var_bf16": (False, None, "bfloat16", None),
                    "retrieval_var_fp8": (False, None, "float8_e4m3fn", "float8_e4m3fn"),
-                   "retrieval_var_fp8_mean": (False, None, None, "float8_e4m3fn")}
+                   "retrieval_var_fp8_mean": (False, None, None, "float8_e4m3fn"),
+                   "retrieval_var_fp8_var": (False, None, "float8_e4m3fn", None),
+                   "retrieval_var_fp8_log": (False, None, "log8", "float8_e4m3fn")}
 # paired differences: against the per-position oracle, StreamingLLM, mean-key retrieval and
 # the engine's default (`default_column`)
 ORACLE, BASELINE, MEAN_KEY = "topk_oracle_per_position", "streamingllm", "retrieval"
