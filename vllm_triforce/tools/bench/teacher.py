@@ -59,10 +59,11 @@ class Column:
     selector: Selector
     refresh_every: int = 0  # positions between selections; 0: once per span
     middle_queries: bool = False  # in between: re-select with its own pass's query
-    # score the key variance per band of channels (`compact_key_variance`) or rounded: the
-    # engine's per-channel store folded as a bf16 engine would keep it; (profile, bands,
-    # element): `TeacherForcedEngine.compact_summaries`'s arguments
-    compact_variance: tuple[bool, int | None, str] | None = None
+    # score the key variance per band of channels (`compact_key_variance`) or rounded, and
+    # the mean key rounded: the engine's per-channel store folded or coded as another store
+    # would keep it; (profile, bands, element, mean element):
+    # `TeacherForcedEngine.compact_summaries`'s arguments
+    compact_variance: tuple[bool, int | None, str | None, str | None] | None = None
     # filled during a span
     selection: Selection | None = None
     states: list = field(default_factory=list)  # SelectionState per document (h2o)
