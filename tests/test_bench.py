@@ -90,7 +90,7 @@ def test_bench_acceptance_quick(tiny_llama, tmp_path):
     out = tmp_path / "acc"
     data = run_bench("acceptance", out, tiny_llama, "--needle", "--budgets", "1024",
                      "--dtype", "float32")
-    assert data["default_policy"] == default_column() == "retrieval_var"
+    assert data["default_policy"] == default_column() == "retrieval_var_fp8_log"
     assert data["config"]["budget_tokens"] == 160  # 3% of 512 -> the minimum 5 blocks
     cells = data["cells"]
     assert {(c["task"], c["policy"]) for c in cells} == {

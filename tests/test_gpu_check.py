@@ -190,6 +190,7 @@ def test_the_projection_takes_real_text_acceptance_at_the_cases_budget_ratio(tmp
 
 
 def test_the_gpu_plan_times_costs_first_and_vllm_defaults_before_forced_settings():
+    from vllm_triforce.config import TriForceConfig
     from vllm_triforce.tools.bench.gpu_plan import plan
 
     models = {"target": "t", "draft": "d", "shape": "s", "tag": "x", "vocab": 1000}
@@ -199,9 +200,11 @@ def test_the_gpu_plan_times_costs_first_and_vllm_defaults_before_forced_settings
     assert names[5:] and all(n.startswith("exact-") for n in names[5:]), names
     costs = plan(True, models)[1]
     assert [c["name"] for c in costs["cases"]][:2] == ["8x32K", "1x128K"]
-    # the KV cache given back: compact summaries, no prefill peak, at plain vLLM's setting
+    # the KV cache given back: the default coded summaries, no prefill peak, at plain
+    # vLLM's setting
     kept = plan(True, models)[4]
-    assert kept["spec"]["compact_key_variance"] and kept["spec"]["prefill_from_cache"]
+    assert kept["spec"]["prefill_from_cache"] and "compact_key_variance" not in kept["spec"]
+    assert TriForceConfig.from_speculative_config(kept["spec"]).summary_kinds().coded
     assert kept["llm"]["gpu_memory_utilization"] == costs["llm"]["gpu_memory_utilization"]
     # ... and its tokens with prefill_from_cache, against the plain job its name leads to
     fromcache = next(job for job in plan(True, models) if job["name"].endswith("-fromcache"))

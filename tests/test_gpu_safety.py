@@ -215,9 +215,12 @@ def test_memory_plan_worked_example():
     quest = smollm2_plan(keep_bounds=True)  # selection_policy "quest": min + max
     assert quest.summary_bytes_per_block == 69_124
     assert quest.kv_budget(2**30) == 663 * 1_474_560
-    variance = smollm2_plan(keep_variance=True)  # key_variance (the default)
+    variance = smollm2_plan(keep_variance=True)  # key_variance, compact_summaries false
     assert variance.summary_bytes_per_block == 46_084
     assert variance.kv_budget(2**30) == 673 * 1_474_560
+    coded = smollm2_plan(keep_variance=True, coded=True)  # both defaults
+    assert coded.summary_bytes_per_block == 2 * 30 * 3 * (64 + 4) + 4 == 12_244
+    assert coded.kv_budget(2**30) == 689 * 1_474_560
     compact = smollm2_plan(keep_variance=True, compact_variance=True)  # compact_key_variance
     assert compact.summary_bytes_per_block == 23_044 + 30 * 3 * 8 * 4 == 25_924
     assert compact.fixed_bytes == 48_955_392 + 30 * 3 * 64 * 4  # the channel profile

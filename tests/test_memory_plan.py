@@ -11,8 +11,8 @@ are TriForce's as well. The selection, the fold and the lazy reads are profiled 
 their bounds, with SCORE_CHUNK_BYTES cut and with the engine's own smaller read chunk
 (`BlockSummaries.chunk_bytes`). The bounds by the cache's size are worked by hand, a
 384 MiB SmolLM2 engine starts, drafts, and reserves at most a tenth of its budget, and at
-Llama-3.1-8B's shape (computed, not allocated) compact summaries keep at least 96% of the
-KV blocks plain vLLM makes of the same memory, as the start-up line says.
+Llama-3.1-8B's shape (computed, not allocated) the default coded summaries keep at least 96%
+of the KV blocks plain vLLM makes of the same memory, as the start-up line says.
 """
 
 import pytest
@@ -139,16 +139,19 @@ def limit_reads(monkeypatch, limited_by: str, chunk_bytes: int) -> dict:
 
 
 @pytest.mark.parametrize("limited_by", CHUNK_LIMITS)
+@pytest.mark.parametrize("coded", [False, True], ids=["float", "coded"])
 @pytest.mark.parametrize("strategy,chunk_kib", [("gather", 256), ("all", 256),
                                                 ("gather", 4096)])
-def test_selection_scratch_fits_its_reservation(monkeypatch, strategy, chunk_kib, limited_by):
+def test_selection_scratch_fits_its_reservation(monkeypatch, strategy, chunk_kib, coded,
+                                                limited_by):
     """A step-start selection (every candidate scored, the shortlist kept) and a middle
     re-ranking hold at most `selection_scratch_bytes` at once: profiled on CPU with a small
     read chunk, so the chunked reads are chunked here too (8 requests, 4 layers,
     96-block tables; no stacked queries: `choose` takes them gathered). With 4 MiB chunks
     the re-ranking keeps a copy of the listed summaries (2.6 MiB, `listed_copy`), alive
     after the call: counted in the middle's peak. The engine's own chunk
-    (`BlockSummaries.chunk_bytes`) bounds the reads as the global cap does."""
+    (`BlockSummaries.chunk_bytes`) bounds the reads as the global cap does. Coded summaries
+    (the default) are read back in place: no copy larger than a chunk's float32 values."""
     import torch
 
     from vllm_triforce.core.policies import make_policy
@@ -162,9 +165,15 @@ def test_selection_scratch_fits_its_reservation(monkeypatch, strategy, chunk_kib
     reqs, layers, heads, dim, q_heads, bs, width = 8, 4, 2, 64, 4, 16, 96
     gen = torch.Generator().manual_seed(0)
     summaries = BlockSummaries(layers, reqs * width, heads, dim, bs, keep_variance=True,
-                               **limit)
-    summaries.sums.normal_(generator=gen)
-    summaries.square_deviations.uniform_(generator=gen)
+                               coded=coded, **limit)
+    shape = (layers, reqs * width, heads, dim)
+    sums, deviations = torch.randn(shape, generator=gen), torch.rand(shape, generator=gen)
+    if coded:
+        summaries.sums.fill_(sums)
+        summaries.square_deviations.fill_(deviations)
+    else:
+        summaries.sums.copy_(sums)
+        summaries.square_deviations.copy_(deviations)
     summaries.counts.fill_(bs)
     table = torch.randperm(reqs * width, generator=gen).view(reqs, width)
     committed = torch.full((reqs,), width * bs - 5)
@@ -186,16 +195,17 @@ def test_selection_scratch_fits_its_reservation(monkeypatch, strategy, chunk_kib
 
 
 @pytest.mark.parametrize("limited_by", CHUNK_LIMITS)
-@pytest.mark.parametrize("dtype,compact", [("float32", False), ("bfloat16", False),
-                                           ("bfloat16", True)])
-def test_fold_scratch_fits_its_reservation(monkeypatch, dtype, compact, limited_by):
+@pytest.mark.parametrize("dtype,variance", [("float32", "channels"), ("bfloat16", "channels"),
+                                            ("bfloat16", "bands"), ("bfloat16", "coded")])
+def test_fold_scratch_fits_its_reservation(monkeypatch, dtype, variance, limited_by):
     """Folding a prefill pass's keys into the summaries (engine/summary_keeper.py, by
     pieces of one read chunk of float32 keys) holds at most `fold_scratch_bytes` at once:
     profiled on CPU with the read chunk cut to 64 KiB, by SCORE_CHUNK_BYTES or by the
     summaries' own `chunk_bytes` (2 requests' prompt chunks of 700 and 333 tokens, the
-    second starting inside a block; 4 layers of 2 x 64 keys, key variance, per channel or
-    compact, and bounds). Folded whole, the same pass would not fit; by pieces it ends with
-    the same summaries."""
+    second starting inside a block; 4 layers of 2 x 64 keys, key variance, per channel,
+    per band or coded, and bounds). Folded whole, the same pass would not fit; by pieces it
+    ends with the same summaries (coded: within one more rounding of a block that two
+    pieces share)."""
     from types import SimpleNamespace
 
     import torch
@@ -221,7 +231,9 @@ def test_fold_scratch_fits_its_reservation(monkeypatch, dtype, compact, limited_
         level.device = torch.device("cpu")
         level.summaries = BlockSummaries(layers, 2 * width, heads, dim, bs,
                                          dtype=getattr(torch, dtype), keep_bounds=True,
-                                         keep_variance=True, compact_variance=compact, **limit)
+                                         keep_variance=True,
+                                         compact_variance=variance == "bands",
+                                         coded=variance == "coded", **limit)
 
         def run():
             for committed in level.committed_tokens(batch, [0, 1]):
@@ -236,10 +248,22 @@ def test_fold_scratch_fits_its_reservation(monkeypatch, dtype, compact, limited_
     print(f"\n{dtype}: peak {peak} by pieces, {whole_peak} whole; bound {bound}")
     assert bound // 4 < peak <= bound < whole_peak
     for store in ("sums", "square_deviations", "mins", "maxs"):
-        assert torch.allclose(getattr(level.summaries, store).float(),
-                              getattr(whole.summaries, store).float(),
-                              rtol=1e-2, atol=1e-2), store
+        pieces, one = (values(getattr(s.summaries, store)) for s in (level, whole))
+        if variance == "coded" and store in ("sums", "square_deviations"):
+            # a block two pieces share is coded twice: within two roundings of its row's top
+            top = one.abs().amax(-1, keepdim=True)
+            assert ((pieces - one).abs() <= top / 8).all(), store
+            assert (pieces - one).abs().mean() < 1e-2 * top.mean(), store
+        else:
+            assert torch.allclose(pieces, one, rtol=1e-2, atol=1e-2), store
     assert torch.equal(level.summaries.counts, whole.summaries.counts)
+
+
+def values(store):
+    """A summary store as float32 values (a coded one read back)."""
+    from vllm_triforce.core.summary_coding import CodedStore
+
+    return store.blocks(slice(None)) if isinstance(store, CodedStore) else store.float()
 
 
 # ---- the fixed part follows the cache it serves (engine/memory.py) -----------------------
@@ -248,7 +272,8 @@ SMALL_CACHE = 384 * 2**20
 
 def smollm2_plan(max_num_seqs=256, kv_bytes_per_block=1_474_560, backend=None):
     """engine/memory.py's small-cache example: SmolLM2-135M float32 (30 layers x 3 KV heads
-    x 64, 9 query heads, V 49,152), block 32, key variance, vLLM's CPU `LLM` defaults
+    x 64, 9 query heads, V 49,152), block 32, key variance in float summaries
+    (`compact_summaries` false), vLLM's CPU `LLM` defaults
     (256 sequences, the shape's drafting cap before the cache bounds it; 4,096 batched
     tokens), max_model_len 4,096, gamma2 4, two levels: an EngineShape from these sizes."""
     from vllm_triforce.config import TriForceConfig
@@ -256,7 +281,8 @@ def smollm2_plan(max_num_seqs=256, kv_bytes_per_block=1_474_560, backend=None):
 
     shape = EngineShape.from_sizes(
         num_layers=30, num_kv_heads=3, head_dim=64, vocab_size=49_152, block_size=32,
-        max_num_seqs=max_num_seqs, cfg=TriForceConfig(num_speculative_tokens=4),
+        max_num_seqs=max_num_seqs,
+        cfg=TriForceConfig(num_speculative_tokens=4, compact_summaries=False),
         max_model_len=4096, max_batched_tokens=4096, num_q_heads=9)
     return shape.memory_plan(kv_bytes_per_block, backend)
 
@@ -338,19 +364,25 @@ KV_8B = 32 * 2 * 16 * 8 * 128 * 2  # 2 MiB: a block of every layer's keys and va
 H200_AVAILABLE, GPU_80GB_AVAILABLE = 55_604 * KV_8B, 52 * 10**9
 
 
-def llama_8b_plan(compact: bool, max_num_seqs: int = 256, round_graphs: bool = False,
-                  backend: str | None = None):
+SUMMARY_SETTINGS = {"coded": {},  # the default: compact_summaries
+                    "compact": {"compact_key_variance": True},
+                    "float": {"compact_summaries": False}}
+
+
+def llama_8b_plan(summaries: str = "coded", max_num_seqs: int = 256,
+                  round_graphs: bool = False, backend: str | None = None):
     """engine/memory.py's example at scale: Llama-3.1-8B's shape (32 layers x 8 KV heads x
     128, 32 query heads, V 128,256), bf16 KV cache, block 16, max_model_len 131,072, 8,192
-    batched tokens, two levels, gamma2 6; `compact`: `compact_key_variance`. No per-layer
-    builders (FLASH_ATTN, the GPU bench's backend, keeps none)."""
+    batched tokens, two levels, gamma2 6; `summaries`: a key of SUMMARY_SETTINGS (the
+    default coded ones, the banded `compact_key_variance`, or bf16 sums and float32
+    variances). No per-layer builders (FLASH_ATTN, the GPU bench's backend, keeps none)."""
     import torch
 
     from vllm_triforce.config import TriForceConfig
     from vllm_triforce.engine.shape import EngineShape
 
-    cfg = TriForceConfig(num_speculative_tokens=6, compact_key_variance=compact,
-                         round_graphs=round_graphs)
+    cfg = TriForceConfig(num_speculative_tokens=6, round_graphs=round_graphs,
+                         **SUMMARY_SETTINGS[summaries])
     shape = EngineShape.from_sizes(
         num_layers=32, num_kv_heads=8, head_dim=128, vocab_size=128_256, block_size=16,
         max_num_seqs=max_num_seqs, cfg=cfg, max_model_len=131_072, max_batched_tokens=8192,
@@ -365,9 +397,9 @@ def test_round_graphs_reserve_their_buffers_and_on_flash_attn_their_pool():
     keeps 96% of plain vLLM's blocks."""
     from vllm_triforce.engine.memory import describe_reservation
 
-    off = llama_8b_plan(compact=True).sized(53_000)
-    eager = llama_8b_plan(compact=True, round_graphs=True).sized(53_000)
-    graphs = llama_8b_plan(compact=True, round_graphs=True, backend="FLASH_ATTN")
+    off = llama_8b_plan().sized(53_000)
+    eager = llama_8b_plan(round_graphs=True).sized(53_000)
+    graphs = llama_8b_plan(round_graphs=True, backend="FLASH_ATTN")
     sized = graphs.sized(53_000)
     assert off.round_bytes == 0 and off.drafting == eager.drafting == sized.drafting == 15
     mib = 2**20
@@ -382,38 +414,46 @@ def test_round_graphs_reserve_their_buffers_and_on_flash_attn_their_pool():
     assert "round graphs' buffers and pool 178.4 MiB" in line
 
 
-def test_compact_summaries_cost_17_512ths_of_the_kv_at_llama_8b_shape():
-    """Per 2 MiB block: bf16 key sums and a count (1/32 of the block) and the key variance,
-    32 x 8 x 128 float32s by default (3/32 in all), 32 x 8 x 8 bands in bf16 compact."""
+def test_coded_summaries_cost_a_31st_of_the_kv_at_llama_8b_shape():
+    """Per 2 MiB block: coded (the default), the key sums and the key variance each one byte
+    a value, 32 x 8 x 128, and a float32 scale per layer and KV head (1/31 of the block in
+    all, with the count); float, bf16 key sums and a count (1/32 of the block) and the key
+    variance in 32 x 8 x 128 float32s (3/32 in all); compact, the variance in 32 x 8 x 8
+    bands in bf16 (17/512)."""
     from vllm_triforce.engine.memory import summary_parts
 
-    default, compact = llama_8b_plan(compact=False), llama_8b_plan(compact=True)
-    assert summary_parts(default.shape) == {"mean keys": 65_536 + 4, "key variance": 131_072}
+    coded, compact, floats = (llama_8b_plan(kind) for kind in ("coded", "compact", "float"))
+    assert summary_parts(coded.shape) == {"mean keys": 32_768 + 1_024 + 4,
+                                          "key variance": 32_768 + 1_024}
+    assert summary_parts(floats.shape) == {"mean keys": 65_536 + 4, "key variance": 131_072}
     assert summary_parts(compact.shape) == {"mean keys": 65_536 + 4, "key variance": 4_096}
-    assert default.summary_bytes_per_block == 196_612 == 3 * KV_8B // 32 + 4
+    assert coded.summary_bytes_per_block == 67_588 < KV_8B // 31
+    assert floats.summary_bytes_per_block == 196_612 == 3 * KV_8B // 32 + 4
     assert compact.summary_bytes_per_block == 69_636 == 17 * KV_8B // 512 + 4
 
 
-@pytest.mark.parametrize("available,plain,compact_blocks,default_blocks,drafting", [
-    (H200_AVAILABLE, 55_604, 53_533, 50_574, 15),
-    (GPU_80GB_AVAILABLE, 24_795, 23_816, 22_511, 11)])
-def test_llama_8b_keeps_96_percent_of_plain_vllms_blocks_with_compact_summaries(
-        available, plain, compact_blocks, default_blocks, drafting):
-    """engine/memory.py's example at scale, computed, not allocated: with compact summaries
-    the plan keeps at least 96% of the blocks plain vLLM makes of the same memory, on an
-    H200 and on an 80 GB GPU, whatever max_num_seqs (the limit on rows and scratch, not
-    vLLM's 1,024 sequences, caps the drafting requests); the per-channel float32 variance
-    (the default) keeps 91%."""
+@pytest.mark.parametrize("available,plain,coded_blocks,compact_blocks,float_blocks,drafting", [
+    (H200_AVAILABLE, 55_604, 53_584, 53_533, 50_574, 15),
+    (GPU_80GB_AVAILABLE, 24_795, 23_839, 23_816, 22_511, 11)])
+def test_llama_8b_keeps_96_percent_of_plain_vllms_blocks_by_default(
+        available, plain, coded_blocks, compact_blocks, float_blocks, drafting):
+    """engine/memory.py's example at scale, computed, not allocated: with the default coded
+    summaries (and with the banded `compact_key_variance`) the plan keeps at least 96% of
+    the blocks plain vLLM makes of the same memory at vLLM's default gpu_memory_utilization,
+    on an H200 and on an 80 GB GPU, whatever max_num_seqs (the limit on rows and scratch,
+    not vLLM's 1,024 sequences, caps the drafting requests); bf16 sums and float32
+    variances (`compact_summaries: false`) keep 91%."""
     from vllm_triforce.engine.memory import scaled_limit
 
     assert available // KV_8B == plain
-    compact, default = llama_8b_plan(compact=True), llama_8b_plan(compact=False)
+    coded, compact, floats = (llama_8b_plan(kind) for kind in ("coded", "compact", "float"))
+    assert coded.blocks_for(available) == coded_blocks >= 0.96 * plain
     assert compact.blocks_for(available) == compact_blocks >= 0.96 * plain
-    assert default.blocks_for(available) == default_blocks < 0.92 * plain
-    sizing = compact.sized(compact_blocks)
+    assert floats.blocks_for(available) == float_blocks < 0.92 * plain
+    sizing = coded.sized(coded_blocks)
     assert sizing.drafting == drafting
-    assert sizing.fixed_bytes <= scaled_limit(compact_blocks * KV_8B)
-    assert llama_8b_plan(compact=True, max_num_seqs=1024).blocks_for(available) == compact_blocks
+    assert sizing.fixed_bytes <= scaled_limit(coded_blocks * KV_8B)
+    assert llama_8b_plan(max_num_seqs=1024).blocks_for(available) == coded_blocks
 
 
 def test_the_start_up_line_gives_the_blocks_against_plain_vllm_and_each_buffer():
@@ -422,17 +462,16 @@ def test_the_start_up_line_gives_the_blocks_against_plain_vllm_and_each_buffer()
     by store, the drafting cap and what would lift it."""
     from vllm_triforce.engine.memory import describe_reservation
 
-    plan = llama_8b_plan(compact=True)
+    plan = llama_8b_plan()
     line = describe_reservation(plan, H200_AVAILABLE, plan.blocks_for(H200_AVAILABLE))
-    for part in ("the KV cache gets 53533 blocks, 96.3% of the 55604 plain vLLM would make "
-                 "of 111208.0 MiB; reserved 4142.0 MiB (3.7%)",
-                 "block summaries 3555.3 MiB (mean keys 3346.0 MiB, key variance 209.1 MiB, "
-                 "channel profile 0.1 MiB)",
-                 "probability rows 228.0 MiB (15 drafting requests)", "scratch 356.9 MiB",
-                 "remainder 1.8 MiB", "15 of max_num_seqs 256 requests may draft at once",
-                 "at most 610.2 MiB beside this KV cache",
+    for part in ("the KV cache gets 53584 blocks, 96.4% of the 55604 plain vLLM would make "
+                 "of 111208.0 MiB; reserved 4040.0 MiB (3.6%)",
+                 "block summaries 3453.9 MiB (mean keys 1727.0 MiB, key variance 1726.8 MiB)",
+                 "probability rows 228.0 MiB (15 drafting requests)", "scratch 357.1 MiB",
+                 "remainder 1.0 MiB", "15 of max_num_seqs 256 requests may draft at once",
+                 "at most 610.6 MiB beside this KV cache",
                  "a KV cache of 1030524.0 MiB would let all 256 draft",
-                 "reads of at most 38.1 MiB"):
+                 "reads of at most 38.2 MiB"):
         assert part in line, part
 
 

@@ -62,10 +62,23 @@ def test_version_gate_refuses_other_vllm(found):
     ({"refresh_acceptance_threshold": 2}, "refresh_acceptance_threshold"),
     ({"key_variance": "yes"}, "key_variance"),
     ({"compact_key_variance": 1}, "compact_key_variance"),
+    ({"compact_summaries": "on"}, "compact_summaries"),
+    ({"compact_summaries": True, "compact_key_variance": True}, "compact_summaries"),
 ])
 def test_config_errors_name_the_key(spec, key):
     with pytest.raises(TriForceConfigError, match=key):
         TriForceConfig.from_speculative_config({"method": "triforce", **spec})
+
+
+def test_summaries_are_coded_unless_the_banded_variance_is_asked_for():
+    """`compact_summaries` defaults on; `compact_key_variance` alone turns it off (its
+    variance is banded, not coded); the resolved value survives the trip to the workers."""
+    assert TriForceConfig().summary_kinds().coded
+    banded = TriForceConfig(compact_key_variance=True)
+    assert banded.compact_summaries is False and not banded.summary_kinds().coded
+    assert banded.summary_kinds().compact_variance
+    assert not TriForceConfig(compact_summaries=False).summary_kinds().coded
+    assert TriForceConfig.from_dict(banded.to_dict()) == banded
 
 
 def _engine_config(model, spec, **kw):

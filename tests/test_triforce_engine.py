@@ -173,7 +173,9 @@ def shadow_eager_summaries(monkeypatch) -> list[int]:
     """Keep, beside the engine's summaries, the ones eager folding would hold (every
     committed token's captured key, every step), and check at every selection that the
     engine's summaries of the blocks it scores -- its requests' full committed blocks --
-    equal them. Returns the number of blocks compared per selected request."""
+    equal them (coded summaries, the default: within two codings of them, as a block two
+    prompt chunks share is coded twice). Returns the number of blocks compared per
+    selected request."""
     import torch
 
     from vllm_triforce.core.selection import Selector
@@ -190,7 +192,7 @@ def shadow_eager_summaries(monkeypatch) -> list[int]:
             shadows[id(s)] = BlockSummaries(
                 s.num_layers, s.num_blocks, s.num_kv_heads, s.head_dim, s.block_size,
                 keep_bounds=s.mins is not None, keep_variance=s.square_deviations is not None,
-                compact_variance=s.channel_profile is not None)
+                compact_variance=s.channel_profile is not None)  # never coded: exact
         if self.capture.keys[0] is not None:
             for committed in self.committed_tokens(batch, range(batch.num_reqs)):
                 summary_keeper.fold_committed(shadows[id(s)], self.capture.keys, committed)
@@ -203,15 +205,34 @@ def shadow_eager_summaries(monkeypatch) -> list[int]:
             assert torch.equal(summaries.counts[ids], eager.counts[ids])
             for store in ("sums", "square_deviations", "mins", "maxs"):
                 if getattr(eager, store) is not None:
-                    assert torch.allclose(getattr(summaries, store)[:, ids],
-                                          getattr(eager, store)[:, ids],
-                                          rtol=1e-4, atol=1e-4), store
+                    assert_store_close(getattr(summaries, store), getattr(eager, store), ids,
+                                       store)
             compared.append(ids.numel())
         return choose(self, queries, summaries, block_tables, committed, *args, **kw)
 
     monkeypatch.setattr(summary_keeper.SummaryKeeper, "fold", fold_and_shadow)
     monkeypatch.setattr(Selector, "choose", compare_then_choose)
     return compared
+
+
+def assert_store_close(store, exact, ids, name: str) -> None:
+    """A summary store's blocks `ids` against an uncoded store's `exact` values: within
+    1e-4, or, coded, within two codings (core/summary_coding.py): fp8 sums within 1/8 of
+    their row's largest magnitude, log-coded deviations within 5% of each value (or 2^-15
+    of the row's largest)."""
+    import torch
+
+    from vllm_triforce.core.summary_coding import CodedStore
+
+    want = exact[:, ids].float()
+    if not isinstance(store, CodedStore):
+        assert torch.allclose(store[:, ids].float(), want, rtol=1e-4, atol=1e-4), name
+        return
+    got, top = store.gather(ids), want.abs().amax(-1, keepdim=True)
+    if store.coding == "fp8":
+        assert ((got - want).abs() <= top / 8 + 1e-4).all(), name
+    else:
+        assert ((got - want).abs() <= 0.05 * want + top * 2**-15 + 1e-6).all(), name
 
 
 @pytest.mark.parametrize("policy, prefix_caching, chunk", [
@@ -436,28 +457,35 @@ def test_middle_rounds_rerank_the_step_start_shortlist(tiny_llama, monkeypatch, 
         assert not listed
 
 
-@pytest.mark.parametrize("variance", ["per channel", "compact", None])
+@pytest.mark.parametrize("variance", ["coded", "per channel", "compact", None])
 def test_key_variance_is_the_default_and_can_be_turned_off(tiny_llama, monkeypatch, variance):
     """By default `retrieval` scores blocks by mean key + key variance (the squared-key
-    sums, one per channel of tiny_llama's 32, are read at every selection);
+    sums, one per channel of tiny_llama's 32, are read at every selection), coded in one
+    byte a value (`compact_summaries`); `compact_summaries: false` keeps them in float32;
     compact_key_variance keeps 8 bands of them; key_variance false reads none. Outputs
     identical."""
     from vllm_triforce.core.summaries import BlockSummaries
+    from vllm_triforce.core.summary_coding import CodedStore
 
-    widths = []
+    read = []
     real = BlockSummaries.deviations
     monkeypatch.setattr(BlockSummaries, "deviations",
-                        lambda self: widths.append(real(self).shape[-1]) or real(self))
+                        lambda self: read.append(real(self)) or real(self))
     spec = two_level(refresh_interval=1)
     if variance is None:
         spec["key_variance"] = False
+    if variance == "per channel":
+        spec["compact_summaries"] = False
     if variance == "compact":
         spec["compact_key_variance"] = True
     tokens, stats, _ = generate(tiny_llama, spec)
     assert tokens == plain(tiny_llama)
     assert_drafted(stats)
     assert stats["refreshes"] > 0
-    assert set(widths) == {"per channel": {32}, "compact": {8}, None: set()}[variance]
+    assert {d.shape[-1] for d in read} == {"coded": {32}, "per channel": {32}, "compact": {8},
+                                           None: set()}[variance]
+    assert {isinstance(d, CodedStore) for d in read} == (
+        {variance == "coded"} if variance else set())
 
 
 # ---- the depth controller (core/controller.py, engine/depth.py) --------------------------

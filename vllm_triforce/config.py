@@ -91,9 +91,9 @@ class TriForceConfig:
     # query-weighted per-channel variance of its keys (an estimate of log E[exp(q.k)] over the
     # block), not the mean key alone, which hides a block whose keys spread out towards the
     # query (`bench acceptance` compares the two). Costs one more key-sized vector per
-    # block, float32 whatever the KV cache's dtype (square deviations): 1/(2 x block_size)
-    # of a float32 KV cache, 1/block_size of a bf16 one (at block size 16 with the bf16 key
-    # sums, the summaries are 3/32 of the KV cache).
+    # block (square deviations): coded, a byte a value (`compact_summaries`); else float32
+    # whatever the KV cache's dtype, 1/block_size of a bf16 KV cache (at block size 16 with
+    # the bf16 key sums, the summaries are then 3/32 of the KV cache).
     key_variance: bool = True
     # With `key_variance`: keep the variance per band of channels (8 per KV head, each
     # holding whole RoPE rotation pairs, core/summaries.py) in the summaries' dtype instead
@@ -101,12 +101,22 @@ class TriForceConfig:
     # are 17/512 of the KV cache instead of 3/32, and TriForce keeps at least 96% of plain
     # vLLM's KV blocks at Llama-3.1-8B's shape (engine/memory.py; 91% per channel). A score
     # weighs each band by its channels' q^2, each by its share of the band's M2 over every
-    # block folded so far (the channel profile, per layer and KV head). Opt-in: on the
-    # acceptance bench (column `retrieval_var_compact`, benchmarks/HISTORY.md) within half a
-    # point of the per-channel variance on Qwen2.5-Coder-0.5B at 16K tokens (budgets
-    # 512-4,096) and 0.4 below on SmolLM2-135M's Moby-Dick at 4K, but 2.0 below on its
-    # needle task (896 positions; the bands cost it, not their bf16 rounding).
+    # block folded so far (the channel profile, per layer and KV head). Opt-in, and it
+    # turns `compact_summaries` off (the bands are not coded): on the acceptance bench
+    # (column `retrieval_var_compact`, benchmarks/HISTORY.md) within half a point of the
+    # per-channel variance on Qwen2.5-Coder-0.5B at 16K tokens (budgets 512-4,096) and 0.4
+    # below on SmolLM2-135M's Moby-Dick at 4K, but 2.0 below on its needle task (896
+    # positions; the bands cost it, not their bf16 rounding).
     compact_key_variance: bool = False
+    # Keep the block summaries in one byte per value (core/summary_coding.py): the key sums in
+    # float8 e4m3 and the key variance per channel in a one-byte log code (16 steps per
+    # octave), each row of a layer's, block's and KV head's channels with a float32 scale.
+    # At Llama-3.1-8B's shape the summaries take 1/31 of the KV cache instead of 3/32, and
+    # TriForce keeps 96% of plain vLLM's KV blocks (engine/memory.py). On the acceptance
+    # bench (column `retrieval_var_fp8_log`, benchmarks/HISTORY.md) within a point of the
+    # bf16 sums and float32 variances. Default: on, unless `compact_key_variance` (the
+    # banded variance is not coded); false keeps the float summaries.
+    compact_summaries: bool | None = None
     # h2o / topk_oracle keep a copy of every committed key (as much memory as the key
     # cache): for benchmarks. Refused unless the user opts in here.
     allow_full_key_copy: bool = False
@@ -178,6 +188,19 @@ class TriForceConfig:
                 f"speculative_config['compact_key_variance']={self.compact_key_variance!r} "
                 "must be true (the key variance per band of channels, in the KV cache's dtype: "
                 "less memory) or false (per channel in float32, the default).")
+        if self.compact_summaries is None:
+            object.__setattr__(self, "compact_summaries", not self.compact_key_variance)
+        if not isinstance(self.compact_summaries, bool):
+            raise TriForceConfigError(
+                f"speculative_config['compact_summaries']={self.compact_summaries!r} must be "
+                "true (block summaries coded in one byte a value, the default) or false (bf16 "
+                "or float32 key sums and float32 key variances: more memory).")
+        if self.compact_summaries and self.compact_key_variance:
+            raise TriForceConfigError(
+                "speculative_config sets both 'compact_summaries' and 'compact_key_variance': "
+                "the coded summaries keep the key variance per channel, the compact variance "
+                "per band. Drop 'compact_key_variance' (the coded summaries take as little "
+                "memory and lose less acceptance), or set 'compact_summaries': false.")
         if not isinstance(self.allow_full_key_copy, bool):
             raise TriForceConfigError(
                 f"speculative_config['allow_full_key_copy']={self.allow_full_key_copy!r} must be "
@@ -231,7 +254,7 @@ class TriForceConfig:
         """The block state the policy reads: what the memory plan reserves and the proposer
         allocates (`BlockSummaries(**dataclasses.asdict(kinds))`)."""
         return summary_kinds(self.selection_policy, self.key_variance,
-                             self.compact_key_variance)
+                             self.compact_key_variance, self.compact_summaries)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TriForceConfig":

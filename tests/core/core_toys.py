@@ -20,7 +20,8 @@ def random_block_table(lengths, block_size, num_blocks, max_blocks, gen):
 
 
 def make_pool(lengths, num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, keep_keys=True,
-              seed=0, chunk=5, keep_bounds=True, keep_variance=False, compact_variance=False):
+              seed=0, chunk=5, keep_bounds=True, keep_variance=False, compact_variance=False,
+              coded=False):
     """Requests of the given committed lengths written to BlockSummaries in chunks of
     `chunk` tokens per pass, each pass also carrying 2 speculative (uncommitted) rows.
     Returns (summaries, block_table [R, max_blocks], keys: list of [L, n, H, D])."""
@@ -30,7 +31,8 @@ def make_pool(lengths, num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, k
     table = random_block_table(lengths, block_size, num_blocks, max_blocks, gen)
     summaries = BlockSummaries(num_layers, num_blocks, num_kv_heads, head_dim, block_size,
                                keep_keys=keep_keys, keep_bounds=keep_bounds,
-                               keep_variance=keep_variance, compact_variance=compact_variance)
+                               keep_variance=keep_variance, compact_variance=compact_variance,
+                               coded=coded)
     keys = [torch.randn(num_layers, n, num_kv_heads, head_dim, generator=gen) for n in lengths]
     for r, n in enumerate(lengths):
         for lo in range(0, n, chunk):

@@ -17,16 +17,18 @@ from vllm_triforce.engine.shape import EngineShape
 LAYERS, HEADS, DIM, BLOCK, NUM_BLOCKS = 3, 2, 8, 4, 10
 
 
-@pytest.mark.parametrize("key_variance,compact", [(True, False), (True, True), (False, False)])
+@pytest.mark.parametrize("key_variance,compact,coded", [
+    (True, False, True), (True, False, False), (True, True, False), (False, False, True),
+    (False, False, False)])
 @pytest.mark.parametrize("kv_dtype,model_dtype", [
     (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
     (torch.uint8, torch.bfloat16),  # an fp8 KV cache: vLLM's KV spec says uint8
 ])
 @pytest.mark.parametrize("policy", POLICIES)
 def test_plan_reserves_what_the_allocation_holds(policy, kv_dtype, model_dtype, key_variance,
-                                                  compact):
+                                                  compact, coded):
     cfg = TriForceConfig(selection_policy=policy, key_variance=key_variance,
-                         compact_key_variance=compact,
+                         compact_key_variance=compact, compact_summaries=coded,
                          allow_full_key_copy=policy in FULL_KEY_POLICIES)
     kinds = cfg.summary_kinds()
     dtype = summary_dtype(kv_dtype, model_dtype)  # as the proposer's plan and allocation

@@ -51,14 +51,16 @@ class SummaryKinds:
     keep_bounds: bool = False
     keep_variance: bool = False
     compact_variance: bool = False  # the variance per band of channels (core/summaries.py)
+    coded: bool = False  # key sums and variance in one byte a value (core/summary_coding.py)
 
 
-def summary_kinds(policy: str, key_variance: bool,
-                  compact_key_variance: bool = False) -> SummaryKinds:
-    """The block state policy `policy` reads, `key_variance` and `compact_key_variance`
-    as configured."""
+def summary_kinds(policy: str, key_variance: bool, compact_key_variance: bool = False,
+                  compact_summaries: bool = False) -> SummaryKinds:
+    """The block state policy `policy` reads, `key_variance`, `compact_key_variance` and
+    `compact_summaries` as configured."""
     facts = POLICY_FACTS[policy]
     keep_variance = facts.takes_key_variance and key_variance
     return SummaryKinds(keep_keys=facts.keeps_keys, keep_bounds=facts.keeps_bounds,
                         keep_variance=keep_variance,
-                        compact_variance=keep_variance and compact_key_variance)
+                        compact_variance=keep_variance and compact_key_variance,
+                        coded=compact_summaries and not (keep_variance and compact_key_variance))

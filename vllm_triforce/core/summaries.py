@@ -13,6 +13,12 @@ Two summaries per (layer, physical block, KV head), both updated from committed 
   *bands* of a head's channels, in the summaries' dtype (bf16 in a bf16 engine, float32
   for float16, whose range a band's sum can pass): 8 values per KV head instead of
   head_dim float32s, 1/32 of the per-channel store at head_dim 128 in bf16.
+- coded (`coded=True`, config `compact_summaries`): the key sums in float8 and the square
+  deviations per channel in a one-byte log code, each row of a layer's, block's and KV
+  head's channels with a float32 scale (core/summary_coding.py): a quarter of bf16 sums and
+  float32 variances. A coded store is written whole blocks at a time: a fold reads the
+  blocks it touches, adds its keys in float32 and codes them again (one rounding per
+  pass that touches a block; a block set at once by `set_blocks` is coded once).
 
 Bands. Channel d of a head of D channels is in band (d mod D/2) // (D / (2 x bands)): the
 two halves of a head share their bands, so each band holds whole RoPE rotation pairs
@@ -58,6 +64,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from vllm_triforce.core.reads import flat_rows
+from vllm_triforce.core.summary_coding import CodedStore
 from vllm_triforce.core.tensors import on_device
 
 # Values a compact key variance keeps per KV head (fewer where the head is too narrow for
@@ -145,9 +153,13 @@ class BlockSummaries:
                  block_size: int, dtype: torch.dtype = torch.float32, device=None,
                  keep_keys: bool = False, key_dtype: torch.dtype | None = None,
                  keep_bounds: bool = False, keep_variance: bool = False,
-                 compact_variance: bool = False, chunk_bytes: int | None = None):
+                 compact_variance: bool = False, coded: bool = False,
+                 chunk_bytes: int | None = None):
         if min(num_layers, num_blocks, num_kv_heads, head_dim, block_size) <= 0:
             raise ValueError("BlockSummaries: all sizes must be positive")
+        if coded and compact_variance:
+            raise ValueError("BlockSummaries: a coded store keeps the variance per channel, "
+                             "not per band (coded and compact_variance exclude each other)")
         # The most bytes one chunked read of these summaries (or of the keys they summarise)
         # may copy, where the engine's memory plan sized its scratch for a small cache
         # (engine/memory.py `Sizing.chunk_bytes`); None: reads.SCORE_CHUNK_BYTES.
@@ -157,9 +169,13 @@ class BlockSummaries:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.block_size = block_size
-        # [num_layers, num_blocks, num_kv_heads, head_dim]
-        self.sums = torch.zeros(num_layers, num_blocks, num_kv_heads, head_dim,
-                                dtype=dtype, device=device)
+        self.dtype = dtype  # the element of an uncoded store (a coded one's scales: float32)
+        self.coded = coded
+        # [num_layers, num_blocks, num_kv_heads, head_dim], or coded (module docstring)
+        self.sums: Tensor | CodedStore = (
+            CodedStore("fp8", num_layers, num_blocks, num_kv_heads, head_dim, device) if coded
+            else torch.zeros(num_layers, num_blocks, num_kv_heads, head_dim, dtype=dtype,
+                             device=device))
         # [num_blocks] committed tokens summed into each block
         self.counts = torch.zeros(num_blocks, dtype=torch.int32, device=device)
         # [num_layers, num_blocks, block_size, num_kv_heads, head_dim]: a copy of the
@@ -173,15 +189,19 @@ class BlockSummaries:
         self.mins: Tensor | None = None
         self.maxs: Tensor | None = None
         if keep_bounds:
-            self.mins = torch.full_like(self.sums, float("inf"))
-            self.maxs = torch.full_like(self.sums, float("-inf"))
+            self.mins = torch.full((num_layers, num_blocks, num_kv_heads, head_dim),
+                                   float("inf"), dtype=dtype, device=device)
+            self.maxs = torch.full_like(self.mins, float("-inf"))
         # [num_layers, num_blocks, num_kv_heads, W] the sum over the block's committed keys
         # of (k - block mean)^2 (retrieval with variance=True): per channel (W = head_dim,
         # float32 whatever `dtype`) or, `compact_variance`, per band (W = `variance_width`,
-        # in `variance_dtype`; module docstring).
+        # in `variance_dtype`; module docstring), or coded per channel.
         self.variance_width = variance_width(head_dim, compact_variance)
-        self.square_deviations: Tensor | None = None
-        if keep_variance:
+        self.square_deviations: Tensor | CodedStore | None = None
+        if keep_variance and coded:
+            self.square_deviations = CodedStore("log8", num_layers, num_blocks, num_kv_heads,
+                                                head_dim, device)
+        elif keep_variance:
             self.square_deviations = torch.zeros(
                 num_layers, num_blocks, num_kv_heads, self.variance_width,
                 dtype=variance_dtype(dtype, compact_variance), device=device)
@@ -229,9 +249,12 @@ class BlockSummaries:
             0, run_of_token, (offsets == 0).long(), "amax")  # [S] 1: the block starts over
         self._reset_blocks(touched, starts.bool())
         keys = self._gather_rows(layer_keys, rows)  # [L, n, H, D]
-        if self.square_deviations is not None:  # before sums and counts take the new keys
+        if self.coded:
+            self._add_coded(keys, touched, run_of_token, starts.bool())
+        elif self.square_deviations is not None:  # before sums and counts take the new keys
             self._add_deviations(keys, touched, run_of_token)
-        self.sums.index_add_(1, block_ids, keys.to(self.sums.dtype))
+        if not self.coded:
+            self.sums.index_add_(1, block_ids, keys.to(self.sums.dtype))
         self.counts.index_add_(0, block_ids, torch.ones_like(block_ids, dtype=torch.int32))
         if self.keys is not None:
             self.keys[:, block_ids, offsets] = keys.to(self.keys.dtype)
@@ -256,13 +279,19 @@ class BlockSummaries:
         ids = on_device(block_ids, self.device, torch.long)
         keys = on_device(keys, self.device, torch.float32)  # [L, n, H, bs, D]
         sums = keys.sum(3)  # [L, n, H, D]
-        self.sums.index_copy_(1, ids, sums.to(self.sums.dtype))
         self.counts.index_fill_(0, ids, self.block_size)
+        if self.coded:
+            self.sums.write(ids, sums)
+        else:
+            self.sums.index_copy_(1, ids, sums.to(self.sums.dtype))
         if self.square_deviations is not None:
             mean = sums / self.block_size
             per_channel = (keys - mean[:, :, :, None]).square_().sum(3)  # [L, n, H, D]
-            self.square_deviations.index_copy_(
-                1, ids, self._to_bands(per_channel).to(self.square_deviations.dtype))
+            if self.coded:
+                self.square_deviations.write(ids, per_channel)
+            else:
+                self.square_deviations.index_copy_(
+                    1, ids, self._to_bands(per_channel).to(self.square_deviations.dtype))
         if self.mins is not None:
             self.mins.index_copy_(1, ids, keys.amin(3).to(self.mins.dtype))
             self.maxs.index_copy_(1, ids, keys.amax(3).to(self.maxs.dtype))
@@ -277,11 +306,10 @@ class BlockSummaries:
             keep = starts.view(-1, *([1] * (store.dim() - dim - 1)))
             store[index] = torch.where(keep, torch.full_like(store[index], empty), store[index])
 
-        reset(self.sums, 0.0, 1)
         reset(self.counts, 0, 0)
-        for store, empty in ((self.keys, 0.0), (self.square_deviations, 0.0),
+        for store, empty in ((self.sums, 0.0), (self.keys, 0.0), (self.square_deviations, 0.0),
                              (self.mins, float("inf")), (self.maxs, float("-inf"))):
-            if store is not None:
+            if store is not None and not isinstance(store, CodedStore):  # coded: `_add_coded`
                 reset(store, empty, 1)
 
     def _add_deviations(self, keys: Tensor, touched: Tensor, slot: Tensor) -> None:
@@ -302,6 +330,29 @@ class BlockSummaries:
         # compact: a band's M2 is the sum of its channels', so the update adds up the same way
         self.square_deviations[:, touched] += self._to_bands(m2_b + shift).to(
             self.square_deviations.dtype)
+
+    def _add_coded(self, keys: Tensor, touched: Tensor, slot: Tensor, starts: Tensor) -> None:
+        """A coded store's fold: the blocks `touched` [T] (token i's block is
+        touched[slot[i]]; starts [T]: the block starts over) read back in float32, this
+        pass's keys [L, n, H, D] added (with the variance, as `_add_deviations` does), coded
+        again. Before the counts take the new keys; `_reset_blocks` emptied the counts of
+        the blocks that start over."""
+        keys = keys.float()
+        shape = (self.num_layers, touched.numel(), self.num_kv_heads, self.head_dim)
+        kept = (~starts).float()[None, :, None, None]  # [1, T, 1, 1] 0: the block starts over
+        sum_a = self.sums.gather(touched) * kept
+        sum_b = keys.new_zeros(shape).index_add_(1, slot, keys)
+        if self.square_deviations is not None:
+            n_b = torch.zeros(touched.numel(), device=keys.device).index_add_(
+                0, slot, torch.ones_like(slot, dtype=torch.float32))[:, None, None]  # [T, 1, 1]
+            mean_b = sum_b / n_b
+            m2_b = keys.new_zeros(shape).index_add_(1, slot, (keys - mean_b[:, slot]).square_())
+            n_a = self.counts[touched].float()[:, None, None]
+            mean_a = sum_a / n_a.clamp(min=1)
+            shift = (mean_b - mean_a).square() * (n_a * n_b / (n_a + n_b))
+            m2_a = self.square_deviations.gather(touched) * kept
+            self.square_deviations.write(touched, m2_a + m2_b + shift)
+        self.sums.write(touched, sum_a + sum_b)
 
     def _to_bands(self, per_channel: Tensor) -> Tensor:
         """[L, n, H, head_dim] square deviations -> the store's [L, n, H, variance_width],
@@ -352,13 +403,14 @@ class BlockSummaries:
         for a benchmark that compares the two over one engine's keys (bench acceptance).
         `profile`: with the channel profile of every block in the store (False: bands
         weighed by their channels' mean weight); `bands`: COMPACT_BANDS or another."""
-        if self.square_deviations is None or self.variance_width != self.head_dim:
-            raise ValueError("with_compact_variance folds a per-channel key variance")
+        if (self.square_deviations is None or self.variance_width != self.head_dim
+                or self.coded):
+            raise ValueError("with_compact_variance folds a float per-channel key variance")
         compact = BlockSummaries.__new__(BlockSummaries)
         vars(compact).update(vars(self))
         compact.variance_width = variance_width(self.head_dim, True, bands)
         compact.square_deviations = fold_bands(self.square_deviations, compact.variance_width).to(
-            dtype or variance_dtype(self.sums.dtype, True))
+            dtype or variance_dtype(self.dtype, True))
         per_channel = self.square_deviations.sum(1).float()  # [L, H, D]
         compact.channel_profile = per_channel if profile else torch.ones_like(per_channel)
         compact._shares = None
@@ -373,8 +425,8 @@ class BlockSummaries:
 
     def rows_of(self, store: Tensor, rows: Tensor) -> Tensor:
         """store [L, num_blocks, H, W] at `layer_rows` [R, L, S] -> [R, L, S, H, W], one
-        row gather."""
-        picked = store.view(self.num_layers * self.num_blocks, -1).index_select(0, rows.flatten())
+        row gather (float32 from a coded store)."""
+        picked = flat_rows(store, rows.flatten())
         return picked.view(*rows.shape, self.num_kv_heads, store.shape[-1])
 
     def bounds(self, layer: int, block_table: Tensor) -> tuple[Tensor, Tensor]:

@@ -20,7 +20,8 @@ import torch
 from torch import Tensor
 
 from vllm_triforce.core.blocks import full_block_mask
-from vllm_triforce.core.reads import gather_chunks, gathered, read_limit, rows_dot, score_chunks
+from vllm_triforce.core.reads import (block_slice, block_values, flat_rows, gather_chunks,
+                                      gathered, read_limit, rows_dot, score_chunks)
 from vllm_triforce.core.scoring import (SelectionPolicy, aggregate_heads, check_aggregation,
                                         group_query)
 from vllm_triforce.core.summaries import BlockSummaries
@@ -141,13 +142,13 @@ class RetrievalPolicy(SelectionPolicy):
         if self.aggregation != "sum":
             return None
         stores = [summaries.sums, *([summaries.deviations()] if self.variance else [])]
-        widths = [store[0, 0].numel() for store in stores]  # H * D, then H * W
+        widths = [block_values(store) // store.shape[0] for store in stores]  # H*D, H*W
         if sum(widths) * rows.numel() * 4 > read_limit(summaries):
             return None
         copy = torch.empty(*rows.shape, sum(widths), dtype=torch.float32, device=rows.device)
         flat, start = rows.flatten(), 0
         for store, width in zip(stores, widths):
-            picked = store.view(-1, width).index_select(0, flat)  # [R * L * S, width]
+            picked = flat_rows(store, flat)  # [R * L * S, width]
             copy[..., start:start + width].copy_(picked.view(*rows.shape, width))
             start += width
             del picked  # freed before the next store's rows are read
@@ -183,7 +184,7 @@ class RetrievalPolicy(SelectionPolicy):
                              dim=-1).transpose(0, 1)
             return dots / counts[ids][:, None, :]
         rhs = q.permute(1, 2, 0)  # [L, H*D, R]
-        dots = torch.cat([torch.bmm(store[:, chunk].float().flatten(2), rhs)
+        dots = torch.cat([torch.bmm(block_slice(store, chunk).flatten(2), rhs)
                           for chunk in score_chunks(store, limit)], dim=1)
         dots = dots / counts[:, None]  # [L, N, R]
         index = ids.t()[None].expand(num_layers, -1, -1)  # [L, B, R]
@@ -198,7 +199,7 @@ class RetrievalPolicy(SelectionPolicy):
             dots = torch.cat([torch.einsum("rlhgd,lrbhd->rlhgb", q, gathered(store, ids[:, c]))
                               for c in gather_chunks(store, ids, limit)], dim=-1)
             return dots / counts[ids][:, None, None, None, :]
-        dots = torch.cat([torch.einsum("rlhgd,lnhd->rlhgn", q, store[:, chunk].float())
+        dots = torch.cat([torch.einsum("rlhgd,lnhd->rlhgn", q, block_slice(store, chunk))
                           for chunk in score_chunks(store, limit)], dim=-1) / counts
         return dots.gather(-1, ids[:, None, None, None, :].expand(*dots.shape[:4], -1))
 

@@ -9,12 +9,14 @@ the most KV blocks n for which n x (KV block + per-block part) + the fixed part 
 blocks fit what is available (`MemoryPlan.blocks_for`), where
 
 * the per-block part (scales with the cache) is the block summaries, one key-sized vector
-  per target layer and KV head in `summary_dtype` (the KV cache's, or the model's for an
-  fp8 / int8 cache) plus an int32 count (≈ KV bytes / (2 × block_size) for the target's
-  layers); plus, with `key_variance` (the default for `retrieval`), the keys' square
-  deviations: one more such vector in float32 or, with `compact_key_variance`, 8 values per
-  target layer and KV head in `summary_dtype` (core/summaries.py's bands: at head size 128
-  in bf16, 1/16 of the key sums); plus, for `quest`, two more (per-channel key min
+  per target layer and KV head, by default (`compact_summaries`) coded in a byte a value
+  with a float32 scale (core/summary_coding.py), else in `summary_dtype` (the KV cache's,
+  or the model's for an fp8 / int8 cache), plus an int32 count (≈ KV bytes / (2 ×
+  block_size) for the target's layers in bf16); plus, with `key_variance` (the default for
+  `retrieval`), the keys' square deviations: one more such vector, coded, or in float32,
+  or, with `compact_key_variance`, 8 values per target layer and KV head in
+  `summary_dtype` (core/summaries.py's bands: at head size 128 in bf16, 1/16 of the key
+  sums); plus, for `quest`, two more (per-channel key min
   and max); plus, only with `allow_full_key_copy`, a copy of every committed key (h2o,
   topk_oracle) (`summary_parts` lists them); plus, with FLEX_ATTENTION, the block map
   (`physical_to_logical`) of one metadata builder per target layer, made for a middle
@@ -51,57 +53,62 @@ and the depth planner's cap (its drafting count).
 A budget left without room for one `max_model_len` request is refused with `KVBudgetError`,
 which names each part of the reservation and the fix.
 
-Worked example (SmolLM2-135M float32 on CPU, block 32, 30 layers × 3 KV heads × 64,
-no draft, 1 GiB budget, max_num_seqs 8, gamma2 6, V 49,152, `key_variance` false, no
-selection or fold scratch): a KV block is 30 × 2 × 32 × 3 × 64 × 4 = 1,474,560 B and its
-summary 30 × 3 × 64 × 4 + 4 = 23,044 B; fixed = (8 × (6 + 1) + 1 + 3 × 8 + 8 × 8 + 13 × 8)
-rows × 49,152 × 4 = 249 × 196,608 = 48,955,392 B (per request its 6 hand-off rows and a
-round's logits; the spare row; one chunk of 8 requests' vocabulary work), within 1/16 of
-684 blocks' KV (63,037,440 B), so all 8 requests may draft; blocks = (2^30 − 48,955,392)
-// 1,497,604 = 684, so vLLM gets 684 × 1,474,560 B and 65,142,784 B stay reserved. With
-the default `key_variance` (per channel) the summary is 2 × 23,040 + 4 = 46,084 B and
-blocks = (2^30 − 48,955,392) // 1,520,644 = 673; with `compact_key_variance` (8 bands,
-float32 like these summaries) 23,044 + 30 × 3 × 8 × 4 = 25,924 B, and the channel
-profile's 23,040 B join the fixed part: (2^30 − 48,978,432) // 1,500,484 = 682 blocks;
-with `quest` 3 × 23,040 + 4 = 69,124 B and 663 blocks.
+Worked example (SmolLM2-135M float32 on CPU, block 32, 30 layers × 3 KV heads × 64, no
+draft, 1 GiB budget, max_num_seqs 8, gamma2 6, V 49,152, `key_variance` false,
+`compact_summaries` false, no selection or fold scratch): a KV block is 30 × 2 × 32 × 3 × 64
+× 4 = 1,474,560 B and its summary 30 × 3 × 64 × 4 + 4 = 23,044 B; fixed = (8 × (6 + 1) + 1 +
+3 × 8 + 8 × 8 + 13 × 8) rows × 49,152 × 4 = 249 × 196,608 = 48,955,392 B (per request its 6
+hand-off rows and a round's logits; the spare row; one chunk of 8 requests' vocabulary
+work), within 1/16 of 684 blocks' KV (63,037,440 B), so all 8 requests may draft; blocks =
+(2^30 − 48,955,392) // 1,497,604 = 684, so vLLM gets 684 × 1,474,560 B and 65,142,784 B stay
+reserved. With the default `key_variance` (per channel) the summary is 2 × 23,040 + 4 =
+46,084 B and blocks = (2^30 − 48,955,392) // 1,520,644 = 673; coded as well
+(`compact_summaries`, the default: a byte a value and a float32 scale per layer and KV head)
+2 × 30 × 3 × (64 + 4) + 4 = 12,244 B and (2^30 − 48,955,392) // 1,486,804 = 689 blocks; with
+`compact_key_variance` (8 bands, float32 like these summaries) 23,044 + 30 × 3 × 8 × 4 =
+25,924 B, and the channel profile's 23,040 B join the fixed part: (2^30 − 48,978,432) //
+1,500,484 = 682 blocks; with `quest` 3 × 23,040 + 4 = 69,124 B and 663 blocks.
 
-Worked example, a small cache (the same model with `key_variance` on, max_num_seqs 256
-(the `LLM` default on CPU), max_model_len 4,096 (128 blocks), 4,096 batched tokens,
-gamma2 4, 9 query heads, 384 MiB): the most blocks is 252, whose KV is 371,589,120 B. One
-read chunk is 1/256 of that, 1,451,520 B (63 tokens' keys of every layer); the fold's five
-pieces, 7,257,600 B, are the largest scratch (a selection's 6,465,600 B). Two drafting
-requests' probability rows (2 × (4 + 1) + 1 + 3 × 2 + 8 × 2 + 13 × 2 = 59 rows,
-11,599,872 B) and the scratch make 18,857,472 B, within 1/16 of the KV (23,224,320 B); a
-third request's would make 24,559,104 B. So 252 × 1,520,644 + 18,857,472 = 402,059,760 B
-fit (253 blocks would not), vLLM gets 252 blocks, and 31,064,064 B (29.6 MiB, 7.7%) stay
-reserved: 11,613,168 B of summaries, the 18,857,472 B and a remainder no block fits in; 2 of
-the 256 sequences may draft at once, and the log says that a KV cache of 197,553 blocks
-(277,809 MiB) would let all 256 draft. Sized for 256 drafting requests and 64 MiB reads
-whatever the cache, the fixed part would be 1,277 MiB: more than three times the budget.
+Worked example, a small cache (the same model with `key_variance` on in float summaries
+(`compact_summaries` false), max_num_seqs 256 (the `LLM` default on CPU), max_model_len
+4,096 (128 blocks), 4,096 batched tokens, gamma2 4, 9 query heads, 384 MiB): the most blocks
+is 252, whose KV is 371,589,120 B. One read chunk is 1/256 of that, 1,451,520 B (63 tokens'
+keys of every layer); the fold's five pieces, 7,257,600 B, are the largest scratch (a
+selection's 6,465,600 B). Two drafting requests' probability rows (2 × (4 + 1) + 1 + 3 × 2 +
+8 × 2 + 13 × 2 = 59 rows, 11,599,872 B) and the scratch make 18,857,472 B, within 1/16 of
+the KV (23,224,320 B); a third request's would make 24,559,104 B. So 252 × 1,520,644 +
+18,857,472 = 402,059,760 B fit (253 blocks would not), vLLM gets 252 blocks, and 31,064,064
+B (29.6 MiB, 7.7%) stay reserved: 11,613,168 B of summaries, the 18,857,472 B and a
+remainder no block fits in; 2 of the 256 sequences may draft at once, and the log says that
+a KV cache of 197,553 blocks (277,809 MiB) would let all 256 draft. Sized for 256 drafting
+requests and 64 MiB reads whatever the cache, the fixed part would be 1,277 MiB: more than
+three times the budget.
 
 Worked example at scale (Llama-3.1-8B: bf16 KV cache, block 16, 32 layers × 8 KV heads ×
 128, 32 query heads, V 128,256; two levels, gamma2 6, max_model_len 131,072, 8,192 batched
 tokens, max_num_seqs 256): a KV block is 32 × 2 × 16 × 8 × 128 × 2 = 2,097,152 B. Its
-summaries are 32 × 8 × 128 × 2 + 4 = 65,540 B of bf16 key sums and a count (1/32 of the
-block) plus the key variance: by default 32 × 8 × 128 × 4 = 131,072 B in float32 (196,612 B
-in all, 3/32 of the block); with `compact_key_variance` 32 × 8 × 8 bands × 2 = 4,096 B in
-bf16 (69,636 B, 17/512). A 128K-token request holds 8,192 blocks: 16 GiB of KV and 1.5 GiB
-of default summaries, 0.53 GiB of compact ones. On an H200 at gpu_memory_utilization 0.9,
-plain vLLM made 55,604 blocks of 111,208 MiB (benchmarks/gpu/results.json). Beside such a
-cache the rows and scratch may take 192 MiB + 1/256 of the KV (610 MiB) and a read copies
-at most a 16th of that (38 MiB), so 15 requests draft at once: 466 probability rows of
-128,256 × 4 B (per request its 6 hand-off rows, patches/handoff_rows.py, and a round's
-logits; a chunk of 15 requests' vocabulary work, 24 rows each; the spare row), 228.0 MiB,
-and a selection's scratch over tables of up to 8,192 blocks, 356.9 MiB. So 53,533 blocks
-fit with compact summaries, 96.3% of plain vLLM's, and 4,142 MiB stay reserved (3,555.3 MiB
-of summaries, their 128 KiB channel profile included, 584.9 MiB of rows and scratch, 1.8
-MiB no block fits in); with the default per-channel float32 variance 50,574 (91.0%:
-9,482.8 MiB of summaries). On an 80 GB GPU (~52 GB for the cache
+summaries, coded (the default), are 32 × 8 × (128 + 4) + 4 = 33,796 B of key sums, their
+scales and a count, and 33,792 B of key variance (67,588 B in all, under 1/31 of the
+block); with `compact_summaries` false 32 × 8 × 128 × 2 + 4 = 65,540 B of bf16 key sums
+and a count (1/32 of the block) plus 32 × 8 × 128 × 4 = 131,072 B of float32 variance
+(196,612 B, 3/32); with `compact_key_variance` the sums and 32 × 8 × 8 bands × 2 = 4,096 B
+in bf16 (69,636 B, 17/512). A 128K-token request holds 8,192 blocks: 16 GiB of KV and 0.52
+GiB of coded summaries (1.5 GiB of float ones). On an H200 at gpu_memory_utilization 0.9
+(vLLM's default), plain vLLM made 55,604 blocks of 111,208 MiB
+(benchmarks/gpu/results.json). Beside such a cache the rows and scratch may take 192 MiB
++ 1/256 of the KV (610 MiB) and a read copies at most a 16th of that (38 MiB), so 15
+requests draft at once: 466 probability rows of 128,256 × 4 B (per request its 6 hand-off
+rows, patches/handoff_rows.py, and a round's logits; a chunk of 15 requests' vocabulary
+work, 24 rows each; the spare row), 228.0 MiB, and a selection's scratch over tables of up
+to 8,192 blocks, 357.1 MiB. So 53,584 blocks fit with coded summaries, 96.4% of plain
+vLLM's, and 4,040 MiB stay reserved (3,453.9 MiB of summaries, 585.1 MiB of rows and
+scratch, 1.0 MiB no block fits in); 53,533 (96.3%) with `compact_key_variance`; with float
+summaries 50,574 (91.0%: 9,482.8 MiB of summaries). On an 80 GB GPU (~52 GB for the cache
 after 16 GB of weights and vLLM's activations: 24,795 plain blocks) the limit is 378 MiB,
-reads copy 23.6 MiB and 11 requests draft: 23,816 blocks with compact summaries (96.1%),
-22,511 with the default ones (90.8%). vLLM's default of 1,024 sequences changes none of
-this: the limit, not max_num_seqs, caps the drafting requests (the log says that 1.7 TiB
-of KV cache would let all 1,024 draft).
+reads copy 23.6 MiB and 11 requests draft: 23,839 blocks with coded summaries (96.1%),
+22,511 with float ones (90.8%). vLLM's default of 1,024 sequences changes none of this:
+the limit, not max_num_seqs, caps the drafting requests (the log says that 1.7 TiB of KV
+cache would let all 1,024 draft).
 """
 
 from __future__ import annotations
@@ -117,6 +124,7 @@ from vllm_triforce.config import TriForceConfigError
 from vllm_triforce.core import reads
 from vllm_triforce.core.policy_facts import SummaryKinds
 from vllm_triforce.core.summaries import BlockSummaries, variance_dtype, variance_width
+from vllm_triforce.core.summary_coding import SCALE_BYTES
 from vllm_triforce.engine.buffers import (FLOAT32_BYTES, fold_scratch_bytes, lazy_read_bytes,
                                           round_graph_bytes, selection_scratch_bytes,
                                           vocabulary_rows)
@@ -152,14 +160,18 @@ def scaled_limit(kv_bytes: int) -> int:
 def summary_parts(shape: EngineShape) -> dict[str, int]:
     """Bytes per KV block of each store of the block summaries an engine of `shape` keeps
     (core/summaries.py `BlockSummaries`, as `allocate_summaries` makes it): the key sums in
-    `summary_dtype` and the count; per `shape.kinds`, the key variance (per channel in
-    float32, or per band: `variance_width`, `variance_dtype`), the key bounds (min and
-    max), a copy of the keys."""
+    `summary_dtype` (or coded: a byte a value and a float32 scale per layer and KV head,
+    core/summary_coding.py) and the count; per `shape.kinds`, the key variance (per channel
+    in float32 or coded, or per band: `variance_width`, `variance_dtype`), the key bounds
+    (min and max), a copy of the keys."""
     kinds, dtype = shape.kinds, shape.summary_dtype
     heads = shape.num_layers * shape.num_kv_heads  # one vector per target layer and KV head
     key_bytes = heads * shape.head_dim * dtype.itemsize
-    parts = {"mean keys": key_bytes + COUNT_BYTES}
-    if kinds.keep_variance:
+    coded_bytes = heads * (shape.head_dim + SCALE_BYTES)  # one byte a value, a scale a row
+    parts = {"mean keys": (coded_bytes if kinds.coded else key_bytes) + COUNT_BYTES}
+    if kinds.keep_variance and kinds.coded:
+        parts["key variance"] = coded_bytes
+    elif kinds.keep_variance:
         width = variance_width(shape.head_dim, kinds.compact_variance)
         element = variance_dtype(dtype, kinds.compact_variance).itemsize
         parts["key variance"] = heads * width * element

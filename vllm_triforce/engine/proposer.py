@@ -202,7 +202,8 @@ class TriForceProposer(DraftModelProposer):
         logger.info("TriForce block summaries: %.1f MiB for %d blocks (%s); probability buffers "
                     "%.1f MiB for %d drafting requests; reads of at most %.1f MiB",
                     self.summaries.nbytes() / 2**20, kv_cache_config.num_blocks,
-                    self.summaries.sums.dtype, self._probs_buffer.nbytes / 2**20,
+                    "coded in one byte a value" if self.summaries.coded else self.summaries.dtype,
+                    self._probs_buffer.nbytes / 2**20,
                     self.sizing.drafting, self.sizing.chunk_bytes / 2**20)
 
     def _build_levels(self, paged_keys, unreadable: str | None) -> None:

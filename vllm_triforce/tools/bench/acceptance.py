@@ -104,10 +104,13 @@ COLUMNS = {
     "retrieval_once_per_span": ("retrieval", {}, ONCE_PER_SPAN, False,
                                 "Retrieval, once per span (refresh_interval 64)"),
 }
+# the summaries each kind of engine store keeps, as a COMPACT_COLUMNS entry (None: float)
+CODED_COLUMN = (False, None, "log8", "float8_e4m3fn")  # `compact_summaries`
+BANDED_COLUMN = (True, COMPACT_BANDS, "bfloat16", None)  # `compact_key_variance`
 # columns that score the key variance per band of channels (`compact_key_variance`) or
 # rounded, and the mean key rounded (teacher.py `TeacherForcedEngine.compact_summaries`):
 # (with the channel profile, bands or None: per channel, the variance's element, the mean's)
-COMPACT_COLUMNS = {"retrieval_var_compact": (True, COMPACT_BANDS, "bfloat16", None),
+COMPACT_COLUMNS = {"retrieval_var_compact": BANDED_COLUMN,
                    "retrieval_var_compact_flat": (False, COMPACT_BANDS, "bfloat16", None),
                    "retrieval_var_compact16": (True, 16, "bfloat16", None),
                    "retrieval_var_compact_fp32": (True, COMPACT_BANDS, "float32", None),
@@ -115,7 +118,7 @@ COMPACT_COLUMNS = {"retrieval_var_compact": (True, COMPACT_BANDS, "bfloat16", No
                    "retrieval_var_fp8": (False, None, "float8_e4m3fn", "float8_e4m3fn"),
                    "retrieval_var_fp8_mean": (False, None, None, "float8_e4m3fn"),
                    "retrieval_var_fp8_var": (False, None, "float8_e4m3fn", None),
-                   "retrieval_var_fp8_log": (False, None, "log8", "float8_e4m3fn")}
+                   "retrieval_var_fp8_log": CODED_COLUMN}
 # paired differences: against the per-position oracle, StreamingLLM, mean-key retrieval and
 # the engine's default (`default_column`)
 ORACLE, BASELINE, MEAN_KEY = "topk_oracle_per_position", "streamingllm", "retrieval"
@@ -126,13 +129,15 @@ Z95 = 1.96
 
 
 def default_column() -> str:
-    """The column that selects as the engine does with its default config."""
+    """The column that selects as the engine does with its default config (its summaries
+    coded: `retrieval_var_fp8_log`)."""
     cfg = TriForceConfig()
+    kinds = cfg.summary_kinds()
+    stored = (CODED_COLUMN if kinds.coded and kinds.keep_variance
+              else BANDED_COLUMN if kinds.compact_variance else None)
     return next(name for name, (policy, kwargs, every, middle, _) in COLUMNS.items()
                 if (policy, kwargs, every, middle, COMPACT_COLUMNS.get(name))
-                == (cfg.selection_policy, cfg.policy_kwargs(), STEP, MIDDLE,
-                    (True, COMPACT_BANDS, "bfloat16", None) if cfg.summary_kinds().compact_variance
-                    else None))
+                == (cfg.selection_policy, cfg.policy_kwargs(), STEP, MIDDLE, stored))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -50,7 +50,7 @@ CPU_CASES = (("2x1K", 2, 1024), ("1x2K", 1, 2048))
 # compact summaries and no prefill peak, at plain vLLM's gpu_memory_utilization; its block
 # count against plain's, its propose peak against its reservation, at the 1 x 128K case
 # (every prefill chunk at its longest) with drafting.
-KV_KEPT_SPEC = {"compact_key_variance": True, "prefill_from_cache": True}
+KV_KEPT_SPEC = {"prefill_from_cache": True}  # the coded summaries are the default
 
 
 def plan(on_gpu: bool, models: dict, kernels_ok: bool = True) -> list[dict]:

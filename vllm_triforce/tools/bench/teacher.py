@@ -46,6 +46,7 @@ import torch
 from vllm_triforce.config import BlockCounts
 from vllm_triforce.core.scoring import SelectionState
 from vllm_triforce.core.selection import Selection, Selector, Shortlist
+from vllm_triforce.core import summary_coding
 from vllm_triforce.core.summaries import COMPACT_BANDS, BlockSummaries
 from vllm_triforce.core.tables import build_block_tables
 from vllm_triforce.core.verify import sampling_probs
@@ -112,7 +113,7 @@ class TeacherForcedEngine:
         old = self.drafter.summaries
         wide = BlockSummaries(
             old.num_layers, old.num_blocks, old.num_kv_heads, old.head_dim, old.block_size,
-            dtype=old.sums.dtype, device=old.device, keep_keys=True, keep_bounds=True,
+            dtype=old.dtype, device=old.device, keep_keys=True, keep_bounds=True,
             keep_variance=True)
         vars(old).update(vars(wide))
         return old
@@ -315,22 +316,18 @@ def _walk(engine, documents, block_table, context, num_positions, columns, warmu
     return result
 
 
-# "log8": a value >= 0 as one byte, c = round(16 log2(row max / value)), 255 (or below
-# 2^-15.9 of the row's largest) reading as 0: within 2.2% of every value it keeps
-LOG8_STEPS = 16
-
-
 def _rounded(x: torch.Tensor, dtype: str | None) -> torch.Tensor:
-    """x [..., D] float32 as stored in `dtype` and read back (None: x); a float8 is scaled
-    per row of D (a layer's, block's and KV head's channels), "log8" (LOG8_STEPS) too."""
+    """x [..., D] float32 as stored in `dtype` and read back (None: x): float8 e4m3 and
+    "log8" as the engine's coded summaries keep them (core/summary_coding.py, scaled per
+    row of D: a layer's, block's and KV head's channels), other float8s scaled the same
+    way, wider floats rounded."""
     if dtype is None:
         return x
     if dtype == "log8":
-        top = x.float().amax(-1, keepdim=True).clamp(min=1e-30)
-        code = (LOG8_STEPS * torch.log2(top / x.float().clamp(min=1e-30))).round()
-        return torch.where(code < 255, top * torch.exp2(-code / LOG8_STEPS),
-                           torch.zeros_like(top))
+        return summary_coding.rounded(x, "log8")
     element = getattr(torch, dtype)
+    if element is summary_coding.FP8:
+        return summary_coding.rounded(x, "fp8")
     if element.itemsize > 1:
         return x.to(element).float()
     x = x.float()
