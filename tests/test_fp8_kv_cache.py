@@ -44,7 +44,8 @@ def triforce_on_fp8(model, spec, prompts, params, **over) -> tuple[list, dict, d
         drafter = drafter_of(llm)
         plan = drafter.memory_plan()
         per_token = plan.kv_bytes_per_block // drafter.block_size
-        facts = {"dtype": drafter.summaries.sums.dtype,
+        facts = {"dtype": drafter.summaries.dtype, "coded": drafter.summaries.coded,
+                 "lazy": drafter.retrieval.keeper.lazy,
                  "kv_dtype": drafter.runner.get_kv_cache_spec()[
                      drafter.target_layer_names[0]].dtype,
                  "nbytes": drafter.summaries.nbytes(),
@@ -64,13 +65,18 @@ def test_fp8_cache_identical_to_plain_with_float_summaries(tiny_llama):
     summaries are float over a uint8 KV spec (tests/core/test_core_fp8.py: the keys they
     sum stay within fp8 rounding), and what was reserved is what is held, before and after
     KV sizing. (Acceptance against an unquantised cache is a measurement, not a test here:
-    resolving 3 points takes hundreds of drafts of a real model, minutes of CI.)"""
-    tokens, stats, facts = triforce_on_fp8(tiny_llama, two_level(), prompts(), greedy_params())
-    assert_drafted(stats)
-    assert tokens == generate(tiny_llama, kv_cache_dtype="fp8")[0]
-    assert facts["kv_dtype"] == torch.uint8 and facts["dtype"] == torch.float32
-    assert facts["nbytes"] == facts["planned"]
-    assert facts["planned_before_sizing"] == facts["planned_per_block"]
+    resolving 3 points takes hundreds of drafts of a real model, minutes of CI.) Float
+    summaries are folded eagerly (keys read back from an fp8 cache are rounded); coded
+    ones, the default, are set from the cache."""
+    for coded in (False, True):
+        spec = dict(two_level(), compact_summaries=coded)
+        tokens, stats, facts = triforce_on_fp8(tiny_llama, spec, prompts(), greedy_params())
+        assert_drafted(stats)
+        assert tokens == generate(tiny_llama, kv_cache_dtype="fp8")[0]
+        assert facts["kv_dtype"] == torch.uint8 and facts["dtype"] == torch.float32
+        assert facts["coded"] == facts["lazy"] == coded
+        assert facts["nbytes"] == facts["planned"]
+        assert facts["planned_before_sizing"] == facts["planned_per_block"]
 
 
 @needs_fp8_isa

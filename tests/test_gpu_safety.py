@@ -252,8 +252,9 @@ def test_reservation_is_computed_and_applied(tiny_llama):
     # what was reserved covers what was allocated
     assert summaries.nbytes() <= (blocks["triforce"] * plan.summary_bytes_per_block
                                   + plan.sized(blocks["triforce"]).profile_bytes)
-    assert summaries.sums.dtype == torch.float32  # the KV cache's dtype in this engine
+    assert summaries.dtype == torch.float32  # the KV cache's dtype in this engine
     assert summaries.square_deviations is not None  # key_variance, the default
+    assert summaries.coded  # compact_summaries, the default
 
 
 def test_plugin_chosen_cpu_kv_size_leaves_room_for_the_reservation():

@@ -21,8 +21,9 @@ class PolicyFacts:
     keeps_keys: bool = False
     # Keeps per-block per-channel key minima and maxima (two key-sized vectors per block).
     keeps_bounds: bool = False
-    # `key_variance` applies: with it, one float32 key-sized vector per block more (or,
-    # with `compact_key_variance`, 8 values per KV head in the summaries' dtype).
+    # `key_variance` applies: with it, one key-sized vector per block more (coded, a byte
+    # a value, by default; float32 with `compact_summaries` false; with
+    # `compact_key_variance`, 8 values per KV head in the summaries' dtype).
     takes_key_variance: bool = False
     # Between middle rounds, re-ranks the step start's shortlist (`middle_shortlist`).
     reranks_shortlist: bool = False

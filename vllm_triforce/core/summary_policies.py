@@ -61,7 +61,9 @@ class RetrievalPolicy(SelectionPolicy):
     along q (a needle) has a large variance there that its mean dilutes. Needs
     BlockSummaries(keep_variance=True); costs one more dot product per block, either strategy.
     A compact variance (BlockSummaries(compact_variance=True): per band of channels) is
-    weighed by each band's mean q_d^2 (`BlockSummaries.variance_weights`).
+    weighed by each band's mean q_d^2 (`BlockSummaries.variance_weights`). Coded summaries
+    (BlockSummaries(coded=True), the engine's default) are read back as float32 chunk by
+    chunk (core/reads.py) and scored as float ones holding the same values.
     """
     name = "retrieval"
 

@@ -19,8 +19,9 @@ whole prompt back inside a decode step (work as large as the prompt where a deco
 has the least room for it). A request that never drafts (engine/plain_steps.py
 `never_drafts`) has no prompt summarised at all. Every committed token's key is folded at
 every step (eagerly) where the cache cannot be read back exactly: no reader for the
-backend or ISA, a reader that failed its check, an fp8 cache (read back, its keys are
-rounded), or a policy that keeps its own copy of the keys or observes every step
+backend or ISA, a reader that failed its check, an fp8 cache under float summaries (read
+back, its keys are rounded; coded summaries, the default, are set from it all the same:
+`_lazy_possible`), or a policy that keeps its own copy of the keys or observes every step
 (topk_oracle, h2o).
 
 Terms. *committed*: positions whose KV is exact (written by vLLM's full-cache pass and
@@ -233,9 +234,12 @@ class SummaryKeeper:
             self.selector.keys = None
 
     def _lazy_possible(self) -> bool:
-        """Summaries set from the cache equal the eager ones (see top)."""
-        return (self.reader.fp8 is None and self.summaries.keys is None
-                and not self.selector.observes)
+        """Summaries set from the cache equal the eager ones (see top); over an fp8 cache,
+        coded summaries (`compact_summaries`) are set from it too: its keys, read back
+        within fp8's rounding of the keys written, are coded in one byte anyway, once,
+        where eager folding would code a block again at every token it takes."""
+        return ((self.reader.fp8 is None or self.summaries.coded)
+                and self.summaries.keys is None and not self.selector.observes)
 
     def may_be_lazy(self) -> bool:
         """Whether summaries will be set from the cache once the reader passes its check

@@ -77,21 +77,33 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-# name -> (policy, kwargs): configurations timed besides each policy's defaults
-VARIANTS = {"retrieval_var": ("retrieval", {"variance": True})}  # key_variance: true
+# name -> (policy, kwargs, coded summaries): configurations timed besides each policy's
+# defaults (float summaries): key_variance, and key_variance with compact_summaries (the
+# engine's default, read back from one byte a value)
+VARIANTS = {"retrieval_var": ("retrieval", {"variance": True}, False),
+            "retrieval_var_coded": ("retrieval", {"variance": True}, True)}
 
 
 def make_inputs(shape: Shape, args, batch: int, keep_keys: bool, keep_bounds: bool = False,
-                keep_variance: bool = False):
+                keep_variance: bool = False, coded: bool = False):
     """Summaries filled with random full blocks + per-request tables and queries."""
     bs, device = args.block_size, torch.device(args.device)
     num_blocks = args.tokens // bs + 1  # room for the query token of the next pass
     summaries = BlockSummaries(args.layers, num_blocks + 1, shape.num_kv_heads, shape.head_dim, bs,
                                device=device, keep_keys=keep_keys, key_dtype=torch.bfloat16,
-                               keep_bounds=keep_bounds, keep_variance=keep_variance)
-    summaries.sums.normal_()
+                               keep_bounds=keep_bounds, keep_variance=keep_variance,
+                               coded=coded)
+    store_shape = (args.layers, num_blocks + 1, shape.num_kv_heads, shape.head_dim)
+    if coded:
+        summaries.sums.fill_(torch.randn(store_shape, device=device))
+    else:
+        summaries.sums.normal_()
     if summaries.square_deviations is not None:
-        summaries.square_deviations.normal_().abs_()
+        deviations = torch.randn(store_shape, device=device).abs_()
+        if coded:
+            summaries.square_deviations.fill_(deviations)
+        else:
+            summaries.square_deviations.copy_(deviations)
     if summaries.mins is not None:
         summaries.mins.normal_()
         summaries.maxs.copy_(summaries.mins + summaries.maxs.normal_().abs())
@@ -135,10 +147,11 @@ def median_ms(fn, repeat: int, device: torch.device) -> float:
 
 def time_selection(policy_name: str, shape: Shape, args, batch: int) -> tuple[float, int, int]:
     """(median ms per selection, summary bytes of one request's blocks, per-request bytes)."""
-    name, kwargs = VARIANTS.get(policy_name, (policy_name, {}))
+    name, kwargs, coded = VARIANTS.get(policy_name, (policy_name, {}, False))
     policy = make_policy(name, **kwargs)
     summaries, table, query, num_committed = make_inputs(shape, args, batch, policy.needs_keys,
-                                                         policy.needs_bounds, policy.needs_variance)
+                                                         policy.needs_bounds, policy.needs_variance,
+                                                         coded)
     rerank = policy.exact_stage  # reads keys from the paged cache
     keys = paged_cache(shape, args, summaries.num_blocks) if rerank else summaries
     states = [SelectionState() for _ in range(batch)]
