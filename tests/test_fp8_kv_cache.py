@@ -65,18 +65,35 @@ def test_fp8_cache_identical_to_plain_with_float_summaries(tiny_llama):
     summaries are float over a uint8 KV spec (tests/core/test_core_fp8.py: the keys they
     sum stay within fp8 rounding), and what was reserved is what is held, before and after
     KV sizing. (Acceptance against an unquantised cache is a measurement, not a test here:
-    resolving 3 points takes hundreds of drafts of a real model, minutes of CI.) Float
-    summaries are folded eagerly (keys read back from an fp8 cache are rounded); coded
-    ones, the default, are set from the cache."""
+    resolving 3 points takes hundreds of drafts of a real model, minutes of CI.) Float and
+    coded summaries (the default) alike: CPU_ATTN's fp8 cache has no reader, so both are
+    folded at every step (a coded block coded again at each token it takes)."""
     for coded in (False, True):
         spec = dict(two_level(), compact_summaries=coded)
         tokens, stats, facts = triforce_on_fp8(tiny_llama, spec, prompts(), greedy_params())
         assert_drafted(stats)
         assert tokens == generate(tiny_llama, kv_cache_dtype="fp8")[0]
         assert facts["kv_dtype"] == torch.uint8 and facts["dtype"] == torch.float32
-        assert facts["coded"] == facts["lazy"] == coded
+        assert facts["coded"] == coded and not facts["lazy"]
         assert facts["nbytes"] == facts["planned"]
         assert facts["planned_before_sizing"] == facts["planned_per_block"]
+
+
+@pytest.mark.parametrize("coded", [False, True])
+def test_coded_summaries_are_set_from_an_fp8_cache_float_ones_folded(coded):
+    """Where a reader of an fp8 cache exists (the GPU backends: engine/paged_keys.py),
+    coded summaries are set from it (its keys within fp8's rounding, coded once) and float
+    ones are folded from the exact keys at every step; over a plain cache both are set."""
+    from types import SimpleNamespace
+
+    from vllm_triforce.core.summaries import BlockSummaries
+    from vllm_triforce.engine.summary_keeper import SummaryKeeper
+
+    keeper = SummaryKeeper.__new__(SummaryKeeper)
+    keeper.summaries = BlockSummaries(2, 4, 1, 8, 4, keep_variance=True, coded=coded)
+    for fp8, lazy in ((torch.float8_e4m3fn, coded), (None, True)):
+        keeper.selector = SimpleNamespace(keys=SimpleNamespace(fp8=fp8), observes=False)
+        assert keeper.may_be_lazy() == lazy
 
 
 @needs_fp8_isa

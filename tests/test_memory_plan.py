@@ -526,8 +526,9 @@ def test_a_budget_without_room_for_one_request_is_refused_naming_each_part():
 def test_the_384_mib_smollm2_engine_starts_drafts_and_reserves_at_most_a_tenth(smollm2,
                                                                               monkeypatch):
     """The engine of engine/memory.py's small-cache example (fixed depth, so it drafts at
-    every step) starts, reserves what the plan says (at most 10% of the budget), sizes its
-    hand-off buffer, read chunk and drafting cap by the same `Sizing`, and drafts."""
+    every step; float summaries, as the example's) starts, reserves what the plan says (at
+    most 10% of the budget), sizes its hand-off buffer, read chunk and drafting cap by the
+    same `Sizing`, and drafts."""
     from vllm import SamplingParams
 
     from vllm_triforce.assets import moby_dick_text
@@ -535,7 +536,7 @@ def test_the_384_mib_smollm2_engine_starts_drafts_and_reserves_at_most_a_tenth(s
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")  # vLLM's CPU platform would take it instead
 
     spec = {"method": "triforce", "num_speculative_tokens": 4, "retrieval_budget": 512,
-            "adaptive": False}
+            "adaptive": False, "compact_summaries": False}
     llm = in_process_llm(smollm2, spec, **make_engine_kwargs(max_model_len=4096,
                                                              kv_cache_memory_bytes=SMALL_CACHE))
     try:
