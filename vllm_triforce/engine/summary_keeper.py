@@ -236,9 +236,9 @@ class SummaryKeeper:
     def _lazy_possible(self) -> bool:
         """Summaries set from the cache equal the eager ones (see top); over an fp8 cache
         with a reader (the GPU backends'), coded summaries (`compact_summaries`) are set from
-        it too: its keys, read back
-        within fp8's rounding of the keys written, are coded in one byte anyway, once,
-        where eager folding would code a block again at every token it takes."""
+        it too: its keys, read back within fp8's rounding of the keys written, are coded in
+        one byte anyway, once, where eager folding would code a block again at every token
+        it takes."""
         return ((self.reader.fp8 is None or self.summaries.coded)
                 and self.summaries.keys is None and not self.selector.observes)
 
