@@ -15,7 +15,7 @@ Two summaries per (layer, physical block, KV head), both updated from committed 
   head_dim float32s, 1/32 of the per-channel store at head_dim 128 in bf16.
 - coded (`coded=True`, config `compact_summaries`): the key sums in float8 and the square
   deviations per channel in a one-byte log code, each row of a layer's, block's and KV
-  head's channels with a float32 scale (core/summary_coding.py): a quarter of bf16 sums and
+  head's channels with a float32 scale (core/summary_coding.py): a third of bf16 sums and
   float32 variances. A coded store is written whole blocks at a time: a fold reads the
   blocks it touches, adds its keys in float32 and codes them again (one rounding per
   pass that touches a block; a block set at once by `set_blocks` is coded once).

@@ -2,16 +2,18 @@
 
 A summary store is [L, N, H, D] (layer, physical block, KV head, channel). Coded, each value
 takes one byte and each row of D values (one layer's, block's and KV head's) one float32
-scale, so a block's summaries cost about a quarter of bf16 sums and float32 variances:
+scale, so a block's summaries cost a third of bf16 sums and float32 variances (2 bytes a
+channel, not 6):
 - "fp8": a signed value (the key sums) in float8 e4m3, scaled so the row's largest
-  magnitude is e4m3's largest (448): 3 mantissa bits, within 6.25% of every value near the
-  row's top and finer below it, down to 2^-9 x 448 / 448 of the top;
+  magnitude is e4m3's largest (448): 3 mantissa bits, within 6.25% of every value down to
+  2^-14.8 of the row's largest (e4m3's normals), within 2^-18.8 of it below;
 - "log8": a value >= 0 (the keys' square deviations) as c = round(LOG8_STEPS x
   log2(row max / value)), read back as row max x 2^(-c / LOG8_STEPS): within 2.2% of every
   value down to 2^-15.9 of the row's largest; code 255 (or below that) reads as 0.
-Measured on the acceptance bench (benchmarks/HISTORY.md, "The compact key variance on fresh
-needle documents"): the two codings together are column `retrieval_var_fp8_log`, within a
-point of the float summaries where 8 bands of the variance lost 2 points.
+Why these two: the variance keeps a value per channel (a needle's channels are its own; 8
+bands of them lose what a per-channel variance finds) at the bytes the bands took. The
+acceptance bench's column `retrieval_var_fp8_log` is this coding (benchmarks/RESULTS.md
+against the float summaries; benchmarks/HISTORY.md for the codings it was chosen from).
 
 Example, one row of the log code: [8.0, 2.0, 0.0, 1.0] -> top 8.0, codes [0, 32, 255, 48],
 read back [8.0, 2.0, 0.0, 1.0]; 3.0 would be code round(16 log2(8/3)) = 23 and read back
