@@ -113,7 +113,7 @@ class TriForceConfig:
     # octave), each row of a layer's, block's and KV head's channels with a float32 scale.
     # At Llama-3.1-8B's shape the summaries take 1/31 of the KV cache instead of 3/32, and
     # TriForce keeps 96% of plain vLLM's KV blocks (engine/memory.py). On the acceptance
-    # bench (column `retrieval_var_fp8_log`, benchmarks/HISTORY.md) within a point of the
+    # bench (column `retrieval_var_fp8_log`, benchmarks/RESULTS.md) within a point of the
     # bf16 sums and float32 variances. Default: on, unless `compact_key_variance` (the
     # banded variance is not coded); false keeps the float summaries.
     compact_summaries: bool | None = None
@@ -186,8 +186,8 @@ class TriForceConfig:
         if not isinstance(self.compact_key_variance, bool):
             raise TriForceConfigError(
                 f"speculative_config['compact_key_variance']={self.compact_key_variance!r} "
-                "must be true (the key variance per band of channels, in the KV cache's dtype: "
-                "less memory) or false (per channel in float32, the default).")
+                "must be true (the key variance per band of channels, in the KV cache's dtype) "
+                "or false (per channel, the default).")
         if self.compact_summaries is None:
             object.__setattr__(self, "compact_summaries", not self.compact_key_variance)
         if not isinstance(self.compact_summaries, bool):

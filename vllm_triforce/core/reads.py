@@ -1,10 +1,11 @@
 """How the policies read a summary store without copying all of it at once.
 
-Scoring reads stores [L, N, H, D] (per-block key sums, deviations; bf16 in the engine, or
-coded in one byte per value: core/summary_coding.py `CodedStore`) as float32. Read whole, every physical block's rows or every table block of a long
-request would be copied at once; instead each read takes one "read chunk" of the block
-axis (`block_chunks`, `score_chunks`) or of a table's axis (`gather_chunks`), whose
-float32 copy is at most `read_limit` bytes. `rows_dot` then multiplies the rows read in
+Scoring reads stores [L, N, H, D] (per-block key sums, deviations: coded in one byte a
+value in the engine, core/summary_coding.py `CodedStore`, or bf16 / float32 tensors) as
+float32. Read whole, every physical block's rows or every table block of a long request
+would be copied at once; instead each read takes one "read chunk" of the block axis
+(`block_chunks`, `score_chunks`) or of a table's axis (`gather_chunks`), whose float32
+copy is at most `read_limit` bytes. `rows_dot` then multiplies the rows read in
 place, without copying them again.
 """
 
