@@ -314,45 +314,47 @@ class BlockSummaries:
 
     def _add_deviations(self, keys: Tensor, touched: Tensor, slot: Tensor) -> None:
         """Fold this pass's keys [L, n, H, D] into square_deviations of their blocks
-        `touched` [T] (token i's block is touched[slot[i]]): with a block's old count, mean
-        and M2 (n_a, mu_a, M2_a) and the new keys' (n_b, mu_b, M2_b), M2 = M2_a + M2_b +
-        (mu_b - mu_a)^2 n_a n_b / (n_a + n_b). Only the blocks this pass touched are read."""
-        shape = (self.num_layers, touched.numel(), self.num_kv_heads, self.head_dim)
+        `touched` [T] (token i's block is touched[slot[i]]), by `_merged_m2`. Only the
+        blocks this pass touched are read."""
+        _, m2 = self._merged_m2(keys.float(), touched, slot, self.sums[:, touched].float())
+        # compact: a band's M2 is the sum of its channels', so the update adds up the same way
+        self.square_deviations[:, touched] += self._to_bands(m2).to(
+            self.square_deviations.dtype)
+
+    def _add_coded(self, keys: Tensor, touched: Tensor, slot: Tensor, starts: Tensor) -> None:
+        """A coded store's fold: the blocks `touched` [T] (token i's block is
+        touched[slot[i]]; starts [T]: the block starts over) read back in float32, this
+        pass's keys [L, n, H, D] added (with the variance, by `_merged_m2`), coded again.
+        Before the counts take the new keys; `_reset_blocks` emptied the counts of the
+        blocks that start over."""
         keys = keys.float()
+        kept = (~starts).float()[None, :, None, None]  # [1, T, 1, 1] 0: the block starts over
+        sum_a = self.sums.gather(touched) * kept
+        if self.square_deviations is None:
+            sum_b = keys.new_zeros(sum_a.shape).index_add_(1, slot, keys)
+        else:
+            sum_b, m2 = self._merged_m2(keys, touched, slot, sum_a)
+            m2_a = self.square_deviations.gather(touched) * kept
+            self.square_deviations.write(touched, m2_a + m2)
+        self.sums.write(touched, sum_a + sum_b)
+
+    def _merged_m2(self, keys: Tensor, touched: Tensor, slot: Tensor,
+                   sum_a: Tensor) -> tuple[Tensor, Tensor]:
+        """Chan et al.'s merge of a pass's float32 keys [L, n, H, D] into blocks `touched`
+        [T] (token i's block is touched[slot[i]]) that hold key sums sum_a [L, T, H, D] over
+        `counts` tokens: with a block's old count, mean and M2 (n_a, mu_a, M2_a) and the new
+        keys' (n_b, mu_b, M2_b), M2 = M2_a + M2_b + (mu_b - mu_a)^2 n_a n_b / (n_a + n_b).
+        Returns (the new keys' sums per block, M2_b + the shift term: what M2_a gains)."""
+        shape = (self.num_layers, touched.numel(), self.num_kv_heads, self.head_dim)
         n_b = torch.zeros(touched.numel(), device=keys.device).index_add_(
             0, slot, torch.ones_like(slot, dtype=torch.float32))[:, None, None]  # [T, 1, 1]
         sum_b = keys.new_zeros(shape).index_add_(1, slot, keys)
         mean_b = sum_b / n_b
         m2_b = keys.new_zeros(shape).index_add_(1, slot, (keys - mean_b[:, slot]).square_())
         n_a = self.counts[touched].float()[:, None, None]
-        mean_a = self.sums[:, touched].float() / n_a.clamp(min=1)
+        mean_a = sum_a / n_a.clamp(min=1)
         shift = (mean_b - mean_a).square() * (n_a * n_b / (n_a + n_b))
-        # compact: a band's M2 is the sum of its channels', so the update adds up the same way
-        self.square_deviations[:, touched] += self._to_bands(m2_b + shift).to(
-            self.square_deviations.dtype)
-
-    def _add_coded(self, keys: Tensor, touched: Tensor, slot: Tensor, starts: Tensor) -> None:
-        """A coded store's fold: the blocks `touched` [T] (token i's block is
-        touched[slot[i]]; starts [T]: the block starts over) read back in float32, this
-        pass's keys [L, n, H, D] added (with the variance, as `_add_deviations` does), coded
-        again. Before the counts take the new keys; `_reset_blocks` emptied the counts of
-        the blocks that start over."""
-        keys = keys.float()
-        shape = (self.num_layers, touched.numel(), self.num_kv_heads, self.head_dim)
-        kept = (~starts).float()[None, :, None, None]  # [1, T, 1, 1] 0: the block starts over
-        sum_a = self.sums.gather(touched) * kept
-        sum_b = keys.new_zeros(shape).index_add_(1, slot, keys)
-        if self.square_deviations is not None:
-            n_b = torch.zeros(touched.numel(), device=keys.device).index_add_(
-                0, slot, torch.ones_like(slot, dtype=torch.float32))[:, None, None]  # [T, 1, 1]
-            mean_b = sum_b / n_b
-            m2_b = keys.new_zeros(shape).index_add_(1, slot, (keys - mean_b[:, slot]).square_())
-            n_a = self.counts[touched].float()[:, None, None]
-            mean_a = sum_a / n_a.clamp(min=1)
-            shift = (mean_b - mean_a).square() * (n_a * n_b / (n_a + n_b))
-            m2_a = self.square_deviations.gather(touched) * kept
-            self.square_deviations.write(touched, m2_a + m2_b + shift)
-        self.sums.write(touched, sum_a + sum_b)
+        return sum_b, m2_b + shift
 
     def _to_bands(self, per_channel: Tensor) -> Tensor:
         """[L, n, H, head_dim] square deviations -> the store's [L, n, H, variance_width],

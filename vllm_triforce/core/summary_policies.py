@@ -20,8 +20,8 @@ import torch
 from torch import Tensor
 
 from vllm_triforce.core.blocks import full_block_mask
-from vllm_triforce.core.reads import (block_slice, block_values, flat_rows, gather_chunks,
-                                      gathered, read_limit, rows_dot, score_chunks)
+from vllm_triforce.core.reads import (block_slice, flat_rows, gather_chunks, gathered,
+                                      read_limit, rows_dot, score_chunks)
 from vllm_triforce.core.scoring import (SelectionPolicy, aggregate_heads, check_aggregation,
                                         group_query)
 from vllm_triforce.core.summaries import BlockSummaries
@@ -144,7 +144,7 @@ class RetrievalPolicy(SelectionPolicy):
         if self.aggregation != "sum":
             return None
         stores = [summaries.sums, *([summaries.deviations()] if self.variance else [])]
-        widths = [block_values(store) // store.shape[0] for store in stores]  # H*D, H*W
+        widths = [math.prod(store.shape[2:]) for store in stores]  # H * D, then H * W
         if sum(widths) * rows.numel() * 4 > read_limit(summaries):
             return None
         copy = torch.empty(*rows.shape, sum(widths), dtype=torch.float32, device=rows.device)

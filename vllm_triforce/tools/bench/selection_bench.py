@@ -94,16 +94,15 @@ def make_inputs(shape: Shape, args, batch: int, keep_keys: bool, keep_bounds: bo
                                keep_bounds=keep_bounds, keep_variance=keep_variance,
                                coded=coded)
     store_shape = (args.layers, num_blocks + 1, shape.num_kv_heads, shape.head_dim)
-    if coded:
-        summaries.sums.fill_(torch.randn(store_shape, device=device))
-    else:
-        summaries.sums.normal_()
+    stores = [(summaries.sums, torch.randn(store_shape, device=device))]
     if summaries.square_deviations is not None:
-        deviations = torch.randn(store_shape, device=device).abs_()
+        stores.append((summaries.square_deviations,
+                       torch.randn(store_shape, device=device).abs_()))
+    for store, values in stores:
         if coded:
-            summaries.square_deviations.fill_(deviations)
+            store.fill_(values)  # `CodedStore.fill_`: every block coded
         else:
-            summaries.square_deviations.copy_(deviations)
+            store.copy_(values)
     if summaries.mins is not None:
         summaries.mins.normal_()
         summaries.maxs.copy_(summaries.mins + summaries.maxs.normal_().abs())

@@ -319,8 +319,7 @@ def _walk(engine, documents, block_table, context, num_positions, columns, warmu
 def _rounded(x: torch.Tensor, dtype: str | None) -> torch.Tensor:
     """x [..., D] float32 as stored in `dtype` and read back (None: x): float8 e4m3 and
     "log8" as the engine's coded summaries keep them (core/summary_coding.py, scaled per
-    row of D: a layer's, block's and KV head's channels), other float8s scaled the same
-    way, wider floats rounded."""
+    row of D: a layer's, block's and KV head's channels), wider floats rounded."""
     if dtype is None:
         return x
     if dtype == "log8":
@@ -328,8 +327,6 @@ def _rounded(x: torch.Tensor, dtype: str | None) -> torch.Tensor:
     element = getattr(torch, dtype)
     if element is summary_coding.FP8:
         return summary_coding.rounded(x, "fp8")
-    if element.itemsize > 1:
-        return x.to(element).float()
-    x = x.float()
-    scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-30) / torch.finfo(element).max
-    return (x / scale).to(element).float() * scale
+    if element.itemsize < 2:
+        raise ValueError(f"no coding of the summaries keeps {dtype}")
+    return x.to(element).float()
