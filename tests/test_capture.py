@@ -19,7 +19,7 @@ SPEC = {"method": "triforce", "num_speculative_tokens": 4, "retrieval_budget": 1
 
 
 def assert_nothing_captured(llm) -> None:
-    capture = drafter_of(llm).capture
+    capture = drafter_of(llm).layer_capture
     assert all(q is None for q in capture.queries), "queries kept from a dummy run"
     assert all(k is None for k in capture.keys), "keys kept from a dummy run"
 
@@ -44,7 +44,7 @@ def test_profile_run_is_not_captured_but_real_steps_are(tiny_llama, llm_factory)
     propose = drafter.propose
 
     def recording_propose(*args, **kwargs):
-        captured_at_propose.append(all(q is not None for q in drafter.capture.queries))
+        captured_at_propose.append(all(q is not None for q in drafter.layer_capture.queries))
         return propose(*args, **kwargs)
 
     drafter.propose = recording_propose
@@ -103,7 +103,7 @@ def test_capture_survives_graph_pool_reuse(round_graphs, tiny_llama, llm_factory
     monkeypatch.setattr(CPUAttentionBackendImpl, "forward", reusing_pool)
     llm = llm_factory(tiny_llama, speculative_config=spec)
     overwritten = _run_recording_selections(llm, prompts)
-    buffers = drafter_of(llm).capture.step_buffers
+    buffers = drafter_of(llm).layer_capture.step_buffers
     assert (buffers is not None and buffers.nbytes > 0) == round_graphs
     assert clean["selections"], "no selection was made: the test proves nothing"
     assert overwritten["selections"] == clean["selections"]
@@ -167,8 +167,8 @@ def test_compact_prefills_set_the_same_summaries_from_the_cache(tiny_llama, llm_
                     compact_summaries=False)
         llm = llm_factory(tiny_llama, speculative_config=spec)
         drafter = drafter_of(llm)
-        drafter.capture.copy_tokens = 64
-        assert (drafter.capture.compact_rows is not None) == compact
+        drafter.layer_capture.copy_tokens = 64
+        assert (drafter.layer_capture.compact_rows is not None) == compact
         outs = llm.generate(prompts, params, use_tqdm=False)
         assert_drafted(drafter.stats.snapshot())
         assert drafter.retrieval.keeper.lazy

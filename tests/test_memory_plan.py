@@ -659,8 +659,7 @@ def flashinfer_worker_plan(tiny_llama):
     backend = SimpleNamespace(get_name=lambda: "FLASHINFER")
     worker = SimpleNamespace(
         shape=EngineShape.of(config),
-        runner=SimpleNamespace(get_kv_cache_spec=lambda: {f"layers.{i}": spec
-                                                          for i in range(layers)}),
+        _kv_cache_specs=lambda: {f"layers.{i}": spec for i in range(layers)},
         target_layers=[SimpleNamespace(attn_backend=backend)])
     return config, TriForceProposer.memory_plan(worker)
 

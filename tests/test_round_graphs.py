@@ -184,7 +184,7 @@ def _run(llm, prompts, watch_kv: bool = False) -> dict:
     round_bytes = None
     if guard is not None:
         guard.remove()
-        allocated = graphs.nbytes + drafter.capture.step_buffers.nbytes
+        allocated = graphs.nbytes + drafter.layer_capture.step_buffers.nbytes
         if draft_graphs is not None:
             draft_guard.remove()
             allocated += draft_graphs.buffers.nbytes

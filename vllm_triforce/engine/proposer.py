@@ -35,10 +35,13 @@ vLLM's full-cache verification pass:
    `adaptive` on or off) and, as draft probs, the level-2 distribution each token was drawn
    from, so level 3 (vLLM's verification over the full cache) stays lossless.
 
-The engine's sizes (geometry, gamma1 / gamma2, drafting cap, pass limits) are worked out
-once, in `EngineShape.of` (engine/shape.py), and handed down; the memory plan follows from
-that shape with the runner's KV bytes per block and backend (`EngineShape.memory_plan`).
-The levels are built in `initialize_attn_backend`, each with exactly what it uses. Of the
+What steps 1-5 run on and keep between steps is `Drafting` (engine/drafting.py), which
+Model Runner V2's host (engine/mrv2/speculator.py) shares; this class is its V1 host:
+vLLM's calls, the step's batch read from the V1 runner, the hand-off as V1 takes it. The
+engine's sizes (geometry, gamma1 / gamma2, drafting cap, pass limits) are worked out once,
+in `EngineShape.of` (engine/shape.py), and handed down; the memory plan follows from that
+shape with the runner's KV bytes per block and backend (`EngineShape.memory_plan`). The
+levels are built in `initialize_attn_backend`, each with exactly what it uses. Of the
 engine, only this class and `StepBatch.from_runner` (engine/batch.py, once per step) read
 the runner; only this class reads the `DraftModelProposer` base class's attributes.
 
@@ -52,47 +55,18 @@ and identically seeded generators.
 
 from __future__ import annotations
 
-import dataclasses
-import os
 import time
-import weakref
 
-import numpy as np
-import torch
-from vllm.logger import init_logger
-from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.models.utils import extract_layer_index
 from vllm.config import get_layers_from_vllm_config
+from vllm.model_executor.layers.attention import Attention
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
-from vllm_triforce import engine_settings, metrics
-from vllm_triforce.config import TriForceConfigError, forced_settings
-from vllm_triforce.core.policies import make_policy
-from vllm_triforce.core.refresh import RefreshPolicy
-from vllm_triforce.core.scoring import SelectionState
-from vllm_triforce.core.selection import Selector
-from vllm_triforce.core.summaries import BlockSummaries
+from vllm_triforce import engine_settings
 from vllm_triforce.engine.batch import StepBatch
-from vllm_triforce.engine.device import capture
-from vllm_triforce.engine.device.forward import metadata_path
-from vllm_triforce.engine.device.round_graph import RoundGraphs
-from vllm_triforce.engine.draft_level import DraftLevel, draft_window
-from vllm_triforce.engine.memory import (MemoryPlan, Sizing, allocate_summaries,
-                                         check_one_request, describe_reservation)
-from vllm_triforce.engine.depth import DepthChooser
-from vllm_triforce.engine.middle import HandOffBuffer, MiddleLoop, hand_off
-from vllm_triforce.engine.paged_keys import paged_keys_for
-from vllm_triforce.engine.plain_steps import PlainSteps
-from vllm_triforce.engine.retrieval_level import RetrievalLevel
-from vllm_triforce.engine.shape import EngineShape
-from vllm_triforce.engine.state import RequestState, StateTable
-from vllm_triforce.engine.stats import TriForceStats
-from vllm_triforce.engine.summary_keeper import SummaryKeeper
-
-logger = init_logger("vllm.triforce")
+from vllm_triforce.engine.drafting import Drafting
 
 
-class TriForceProposer(DraftModelProposer):
+class TriForceProposer(Drafting, DraftModelProposer):
     # A step in which no request was handed a draft runs vLLM's plain sampler
     # (patches/zero_draft.py): free when the depth controller keeps every request plain.
     PLAIN_STEPS_WITHOUT_DRAFTS = True
@@ -101,48 +75,19 @@ class TriForceProposer(DraftModelProposer):
         engine_settings.check_effective(vllm_config)  # before any weights load
         super().__init__(vllm_config=vllm_config, device=device, runner=runner)
         self.runner = runner
-        self.shape = EngineShape.of(vllm_config)
-        if self.shape is None:
-            raise TriForceConfigError("TriForceProposer needs an engine configured with "
-                                      "\"method\": \"triforce\" (no TriForce settings found).")
-        self.cfg = self.shape.cfg
-        self.forced_settings = forced_settings(vllm_config)
-        self.reserved_bytes = 0  # set by reserve_memory (patches/kv_reservation.py) ...
-        self.sizing: Sizing | None = None  # ... with the limits it reserved for
-        self._probs_buffer: HandOffBuffer | None = None
         self._last_draft_probs = None
         self._last_draft_prob_req_ids: list[str] | None = None
-        if self.shape.has_draft:
-            self._draft_window()  # refuse a window the draft's context cannot hold
-        self.policy = make_policy(self.cfg.selection_policy, **self.cfg.policy_kwargs())
-        self.refresh = RefreshPolicy(self.cfg.refresh_interval,
-                                     self.cfg.refresh_acceptance_threshold)
-        self.states = StateTable()
-        self._last_batch: StepBatch | None = None  # what the next step's may take again
-        self.stats = TriForceStats()
-        self._metrics = metrics.Publisher(f"{os.getpid()}-{id(self)}", self.stats.snapshot)
-        weakref.finalize(self, metrics.retire, self._metrics)
-        self._published_live: int | None = None  # live requests at the last publish
-        seed = vllm_config.model_config.seed
-        self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(0 if seed is None else seed)
-        self.summaries: BlockSummaries | None = None
-        self.capture: capture.LayerCapture | None = None
-        # The levels, built in initialize_attn_backend (engine/retrieval_level.py,
-        # engine/draft_level.py, engine/middle.py).
-        self.retrieval: RetrievalLevel | None = None
-        self.draft: DraftLevel | None = None
-        self.middle: MiddleLoop | None = None
-        self.depth: DepthChooser | None = None  # the depth controller (engine/depth.py)
-        # the steps with nothing to do, found on the host (engine/plain_steps.py)
-        self.plain_steps: PlainSteps | None = None
-        self._handed_last = False  # the last step handed a request drafts
-        logger.info("TriForce: %s levels, gamma2=%d, gamma1=%d, retrieval budget %d blocks of %d "
-                    "tokens, policy %s%s", 3 if self.shape.has_draft else 2,
-                    self.shape.gamma2, self.shape.gamma1, self.shape.blocks.budget_blocks,
-                    self.shape.block_size, self.cfg.selection_policy,
-                    " (mean key + key variance)" if self.cfg.summary_kinds().keep_variance
-                    else "")
+        self._init_drafting(vllm_config, device)
+
+    # ---- Drafting's reads of the runner ---------------------------------------------
+    def _live_requests(self):
+        return self.runner.requests
+
+    def _kv_cache_specs(self) -> dict:
+        return self.runner.get_kv_cache_spec()
+
+    def _draft_parts(self):
+        return self.model, self.draft_attn_groups, self._draft_attn_layer_names
 
     # ---- vLLM lifecycle ------------------------------------------------------------
     def load_model(self, target_model) -> None:
@@ -152,176 +97,13 @@ class TriForceProposer(DraftModelProposer):
         else:  # two levels: the target drafts for itself; load nothing twice
             self.model = None
             self._draft_attn_layer_names = set()
-        self.target_model = target_model
-        layers = get_layers_from_vllm_config(self.vllm_config, Attention)
-        self.target_layer_names = sorted(target_names, key=extract_layer_index)
-        self.target_layers = [layers[n] for n in self.target_layer_names]
-        self.capture = capture.install(
-            self.target_layers,
-            self.vllm_config.compilation_config.max_cudagraph_capture_size)
+        self._attach_target(target_model, target_names)
 
     def initialize_attn_backend(self, kv_cache_config, kernel_block_sizes=None) -> None:
-        if len(kv_cache_config.kv_cache_groups) != 1:
-            raise TriForceConfigError(
-                "TriForce needs one KV-cache group (full attention in every layer of target and "
-                f"draft); this model has {len(kv_cache_config.kv_cache_groups)} groups.")
-        if self.shape.has_draft:
+        if self.shape.has_draft and len(kv_cache_config.kv_cache_groups) == 1:
             super().initialize_attn_backend(kv_cache_config, kernel_block_sizes)
-        self.block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
-        shape = self.shape
-        if self.block_size != shape.block_size or len(self.target_layers) != shape.num_layers:
-            raise TriForceConfigError(
-                f"TriForce was sized for {shape.num_layers} target layers in blocks of "
-                f"{shape.block_size} tokens; vLLM's KV cache has {len(self.target_layers)} "
-                f"and blocks of {self.block_size}. Please report this with your model.")
-        self.sizing = self._agreed_sizing(kv_cache_config.num_blocks)
-        self.summaries = allocate_summaries(  # what memory_plan reserved
-            shape.kinds, num_layers=shape.num_layers,
-            num_blocks=kv_cache_config.num_blocks, num_kv_heads=shape.num_kv_heads,
-            head_dim=shape.head_dim, block_size=shape.block_size, dtype=shape.summary_dtype,
-            device=self.device, chunk_bytes=self.sizing.chunk_bytes)
-        # [D, gamma2, V]: the draft probabilities handed to vLLM, one row per request that may
-        # draft (the drafting cap, `Sizing.drafting`: max_num_seqs, or what a small cache's
-        # share holds), float32 as vLLM's rejection sampler reads them, reused per step
-        # (patches/handoff_rows.py).
-        self._probs_buffer = HandOffBuffer(self.sizing.drafting, shape.gamma2,
-                                           shape.vocab_size, self.device)
-        backend = self.runner.attn_groups[0][0].backend.get_name()
-        metadata_path(backend)  # refuse an unsupported backend now, not at the first pass
-        # Every policy's engine checks the reader once, at the first commit (SummaryKeeper):
-        # the check decides lazy summaries (set from keys read back from this cache) and
-        # whether `rerank` gets its exact stage; `doctor` reports the result.
-        paged_keys, unreadable = paged_keys_for(
-            self.target_layers, backend, self.block_size, self.vllm_config.cache_config.cache_dtype)
-        if paged_keys is None and self.policy.exact_stage:
-            logger.warning("TriForce: selection_policy %r cannot read keys from this KV cache "
-                           "(%s); it keeps its first stage only.", self.policy.name,
-                           unreadable)
-        self._build_levels(paged_keys, unreadable)
-        logger.info(engine_settings.describe(self.vllm_config, backend, self.forced_settings))
-        logger.info("TriForce block summaries: %.1f MiB for %d blocks (%s); probability buffers "
-                    "%.1f MiB for %d drafting requests; reads of at most %.1f MiB",
-                    self.summaries.nbytes() / 2**20, kv_cache_config.num_blocks,
-                    "coded in one byte a value" if self.summaries.coded else self.summaries.dtype,
-                    self._probs_buffer.nbytes / 2**20,
-                    self.sizing.drafting, self.sizing.chunk_bytes / 2**20)
-
-    def _build_levels(self, paged_keys, unreadable: str | None) -> None:
-        """Each level gets exactly what it uses, from the engine's shape. `paged_keys`:
-        engine/paged_keys.py's reader of this KV cache (None: `unreadable` says why)."""
-        shape = self.shape
-        layer = self.target_layers[0]
-        target_groups = [g for groups in self.runner.attn_groups for g in groups]
-        selector = Selector(self.policy, shape.blocks, self.cfg.middle_shortlist, keys=paged_keys,
-                            chunk_requests=shape.selection_chunk_requests)
-        keeper = SummaryKeeper(self.summaries, self.capture, selector, self.stats, self.device,
-                               unreadable=unreadable)
-        if self.cfg.prefill_from_cache and keeper.may_be_lazy():
-            # a long prefill's blocks come from the cache, not its keys (config.py)
-            self.capture.compact_large_passes(shape.gamma2 + 1, keeper.fold_tokens(),
-                                              when=keeper.may_be_lazy)
-            logger.info("TriForce prefills: a pass of more than %d tokens keeps each request's "
-                        "last %d query rows; its prompts' summaries are read back from the KV "
-                        "cache (prefill_from_cache)", self.capture.copy_tokens, shape.gamma2 + 1)
-        elif self.cfg.prefill_from_cache:
-            logger.warning("TriForce prefills: prefill_from_cache has no effect here, summaries "
-                           "are folded from every key (%s)",
-                           unreadable or "the policy or the KV cache's dtype needs them")
-        else:
-            logger.info("TriForce prefills: folded from their keys as computed, a long prompt "
-                        "chunk's held until then (prefill_from_cache off)")
-        self.retrieval = RetrievalLevel(
-            self.target_model, self.vllm_config, target_groups, self.target_layer_names,
-            layer.num_heads, layer.head_size, self.capture, keeper, selector,
-            self.refresh, self.stats, self.device, pass_limits=shape.pass_limits,
-            round_graphs=self._round_graphs("middle", self.target_layer_names, target_groups))
-        self.draft = None
-        if self.shape.has_draft:
-            self.draft = DraftLevel(self.model, self.vllm_config, self.draft_attn_groups,
-                                    self._draft_window(), self.stats, self.generator,
-                                    self.device, round_graphs=self._round_graphs(
-                                        "draft", sorted(self._draft_attn_layer_names),
-                                        self.draft_attn_groups))
-        tp = self.vllm_config.parallel_config.tensor_parallel_size
-        self.depth = DepthChooser(shape.gamma2, shape.has_draft, self.stats,
-                                  fixed_depth=None if self.cfg.adaptive else shape.gamma2,
-                                  share=_from_tp_rank0 if tp > 1 else None, blocks=shape.blocks,
-                                  max_drafting=self.sizing.drafting)
-        self.middle = MiddleLoop(self.draft, shape.gamma1, self.refresh, self.stats,
-                                 self.generator, self.cfg.measure_middle_acceptance)
-        self.plain_steps = PlainSteps(shape.blocks, keeper, self.depth, self.stats)
-
-    def _round_graphs(self, level: str, layer_names, groups) -> RoundGraphs | None:
-        """A level's passes over persistent buffers (`round_graphs`: engine/device/
-        round_graph.py): "middle", the target's layers `layer_names` over a table per layer,
-        or "draft", the small draft's over one table. None: off, or this backend builds
-        metadata per layer; the start-up log says which path the level takes, and why."""
-        if not self.cfg.round_graphs:
-            logger.info("TriForce %s passes: built per pass (round_graphs off)", level)
-            return None
-        shape, names = self.shape, set(layer_names)
-        groups = [g for g in groups if set(g.layer_names) & names]
-        tp = self.vllm_config.parallel_config.tensor_parallel_size
-        path, why = RoundGraphs.path(groups[0].backend.get_name(), self.device, tp,
-                                     groups[0].kernel_block_size)
-        if len(groups) != 1:
-            path, why = "per pass", f"{level} layers in {len(groups)} attention groups"
-        if path == "per pass":
-            logger.info("TriForce %s passes: built per pass (%s)", level, why)
-            return None
-        draft = level == "draft"
-        # what the memory plan reserved
-        bounds = (shape.draft_round_bounds if draft else shape.round_bounds)(self.sizing.drafting)
-        self.capture.use_step_buffers()  # vLLM's passes into buffers too, not clones
-        graphs = RoundGraphs(self.model if draft else self.target_model, self.vllm_config,
-                             groups[0], list(layer_names), bounds,
-                             None if draft else self.capture, self.device,
-                             use_cuda_graphs=path == "cuda graphs", shared_table=draft,
-                             sample_last=draft)
-        graphs.planned_bytes = self.sizing.round_bytes
-        logger.info("TriForce %s passes: %s (%s), %d token buckets up to %d tokens x %d "
-                    "requests x %d blocks; input buffers %.1f MiB", level, path, why,
-                    len(bounds.buckets), bounds.max_tokens, bounds.max_requests,
-                    bounds.max_width, graphs.buffers.nbytes / 2**20)
-        return graphs
-
-    def _draft_window(self):
-        hf = self.speculative_config.draft_model_config.hf_config
-        return draft_window(self.shape, hf.max_position_embeddings)
-
-    def memory_plan(self) -> MemoryPlan:
-        """What this proposer will allocate beside the KV cache (engine/memory.py): the
-        engine shape's plan (the one the CPU KV sizing makes, patches/cpu_defaults.py), with
-        this runner's KV bytes per block and attention backend."""
-        specs = self.runner.get_kv_cache_spec()
-        return self.shape.memory_plan(sum(s.page_size_bytes for s in specs.values()),
-                                      self.target_layers[0].attn_backend.get_name())
-
-    def reserve_memory(self, available: int) -> int:
-        """Called with the bytes vLLM would turn into KV blocks; returns the smaller budget
-        that leaves room for this proposer's own buffers (patches/kv_reservation.py), sized
-        for the blocks that budget makes (`self.sizing`). Refuses, with the reservation's
-        parts and the fix, a budget that then holds no max_model_len request."""
-        plan = self.memory_plan()
-        num_blocks = plan.blocks_for(available)
-        specs = self.runner.get_kv_cache_spec().values()
-        check_one_request(plan, available, num_blocks,
-                          needed=sum(s.max_memory_usage_bytes(self.vllm_config) for s in specs),
-                          max_model_len=self.vllm_config.model_config.max_model_len)
-        self.sizing = plan.sized(num_blocks)
-        self.reserved_bytes = available - num_blocks * plan.kv_bytes_per_block
-        logger.info("TriForce: %s", describe_reservation(plan, available, num_blocks))
-        return num_blocks * plan.kv_bytes_per_block
-
-    def _agreed_sizing(self, num_blocks: int) -> Sizing:
-        """The sizing `reserve_memory` reserved for (or, where vLLM sized the cache without
-        asking, the one for the `num_blocks` it made), with the smallest drafting cap of the
-        TP ranks, so that every rank drafts for the same requests (the middle passes'
-        collectives match) and none for more than it reserved rows for."""
-        sizing = self.sizing or self.memory_plan().sized(num_blocks)
-        if self.vllm_config.parallel_config.tensor_parallel_size > 1:
-            sizing = dataclasses.replace(sizing, drafting=_tp_min(sizing.drafting))
-        return sizing
+        self._build_drafting(kv_cache_config,
+                             [g for groups in self.runner.attn_groups for g in groups])
 
     def dummy_run(self, num_tokens, *args, **kwargs) -> None:
         if self.shape.has_draft:
@@ -334,21 +116,6 @@ class TriForceProposer(DraftModelProposer):
         """The request of each row of `take_last_draft_probs()` (patches/handoff_rows.py)."""
         return self._last_draft_prob_req_ids
 
-    # ---- a setting -----------------------------------------------------------------
-    def set_fixed_depth(self, depth: int | None) -> None:
-        """Fixed-gamma TriForce from the next step on: every decoding request drafts
-        `depth` tokens a step (at most the step's bound from vLLM; 0 past the drafting cap
-        or where its sampling needs vLLM's plain sampler) with every level, whatever the
-        clocks, its context length or its seed (engine/depth.py). None: back to the
-        configured behaviour, the depth controller (`adaptive`, the default) or
-        num_speculative_tokens (`adaptive: false`). A per-engine override for benchmarks
-        and demos, e.g. `drafter_of(llm).set_fixed_depth(4)` (vllm_triforce/offline.py);
-        with tensor parallelism, set it on every rank."""
-        if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int)
-                                  or depth < 0):
-            raise ValueError(f"set_fixed_depth({depth!r}): a depth is an integer >= 0, or None")
-        self.depth.fix(depth)
-
     # ---- one step -------------------------------------------------------------------
     def propose(self, num_speculative_tokens, target_token_ids, target_positions,
                 target_hidden_states, next_token_ids, token_indices_to_sample,
@@ -359,117 +126,14 @@ class TriForceProposer(DraftModelProposer):
         plain = self.plain_steps.try_step(self.runner, common_attn_metadata, start,
                                           self._handed_last)
         if plain is not None:  # nothing to do: no device value read, no batch built
-            self.capture.clear()
-            if len(self.states):  # states of requests that left go now, not at a later step
-                self._release(self.states.retain(self.runner.requests))
-            self.stats.add(middle_seconds=time.perf_counter() - start)
-            self._publish_stats()
+            self._plain_step_done(start)
             return plain
         batch = StepBatch.from_runner(self.runner, common_attn_metadata, target_token_ids,
                                       next_token_ids, num_rejected_tokens_gpu,
                                       sampling_metadata, self.block_size,
                                       num_speculative_tokens, previous=self._last_batch)
-        batch.never_drafts = self.plain_steps.never(batch.req_ids, self.runner.requests)
-        self._last_batch = batch
-        states, dropped = self.states.of_batch(batch.req_ids, self.runner.requests,
-                                               self._new_state)
-        self._release(dropped)
-        try:
-            with self.capture.paused():  # what it holds is vLLM's pass, read below
-                if self.draft is not None:
-                    self.draft.invalidate(batch, states)
-                with self.retrieval.begin_step(batch, states,
-                                               judged_alone=self.draft is None) as step:
-                    depth = self._begin_depth(step, start)
-                    drafts, probs, prob_req_ids = self._step(step, depth,
-                                                             num_speculative_tokens)
-        finally:
-            self.capture.clear()  # vLLM's next pass records afresh
+        drafts, probs, prob_req_ids = self._run_step(batch, start, num_speculative_tokens)
         self._last_draft_probs, self._last_draft_prob_req_ids = probs, prob_req_ids
-        self._handed_last = any(drafts)
-        depth.end(drafting=self._handed_last, one_time=step.summarise_seconds)
-        self.stats.add(middle_seconds=time.perf_counter() - start)
-        self._publish_stats()
         # one list per request, [] allowed (vLLM's variable-length path), also at a fixed
         # depth: a request over the drafting cap, or prefilling, gets no draft
         return drafts
-
-    def _release(self, dropped: list) -> None:
-        """The rows of requests whose states were dropped, free for new requests."""
-        if dropped:
-            rows = [st.refresh for st in dropped]
-            self.retrieval.selections.release(rows)
-            self.refresh.release(rows)
-
-    def _begin_depth(self, step, start: float):
-        """The step's engine/depth.DepthStep, from what vLLM's pass measured (the commit,
-        `step`, counted it)."""
-        batch = step.batch
-        num_tokens = sum(batch.q_lens)
-        return self.depth.begin(start, batch.req_ids, num_tokens=num_tokens,
-                                emitted=num_tokens - sum(batch.num_rejected),
-                                pure_decode=all(batch.decoding) and not step.prefills,
-                                verified=[(batch.req_ids[r], n, a) for r, n, a in step.verified],
-                                live_req_ids=self.runner.requests)
-
-    def _step(self, step, depth, max_depth: int):
-        """plan -> select -> middle loop -> hand-off, in the retrieval level's `step` and
-        the depth chooser's `depth`. Returns one draft list per request, the drafting
-        requests' probs [D, max depth, V] and their request ids (None, None when every
-        drafting request is greedy or none drafts). `max_depth`: this step's bound from
-        vLLM (num_speculative_tokens, or Dynamic SD's entry for the batch size)."""
-        batch, states = step.batch, step.states
-        rows = batch.decoding_rows()
-
-        def of_rows(values: list) -> list:  # the decoding rows' values (all, mostly)
-            return values if len(rows) == batch.num_reqs else [values[r] for r in rows]
-
-        depths, use_draft = depth.plan(of_rows(batch.req_ids), max_depth,
-                                       num_committed=of_rows(batch.committed),
-                                       seeded=of_rows(batch.seeded), plain=of_rows(batch.plain))
-        drafting = np.asarray(rows, dtype=np.int64)[np.asarray(depths, dtype=np.int64) > 0]
-        if not drafting.size:
-            return [[] for _ in range(batch.num_reqs)], None, None
-        step.select(drafting)
-        drafts_by_row = self.middle.run(step, rows, depths, self._probs_buffer,
-                                        use_draft and self.draft is not None,
-                                        on_round=depth.round_done)
-        step.record_handed(drafts_by_row.rows, depths)
-        return hand_off(batch, drafts_by_row, depths, self._probs_buffer)
-
-    def _publish_stats(self) -> None:
-        """Log and export the counters from TP rank 0 (every rank holds the same ones)."""
-        if self.vllm_config.parallel_config.rank != 0:
-            return
-        self.stats.live_requests = len(self.states)
-        self.stats.maybe_log()
-        # at once when a request came or went; else at most every PUBLISH_INTERVAL_S
-        self._metrics.publish(at_once=self.stats.live_requests != self._published_live)
-        self._published_live = self.stats.live_requests
-
-    def _new_state(self, req_id: str) -> RequestState:
-        state = RequestState(refresh=self.refresh.new_state(), policy_state=SelectionState())
-        request = self.runner.requests.get(req_id)
-        seed = getattr(getattr(request, "sampling_params", None), "seed", None)
-        if seed is not None:  # seeded requests: reproducible, independent of the batch
-            state.generator = torch.Generator(device=self.device)
-            state.generator.manual_seed((seed * 1_000_003 + 0x7F4A7C15) % 2**63)
-        return state
-
-
-def _tp_min(value: int) -> int:
-    """The smallest `value` of the TP ranks, on every rank (an all-reduce over vLLM's TP
-    group's CPU group, vllm/distributed/parallel_state.py, 0.32.0)."""
-    import torch.distributed as dist
-    from vllm.distributed import get_tp_group
-
-    value = torch.tensor([value])
-    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=get_tp_group().cpu_group)
-    return int(value.item())
-
-
-def _from_tp_rank0(obj):
-    """`obj` as TP rank 0 has it, on every rank (vllm/distributed/parallel_state.py, 0.32.0)."""
-    from vllm.distributed import get_tp_group
-
-    return get_tp_group().broadcast_object(obj, src=0)

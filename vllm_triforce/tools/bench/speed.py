@@ -18,6 +18,10 @@ from vllm_triforce.tools.bench import prompts as bench_prompts
 from vllm_triforce.tools.bench import report
 from vllm_triforce.tools.bench.runner import run_methods
 
+# The settings TriForce's engine runs under where the user left vLLM's default
+# (engine_settings.decide) that a plain CPU engine can take as `LLM` keywords.
+FORCED_SETTINGS = {"async_scheduling": False}
+
 QUICK = dict(prompt_tokens=256, batch=2, max_tokens=8, repeats=1, budget=192)
 
 
@@ -37,7 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the largest, then the same engine is timed at each fixed depth given "
                         "(e.g. --gamma 1 2 3 4 6: the controller against every fixed k)")
     p.add_argument("--methods", nargs="+", default=None,
-                   help="subset of: plain draft_model ngram triforce2 triforce3")
+                   help="subset of: plain draft_model ngram triforce2 triforce3 plain_forced "
+                        "(plain_forced: plain vLLM under the settings TriForce forces, "
+                        "async scheduling off; only when named)")
     p.add_argument("--policies", nargs="+", default=None, choices=POLICIES,
                    help="also time TriForce with each of these selection policies (rows "
                         "`triforce2 <policy>` and its fixed depths, likewise triforce3; the "
@@ -51,6 +57,9 @@ def method_runs(args, draft: str | None) -> list[dict]:
     runs = [{"name": "plain", "spec": None,
              "calibrate": {"query_tokens": sorted({g + 1 for g in args.gamma}),
                            "contexts": [args.budget]}}]
+    if args.methods and "plain_forced" in args.methods:
+        # what TriForce's settings alone cost a plain step (engine_settings.decide)
+        runs.append({"name": "plain_forced", "spec": None, "engine": FORCED_SETTINGS})
     if draft:
         runs.append({"name": "draft_model", "spec": {"method": "draft_model", "model": draft,
                                                      "num_speculative_tokens": k}})

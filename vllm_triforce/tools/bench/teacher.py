@@ -212,7 +212,7 @@ class TeacherForcedEngine:
     def _queries(self, num_docs: int) -> torch.Tensor:
         """[D, L, Hq, Dh] the last pass's queries (the engine's capture, copied)."""
         queries = [q.reshape(num_docs, self.num_q_heads, self.head_dim).float().clone()
-                   for q in self.drafter.capture.queries]
+                   for q in self.drafter.layer_capture.queries]
         return torch.stack(queries, dim=1)
 
     def retrieval_pass(self, tokens, t, block_table,

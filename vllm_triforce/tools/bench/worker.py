@@ -5,7 +5,8 @@
 JOB.json: {"model": DIR, "prompts": [[token ids], ...], "max_tokens": M,
 "repeats": R, "temperature": T, "top_p": P, "dtype": "auto", "max_model_len": L,
 "block_size": 32, "runs": [{"name": str, "spec": speculative_config or null,
-optional "temperature", "block_size", "prompts", "variants"}, ...]}.
+optional "temperature", "block_size", "prompts", "variants", "engine" (more `LLM`
+keywords)}, ...]}.
 RESULT.json: a list with one dict per run (same order; a run's variants follow it):
 tokens, prefill_s, decode_s (one per repeat), and for spec runs vLLM's spec-decode
 counters (timed runs only) and, for TriForce, the drafter's per-level counters
@@ -65,7 +66,8 @@ def run_one(job: dict, run: dict) -> list[dict]:
     llm = in_process_llm(job["model"], spec, dtype=job.get("dtype", "auto"), enforce_eager=True,
                          block_size=run.get("block_size", job.get("block_size", 32)),
                          seed=job.get("seed", 0), max_model_len=job["max_model_len"],
-                         disable_log_stats=False, enable_prefix_caching=True)
+                         disable_log_stats=False, enable_prefix_caching=True,
+                         **run.get("engine", {}))
     prompts = [{"prompt_token_ids": ids} for ids in run.get("prompts", job["prompts"])]
     temperature = run.get("temperature", job.get("temperature", 0.0))
     params = SamplingParams(temperature=temperature, top_p=job.get("top_p", 1.0),
