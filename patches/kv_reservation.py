@@ -7,7 +7,8 @@ the profile run and before `initialize_kv_cache`, so the TriForce proposer's all
 (block summaries, probability rows, scratch; vllm_triforce/engine/memory.py) are not in the
 profile and would come on top of `gpu_memory_utilization`.
 
-How: wrap both methods; when the worker's runner holds a TriForce proposer, hand vLLM the
+How: wrap both methods; when the worker's runner holds a TriForce proposer (V1's
+`drafter`, or Model Runner V2's `speculator` under `VLLM_TRIFORCE_MRV2=1`), hand vLLM the
 budget `proposer.reserve_memory(available)` leaves (fewer KV blocks; the proposer logs the
 reservation and its share, and refuses, with TriForce's own error, a budget that then holds
 no `max_model_len` request). Any other engine is untouched.
@@ -37,7 +38,9 @@ def apply() -> None:
 def _make_wrapper(original):
     def determine_available_memory(self, *args, **kwargs):
         available = original(self, *args, **kwargs)
-        drafter = getattr(getattr(self, "model_runner", None), "drafter", None)
+        runner = getattr(self, "model_runner", None)
+        # the V1 runner's proposer, or Model Runner V2's speculator (engine/mrv2/)
+        drafter = getattr(runner, "drafter", None) or getattr(runner, "speculator", None)
         reserve = getattr(drafter, "reserve_memory", None)
         return available if reserve is None else reserve(available)
 

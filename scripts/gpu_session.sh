@@ -16,6 +16,9 @@
 #                                                # keeps (compact summaries, prefill_from_cache,
 #                                                # at gpu_memory_utilization 0.9) and the
 #                                                # tokens with prefill_from_cache on
+#   bash scripts/gpu_session.sh mrv2 [SECONDS]    # carry .bundle: TriForce in Model Runner
+#                                                # V2 (VLLM_TRIFORCE_MRV2=1, experimental):
+#                                                # tokens against plain vLLM's, drafts verified
 #   bash scripts/gpu_session.sh round-graphs [SECONDS] [PARTS]  # carry .bundle: the middle
 #                                                # passes' CUDA graphs against today's path
 #                                                # (a), their cost at the 8B width (b) and at
@@ -30,7 +33,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-session-out}
 mkdir -p "$OUT"
 export VLLM_TRIFORCE_CACHE=/tmp/vt-cache
-step=${1:?costs, kv-kept, model-a, real, host-rounds or round-graphs}
+step=${1:?costs, kv-kept, mrv2, model-a, real, host-rounds or round-graphs}
 budget=${2:-270}
 case "$step" in
   costs)
@@ -42,6 +45,12 @@ case "$step" in
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     bash scripts/gpu_run.sh --budget-s "$budget" --only \
       kernels,kv-kept,exact-flash-bf16-plain,exact-flash-bf16-fromcache \
+      2>&1 | grep -v " INFO \| DEBUG "
+    ;;
+  mrv2)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    bash scripts/gpu_run.sh --budget-s "$budget" --only \
+      kernels,exact-flash-bf16-plain,exact-flash-bf16-2L-mrv2,exact-flash-bf16-3L-mrv2,exact-triton-fp32-plain,exact-triton-fp32-2L-mrv2,exact-triton-fp32-3L-mrv2 \
       2>&1 | grep -v " INFO \| DEBUG "
     ;;
   host-rounds)

@@ -55,6 +55,43 @@ def test_v2_model_runner_refused(tiny_llama, monkeypatch):
         _engine_args(tiny_llama).create_engine_config()
 
 
+def test_v2_model_runner_refusal_names_the_experimental_binding(tiny_llama, monkeypatch):
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    monkeypatch.delenv("VLLM_TRIFORCE_MRV2", raising=False)
+    with pytest.raises(TriForceConfigError, match=r"VLLM_TRIFORCE_MRV2=1"):
+        _engine_args(tiny_llama).create_engine_config()
+
+
+def test_the_mrv2_switch_is_refused_where_mrv2_cannot_run(tiny_llama, monkeypatch):
+    """Model Runner V2 needs Triton; on this CPU the switch gets TriForce's error, with the
+    fix, before any weights load."""
+    monkeypatch.setenv("VLLM_TRIFORCE_MRV2", "1")
+    with pytest.raises(TriForceConfigError,
+                       match=r"VLLM_TRIFORCE_MRV2=1 on cpu.*Triton.*Fix: unset VLLM_TRIFORCE_MRV2"):
+        _engine_args(tiny_llama).create_engine_config()
+
+
+def test_the_mrv2_switch_picks_v2_and_triforces_worker(monkeypatch):
+    """What the switch decides on a GPU (the platform check stood in for): vLLM's V2
+    runner and TriForce's worker class, unless the user chose another worker or V1."""
+    from vllm_triforce import engine_settings
+
+    monkeypatch.setattr(engine_settings, "_check_mrv2_switch", lambda args: None)
+    monkeypatch.setenv("VLLM_TRIFORCE_MRV2", "1")
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "")  # restored after the test
+    args = types.SimpleNamespace(
+        compilation_config=types.SimpleNamespace(cudagraph_mode="PIECEWISE"),
+        async_scheduling=False, worker_cls="auto", attention_backend=None,
+        attention_config=None)
+    parallel = types.SimpleNamespace(data_parallel_size=1, worker_cls="auto")
+    assert engine_settings.decide(args, parallel) == ["model_runner"]
+    import os
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    assert parallel.worker_cls == engine_settings.MRV2_WORKER
+    from vllm_triforce.engine.mrv2 import speculator  # the class the name names
+    assert engine_settings.MRV2_WORKER.endswith(speculator.TriForceWorker.__qualname__)
+
+
 def test_data_parallel_refused(tiny_llama):
     with pytest.raises(TriForceConfigError, match=r"TriForce.*data_parallel_size=2.*Fix"):
         _engine_args(tiny_llama, data_parallel_size=2).create_engine_config()

@@ -17,6 +17,7 @@ min_p 0.1 (vLLM's plain sampler only). b: prompt 100..109, temperature 1, seed 7
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import types
 
@@ -501,30 +502,89 @@ def test_the_binding_classes_take_vllms_places(binding):
     assert "_make_model_runner" in vars(binding.TriForceWorker)
 
 
-def speculator_stand_in(records):
+def speculator_stand_in(records, drafted=None):
     """What TriForceSpeculator.propose reads of itself, built without vLLM's __init__
-    (which loads a config)."""
+    (which loads a config); its step (`Drafting._run_step`, the V1 proposer's own, tested
+    through the V1 runner) hands `drafted` (req_id -> drafts, none by default) and keeps
+    the batch it was given."""
     from vllm_triforce.engine.mrv2.draft_tokens import DraftCounts
 
     stock = stock_handler()
-    return types.SimpleNamespace(
+    this = types.SimpleNamespace(
         draft_tokens=torch.zeros(MAX_REQS, K, dtype=torch.int64), num_speculative_steps=K,
         records=records, sampling_states=sampling_states(), _last_batch=None,
         block_tables=types.SimpleNamespace(input_block_tables=[mrv2_block_table()]),
-        shape=types.SimpleNamespace(block_size=BLOCK), draft_counts=DraftCounts(stock))
+        shape=types.SimpleNamespace(block_size=BLOCK), draft_counts=DraftCounts(stock),
+        stepped=[])
+
+    def run_step(batch, start, max_depth):
+        this._last_batch = batch
+        this.stepped.append((batch, max_depth))
+        return [list((drafted or {}).get(r, [])) for r in batch.req_ids], None, None
+
+    this._run_step = run_step
+    return this
 
 
-def test_propose_builds_the_batch_commits_and_hands_depth_zero(binding):
+def test_propose_commits_runs_the_step_and_hands_its_drafts(binding):
+    """a (greedy) drafts 2 tokens: they reach row 0 of the [R, K] drafts and the scheduler
+    hears 2 for a, 0 for the others; c and b sample, so they reach the step as plain."""
     records = mrv2_records()
-    this = speculator_stand_in(records)
+    this = speculator_stand_in(records, drafted={"a": [7, 8]})
     num_sampled, num_rejected, last_sampled = mrv2_sampled()
     drafts = binding.TriForceSpeculator.propose(
         this, mrv2_input_batch(), {}, {}, None, None, num_sampled, num_rejected,
         last_sampled, None, None, None, num_speculative_tokens=K)
-    assert drafts.shape == (3, K) and bool((drafts == -1).all())
-    assert this._last_batch.next_tokens == [40, 70, 109]
+    assert drafts.tolist() == [[7, 8, -1], [-1] * K, [-1] * K]
+    (batch, max_depth), = this.stepped
+    assert max_depth == K and batch.next_tokens == [40, 70, 109]
+    assert batch.plain == [False, True, True]  # c: min_p and temperature; b: temperature
     assert records["a"].output_token_ids == [20, 21, 30, 40]  # committed
-    assert this.draft_counts.depths == {"a": 0, "c": 0, "b": 0}
+    assert this.draft_counts.depths == {"a": 2, "c": 0, "b": 0}
+
+
+def test_greedy_drafts_only_marks_sampling_requests_plain(binding):
+    batch = mrv2_batch()
+    assert batch.greedy == [True, False, False] and batch.plain == [False, True, False]
+    assert binding.greedy_drafts_only(batch).plain == [False, True, True]
+    greedy = dataclasses.replace(batch, greedy=[True] * 3)
+    assert binding.greedy_drafts_only(greedy) is greedy
+
+
+def test_put_drafts_fills_each_rows_first_columns(binding):
+    drafts = torch.full((3, K), 5, dtype=torch.int64)
+    drafts.fill_(-1)
+    binding.put_drafts(drafts, [[], [1, 2, 3], [4]])
+    assert drafts.tolist() == [[-1, -1, -1], [1, 2, 3], [4, -1, -1]]
+    binding.put_drafts(drafts, [[], [], []])  # nobody drafts: no copy at all
+    assert drafts.tolist() == [[-1, -1, -1], [1, 2, 3], [4, -1, -1]]
+
+
+def test_the_speculator_builds_from_a_real_config_and_keeps_vllms_names(binding, tiny_llama):
+    """TriForceSpeculator's own __init__ (vLLM's StandaloneARSpeculator's, then TriForce's
+    Drafting) on a real TriForce config, on this CPU: vLLM's `capture` stays the method
+    MRV2's runner calls (TriForce's query/key capture is `layer_capture`), the step's
+    state starts empty, and a dummy propose hands nobody drafts."""
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+
+    import vllm_triforce
+    from vllm_triforce.engine.mrv2.draft_tokens import DraftCounts
+
+    vllm_triforce.register()
+    spec = {"method": "triforce", "num_speculative_tokens": K, "retrieval_budget": 512}
+    config = EngineArgs(model=str(tiny_llama), speculative_config=spec, max_model_len=1024,
+                        max_num_seqs=MAX_REQS, block_size=16).create_engine_config()
+    with set_current_vllm_config(config):
+        speculator = binding.TriForceSpeculator(config, torch.device("cpu"))
+    assert speculator.capture.__func__ is binding.StandaloneARSpeculator.capture
+    assert speculator.layer_capture is None and speculator.records == {}
+    assert speculator.shape.gamma2 == K and not speculator.shape.has_draft
+    assert speculator.draft_tokens.shape == (MAX_REQS, K)
+    speculator.draft_counts = DraftCounts(stock_handler())
+    drafts = speculator.propose(mrv2_input_batch(), {}, {}, None, None, *mrv2_sampled(), None,
+                                None, None, dummy_run=True)
+    assert drafts.shape == (3, K) and bool((drafts == -1).all())
 
 
 def test_a_dummy_propose_reads_no_request(binding):
@@ -532,7 +592,7 @@ def test_a_dummy_propose_reads_no_request(binding):
     drafts = binding.TriForceSpeculator.propose(
         this, mrv2_input_batch(), {}, {}, None, None, *mrv2_sampled(), None, None, None,
         dummy_run=True)
-    assert drafts.shape == (3, K) and this._last_batch is None
+    assert drafts.shape == (3, K) and this._last_batch is None and not this.stepped
     assert this.draft_counts.depths == {}
 
 

@@ -31,8 +31,11 @@ def runner_of(llm):
 
 
 def drafter_of(llm):
-    """The TriForceProposer of an in-process engine (model runner's `drafter`)."""
-    return runner_of(llm).drafter
+    """The TriForce engine of an in-process engine: the V1 runner's `drafter` (a
+    TriForceProposer), or Model Runner V2's `speculator` (a TriForceSpeculator, under
+    `VLLM_TRIFORCE_MRV2=1`)."""
+    runner = runner_of(llm)
+    return getattr(runner, "drafter", None) or runner.speculator
 
 
 def free_llm(llm) -> None:

@@ -94,6 +94,13 @@ READ_ATTRIBUTES = (
     ("vllm.v1.worker.gpu.spec_decode.speculator",
      "DraftModelSpeculator.draft_attn_layer_names"),
     ("vllm.v1.worker.gpu.spec_decode.speculator", "DraftModelSpeculator.supports_mm_inputs"),
+    # the small draft's model and attention groups (engine/drafting.py `_draft_parts`)
+    ("vllm.v1.worker.gpu.spec_decode.speculator", "DraftModelSpeculator.model"),
+    ("vllm.v1.worker.gpu.spec_decode.speculator", "DraftModelSpeculator.attn_groups"),
+    ("vllm.v1.worker.gpu.spec_decode.speculator", "DraftModelSpeculator.block_tables"),
+    # a method of MRV2's speculators: TriForce's capture is `layer_capture`, not `capture`
+    ("vllm.v1.worker.gpu.spec_decode.speculator", "BaseSpeculator.capture"),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.get_kv_cache_spec"),
     ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.speculator"),
     ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.draft_tokens_handler"),
     ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.sampler"),
@@ -370,12 +377,13 @@ def _find(tree: ast.Module, qualname: str) -> ast.AST | None:
 def _assigned_on_self(cls: ast.AST | None, attr: str) -> ast.AST | None:
     """The first statement in a method of `cls` that assigns `self.attr`, if any (an
     instance attribute: MRV2's state objects declare theirs in `__init__`, its
-    speculators some in `load_model`)."""
+    speculators some in `load_model`), alone or in a tuple (`self.attr, x = ...`)."""
     for node in ast.walk(cls) if isinstance(cls, ast.ClassDef) else ():
         targets = (node.targets if isinstance(node, ast.Assign)
                    else [node.target] if isinstance(node, ast.AnnAssign) else [])
         if any(isinstance(t, ast.Attribute) and t.attr == attr
-               and isinstance(t.value, ast.Name) and t.value.id == "self" for t in targets):
+               and isinstance(t.value, ast.Name) and t.value.id == "self"
+               for target in targets for t in ast.walk(target)):
             return node
     return None
 

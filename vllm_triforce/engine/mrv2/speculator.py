@@ -1,8 +1,9 @@
 """TriForce's speculator, runner and worker for Model Runner V2 (vLLM 0.32.0 and 0.33.0):
-the binding's classes, importable anywhere, runnable only on a GPU (MRV2's per-step
-kernels are Triton), and wired into nothing yet: no patch and no setting selects them.
+importable anywhere, runnable only on a GPU (MRV2's per-step kernels are Triton), and
+selected only by the experimental switch `VLLM_TRIFORCE_MRV2=1` (engine_settings.py),
+off by default until a GPU lease shows it exact.
 
-How they would sit in vLLM (vllm/v1/worker/, 0.32.0 and 0.33.0):
+How they sit in vLLM (vllm/v1/worker/, 0.32.0 and 0.33.0):
 - `TriForceWorker(Worker)` overrides `_make_model_runner`, the hook whose docstring says
   "subclasses override this" (gpu_worker.py), to build a `TriForceRunnerV2` when MRV2 runs
   a TriForce config; selected through vLLM's `worker_cls`;
@@ -10,45 +11,53 @@ How they would sit in vLLM (vllm/v1/worker/, 0.32.0 and 0.33.0):
   `init_speculator` built (a hard-coded chain: `draft_model` -> StandaloneARSpeculator) by a
   `TriForceSpeculator`, and the draft-token handler by `DraftCounts` (per-request counts),
   and feeds the speculator's `RequestRecords` from each scheduler output;
-- `TriForceSpeculator(StandaloneARSpeculator)` keeps every `isinstance(...,
+- `TriForceSpeculator(Drafting, StandaloneARSpeculator)` keeps every `isinstance(...,
   DraftModelSpeculator)` in the runner true (draft loading, `set_attn`, the draft's KV
-  layers) and answers `propose` with drafts [R, K] in columns [0, k_r) of request r.
+  layers), runs TriForce's levels (engine/drafting.py, the V1 proposer's own) and answers
+  `propose` with drafts [R, K] in columns [0, k_r) of request r.
 
-What `propose` does today: builds the step's `StepBatch` (`from_mrv2`) and commits its
-tokens to the records, then hands every request depth 0: each step is a plain decode, the
-output plain vLLM's. Running the levels (capture hook, retrieval and draft levels, the
-middle loop with `keep_logits`, the depth chooser, the memory reservation) is the GPU
-binding's next step, listed in docs/ARCHITECTURE.md ("Which runner").
+What `propose` does: builds the step's `StepBatch` (`from_mrv2`), commits its tokens to the
+records, runs the step (commit, plan, select, middle loop) and hands the drafts over.
+Greedy requests draft; a request that samples (temperature > 0) decodes plainly for now:
+MRV2's verifier takes a draft distribution only as the logits in `draft_logits`, and
+handing the middle level's logits there (`draft_logits.keep_logits`, with
+`temperature_only` draws) is the binding's next step. Greedy drafts are verified exactly
+without them (the verifier compares each draft with the target's argmax).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import time
+
+import torch
+from vllm.config import get_layers_from_vllm_config
+from vllm.model_executor.layers.attention import Attention
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner as GPUModelRunnerV2
 from vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator import StandaloneARSpeculator
 from vllm.v1.worker.gpu_worker import Worker
 
-from vllm_triforce.config import TriForceConfigError, triforce_settings
+from vllm_triforce import engine_settings
+from vllm_triforce.config import triforce_settings
 from vllm_triforce.engine.batch import StepBatch
+from vllm_triforce.engine.drafting import Drafting
 from vllm_triforce.engine.mrv2.draft_logits import DraftLogitsBuffer
 from vllm_triforce.engine.mrv2.draft_tokens import DraftCounts
 from vllm_triforce.engine.mrv2.requests import RequestRecords
-from vllm_triforce.engine.shape import EngineShape
 
 
-class TriForceSpeculator(StandaloneARSpeculator):
+class TriForceSpeculator(Drafting, StandaloneARSpeculator):
     """MRV2's speculator contract (`BaseSpeculator.propose` -> [R, K] draft ids on the
-    device), with TriForce's host records and per-request counts. Without a small draft
-    (two levels) nothing is loaded: the target drafts for itself."""
+    device), over TriForce's levels, with its host records and per-request counts.
+    Without a small draft (two levels) nothing is loaded: the target drafts for itself."""
 
     def __init__(self, vllm_config, device):
+        engine_settings.check_effective(vllm_config)  # before any weights load
         super().__init__(vllm_config, device)
-        self.shape = EngineShape.of(vllm_config)
-        if self.shape is None:
-            raise TriForceConfigError("TriForceSpeculator needs an engine configured with "
-                                      "\"method\": \"triforce\" (no TriForce settings found).")
         self.records = RequestRecords()
         self.draft_counts: DraftCounts | None = None  # the runner's handler
         self.sampling_states = None  # the runner's `sampler.sampling_states`, after loading
+        self.kv_cache_specs = None  # the runner's `get_kv_cache_spec`
         self.logits_buffer: DraftLogitsBuffer | None = None
         if self.draft_logits is not None:  # draft_sample_method "probabilistic"
             # the same [max_num_reqs, K, V] in the same dtype, plus a spare row
@@ -56,27 +65,42 @@ class TriForceSpeculator(StandaloneARSpeculator):
                                                    dtype=self.draft_logits.dtype,
                                                    device=device)
             self.draft_logits = self.logits_buffer.logits
-        self._last_batch: StepBatch | None = None
+        self._init_drafting(vllm_config, device)
 
+    # ---- Drafting's reads of the runner ---------------------------------------------
+    def _live_requests(self):
+        return self.records
+
+    def _kv_cache_specs(self) -> dict:
+        return self.kv_cache_specs()
+
+    def _draft_parts(self):
+        return (self.model, [g for groups in self.attn_groups for g in groups],
+                self.draft_attn_layer_names)
+
+    # ---- vLLM lifecycle ------------------------------------------------------------
     def load_model(self, target_model) -> None:
-        self.target_model = target_model
         if self.shape.has_draft:
             super().load_model(target_model)
-            return
-        self.model = None  # two levels: load nothing, no draft KV layers
-        self.draft_attn_layer_names = set()
-        self.supports_mm_inputs = False
+        else:  # two levels: load nothing, no draft KV layers
+            self.model = None
+            self.draft_attn_layer_names = set()
+            self.supports_mm_inputs = False
+        layers = get_layers_from_vllm_config(self.vllm_config, Attention)
+        self._attach_target(target_model, set(layers) - self.draft_attn_layer_names)
 
     def set_attn(self, model_state, kv_cache_config, block_tables, target_input_buffers,
                  target_attn_groups) -> None:
         if self.shape.has_draft:
             super().set_attn(model_state, kv_cache_config, block_tables,
                              target_input_buffers, target_attn_groups)
-            return
-        self.model_state, self.kv_cache_config = model_state, kv_cache_config
-        self.block_tables, self.attn_groups = block_tables, []
-        self.target_input_buffers = target_input_buffers
-        self.target_attn_groups = target_attn_groups
+        else:
+            self.model_state, self.kv_cache_config = model_state, kv_cache_config
+            self.block_tables, self.attn_groups = block_tables, []
+            self.target_input_buffers = target_input_buffers
+            self.target_attn_groups = target_attn_groups
+        self._build_drafting(kv_cache_config,
+                             [g for groups in target_attn_groups for g in groups])
 
     def propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states,
                 aux_hidden_states, num_sampled, num_rejected, last_sampled,
@@ -89,6 +113,7 @@ class TriForceSpeculator(StandaloneARSpeculator):
         if dummy_run or is_profile:  # vLLM's own batches: no request of ours
             self.draft_counts.set_depths([], [])
             return drafts
+        start = time.perf_counter()
         max_depth = (self.num_speculative_steps if num_speculative_tokens is None
                      else num_speculative_tokens)
         batch = StepBatch.from_mrv2(
@@ -96,9 +121,31 @@ class TriForceSpeculator(StandaloneARSpeculator):
             self.block_tables.input_block_tables[0], self.records, self.shape.block_size,
             max_depth, previous=self._last_batch)
         self.records.commit(batch)
-        self._last_batch = batch
-        self.draft_counts.set_depths(batch.req_ids, [0] * num_reqs)  # the levels: next step
+        lists, _, _ = self._run_step(greedy_drafts_only(batch), start, max_depth)
+        self.draft_counts.set_depths(batch.req_ids, [len(d) for d in lists])
+        put_drafts(drafts, lists)
         return drafts
+
+
+def greedy_drafts_only(batch: StepBatch) -> StepBatch:
+    """`batch` with every request that samples (temperature > 0) marked as decoding
+    plainly (depth 0): without the middle level's logits in `draft_logits`, MRV2's verifier
+    would take its drafts as one-hot (module docstring)."""
+    if all(batch.greedy):
+        return batch
+    return dataclasses.replace(batch, plain=[p or not g for p, g
+                                             in zip(batch.plain, batch.greedy)])
+
+
+def put_drafts(drafts: torch.Tensor, lists: list[list[int]]) -> None:
+    """Request r's draft list into drafts[r, :len(lists[r])] (the rest stays -1), in one
+    host-to-device copy, and none when nobody drafts."""
+    if not any(lists):
+        return
+    rows = torch.full(drafts.shape, -1, dtype=drafts.dtype)
+    for r, ids in enumerate(lists):
+        rows[r, :len(ids)] = torch.tensor(ids, dtype=drafts.dtype)
+    drafts.copy_(rows.to(drafts.device, non_blocking=True))
 
 
 class TriForceRunnerV2(GPUModelRunnerV2):
@@ -111,6 +158,7 @@ class TriForceRunnerV2(GPUModelRunnerV2):
             # replaces StandaloneARSpeculator before any weights load
             self.speculator = TriForceSpeculator(vllm_config, self.device)
             self.speculator.draft_counts = self.draft_tokens_handler
+            self.speculator.kv_cache_specs = self.get_kv_cache_spec
 
     def load_model(self, *args, **kwargs):
         out = super().load_model(*args, **kwargs)

@@ -12,11 +12,13 @@ def build_llm(job: dict):
 
 
 def drafter_or_none(llm):
-    return getattr(runner_of(llm), "drafter", None) if _is_triforce(llm) else None
+    """The TriForce engine of `llm`: the V1 runner's proposer or Model Runner V2's
+    speculator (`VLLM_TRIFORCE_MRV2=1`); None for any other engine."""
+    from vllm_triforce.engine.drafting import Drafting
 
-
-def _is_triforce(llm) -> bool:
-    return type(getattr(runner_of(llm), "drafter", None)).__name__ == "TriForceProposer"
+    runner = runner_of(llm)
+    drafter = getattr(runner, "drafter", None) or getattr(runner, "speculator", None)
+    return drafter if isinstance(drafter, Drafting) else None
 
 
 def engine_facts(llm) -> dict:

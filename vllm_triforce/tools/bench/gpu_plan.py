@@ -16,7 +16,9 @@ first, so that a run cut short still answers the first questions:
    and FLASH_ATTN in bf16 (FlashAttention has no float32: a divergence must sit where
    plain vLLM's own top-2 log-prob margin is below MARGIN_EPS, bench/gpu_summary.py). Plain
    engines run with TriForce's forced settings (V1 runner, PIECEWISE graphs, synchronous
-   scheduling), so the syncs per step compare like with like. Random weights accept almost
+   scheduling), so the syncs per step compare like with like. Jobs `exact-*-mrv2` run the
+   TriForce engines again in Model Runner V2 (`VLLM_TRIFORCE_MRV2=1`, experimental), against
+   the same plain reference. Random weights accept almost
    nothing: acceptance under CUDA graphs is checked with a real model (`vllm-triforce demo`
    on a GPU, benchmarks/gpu/).
 
@@ -32,6 +34,8 @@ from __future__ import annotations
 FORCED_SETTINGS = {"env": {"VLLM_USE_V2_MODEL_RUNNER": "0"},
                    "llm": {"compilation_config": {"cudagraph_mode": "PIECEWISE"},
                            "async_scheduling": False}}
+# TriForce in Model Runner V2 (experimental, engine/mrv2/): jobs `exact-*-mrv2`
+MRV2_SETTINGS = {"env": {"VLLM_TRIFORCE_MRV2": "1"}}
 TINY_SPEC = {"method": "triforce", "num_speculative_tokens": 4, "retrieval_budget": 256,
              "retrieval_sink_tokens": 32, "retrieval_recent_tokens": 64,
              "refresh_interval": 1, "adaptive": False}
@@ -84,6 +88,13 @@ def plan(on_gpu: bool, models: dict, kernels_ok: bool = True) -> list[dict]:
             jobs.append({**base, "name": f"exact-{tag}-fromcache",
                          "spec": {**TINY_SPEC, "prefill_from_cache": True}, "llm": llm,
                          "levels": 2, "reference": f"exact-{tag}-plain"})
+            # the experimental Model Runner V2 binding (engine/mrv2/): the same engines
+            # in vLLM's V2 runner, against the same plain V1 reference
+            for n in levels:
+                spec = next(j["spec"] for j in jobs if j["name"] == f"exact-{tag}-{n}L")
+                jobs.append({**base, "name": f"exact-{tag}-{n}L-mrv2", "spec": spec,
+                             "llm": llm, "env": MRV2_SETTINGS["env"], "levels": n,
+                             "reference": f"exact-{tag}-plain"})
     return jobs
 
 
