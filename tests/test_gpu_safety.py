@@ -294,6 +294,22 @@ def test_reservation_is_computed_and_applied(tiny_llama):
     assert summaries.coded  # compact_summaries, the default
 
 
+@pytest.mark.parametrize("host", ["drafter", "speculator"])
+def test_the_reservation_asks_either_runners_triforce_host(host):
+    """patches/kv_reservation.py: the V1 runner's `drafter` or Model Runner V2's
+    `speculator` (VLLM_TRIFORCE_MRV2=1) leaves what it reserves; another engine's runner,
+    or a speculator that is not TriForce's, gets vLLM's budget unchanged."""
+    from vllm_triforce.patches import kv_reservation
+
+    wrapped = kv_reservation._make_wrapper(lambda self: 1000)
+    triforce = types.SimpleNamespace(reserve_memory=lambda available: available - 300)
+    worker = types.SimpleNamespace(model_runner=types.SimpleNamespace(**{host: triforce}))
+    assert wrapped(worker) == 700
+    stock = types.SimpleNamespace(model_runner=types.SimpleNamespace(**{host: object()}))
+    assert wrapped(stock) == 1000
+    assert wrapped(types.SimpleNamespace(model_runner=types.SimpleNamespace())) == 1000
+
+
 def test_plugin_chosen_cpu_kv_size_leaves_room_for_the_reservation():
     """When the plugin sizes the CPU KV cache itself (patches/cpu_defaults.py), it adds what
     TriForce will reserve, so the KV that remains still holds the size it chose."""

@@ -140,9 +140,9 @@ def wrong_hand_off(hand_off):
 def test_distribution_test_catches_a_wrong_hand_off(tiny_llama, plain_samples, monkeypatch):
     """Negative control through TriForce: the same engine and schedule, only the hand-off's
     probs wrong (see `wrong_hand_off`). The distribution test must reject it at ALPHA."""
-    from vllm_triforce.engine import proposer
+    from vllm_triforce.engine import drafting
 
-    monkeypatch.setattr(proposer, "hand_off", wrong_hand_off(proposer.hand_off))
+    monkeypatch.setattr(drafting, "hand_off", wrong_hand_off(drafting.hand_off))
     samples, stats = _samples(tiny_llama, _triforce_spec(), CORRUPTED_SEED, SCHEDULE)
     _assert_ran_the_schedule(stats)
     pvalues = _pvalues(plain_samples, samples)

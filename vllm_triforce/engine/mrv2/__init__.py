@@ -1,6 +1,7 @@
-"""TriForce on vLLM's Model Runner V2 (vllm/v1/worker/gpu/, 0.32.0 and 0.33.0): the
-pieces, prepared and tested on CPU; not wired in (the engine runs on the V1 runner, and
-`VLLM_USE_V2_MODEL_RUNNER=1` is still refused, engine_settings.py).
+"""TriForce on vLLM's Model Runner V2 (vllm/v1/worker/gpu/, 0.32.0 and 0.33.0),
+experimental: selected only by `VLLM_TRIFORCE_MRV2=1` on a GPU (engine_settings.py, which
+refuses it on CPU); by default the engine runs on the V1 runner and
+`VLLM_USE_V2_MODEL_RUNNER=1` alone is refused.
 
 Which runner, where: the V1 runner (`GPUModelRunner` in vllm/v1/worker/gpu_model_runner.py,
 `CPUModelRunner` on CPU) is TriForce's binding today, on CPU and GPU. MRV2 cannot run on
@@ -15,6 +16,7 @@ the CPU binding; on GPUs MRV2 is vLLM's default and the V1 runner is being depre
   [-1] * K): depth 0 is a plain decode, as on V1;
 - `draft_logits.py`: the middle level's logits into MRV2's `draft_logits` by (slot, step),
   drawn from softmax(logits / T) (MRV2's verifier takes temperature-only drafts);
-- `speculator.py`: the speculator, runner and worker classes (import-tested only here:
-  MRV2 needs a GPU).
+- `speculator.py`: the speculator (the host of engine/drafting.py's `Drafting`, as the V1
+  proposer is), runner and worker classes (built on CPU from a real config, run only on a
+  GPU: MRV2 needs one).
 """
