@@ -43,7 +43,8 @@ def _make_wrapper(original):
         cfg = TriForceConfig.from_speculative_config(_with_resolved_asset(spec))
         _check_parallel(target_parallel_config)
         forced = engine_settings.decide(self, target_parallel_config)
-        passthrough = engine_settings.draft_backend(self, cfg.passthrough)
+        passthrough = engine_settings.mrv2_keys(
+            engine_settings.draft_backend(self, cfg.passthrough))
         self.speculative_config = {
             "method": "draft_model",
             "model": cfg.model or target_model_config.model,

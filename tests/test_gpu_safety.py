@@ -90,6 +90,11 @@ def test_the_mrv2_switch_picks_v2_and_triforces_worker(monkeypatch):
     assert parallel.worker_cls == engine_settings.MRV2_WORKER
     from vllm_triforce.engine.mrv2 import speculator  # the class the name names
     assert engine_settings.MRV2_WORKER.endswith(speculator.TriForceWorker.__qualname__)
+    # MRV2 keeps the draft logits its verifier reads
+    assert engine_settings.mrv2_keys({"revision": "r"}) == {
+        "revision": "r", "draft_sample_method": "probabilistic"}
+    monkeypatch.delenv("VLLM_TRIFORCE_MRV2")
+    assert engine_settings.mrv2_keys({"revision": "r"}) == {"revision": "r"}
 
 
 def test_data_parallel_refused(tiny_llama):

@@ -515,7 +515,7 @@ def speculator_stand_in(records, drafted=None):
         records=records, sampling_states=sampling_states(), _last_batch=None,
         block_tables=types.SimpleNamespace(input_block_tables=[mrv2_block_table()]),
         shape=types.SimpleNamespace(block_size=BLOCK), draft_counts=DraftCounts(stock),
-        stepped=[])
+        logits_buffer=None, stepped=[])
 
     def run_step(batch, start, max_depth):
         this._last_batch = batch
@@ -541,6 +541,23 @@ def test_propose_commits_runs_the_step_and_hands_its_drafts(binding):
     assert batch.plain == [False, True, True]  # c: min_p and temperature; b: temperature
     assert records["a"].output_token_ids == [20, 21, 30, 40]  # committed
     assert this.draft_counts.depths == {"a": 2, "c": 0, "b": 0}
+
+
+def test_with_draft_logits_sampling_requests_draw_from_the_verifiers_q(binding):
+    """With MRV2's `draft_logits` kept (draft_sample_method "probabilistic"), every request
+    may draft, and the step's batch is temperature-only: c stays plain for its min_p,
+    b (temperature 1, seeded) may draft."""
+    this = speculator_stand_in(mrv2_records(), drafted={"b": [5]})
+    this.logits_buffer = DraftLogitsBuffer(MAX_REQS, K, VOCAB, dtype=torch.float32)
+    drafts = binding.TriForceSpeculator.propose(
+        this, mrv2_input_batch(), {}, {}, None, None, *mrv2_sampled(), None, None, None,
+        num_speculative_tokens=K)
+    (batch, _), = this.stepped
+    assert batch.plain == [False, True, False]
+    assert batch.top_k is None and batch.top_p is None
+    assert batch.slots.tolist() == [SLOTS[r] for r in ROWS]  # where its logits go
+    assert drafts.tolist()[2] == [5, -1, -1]
+    assert this.draft_counts.depths == {"a": 0, "c": 0, "b": 1}
 
 
 def test_greedy_drafts_only_marks_sampling_requests_plain(binding):
@@ -594,6 +611,62 @@ def test_a_dummy_propose_reads_no_request(binding):
         dummy_run=True)
     assert drafts.shape == (3, K) and this._last_batch is None and not this.stepped
     assert this.draft_counts.depths == {}
+
+
+# ----------------------------------- 4b. the middle level's logits, on a real (V1) engine
+
+@pytest.mark.engine
+@pytest.mark.parametrize("levels", [2, 3])
+def test_the_middle_rounds_keep_the_logits_each_handed_draft_was_drawn_from(
+        tiny_llama, tiny_draft, levels):
+    """The middle loop's MRV2 hand-off (`HandOffBuffer.logits`, engine/middle.py) run by a
+    V1 engine on this CPU, each batch row standing for its slot: after every step, for
+    every drafting request r and draft k, softmax(kept logits [r, k] / T_r) is the
+    distribution V1 was handed for that draft (with no top-k or top-p, both are
+    temperature-only), i.e. the q MRV2's verifier would compute is the one the tokens were
+    drawn from. Drafting is proven (drafts verified, and checked rows counted)."""
+    from vllm import SamplingParams
+
+    import tiny_models
+    from engine_helpers import (assert_drafted, drafter_of, free_llm, in_process_llm,
+                                make_engine_kwargs)
+    from test_triforce_engine import three_level, two_level
+
+    spec = two_level() if levels == 2 else three_level(tiny_draft)
+    llm = in_process_llm(tiny_llama, spec, **make_engine_kwargs(max_num_seqs=4))
+    checked = []
+    try:
+        drafter = drafter_of(llm)
+        hand_off = drafter._probs_buffer
+        hand_off.logits = DraftLogitsBuffer(4, drafter.shape.gamma2, drafter.shape.vocab_size,
+                                            dtype=torch.float32)
+        run_step, propose = drafter._run_step, drafter.propose
+
+        def run_step_by_row(batch, start, max_depth):  # row r stands for slot r
+            batch.slots = torch.arange(batch.num_reqs)
+            return run_step(batch, start, max_depth)
+
+        def checked_propose(*args, **kwargs):
+            drafts = propose(*args, **kwargs)
+            probs, req_ids = drafter.take_last_draft_probs(), drafter.last_draft_prob_req_ids()
+            batch = drafter._last_batch
+            for i, req_id in enumerate(req_ids or ()):
+                r = batch.req_ids.index(req_id)
+                k, t = len(drafts[r]), float(batch.temperature[r])
+                q = torch.softmax(hand_off.logits.logits[r, :k] / t, dim=-1)
+                torch.testing.assert_close(q, probs[i, :k], rtol=1e-5, atol=1e-6)
+                checked.append(k)
+            return drafts
+
+        drafter._run_step, drafter.propose = run_step_by_row, checked_propose
+        prompts = [tiny_models.make_text(n, seed=i) for i, n in enumerate((230, 260, 300))]
+        params = [SamplingParams(temperature=t, max_tokens=16, ignore_eos=True, seed=i)
+                  for i, t in enumerate((0.7, 1.0, 1.3))]
+        llm.generate(prompts, params, use_tqdm=False)
+        assert_drafted(drafter.stats.snapshot(), levels=levels)
+    finally:
+        free_llm(llm)
+    assert len(checked) > 3 and sum(checked) > 10, checked
 
 
 # ---------------------------------------------------------------------- 5. the contract

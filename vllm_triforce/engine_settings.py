@@ -65,6 +65,15 @@ def decide(engine_args, parallel_config) -> list[str]:
     return forced
 
 
+def mrv2_keys(passthrough: dict) -> dict:
+    """The draft-model keys, with draft_sample_method "probabilistic" under
+    `VLLM_TRIFORCE_MRV2=1`: Model Runner V2 then keeps the `draft_logits` its verifier reads
+    a sampled draft's distribution from (engine/mrv2/draft_logits.py)."""
+    if not mrv2_requested():
+        return dict(passthrough)
+    return {**passthrough, "draft_sample_method": "probabilistic"}
+
+
 def draft_backend(engine_args, passthrough: dict) -> dict:
     """The draft-model keys with the target's requested attention backend for the small
     draft too, unless the user chose one for it: vLLM picks a draft's backend on its own

@@ -54,6 +54,9 @@ class StepBatch:
     # [R] never drafts (engine/plain_steps.never_drafts): the proposer sets it after
     # building the batch; None: every request may
     never_drafts: np.ndarray | None = None
+    # device [R] int64: each row's request-state slot in Model Runner V2 (where its draft
+    # logits go, engine/mrv2/draft_logits.py); None on the V1 runner
+    slots: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.seeded is None:
@@ -251,6 +254,7 @@ class StepBatch:
             top_p=_used_by_slot(sampling.top_p, slots, slots_np, off=1.0),
             requests=records,
             seeded=seeded.tolist() if seeded.any() else None, plain=plain,
+            slots=slots.long(),
         )
 
 

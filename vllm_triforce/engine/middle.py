@@ -36,6 +36,7 @@ from vllm_triforce.core.verify import GREEDY_TEMPERATURE, sample_tokens, verify,
 from vllm_triforce.engine.buffers import middle_chunk_requests
 from vllm_triforce.engine.device.forward import Runs
 from vllm_triforce.engine.device.transfer import to_device
+from vllm_triforce.engine.mrv2.draft_logits import keep_logits
 
 
 class HandOffBuffer:
@@ -50,6 +51,9 @@ class HandOffBuffer:
         self.rows = self.flat[:-1].view(drafting, gamma2, vocab_size)
         self.spare = drafting * gamma2  # the spare row's index in `flat`
         self.gamma2 = gamma2
+        # Model Runner V2's draft logits by request slot (engine/mrv2/draft_logits.py),
+        # written beside the probabilities: the logits each middle token was drawn from
+        self.logits = None
 
     @property
     def nbytes(self) -> int:
@@ -326,6 +330,11 @@ class MiddleLoop:
                                 all_greedy=all_greedy)
                 accepted, emitted = result.num_accepted, result.output_token_ids
             _keep_probs(probs_out, target_probs, accepted + 1, base[c], room[c])
+            if probs_out.logits is not None:  # MRV2: the logits the tokens were drawn from
+                kept = (logits[tokens][:, None] if proposals is None
+                        else layout.per_request(logits[tokens], c))
+                keep_logits(probs_out.logits, kept, accepted + 1, batch.slots[rows[c]],
+                            gamma2 - room[c])
             parts.append(_packed(accepted, emitted))
         return torch.cat(parts)
 

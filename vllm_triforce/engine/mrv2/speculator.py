@@ -18,11 +18,13 @@ How they sit in vLLM (vllm/v1/worker/, 0.32.0 and 0.33.0):
 
 What `propose` does: builds the step's `StepBatch` (`from_mrv2`), commits its tokens to the
 records, runs the step (commit, plan, select, middle loop) and hands the drafts over.
-Greedy requests draft; a request that samples (temperature > 0) decodes plainly for now:
-MRV2's verifier takes a draft distribution only as the logits in `draft_logits`, and
-handing the middle level's logits there (`draft_logits.keep_logits`, with
-`temperature_only` draws) is the binding's next step. Greedy drafts are verified exactly
-without them (the verifier compares each draft with the target's argmax).
+MRV2's verifier takes a draft distribution only as logits in `draft_logits` (allocated
+with draft_sample_method "probabilistic", which the switch sets, patches/spec_config.py):
+the middle level then draws from softmax(logits / T) (`temperature_only`) and each round
+writes the logits its tokens were drawn from at (slot, step) (`keep_logits`, through the
+hand-off buffer). Without them (a config that sets "greedy"), only greedy requests draft
+and a request that samples decodes plainly: greedy drafts are verified exactly without
+logits (the verifier compares each draft with the target's argmax).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from vllm_triforce import engine_settings
 from vllm_triforce.config import triforce_settings
 from vllm_triforce.engine.batch import StepBatch
 from vllm_triforce.engine.drafting import Drafting
-from vllm_triforce.engine.mrv2.draft_logits import DraftLogitsBuffer
+from vllm_triforce.engine.mrv2.draft_logits import DraftLogitsBuffer, temperature_only
 from vllm_triforce.engine.mrv2.draft_tokens import DraftCounts
 from vllm_triforce.engine.mrv2.requests import RequestRecords
 
@@ -101,6 +103,7 @@ class TriForceSpeculator(Drafting, StandaloneARSpeculator):
             self.target_attn_groups = target_attn_groups
         self._build_drafting(kv_cache_config,
                              [g for groups in target_attn_groups for g in groups])
+        self._probs_buffer.logits = self.logits_buffer  # the middle rounds write it
 
     def propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states,
                 aux_hidden_states, num_sampled, num_rejected, last_sampled,
@@ -121,7 +124,10 @@ class TriForceSpeculator(Drafting, StandaloneARSpeculator):
             self.block_tables.input_block_tables[0], self.records, self.shape.block_size,
             max_depth, previous=self._last_batch)
         self.records.commit(batch)
-        lists, _, _ = self._run_step(greedy_drafts_only(batch), start, max_depth)
+        # what the middle level draws from is the q MRV2's verifier assumes
+        batch = (temperature_only(batch) if self.logits_buffer is not None
+                 else greedy_drafts_only(batch))
+        lists, _, _ = self._run_step(batch, start, max_depth)
         self.draft_counts.set_depths(batch.req_ids, [len(d) for d in lists])
         put_drafts(drafts, lists)
         return drafts
@@ -129,8 +135,8 @@ class TriForceSpeculator(Drafting, StandaloneARSpeculator):
 
 def greedy_drafts_only(batch: StepBatch) -> StepBatch:
     """`batch` with every request that samples (temperature > 0) marked as decoding
-    plainly (depth 0): without the middle level's logits in `draft_logits`, MRV2's verifier
-    would take its drafts as one-hot (module docstring)."""
+    plainly (depth 0): where MRV2 keeps no `draft_logits` (draft_sample_method "greedy"),
+    its verifier would take drafts as one-hot (module docstring)."""
     if all(batch.greedy):
         return batch
     return dataclasses.replace(batch, plain=[p or not g for p, g
