@@ -515,7 +515,7 @@ def speculator_stand_in(records, drafted=None):
         records=records, sampling_states=sampling_states(), _last_batch=None,
         block_tables=types.SimpleNamespace(input_block_tables=[mrv2_block_table()]),
         shape=types.SimpleNamespace(block_size=BLOCK), draft_counts=DraftCounts(stock),
-        logits_buffer=None, stepped=[])
+        logits_buffer=DraftLogitsBuffer(MAX_REQS, K, VOCAB, dtype=torch.float32), stepped=[])
 
     def run_step(batch, start, max_depth):
         this._last_batch = batch
@@ -527,45 +527,24 @@ def speculator_stand_in(records, drafted=None):
 
 
 def test_propose_commits_runs_the_step_and_hands_its_drafts(binding):
-    """a (greedy) drafts 2 tokens: they reach row 0 of the [R, K] drafts and the scheduler
-    hears 2 for a, 0 for the others; c and b sample, so they reach the step as plain."""
+    """a (greedy) drafts 2 tokens and b (temperature 1, seeded) 1: they reach rows 0 and 2
+    of the [R, K] drafts and the scheduler hears 2, 0, 1. The step's batch is
+    temperature-only (the q MRV2's verifier assumes): c stays plain for its min_p, and
+    each row carries its slot, where its draft logits go."""
     records = mrv2_records()
-    this = speculator_stand_in(records, drafted={"a": [7, 8]})
+    this = speculator_stand_in(records, drafted={"a": [7, 8], "b": [5]})
     num_sampled, num_rejected, last_sampled = mrv2_sampled()
     drafts = binding.TriForceSpeculator.propose(
         this, mrv2_input_batch(), {}, {}, None, None, num_sampled, num_rejected,
         last_sampled, None, None, None, num_speculative_tokens=K)
-    assert drafts.tolist() == [[7, 8, -1], [-1] * K, [-1] * K]
+    assert drafts.tolist() == [[7, 8, -1], [-1] * K, [5, -1, -1]]
     (batch, max_depth), = this.stepped
     assert max_depth == K and batch.next_tokens == [40, 70, 109]
-    assert batch.plain == [False, True, True]  # c: min_p and temperature; b: temperature
-    assert records["a"].output_token_ids == [20, 21, 30, 40]  # committed
-    assert this.draft_counts.depths == {"a": 2, "c": 0, "b": 0}
-
-
-def test_with_draft_logits_sampling_requests_draw_from_the_verifiers_q(binding):
-    """With MRV2's `draft_logits` kept (draft_sample_method "probabilistic"), every request
-    may draft, and the step's batch is temperature-only: c stays plain for its min_p,
-    b (temperature 1, seeded) may draft."""
-    this = speculator_stand_in(mrv2_records(), drafted={"b": [5]})
-    this.logits_buffer = DraftLogitsBuffer(MAX_REQS, K, VOCAB, dtype=torch.float32)
-    drafts = binding.TriForceSpeculator.propose(
-        this, mrv2_input_batch(), {}, {}, None, None, *mrv2_sampled(), None, None, None,
-        num_speculative_tokens=K)
-    (batch, _), = this.stepped
     assert batch.plain == [False, True, False]
     assert batch.top_k is None and batch.top_p is None
-    assert batch.slots.tolist() == [SLOTS[r] for r in ROWS]  # where its logits go
-    assert drafts.tolist()[2] == [5, -1, -1]
-    assert this.draft_counts.depths == {"a": 0, "c": 0, "b": 1}
-
-
-def test_greedy_drafts_only_marks_sampling_requests_plain(binding):
-    batch = mrv2_batch()
-    assert batch.greedy == [True, False, False] and batch.plain == [False, True, False]
-    assert binding.greedy_drafts_only(batch).plain == [False, True, True]
-    greedy = dataclasses.replace(batch, greedy=[True] * 3)
-    assert binding.greedy_drafts_only(greedy) is greedy
+    assert batch.slots.tolist() == [SLOTS[r] for r in ROWS]
+    assert records["a"].output_token_ids == [20, 21, 30, 40]  # committed
+    assert this.draft_counts.depths == {"a": 2, "c": 0, "b": 1}
 
 
 def test_put_drafts_fills_each_rows_first_columns(binding):
@@ -586,18 +565,24 @@ def test_the_speculator_builds_from_a_real_config_and_keeps_vllms_names(binding,
     from vllm.engine.arg_utils import EngineArgs
 
     import vllm_triforce
+    from vllm_triforce.config import TriForceConfigError
     from vllm_triforce.engine.mrv2.draft_tokens import DraftCounts
 
     vllm_triforce.register()
     spec = {"method": "triforce", "num_speculative_tokens": K, "retrieval_budget": 512}
     config = EngineArgs(model=str(tiny_llama), speculative_config=spec, max_model_len=1024,
                         max_num_seqs=MAX_REQS, block_size=16).create_engine_config()
+    with set_current_vllm_config(config), pytest.raises(TriForceConfigError,
+                                                        match="draft_sample_method"):
+        binding.TriForceSpeculator(config, torch.device("cpu"))  # vLLM's default "greedy"
+    config.speculative_config.draft_sample_method = "probabilistic"  # what the switch sets
     with set_current_vllm_config(config):
         speculator = binding.TriForceSpeculator(config, torch.device("cpu"))
     assert speculator.capture.__func__ is binding.StandaloneARSpeculator.capture
     assert speculator.layer_capture is None and speculator.records == {}
     assert speculator.shape.gamma2 == K and not speculator.shape.has_draft
     assert speculator.draft_tokens.shape == (MAX_REQS, K)
+    assert speculator.draft_logits.data_ptr() == speculator.logits_buffer.flat.data_ptr()
     speculator.draft_counts = DraftCounts(stock_handler())
     drafts = speculator.propose(mrv2_input_batch(), {}, {}, None, None, *mrv2_sampled(), None,
                                 None, None, dummy_run=True)

@@ -18,18 +18,15 @@ How they sit in vLLM (vllm/v1/worker/, 0.32.0 and 0.33.0):
 
 What `propose` does: builds the step's `StepBatch` (`from_mrv2`), commits its tokens to the
 records, runs the step (commit, plan, select, middle loop) and hands the drafts over.
-MRV2's verifier takes a draft distribution only as logits in `draft_logits` (allocated
-with draft_sample_method "probabilistic", which the switch sets, patches/spec_config.py):
-the middle level then draws from softmax(logits / T) (`temperature_only`) and each round
-writes the logits its tokens were drawn from at (slot, step) (`keep_logits`, through the
-hand-off buffer). Without them (a config that sets "greedy"), only greedy requests draft
-and a request that samples decodes plainly: greedy drafts are verified exactly without
-logits (the verifier compares each draft with the target's argmax).
+MRV2's verifier takes a draft distribution only as logits in `draft_logits`, which it
+allocates with draft_sample_method "probabilistic" (the switch sets it,
+engine_settings.mrv2_keys; without it the speculator refuses to start): the middle level
+draws from softmax(logits / T) (`temperature_only`) and each round writes the logits its
+tokens were drawn from at (slot, step) (`keep_logits`, through the hand-off buffer).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import torch
@@ -40,7 +37,7 @@ from vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator import StandaloneAR
 from vllm.v1.worker.gpu_worker import Worker
 
 from vllm_triforce import engine_settings
-from vllm_triforce.config import triforce_settings
+from vllm_triforce.config import TriForceConfigError, triforce_settings
 from vllm_triforce.engine.batch import StepBatch
 from vllm_triforce.engine.drafting import Drafting
 from vllm_triforce.engine.mrv2.draft_logits import DraftLogitsBuffer, temperature_only
@@ -60,13 +57,15 @@ class TriForceSpeculator(Drafting, StandaloneARSpeculator):
         self.draft_counts: DraftCounts | None = None  # the runner's handler
         self.sampling_states = None  # the runner's `sampler.sampling_states`, after loading
         self.kv_cache_specs = None  # the runner's `get_kv_cache_spec`
-        self.logits_buffer: DraftLogitsBuffer | None = None
-        if self.draft_logits is not None:  # draft_sample_method "probabilistic"
-            # the same [max_num_reqs, K, V] in the same dtype, plus a spare row
-            self.logits_buffer = DraftLogitsBuffer(*self.draft_logits.shape,
-                                                   dtype=self.draft_logits.dtype,
-                                                   device=device)
-            self.draft_logits = self.logits_buffer.logits
+        if self.draft_logits is None:  # its verifier would take every draft as one-hot
+            raise TriForceConfigError(
+                "TriForce on Model Runner V2 needs vLLM's draft_sample_method "
+                "'probabilistic' (VLLM_TRIFORCE_MRV2=1 sets it; this config has "
+                f"{self.speculative_config.draft_sample_method!r})")
+        # the same [max_num_reqs, K, V] in the same dtype, plus a spare row
+        self.logits_buffer = DraftLogitsBuffer(*self.draft_logits.shape,
+                                               dtype=self.draft_logits.dtype, device=device)
+        self.draft_logits = self.logits_buffer.logits
         self._init_drafting(vllm_config, device)
 
     # ---- Drafting's reads of the runner ---------------------------------------------
@@ -124,23 +123,11 @@ class TriForceSpeculator(Drafting, StandaloneARSpeculator):
             self.block_tables.input_block_tables[0], self.records, self.shape.block_size,
             max_depth, previous=self._last_batch)
         self.records.commit(batch)
-        # what the middle level draws from is the q MRV2's verifier assumes
-        batch = (temperature_only(batch) if self.logits_buffer is not None
-                 else greedy_drafts_only(batch))
-        lists, _, _ = self._run_step(batch, start, max_depth)
+        # the middle level draws from the q MRV2's verifier assumes
+        lists, _, _ = self._run_step(temperature_only(batch), start, max_depth)
         self.draft_counts.set_depths(batch.req_ids, [len(d) for d in lists])
         put_drafts(drafts, lists)
         return drafts
-
-
-def greedy_drafts_only(batch: StepBatch) -> StepBatch:
-    """`batch` with every request that samples (temperature > 0) marked as decoding
-    plainly (depth 0): where MRV2 keeps no `draft_logits` (draft_sample_method "greedy"),
-    its verifier would take drafts as one-hot (module docstring)."""
-    if all(batch.greedy):
-        return batch
-    return dataclasses.replace(batch, plain=[p or not g for p, g
-                                             in zip(batch.plain, batch.greedy)])
 
 
 def put_drafts(drafts: torch.Tensor, lists: list[list[int]]) -> None:
