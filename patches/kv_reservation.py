@@ -38,10 +38,9 @@ def apply() -> None:
 def _make_wrapper(original):
     def determine_available_memory(self, *args, **kwargs):
         available = original(self, *args, **kwargs)
-        runner = getattr(self, "model_runner", None)
-        # the V1 runner's proposer, or Model Runner V2's speculator (engine/mrv2/)
-        drafter = getattr(runner, "drafter", None) or getattr(runner, "speculator", None)
-        reserve = getattr(drafter, "reserve_memory", None)
-        return available if reserve is None else reserve(available)
+        from vllm_triforce.engine.drafting import host_of
+
+        host = host_of(getattr(self, "model_runner", None))
+        return available if host is None else host.reserve_memory(available)
 
     return determine_available_memory

@@ -304,10 +304,15 @@ def test_the_reservation_asks_either_runners_triforce_host(host):
     """patches/kv_reservation.py: the V1 runner's `drafter` or Model Runner V2's
     `speculator` (VLLM_TRIFORCE_MRV2=1) leaves what it reserves; another engine's runner,
     or a speculator that is not TriForce's, gets vLLM's budget unchanged."""
+    from vllm_triforce.engine.drafting import Drafting
     from vllm_triforce.patches import kv_reservation
 
+    class Host(Drafting):  # a TriForce host reserving 300 bytes, nothing else built
+        def reserve_memory(self, available):
+            return available - 300
+
     wrapped = kv_reservation._make_wrapper(lambda self: 1000)
-    triforce = types.SimpleNamespace(reserve_memory=lambda available: available - 300)
+    triforce = Host()
     worker = types.SimpleNamespace(model_runner=types.SimpleNamespace(**{host: triforce}))
     assert wrapped(worker) == 700
     stock = types.SimpleNamespace(model_runner=types.SimpleNamespace(**{host: object()}))

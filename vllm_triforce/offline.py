@@ -34,8 +34,13 @@ def drafter_of(llm):
     """The TriForce engine of an in-process engine: the V1 runner's `drafter` (a
     TriForceProposer), or Model Runner V2's `speculator` (a TriForceSpeculator, under
     `VLLM_TRIFORCE_MRV2=1`)."""
-    runner = runner_of(llm)
-    return getattr(runner, "drafter", None) or runner.speculator
+    from vllm_triforce.engine.drafting import host_of
+
+    host = host_of(runner_of(llm))
+    if host is None:
+        raise ValueError("this engine runs no TriForce (its speculative config is not "
+                         "method 'triforce')")
+    return host
 
 
 def free_llm(llm) -> None:

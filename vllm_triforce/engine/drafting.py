@@ -408,6 +408,17 @@ class Drafting:
         return state
 
 
+def host_of(runner) -> Drafting | None:
+    """The TriForce engine a model runner holds: the V1 runner's `drafter` (a
+    TriForceProposer) or Model Runner V2's `speculator` (a TriForceSpeculator, under
+    `VLLM_TRIFORCE_MRV2=1`); None for a runner without one (plain vLLM, another drafter)."""
+    for name in ("drafter", "speculator"):
+        host = getattr(runner, name, None)
+        if isinstance(host, Drafting):
+            return host
+    return None
+
+
 def _tp_min(value: int) -> int:
     """The smallest `value` of the TP ranks, on every rank (an all-reduce over vLLM's TP
     group's CPU group, vllm/distributed/parallel_state.py, 0.32.0)."""

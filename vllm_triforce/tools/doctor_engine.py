@@ -25,6 +25,7 @@ def run_child(job: dict) -> dict:
     """Build one engine, prefill, time a greedy generation, describe the engine."""
     from vllm import SamplingParams
 
+    from vllm_triforce.engine.drafting import host_of
     from vllm_triforce.offline import free_llm, in_process_llm, runner_of
 
     llm = in_process_llm(job["model"], job["spec"], seed=0, max_model_len=job["max_model_len"],
@@ -40,7 +41,8 @@ def run_child(job: dict) -> dict:
                             logprobs=_logprobs_wanted(job))
     decode_s, outs = _timed(llm, prompts, params)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
-    stats = getattr(getattr(runner_of(llm), "drafter", None), "stats", None)
+    host = host_of(runner_of(llm))
+    stats = host.stats if host is not None else None
     result = {"tokens": tokens, "prefill_s": prefill_s,
               "tok_s": sum(map(len, tokens)) / decode_s, "logprobs": _top_logprobs(outs),
               "engine": describe_engine(llm), "vllm_spec": _spec_metrics(llm),
@@ -79,12 +81,13 @@ def describe_engine(llm) -> dict:
     import vllm
     from vllm.platforms import current_platform
 
+    from vllm_triforce.engine.drafting import host_of
     from vllm_triforce.offline import runner_of
 
     config = llm.llm_engine.vllm_config
     runner = runner_of(llm)
     mode = config.compilation_config.cudagraph_mode
-    drafter = getattr(runner, "drafter", None)
+    drafter = host_of(runner)
     from vllm_triforce.tools.cpu_openmp import runtime_in_use
 
     return {"platform": _platform_name(current_platform),

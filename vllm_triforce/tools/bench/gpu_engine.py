@@ -14,11 +14,9 @@ def build_llm(job: dict):
 def drafter_or_none(llm):
     """The TriForce engine of `llm`: the V1 runner's proposer or Model Runner V2's
     speculator (`VLLM_TRIFORCE_MRV2=1`); None for any other engine."""
-    from vllm_triforce.engine.drafting import Drafting
+    from vllm_triforce.engine.drafting import host_of
 
-    runner = runner_of(llm)
-    drafter = getattr(runner, "drafter", None) or getattr(runner, "speculator", None)
-    return drafter if isinstance(drafter, Drafting) else None
+    return host_of(runner_of(llm))
 
 
 def engine_facts(llm) -> dict:
