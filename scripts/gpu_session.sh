@@ -18,7 +18,9 @@
 #                                                # tokens with prefill_from_cache on
 #   bash scripts/gpu_session.sh mrv2 [SECONDS]    # carry .bundle: TriForce in Model Runner
 #                                                # V2 (VLLM_TRIFORCE_MRV2=1, experimental):
-#                                                # tokens against plain vLLM's, drafts verified
+#                                                # tokens against plain vLLM's, drafts verified;
+#                                                # then requests growing past the budget
+#                                                # (plain steps found on the host first)
 #   bash scripts/gpu_session.sh round-graphs [SECONDS] [PARTS]  # carry .bundle: the middle
 #                                                # passes' CUDA graphs against today's path
 #                                                # (a), their cost at the 8B width (b) and at
@@ -50,7 +52,7 @@ case "$step" in
   mrv2)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     bash scripts/gpu_run.sh --budget-s "$budget" --only \
-      kernels,exact-flash-bf16-plain,exact-flash-bf16-2L-mrv2,exact-flash-bf16-3L-mrv2,exact-triton-fp32-plain,exact-triton-fp32-2L-mrv2,exact-triton-fp32-3L-mrv2 \
+      kernels,exact-flash-bf16-plain,exact-flash-bf16-2L-mrv2,exact-flash-bf16-3L-mrv2,exact-triton-fp32-plain,exact-triton-fp32-2L-mrv2,exact-triton-fp32-3L-mrv2,exact-triton-fp32-grow-plain,exact-triton-fp32-grow-2L-mrv2,exact-triton-fp32-grow-2L \
       2>&1 | grep -v " INFO \| DEBUG "
     ;;
   host-rounds)

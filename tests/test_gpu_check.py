@@ -212,6 +212,41 @@ def test_the_gpu_plan_times_costs_first_and_vllm_defaults_before_forced_settings
     assert fromcache["name"].rsplit("-", 1)[0] + "-plain" == fromcache["reference"]
 
 
+def test_the_lease_calls_name_planned_jobs_and_each_exact_row_finds_its_reference():
+    """Every job a `gpu_session.sh` call selects (`--only`, by name prefix) is in the GPU
+    plan, every exactness job's reference is a planned plain job, and the summary compares
+    each against it (Model Runner V2's and the growing requests' jobs included)."""
+    import re
+
+    from vllm_triforce.tools.bench.gpu_plan import plan
+
+    models = {"target": "t", "draft": "d", "shape": "s", "tag": "x", "vocab": 1000}
+    jobs = {job["name"]: job for job in plan(True, models)}
+    script = (REPO / "scripts" / "gpu_session.sh").read_text()
+    selected = [w for only in re.findall(r"--only\s+(?:\\\n\s*)?([\w,.-]+)", script)
+                for w in only.split(",")]
+    assert "exact-triton-fp32-grow-2L-mrv2" in selected, selected
+    for wanted in selected:
+        assert any(name.startswith(wanted) for name in jobs), wanted
+    exact = [n for n in jobs if n.startswith("exact-") and not n.endswith("-plain")]
+    assert {"exact-triton-fp32-2L-mrv2", "exact-triton-fp32-grow-2L-mrv2"} <= set(exact)
+    for name in exact:
+        assert jobs[name]["reference"] in jobs and jobs[name]["reference"].endswith("-plain")
+    grow = jobs["exact-triton-fp32-grow-2L-mrv2"]
+    assert grow["spec"]["adaptive"] and grow["env"]["VLLM_TRIFORCE_MRV2"] == "1"
+    assert max(len(p) for p in grow["prompts"]) <= grow["spec"]["retrieval_budget"]
+    tokens = [[1, 2, 3]]
+    results = {"jobs": {
+        name: {"status": "ok", "result": {"tokens": tokens, "reference": jobs[name]["reference"],
+                                          "facts": {}, "stats": {"top_proposed": 4}}}
+        for name in exact}}
+    results["jobs"].update({name: {"status": "ok", "result": {"tokens": tokens}}
+                            for name in jobs if name.endswith("-plain")})
+    rows = gpu_summary.summarise(results)["exactness"]
+    assert sorted(row["job"] for row in rows) == sorted(exact)
+    assert all(row["identical"] for row in rows)
+
+
 def test_a_step_lost_in_noise_is_timed_longer_and_never_negative():
     from vllm_triforce.tools.bench.step_timing import decode_step
 

@@ -223,8 +223,25 @@ def test_from_mrv2_equals_the_v1_batch_of_the_same_step():
 def test_from_mrv2_takes_the_unchanging_facts_from_the_previous_step():
     records = mrv2_records()
     first = mrv2_batch(records)
-    again = mrv2_batch(RequestRecords(), previous=first)  # no record needed: reused
+    again = mrv2_batch(records, previous=first)
     assert again.requests is first.requests and again.plain is first.plain
+    # c preempted and resumed between the two (plain steps build no batch): a new record
+    records.add(new_request("c"))
+    resumed = mrv2_batch(records, previous=again)
+    assert resumed.requests is not first.requests and resumed.requests[1] is records["c"]
+
+
+def test_the_plain_step_facts_of_mrv2_equal_the_batchs():
+    """`PlainSteps.read_mrv2` reads only the pass's host arrays, and finds the rows
+    `from_mrv2` finds decoding after reading the device: a (11 of its 8 prefill tokens) and
+    c (its last prefill chunk ends at 7) sample, b (5 of 10) does not."""
+    from vllm_triforce.engine.plain_steps import PlainSteps
+
+    facts, batch = PlainSteps.read_mrv2(mrv2_input_batch()), mrv2_batch()
+    assert facts.req_ids == batch.req_ids
+    assert facts.query_start_loc.tolist() == batch.query_start_loc
+    assert facts.seq_lens.tolist() == batch.seq_lens
+    assert facts.decoding.tolist() == batch.decoding == [True, True, False]
 
 
 def test_an_all_default_batch_leaves_top_k_and_top_p_out():
@@ -252,6 +269,36 @@ def test_records_refuse_a_missed_step():
     records["a"].output_token_ids.clear()  # positions 6 and 7 lost; the pass starts at 7
     with pytest.raises(RuntimeError, match="commit was missed"):
         records.commit(mrv2_batch(records))
+
+
+def token_history():
+    """MRV2's `req_states.all_token_ids` by slot as the runner has it when the speculator
+    runs: each request's prefill tokens, then every token sampled since, this step's too;
+    the rest of each row is stale (-7)."""
+    from vllm_triforce.engine.mrv2.requests import TokenHistory
+
+    tokens = torch.full((MAX_REQS, 16), -7, dtype=torch.int32)
+    for r in ROWS:
+        known = PROMPTS[r] + OUTPUTS[r] + SAMPLED[r]
+        tokens[SLOTS[r], :len(known)] = torch.tensor(known)
+    return TokenHistory(tokens)
+
+
+def test_records_take_the_tokens_of_plain_steps_from_vllms_history():
+    """a's record missed its last two outputs (steps the speculator did no work in): the
+    commit reads positions 6 and 7 at a's slot 2 from the history, then the step's own."""
+    records = mrv2_records()
+    records["a"].output_token_ids.clear()
+    slots = np.array([SLOTS[r] for r in ROWS])
+    records.commit(mrv2_batch(records), slots, token_history())
+    assert records["a"].output_token_ids == [20, 21, 30, 40]
+    assert records["c"].output_token_ids == [70] and records["b"].output_token_ids == []
+
+
+def test_the_history_reads_every_span_in_one_copy():
+    history = token_history()
+    spans = [(SLOTS["a"], 6, 10), (SLOTS["b"], 0, 3), (SLOTS["c"], 7, 7), (SLOTS["c"], 5, 8)]
+    assert history.read(spans) == [[20, 21, 30, 40], [100, 101, 102], [], [65, 66, 70]]
 
 
 def test_a_prompt_given_as_embeddings_has_no_ids():
@@ -502,20 +549,56 @@ def test_the_binding_classes_take_vllms_places(binding):
     assert "_make_model_runner" in vars(binding.TriForceWorker)
 
 
-def speculator_stand_in(records, drafted=None):
+class PlainDepth:
+    """The depth chooser as a plain step sees it (engine/depth.DepthChooser): adaptive,
+    its clock read once per step."""
+    fixed_depth = None
+
+    def __init__(self):
+        self.begun = []
+
+    def begin(self, start, req_ids, **facts):
+        self.begun.append(req_ids)
+        return types.SimpleNamespace(end=lambda drafting: None)
+
+
+class PlainStats:
+    def __init__(self):
+        self.depths, self.counts = [], {}
+
+    def record_depths(self, depths):
+        self.depths += depths
+
+    def add(self, **counts):
+        for name, n in counts.items():
+            self.counts[name] = self.counts.get(name, 0) + n
+
+
+def speculator_stand_in(records, drafted=None, budget_blocks=2):
     """What TriForceSpeculator.propose reads of itself, built without vLLM's __init__
     (which loads a config); its step (`Drafting._run_step`, the V1 proposer's own, tested
     through the V1 runner) hands `drafted` (req_id -> drafts, none by default) and keeps
-    the batch it was given."""
+    the batch it was given. Its plain steps are the engine's own (engine/plain_steps.py),
+    over a retrieval budget of `budget_blocks` blocks of 4: at 2, a (11 tokens, 22 at
+    most) may draft; at 8 nobody can (b and c fit, and c needs vLLM's sampler)."""
     from vllm_triforce.engine.mrv2.draft_tokens import DraftCounts
 
+    from vllm_triforce.config import BlockCounts
+    from vllm_triforce.engine.plain_steps import PlainSteps
+
     stock = stock_handler()
+    blocks = BlockCounts(block_size=BLOCK, budget_blocks=budget_blocks,
+                         retrieval_sink_blocks=0, retrieval_recent_blocks=0)
     this = types.SimpleNamespace(
         draft_tokens=torch.zeros(MAX_REQS, K, dtype=torch.int64), num_speculative_steps=K,
         records=records, sampling_states=sampling_states(), _last_batch=None,
         block_tables=types.SimpleNamespace(input_block_tables=[mrv2_block_table()]),
         shape=types.SimpleNamespace(block_size=BLOCK), draft_counts=DraftCounts(stock),
-        logits_buffer=DraftLogitsBuffer(MAX_REQS, K, VOCAB, dtype=torch.float32), stepped=[])
+        logits_buffer=DraftLogitsBuffer(MAX_REQS, K, VOCAB, dtype=torch.float32), stepped=[],
+        plain_steps=PlainSteps(blocks, types.SimpleNamespace(lazy=True), PlainDepth(),
+                               PlainStats()),
+        _handed_last=False, token_history=token_history(), plain_done=[])
+    this._plain_step_done = this.plain_done.append
 
     def run_step(batch, start, max_depth):
         this._last_batch = batch
@@ -545,6 +628,30 @@ def test_propose_commits_runs_the_step_and_hands_its_drafts(binding):
     assert batch.slots.tolist() == [SLOTS[r] for r in ROWS]
     assert records["a"].output_token_ids == [20, 21, 30, 40]  # committed
     assert this.draft_counts.depths == {"a": 2, "c": 0, "b": 1}
+
+
+def test_a_step_nobody_can_draft_in_reads_no_device_value(binding):
+    """Every request fits a budget of 8 blocks: `propose` builds no batch (which would read
+    the device), commits nothing, hands every request depth 0, and counts a plain step;
+    the next step that does work takes a's tokens of that step up from vLLM's history."""
+    records = mrv2_records()
+    this = speculator_stand_in(records, budget_blocks=8)
+    untouchable = types.SimpleNamespace()  # any read of num_sampled & co. would fail
+    drafts = binding.TriForceSpeculator.propose(
+        this, mrv2_input_batch(), {}, {}, None, None, untouchable, untouchable, untouchable,
+        None, None, None, num_speculative_tokens=K)
+    assert drafts.tolist() == [[-1] * K] * 3 and not this.stepped and this.plain_done
+    assert this.draft_counts.depths == {} and records["a"].output_token_ids == [20, 21]
+    assert this.plain_steps.stats.counts == {"host_plain_steps": 1}
+    assert this.plain_steps.stats.depths == [0, 0]  # a and c decoded; b is prefilling
+    assert this.plain_steps.depth.begun == [ROWS]
+    # that step's outputs never reached a's record; the next working step reads them
+    records["a"].output_token_ids[:] = [20]
+    this.plain_steps = speculator_stand_in(records, budget_blocks=2).plain_steps  # a may draft
+    binding.TriForceSpeculator.propose(
+        this, mrv2_input_batch(), {}, {}, None, None, *mrv2_sampled(), None, None, None,
+        num_speculative_tokens=K)
+    assert len(this.stepped) == 1 and records["a"].output_token_ids == [20, 21, 30, 40]
 
 
 def test_put_drafts_fills_each_rows_first_columns(binding):

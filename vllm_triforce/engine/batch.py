@@ -18,6 +18,8 @@ batch row) the last sampled tokens and the sampler's parameters. Both build the 
 
 from __future__ import annotations
 
+import operator
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -231,7 +233,10 @@ class StepBatch:
             input_batch.seq_lens[:num_reqs], input_batch.query_start_loc[:num_reqs + 1],
             num_rejected[:num_reqs], num_sampled[:num_reqs], sampled_tokens,
             input_batch.input_ids[:input_batch.num_tokens])
-        if previous is not None and previous.req_ids == req_ids:
+        # the same records, not only the same ids: a request preempted and resumed since
+        # (between plain steps, which build no batch) comes back as a new record
+        if (previous is not None and previous.req_ids == req_ids
+                and all(map(operator.is_, previous.requests, map(requests.get, req_ids)))):
             records, plain = previous.requests, previous.plain
         else:
             records = [requests[r] for r in req_ids]

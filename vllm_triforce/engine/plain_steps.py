@@ -21,16 +21,25 @@ per-layer work. A step qualifies when
 
 What the step still does is what the depth controller's clocks need (`DepthChooser.begin`
 and `DepthStep.end`: vLLM's step time) and the counters (a plain step, `host_plain_steps`).
-Per-request state is taken up at the next step that does work (`StateTable.of_batch`).
+Per-request state is taken up at the next step that does work (`StateTable.of_batch`); on
+Model Runner V2 so are the step's tokens (the speculator's records, engine/mrv2/requests.py,
+read them from vLLM's token history then).
 
-Host facts read (vLLM 0.32.0 V1 runner, vllm/v1/worker/gpu_model_runner.py): the
-verification pass's `CommonAttentionMetadata` host copies `query_start_loc_cpu` and
-`seq_lens_cpu_upper_bound` (exact under synchronous scheduling, which TriForce runs),
-`input_batch.req_ids`, `discard_request_mask` and each `CachedRequestState`'s
-`num_prompt_tokens` and `sampling_params`.
+Host facts read (`PassFacts`, exact under synchronous scheduling, which TriForce runs),
+vLLM 0.32.0 and 0.33.0:
+- V1 runner (vllm/v1/worker/gpu_model_runner.py, `read_v1`): the verification pass's
+  `CommonAttentionMetadata` host copies `query_start_loc_cpu` and
+  `seq_lens_cpu_upper_bound`, `input_batch.req_ids` and `discard_request_mask`;
+- Model Runner V2 (vllm/v1/worker/gpu/input_batch.py, `read_mrv2`): the pass's
+  `InputBatch` host arrays `req_ids`, `query_start_loc_np`, `seq_lens_cpu_upper_bound`
+  and `prefill_len_np`;
+- and each request's `num_prompt_tokens` and `sampling_params` (V1's `CachedRequestState`,
+  MRV2's `RequestRecord`, engine/mrv2/requests.py).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -51,6 +60,15 @@ def never_drafts(request, block_size: int, budget_blocks: int) -> bool:
         return False
     return middle_level_is_the_target(request.num_prompt_tokens + max_tokens, block_size,
                                       budget_blocks)
+
+
+@dataclass
+class PassFacts:
+    """What the host knows of vLLM's verification pass before any device value is read."""
+    req_ids: list[str]
+    query_start_loc: np.ndarray  # [R + 1]
+    seq_lens: np.ndarray         # [R], after the pass
+    decoding: np.ndarray         # [R] bool: the pass samples a token (not a partial prefill)
 
 
 class PlainSteps:
@@ -78,41 +96,57 @@ class PlainSteps:
             self._never = (list(req_ids), never)
         return self._never[1]
 
-    def try_step(self, runner, cad, start: float, handed_last: bool) -> list[list[int]] | None:
-        """The step's drafts ([] for every request) when it needs no TriForce work, after
-        telling the depth chooser its timing; None: the step needs the full path."""
+    def try_step(self, facts: PassFacts | None, requests, start: float,
+                 handed_last: bool) -> bool:
+        """Whether the step needs no TriForce work (every request decodes plainly: empty
+        drafts), after telling the depth chooser its timing; False: the step needs the
+        full path. `facts`: `read_v1` or `read_mrv2` (None: the host lacks them);
+        `requests`: req_id -> the runner's request (V1's) or record (MRV2's)."""
         fixed = self.depth.fixed_depth
-        upper = cad.seq_lens_cpu_upper_bound
-        if handed_last or (fixed is not None and fixed > 0) or upper is None:
-            return None
-        num_reqs = cad.num_reqs
-        req_ids = list(runner.input_batch.req_ids[:num_reqs])
-        never = self.never(req_ids, runner.requests)
+        if handed_last or (fixed is not None and fixed > 0) or facts is None:
+            return False
+        never = self.never(facts.req_ids, requests)
         if not self.keeper.lazy and not never.all():  # summaries folded at every commit
-            return None
-        qsl, seq_lens = self.host_lengths(cad)
-        q_lens = np.diff(qsl)
-        decoding = ~runner.discard_request_mask.np[:num_reqs]
-        prefill = q_lens > 1  # nothing was handed: more than one token is a prefill chunk
+            return False
+        qsl, seq_lens, decoding = facts.query_start_loc, facts.seq_lens, facts.decoding
+        prefill = np.diff(qsl) > 1  # nothing was handed: more than one token is a prefill
         if (prefill & ~never).any():  # its keys go into the summaries now
-            return None
+            return False
         if fixed != 0:
             fits = -(-seq_lens // self.blocks.block_size) <= self.blocks.budget_blocks
             if (decoding & ~fits & ~never).any():  # the controller may draft for it
-                return None
+                return False
         num_tokens = int(qsl[-1])
-        step = self.depth.begin(start, req_ids, num_tokens=num_tokens, emitted=num_tokens,
+        step = self.depth.begin(start, facts.req_ids, num_tokens=num_tokens,
+                                emitted=num_tokens,
                                 pure_decode=bool(decoding.all()) and not prefill.any(),
-                                verified=[], live_req_ids=runner.requests)
+                                verified=[], live_req_ids=requests)
         self.stats.record_depths([0] * int(decoding.sum()))
         step.end(drafting=False)
         self.stats.add(host_plain_steps=1)
-        return [[] for _ in range(num_reqs)]
+        return True
 
     @staticmethod
-    def host_lengths(cad) -> tuple[np.ndarray, np.ndarray]:
-        """(query starts [R + 1], sequence lengths [R]) of vLLM's pass, from the host copies
-        vLLM's runner made of them before the pass (no device value is read)."""
+    def read_v1(runner, cad) -> PassFacts | None:
+        """The V1 runner's host copies of its pass (vLLM's runner made them before the
+        pass; no device value is read); None without the sequence lengths' host copy."""
+        if cad.seq_lens_cpu_upper_bound is None:
+            return None
         num_reqs = cad.num_reqs
-        return (cad.query_start_loc_cpu[:num_reqs + 1].numpy(),
-                cad.seq_lens_cpu_upper_bound[:num_reqs].numpy())
+        return PassFacts(req_ids=list(runner.input_batch.req_ids[:num_reqs]),
+                         query_start_loc=cad.query_start_loc_cpu[:num_reqs + 1].numpy(),
+                         seq_lens=cad.seq_lens_cpu_upper_bound[:num_reqs].numpy(),
+                         decoding=~runner.discard_request_mask.np[:num_reqs])
+
+    @staticmethod
+    def read_mrv2(input_batch) -> PassFacts:
+        """Model Runner V2's host arrays of its pass: a row samples a token once its
+        prefill (the prompt, and after a resumption its earlier outputs) is all in.
+        Example: a 10-token prompt whose pass covers 0..4 does not decode; one whose
+        pass ends at 10 does."""
+        num_reqs = input_batch.num_reqs
+        seq_lens = input_batch.seq_lens_cpu_upper_bound[:num_reqs].numpy()
+        return PassFacts(req_ids=list(input_batch.req_ids[:num_reqs]),
+                         query_start_loc=input_batch.query_start_loc_np[:num_reqs + 1],
+                         seq_lens=seq_lens,
+                         decoding=seq_lens >= input_batch.prefill_len_np[:num_reqs])

@@ -123,11 +123,10 @@ class TriForceProposer(Drafting, DraftModelProposer):
                 num_rejected_tokens_gpu=None, slot_mappings=None) -> list[list[int]]:
         self._last_draft_probs, self._last_draft_prob_req_ids = None, None
         start = time.perf_counter()
-        plain = self.plain_steps.try_step(self.runner, common_attn_metadata, start,
-                                          self._handed_last)
-        if plain is not None:  # nothing to do: no device value read, no batch built
-            self._plain_step_done(start)
-            return plain
+        facts = self.plain_steps.read_v1(self.runner, common_attn_metadata)
+        if self.plain_steps.try_step(facts, self.runner.requests, start, self._handed_last):
+            self._plain_step_done(start)  # no device value read, no batch built
+            return [[] for _ in facts.req_ids]
         batch = StepBatch.from_runner(self.runner, common_attn_metadata, target_token_ids,
                                       next_token_ids, num_rejected_tokens_gpu,
                                       sampling_metadata, self.block_size,

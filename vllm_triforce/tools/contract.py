@@ -72,6 +72,14 @@ READ_ATTRIBUTES = (
     ("vllm.v1.worker.gpu.input_batch", "InputBatch.query_start_loc"),
     ("vllm.v1.worker.gpu.input_batch", "InputBatch.input_ids"),
     ("vllm.v1.worker.gpu.input_batch", "InputBatch.num_tokens"),
+    # a plain step's host facts (engine/plain_steps.py `read_mrv2`)
+    ("vllm.v1.worker.gpu.input_batch", "InputBatch.query_start_loc_np"),
+    ("vllm.v1.worker.gpu.input_batch", "InputBatch.seq_lens_cpu_upper_bound"),
+    ("vllm.v1.worker.gpu.input_batch", "InputBatch.prefill_len_np"),
+    # the tokens of plain steps (engine/mrv2/requests.py `TokenHistory`)
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.req_states"),
+    ("vllm.v1.worker.gpu.states", "RequestState.all_token_ids"),
+    ("vllm.v1.worker.gpu.buffer_utils", "StagedWriteTensor.gpu"),
     ("vllm.v1.worker.gpu.sample.states", "SamplingStates.temperature"),
     ("vllm.v1.worker.gpu.sample.states", "SamplingStates.top_k"),
     ("vllm.v1.worker.gpu.sample.states", "SamplingStates.top_p"),

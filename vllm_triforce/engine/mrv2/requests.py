@@ -14,8 +14,9 @@ reads, fed by what the runner itself is fed:
   (`Scheduler.schedule`, `use_v2_model_runner`);
 - `append_blocks`: `CachedRequestData.new_block_ids` (`GPUModelRunner.update_requests`);
 - `remove`: finished and preempted ids (`GPUModelRunner.finish_requests`);
-- `commit`: each step's committed tokens, read from the step's `StepBatch` (no device
-  read of its own).
+- `commit`: each step's committed tokens, read from the step's `StepBatch`; a request's
+  tokens from steps the speculator did no work in (engine/plain_steps.py: no batch, no
+  device read) are taken up then from vLLM's own history of them (`TokenHistory`).
 
 Terms. A request's *known tokens*: its prefill tokens (the prompt, and after a resumption
 the outputs it had), then every token committed since.
@@ -24,6 +25,8 @@ the outputs it had), then every token committed since.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import torch
 
 
 @dataclass
@@ -90,17 +93,53 @@ class RequestRecords(dict):
             self.add(new_req)
         self.append_blocks(scheduler_output.scheduled_cached_reqs)
 
-    def commit(self, batch) -> None:
+    def commit(self, batch, slots=None, history: "TokenHistory | None" = None) -> None:
         """Append what step `batch` (a StepBatch) committed for each decoding row: the
         verified tokens it accepted and its next token, positions
         [known, committed + 1). Example: a request knowing 8 tokens whose pass verified
         [t, d1, d2, d3] at positions 7..10, d1 accepted, r sampled: committed 9, so
-        positions 8 (d1) and 9 (r) are appended."""
+        positions 8 (d1) and 9 (r) are appended.
+
+        Tokens before the pass that no commit brought (the request's plain steps) are read
+        from `history` at the row's slot (`slots`: host [R], MRV2's idx_mapping), in one
+        copy for the batch; without a history they are an error."""
+        missing = []  # (row, first, end): positions [first, end) before the pass
+        for row in batch.decoding_rows():
+            known, start = batch.requests[row].num_tokens, batch.verify_start[row]
+            if known < start:
+                if history is None:
+                    raise RuntimeError(
+                        f"request {batch.requests[row].req_id}: {known} tokens known, but "
+                        f"its pass starts at position {start}; a step's commit was missed")
+                missing.append((row, known, start))
+        if missing:
+            spans = history.read([(int(slots[row]), first, end)
+                                  for row, first, end in missing])
+            for (row, _, _), ids in zip(missing, spans):
+                batch.requests[row].output_token_ids.extend(ids)
         for row in batch.decoding_rows():
             record = batch.requests[row]
-            known, end = record.num_tokens, batch.committed[row] + 1
-            if known < batch.verify_start[row]:
-                raise RuntimeError(
-                    f"request {record.req_id}: {known} tokens known, but its pass starts at "
-                    f"position {batch.verify_start[row]}; a step's commit was missed")
-            record.output_token_ids.extend(batch.token_ids(row, known, end))
+            end = batch.committed[row] + 1
+            record.output_token_ids.extend(batch.token_ids(row, record.num_tokens, end))
+
+
+class TokenHistory:
+    """Model Runner V2's own record of each request's tokens, read on the host: the
+    runner's `req_states.all_token_ids` [max_num_reqs, max_model_len] by slot
+    (vllm/v1/worker/gpu/states.py, 0.32.0 and 0.33.0; UVA host memory, or device memory
+    where UVA is unavailable). The prefill tokens are written at the request's arrival, and
+    each step's sampled tokens by the runner's `post_update` before the speculator runs,
+    so after the step's first sync every token up to the step's own is there."""
+
+    def __init__(self, all_token_ids: torch.Tensor):
+        self.all_token_ids = all_token_ids
+
+    def read(self, spans: list[tuple[int, int, int]]) -> list[list[int]]:
+        """Tokens [first, end) of each (slot, first, end), in one copy to the host."""
+        flat = torch.cat([self.all_token_ids[slot, first:end]
+                          for slot, first, end in spans]).tolist()
+        out, at = [], 0
+        for _, first, end in spans:
+            out.append(flat[at:at + end - first])
+            at += end - first
+        return out

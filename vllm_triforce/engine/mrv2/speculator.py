@@ -16,8 +16,11 @@ How they sit in vLLM (vllm/v1/worker/, 0.32.0 and 0.33.0):
   layers), runs TriForce's levels (engine/drafting.py, the V1 proposer's own) and answers
   `propose` with drafts [R, K] in columns [0, k_r) of request r.
 
-What `propose` does: builds the step's `StepBatch` (`from_mrv2`), commits its tokens to the
-records, runs the step (commit, plan, select, middle loop) and hands the drafts over.
+What `propose` does: a step the host finds nothing to do in (engine/plain_steps.py, from
+the pass's `InputBatch` host arrays) hands every request depth 0 with no batch and no
+device read. Any other step builds its `StepBatch` (`from_mrv2`), commits its tokens to
+the records (those of the requests' plain steps from vLLM's token history), runs the step
+(commit, plan, select, middle loop) and hands the drafts over.
 MRV2's verifier takes a draft distribution only as logits in `draft_logits`, which it
 allocates with draft_sample_method "probabilistic" (the switch sets it,
 engine_settings.mrv2_keys; without it the speculator refuses to start): the middle level
@@ -42,7 +45,7 @@ from vllm_triforce.engine.batch import StepBatch
 from vllm_triforce.engine.drafting import Drafting
 from vllm_triforce.engine.mrv2.draft_logits import DraftLogitsBuffer, temperature_only
 from vllm_triforce.engine.mrv2.draft_tokens import DraftCounts
-from vllm_triforce.engine.mrv2.requests import RequestRecords
+from vllm_triforce.engine.mrv2.requests import RequestRecords, TokenHistory
 
 
 class TriForceSpeculator(Drafting, StandaloneARSpeculator):
@@ -57,6 +60,7 @@ class TriForceSpeculator(Drafting, StandaloneARSpeculator):
         self.draft_counts: DraftCounts | None = None  # the runner's handler
         self.sampling_states = None  # the runner's `sampler.sampling_states`, after loading
         self.kv_cache_specs = None  # the runner's `get_kv_cache_spec`
+        self.token_history: TokenHistory | None = None  # the runner's `req_states`
         if self.draft_logits is None:  # its verifier would take every draft as one-hot
             raise TriForceConfigError(
                 "TriForce on Model Runner V2 needs vLLM's draft_sample_method "
@@ -116,13 +120,19 @@ class TriForceSpeculator(Drafting, StandaloneARSpeculator):
             self.draft_counts.set_depths([], [])
             return drafts
         start = time.perf_counter()
+        facts = self.plain_steps.read_mrv2(input_batch)
+        if self.plain_steps.try_step(facts, self.records, start, self._handed_last):
+            self.draft_counts.set_depths([], [])  # every request decodes plainly
+            self._plain_step_done(start)  # no device value read, no batch built
+            return drafts
         max_depth = (self.num_speculative_steps if num_speculative_tokens is None
                      else num_speculative_tokens)
         batch = StepBatch.from_mrv2(
             input_batch, num_sampled, num_rejected, last_sampled, self.sampling_states,
             self.block_tables.input_block_tables[0], self.records, self.shape.block_size,
             max_depth, previous=self._last_batch)
-        self.records.commit(batch)
+        # tokens of the requests' plain steps come from vLLM's history of them
+        self.records.commit(batch, input_batch.idx_mapping_np[:num_reqs], self.token_history)
         # the middle level draws from the q MRV2's verifier assumes
         lists, _, _ = self._run_step(temperature_only(batch), start, max_depth)
         self.draft_counts.set_depths(batch.req_ids, [len(d) for d in lists])
@@ -152,6 +162,7 @@ class TriForceRunnerV2(GPUModelRunnerV2):
             self.speculator = TriForceSpeculator(vllm_config, self.device)
             self.speculator.draft_counts = self.draft_tokens_handler
             self.speculator.kv_cache_specs = self.get_kv_cache_spec
+            self.speculator.token_history = TokenHistory(self.req_states.all_token_ids.gpu)
 
     def load_model(self, *args, **kwargs):
         out = super().load_model(*args, **kwargs)

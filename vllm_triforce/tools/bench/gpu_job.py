@@ -187,7 +187,7 @@ def run_generate(job: dict) -> dict:
             attribution.__exit__(None, None, None)
     result = {"facts": engine_facts(llm),
               "tokens": [list(o.outputs[0].token_ids) for o in outputs],
-              "steps": steps["steps"]}
+              "steps": steps["steps"], "reference": job.get("reference")}
     if job.get("logprobs"):
         result["margins"] = [top2_margins(o.outputs[0]) for o in outputs]
     if attribution is not None:

@@ -95,7 +95,30 @@ def plan(on_gpu: bool, models: dict, kernels_ok: bool = True) -> list[dict]:
                 jobs.append({**base, "name": f"exact-{tag}-{n}L-mrv2", "spec": spec,
                              "llm": llm, "env": MRV2_SETTINGS["env"], "levels": n,
                              "reference": f"exact-{tag}-plain"})
+            jobs.extend(_grow_jobs(tag, base, llm, models["vocab"]))
     return jobs
+
+
+def _grow_jobs(tag: str, base: dict, llm: dict, vocab: int) -> list[dict]:
+    """Requests that start inside the retrieval budget and grow past it, under the depth
+    controller: their first steps are plain steps found on the host (engine/plain_steps.py:
+    no batch, no device read, on MRV2 no commit to the records), the later ones do work,
+    and on MRV2 take the plain steps' tokens up from vLLM's token history
+    (engine/mrv2/requests.py). Plain vLLM, TriForce on V1, TriForce on MRV2."""
+    from vllm_triforce.tools.bench.gpu_engine import random_prompts
+
+    # 150-240 tokens, 120 new: every context fits the 256-token budget for the first steps
+    prompts = [p[:150 + 30 * i] for i, p in enumerate(random_prompts(4, 240, vocab, seed=5))]
+    grow = {**base, "prompts": prompts, "max_tokens": 120}
+    spec = {**TINY_SPEC, "adaptive": True}
+    return [
+        {**grow, "name": f"exact-{tag}-grow-plain", "logprobs": 2,
+         "env": FORCED_SETTINGS["env"], "llm": {**llm, "async_scheduling": False}},
+        {**grow, "name": f"exact-{tag}-grow-2L", "spec": spec, "llm": llm, "levels": 2,
+         "reference": f"exact-{tag}-grow-plain"},
+        {**grow, "name": f"exact-{tag}-grow-2L-mrv2", "spec": spec, "llm": llm,
+         "env": MRV2_SETTINGS["env"], "levels": 2, "reference": f"exact-{tag}-grow-plain"},
+    ]
 
 
 def _tiny_prompts(vocab: int) -> list[list[int]]:

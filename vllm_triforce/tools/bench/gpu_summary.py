@@ -33,14 +33,15 @@ def _exactness(jobs: dict) -> list[dict]:
     for name, job in jobs.items():
         if not name.startswith("exact-") or name.endswith("-plain") or job["status"] != "ok":
             continue
-        ref = _ok(jobs, name.rsplit("-", 1)[0] + "-plain")
+        ref = _ok(jobs, job["result"].get("reference") or name.rsplit("-", 1)[0] + "-plain")
         if ref is None:
             continue
         res, stats = job["result"], job["result"].get("stats", {})
         row = {"job": name, "backend": res["facts"].get("attention_backend"),
                "drafted": stats.get("top_proposed", 0), "accepted": stats.get("top_accepted", 0),
                "middle_drafted": stats.get("middle_proposed", 0),
-               "middle_accepted": stats.get("middle_accepted", 0)}
+               "middle_accepted": stats.get("middle_accepted", 0),
+               "host_plain_steps": stats.get("host_plain_steps", 0)}
         row.update(compare_tokens(ref["tokens"], res["tokens"], ref.get("margins")))
         rows.append(row)
     return rows

@@ -303,9 +303,9 @@ class ProposeSyncs:
     labelled *once*, and the depth controller's planning (`DepthChooser.plan`), labelled
     *host*: core/controller.py computes on small CPU tensors it builds itself, and
     engine/plain_steps.py reads vLLM's host copies of a pass's lengths
-    (`PlainSteps.host_lengths`), no sync on a GPU (a CUDA counter sees none there), but on a
+    (`PlainSteps.read_v1`), no sync on a GPU (a CUDA counter sees none there), but on a
     CPU-only machine every tensor counts. Wraps the instance's `propose`, its middle loop's
-    `run`, its depth chooser's `plan`, its plain steps' `host_lengths` and the reader's
+    `run`, its depth chooser's `plan`, its plain steps' `read_v1` and the reader's
     `check` (instance attributes, removed on exit), and sets the middle loop's
     `on_round_start` (None again on exit); nothing is changed for other instances.
     `take()` returns one SyncCounter per propose since the last take; `summarise`
@@ -339,7 +339,7 @@ class ProposeSyncs:
         middle.on_round_start = lambda: self._counter.mark("round")
         proposer.depth.plan = self._labelled("host", proposer.depth.plan)
         plain = proposer.plain_steps  # reads vLLM's host copies of the pass's lengths
-        plain.host_lengths = self._labelled("host", plain.host_lengths)
+        plain.read_v1 = self._labelled("host", plain.read_v1)
         self._reader = proposer.retrieval.keeper.reader
         if self._reader is not None:  # its one check at the first commit: label "once"
             self._reader.check = self._labelled("once", self._reader.check)
@@ -359,7 +359,7 @@ class ProposeSyncs:
     def __exit__(self, *exc) -> None:
         for owner, name in ((self.proposer, "propose"), (self.proposer.middle, "run"),
                             (self.proposer.depth, "plan"), (self._reader, "check"),
-                            (self.proposer.plain_steps, "host_lengths")):
+                            (self.proposer.plain_steps, "read_v1")):
             if owner is not None:
                 owner.__dict__.pop(name, None)
         self.proposer.middle.on_round_start = None
