@@ -234,6 +234,8 @@ def test_the_lease_calls_name_planned_jobs_and_each_exact_row_finds_its_referenc
         assert jobs[name]["reference"] in jobs and jobs[name]["reference"].endswith("-plain")
     grow = jobs["exact-triton-fp32-grow-2L-mrv2"]
     assert grow["spec"]["adaptive"] and grow["env"]["VLLM_TRIFORCE_MRV2"] == "1"
+    assert jobs["exact-triton-fp32-grow-2L-mrv2-async"]["llm"]["async_scheduling"]
+    assert not grow["llm"].get("async_scheduling")
     assert max(len(p) for p in grow["prompts"]) <= grow["spec"]["retrieval_budget"]
     tokens = [[1, 2, 3]]
     results = {"jobs": {

@@ -97,6 +97,31 @@ def test_the_mrv2_switch_picks_v2_and_triforces_worker(monkeypatch):
     assert engine_settings.mrv2_keys({"revision": "r"}) == {"revision": "r"}
 
 
+def test_an_explicit_async_scheduling_is_taken_only_on_model_runner_v2(monkeypatch):
+    """MRV2's runner cuts async scheduling's K placeholder drafts to each request's depth
+    (engine/mrv2/draft_tokens.py): with the switch an explicit --async-scheduling stays
+    on (off is still TriForce's default); without it, the error names the switch."""
+    from vllm_triforce import engine_settings
+
+    monkeypatch.setattr(engine_settings, "_check_mrv2_switch", lambda args: None)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "")  # restored after the test
+
+    def decided(async_scheduling):
+        args = types.SimpleNamespace(
+            compilation_config=types.SimpleNamespace(cudagraph_mode="PIECEWISE"),
+            async_scheduling=async_scheduling, worker_cls="auto", attention_backend=None,
+            attention_config=None)
+        parallel = types.SimpleNamespace(data_parallel_size=1, worker_cls="auto")
+        return engine_settings.decide(args, parallel), args.async_scheduling
+
+    monkeypatch.setenv("VLLM_TRIFORCE_MRV2", "1")
+    assert decided(True) == (["model_runner"], True)
+    assert decided(None) == (["async_scheduling", "model_runner"], False)
+    monkeypatch.delenv("VLLM_TRIFORCE_MRV2")
+    with pytest.raises(TriForceConfigError, match=r"async_scheduling=True.*VLLM_TRIFORCE_MRV2=1"):
+        decided(True)
+
+
 def test_data_parallel_refused(tiny_llama):
     with pytest.raises(TriForceConfigError, match=r"TriForce.*data_parallel_size=2.*Fix"):
         _engine_args(tiny_llama, data_parallel_size=2).create_engine_config()

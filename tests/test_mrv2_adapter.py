@@ -331,8 +331,9 @@ def scheduler_config(tiny_llama):
                                              prompt_lookup_max=2, prompt_lookup_min=1))
 
 
-def real_scheduler(config, num_blocks: int = 64):
-    """vLLM's Scheduler as MRV2 is served (resumed requests come as new ones)."""
+def real_scheduler(config, num_blocks: int = 64, scheduler_class=None):
+    """vLLM's Scheduler (or `scheduler_class`: its AsyncScheduler) as MRV2 is served
+    (resumed requests come as new ones)."""
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
@@ -342,8 +343,9 @@ def real_scheduler(config, num_blocks: int = 64):
                              dtype=torch.float32)
     kv = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                        kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
-    scheduler = Scheduler(vllm_config=config, kv_cache_config=kv, block_size=SCHED_BLOCK,
-                          structured_output_manager=StructuredOutputManager(config))
+    scheduler = (scheduler_class or Scheduler)(
+        vllm_config=config, kv_cache_config=kv, block_size=SCHED_BLOCK,
+        structured_output_manager=StructuredOutputManager(config))
     scheduler.use_v2_model_runner = True
     return scheduler
 
@@ -406,6 +408,73 @@ def test_draft_counts_reach_the_real_scheduler(scheduler_config):
     run_step(scheduler, second, {"r0": [600, 601], "r1": [602], "r2": [603, 604]})
     computed = {r: scheduler.requests[r].num_computed_tokens for r in req_ids}
     assert computed == {"r0": 12, "r1": 12, "r2": 14}
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_async_drafts_cut_on_a_copy_keep_the_real_async_schedulers_counts(scheduler_config,
+                                                                         shared):
+    """Async scheduling: vLLM's real AsyncScheduler schedules K = 3 placeholder drafts for
+    every decoding request; the runner cuts them to TriForce's depths {r0: 3, r1: 0, r2: 1}
+    (`DraftCounts.trimmed`) and the step verifies that many. Cut on a copy, the scheduler's
+    accounting after the step leaves each request with the tokens it really has; cut in
+    place (the in-process executor shares the object), r1 would keep 3 tokens it never
+    computed."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    from vllm_triforce.engine.mrv2.draft_tokens import DraftCounts
+
+    scheduler = real_scheduler(scheduler_config, scheduler_class=AsyncScheduler)
+    add_requests(scheduler, {"r0": 10, "r1": 11, "r2": 12})
+    run_step(scheduler, scheduler.schedule())  # the three prompts, one token each
+    second = scheduler.schedule()
+    assert second.scheduled_spec_decode_tokens == {r: [-1] * K for r in ("r0", "r1", "r2")}
+    assert second.num_scheduled_tokens == {"r0": 4, "r1": 4, "r2": 4}
+    counts = DraftCounts(stock_handler())
+    counts.set_depths(["r0", "r1", "r2"], [3, 0, 1])
+    cut = counts.trimmed(second)
+    assert cut.num_scheduled_tokens == {"r0": 4, "r1": 1, "r2": 2}
+    assert cut.total_num_scheduled_tokens == 7
+    assert cut.scheduled_spec_decode_tokens == {"r0": [-1] * K, "r2": [-1]}
+    assert second.num_scheduled_tokens == {"r0": 4, "r1": 4, "r2": 4}  # untouched
+    assert second.scheduled_spec_decode_tokens["r1"] == [-1] * K
+    if shared:  # what an in-place cut would leave the scheduler
+        second.num_scheduled_tokens = cut.num_scheduled_tokens
+        second.total_num_scheduled_tokens = cut.total_num_scheduled_tokens
+        second.scheduled_spec_decode_tokens = cut.scheduled_spec_decode_tokens
+    # r0 keeps 1 of its 3 drafts (2 sampled), r2 its only one (2 sampled), r1 decodes
+    run_step(scheduler, second, {"r0": [600, 601], "r1": [602], "r2": [603, 604]})
+    computed = {r: scheduler.requests[r].num_computed_tokens for r in ("r0", "r1", "r2")}
+    right = {"r0": 12, "r1": 12, "r2": 14}
+    assert (computed != right) if shared else (computed == right), computed
+    outputs = {r: len(scheduler.requests[r].output_token_ids) for r in ("r0", "r1", "r2")}
+    assert outputs == {"r0": 3, "r1": 2, "r2": 3}
+
+
+def test_the_cut_leaves_what_it_cannot_or_need_not_cut():
+    """Synchronous scheduling already scheduled k_r (the same object back); structured
+    outputs keep their drafts (their grammar bitmask counts them); a request without a depth
+    this step (vLLM's warm-up batches) keeps its drafts."""
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    from vllm_triforce.engine.mrv2.draft_tokens import DraftCounts
+
+    def output(spec, structured=False):
+        out = SchedulerOutput.make_empty()
+        out.scheduled_spec_decode_tokens = spec
+        out.num_scheduled_tokens = {r: 1 + len(ids) for r, ids in spec.items()}
+        out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+        out.has_structured_output_requests = structured
+        return out
+
+    counts = DraftCounts(stock_handler())
+    counts.set_depths(["a", "b"], [2, 0])
+    synced = output({"a": [-1, -1]})
+    assert counts.trimmed(synced) is synced
+    structured = output({"a": [-1] * 3, "b": [-1] * 3}, structured=True)
+    assert counts.trimmed(structured) is structured
+    cut = counts.trimmed(output({"a": [-1] * 3, "b": [-1] * 3, "w": [-1] * 3}))
+    assert cut.scheduled_spec_decode_tokens == {"a": [-1, -1], "w": [-1] * 3}
+    assert cut.num_scheduled_tokens == {"a": 3, "b": 1, "w": 4}
 
 
 def test_draft_counts_trim_real_ids_for_structured_outputs():
@@ -641,7 +710,8 @@ def test_a_step_nobody_can_draft_in_reads_no_device_value(binding):
         this, mrv2_input_batch(), {}, {}, None, None, untouchable, untouchable, untouchable,
         None, None, None, num_speculative_tokens=K)
     assert drafts.tolist() == [[-1] * K] * 3 and not this.stepped and this.plain_done
-    assert this.draft_counts.depths == {} and records["a"].output_token_ids == [20, 21]
+    assert this.draft_counts.depths == {"a": 0, "c": 0, "b": 0}  # under async: cut to 0
+    assert records["a"].output_token_ids == [20, 21]
     assert this.plain_steps.stats.counts == {"host_plain_steps": 1}
     assert this.plain_steps.stats.depths == [0, 0]  # a and c decoded; b is prefilling
     assert this.plain_steps.depth.begun == [ROWS]
@@ -652,6 +722,29 @@ def test_a_step_nobody_can_draft_in_reads_no_device_value(binding):
         this, mrv2_input_batch(), {}, {}, None, None, *mrv2_sampled(), None, None, None,
         num_speculative_tokens=K)
     assert len(this.stepped) == 1 and records["a"].output_token_ids == [20, 21, 30, 40]
+
+
+def test_the_runner_steps_on_the_cut_copy(binding, monkeypatch):
+    """TriForceRunnerV2.execute_model hands vLLM's the output cut to the last step's
+    depths; a dummy run's goes through as it came."""
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    from vllm_triforce.engine.mrv2.draft_tokens import DraftCounts
+
+    seen = []
+    monkeypatch.setattr(binding.GPUModelRunnerV2, "execute_model",
+                        lambda self, out, *args, **kwargs: seen.append((out, kwargs)))
+    runner = object.__new__(binding.TriForceRunnerV2)  # vLLM's __init__ needs a GPU
+    runner.speculator = types.SimpleNamespace(draft_counts=DraftCounts(stock_handler()))
+    runner.speculator.draft_counts.set_depths(["a"], [1])
+    out = SchedulerOutput.make_empty()
+    out.scheduled_spec_decode_tokens = {"a": [-1] * K}
+    out.num_scheduled_tokens, out.total_num_scheduled_tokens = {"a": 1 + K}, 1 + K
+    runner.execute_model(out)
+    runner.execute_model(out, dummy_run=True)
+    (cut, _), (dummy, kwargs) = seen
+    assert cut is not out and cut.num_scheduled_tokens == {"a": 2}
+    assert dummy is out and kwargs == {"dummy_run": True}
 
 
 def test_put_drafts_fills_each_rows_first_columns(binding):

@@ -6,7 +6,7 @@ source; CPU forces most of them off, which is why CPU tests never saw them):
 | setting | CUDA default | why TriForce breaks | what we do |
 |---|---|---|---|
 | `cudagraph_mode` | FULL_AND_PIECEWISE | a FULL graph replays attention without Python, so the capture hook (engine/device/capture.py) sees no query/key: summaries miss committed keys and selections never refresh | default PIECEWISE (attention stays an eager custom op, vllm/model_executor/layers/attention/attention.py); refuse FULL, FULL_AND_PIECEWISE, FULL_DECODE_ONLY |
-| async scheduling | on for `draft_model` (vllm/config/vllm.py ~1585) | the proposer reads token ids that are still -1 placeholders | default off; refuse an explicit on |
+| async scheduling | on for `draft_model` (vllm/config/vllm.py ~1585) | the V1 proposer reads token ids that are still -1 placeholders | default off; refuse an explicit on, except with `VLLM_TRIFORCE_MRV2=1` (experimental: MRV2's runner cuts the K drafts async scheduling schedules to each request's depth, engine/mrv2/draft_tokens.py) |
 | model runner | V2 unless `VLLM_USE_V2_MODEL_RUNNER=0` | the TriForce proposer lives in the V1 runner; V2 would silently run its own draft-model speculator | set 0; refuse an explicit 1 and the features that force V2 (watermarking, HiSparse); with `VLLM_TRIFORCE_MRV2=1` (experimental, GPUs only) set 1 and TriForce's own MRV2 worker (engine/mrv2/) |
 | data parallelism | 1 | ranks run different numbers of middle passes; MoE DP collectives then hang (vllm/forward_context.py ~299) | refuse `data_parallel_size > 1` |
 | attention backend | FLASH_ATTN (Hopper), FLASHINFER (Blackwell) | per-layer metadata must not share builder state | refuse backends outside `SUPPORTED_ATTENTION_BACKENDS` |
@@ -124,11 +124,13 @@ def _check_cudagraph_mode(mode, setting: str = "cudagraph_mode={mode}") -> None:
 
 
 def _check_async_scheduling(async_scheduling) -> None:
-    if async_scheduling:
+    if async_scheduling and not mrv2_requested():
         raise _fix("async_scheduling=True",
-                   "the proposer reads sampled token ids that async scheduling leaves as "
-                   "placeholders",
-                   "drop --async-scheduling (TriForce turns it off by default)")
+                   "the V1 runner's proposer reads sampled token ids that async scheduling "
+                   "leaves as placeholders",
+                   "drop --async-scheduling (TriForce turns it off by default); on a GPU, "
+                   f"{MRV2_SWITCH_ENV}=1 (experimental) runs TriForce on Model Runner V2, "
+                   "which takes it")
 
 
 def _check_v2_runner(engine_args) -> None:

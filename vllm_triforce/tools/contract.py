@@ -124,6 +124,12 @@ READ_ATTRIBUTES = (
     ("vllm.v1.core.sched.output", "SchedulerOutput.preempted_req_ids"),
     ("vllm.v1.core.sched.output", "SchedulerOutput.scheduled_new_reqs"),
     ("vllm.v1.core.sched.output", "SchedulerOutput.scheduled_cached_reqs"),
+    # async scheduling's drafts cut to each request's depth (engine/mrv2/draft_tokens.py)
+    ("vllm.v1.core.sched.output", "SchedulerOutput.scheduled_spec_decode_tokens"),
+    ("vllm.v1.core.sched.output", "SchedulerOutput.num_scheduled_tokens"),
+    ("vllm.v1.core.sched.output", "SchedulerOutput.total_num_scheduled_tokens"),
+    ("vllm.v1.core.sched.output", "SchedulerOutput.has_structured_output_requests"),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.execute_model"),
     ("vllm.v1.outputs", "DraftTokenIds.draft_token_ids"),
 )
 RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"

@@ -14,9 +14,22 @@ handler and keeps the first k_r of each list: `[-1] * k_r`, or the k_r real ids.
 Example, K = 3: depths {a: 3, b: 0, c: 1} turn the stock [[-1]*3] * 3 into
 [[-1, -1, -1], [], [-1]]; next step the scheduler gives a 4 tokens, b 1 and c 2.
 A request the speculator set no depth for this step (a dummy run's) gets none.
+
+Under async scheduling (explicit `--async-scheduling` with `VLLM_TRIFORCE_MRV2=1`) the
+scheduler never hears these counts: it schedules step N + 1 before step N has drafted,
+K placeholder drafts for every decoding request (`AsyncScheduler._update_after_schedule`,
+vllm/v1/core/sched/async_scheduler.py). The runner then cuts each request's scheduled
+drafts to its k_r before the step runs (`trimmed`), on a copy of the `SchedulerOutput`:
+with the in-process executor the scheduler hands the worker its own object, and after the
+step it reads the drafts it scheduled to roll `num_computed_tokens` back (a cut slot
+counts as a rejected draft: `Scheduler.update_from_output`). vLLM's spec-decode metrics
+therefore count a cut slot as drafted and rejected under async; TriForce's own counters
+do not.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from vllm.v1.outputs import DraftTokenIds
 
@@ -44,3 +57,31 @@ class DraftCounts:
         counts = [self.depths.get(req_id, 0) for req_id in stock.req_ids]
         return DraftTokenIds(stock.req_ids, [list(ids[:k]) for ids, k
                                              in zip(stock.draft_token_ids, counts)])
+
+    def trimmed(self, scheduler_output):
+        """`scheduler_output` with each request's scheduled drafts cut to its depth of the
+        last step (requests with no depth set keep theirs: vLLM's own warm-up batches), as
+        a copy; the object itself when nothing is cut (synchronous scheduling: the
+        scheduler already scheduled k_r), or when structured outputs are scheduled (their
+        grammar bitmask counts the scheduled drafts; a -1 draft is rejected, so leaving it
+        costs verification tokens, not exactness).
+
+        Example, K = 3, depths {a: 1, b: 0}: scheduled {a: 4, b: 4, c: 1} tokens with drafts
+        {a: [-1]*3, b: [-1]*3} become {a: 2, b: 1, c: 1} with drafts {a: [-1]}."""
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        if not spec or scheduler_output.has_structured_output_requests:
+            return scheduler_output
+        keep = {r: min(len(ids), self.depths[r]) for r, ids in spec.items() if r in self.depths}
+        if all(k == len(spec[r]) for r, k in keep.items()):
+            return scheduler_output
+        num_scheduled = dict(scheduler_output.num_scheduled_tokens)
+        drafts = {}
+        for r, ids in spec.items():
+            k = keep.get(r, len(ids))
+            num_scheduled[r] -= len(ids) - k
+            if k:
+                drafts[r] = ids[:k]
+        return dataclasses.replace(
+            scheduler_output, num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            scheduled_spec_decode_tokens=drafts)

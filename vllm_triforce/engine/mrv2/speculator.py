@@ -10,7 +10,8 @@ How they sit in vLLM (vllm/v1/worker/, 0.32.0 and 0.33.0):
 - `TriForceRunnerV2(GPUModelRunner)` (gpu/model_runner.py) replaces the speculator that
   `init_speculator` built (a hard-coded chain: `draft_model` -> StandaloneARSpeculator) by a
   `TriForceSpeculator`, and the draft-token handler by `DraftCounts` (per-request counts),
-  and feeds the speculator's `RequestRecords` from each scheduler output;
+  feeds the speculator's `RequestRecords` from each scheduler output, and under async
+  scheduling cuts each request's scheduled drafts to its depth (`DraftCounts.trimmed`);
 - `TriForceSpeculator(Drafting, StandaloneARSpeculator)` keeps every `isinstance(...,
   DraftModelSpeculator)` in the runner true (draft loading, `set_attn`, the draft's KV
   layers), runs TriForce's levels (engine/drafting.py, the V1 proposer's own) and answers
@@ -122,7 +123,7 @@ class TriForceSpeculator(Drafting, StandaloneARSpeculator):
         start = time.perf_counter()
         facts = self.plain_steps.read_mrv2(input_batch)
         if self.plain_steps.try_step(facts, self.records, start, self._handed_last):
-            self.draft_counts.set_depths([], [])  # every request decodes plainly
+            self.draft_counts.set_depths(facts.req_ids, [0] * num_reqs)  # all plain
             self._plain_step_done(start)  # no device value read, no batch built
             return drafts
         max_depth = (self.num_speculative_steps if num_speculative_tokens is None
@@ -169,6 +170,14 @@ class TriForceRunnerV2(GPUModelRunnerV2):
         if self.speculator is not None:
             self.speculator.sampling_states = self.sampler.sampling_states
         return out
+
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        """vLLM's step, with each request's scheduled drafts cut to the depth TriForce
+        gave it at the last step (async scheduling schedules K for everyone:
+        engine/mrv2/draft_tokens.py), on a copy of the scheduler's output."""
+        if self.speculator is not None and not kwargs.get("dummy_run", False):
+            scheduler_output = self.speculator.draft_counts.trimmed(scheduler_output)
+        return super().execute_model(scheduler_output, *args, **kwargs)
 
     def update_requests(self, scheduler_output) -> None:
         """After the runner's own finish / add / update of this output (execute_model's

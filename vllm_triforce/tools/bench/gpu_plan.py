@@ -104,7 +104,8 @@ def _grow_jobs(tag: str, base: dict, llm: dict, vocab: int) -> list[dict]:
     controller: their first steps are plain steps found on the host (engine/plain_steps.py:
     no batch, no device read, on MRV2 no commit to the records), the later ones do work,
     and on MRV2 take the plain steps' tokens up from vLLM's token history
-    (engine/mrv2/requests.py). Plain vLLM, TriForce on V1, TriForce on MRV2."""
+    (engine/mrv2/requests.py). Plain vLLM, TriForce on V1, TriForce on MRV2 with
+    synchronous and with async scheduling."""
     from vllm_triforce.tools.bench.gpu_engine import random_prompts
 
     # 150-240 tokens, 120 new: every context fits the 256-token budget for the first steps
@@ -118,6 +119,11 @@ def _grow_jobs(tag: str, base: dict, llm: dict, vocab: int) -> list[dict]:
          "reference": f"exact-{tag}-grow-plain"},
         {**grow, "name": f"exact-{tag}-grow-2L-mrv2", "spec": spec, "llm": llm,
          "env": MRV2_SETTINGS["env"], "levels": 2, "reference": f"exact-{tag}-grow-plain"},
+        # explicit async scheduling, which MRV2 takes: K drafts scheduled for everyone, cut
+        # to each request's depth by the runner (engine/mrv2/draft_tokens.py)
+        {**grow, "name": f"exact-{tag}-grow-2L-mrv2-async", "spec": spec,
+         "llm": {**llm, "async_scheduling": True}, "env": MRV2_SETTINGS["env"], "levels": 2,
+         "reference": f"exact-{tag}-grow-plain"},
     ]
 
 
