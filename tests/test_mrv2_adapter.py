@@ -789,13 +789,27 @@ def test_the_speculator_builds_from_a_real_config_and_keeps_vllms_names(binding,
     assert drafts.shape == (3, K) and bool((drafts == -1).all())
 
 
-def test_a_dummy_propose_reads_no_request(binding):
-    this = speculator_stand_in(RequestRecords())  # no record: a real batch would fail
-    drafts = binding.TriForceSpeculator.propose(
-        this, mrv2_input_batch(), {}, {}, None, None, *mrv2_sampled(), None, None, None,
-        dummy_run=True)
-    assert drafts.shape == (3, K) and this._last_batch is None and not this.stepped
-    assert this.draft_counts.depths == {}
+@pytest.mark.parametrize("has_draft", [False, True])
+def test_a_dummy_propose_reads_no_request(binding, monkeypatch, has_draft):
+    """vLLM's dummy and profile batches: no request of ours is read and nobody drafts; with
+    three levels the small draft runs over the batch as vLLM's draft model would (its
+    activations belong in the profile), and what it drafted is dropped."""
+    ran = []
+
+    def stock_propose(self, input_batch, *args, **kwargs):
+        ran.append(kwargs)
+        self.draft_tokens[:input_batch.num_reqs] = 5  # the small draft's dummy drafts
+
+    monkeypatch.setattr(binding.StandaloneARSpeculator, "propose", stock_propose)
+    this = object.__new__(binding.TriForceSpeculator)  # vLLM's __init__ loads a config
+    vars(this).update(vars(speculator_stand_in(RequestRecords())))  # no record: a real
+    this.shape = types.SimpleNamespace(block_size=BLOCK, has_draft=has_draft)  # batch fails
+    drafts = this.propose(mrv2_input_batch(), {}, {}, None, None, *mrv2_sampled(), None,
+                          None, None, dummy_run=True, is_profile=True)
+    assert drafts.tolist() == [[-1] * K] * 3 and this._last_batch is None
+    assert not this.stepped and this.draft_counts.depths == {}
+    assert [(k["dummy_run"], k["is_profile"]) for k in ran] == ([(True, True)] if has_draft
+                                                                 else [])
 
 
 # ----------------------------------- 4b. the middle level's logits, on a real (V1) engine

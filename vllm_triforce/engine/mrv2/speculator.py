@@ -115,9 +115,20 @@ class TriForceSpeculator(Drafting, StandaloneARSpeculator):
                 dummy_run: bool = False, skip_attn_for_dummy_run: bool = False,
                 mm_inputs=None, is_profile: bool = False, num_speculative_tokens=None):
         num_reqs = input_batch.num_reqs
+        if (dummy_run or is_profile) and self.shape.has_draft:
+            # vLLM's own batches: the small draft runs over them as vLLM's draft model
+            # would, so that its activations are in the profile (the V1 proposer's
+            # `dummy_run` alike); its drafts are dropped below
+            super().propose(input_batch, attn_metadata, slot_mappings, last_hidden_states,
+                            aux_hidden_states, num_sampled, num_rejected, last_sampled,
+                            next_prefill_tokens, temperature, seeds, dp_sync_state,
+                            dummy_run=dummy_run,
+                            skip_attn_for_dummy_run=skip_attn_for_dummy_run,
+                            mm_inputs=mm_inputs, is_profile=is_profile,
+                            num_speculative_tokens=num_speculative_tokens)
         drafts = self.draft_tokens[:num_reqs]  # [R, K]: request r's drafts in [0, k_r)
         drafts.fill_(-1)
-        if dummy_run or is_profile:  # vLLM's own batches: no request of ours
+        if dummy_run or is_profile:  # no request of ours
             self.draft_counts.set_depths([], [])
             return drafts
         start = time.perf_counter()
