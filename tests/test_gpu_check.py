@@ -195,9 +195,9 @@ def test_the_gpu_plan_times_costs_first_and_vllm_defaults_before_forced_settings
 
     models = {"target": "t", "draft": "d", "shape": "s", "tag": "x", "vocab": 1000}
     names = [job["name"] for job in plan(True, models)]
-    assert names[:5] == ["kernels", "costs-plain-defaults", "costs-triforce",
-                         "costs-plain-forced", "kv-kept"], names
-    assert names[5:] and all(n.startswith("exact-") for n in names[5:]), names
+    assert names[:6] == ["kernels", "costs-plain-defaults", "costs-triforce",
+                         "costs-plain-forced", "kv-kept", "costs-triforce-mrv2"], names
+    assert names[6:] and all(n.startswith("exact-") for n in names[6:]), names
     costs = plan(True, models)[1]
     assert [c["name"] for c in costs["cases"]][:2] == ["8x32K", "1x128K"]
     # the KV cache given back: the default coded summaries, no prefill peak, at plain
@@ -236,6 +236,12 @@ def test_the_lease_calls_name_planned_jobs_and_each_exact_row_finds_its_referenc
     assert grow["spec"]["adaptive"] and grow["env"]["VLLM_TRIFORCE_MRV2"] == "1"
     assert jobs["exact-triton-fp32-grow-2L-mrv2-async"]["llm"]["async_scheduling"]
     assert not grow["llm"].get("async_scheduling")
+    full = jobs["exact-flash-bf16-grow-2L-mrv2-full"]  # vLLM's defaults, on MRV2
+    assert full["llm"]["compilation_config"]["cudagraph_mode"] == "FULL_AND_PIECEWISE"
+    assert full["llm"]["async_scheduling"] and not full["llm"]["enforce_eager"]
+    assert "env" not in jobs[full["reference"]] and not jobs[full["reference"]]["llm"][
+        "enforce_eager"]
+    assert jobs["costs-triforce-mrv2"]["env"]["VLLM_TRIFORCE_MRV2"] == "1"
     assert max(len(p) for p in grow["prompts"]) <= grow["spec"]["retrieval_budget"]
     tokens = [[1, 2, 3]]
     results = {"jobs": {
@@ -247,6 +253,22 @@ def test_the_lease_calls_name_planned_jobs_and_each_exact_row_finds_its_referenc
     rows = gpu_summary.summarise(results)["exactness"]
     assert sorted(row["job"] for row in rows) == sorted(exact)
     assert all(row["identical"] for row in rows)
+
+
+def test_triforce_on_vllms_defaults_is_read_against_vllms_defaults():
+    """costs-triforce-mrv2's depth-0 step over costs-plain-defaults' (issue 60's number),
+    in the summary and on the page."""
+    def costs(depths=None, step=None):
+        case = {"depths": depths} if depths else {"step_ms": step}
+        return {"status": "ok", "result": {"cases": {"8x32K": case}}}
+
+    results = {"jobs": {"costs-plain-defaults": costs(step=12.5),
+                        "costs-triforce-mrv2": costs({"0": {"step_ms": 12.75},
+                                                      "6": {"step_ms": 20.0}})}}
+    row, = gpu_summary.summarise(results)["costs"]
+    assert row["mrv2_depth0_of_defaults"] == pytest.approx(1.02)
+    page = gpu_render.render({"runs": [{"date": "2026-11-29", "gpu": "X"}], **results})
+    assert "8x32K: depth 0: 12.8 ms; depth 6: 20 ms, depth 0 at 1.02x" in page, page
 
 
 def test_a_step_lost_in_noise_is_timed_longer_and_never_negative():

@@ -122,6 +122,33 @@ def test_an_explicit_async_scheduling_is_taken_only_on_model_runner_v2(monkeypat
         decided(True)
 
 
+@pytest.mark.parametrize("mode", ["FULL", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"])
+def test_model_runner_v2_takes_full_and_piecewise_graphs_and_no_other_full_mode(monkeypatch,
+                                                                               mode):
+    """engine/mrv2/graphs.py: FULL decode graphs where TriForce reads nothing of a pass,
+    piecewise where it does; so with the switch an explicit FULL_AND_PIECEWISE is taken,
+    and FULL (mixed batches FULL too) or FULL_DECODE_ONLY (no piecewise graphs to fall
+    back on) are still refused. Without the switch every FULL mode is refused, naming it."""
+    from vllm_triforce import engine_settings
+
+    monkeypatch.setattr(engine_settings, "_check_mrv2_switch", lambda args: None)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "")  # restored after the test
+    args = types.SimpleNamespace(
+        compilation_config=types.SimpleNamespace(cudagraph_mode=mode), async_scheduling=None,
+        worker_cls="auto", attention_backend=None, attention_config=None)
+    parallel = types.SimpleNamespace(data_parallel_size=1, worker_cls="auto")
+    monkeypatch.setenv("VLLM_TRIFORCE_MRV2", "1")
+    if mode == "FULL_AND_PIECEWISE":
+        assert "cudagraph_mode" not in engine_settings.decide(args, parallel)
+        assert args.compilation_config.cudagraph_mode == mode
+    else:
+        with pytest.raises(TriForceConfigError, match=rf"cudagraph_mode={mode}.*Fix"):
+            engine_settings.decide(args, parallel)
+    monkeypatch.delenv("VLLM_TRIFORCE_MRV2")
+    with pytest.raises(TriForceConfigError, match=r"FULL_AND_PIECEWISE is taken"):
+        engine_settings.decide(args, parallel)
+
+
 def test_data_parallel_refused(tiny_llama):
     with pytest.raises(TriForceConfigError, match=r"TriForce.*data_parallel_size=2.*Fix"):
         _engine_args(tiny_llama, data_parallel_size=2).create_engine_config()

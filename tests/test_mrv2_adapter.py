@@ -666,7 +666,7 @@ def speculator_stand_in(records, drafted=None, budget_blocks=2):
         logits_buffer=DraftLogitsBuffer(MAX_REQS, K, VOCAB, dtype=torch.float32), stepped=[],
         plain_steps=PlainSteps(blocks, types.SimpleNamespace(lazy=True), PlainDepth(),
                                PlainStats()),
-        _handed_last=False, token_history=token_history(), plain_done=[])
+        _handed_last=False, token_history=token_history(), plain_done=[], _pass_plain=None)
     this._plain_step_done = this.plain_done.append
 
     def run_step(batch, start, max_depth):

@@ -5,7 +5,7 @@ source; CPU forces most of them off, which is why CPU tests never saw them):
 
 | setting | CUDA default | why TriForce breaks | what we do |
 |---|---|---|---|
-| `cudagraph_mode` | FULL_AND_PIECEWISE | a FULL graph replays attention without Python, so the capture hook (engine/device/capture.py) sees no query/key: summaries miss committed keys and selections never refresh | default PIECEWISE (attention stays an eager custom op, vllm/model_executor/layers/attention/attention.py); refuse FULL, FULL_AND_PIECEWISE, FULL_DECODE_ONLY |
+| `cudagraph_mode` | FULL_AND_PIECEWISE | a FULL graph replays attention without Python, so the capture hook (engine/device/capture.py) sees no query/key: summaries miss committed keys and selections never refresh | default PIECEWISE (attention stays an eager custom op, vllm/model_executor/layers/attention/attention.py); refuse FULL, FULL_AND_PIECEWISE, FULL_DECODE_ONLY, except an explicit FULL_AND_PIECEWISE with `VLLM_TRIFORCE_MRV2=1` (experimental: FULL only for passes TriForce reads nothing of, engine/mrv2/graphs.py) |
 | async scheduling | on for `draft_model` (vllm/config/vllm.py ~1585) | the V1 proposer reads token ids that are still -1 placeholders | default off; refuse an explicit on, except with `VLLM_TRIFORCE_MRV2=1` (experimental: MRV2's runner cuts the K drafts async scheduling schedules to each request's depth, engine/mrv2/draft_tokens.py) |
 | model runner | V2 unless `VLLM_USE_V2_MODEL_RUNNER=0` | the TriForce proposer lives in the V1 runner; V2 would silently run its own draft-model speculator | set 0; refuse an explicit 1 and the features that force V2 (watermarking, HiSparse); with `VLLM_TRIFORCE_MRV2=1` (experimental, GPUs only) set 1 and TriForce's own MRV2 worker (engine/mrv2/) |
 | data parallelism | 1 | ranks run different numbers of middle passes; MoE DP collectives then hang (vllm/forward_context.py ~299) | refuse `data_parallel_size > 1` |
@@ -30,6 +30,9 @@ V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 # until a GPU run shows it exact; it then becomes the GPU default.
 MRV2_SWITCH_ENV = "VLLM_TRIFORCE_MRV2"
 MRV2_WORKER = "vllm_triforce.engine.mrv2.speculator.TriForceWorker"
+# the one FULL mode TriForce takes, explicitly and on Model Runner V2 only: a pass it reads
+# runs piecewise, every other decode pass as one graph (engine/mrv2/graphs.py)
+MRV2_FULL_MODE = "FULL_AND_PIECEWISE"
 
 
 def mrv2_requested() -> bool:
@@ -114,13 +117,16 @@ def _fix(setting: str, why: str, fix: str) -> TriForceConfigError:
 
 def _check_cudagraph_mode(mode, setting: str = "cudagraph_mode={mode}") -> None:
     name = getattr(mode, "name", mode)
+    if name == MRV2_FULL_MODE and mrv2_requested():
+        return  # FULL graphs for the passes TriForce reads nothing of (engine/mrv2/graphs.py)
     if name in UNSAFE_CUDAGRAPH_MODES:
         raise _fix(setting.format(mode=name),
                    "full CUDA graphs replay attention without running Python, so TriForce "
                    "never sees the keys it scores blocks with",
                    "use compilation_config={'cudagraph_mode': 'PIECEWISE'} "
                    "(-cc.cudagraph_mode=PIECEWISE), or leave it unset (TriForce then picks "
-                   "PIECEWISE), or --enforce-eager")
+                   "PIECEWISE), or --enforce-eager; on a GPU with "
+                   f"{MRV2_SWITCH_ENV}=1 (experimental), {MRV2_FULL_MODE} is taken")
 
 
 def _check_async_scheduling(async_scheduling) -> None:

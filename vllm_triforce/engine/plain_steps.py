@@ -98,24 +98,39 @@ class PlainSteps:
 
     def try_step(self, facts: PassFacts | None, requests, start: float,
                  handed_last: bool) -> bool:
-        """Whether the step needs no TriForce work (every request decodes plainly: empty
-        drafts), after telling the depth chooser its timing; False: the step needs the
-        full path. `facts`: `read_v1` or `read_mrv2` (None: the host lacks them);
-        `requests`: req_id -> the runner's request (V1's) or record (MRV2's)."""
+        """Whether the step needs no TriForce work (`is_plain`), and if so, what it still
+        owes: the depth chooser's timing and the counters. `facts`: `read_v1` or
+        `read_mrv2` (None: the host lacks them); `requests`: req_id -> the runner's request
+        (V1's) or record (MRV2's)."""
+        if not self.is_plain(facts, requests, handed_last):
+            return False
+        self.record(facts, requests, start)
+        return True
+
+    def is_plain(self, facts: PassFacts | None, requests, handed_last: bool) -> bool:
+        """Whether every request of the pass decodes plainly, with nothing for TriForce to
+        read of it (module docstring): the same answer before vLLM's pass as after it (the
+        same host facts), so a runner may ask it to choose the pass's CUDA graph
+        (engine/mrv2/speculator.py)."""
         fixed = self.depth.fixed_depth
         if handed_last or (fixed is not None and fixed > 0) or facts is None:
             return False
         never = self.never(facts.req_ids, requests)
         if not self.keeper.lazy and not never.all():  # summaries folded at every commit
             return False
-        qsl, seq_lens, decoding = facts.query_start_loc, facts.seq_lens, facts.decoding
-        prefill = np.diff(qsl) > 1  # nothing was handed: more than one token is a prefill
+        prefill = np.diff(facts.query_start_loc) > 1  # nothing was handed: a prefill chunk
         if (prefill & ~never).any():  # its keys go into the summaries now
             return False
         if fixed != 0:
-            fits = -(-seq_lens // self.blocks.block_size) <= self.blocks.budget_blocks
-            if (decoding & ~fits & ~never).any():  # the controller may draft for it
+            fits = -(-facts.seq_lens // self.blocks.block_size) <= self.blocks.budget_blocks
+            if (facts.decoding & ~fits & ~never).any():  # the controller may draft for it
                 return False
+        return True
+
+    def record(self, facts: PassFacts, requests, start: float) -> None:
+        """A plain step's timing for the depth chooser, and its counters."""
+        qsl, decoding = facts.query_start_loc, facts.decoding
+        prefill = np.diff(qsl) > 1
         num_tokens = int(qsl[-1])
         step = self.depth.begin(start, facts.req_ids, num_tokens=num_tokens,
                                 emitted=num_tokens,
@@ -124,7 +139,6 @@ class PlainSteps:
         self.stats.record_depths([0] * int(decoding.sum()))
         step.end(drafting=False)
         self.stats.add(host_plain_steps=1)
-        return True
 
     @staticmethod
     def read_v1(runner, cad) -> PassFacts | None:
@@ -137,6 +151,20 @@ class PlainSteps:
                          query_start_loc=cad.query_start_loc_cpu[:num_reqs + 1].numpy(),
                          seq_lens=cad.seq_lens_cpu_upper_bound[:num_reqs].numpy(),
                          decoding=~runner.discard_request_mask.np[:num_reqs])
+
+    @staticmethod
+    def read_mrv2_ahead(batch_req_state, num_computed_tokens_np) -> PassFacts:
+        """`read_mrv2`'s facts before vLLM's pass, from Model Runner V2's `BatchReqState`
+        (`GPUModelRunner.gather_batch_req_state`) and its host `num_computed_tokens_np` by
+        slot: the pass's `InputBatch` is built from the same numbers (its sequence lengths
+        are computed + scheduled, its query starts their running sum)."""
+        scheduled = np.asarray(batch_req_state.num_scheduled_tokens)
+        seq_lens = num_computed_tokens_np[batch_req_state.idx_mapping_np] + scheduled
+        qsl = np.zeros(len(scheduled) + 1, dtype=np.int64)
+        np.cumsum(scheduled, out=qsl[1:])
+        return PassFacts(req_ids=list(batch_req_state.req_ids), query_start_loc=qsl,
+                         seq_lens=seq_lens,
+                         decoding=seq_lens >= batch_req_state.prefill_len_np)
 
     @staticmethod
     def read_mrv2(input_batch) -> PassFacts:

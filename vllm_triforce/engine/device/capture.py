@@ -21,7 +21,8 @@ only its requests' last rows of queries are: the engine then needs none of its k
 copies cost two device copies per layer of a decode-sized pass
 (benchmarks/explore/capture_copy.py measures them).
 Under FULL CUDA graphs attention does not run Python at all, so TriForce needs eager or
-piecewise graphs (engine_settings.py).
+piecewise graphs (engine_settings.py), or, on Model Runner V2, FULL graphs only for the
+passes it reads nothing of (engine/mrv2/graphs.py).
 
 Persistent buffers (`CaptureBuffers`, with `round_graphs`): instead of a clone per pass, a
 pass of at most the buffers' tokens is copied into [layers, tokens, width] tensors
@@ -121,6 +122,9 @@ class LayerCapture:
         self.compacted = False  # the last pass recorded was kept compact (`last_rows`)
         self._compact_when = None  # asked at each large pass's first layer
         self._compact_pass = False  # its answer for the pass being recorded
+        # vLLM's FULL CUDA graphs (engine/mrv2/graphs.py): nothing of vLLM's is recorded
+        # while a graph is being captured, so no copy is baked into every replay
+        self.skip_while_capturing = False
 
     def compact_large_passes(self, rows_per_request: int, key_rows: int,
                              when=None) -> None:
@@ -149,6 +153,11 @@ class LayerCapture:
     @property
     def is_recording(self) -> bool:
         return self._on
+
+    def capturing_vllms_graph(self) -> bool:
+        """A CUDA graph of vLLM's is being captured (`skip_while_capturing`): a pass outside
+        TriForce's own `recording(into=...)`, under stream capture."""
+        return self._into is None and torch.cuda.is_current_stream_capturing()
 
     @contextlib.contextmanager
     def paused(self):
@@ -274,7 +283,8 @@ def _unwrapped(forward):
 
 def _wrap_forward(forward, index: int, capture: LayerCapture):
     def captured_forward(layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
-        if capture.is_recording and attn_metadata is not None:  # None: a dummy run (see top)
+        if (capture.is_recording and attn_metadata is not None  # None: a dummy run (see top)
+                and not (capture.skip_while_capturing and capture.capturing_vllms_graph())):
             capture.record(index, query, key, getattr(attn_metadata, "query_start_loc", None))
         return forward(layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
 

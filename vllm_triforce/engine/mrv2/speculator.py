@@ -36,6 +36,7 @@ import time
 import torch
 from vllm.config import get_layers_from_vllm_config
 from vllm.model_executor.layers.attention import Attention
+from vllm.v1.worker.gpu.attn_utils import get_varlen_cudagraph_unsupported_backend
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner as GPUModelRunnerV2
 from vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator import StandaloneARSpeculator
 from vllm.v1.worker.gpu_worker import Worker
@@ -46,7 +47,10 @@ from vllm_triforce.engine.batch import StepBatch
 from vllm_triforce.engine.drafting import Drafting
 from vllm_triforce.engine.mrv2.draft_logits import DraftLogitsBuffer, temperature_only
 from vllm_triforce.engine.mrv2.draft_tokens import DraftCounts
+from vllm_triforce.engine.mrv2.graphs import (CaptureDemotion, takes_full_decode,
+                                              use_varlen_decode)
 from vllm_triforce.engine.mrv2.requests import RequestRecords, TokenHistory
+from vllm_triforce.engine.plain_steps import PlainSteps
 
 
 class TriForceSpeculator(Drafting, StandaloneARSpeculator):
@@ -62,6 +66,9 @@ class TriForceSpeculator(Drafting, StandaloneARSpeculator):
         self.sampling_states = None  # the runner's `sampler.sampling_states`, after loading
         self.kv_cache_specs = None  # the runner's `get_kv_cache_spec`
         self.token_history: TokenHistory | None = None  # the runner's `req_states`
+        # whether the coming pass is a plain step, decided before it (`plan_pass`) when
+        # the runner chooses its CUDA graph by it (engine/mrv2/graphs.py); None: not asked
+        self._pass_plain: bool | None = None
         if self.draft_logits is None:  # its verifier would take every draft as one-hot
             raise TriForceConfigError(
                 "TriForce on Model Runner V2 needs vLLM's draft_sample_method "
@@ -133,7 +140,11 @@ class TriForceSpeculator(Drafting, StandaloneARSpeculator):
             return drafts
         start = time.perf_counter()
         facts = self.plain_steps.read_mrv2(input_batch)
-        if self.plain_steps.try_step(facts, self.records, start, self._handed_last):
+        plain, self._pass_plain = self._pass_plain, None  # decided before the pass, or now
+        if plain is None:
+            plain = self.plain_steps.is_plain(facts, self.records, self._handed_last)
+        if plain:
+            self.plain_steps.record(facts, self.records, start)
             self.draft_counts.set_depths(facts.req_ids, [0] * num_reqs)  # all plain
             self._plain_step_done(start)  # no device value read, no batch built
             return drafts
@@ -150,6 +161,14 @@ class TriForceSpeculator(Drafting, StandaloneARSpeculator):
         self.draft_counts.set_depths(batch.req_ids, [len(d) for d in lists])
         put_drafts(drafts, lists)
         return drafts
+
+
+    def plan_pass(self, facts) -> bool:
+        """Before vLLM's pass (its `PassFacts`): whether it is a plain step, which reads
+        nothing of the pass. `propose` takes this same answer for the step, so a pass the
+        runner let replay as a FULL graph (no capture) is never worked on."""
+        self._pass_plain = self.plain_steps.is_plain(facts, self.records, self._handed_last)
+        return self._pass_plain
 
 
 def put_drafts(drafts: torch.Tensor, lists: list[list[int]]) -> None:
@@ -181,6 +200,31 @@ class TriForceRunnerV2(GPUModelRunnerV2):
         if self.speculator is not None:
             self.speculator.sampling_states = self.sampler.sampling_states
         return out
+
+    def initialize_kv_cache(self, *args, **kwargs) -> None:
+        """vLLM's, then, with FULL decode graphs asked for (cudagraph_mode
+        FULL_AND_PIECEWISE), variable-length ones, dispatched piecewise for every pass
+        TriForce reads (engine/mrv2/graphs.py)."""
+        super().initialize_kv_cache(*args, **kwargs)
+        self.capture_demotion = None
+        if self.speculator is not None and takes_full_decode(self.cudagraph_manager):
+            # every backend replays any mix of 1 .. 1 + K tokens per request (FLASH_ATTN);
+            # else only uniform 1 + K batches replay FULL, when TriForce reads nothing
+            if get_varlen_cudagraph_unsupported_backend(
+                    self.attn_groups, self.vllm_config, self.decode_query_len) is None:
+                use_varlen_decode(self.cudagraph_manager)
+            self.capture_demotion = CaptureDemotion(self.cudagraph_manager)
+            self.speculator.layer_capture.skip_while_capturing = True
+
+    def gather_batch_req_state(self, scheduler_output, dummy_run):
+        """vLLM's, and with FULL decode graphs the speculator's decision whether this pass
+        is read (then it runs piecewise)."""
+        state, uniform = super().gather_batch_req_state(scheduler_output, dummy_run)
+        demotion = getattr(self, "capture_demotion", None)
+        if demotion is not None:
+            demotion.needs_capture = state is not None and not self.speculator.plan_pass(
+                PlainSteps.read_mrv2_ahead(state, self.req_states.num_computed_tokens_np))
+        return state, uniform
 
     def execute_model(self, scheduler_output, *args, **kwargs):
         """vLLM's step, with each request's scheduled drafts cut to the depth TriForce

@@ -112,7 +112,7 @@ def _grow_jobs(tag: str, base: dict, llm: dict, vocab: int) -> list[dict]:
     prompts = [p[:150 + 30 * i] for i, p in enumerate(random_prompts(4, 240, vocab, seed=5))]
     grow = {**base, "prompts": prompts, "max_tokens": 120}
     spec = {**TINY_SPEC, "adaptive": True}
-    return [
+    jobs = [
         {**grow, "name": f"exact-{tag}-grow-plain", "logprobs": 2,
          "env": FORCED_SETTINGS["env"], "llm": {**llm, "async_scheduling": False}},
         {**grow, "name": f"exact-{tag}-grow-2L", "spec": spec, "llm": llm, "levels": 2,
@@ -125,6 +125,23 @@ def _grow_jobs(tag: str, base: dict, llm: dict, vocab: int) -> list[dict]:
          "llm": {**llm, "async_scheduling": True}, "env": MRV2_SETTINGS["env"], "levels": 2,
          "reference": f"exact-{tag}-grow-plain"},
     ]
+    if tag == "flash-bf16":  # compiled: vLLM's defaults against TriForce on them
+        compiled = {**llm, "enforce_eager": False,
+                    "compilation_config": {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]}}
+        full = {**compiled, "async_scheduling": True,
+                "compilation_config": {**compiled["compilation_config"],
+                                       "cudagraph_mode": "FULL_AND_PIECEWISE"}}
+        sizes = {"estimate_s": 90, "timeout_s": 300}
+        jobs += [
+            {**grow, **sizes, "name": f"exact-{tag}-grow-defaults-plain", "logprobs": 2,
+             "llm": compiled},
+            # FULL decode graphs where TriForce reads nothing of a pass, piecewise where it
+            # does (engine/mrv2/graphs.py), with async scheduling: vLLM's defaults
+            {**grow, **sizes, "name": f"exact-{tag}-grow-2L-mrv2-full", "spec": spec,
+             "llm": full, "env": MRV2_SETTINGS["env"], "levels": 2,
+             "reference": f"exact-{tag}-grow-defaults-plain"},
+        ]
+    return jobs
 
 
 def _tiny_prompts(vocab: int) -> list[list[int]]:
@@ -174,4 +191,11 @@ def _cost_jobs(on_gpu: bool, models: dict, kernels_ok: bool) -> list[dict]:
             "cases": [c for c in cases if c["name"] == "1x128K"], "depths": [0, 6],
             "llm": {**tri_llm, "gpu_memory_utilization": GPU_MEMORY["plain"]},
             "estimate_s": 90, "many_requests": None}
-    return [defaults, triforce, forced, kept]
+    # TriForce on vLLM's defaults (experimental): Model Runner V2, FULL decode graphs where
+    # it reads nothing of a pass, async scheduling; depth 0 against costs-plain-defaults is
+    # issue 60's number, depth 6 what a drafting step costs there
+    mrv2 = {**triforce, "name": "costs-triforce-mrv2", "env": MRV2_SETTINGS["env"],
+            "cases": cases[:2], "depths": [0, 6], "many_requests": None,
+            "llm": {**tri_llm, "async_scheduling": True,
+                    "compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE"}}}
+    return [defaults, triforce, forced, kept, mrv2]

@@ -65,6 +65,16 @@ def render(results: dict) -> str:
         lines.append(f"| {r['case']} | {_f(r['plain_defaults_ms'])} | {_f(r['plain_forced_ms'])}"
                      f" | {_pct(r['tax'])} | {ds or '-'} | {sp} | {r.get('reference') or '-'} "
                      f"| {engines or '-'} |")
+    on_v2 = [r for r in summary["costs"] if r.get("mrv2_depths")]
+    if on_v2:
+        lines += ["", "TriForce on vLLM's defaults (Model Runner V2, FULL decode graphs where "
+                  "it reads nothing of a pass, async scheduling; experimental):", ""]
+        for r in on_v2:
+            ds = "; ".join(f"depth {k}: {_f(d.get('step_ms'))} ms"
+                           for k, d in r["mrv2_depths"].items())
+            ratio = r.get("mrv2_depth0_of_defaults")
+            of = f", depth 0 at {ratio:.2f}x plain vLLM's defaults' step" if ratio else ""
+            lines.append(f"- {r['case']}: {ds}{of}")
     return "\n".join(lines) + "\n"
 
 

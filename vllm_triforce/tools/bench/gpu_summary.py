@@ -154,6 +154,7 @@ def _costs(jobs: dict, acceptance: dict | None = None) -> list[dict]:
     tri = _cost_result(jobs, "costs-triforce")
     defaults = _cost_result(jobs, "costs-plain-defaults")
     forced = _cost_result(jobs, "costs-plain-forced")
+    mrv2 = _cost_result(jobs, "costs-triforce-mrv2")
     names = []
     for res in (tri, forced, defaults):
         for case in (res or {}).get("cases", {}):
@@ -181,6 +182,13 @@ def _costs(jobs: dict, acceptance: dict | None = None) -> list[dict]:
                             if plain_f else None)
         if depths and plain_d and acceptance:
             row["projection"] = project(case, depths, plain_d, acceptance)
+        # TriForce on vLLM's defaults (MRV2, FULL decode graphs, async): its depth-0 step
+        # against plain vLLM's defaults' is issue 60's number
+        on_v2 = ((mrv2 or {}).get("cases", {}).get(case) or {}).get("depths", {})
+        if on_v2:
+            row["mrv2_depths"] = on_v2
+            depth0 = (on_v2.get("0") or on_v2.get(0) or {}).get("step_ms")
+            row["mrv2_depth0_of_defaults"] = depth0 / plain_d if depth0 and plain_d else None
         rows.append(row)
     return rows
 
