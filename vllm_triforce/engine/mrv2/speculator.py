@@ -162,7 +162,6 @@ class TriForceSpeculator(Drafting, StandaloneARSpeculator):
         put_drafts(drafts, lists)
         return drafts
 
-
     def plan_pass(self, facts) -> bool:
         """Before vLLM's pass (its `PassFacts`): whether it is a plain step, which reads
         nothing of the pass. `propose` takes this same answer for the step, so a pass the
@@ -187,6 +186,7 @@ class TriForceRunnerV2(GPUModelRunnerV2):
 
     def __init__(self, vllm_config, device):
         super().__init__(vllm_config, device)
+        self.capture_demotion: CaptureDemotion | None = None  # FULL decode graphs only
         self.draft_tokens_handler = DraftCounts(self.draft_tokens_handler)
         if self.speculator is not None:  # the last pipeline rank drafts
             # replaces StandaloneARSpeculator before any weights load
@@ -220,7 +220,7 @@ class TriForceRunnerV2(GPUModelRunnerV2):
         """vLLM's, and with FULL decode graphs the speculator's decision whether this pass
         is read (then it runs piecewise)."""
         state, uniform = super().gather_batch_req_state(scheduler_output, dummy_run)
-        demotion = getattr(self, "capture_demotion", None)
+        demotion = self.capture_demotion
         if demotion is not None:
             demotion.needs_capture = state is not None and not self.speculator.plan_pass(
                 PlainSteps.read_mrv2_ahead(state, self.req_states.num_computed_tokens_np))
