@@ -15,6 +15,10 @@ Llama-3.1-8B's shape (computed, not allocated) the default coded summaries keep 
 of the KV blocks plain vLLM makes of the same memory, as the start-up line says.
 """
 
+import dataclasses
+import types
+
+import numpy as np
 import pytest
 import tiny_models
 from engine_helpers import assert_drafted, drafter_of, free_llm, in_process_llm, make_engine_kwargs
@@ -370,7 +374,8 @@ SUMMARY_SETTINGS = {"coded": {},  # the default: compact_summaries
 
 
 def llama_8b_plan(summaries: str = "coded", max_num_seqs: int = 256,
-                  round_graphs: bool = False, backend: str | None = None):
+                  round_graphs: bool = False, backend: str | None = None,
+                  hands_off_probs: bool = True):
     """engine/memory.py's example at scale: Llama-3.1-8B's shape (32 layers x 8 KV heads x
     128, 32 query heads, V 128,256), bf16 KV cache, block 16, max_model_len 131,072, 8,192
     batched tokens, two levels, gamma2 6; `summaries`: a key of SUMMARY_SETTINGS (the
@@ -387,7 +392,33 @@ def llama_8b_plan(summaries: str = "coded", max_num_seqs: int = 256,
         num_layers=32, num_kv_heads=8, head_dim=128, vocab_size=128_256, block_size=16,
         max_num_seqs=max_num_seqs, cfg=cfg, max_model_len=131_072, max_batched_tokens=8192,
         num_q_heads=32, summary_dtype=torch.bfloat16)
+    shape = dataclasses.replace(shape, hands_off_probs=hands_off_probs)
     return shape.memory_plan(KV_8B, backend=backend)
+
+
+def test_model_runner_v2_reserves_no_hand_off_rows():
+    """Model Runner V2's verifier reads the middle level's logits from its own buffer
+    (engine/mrv2/draft_logits.py), so its TriForce host keeps no [drafting, gamma2, V]
+    float32 probability rows: at the 8B shape that is 6 rows of 128,256 floats per drafting
+    request, and their spare row, fewer in the plan: within the same share of the cache,
+    more requests may draft at once (17 against 15 at 53,000 blocks), and it still keeps
+    96% of plain vLLM's blocks on an H200; the buffer it allocates is empty."""
+    from vllm_triforce.engine.buffers import vocabulary_rows
+    from vllm_triforce.engine.middle import HandOffBuffer, MiddleDrafts, hand_off
+
+    assert vocabulary_rows(15, 6, 0) - vocabulary_rows(15, 6, 0, hand_off=False) == 15 * 6 + 1
+    v1, v2 = llama_8b_plan().sized(53_000), llama_8b_plan(hands_off_probs=False).sized(53_000)
+    assert (v1.drafting, v2.drafting) == (15, 17)
+    assert v2.probability_bytes == vocabulary_rows(17, 6, 0, hand_off=False) * 128_256 * 4
+    # the share stays what bounds the fixed part: the same KV kept, within the drafting
+    # scratch of the two more requests
+    assert llama_8b_plan(hands_off_probs=False).blocks_for(H200_AVAILABLE) >= 0.96 * 55_604
+    empty = HandOffBuffer(0, 6, 32)
+    assert empty.nbytes == 0 and empty.rows is None
+    batch = types.SimpleNamespace(num_reqs=1, req_ids=["a"], all_greedy=lambda rows: False)
+    drafts = MiddleDrafts([0], [2], np.array([5]), np.array([9]), width=6)
+    drafts.tokens[0, :2] = [3, 4]
+    assert hand_off(batch, drafts, [2], empty) == ([[3, 4]], None, None)
 
 
 def test_round_graphs_reserve_their_buffers_and_on_flash_attn_their_pool():

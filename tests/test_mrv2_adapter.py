@@ -781,6 +781,7 @@ def test_the_speculator_builds_from_a_real_config_and_keeps_vllms_names(binding,
     assert speculator.capture.__func__ is binding.StandaloneARSpeculator.capture
     assert speculator.layer_capture is None and speculator.records == {}
     assert speculator.shape.gamma2 == K and not speculator.shape.has_draft
+    assert not speculator.shape.hands_off_probs  # its verifier reads draft_logits instead
     assert speculator.draft_tokens.shape == (MAX_REQS, K)
     assert speculator.draft_logits.data_ptr() == speculator.logits_buffer.flat.data_ptr()
     speculator.draft_counts = DraftCounts(stock_handler())

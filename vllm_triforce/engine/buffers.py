@@ -56,7 +56,7 @@ def middle_chunk_requests(gamma1: int) -> int:
     return max(1, MIDDLE_CHUNK_ROWS // (gamma1 + 1))
 
 
-def vocabulary_rows(drafting: int, gamma2: int, gamma1: int) -> int:
+def vocabulary_rows(drafting: int, gamma2: int, gamma1: int, hand_off: bool = True) -> int:
     """Vocabulary-wide float32 rows TriForce may hold at once beyond vLLM's own, with
     `drafting` requests drafting in a step (the drafting cap, `Sizing.drafting`, which
     engine/depth.py `cap_drafting` keeps to): an upper bound read from the code, which
@@ -78,13 +78,16 @@ def vocabulary_rows(drafting: int, gamma2: int, gamma1: int) -> int:
     SAMPLING_CHUNK_ROWS rows (a float32 copy, sort values, int64 order, softmax, cumulative
     mass, the mask; on CUDA the sort's own buffers).
     Fixed besides: the hand-off buffer's spare row (engine/middle.py `HandOffBuffer`).
+    `hand_off` False (Model Runner V2, whose verifier reads the middle level's logits from
+    its own `draft_logits`, engine/mrv2/): no hand-off rows and no spare row.
     Example, gamma2 6, no small draft: 7 rows per request and, from 64 requests up, a
-    fixed 1 + 3 x 64 + 8 x 64 + 13 x 64 = 1,537 rows."""
-    per_request = gamma2 + (gamma1 + 1) + gamma1
+    fixed 1 + 3 x 64 + 8 x 64 + 13 x 64 = 1,537 rows; without the hand-off, 1 row per
+    request and 1,536 fixed."""
+    per_request = (gamma2 if hand_off else 0) + (gamma1 + 1) + gamma1
     chunk = min(drafting, middle_chunk_requests(gamma1))
     tokens = chunk * (gamma1 + 1)
-    return (drafting * per_request + HAND_OFF_SPARE_ROWS + 3 * tokens + 8 * chunk
-            + SAMPLING_ROWS_PER_ROW * min(SAMPLING_CHUNK_ROWS, tokens))
+    return (drafting * per_request + (HAND_OFF_SPARE_ROWS if hand_off else 0) + 3 * tokens
+            + 8 * chunk + SAMPLING_ROWS_PER_ROW * min(SAMPLING_CHUNK_ROWS, tokens))
 
 
 # `selection_scratch_bytes`: score tensors [R, L, B] float32 alive at once (the dots of

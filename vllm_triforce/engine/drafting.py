@@ -78,12 +78,15 @@ class Drafting:
         raise NotImplementedError
 
     # ---- set-up ---------------------------------------------------------------------
-    def _init_drafting(self, vllm_config, device) -> None:
-        """Everything that needs only the config, before any weights load."""
-        self.shape = EngineShape.of(vllm_config)
-        if self.shape is None:
+    def _init_drafting(self, vllm_config, device, hands_off_probs: bool = True) -> None:
+        """Everything that needs only the config, before any weights load.
+        `hands_off_probs`: the host hands vLLM draft probabilities as float32 rows (the V1
+        runner; Model Runner V2 takes the logits, engine/mrv2/)."""
+        shape = EngineShape.of(vllm_config)
+        if shape is None:
             raise TriForceConfigError(f"{type(self).__name__} needs an engine configured with "
                                       "\"method\": \"triforce\" (no TriForce settings found).")
+        self.shape = dataclasses.replace(shape, hands_off_probs=hands_off_probs)
         self.cfg = self.shape.cfg
         self.forced_settings = forced_settings(vllm_config)
         self.reserved_bytes = 0  # set by reserve_memory (patches/kv_reservation.py) ...
@@ -157,8 +160,9 @@ class Drafting:
         # draft (the drafting cap, `Sizing.drafting`: max_num_seqs, or what a small cache's
         # share holds), float32 as vLLM's rejection sampler reads them, reused per step
         # (patches/handoff_rows.py).
-        self._probs_buffer = HandOffBuffer(self.sizing.drafting, shape.gamma2,
-                                           shape.vocab_size, self.device)
+        self._probs_buffer = HandOffBuffer(self.sizing.drafting if shape.hands_off_probs
+                                           else 0, shape.gamma2, shape.vocab_size,
+                                           self.device)
         backend = target_groups[0].backend.get_name()
         metadata_path(backend)  # refuse an unsupported backend now, not at the first pass
         # Every policy's engine checks the reader once, at the first commit (SummaryKeeper):

@@ -294,7 +294,7 @@ class MemoryPlan:
                                                   shape.num_kv_heads, shape.head_dim,
                                                   shape.num_q_heads, chunk, num_blocks),
                           lazy_read_bytes(drafting * width, *geometry, shape.block_size, chunk))
-        rows = vocabulary_rows(drafting, shape.gamma2, shape.gamma1)
+        rows = vocabulary_rows(drafting, shape.gamma2, shape.gamma1, shape.hands_off_probs)
         return Sizing(num_blocks, drafting, chunk, rows * shape.vocab_size * FLOAT32_BYTES,
                       scratch, self.builder_bytes, self._round_bytes(drafting),
                       summary_fixed_bytes(shape))

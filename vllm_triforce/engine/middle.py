@@ -46,9 +46,11 @@ class HandOffBuffer:
     rows a request did not emit land (`MiddleLoop._keep_probs`)."""
 
     def __init__(self, drafting: int, gamma2: int, vocab_size: int, device=None):
-        self.flat = torch.zeros(drafting * gamma2 + 1, vocab_size, dtype=torch.float32,
-                                device=device)  # [D * gamma2 + 1, V]
-        self.rows = self.flat[:-1].view(drafting, gamma2, vocab_size)
+        # drafting 0: no probabilities are handed (Model Runner V2 takes `logits`)
+        self.flat = (torch.zeros(drafting * gamma2 + 1, vocab_size, dtype=torch.float32,
+                                 device=device) if drafting else None)  # [D * gamma2 + 1, V]
+        self.rows = (self.flat[:-1].view(drafting, gamma2, vocab_size) if drafting
+                     else None)
         self.spare = drafting * gamma2  # the spare row's index in `flat`
         self.gamma2 = gamma2
         # Model Runner V2's draft logits by request slot (engine/mrv2/draft_logits.py),
@@ -57,7 +59,7 @@ class HandOffBuffer:
 
     @property
     def nbytes(self) -> int:
-        return self.flat.nbytes
+        return self.flat.nbytes if self.flat is not None else 0
 
 
 class RequestDrafts:
@@ -329,7 +331,8 @@ class MiddleLoop:
                                 [g or self.generator for g in generators[c]],
                                 all_greedy=all_greedy)
                 accepted, emitted = result.num_accepted, result.output_token_ids
-            _keep_probs(probs_out, target_probs, accepted + 1, base[c], room[c])
+            if probs_out.flat is not None:  # V1: the probabilities handed to vLLM
+                _keep_probs(probs_out, target_probs, accepted + 1, base[c], room[c])
             if probs_out.logits is not None:  # MRV2: the logits the tokens were drawn from
                 kept = (logits[tokens][:, None] if proposals is None
                         else layout.per_request(logits[tokens], c))
@@ -454,7 +457,7 @@ def hand_off(batch, drafts: MiddleDrafts, depths: list[int], probs_buffer: HandO
     k = np.asarray(depths, dtype=np.int64)
     drafting = drafts.rows[k > 0]
     probs, req_ids = None, None
-    if drafting.size and not batch.all_greedy(drafting):
+    if drafting.size and probs_buffer.rows is not None and not batch.all_greedy(drafting):
         probs = probs_buffer.rows[:drafting.size, :int(k.max())]
         req_ids = [batch.req_ids[r] for r in drafting.tolist()]
     tokens = [row[:n] for row, n in zip(drafts.tokens.tolist(), depths)]

@@ -83,6 +83,10 @@ class EngineShape:
     # vLLM's max_cudagraph_capture_size: vLLM's passes of at most this many tokens are kept
     # as copies by the capture (engine/device/capture.py)
     capture_tokens: int = DEFAULT_COPY_TOKENS
+    # the draft probabilities go to vLLM as [drafting, gamma2, V] float32 rows (the V1
+    # runner); Model Runner V2 reads the middle level's logits from its own buffer instead
+    # (engine/mrv2/draft_logits.py), so its host keeps no such rows
+    hands_off_probs: bool = True
 
     @property
     def has_draft(self) -> bool:

@@ -78,7 +78,7 @@ class TriForceSpeculator(Drafting, StandaloneARSpeculator):
         self.logits_buffer = DraftLogitsBuffer(*self.draft_logits.shape,
                                                dtype=self.draft_logits.dtype, device=device)
         self.draft_logits = self.logits_buffer.logits
-        self._init_drafting(vllm_config, device)
+        self._init_drafting(vllm_config, device, hands_off_probs=False)
 
     # ---- Drafting's reads of the runner ---------------------------------------------
     def _live_requests(self):
