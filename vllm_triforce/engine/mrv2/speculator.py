@@ -35,6 +35,7 @@ import time
 
 import torch
 from vllm.config import get_layers_from_vllm_config
+from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import Attention
 from vllm.v1.worker.gpu.attn_utils import get_varlen_cudagraph_unsupported_backend
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner as GPUModelRunnerV2
@@ -51,6 +52,9 @@ from vllm_triforce.engine.mrv2.graphs import (CaptureDemotion, takes_full_decode
                                               use_varlen_decode)
 from vllm_triforce.engine.mrv2.requests import RequestRecords, TokenHistory
 from vllm_triforce.engine.plain_steps import PlainSteps
+
+
+logger = init_logger("vllm.triforce")
 
 
 class TriForceSpeculator(Drafting, StandaloneARSpeculator):
@@ -210,11 +214,18 @@ class TriForceRunnerV2(GPUModelRunnerV2):
         if self.speculator is not None and takes_full_decode(self.cudagraph_manager):
             # every backend replays any mix of 1 .. 1 + K tokens per request (FLASH_ATTN);
             # else only uniform 1 + K batches replay FULL, when TriForce reads nothing
-            if get_varlen_cudagraph_unsupported_backend(
-                    self.attn_groups, self.vllm_config, self.decode_query_len) is None:
+            unsupported = get_varlen_cudagraph_unsupported_backend(
+                self.attn_groups, self.vllm_config, self.decode_query_len)
+            if unsupported is None:
                 use_varlen_decode(self.cudagraph_manager)
             self.capture_demotion = CaptureDemotion(self.cudagraph_manager)
             self.speculator.layer_capture.skip_while_capturing = True
+            logger.info("TriForce: FULL decode graphs (%s) for the passes it reads nothing "
+                        "of, piecewise graphs for the others (experimental)",
+                        "1 to %d tokens a request" % self.decode_query_len
+                        if unsupported is None else
+                        "%d tokens a request only: %s replays no other" % (
+                            self.decode_query_len, unsupported[0]))
 
     def gather_batch_req_state(self, scheduler_output, dummy_run):
         """vLLM's, and with FULL decode graphs the speculator's decision whether this pass
