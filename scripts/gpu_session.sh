@@ -21,6 +21,10 @@
 #                                                # tokens against plain vLLM's, drafts verified;
 #                                                # then requests growing past the budget
 #                                                # (plain steps found on the host first)
+#   bash scripts/gpu_session.sh sampled [SECONDS] # carry .bundle: sampled output (temperature
+#                                                # 1) against plain vLLM's distribution, on
+#                                                # V1 and MRV2 (sync and async), each beside
+#                                                # a negative control that must be caught
 #   bash scripts/gpu_session.sh mrv2-full [SECONDS]  # carry .bundle: TriForce on vLLM's
 #                                                # defaults (MRV2, FULL_AND_PIECEWISE, async):
 #                                                # tokens against plain vLLM's defaults, then
@@ -39,7 +43,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-session-out}
 mkdir -p "$OUT"
 export VLLM_TRIFORCE_CACHE=/tmp/vt-cache
-step=${1:?costs, kv-kept, mrv2, mrv2-full, model-a, real, host-rounds or round-graphs}
+step=${1:?costs, kv-kept, mrv2, sampled, mrv2-full, model-a, real, host-rounds or round-graphs}
 budget=${2:-270}
 case "$step" in
   costs)
@@ -57,6 +61,12 @@ case "$step" in
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     bash scripts/gpu_run.sh --budget-s "$budget" --only \
       kernels,exact-flash-bf16-plain,exact-flash-bf16-2L-mrv2,exact-flash-bf16-3L-mrv2,exact-triton-fp32-plain,exact-triton-fp32-2L-mrv2,exact-triton-fp32-3L-mrv2,exact-triton-fp32-grow-plain,exact-triton-fp32-grow-2L-mrv2,exact-triton-fp32-grow-2L \
+      2>&1 | grep -v " INFO \| DEBUG "
+    ;;
+  sampled)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    bash scripts/gpu_run.sh --budget-s "$budget" --only \
+      kernels,sample-triton-fp32-plain,sample-triton-fp32-2L-mrv2,sample-triton-fp32-2L-mrv2-wrong,sample-triton-fp32-2L-mrv2-async,sample-triton-fp32-2L,sample-triton-fp32-2L-wrong \
       2>&1 | grep -v " INFO \| DEBUG "
     ;;
   mrv2-full)

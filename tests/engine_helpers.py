@@ -1,6 +1,7 @@
 """Engine helpers shared by test modules (import these, not conftest: tests/core has its own)."""
 
 from vllm_triforce.offline import drafter_of, free_llm, in_process_llm, runner_of  # noqa: F401
+from vllm_triforce.tools.bench.forcing import schedule_depths  # noqa: F401
 
 DEFAULT_MAX_MODEL_LEN = 1024
 VLLM_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"  # vLLM's counter of drafts verified
@@ -46,30 +47,6 @@ def force_depths(llm, depths: list[int]) -> None:
     adaptive path with depths that vary. For one depth without the controller's rules,
     the public call is `TriForceProposer.set_fixed_depth`."""
     schedule_depths(drafter_of(llm).depth.controller, depths)
-
-
-def schedule_depths(controller, depths: list[int]) -> None:
-    """Test aid: `controller` (core/controller.SpeculationController) plans `depths` in
-    turn instead of deciding. Request i of the n-th plan from now gets
-    depths[(n + i) % len(depths)], cut to the step's bound and to its limit as the
-    controller's own plans are, in the last mode (the small draft's, where there is
-    one), so depths vary within and across steps while the engine's rules (budget, seeds,
-    plain sampling, the drafting cap) still apply."""
-    import itertools
-    import math
-
-    from vllm_triforce.core.plans import Plan
-
-    plans = itertools.count()
-
-    def scheduled(req_ids, max_depth, limits=None):
-        n, bound = next(plans), min(max_depth, controller.max_depth)
-        limits = [bound] * len(req_ids) if limits is None else limits
-        chosen = tuple(min(depths[(n + i) % len(depths)], bound, limit)
-                       for i, limit in enumerate(limits))
-        return Plan(chosen, controller.modes[-1] if max(chosen, default=0) else None, math.nan)
-
-    controller.plan = scheduled
 
 
 def record_rerank_calls(monkeypatch) -> list[tuple]:

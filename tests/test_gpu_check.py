@@ -28,12 +28,17 @@ def test_dry_run_of_the_gpu_check_passes_on_cpu(tmp_path):
     results = gpu_check.run(args)
     assert {name: job["status"] for name, job in results["jobs"].items()} == {
         "kernels": "ok", "exact-cpu-fp32-plain": "ok", "exact-cpu-fp32-3L": "ok",
+        "sample-cpu-fp32-plain": "ok", "sample-cpu-fp32-2L": "ok",
         "costs-triforce": "ok", "costs-plain-forced": "ok"}
     summary = results["summary"]
     [exact] = summary["exactness"]
     assert exact["identical"], exact["divergences"]
     assert exact["drafted"] > 0 and exact["middle_drafted"] > 0, exact  # drafting happened
     assert 0 < exact["accepted"] < exact["drafted"], exact  # both verification paths ran
+    [sampled] = summary["distribution"]  # 300 samples: the statistics are the GPU's to judge
+    assert sampled["drafted"] > 0 and len(sampled["pvalues"]) == 3, sampled
+    assert all(0.0 <= p <= 1.0 for p in sampled["pvalues"]), sampled
+    assert sum(sampled["depth_counts"][1:]) > 0 and sampled["depth_counts"][0] > 0, sampled
     tri_syncs = next(r for r in summary["syncs"] if r["job"] == "exact-cpu-fp32-3L")
     assert tri_syncs["propose_max_round"] <= 1 and tri_syncs["propose_max_step"] <= 3
     for row in summary["costs"]:
@@ -57,6 +62,32 @@ def test_divergences_are_explained_only_below_the_margin():
     assert near_tie["divergences"] == [{"sequence": 0, "position": 2, "plain_margin": 0.01}]
     clear = gpu_summary.compare_tokens(ref, [[1, 2, 3, 4], [5, 0, 7, 8]], margins)
     assert not clear["explained"]  # plain was sure there (margin 1.0): a real difference
+
+
+def _sampled(counts: list[dict], drafted: int = 100, wrong: float | None = None) -> dict:
+    return {"status": "ok", "result": {
+        "samples": counts, "sampling": {"temperature": 1.0, "copies": 2000},
+        "wrong_temperature": wrong, "reference": "sample-t-plain", "facts": {},
+        "stats": {"top_proposed": drafted, "top_accepted": drafted // 2}}}
+
+
+def test_sampled_jobs_are_judged_against_plain_and_their_negative_control():
+    first = {"1": 2000}
+    same = [first, {"5": 1000, "6": 1000}, {"7": 1500, "8": 500}]
+    near = [first, {"5": 990, "6": 1010}, {"7": 1480, "8": 520}]
+    shifted = [first, {"5": 1000, "6": 1000}, {"7": 1800, "8": 200}]
+    jobs = {"sample-t-plain": {"status": "ok", "result": {"samples": same}},
+            "sample-t-2L": _sampled(near), "sample-t-2L-wrong": _sampled(shifted, wrong=0.5),
+            "sample-t-2L-mrv2-wrong": _sampled(near, wrong=0.5),
+            "sample-t-2L-idle": _sampled(near, drafted=0)}
+    rows = {r["job"]: r for r in gpu_summary._distribution(jobs)}
+    assert rows["sample-t-2L"]["verdict"] == "same distribution"
+    assert rows["sample-t-2L"]["pvalues"][0] > 0.5  # token 1 (the prefill's) is not judged
+    assert rows["sample-t-2L-wrong"]["verdict"] == "caught"
+    assert rows["sample-t-2L-wrong"]["pvalues"][1] < gpu_summary.ALPHA
+    assert rows["sample-t-2L-mrv2-wrong"]["verdict"].startswith("NOT caught")
+    assert rows["sample-t-2L-idle"]["verdict"].startswith("nothing drafted")
+    assert "## Sampled output" in gpu_render.render({"jobs": jobs})
 
 
 def test_cost_model_picks_the_depth_with_most_tokens_per_millisecond():
@@ -193,11 +224,12 @@ def test_the_gpu_plan_times_costs_first_and_vllm_defaults_before_forced_settings
     from vllm_triforce.config import TriForceConfig
     from vllm_triforce.tools.bench.gpu_plan import plan
 
-    models = {"target": "t", "draft": "d", "shape": "s", "tag": "x", "vocab": 1000}
+    models = {"target": "t", "draft": "d", "shape": "s", "tag": "x", "vocab": 1000,
+              "sampling": "m"}
     names = [job["name"] for job in plan(True, models)]
     assert names[:6] == ["kernels", "costs-plain-defaults", "costs-triforce",
                          "costs-plain-forced", "kv-kept", "costs-triforce-mrv2"], names
-    assert names[6:] and all(n.startswith("exact-") for n in names[6:]), names
+    assert names[6:] and all(n.startswith(("exact-", "sample-")) for n in names[6:]), names
     costs = plan(True, models)[1]
     assert [c["name"] for c in costs["cases"]][:2] == ["8x32K", "1x128K"]
     # the KV cache given back: the default coded summaries, no prefill peak, at plain
@@ -220,7 +252,8 @@ def test_the_lease_calls_name_planned_jobs_and_each_exact_row_finds_its_referenc
 
     from vllm_triforce.tools.bench.gpu_plan import plan
 
-    models = {"target": "t", "draft": "d", "shape": "s", "tag": "x", "vocab": 1000}
+    models = {"target": "t", "draft": "d", "shape": "s", "tag": "x", "vocab": 1000,
+              "sampling": "m"}
     jobs = {job["name"]: job for job in plan(True, models)}
     script = (REPO / "scripts" / "gpu_session.sh").read_text()
     selected = [w for only in re.findall(r"--only\s+(?:\\\n\s*)?([\w,.-]+)", script)
@@ -243,6 +276,15 @@ def test_the_lease_calls_name_planned_jobs_and_each_exact_row_finds_its_referenc
         "enforce_eager"]
     assert jobs["costs-triforce-mrv2"]["env"]["VLLM_TRIFORCE_MRV2"] == "1"
     assert max(len(p) for p in grow["prompts"]) <= grow["spec"]["retrieval_budget"]
+    # the sampled jobs: every TriForce one against the plain one, on both runners, each
+    # binding beside its negative control
+    sampled = [n for n in jobs if n.startswith("sample-") and not n.endswith("-plain")]
+    assert {"sample-triton-fp32-2L-mrv2", "sample-triton-fp32-2L-mrv2-wrong",
+            "sample-triton-fp32-2L-wrong", "sample-triton-fp32-2L-mrv2-async"} <= set(sampled)
+    assert all(jobs[n]["reference"] == "sample-triton-fp32-plain" for n in sampled)
+    assert all(n in selected for n in sampled + ["sample-triton-fp32-plain"]), selected
+    assert len({jobs[n]["llm"]["seed"] for n in sampled + ["sample-triton-fp32-plain"]}) == \
+        len(sampled) + 1  # no two engines draw from one random stream
     tokens = [[1, 2, 3]]
     results = {"jobs": {
         name: {"status": "ok", "result": {"tokens": tokens, "reference": jobs[name]["reference"],

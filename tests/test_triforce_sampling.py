@@ -10,11 +10,11 @@ import tiny_models
 from engine_helpers import (assert_drafted, drafter_of, force_depths, free_llm, in_process_llm,
                             make_engine_kwargs, watch_hand_off)
 from test_triforce_engine import two_level
+from vllm_triforce.tools.bench.gpu_summary import ALPHA, homogeneity_pvalue
 
 pytestmark = pytest.mark.engine
 
 NUM_SAMPLES = 2000
-ALPHA = 1e-3  # fixed seeds: the outcome is deterministic; ALPHA only sets the bar
 PROMPT_WORDS = 220  # 391 tokens of tiny_llama
 # A retrieval budget of 9 of the prompt's 13 blocks: vLLM accepts about half of the
 # middle level's drafts, so the distribution rests on accepted drafts and recovered tokens
@@ -32,7 +32,7 @@ MAX_NUM_SEQS = 32
 # looking at its verification keeps sampling exact.
 SCHEDULE = [3, 0, 2, 1]
 # The negative control hands vLLM the middle level's distributions at this temperature
-# instead of the ones its drafts were sampled from (see `wrong_hand_off`).
+# instead of the ones its drafts were sampled from (see `forcing.hand_off_wrong`).
 WRONG_TEMPERATURE = 0.5
 
 
@@ -58,29 +58,11 @@ def _samples(model, spec, seed, schedule=None):
     return [tuple(o.outputs[0].token_ids) for o in outs], stats
 
 
-def _homogeneity_pvalue(a, b) -> float:
-    """Two-sample chi-square on token counts, rare tokens pooled (expected >= 5)."""
-    from scipy.stats import chi2_contingency
-
-    ca, cb = collections.Counter(a), collections.Counter(b)
-    keys = sorted(set(ca) | set(cb), key=lambda k: -(ca[k] + cb[k]))
-    rows, other = [], [0, 0]
-    for k in keys:
-        if ca[k] + cb[k] >= 10:
-            rows.append([ca[k], cb[k]])
-        else:
-            other[0] += ca[k]
-            other[1] += cb[k]
-    if sum(other) > 0:
-        rows.append(other)
-    return chi2_contingency(rows)[1]
-
-
 def _pvalues(reference, samples) -> dict[int, float]:
     """Per drafted position (tokens 2..4; token 1 comes from the prefill): the p-value of
     the two samples having one distribution."""
-    return {position: _homogeneity_pvalue([s[position] for s in reference],
-                                          [s[position] for s in samples])
+    return {position: homogeneity_pvalue(collections.Counter(s[position] for s in reference),
+                                         collections.Counter(s[position] for s in samples))
             for position in (1, 2, 3)}
 
 
@@ -119,30 +101,14 @@ def test_sampled_tokens_follow_target_distribution(plain_samples, triforce_sampl
     assert p > ALPHA, f"token {position + 1}: TriForce distribution differs (p={p:.2e})"
 
 
-def wrong_hand_off(hand_off):
-    """`hand_off` that gives vLLM, as draft probs, the middle level's distributions
-    sharpened to WRONG_TEMPERATURE, while the drafts themselves stay sampled from the real
-    ones. vLLM's rejection sampler accepts a draft x with min(1, p(x) / q(x)) and recovers
-    from max(p - q, 0) for the q it is handed; that is exact only when q is the distribution
-    x was drawn from. (The same change applied to the sampling too would stay exact: a
-    different draft distribution, still verified against its own probs.)"""
-
-    def handing_off_wrong_probs(*args, **kwargs):
-        drafts, probs, req_ids = hand_off(*args, **kwargs)
-        if probs is not None:  # [D, max depth, V], zero rows where a request drafts less
-            sharpened = probs.pow(1.0 / WRONG_TEMPERATURE)
-            probs.copy_(sharpened / sharpened.sum(-1, keepdim=True).clamp_min(1e-30))
-        return drafts, probs, req_ids
-
-    return handing_off_wrong_probs
-
-
 def test_distribution_test_catches_a_wrong_hand_off(tiny_llama, plain_samples, monkeypatch):
     """Negative control through TriForce: the same engine and schedule, only the hand-off's
-    probs wrong (see `wrong_hand_off`). The distribution test must reject it at ALPHA."""
+    probs wrong (see `forcing.hand_off_wrong`). The distribution test must reject it at ALPHA."""
     from vllm_triforce.engine import drafting
+    from vllm_triforce.tools.bench.forcing import hand_off_wrong
 
-    monkeypatch.setattr(drafting, "hand_off", wrong_hand_off(drafting.hand_off))
+    monkeypatch.setattr(drafting, "hand_off",
+                        hand_off_wrong(drafting.hand_off, WRONG_TEMPERATURE))
     samples, stats = _samples(tiny_llama, _triforce_spec(), CORRUPTED_SEED, SCHEDULE)
     _assert_ran_the_schedule(stats)
     pvalues = _pvalues(plain_samples, samples)

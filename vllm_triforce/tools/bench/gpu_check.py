@@ -225,6 +225,7 @@ def _models(args, on_gpu: bool) -> dict:
     shape = (gpu_models.write_llama_8b_shape(root / "llama-3.1-8b-shape", Path(tokenizer))
              if on_gpu else target)
     return {"target": target, "draft": draft, "shape": shape, "tag": gpu_models.TINY_TAG,
+            "sampling": gpu_models.build_sampling_model(root, Path(tokenizer)),
             "vocab": gpu_models.tokenizer_vocab_size(Path(tokenizer))}
 
 

@@ -10,7 +10,12 @@ allocator are in reach:
 * kernels: vLLM's compiled kernels on this torch (RMSNorm from `_C_stable_libtorch`,
   FlashAttention 3) against torch references; no engine.
 * generate: greedy outputs (and the top-2 log-prob margin at every position with
-  `logprobs`), TriForce's counters, and the syncs per step and per middle round.
+  `logprobs`), TriForce's counters, and the syncs per step and per middle round. With
+  `sampling` ({"temperature", "copies"}): `copies` continuations of each prompt sampled at
+  that temperature, kept as token counts per position (`samples`), for the distribution
+  check (bench/gpu_summary.py); `depth_schedule` has the depth controller plan those
+  depths in turn, `wrong_temperature` makes the hand-off wrong (the negative control;
+  bench/forcing.py).
 * costs (gpu_costs.py): per case (batch x context) the milliseconds of a decode step, and
   for TriForce of a step at each forced depth (middle rounds and verification apart), plus
   TriForce's memory against its reservation.
@@ -160,13 +165,21 @@ def run_generate(job: dict) -> dict:
     import torch
     from vllm import SamplingParams
 
+    from vllm_triforce.tools.bench import forcing
+
+    if job.get("wrong_temperature"):
+        forcing.force_wrong_hand_off(job["wrong_temperature"])
     llm = build_llm(job)
     drafter = drafter_or_none(llm)
     if drafter is not None and job.get("forced_depths"):
         depth, = job["forced_depths"]  # one fixed depth
         drafter.set_fixed_depth(depth)
-    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True,
-                            logprobs=job.get("logprobs"))
+    if drafter is not None and job.get("depth_schedule"):
+        forcing.schedule_depths(drafter.depth.controller, job["depth_schedule"])
+    sampling = job.get("sampling") or {"temperature": 0.0, "copies": 1}
+    params = SamplingParams(temperature=sampling["temperature"], max_tokens=job["max_tokens"],
+                            ignore_eos=True, logprobs=job.get("logprobs"))
+    prompts = [p for p in job["prompts"] for _ in range(sampling["copies"])]
     steps = count_steps(llm)
     attribution = SyncAttribution() if torch.cuda.is_available() else None
     attribution_error = None
@@ -181,13 +194,18 @@ def run_generate(job: dict) -> dict:
         except Exception as err:  # the counts are a finding, not a reason to lose the tokens
             attribution, attribution_error = None, f"{type(err).__name__}: {err}"
     try:
-        outputs = llm.generate(token_prompts(job["prompts"]), params, use_tqdm=False)
+        outputs = llm.generate(token_prompts(prompts), params, use_tqdm=False)
     finally:
         if attribution is not None:
             attribution.__exit__(None, None, None)
-    result = {"facts": engine_facts(llm),
-              "tokens": [list(o.outputs[0].token_ids) for o in outputs],
-              "steps": steps["steps"], "reference": job.get("reference")}
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    result = {"facts": engine_facts(llm), "steps": steps["steps"],
+              "reference": job.get("reference")}
+    if job.get("sampling"):
+        result.update(samples=token_counts(tokens), sampling=job["sampling"],
+                      wrong_temperature=job.get("wrong_temperature"))
+    else:
+        result["tokens"] = tokens
     if job.get("logprobs"):
         result["margins"] = [top2_margins(o.outputs[0]) for o in outputs]
     if attribution is not None:
@@ -205,6 +223,15 @@ def run_generate(job: dict) -> dict:
         result["propose_syncs"]["by_op"] = summary["by_op"]
         result["stats"] = drafter.stats.snapshot()
     return result
+
+
+def token_counts(sequences: list[list[int]]) -> list[dict[str, int]]:
+    """Per position, how often each token was sampled there ({"token id": count})."""
+    counts = [collections.Counter() for _ in range(max(map(len, sequences), default=0))]
+    for sequence in sequences:
+        for position, token in enumerate(sequence):
+            counts[position][str(token)] += 1
+    return [dict(c) for c in counts]
 
 
 if __name__ == "__main__":

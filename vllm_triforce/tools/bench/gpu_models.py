@@ -30,6 +30,12 @@ ATTENTION_SCALE = 0.001
 # Names the tiny models' recipe in results.json: a later run redoes the exactness rows of
 # models built otherwise.
 TINY_TAG = f"tiny-llama std {TINY_INIT_STD} attention x{ATTENTION_SCALE}"
+# The sampled jobs' model (`build_sampling_model`): 512 tokens of vocabulary, so that 2,000
+# samples of a position fill a chi-square table, and the tests' wide init (0.5; their
+# tiny_llama's recipe), at which the next-token distribution has a few dozen likely tokens.
+SAMPLING_VOCAB = 512
+SAMPLING_INIT_STD = 0.5
+SAMPLING_TAG = f"sampling-llama vocab {SAMPLING_VOCAB} std {SAMPLING_INIT_STD}"
 
 LLAMA_31_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
@@ -59,30 +65,33 @@ def tokenizer_vocab_size(tokenizer_dir: Path) -> int:
 
 
 def build_llama(dest: Path, tokenizer_dir: Path, *, layers: int, hidden: int, heads: int,
-                kv_heads: int, head_dim: int, seed: int, max_positions: int = 32768) -> Path:
+                kv_heads: int, head_dim: int, seed: int, max_positions: int = 32768,
+                vocab: int | None = None, init_std: float = TINY_INIT_STD,
+                attention_scale: float = ATTENTION_SCALE, tag: str = TINY_TAG) -> Path:
     """A random Llama saved as float32 safetensors with the tokenizer; reused if built
-    by the same recipe (TINY_TAG, written beside it)."""
+    by the same recipe (`tag`, written beside it). `vocab`: the model's vocabulary, the
+    tokenizer's by default (a smaller one samples only ids the tokenizer also has)."""
     recipe = dest / "recipe.txt"
-    if recipe.exists() and recipe.read_text() == TINY_TAG:
+    if recipe.exists() and recipe.read_text() == tag:
         return dest
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    vocab = tokenizer_vocab_size(tokenizer_dir)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+    config = LlamaConfig(vocab_size=vocab or tokenizer_vocab_size(tokenizer_dir),
+                         hidden_size=hidden, intermediate_size=2 * hidden,
                          num_hidden_layers=layers, num_attention_heads=heads,
                          num_key_value_heads=kv_heads, head_dim=head_dim,
                          max_position_embeddings=max_positions, rope_theta=10000.0,
-                         initializer_range=TINY_INIT_STD, tie_word_embeddings=False,
+                         initializer_range=init_std, tie_word_embeddings=False,
                          bos_token_id=1, eos_token_id=2, torch_dtype="float32")
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.float32)
     with torch.no_grad():  # attention adds a little to the residual stream: see ATTENTION_SCALE
         for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.mul_(ATTENTION_SCALE)
+            layer.self_attn.o_proj.weight.mul_(attention_scale)
     model.save_pretrained(dest, safe_serialization=True)
     copy_tokenizer(tokenizer_dir, dest)
-    recipe.write_text(TINY_TAG)
+    recipe.write_text(tag)
     return dest
 
 
@@ -94,6 +103,14 @@ def build_tiny_pair(root: Path, tokenizer_dir: Path) -> tuple[Path, Path]:
     draft = build_llama(root / "tiny-llama-draft", tokenizer_dir, layers=2, hidden=128,
                         heads=2, kv_heads=1, head_dim=64, seed=1)
     return target, draft
+
+
+def build_sampling_model(root: Path, tokenizer_dir: Path) -> Path:
+    """The sampled jobs' target (bench/gpu_plan.py `_sample_jobs`): 2 x 128 (2 heads of 64,
+    which every backend takes), SAMPLING_VOCAB tokens, attention at full scale."""
+    return build_llama(root / "sampling-llama", tokenizer_dir, layers=2, hidden=128, heads=2,
+                       kv_heads=2, head_dim=64, seed=2, vocab=SAMPLING_VOCAB,
+                       init_std=SAMPLING_INIT_STD, attention_scale=1.0, tag=SAMPLING_TAG)
 
 
 def write_llama_8b_shape(dest: Path, tokenizer_dir: Path, **over) -> Path:

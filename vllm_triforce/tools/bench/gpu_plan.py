@@ -21,6 +21,11 @@ first, so that a run cut short still answers the first questions:
    the same plain reference. Random weights accept almost
    nothing: acceptance under CUDA graphs is checked with a real model (`vllm-triforce demo`
    on a GPU, benchmarks/gpu/).
+4. the sampled distribution (`sample-*`, `_sample_jobs`): 2,000 continuations of one prompt
+   at temperature 1 on a 512-token vocabulary, TriForce's depths forced to vary, tokens
+   2-4 against plain vLLM's by a chi-square test (bench/gpu_summary.py), on V1 and on
+   Model Runner V2 (synchronous and async), each beside a negative control whose hand-off
+   is wrong and must be caught.
 
 Estimates are the H100 run's (benchmarks/gpu/jobs.log): an eager tiny engine starts in
 20-45 s; a compiled 8B engine (torch.compile, JIT warm-up, ~60 CUDA-graph sizes) in 60-120 s
@@ -57,8 +62,20 @@ CPU_CASES = (("2x1K", 2, 1024), ("1x2K", 1, 2048))
 KV_KEPT_SPEC = {"prefill_from_cache": True}  # the coded summaries are the default
 
 
+# The sampled jobs (`_sample_jobs`), as tests/test_triforce_sampling.py checks V1 on a CPU:
+# continuations per engine (fewer in a dry run, which tests the jobs, not the statistics),
+# the depths the controller plans in turn, the retrieval budget (of the 391-token prompt's
+# 13 blocks: both verification paths run), the negative control's temperature.
+SAMPLE_COPIES = {"gpu": 2000, "cpu": 300}
+SAMPLE_SCHEDULE = [3, 0, 2, 1]
+SAMPLE_PROMPT_TOKENS = 391
+SAMPLE_SPEC = {**TINY_SPEC, "adaptive": True, "retrieval_budget": 288}
+WRONG_TEMPERATURE = 0.5
+
+
 def plan(on_gpu: bool, models: dict, kernels_ok: bool = True) -> list[dict]:
-    """The jobs, in the order they run. `models`: paths of "target", "draft", "shape"."""
+    """The jobs, in the order they run. `models`: paths of "target", "draft", "shape",
+    "sampling"."""
     jobs = [{"name": "kernels", "kind": "kernels", "estimate_s": 20, "timeout_s": 120}]
     jobs.extend(_cost_jobs(on_gpu, models, kernels_ok))
     # eager engines: seconds to start (the cost jobs run the compiled default path)
@@ -96,7 +113,46 @@ def plan(on_gpu: bool, models: dict, kernels_ok: bool = True) -> list[dict]:
                              "llm": llm, "env": MRV2_SETTINGS["env"], "levels": n,
                              "reference": f"exact-{tag}-plain"})
             jobs.extend(_grow_jobs(tag, base, llm, models["vocab"]))
+        if tag != "flash-bf16":  # float32 only: one distribution, not bf16's roundings
+            jobs.extend(_sample_jobs(tag, llm, models, on_gpu))
     return jobs
+
+
+def _sample_jobs(tag: str, llm: dict, models: dict, on_gpu: bool) -> list[dict]:
+    """Sampled output against the target distribution (bench/gpu_summary.py
+    `_distribution`): plain vLLM, then TriForce (two levels, the depth controller planning
+    SAMPLE_SCHEDULE in turn) on V1 and, on a GPU, on Model Runner V2 with synchronous and
+    async scheduling; each TriForce binding also as its negative control (`-wrong`: the
+    verifier handed distributions other than the drafts were drawn from). A different
+    engine seed each, so no two draw from one random stream."""
+    from vllm_triforce.tools.bench.gpu_engine import random_prompts
+    from vllm_triforce.tools.bench.gpu_models import SAMPLING_TAG, SAMPLING_VOCAB
+
+    prompt = random_prompts(1, SAMPLE_PROMPT_TOKENS, SAMPLING_VOCAB, seed=7)
+    llm = {**llm, "max_model_len": 1024, "max_num_seqs": 32}
+    base = {"kind": "generate", "model": str(models["sampling"]), "prompts": prompt,
+            "model_tag": SAMPLING_TAG, "max_tokens": 4, "estimate_s": 40, "timeout_s": 300,
+            "sampling": {"temperature": 1.0,
+                         "copies": SAMPLE_COPIES["gpu" if on_gpu else "cpu"]}}
+    tri = {**base, "spec": SAMPLE_SPEC, "levels": 2, "depth_schedule": SAMPLE_SCHEDULE,
+           "reference": f"sample-{tag}-plain"}
+    wrong = {"wrong_temperature": WRONG_TEMPERATURE}
+    plain = {**base, "name": f"sample-{tag}-plain", "env": FORCED_SETTINGS["env"],
+             "llm": {**llm, "seed": 0, "async_scheduling": False}}
+    v1 = {**tri, "name": f"sample-{tag}-2L", "llm": {**llm, "seed": 1}}
+    if not on_gpu:
+        return [plain, v1]
+    # MRV2 first: V1's sampling is also checked on every CPU (tests/test_triforce_sampling.py)
+    mrv2 = {**tri, "env": MRV2_SETTINGS["env"]}
+    return [
+        plain,
+        {**mrv2, "name": f"sample-{tag}-2L-mrv2", "llm": {**llm, "seed": 3}},
+        {**mrv2, **wrong, "name": f"sample-{tag}-2L-mrv2-wrong", "llm": {**llm, "seed": 4}},
+        {**mrv2, "name": f"sample-{tag}-2L-mrv2-async",
+         "llm": {**llm, "seed": 5, "async_scheduling": True}},
+        v1,
+        {**tri, **wrong, "name": f"sample-{tag}-2L-wrong", "llm": {**llm, "seed": 2}},
+    ]
 
 
 def _grow_jobs(tag: str, base: dict, llm: dict, vocab: int) -> list[dict]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from vllm_triforce.tools.bench.gpu_summary import MARGIN_EPS, PROJECTION, summarise
+from vllm_triforce.tools.bench.gpu_summary import ALPHA, MARGIN_EPS, PROJECTION, summarise
 
 
 def render(results: dict) -> str:
@@ -32,6 +32,21 @@ def render(results: dict) -> str:
         lines.append(f"| {r['job']} | {r['backend']} | {r['identical']} | {div or '-'} | "
                      f"{r['explained']} | {r['drafted']} / {r['accepted']} | "
                      f"{r['middle_drafted']} / {r['middle_accepted']} |")
+    if summary.get("distribution"):
+        lines += ["", "## Sampled output against plain vLLM's distribution", "",
+                  "Temperature 1, continuations of one prompt, TriForce's depths forced to "
+                  "vary; per drafted token (2, 3, ...) the chi-square p-value of the two "
+                  f"samples having one distribution; below {ALPHA} differs. A `-wrong` job "
+                  "hands the verifier distributions other than the drafts were drawn from, "
+                  "and must be caught.", "",
+                  "| job | runner | async | samples | drafted / accepted | p-values "
+                  "| verdict |", "|---|---|---|---|---|---|---|"]
+        for r in summary["distribution"]:
+            runner = (r.get("runner") or "-").rsplit(".", 1)[-1]
+            ps = ", ".join(_f(p) for p in r["pvalues"])
+            lines.append(f"| {r['job']} | {runner} | {r.get('async_scheduling')} | "
+                         f"{r['samples']} | {r['drafted']} / {r['accepted']} | {ps} | "
+                         f"{r['verdict']} |")
     lines += ["", "## Syncs", "",
               "Per vLLM step, by the sync debug mode (TriForce's: under the proposer, its middle "
               "rounds included; vLLM's: the rest, patches' wrappers included); inside `propose`, "

@@ -1,7 +1,8 @@
 """What `vllm-triforce bench gpu` (bench/gpu_check.py) concludes from its jobs' results: the
 summary in results.json -- exactness (token identity, or divergences explained by plain
-vLLM's near-ties), syncs per step by owner, memory against the reservation, and per cost
-case the plain steps, the tax of TriForce's settings and a projection of the speedup.
+vLLM's near-ties), sampled output against plain vLLM's distribution, syncs per step by
+owner, memory against the reservation, and per cost case the plain steps, the tax of
+TriForce's settings and a projection of the speedup.
 
 The projection is what it says: the GPU measures each depth's step at the 8B shape with
 random weights (which accept everything a constant output allows, so their acceptance
@@ -14,12 +15,16 @@ from __future__ import annotations
 import math
 
 MARGIN_EPS = 0.05  # nats: a bf16 divergence is explained when plain's top-2 margin is below
+# The sampled jobs' chi-square bar (tests/test_triforce_sampling.py's): fixed seeds make each
+# outcome deterministic; ALPHA only sets where "differs" begins.
+ALPHA = 1e-3
 PROJECTION = "projected from GPU step costs and CPU-measured acceptance"
 
 
 def summarise(results: dict) -> dict:
     jobs = results.get("jobs", {})
-    return {"exactness": _exactness(jobs), "syncs": _syncs(jobs), "memory": _memory(jobs),
+    return {"exactness": _exactness(jobs), "distribution": _distribution(jobs),
+            "syncs": _syncs(jobs), "memory": _memory(jobs),
             "costs": _costs(jobs, results.get("acceptance"))}
 
 
@@ -63,6 +68,67 @@ def compare_tokens(ref: list[list[int]], got: list[list[int]],
                     for d in divergences)
     return {"identical": not divergences, "divergences": divergences,
             "explained": explained, "sequences": len(ref)}
+
+
+def _distribution(jobs: dict) -> list[dict]:
+    """Per sampled TriForce job (`sample-*`, bench/gpu_plan.py `_sample_jobs`): the p-value
+    of its tokens 2.. (drafted; token 1 comes from the prefill) having plain vLLM's
+    distribution, position by position, and a verdict. A job of the right hand-off passes
+    with every p above ALPHA; a negative control (`wrong_temperature`) must be caught
+    (some p below ALPHA), or the check has no power on this model and the passes beside
+    it prove nothing. Drafted counts say whether drafting happened at all."""
+    rows = []
+    for name, job in jobs.items():
+        if not name.startswith("sample-") or name.endswith("-plain") or job["status"] != "ok":
+            continue
+        ref = _ok(jobs, job["result"].get("reference") or "")
+        if ref is None:
+            continue
+        res, stats = job["result"], job["result"].get("stats", {})
+        pvalues = [homogeneity_pvalue(a, b) for a, b in
+                   zip(ref["samples"][1:], res["samples"][1:])]
+        known = [p for p in pvalues if p is not None]
+        wrong = res.get("wrong_temperature") is not None
+        low = bool(known) and min(known) < ALPHA
+        if not known:
+            verdict = "no p-value (scipy missing)"
+        elif stats.get("top_proposed", 0) == 0:
+            verdict = "nothing drafted: proves nothing"
+        elif wrong:
+            verdict = "caught" if low else "NOT caught: the check has no power here"
+        else:
+            verdict = "differs" if low else "same distribution"
+        rows.append({"job": name, "wrong_temperature": res.get("wrong_temperature"),
+                     "samples": res["sampling"]["copies"],
+                     "drafted": stats.get("top_proposed", 0),
+                     "accepted": stats.get("top_accepted", 0),
+                     "depth_counts": stats.get("depth_counts"),
+                     "pvalues": pvalues, "verdict": verdict,
+                     "runner": res["facts"].get("runner"),
+                     "async_scheduling": res["facts"].get("async_scheduling")})
+    return rows
+
+
+def homogeneity_pvalue(a: dict, b: dict) -> float | None:
+    """Two-sample chi-square on token counts ({token: count} each), tokens seen fewer than
+    10 times in both together pooled into one cell; None without scipy."""
+    try:
+        from scipy.stats import chi2_contingency
+    except ImportError:
+        return None
+    keys = sorted(set(a) | set(b), key=lambda k: -(a.get(k, 0) + b.get(k, 0)))
+    rows, other = [], [0, 0]
+    for k in keys:
+        pair = [a.get(k, 0), b.get(k, 0)]
+        if sum(pair) >= 10:
+            rows.append(pair)
+        else:
+            other = [other[0] + pair[0], other[1] + pair[1]]
+    if sum(other) > 0:
+        rows.append(other)
+    if len(rows) < 2:  # one token only, in both: nothing to tell apart
+        return 1.0
+    return float(chi2_contingency(rows)[1])
 
 
 def _syncs(jobs: dict) -> list[dict]:
