@@ -39,6 +39,7 @@ vLLM 0.32.0 and 0.33.0:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,6 +70,12 @@ class PassFacts:
     query_start_loc: np.ndarray  # [R + 1]
     seq_lens: np.ndarray         # [R], after the pass
     decoding: np.ndarray         # [R] bool: the pass samples a token (not a partial prefill)
+
+    @functools.cached_property
+    def prefill(self) -> np.ndarray:
+        """[R] bool: the row is a prefill chunk (more than one token, none of them handed
+        drafts: `is_plain` asks only where nothing was handed last step)."""
+        return np.diff(self.query_start_loc) > 1
 
 
 class PlainSteps:
@@ -118,8 +125,7 @@ class PlainSteps:
         never = self.never(facts.req_ids, requests)
         if not self.keeper.lazy and not never.all():  # summaries folded at every commit
             return False
-        prefill = np.diff(facts.query_start_loc) > 1  # nothing was handed: a prefill chunk
-        if (prefill & ~never).any():  # its keys go into the summaries now
+        if (facts.prefill & ~never).any():  # its keys go into the summaries now
             return False
         if fixed != 0:
             fits = -(-facts.seq_lens // self.blocks.block_size) <= self.blocks.budget_blocks
@@ -129,12 +135,11 @@ class PlainSteps:
 
     def record(self, facts: PassFacts, requests, start: float) -> None:
         """A plain step's timing for the depth chooser, and its counters."""
-        qsl, decoding = facts.query_start_loc, facts.decoding
-        prefill = np.diff(qsl) > 1
-        num_tokens = int(qsl[-1])
+        decoding = facts.decoding
+        num_tokens = int(facts.query_start_loc[-1])
         step = self.depth.begin(start, facts.req_ids, num_tokens=num_tokens,
                                 emitted=num_tokens,
-                                pure_decode=bool(decoding.all()) and not prefill.any(),
+                                pure_decode=bool(decoding.all()) and not facts.prefill.any(),
                                 verified=[], live_req_ids=requests)
         self.stats.record_depths([0] * int(decoding.sum()))
         step.end(drafting=False)

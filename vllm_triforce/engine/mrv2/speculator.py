@@ -143,15 +143,16 @@ class TriForceSpeculator(Drafting, StandaloneARSpeculator):
             self.draft_counts.set_depths([], [])
             return drafts
         start = time.perf_counter()
-        facts = self.plain_steps.read_mrv2(input_batch)
         plain, self._pass_plain = self._pass_plain, None  # decided before the pass, or now
-        if plain is None:
-            plain = self.plain_steps.is_plain(facts, self.records, self._handed_last)
-        if plain:
-            self.plain_steps.record(facts, self.records, start)
-            self.draft_counts.set_depths(facts.req_ids, [0] * num_reqs)  # all plain
-            self._plain_step_done(start)  # no device value read, no batch built
-            return drafts
+        if plain is not False:  # a plain step, or one not decided yet
+            facts = self.plain_steps.read_mrv2(input_batch)
+            if plain is None:
+                plain = self.plain_steps.is_plain(facts, self.records, self._handed_last)
+            if plain:
+                self.plain_steps.record(facts, self.records, start)
+                self.draft_counts.set_depths(facts.req_ids, [0] * num_reqs)  # all plain
+                self._plain_step_done(start)  # no device value read, no batch built
+                return drafts
         max_depth = (self.num_speculative_steps if num_speculative_tokens is None
                      else num_speculative_tokens)
         batch = StepBatch.from_mrv2(
