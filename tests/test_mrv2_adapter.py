@@ -331,9 +331,9 @@ def scheduler_config(tiny_llama):
                                              prompt_lookup_max=2, prompt_lookup_min=1))
 
 
-def real_scheduler(config, num_blocks: int = 64, scheduler_class=None):
+def real_scheduler(config, num_blocks: int = 64, scheduler_class=None, log_stats=False):
     """vLLM's Scheduler (or `scheduler_class`: its AsyncScheduler) as MRV2 is served
-    (resumed requests come as new ones)."""
+    (resumed requests come as new ones); `log_stats`: it keeps spec-decode metrics."""
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
@@ -345,7 +345,7 @@ def real_scheduler(config, num_blocks: int = 64, scheduler_class=None):
                        kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
     scheduler = (scheduler_class or Scheduler)(
         vllm_config=config, kv_cache_config=kv, block_size=SCHED_BLOCK,
-        structured_output_manager=StructuredOutputManager(config))
+        structured_output_manager=StructuredOutputManager(config), log_stats=log_stats)
     scheduler.use_v2_model_runner = True
     return scheduler
 
@@ -374,7 +374,7 @@ def run_step(scheduler, scheduler_output, sampled: dict[str, list[int]] | None =
     output = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=tokens,
                                req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                logprobs=None, prompt_logprobs_dict={}, pooler_output=[])
-    scheduler.update_from_output(scheduler_output, output)
+    return scheduler.update_from_output(scheduler_output, output)
 
 
 def stock_handler():
@@ -448,6 +448,40 @@ def test_async_drafts_cut_on_a_copy_keep_the_real_async_schedulers_counts(schedu
     assert (computed != right) if shared else (computed == right), computed
     outputs = {r: len(scheduler.requests[r].output_token_ids) for r in ("r0", "r1", "r2")}
     assert outputs == {"r0": 3, "r1": 2, "r2": 3}
+
+
+@pytest.mark.parametrize("noted", [False, True])
+def test_vllms_metrics_count_the_drafts_verified_once_the_cut_is_noted(scheduler_config,
+                                                                      noted):
+    """The same async step through vLLM's real AsyncScheduler, its stats on: with the cut
+    slots noted on the scheduler's own output (`note_cut`: vLLM's num_invalid_spec_tokens),
+    vLLM's spec-decode metrics count the 4 drafts verified (r0 3, r2 1) and 2 accepted;
+    without, all 9 scheduled slots as drafted. The roll-back of computed tokens is the same
+    either way."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    from vllm_triforce.engine.mrv2.draft_tokens import DraftCounts, note_cut
+
+    scheduler = real_scheduler(scheduler_config, scheduler_class=AsyncScheduler,
+                               log_stats=True)
+    add_requests(scheduler, {"r0": 10, "r1": 11, "r2": 12})
+    run_step(scheduler, scheduler.schedule())
+    second = scheduler.schedule()
+    counts = DraftCounts(stock_handler())
+    counts.set_depths(["r0", "r1", "r2"], [3, 0, 1])
+    cut = counts.trimmed(second)
+    if noted:
+        note_cut(second, cut)
+        assert second.num_invalid_spec_tokens == {"r1": K, "r2": K - 1}
+    assert second.scheduled_spec_decode_tokens == {r: [-1] * K for r in ("r0", "r1", "r2")}
+    outputs = run_step(scheduler, second, {"r0": [600, 601], "r1": [602], "r2": [603, 604]})
+    stats = next(o.scheduler_stats for o in outputs.values() if o.scheduler_stats)
+    spec = stats.spec_decoding_stats
+    assert spec.num_accepted_tokens == 2
+    assert spec.num_draft_tokens == (4 if noted else 3 * K)
+    assert spec.num_drafts == 3  # r1 cut to 0 still counts (module docstring)
+    computed = {r: scheduler.requests[r].num_computed_tokens for r in ("r0", "r1", "r2")}
+    assert computed == {"r0": 12, "r1": 12, "r2": 14}
 
 
 def test_the_cut_leaves_what_it_cannot_or_need_not_cut():

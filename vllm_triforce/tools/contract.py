@@ -129,6 +129,9 @@ READ_ATTRIBUTES = (
     ("vllm.v1.core.sched.output", "SchedulerOutput.num_scheduled_tokens"),
     ("vllm.v1.core.sched.output", "SchedulerOutput.total_num_scheduled_tokens"),
     ("vllm.v1.core.sched.output", "SchedulerOutput.has_structured_output_requests"),
+    # ... and the cut slots off vLLM's drafted counts (`note_cut`), read by its metrics
+    ("vllm.v1.core.sched.output", "SchedulerOutput.num_invalid_spec_tokens"),
+    ("vllm.v1.core.sched.scheduler", "Scheduler.make_spec_decoding_stats"),
     ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.execute_model"),
     # FULL decode graphs where TriForce reads nothing of a pass (engine/mrv2/graphs.py)
     ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.initialize_kv_cache"),

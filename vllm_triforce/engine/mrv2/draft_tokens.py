@@ -22,9 +22,15 @@ vllm/v1/core/sched/async_scheduler.py). The runner then cuts each request's sche
 drafts to its k_r before the step runs (`trimmed`), on a copy of the `SchedulerOutput`:
 with the in-process executor the scheduler hands the worker its own object, and after the
 step it reads the drafts it scheduled to roll `num_computed_tokens` back (a cut slot
-counts as a rejected draft: `Scheduler.update_from_output`). vLLM's spec-decode metrics
-therefore count a cut slot as drafted and rejected under async; TriForce's own counters
-do not.
+counts as a rejected draft: `Scheduler.update_from_output`). For vLLM's spec-decode
+metrics the cut slots are what a grammar's invalid drafts are (`note_cut`): scheduled, and
+rolled back, but not drafted; the scheduler takes them off the drafted counts
+(`SchedulerOutput.num_invalid_spec_tokens`, read by `make_spec_decoding_stats` and the
+per-request metrics alone). That reaches the scheduler where it shares its object with the
+worker (the in-process executor of a one-GPU engine); a multiprocess executor's workers
+get a copy, and there vLLM's metrics still count a cut slot as a rejected draft. In both,
+a request cut to depth 0 still counts as one draft of no tokens in vLLM's `num_drafts`
+(its mean acceptance length); TriForce's own counters (`vllm:triforce_*`) count neither.
 """
 
 from __future__ import annotations
@@ -85,3 +91,16 @@ class DraftCounts:
             scheduler_output, num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             scheduled_spec_decode_tokens=drafts)
+
+
+def note_cut(scheduled, cut) -> None:
+    """On the scheduler's own output `scheduled`, the slots `cut` (its `DraftCounts.trimmed`
+    copy) took off each request, as vLLM's `num_invalid_spec_tokens` (module docstring):
+    vLLM's spec-decode metrics then count only the drafts the step verified. Example:
+    scheduled {a: [-1]*3, b: [-1]*3}, cut to {a: [-1]} -> {a: 2, b: 3}."""
+    kept = cut.scheduled_spec_decode_tokens
+    cuts = {r: len(ids) - len(kept.get(r, ()))
+            for r, ids in scheduled.scheduled_spec_decode_tokens.items()}
+    cuts = {r: n for r, n in cuts.items() if n}
+    if cuts:
+        scheduled.num_invalid_spec_tokens = {**(scheduled.num_invalid_spec_tokens or {}), **cuts}

@@ -47,7 +47,7 @@ from vllm_triforce.config import TriForceConfigError, triforce_settings
 from vllm_triforce.engine.batch import StepBatch
 from vllm_triforce.engine.drafting import Drafting
 from vllm_triforce.engine.mrv2.draft_logits import DraftLogitsBuffer, temperature_only
-from vllm_triforce.engine.mrv2.draft_tokens import DraftCounts
+from vllm_triforce.engine.mrv2.draft_tokens import DraftCounts, note_cut
 from vllm_triforce.engine.mrv2.graphs import (CaptureDemotion, takes_full_decode,
                                               use_varlen_decode)
 from vllm_triforce.engine.mrv2.requests import RequestRecords, TokenHistory
@@ -241,9 +241,13 @@ class TriForceRunnerV2(GPUModelRunnerV2):
     def execute_model(self, scheduler_output, *args, **kwargs):
         """vLLM's step, with each request's scheduled drafts cut to the depth TriForce
         gave it at the last step (async scheduling schedules K for everyone:
-        engine/mrv2/draft_tokens.py), on a copy of the scheduler's output."""
+        engine/mrv2/draft_tokens.py), on a copy of the scheduler's output; the cut slots
+        are noted on the scheduler's own, for vLLM's metrics (`note_cut`)."""
         if self.speculator is not None and not kwargs.get("dummy_run", False):
-            scheduler_output = self.speculator.draft_counts.trimmed(scheduler_output)
+            cut = self.speculator.draft_counts.trimmed(scheduler_output)
+            if cut is not scheduler_output:
+                note_cut(scheduler_output, cut)
+            scheduler_output = cut
         return super().execute_model(scheduler_output, *args, **kwargs)
 
     def update_requests(self, scheduler_output) -> None:
