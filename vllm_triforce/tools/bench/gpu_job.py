@@ -181,7 +181,9 @@ def run_generate(job: dict) -> dict:
                             ignore_eos=True, logprobs=job.get("logprobs"))
     prompts = [p for p in job["prompts"] for _ in range(sampling["copies"])]
     steps = count_steps(llm)
-    attribution = SyncAttribution() if torch.cuda.is_available() else None
+    # syncs are read on the greedy jobs (the summary's), not on thousands of samples
+    attribution = (SyncAttribution() if torch.cuda.is_available() and not job.get("sampling")
+                   else None)
     attribution_error = None
     propose_syncs = None
     if drafter is not None:
