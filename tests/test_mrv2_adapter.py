@@ -850,22 +850,32 @@ def test_a_dummy_propose_reads_no_request(binding, monkeypatch, has_draft):
 # ----------------------------------- 4b. the middle level's logits, on a real (V1) engine
 
 @pytest.mark.engine
-@pytest.mark.parametrize("levels", [2, 3])
+@pytest.mark.parametrize("levels,wrong", [(2, False), (3, False), (2, True)])
 def test_the_middle_rounds_keep_the_logits_each_handed_draft_was_drawn_from(
-        tiny_llama, tiny_draft, levels):
+        tiny_llama, tiny_draft, levels, wrong, monkeypatch):
     """The middle loop's MRV2 hand-off (`HandOffBuffer.logits`, engine/middle.py) run by a
     V1 engine on this CPU, each batch row standing for its slot: after every step, for
     every drafting request r and draft k, softmax(kept logits [r, k] / T_r) is the
     distribution V1 was handed for that draft (with no top-k or top-p, both are
     temperature-only), i.e. the q MRV2's verifier would compute is the one the tokens were
-    drawn from. Drafting is proven (drafts verified, and checked rows counted)."""
+    drawn from. Drafting is proven (drafts verified, and checked rows counted).
+    `wrong`: the GPU check's negative control for MRV2 (`forcing.keep_wrong_logits`, jobs
+    `sample-*-mrv2-wrong`) makes that q the handed one sharpened to its temperature, as
+    V1's negative control hands V1 (`forcing.hand_off_wrong`)."""
     from vllm import SamplingParams
+
+    from vllm_triforce.engine import middle
+    from vllm_triforce.tools.bench import forcing
 
     import tiny_models
     from engine_helpers import (assert_drafted, drafter_of, free_llm, in_process_llm,
                                 make_engine_kwargs)
     from test_triforce_engine import three_level, two_level
 
+    wrong_t = 0.5
+    if wrong:
+        monkeypatch.setattr(middle, "keep_logits",
+                            forcing.keep_wrong_logits(middle.keep_logits, wrong_t))
     spec = two_level() if levels == 2 else three_level(tiny_draft)
     llm = in_process_llm(tiny_llama, spec, **make_engine_kwargs(max_num_seqs=4))
     checked = []
@@ -888,7 +898,12 @@ def test_the_middle_rounds_keep_the_logits_each_handed_draft_was_drawn_from(
                 r = batch.req_ids.index(req_id)
                 k, t = len(drafts[r]), float(batch.temperature[r])
                 q = torch.softmax(hand_off.logits.logits[r, :k] / t, dim=-1)
-                torch.testing.assert_close(q, probs[i, :k], rtol=1e-5, atol=1e-6)
+                if not wrong:
+                    torch.testing.assert_close(q, probs[i, :k], rtol=1e-5, atol=1e-6)
+                else:  # sharpened: proportional to handed ** (1 / wrong_t)
+                    sharpened = torch.softmax(probs[i, :k].log() / wrong_t, dim=-1)
+                    torch.testing.assert_close(q, sharpened, rtol=1e-4, atol=1e-6)
+                    assert not torch.allclose(q, probs[i, :k], atol=1e-3)
                 checked.append(k)
             return drafts
 
