@@ -21,6 +21,10 @@
 #                                                # tokens against plain vLLM's, drafts verified;
 #                                                # then requests growing past the budget
 #                                                # (plain steps found on the host first)
+#   bash scripts/gpu_session.sh mrv2-first [SECONDS]  # carry .bundle: the first look at
+#                                                # MRV2 in one short call: greedy tokens
+#                                                # (TRITON_ATTN fp32, two levels) and
+#                                                # sampled output with its negative control
 #   bash scripts/gpu_session.sh sampled [SECONDS] # carry .bundle: sampled output (temperature
 #                                                # 1) against plain vLLM's distribution, on
 #                                                # V1 and MRV2 (sync and async), each beside
@@ -43,7 +47,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-session-out}
 mkdir -p "$OUT"
 export VLLM_TRIFORCE_CACHE=/tmp/vt-cache
-step=${1:?costs, kv-kept, mrv2, sampled, mrv2-full, model-a, real, host-rounds or round-graphs}
+step=${1:?costs, kv-kept, mrv2-first, mrv2, sampled, mrv2-full, model-a, real, host-rounds or round-graphs}
 budget=${2:-270}
 case "$step" in
   costs)
@@ -61,6 +65,12 @@ case "$step" in
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     bash scripts/gpu_run.sh --budget-s "$budget" --only \
       kernels,exact-flash-bf16-plain,exact-flash-bf16-2L-mrv2,exact-flash-bf16-3L-mrv2,exact-triton-fp32-plain,exact-triton-fp32-2L-mrv2,exact-triton-fp32-3L-mrv2,exact-triton-fp32-grow-plain,exact-triton-fp32-grow-2L-mrv2,exact-triton-fp32-grow-2L \
+      2>&1 | grep -v " INFO \| DEBUG "
+    ;;
+  mrv2-first)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    bash scripts/gpu_run.sh --budget-s "$budget" --only \
+      kernels,exact-triton-fp32-plain,exact-triton-fp32-2L-mrv2,sample-triton-fp32-plain,sample-triton-fp32-2L-mrv2,sample-triton-fp32-2L-mrv2-wrong \
       2>&1 | grep -v " INFO \| DEBUG "
     ;;
   sampled)
