@@ -64,6 +64,23 @@ def test_divergences_are_explained_only_below_the_margin():
     assert not clear["explained"]  # plain was sure there (margin 1.0): a real difference
 
 
+def test_an_exact_row_is_compared_only_against_a_reference_of_the_same_models():
+    """A later run rebuilt the tiny models (another `model_tag`) and ran the plain
+    reference again: the TriForce rows of the earlier models are listed as stale, not
+    compared with tokens of other models."""
+    def job(tokens, tag):
+        return {"status": "ok", "model_tag": tag,
+                "result": {"tokens": tokens, "facts": {}, "stats": {"top_proposed": 4}}}
+
+    jobs = {"exact-t-plain": job([[1, 2]], "new"), "exact-t-2L": job([[9, 9]], "old"),
+            "exact-t-3L": job([[1, 2]], "new")}
+    summary = gpu_summary.summarise({"jobs": jobs})
+    assert [r["job"] for r in summary["exactness"]] == ["exact-t-3L"]
+    assert summary["exactness"][0]["identical"]
+    assert summary["exactness_stale"] == ["exact-t-2L"]
+    assert "run them again): exact-t-2L" in gpu_render.render({"jobs": jobs})
+
+
 def _sampled(counts: list[dict], drafted: int = 100, wrong: float | None = None) -> dict:
     return {"status": "ok", "result": {
         "samples": counts, "sampling": {"temperature": 1.0, "copies": 2000},

@@ -32,6 +32,10 @@ def render(results: dict) -> str:
         lines.append(f"| {r['job']} | {r['backend']} | {r['identical']} | {div or '-'} | "
                      f"{r['explained']} | {r['drafted']} / {r['accepted']} | "
                      f"{r['middle_drafted']} / {r['middle_accepted']} |")
+    if summary.get("exactness_stale"):
+        lines += ["", "Not compared, their models built by another recipe than their "
+                  "reference's (run them again): " + ", ".join(summary["exactness_stale"])
+                  + "."]
     if summary.get("distribution"):
         lines += ["", "## Sampled output against plain vLLM's distribution", "",
                   "Temperature 1, continuations of one prompt, TriForce's depths forced to "

@@ -23,7 +23,8 @@ PROJECTION = "projected from GPU step costs and CPU-measured acceptance"
 
 def summarise(results: dict) -> dict:
     jobs = results.get("jobs", {})
-    return {"exactness": _exactness(jobs), "distribution": _distribution(jobs),
+    return {"exactness": _exactness(jobs), "exactness_stale": _stale(jobs),
+            "distribution": _distribution(jobs),
             "syncs": _syncs(jobs), "memory": _memory(jobs),
             "costs": _costs(jobs, results.get("acceptance"))}
 
@@ -33,14 +34,35 @@ def _ok(jobs: dict, name: str) -> dict | None:
     return job["result"] if job and job["status"] == "ok" else None
 
 
+def _reference_name(name: str, job: dict) -> str:
+    return job["result"].get("reference") or name.rsplit("-", 1)[0] + "-plain"
+
+
+def _same_models(jobs: dict, name: str) -> bool:
+    """Whether an exactness job ran the models its reference ran (`model_tag`: a later run
+    that rebuilt the models by another recipe redoes the reference first)."""
+    ref = jobs.get(_reference_name(name, jobs[name]), {})
+    return jobs[name].get("model_tag") == ref.get("model_tag")
+
+
+def _exact_rows(jobs: dict) -> list[str]:
+    return [name for name, job in jobs.items() if name.startswith("exact-")
+            and not name.endswith("-plain") and job["status"] == "ok"
+            and _ok(jobs, _reference_name(name, job)) is not None]
+
+
+def _stale(jobs: dict) -> list[str]:
+    """Exactness jobs left uncompared: their reference was run again on other models."""
+    return [name for name in _exact_rows(jobs) if not _same_models(jobs, name)]
+
+
 def _exactness(jobs: dict) -> list[dict]:
     rows = []
-    for name, job in jobs.items():
-        if not name.startswith("exact-") or name.endswith("-plain") or job["status"] != "ok":
+    for name in _exact_rows(jobs):
+        if not _same_models(jobs, name):
             continue
-        ref = _ok(jobs, job["result"].get("reference") or name.rsplit("-", 1)[0] + "-plain")
-        if ref is None:
-            continue
+        job = jobs[name]
+        ref = _ok(jobs, _reference_name(name, job))
         res, stats = job["result"], job["result"].get("stats", {})
         row = {"job": name, "backend": res["facts"].get("attention_backend"),
                "drafted": stats.get("top_proposed", 0), "accepted": stats.get("top_accepted", 0),
