@@ -127,8 +127,8 @@ class TriForceConfig:
     measure_middle_acceptance: bool = False
     # Run the middle level's passes over persistent buffers, one pass shape per token bucket
     # (engine/device/round_graph.py): captured as CUDA graphs on FLASH_ATTN and TRITON_ATTN
-    # on a GPU, replayed eagerly over the same buffers elsewhere. Off until a GPU has shown
-    # the graphs exact; a pass that fits no bucket takes today's path either way.
+    # on a GPU, replayed eagerly over the same buffers elsewhere. Off until a GPU has run a
+    # real model with the graphs; a pass that fits no bucket takes today's path either way.
     round_graphs: bool = False
     # Where summaries are set from vLLM's KV cache (engine/summary_keeper.py: a backend
     # whose cache TriForce reads back exactly), a pass larger than the capture's copies (a
