@@ -73,11 +73,15 @@ def test_an_exact_row_is_compared_only_against_a_reference_of_the_same_models():
                 "result": {"tokens": tokens, "facts": {}, "stats": {"top_proposed": 4}}}
 
     jobs = {"exact-t-plain": job([[1, 2]], "new"), "exact-t-2L": job([[9, 9]], "old"),
-            "exact-t-3L": job([[1, 2]], "new")}
+            "exact-t-3L": job([[1, 2]], "new"),
+            "sample-t-plain": {"status": "ok", "model_tag": "new",
+                               "result": {"samples": [{"1": 10}, {"5": 10}]}},
+            "sample-t-2L": {**_sampled([{"1": 10}, {"7": 10}]), "model_tag": "old"}}
     summary = gpu_summary.summarise({"jobs": jobs})
     assert [r["job"] for r in summary["exactness"]] == ["exact-t-3L"]
     assert summary["exactness"][0]["identical"]
-    assert summary["exactness_stale"] == ["exact-t-2L"]
+    assert summary["distribution"] == []  # the sampled row too: judged by no reference
+    assert summary["stale"] == ["exact-t-2L", "sample-t-2L"]
     assert "run them again): exact-t-2L" in gpu_render.render({"jobs": jobs})
 
 

@@ -15,7 +15,7 @@ def gpu_section(data: dict, case: Case) -> tuple[str, ...]:
     syncs = {s["job"]: s for s in summary["syncs"]}
     header = ["job", "backend", "= plain", "divergences all at near-ties", "drafted / accepted",
               "middle drafted / accepted", "vLLM's syncs / step", "TriForce's syncs / step"]
-    stale = set(summary.get("exactness_stale", ()))  # judged by no current reference
+    stale = set(summary.get("stale", ()))  # judged by no current reference
     rows = [_gpu_row(job, exact.get(job), syncs.get(job))
             for job in data["jobs"] if (job in exact or job in syncs) and job not in stale]
     costs = [[row["case"], _ms_cell(row.get("plain_defaults_ms")),

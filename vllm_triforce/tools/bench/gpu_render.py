@@ -32,9 +32,9 @@ def render(results: dict) -> str:
         lines.append(f"| {r['job']} | {r['backend']} | {r['identical']} | {div or '-'} | "
                      f"{r['explained']} | {r['drafted']} / {r['accepted']} | "
                      f"{r['middle_drafted']} / {r['middle_accepted']} |")
-    if summary.get("exactness_stale"):
+    if summary.get("stale"):
         lines += ["", "Not compared, their models built by another recipe than their "
-                  "reference's (run them again): " + ", ".join(summary["exactness_stale"])
+                  "reference's (run them again): " + ", ".join(summary["stale"])
                   + "."]
     if summary.get("distribution"):
         lines += ["", "## Sampled output against plain vLLM's distribution", "",

@@ -23,7 +23,7 @@ PROJECTION = "projected from GPU step costs and CPU-measured acceptance"
 
 def summarise(results: dict) -> dict:
     jobs = results.get("jobs", {})
-    return {"exactness": _exactness(jobs), "exactness_stale": _stale(jobs),
+    return {"exactness": _exactness(jobs), "stale": _stale(jobs),
             "distribution": _distribution(jobs),
             "syncs": _syncs(jobs), "memory": _memory(jobs),
             "costs": _costs(jobs, results.get("acceptance"))}
@@ -39,28 +39,34 @@ def _reference_name(name: str, job: dict) -> str:
 
 
 def _same_models(jobs: dict, name: str) -> bool:
-    """Whether an exactness job ran the models its reference ran (`model_tag`: a later run
-    that rebuilt the models by another recipe redoes the reference first)."""
+    """Whether a job ran the models its reference ran (`model_tag`: a later run that
+    rebuilt the models by another recipe redoes the reference first)."""
     ref = jobs.get(_reference_name(name, jobs[name]), {})
     return jobs[name].get("model_tag") == ref.get("model_tag")
 
 
-def _exact_rows(jobs: dict) -> list[str]:
-    return [name for name, job in jobs.items() if name.startswith("exact-")
+def _compared_rows(jobs: dict, prefix: str) -> list[str]:
+    """The TriForce jobs of `prefix` ("exact-", "sample-") that ran, with a reference that
+    ran, on the same models (else `_stale`)."""
+    return [name for name in _judged_rows(jobs, prefix) if _same_models(jobs, name)]
+
+
+def _judged_rows(jobs: dict, prefix: str) -> list[str]:
+    return [name for name, job in jobs.items() if name.startswith(prefix)
             and not name.endswith("-plain") and job["status"] == "ok"
             and _ok(jobs, _reference_name(name, job)) is not None]
 
 
 def _stale(jobs: dict) -> list[str]:
-    """Exactness jobs left uncompared: their reference was run again on other models."""
-    return [name for name in _exact_rows(jobs) if not _same_models(jobs, name)]
+    """Exactness and sampled jobs left uncompared: their reference was run again on other
+    models."""
+    return [name for prefix in ("exact-", "sample-") for name in _judged_rows(jobs, prefix)
+            if not _same_models(jobs, name)]
 
 
 def _exactness(jobs: dict) -> list[dict]:
     rows = []
-    for name in _exact_rows(jobs):
-        if not _same_models(jobs, name):
-            continue
+    for name in _compared_rows(jobs, "exact-"):
         job = jobs[name]
         ref = _ok(jobs, _reference_name(name, job))
         res, stats = job["result"], job["result"].get("stats", {})
@@ -100,12 +106,9 @@ def _distribution(jobs: dict) -> list[dict]:
     (some p below ALPHA), or the check has no power on this model and the passes beside
     it prove nothing. Drafted counts say whether drafting happened at all."""
     rows = []
-    for name, job in jobs.items():
-        if not name.startswith("sample-") or name.endswith("-plain") or job["status"] != "ok":
-            continue
-        ref = _ok(jobs, job["result"].get("reference") or "")
-        if ref is None:
-            continue
+    for name in _compared_rows(jobs, "sample-"):
+        job = jobs[name]
+        ref = _ok(jobs, _reference_name(name, job))
         res, stats = job["result"], job["result"].get("stats", {})
         pvalues = [homogeneity_pvalue(a, b) for a, b in
                    zip(ref["samples"][1:], res["samples"][1:])]
