@@ -70,6 +70,44 @@ def test_load_pads_so_nothing_is_written_or_read():
     assert torch.equal(buffers.tables[:, :3, :2], tables)
 
 
+@pytest.mark.parametrize("ids_on", ["host", "device"])
+def test_load_runs_writes_what_build_pass_then_load_write(ids_on):
+    """The middle level's load straight from the host's values (`load_runs`: one copy to
+    the device, the tables laid out into the buffer) leaves every buffer as today's
+    `build_pass`, `laid_out_tables` and `load` do, padding included. Three requests of
+    [2, 1, 1] tokens at 5, 2 and 3, in the 8-token bucket; the first holds its sink block
+    and a tail from block 1, the others a tail from block 0."""
+    import numpy as np
+
+    from vllm_triforce.core.blocks import PAD
+    from vllm_triforce.core.tables import TableLayout, laid_out_tables
+    from vllm_triforce.engine.device.forward import Runs
+
+    b = bounds(gamma1=1)
+    table = torch.tensor([[10, 11, 12], [20, 21, 22], [30, 31, 32]], dtype=torch.int32)
+    selected = torch.full((3, 2, 2), PAD, dtype=torch.long)
+    selected[0, :, 0] = 0
+    runs = Runs(np.array([5, 2, 3]), np.array([2, 1, 1]))
+    layout = TableLayout.of([1, 0, 0], [1, 0, 0], runs.starts + runs.lens, 4)
+    assert layout.compact_lens == [7, 3, 4] and layout.width == 2
+    today, direct = PassBuffers(b, num_tables=2, device="cpu"), PassBuffers(b, 2, "cpu")
+    for buffers in (today, direct):  # what an earlier round could have left
+        for t in (buffers.input_ids, buffers.positions, buffers.slot_mapping,
+                  buffers.query_start_loc, buffers.seq_lens, buffers.tables):
+            t.fill_(99)
+    inputs = build_pass([7, 8, 9, 5], runs, table, 4, layout.compact_lens)
+    tables = laid_out_tables(selected, table, *(torch.tensor(v) for v in (
+        layout.num_selected, layout.tail_start, layout.num_tails)), layout.width)
+    today.load(inputs, tables, 8, b.requests_of(8))
+    ids = [7, 8, 9, 5] if ids_on == "host" else torch.tensor([7, 8, 9, 5])
+    direct.load_runs(ids, runs, table, layout, selected, 8, b.requests_of(8))
+    assert direct.slot_mapping[:8].tolist() == [45, 46, 82, 123] + [PADDING_SLOT] * 4
+    assert direct.tables[:, :3, :2].tolist() == [[[10, 11], [20, 0], [30, 0]]] * 2
+    for name in ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens",
+                 "tables"):
+        assert torch.equal(getattr(direct, name), getattr(today, name)), name
+
+
 def test_capture_buffers_views_equal_clones_and_stay_apart():
     """Persistent copies equal the clones they replace; a middle pass's buffers never
     alias vLLM's pass's, so a round cannot overwrite what the next commit reads."""
@@ -93,6 +131,28 @@ def test_capture_buffers_views_equal_clones_and_stay_apart():
         capture.record(0, big, big)
     assert torch.equal(capture.queries[0], big) and capture.keys[0] is None
     assert capture.queries[0].data_ptr() != big.data_ptr() and torch.equal(step_query, q)
+
+
+def test_a_replays_queries_read_per_layer_or_gathered_at_once():
+    """After a replay the capture's queries are the round buffers' rows (`LayerRows`): per
+    layer they equal what `record` copied in, `at` gathers rows of every layer in one
+    operation as the stack of those layers would, and vLLM's next pass records a fresh
+    list."""
+    capture = LayerCapture(num_layers=3, copy_tokens=8)
+    rounds = CaptureBuffers(3, 4, keep_keys=False)
+    qs = [torch.randn(3, 2, 4) for _ in range(3)]
+    with capture.recording(into=rounds):
+        for layer, q in enumerate(qs):
+            capture.record(layer, q, None)
+    capture.take_views(rounds, 3)
+    assert len(capture.queries) == 3
+    assert all(torch.equal(v.view(3, 2, 4), q) for v, q in zip(capture.queries, qs))
+    rows = torch.tensor([2, 0])
+    stacked = torch.stack([q.reshape(3, 8) for q in qs], dim=1)[rows]  # [2, L, 8]
+    assert torch.equal(capture.queries.at(rows), stacked)
+    capture.record(0, qs[1], None)  # vLLM's pass
+    assert isinstance(capture.queries, list) and capture.queries[1] is None
+    assert torch.equal(capture.queries[0], qs[1])
 
 
 def test_replay_guard_fails_a_replay_that_reads_another_table():
@@ -161,23 +221,26 @@ def _run(llm, prompts, watch_kv: bool = False) -> dict:
         guard = graphs.guard = ReplayGuard().install(drafter.target_layers)
         if watch_kv:
             caches = runner_of(llm).kv_caches
-            run = graphs.run
+            run = graphs.run_runs
 
-            def watched_run(inputs, tables):
+            def watched_run(token_ids, runs, block_table, layout, selected):
                 before = [c.clone() for c in caches]
-                out = run(inputs, tables)
-                block = drafter.block_size
+                out = run(token_ids, runs, block_table, layout, selected)
+                block, num_tokens = drafter.block_size, int(runs.lens.sum())
                 changed = set()
                 for was, now in zip(before, caches):  # [num_blocks, ...] on CPU_ATTN
                     diff = (was != now).reshape(was.shape[0], -1).any(-1)
                     changed |= set(torch.nonzero(diff).flatten().tolist())
-                real = set((inputs.slot_mapping // block).tolist())
-                writes.append((out is not None and inputs.num_tokens
-                               < graphs.bounds.bucket(inputs.num_tokens, tables.shape[-1]),
+                # the slots the pass's real tokens were given (the same as `build_pass`'s:
+                # the tokens and selections above equal today's path)
+                slots = graphs.buffers.slot_mapping[:num_tokens]
+                real = set((slots // block).tolist())
+                writes.append((out is not None and num_tokens
+                               < graphs.bounds.bucket(num_tokens, layout.width),
                                changed, real))
                 return out
 
-            graphs.run = watched_run
+            graphs.run_runs = watched_run
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)
     stats = drafter.stats.snapshot()
     assert_drafted(stats, levels=3 if drafter.shape.has_draft else 2)

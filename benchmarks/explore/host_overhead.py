@@ -36,6 +36,8 @@ def main() -> None:
     parser.add_argument("--levels", type=int, choices=(2, 3), default=2)
     parser.add_argument("--refresh-interval", type=int, default=1,
                         help="1 (default): re-select between middle rounds; 0: never")
+    parser.add_argument("--round-graphs", action="store_true",
+                        help="the middle passes over persistent buffers (`round_graphs`)")
     parser.add_argument("--no-syncs", action="store_true", help="skip the counted generation")
     parser.add_argument("--ops", type=int, default=0, metavar="N",
                         help="count aten operations per middle round; print N call sites")
@@ -51,7 +53,7 @@ def main() -> None:
                                           kv_heads=2, vocab_size=1024)
     spec = {"method": "triforce", "num_speculative_tokens": 6, "retrieval_budget": 256,
             "retrieval_sink_tokens": 32, "retrieval_recent_tokens": 64, "adaptive": False,
-            "refresh_interval": args.refresh_interval}
+            "refresh_interval": args.refresh_interval, "round_graphs": args.round_graphs}
     if args.levels == 3:
         draft = tiny_models.build_tiny_llama_draft(tmp / "draft", vocab_size=1024)
         spec.update(model=str(draft), draft_window_tokens=96)
@@ -95,7 +97,7 @@ def count_operations(llm, drafter, prompts, params, top: int) -> None:
     """Aten operations per middle round outside the model forwards, by call site."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from vllm_triforce.engine.device import forward
+    from vllm_triforce.engine.device import forward, round_graph
 
     in_model = [0]  # > 0 inside a model forward: its operations are not counted
     sites: collections.Counter = collections.Counter()
@@ -107,24 +109,29 @@ def count_operations(llm, drafter, prompts, params, top: int) -> None:
             return func(*args, **(kwargs or {}))
 
     model_forward, propose = forward.run, drafter.propose
+    closure = round_graph.BucketPass.closure  # a round graph's model and logits
 
-    def uncounted_forward(*args, **kwargs):
-        in_model[0] += 1
-        try:
-            return model_forward(*args, **kwargs)
-        finally:
-            in_model[0] -= 1
+    def uncounted(run):
+        def wrapped(*args, **kwargs):
+            in_model[0] += 1
+            try:
+                return run(*args, **kwargs)
+            finally:
+                in_model[0] -= 1
+        return wrapped
 
     def counted_propose(*args, **kwargs):
         with Counting():
             return propose(*args, **kwargs)
 
-    forward.run, drafter.propose = uncounted_forward, counted_propose
+    forward.run, drafter.propose = uncounted(model_forward), counted_propose
+    round_graph.BucketPass.closure = uncounted(closure)
     before = drafter.stats.snapshot()["middle_rounds"]
     try:
         llm.generate(prompts, params, use_tqdm=False)
     finally:
         forward.run, drafter.propose = model_forward, propose
+        round_graph.BucketPass.closure = closure
     rounds = drafter.stats.snapshot()["middle_rounds"] - before
     total = sum(sites.values())
     print(f"aten operations outside model forwards: {total / rounds:.1f} per middle round "

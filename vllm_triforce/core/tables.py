@@ -94,11 +94,13 @@ class TableLayout:
 
 
 def laid_out_tables(selected: Tensor, block_table: Tensor, num_selected: Tensor,
-                    tail_start: Tensor, num_tails: Tensor, width: int) -> Tensor:
+                    tail_start: Tensor, num_tails: Tensor, width: int,
+                    out: Tensor | None = None) -> Tensor:
     """The compacted tables from a `TableLayout` (its per-row sizes on the device, [R] each):
     selected [R, L, max_selected] logical blocks (a Selection's), block_table [R, max_blocks]
-    physical ids -> [L, R, width] int32, padding 0. A dozen operations whatever R, L and
-    width; no host list as long as the tables."""
+    physical ids -> [L, R, width] int32, padding 0; written into `out` ([L, R, width] int32,
+    a view of persistent buffers) when given. A dozen operations whatever R, L and width;
+    no host list as long as the tables."""
     num_reqs, num_layers, _ = selected.shape
     offset = torch.arange(width, device=selected.device) - num_selected[:, None]  # [R, W]
     tail = (offset + tail_start[:, None]).masked_fill_(offset >= num_tails[:, None], PAD)
@@ -108,4 +110,6 @@ def laid_out_tables(selected: Tensor, block_table: Tensor, num_selected: Tensor,
     logical = torch.where((offset < 0)[:, None, :], head, tail[:, None, :])  # [R, L, W]
     phys = block_table.gather(1, logical.clamp(min=0).view(num_reqs, -1))
     phys = phys.view(num_reqs, num_layers, width).masked_fill(logical < 0, 0)
+    if out is not None:
+        return out.copy_(phys.transpose(0, 1))
     return phys.transpose(0, 1).to(torch.int32).contiguous()

@@ -33,6 +33,7 @@ from vllm_triforce.core import reads
 from vllm_triforce.core.blocks import selection_sizes
 from vllm_triforce.core.tables import TableLayout, laid_out_tables
 from vllm_triforce.engine.buffers import STACKED_QUERIES_BYTES
+from vllm_triforce.engine.device.capture import LayerRows
 from vllm_triforce.engine.device.forward import TIME_FORWARDS_ENV, Runs, build_pass, run_pass
 from vllm_triforce.engine.device.transfer import to_device
 from vllm_triforce.engine.middle import positions_of
@@ -282,11 +283,15 @@ class RetrievalStep:
 
     def _queries_at(self, layer_queries: list, rows: torch.Tensor) -> torch.Tensor:
         """layer_queries[l] [num_tokens, Hq * D] of one pass, rows [n] (device) ->
-        [n, num_layers, Hq, D] (fp8 queries dequantised: `dequantized_query`). A pass of
+        [n, num_layers, Hq, D] (fp8 queries dequantised: `dequantized_query`). A round
+        buffer's `LayerRows` is gathered in one operation. A pass of
         few tokens (a middle round's) is stacked whole, then gathered once: two operations
         instead of one per layer; a larger one (vLLM's pass may hold a prefill chunk) is
         gathered layer by layer, so no copy of every layer's queries is made."""
         level, first = self.level, layer_queries[0]
+        if isinstance(layer_queries, LayerRows) and first.dtype.itemsize > 1:
+            return layer_queries.at(rows).reshape(rows.shape[0], len(layer_queries),
+                                                  level.num_heads, level.head_size)
         stack_limit = min(STACKED_QUERIES_BYTES, reads.read_limit(level.summaries))
         if (first.dtype.itemsize > 1 and first.numel() * first.element_size()
                 * len(layer_queries) <= stack_limit):
@@ -311,34 +316,40 @@ class RetrievalStep:
         bs = level.blocks.block_size
         selected, sizes, block_table = self._selections_of(rows)
         layout = TableLayout.of(*sizes, positions.starts + positions.lens, bs)
-        num_selected, tail_start, num_tails = to_device(
-            level.device, layout.num_selected, layout.tail_start, layout.num_tails)
-        tables = laid_out_tables(selected, block_table, num_selected, tail_start, num_tails,
-                                 layout.width)
-        inputs = build_pass(token_ids, positions, block_table, bs, layout.compact_lens)
         # its queries may re-select the next round's blocks: the capture records them
-        logits = self._replayed(inputs, tables) if level.round_graphs is not None else None
+        logits = (self._replayed(token_ids, positions, block_table, layout, selected)
+                  if level.round_graphs is not None else None)
         if logits is None:
+            num_selected, tail_start, num_tails = to_device(
+                level.device, layout.num_selected, layout.tail_start, layout.num_tails)
+            tables = laid_out_tables(selected, block_table, num_selected, tail_start,
+                                     num_tails, layout.width)
+            inputs = build_pass(token_ids, positions, block_table, bs, layout.compact_lens)
             per_layer = dict(zip(level.layer_names, tables.unbind(0)))  # one op, not per layer
             with level.capture.recording(into=level.middle_queries):
                 logits = run_pass(level.model, level.vllm_config, level.attn_groups, inputs,
                                   per_layer, level.stats, level.pass_limits)
-        self._pass_queries = list(level.capture.queries)
+        queries = level.capture.queries  # a list, or a replay's LayerRows (not rewritten)
+        self._pass_queries = queries if isinstance(queries, LayerRows) else list(queries)
         return logits
 
-    def _replayed(self, inputs, tables: torch.Tensor) -> torch.Tensor | None:
-        """The pass over the level's persistent buffers, in its token bucket (None: it fits
-        none, and takes `run_pass`)."""
+    def _replayed(self, token_ids, positions: Runs, block_table: torch.Tensor,
+                  layout: TableLayout, selected: torch.Tensor) -> torch.Tensor | None:
+        """The pass over the level's persistent buffers, in its token bucket, loaded straight
+        from the host's values (`RoundGraphs.run_runs`; None: it fits no bucket, and takes
+        `run_pass`)."""
         level = self.level
         start = time.perf_counter()
-        logits = level.round_graphs.run(inputs, tables)
+        logits = level.round_graphs.run_runs(token_ids, positions, block_table, layout,
+                                             selected)
         if logits is None:
             level.stats.add(round_graph_misses=1)
             return None
         if logits.is_cuda and os.environ.get(TIME_FORWARDS_ENV) == "1":
             torch.cuda.synchronize(logits.device)
         level.stats.add(round_graph_passes=1, forward_seconds=time.perf_counter() - start)
-        level.stats.max_pass_tokens = max(level.stats.max_pass_tokens, inputs.num_tokens)
+        level.stats.max_pass_tokens = max(level.stats.max_pass_tokens,
+                                          int(positions.lens.sum()))
         return logits
 
     def _selections_of(self, rows: list[int]):

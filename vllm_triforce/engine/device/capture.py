@@ -84,14 +84,37 @@ class CaptureBuffers:
         view.copy_(tensor)
         return view
 
-    def view(self, name: str, index: int, num_tokens: int) -> torch.Tensor:
-        """The rows a pass of `num_tokens` tokens left in layer `index`'s buffer, [n, width]
-        (what a CUDA graph's replay refreshed without running Python)."""
-        return self.buffers[name][index, :num_tokens]
+    def layer_rows(self, name: str, num_tokens: int) -> "LayerRows":
+        """The rows a pass of `num_tokens` tokens left in every layer's buffer (what a CUDA
+        graph's replay refreshed without running Python)."""
+        return LayerRows(self.buffers[name], num_tokens)
 
     @property
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.buffers.values())
+
+
+class LayerRows:
+    """Every layer's rows of one pass, in a `CaptureBuffers` buffer [L, max_tokens, width]:
+    read as a list of per-layer views ([n, width] each, made when read), or, for a
+    selection, the rows of every layer at once (`at`): one gather instead of a view per
+    layer and a stack of them."""
+
+    def __init__(self, buffer: torch.Tensor, num_tokens: int):
+        self.buffer, self.num_tokens = buffer, num_tokens
+
+    def __len__(self) -> int:
+        return self.buffer.shape[0]
+
+    def __getitem__(self, layer: int) -> torch.Tensor:
+        return self.buffer[layer, :self.num_tokens]
+
+    def __iter__(self):
+        return (self[layer] for layer in range(len(self)))
+
+    def at(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [n] (device, each < num_tokens) -> [n, L, width], every layer's row."""
+        return self.buffer[:, rows].transpose(0, 1)
 
 
 class LayerCapture:
@@ -188,6 +211,8 @@ class LayerCapture:
         """Keep layer `index`'s query and key of this pass (module docstring);
         `query_start_loc` [R + 1] (device): the pass's requests, for `compact_large_passes`."""
         into = self._into
+        if not isinstance(self.queries, list):  # a replay's `LayerRows`: a new pass begins
+            self.queries = [None] * len(self.queries)
         if index == 0:
             self.compacted = False
             self._compact_pass = bool(
@@ -244,8 +269,9 @@ class LayerCapture:
 
     def take_views(self, buffers: CaptureBuffers, num_tokens: int) -> None:
         """Every layer's query is now `buffers`' first `num_tokens` rows (after a CUDA
-        graph's replay, which copied them without running `record`); no keys."""
-        self.queries = [buffers.view("query", i, num_tokens) for i in range(len(self.queries))]
+        graph's replay, which copied them without running `record`), as one `LayerRows`;
+        no keys."""
+        self.queries = buffers.layer_rows("query", num_tokens)
         self.keys = [None] * len(self.keys)
 
     def clear(self) -> None:

@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import time
 
+import numpy as np
 import torch
 from vllm.forward_context import set_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
@@ -56,7 +57,10 @@ from vllm.v1.spec_decode.utils import PADDING_SLOT_ID
 
 from vllm_triforce.engine.device.bounds import GRAPH_BACKENDS, RoundBounds
 from vllm_triforce.engine.device.capture import CaptureBuffers
-from vllm_triforce.engine.device.forward import PassInputs, SWAP_TABLE, _with_table, metadata_path
+from vllm_triforce.core.tables import TableLayout, laid_out_tables
+from vllm_triforce.engine.device.forward import (PassInputs, Runs, SWAP_TABLE, _with_table,
+                                                 metadata_path)
+from vllm_triforce.engine.device.transfer import to_device
 
 PADDING_SLOT = PADDING_SLOT_ID  # -1: every KV-cache write skips the token
 # Metadata fields a builder computes from the lengths (host work a graph cannot redo).
@@ -78,6 +82,7 @@ class PassBuffers:
         self.seq_lens = torch.zeros(reqs, dtype=torch.int32, device=device)  # [R]
         self.tables = torch.zeros(num_tables, reqs, width, dtype=torch.int32,
                                   device=device)  # [L or 1, R, W]
+        self.block_size = bounds.block_size
 
     @property
     def nbytes(self) -> int:
@@ -101,6 +106,50 @@ class PassBuffers:
         self.seq_lens[:num_reqs].copy_(inputs.seq_lens_dev)
         self.seq_lens[num_reqs:bucket_requests].zero_()
         self.tables[:, :num_reqs, :width].copy_(tables)
+
+    def load_runs(self, token_ids, runs: Runs, block_table: torch.Tensor, layout: TableLayout,
+                  selected: torch.Tensor, bucket: int, bucket_requests: int) -> None:
+        """`load` of a middle round's pass straight from what the host decided, with no
+        `PassInputs` and no tables of its own in between: request i runs runs.lens[i]
+        tokens from runs.starts[i] with the flat ids `token_ids` (a host list or array, or
+        a device tensor), over the rows `layout` lays out of `selected` [R, L,
+        max_selected] and block_table [R, max_blocks] (`laid_out_tables`, written into the
+        table buffer). Every host value goes in one non-blocking copy, already padded to
+        the bucket (module docstring); the slots are worked out on the device, as
+        `forward.build_pass` does. The same values as `build_pass` then `load`: the test
+        of round graphs holds them to today's path."""
+        lens = runs.lens
+        num_reqs, num_tokens = len(lens), int(lens.sum())
+        positions = np.zeros(bucket, dtype=np.int64)
+        positions[:num_tokens] = runs.flat()
+        query_start_loc = np.full(bucket_requests + 1, num_tokens, dtype=np.int64)
+        query_start_loc[0] = 0
+        np.cumsum(lens, out=query_start_loc[1:num_reqs + 1])
+        seq_lens = np.zeros(bucket_requests, dtype=np.int64)
+        seq_lens[:num_reqs] = layout.compact_lens
+        on_host = not isinstance(token_ids, torch.Tensor)
+        ids = np.zeros(bucket if on_host else 0, dtype=np.int64)
+        if on_host:
+            ids[:num_tokens] = token_ids
+        owner = np.repeat(np.arange(num_reqs), lens)  # [T] each token's request
+        (positions_dev, ids_dev, qsl_dev, lens_dev, owner_dev, num_selected, tail_start,
+         num_tails) = to_device(block_table.device, positions, ids, query_start_loc, seq_lens,
+                                owner, layout.num_selected, layout.tail_start,
+                                layout.num_tails)
+        self.positions[:bucket].copy_(positions_dev)
+        if on_host:
+            self.input_ids[:bucket].copy_(ids_dev)
+        else:
+            self.input_ids[:num_tokens].copy_(token_ids)
+            self.input_ids[num_tokens:bucket].zero_()
+        self.query_start_loc[:bucket_requests + 1].copy_(qsl_dev)
+        self.seq_lens[:bucket_requests].copy_(lens_dev)
+        real, size = positions_dev[:num_tokens], self.block_size
+        self.slot_mapping[:num_tokens].copy_(
+            block_table[owner_dev, real // size].long() * size + real % size)
+        self.slot_mapping[num_tokens:bucket].fill_(PADDING_SLOT)
+        laid_out_tables(selected, block_table, num_selected, tail_start, num_tails,
+                        layout.width, out=self.tables[:, :num_reqs, :layout.width])
 
     def clear(self) -> None:
         """A pass of padding only: what a bucket is built and captured over."""
@@ -270,6 +319,25 @@ class RoundGraphs:
             return None
         replay = self.replays.get(bucket) or self._prepare(bucket)  # before the load
         self.buffers.load(inputs, tables, bucket, self.bounds.requests_of(bucket))
+        return self._replay(replay, bucket, inputs.num_tokens, len(inputs.seq_lens))
+
+    def run_runs(self, token_ids, runs: Runs, block_table: torch.Tensor, layout: TableLayout,
+                 selected: torch.Tensor) -> torch.Tensor | None:
+        """`run` of a middle round's pass given as the host decided it (`PassBuffers.
+        load_runs`: no `PassInputs`, no tables of its own), over the per-layer tables
+        `layout` lays out of `selected`. None: no bucket fits."""
+        num_tokens = int(runs.lens.sum())
+        bucket = self.bounds.bucket(num_tokens, layout.width, int(runs.lens.max()))
+        if bucket is None:
+            return None
+        replay = self.replays.get(bucket) or self._prepare(bucket)  # before the load
+        self.buffers.load_runs(token_ids, runs, block_table, layout, selected, bucket,
+                               self.bounds.requests_of(bucket))
+        return self._replay(replay, bucket, num_tokens, len(runs.lens))
+
+    def _replay(self, replay, bucket: int, num_tokens: int, num_reqs: int) -> torch.Tensor:
+        """The loaded bucket's replay (watched by the guard, if any); its queries left in
+        the capture; the real rows' logits."""
         with self._recording():
             if self.guard is not None:
                 with self.guard.watching(bucket):
@@ -277,8 +345,8 @@ class RoundGraphs:
             else:
                 logits = replay.run()
         if self.capture is not None:
-            self.capture.take_views(self.query_buffers, inputs.num_tokens)
-        return logits[:len(inputs.seq_lens) if self.sample_last else inputs.num_tokens]
+            self.capture.take_views(self.query_buffers, num_tokens)
+        return logits[:num_reqs if self.sample_last else num_tokens]
 
     def _recording(self):
         """The capture's scope of a pass: its queries into the round buffers."""
