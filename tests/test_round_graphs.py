@@ -221,12 +221,12 @@ def _run(llm, prompts, watch_kv: bool = False) -> dict:
         guard = graphs.guard = ReplayGuard().install(drafter.target_layers)
         if watch_kv:
             caches = runner_of(llm).kv_caches
-            run = graphs.run_runs
+            replay = graphs.replay
 
-            def watched_run(token_ids, runs, block_table, layout, selected):
+            def watched_replay(loaded):
                 before = [c.clone() for c in caches]
-                out = run(token_ids, runs, block_table, layout, selected)
-                block, num_tokens = drafter.block_size, int(runs.lens.sum())
+                out = replay(loaded)
+                block, num_tokens = drafter.block_size, loaded.num_tokens
                 changed = set()
                 for was, now in zip(before, caches):  # [num_blocks, ...] on CPU_ATTN
                     diff = (was != now).reshape(was.shape[0], -1).any(-1)
@@ -235,12 +235,10 @@ def _run(llm, prompts, watch_kv: bool = False) -> dict:
                 # the tokens and selections above equal today's path)
                 slots = graphs.buffers.slot_mapping[:num_tokens]
                 real = set((slots // block).tolist())
-                writes.append((out is not None and num_tokens
-                               < graphs.bounds.bucket(num_tokens, layout.width),
-                               changed, real))
+                writes.append((num_tokens < loaded.bucket, changed, real))
                 return out
 
-            graphs.run_runs = watched_run
+            graphs.replay = watched_replay
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)
     stats = drafter.stats.snapshot()
     assert_drafted(stats, levels=3 if drafter.shape.has_draft else 2)
@@ -275,9 +273,12 @@ def test_round_graphs_give_todays_tokens_selections_and_acceptance(
     stats = graphed["stats"]
     assert stats["round_graph_passes"] > 0, stats
     assert graphed["guard"].replays_checked > 0
-    if levels == 2:  # every middle pass fits a bucket
+    if levels == 2:  # every middle pass fits a bucket; each after a step's first is
+        # loaded before the last round's copy to the host
         assert stats["round_graph_passes"] == stats["middle_rounds"], stats
         assert stats["round_graph_misses"] == 0, stats
+        assert stats["round_graph_ahead"] == (stats["middle_rounds"]
+                                              - stats["drafting_steps"]), stats
     else:  # the small draft's passes too; its first passes over a prompt's window miss
         assert stats["round_graph_passes"] > stats["middle_rounds"], stats
         assert graphed["draft_guard"].replays_checked > 0
@@ -313,3 +314,58 @@ def test_one_token_ahead_reads_as_the_drafts_will_after_the_round():
     drafts.advance_one(live, np.array([7, 8]))
     after = positions_of(drafts, [4, 6])
     assert all((p == a).all() for p, a in zip(predicted, after)), (predicted, after)
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("temperature", [0.0, 0.5])
+def test_round_graphs_give_todays_tokens_at_depths_that_vary(temperature, tiny_llama,
+                                                             llm_factory, monkeypatch):
+    """Depths that vary within and across steps (`force_depths`: 3, 1, 4, 0), greedy and
+    sampled (from each engine's seed: a seed per request would fix its depth by rule):
+    rows leave the middle rounds at different rounds, so a pass loaded ahead takes some of
+    the round's tokens, not all (greedy: argmaxes; sampled: the draws). The same tokens,
+    selections and counts as the per-pass path, with passes loaded ahead, some for fewer
+    rows than the round before. The counts and selections are what a wrong input would
+    move: a middle token never changes vLLM's greedy output, and at this tiny model's
+    low acceptance barely its sampled one."""
+    from vllm import SamplingParams
+
+    from engine_helpers import assert_drafted, drafter_of, force_depths, record_selections
+    from vllm_triforce.engine.retrieval_level import RetrievalStep
+
+    passes = []  # ("pass" | "ahead", rows) in order
+    forward, load_ahead = RetrievalStep.forward, RetrievalStep.load_ahead
+
+    def recorded(kind, method):
+        def call(self, rows, *args):
+            passes.append((kind, len(rows)))
+            return method(self, rows, *args)
+        return call
+
+    monkeypatch.setattr(RetrievalStep, "forward", recorded("pass", forward))
+    monkeypatch.setattr(RetrievalStep, "load_ahead", recorded("ahead", load_ahead))
+    params = SamplingParams(temperature=temperature, max_tokens=24, ignore_eos=True)
+    runs = []
+    for graphs in (False, True):
+        llm = llm_factory(tiny_llama, speculative_config=dict(SPEC, adaptive=True,
+                                                              round_graphs=graphs),
+                          num_gpu_blocks_override=64)
+        force_depths(llm, [3, 1, 4, 0])
+        drafter = drafter_of(llm)
+        selections = record_selections(drafter)
+        passes.clear()
+        outs = llm.generate(_prompts(3), params, use_tqdm=False)
+        stats = drafter.stats.snapshot()
+        assert_drafted(stats)
+        runs.append({"tokens": [list(o.outputs[0].token_ids) for o in outs],
+                     "counts": (stats["top_proposed"], stats["top_accepted"]),
+                     "selections": selections, "stats": stats})
+    plain, graphed = runs
+    assert graphed["stats"]["round_graph_ahead"] > 0, graphed["stats"]
+    shrinking = [(a, b) for (kind_a, a), (kind_b, b) in zip(passes, passes[1:])
+                 if kind_a == "pass" and kind_b == "ahead" and b < a]
+    assert shrinking, f"no pass was loaded ahead for fewer rows: {passes}"
+    assert plain["selections"], "no selection was made: the test proves nothing"
+    assert graphed["selections"] == plain["selections"]
+    assert graphed["counts"] == plain["counts"]
+    assert graphed["tokens"] == plain["tokens"]

@@ -426,32 +426,45 @@ def compared_generation(llm, drafter, prompts, params) -> dict:
     if graphs is None:
         return {"skipped": "no round graphs (path per pass): see the engine's log"}
     rounds: list[dict] = []
-    graphs.run = against_eager(drafter.retrieval, graphs, graphs.run, rounds)
+    graphs.replay = against_eager(drafter.retrieval, graphs, graphs.replay, rounds)
     try:
         out = generate(llm, drafter, prompts, params)
     finally:
-        del graphs.run  # the instance's wrapper: the class's `run` again
+        del graphs.replay  # the instance's wrapper: the class's `replay` again
     out["rounds"] = summarise_rounds(rounds)
     out["per_round"] = rounds[:PER_ROUND_KEPT]
     return out
 
 
-def against_eager(level, graphs, run, rounds: list):
-    """`graphs.run`, with each pass that fits a bucket first run by `forward.run_pass`
-    (its queries recorded into buffers of its own, so neither vLLM's pass's nor the
-    round's are touched) and the two compared into `rounds`."""
+def against_eager(level, graphs, replay, rounds: list):
+    """`graphs.replay`, with each loaded pass first run by `forward.run_pass` over copies
+    of what the buffers hold (`loaded_inputs`; its queries recorded into buffers of its
+    own, so neither vLLM's pass's nor the round's are touched) and the two compared into
+    `rounds`."""
     from vllm_triforce.engine.device.capture import CaptureBuffers
 
     scratch = CaptureBuffers(len(level.layer_names), graphs.bounds.max_tokens, keep_keys=False)
 
-    def compared(inputs, tables):
-        if graphs.bounds.bucket(inputs.num_tokens, tables.shape[-1]) is None:
-            return run(inputs, tables)  # a miss: today's path runs anyway
+    def compared(loaded):
+        inputs, tables = loaded_inputs(graphs, loaded)
         eager, eager_queries = eager_pass(level, scratch, inputs, tables)
-        logits = run(inputs, tables)
+        logits = replay(loaded)
         rounds.append(difference(logits, eager, level.capture.queries, eager_queries, inputs))
         return logits
     return compared
+
+
+def loaded_inputs(graphs, loaded):
+    """(PassInputs, tables [L, R, max_width]) of the pass `loaded` left in the round
+    buffers, as copies: what today's path runs over (entries past a row's length are
+    never read)."""
+    from vllm_triforce.engine.device.forward import PassInputs
+
+    b, tokens, reqs = graphs.buffers, loaded.num_tokens, loaded.num_reqs
+    inputs = PassInputs.make(b.query_start_loc[:reqs + 1].tolist(), b.seq_lens[:reqs].tolist(),
+                             list(range(tokens)), b.input_ids[:tokens].clone(),
+                             b.positions[:tokens].clone(), b.slot_mapping[:tokens].clone())
+    return inputs, b.tables[:, :reqs].clone()
 
 
 def eager_pass(level, scratch, inputs, tables):

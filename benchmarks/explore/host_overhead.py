@@ -78,6 +78,8 @@ def main() -> None:
           f"{args.refresh_interval}: host ms per middle round "
           f"{statistics.median(host_ms):.2f} (repeats {', '.join(f'{h:.2f}' for h in host_ms)}); "
           f"generate {statistics.median(wall):.2f} s")
+    if args.round_graphs:
+        time_copy_to_replay(llm, drafter, prompts, params)
     if args.ops:
         count_operations(llm, drafter, prompts, params, args.ops)
     try:
@@ -91,6 +93,43 @@ def main() -> None:
     s = summarise(recorder.take())
     print(f"syncs: max {s['max_round']} per round, max {s['max_step']} per step "
           f"(mean {s['mean_round']:.1f} / {s['mean_step']:.1f})")
+
+
+def time_copy_to_replay(llm, drafter, prompts, params) -> None:
+    """With round graphs: the host's time from a middle round's copy to the host to the
+    next round's replay, in the same step. On a GPU the device idles through it (the copy
+    waited for the device's work to end); what the host does before the copy overlaps
+    the device's work."""
+    from vllm_triforce.engine import middle
+    from vllm_triforce.engine.device import round_graph
+
+    on_host, replay, propose = middle._on_host, round_graph.RoundGraphs._replay, drafter.propose
+    copied, gaps = [None], []
+
+    def timed_on_host(t):
+        out = on_host(t)
+        copied[0] = time.perf_counter()
+        return out
+
+    def timed_replay(self, *args):
+        if copied[0] is not None:
+            gaps.append(time.perf_counter() - copied[0])
+            copied[0] = None
+        return replay(self, *args)
+
+    def step_propose(*args, **kwargs):
+        copied[0] = None
+        return propose(*args, **kwargs)
+
+    middle._on_host, round_graph.RoundGraphs._replay = timed_on_host, timed_replay
+    drafter.propose = step_propose
+    try:
+        llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        middle._on_host, round_graph.RoundGraphs._replay = on_host, replay
+        drafter.propose = propose
+    print(f"host ms from a round's copy to the next round's replay: median "
+          f"{1000 * statistics.median(gaps):.3f} over {len(gaps)} rounds")
 
 
 def count_operations(llm, drafter, prompts, params, top: int) -> None:

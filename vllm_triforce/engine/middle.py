@@ -220,9 +220,9 @@ class MiddleLoop:
                 self.on_round_start()
             start = time.perf_counter()
             sizes = np.minimum(gamma1, drafts.wanted[live] - drafts.count[live])
-            # next round's blocks, from the newest middle tokens' queries: where a round
-            # emits one token per row, launched before its copy to the host (`OneTokenAhead`)
-            ahead = self._reselect_ahead(step, drafts, live) if gamma1 == 0 else None
+            # next round's blocks, from the newest middle tokens' queries, and its pass:
+            # where a round emits one token per row, launched before its copy to the host
+            ahead = self._ahead(step, drafts, live) if gamma1 == 0 else None
             emitted = self._round(step, drafts, live, sizes,
                                   None if argmax_only else probs_out, before_copy=ahead)
             more = live[drafts.count[live] < drafts.wanted[live]]
@@ -239,17 +239,27 @@ class MiddleLoop:
                 full_probs = None
 
     @staticmethod
-    def _reselect_ahead(step, drafts: MiddleDrafts, live: np.ndarray):
-        """The re-selection after a round that emits one token per row of `live`, as a call
-        for `_round` to make before its copy to the host: the rows that will still want
-        tokens, where the round leaves them."""
+    def _ahead(step, drafts: MiddleDrafts, live: np.ndarray):
+        """What follows a round that emits one token per row of `live`, as a call for
+        `_round` to make with the round's tokens [len(live)] (still on the device) before
+        its copy to the host: the rows that will still want tokens re-select where the
+        round leaves them (`OneTokenAhead`), then the next round's pass, their new tokens
+        at their next positions, is loaded (`RetrievalStep.load_ahead`; with round
+        graphs). So on a GPU what the host does for the next round overlaps this round's
+        device work, and after the copy only the replay is left to launch."""
         more = live[drafts.count[live] + 1 < drafts.wanted[live]]
-        ahead = drafts.after_one_token(live)
+        after = drafts.after_one_token(live)
 
-        def reselect() -> None:
-            if more.size:
-                step.select_in_middle(drafts.rows[more], ahead)
-        return reselect
+        def ahead(tokens: torch.Tensor) -> None:
+            if not more.size:
+                return
+            rows = drafts.rows[more]
+            step.select_in_middle(rows, after)
+            if more.size < live.size:  # their tokens among the round's
+                tokens = tokens[to_device(tokens.device, np.searchsorted(live, more))[0]]
+            step.load_ahead(rows.tolist(), tokens,
+                            Runs(drafts.position[more] + 1, np.ones(more.size, np.int64)))
+        return ahead
 
     @staticmethod
     def _full_cache_probs(step, drafts: MiddleDrafts, rows: list[int]):
@@ -265,8 +275,9 @@ class MiddleLoop:
         request is greedy and nobody reads the middle distributions (argmax only); else
         `run`'s buffer, each row's at its slot. Everything stays on the device until the
         round's one device-to-host copy of what decides the next round: accepted counts and
-        emitted tokens; `before_copy` (None: nothing) is called just before it."""
-        before_copy = before_copy or (lambda: None)
+        emitted tokens; `before_copy` (None: nothing) is called just before it, with each
+        request's first emitted token [A] (on the device)."""
+        before_copy = before_copy or (lambda tokens: None)
         batch, states = step.batch, step.states
         active, size_list = drafts.rows[live].tolist(), sizes.tolist()
         proposals, proposal_probs = None, None  # [A, max(sizes)] and [A, max(sizes), V]
@@ -278,7 +289,7 @@ class MiddleLoop:
                               Runs(drafts.position[live], sizes + 1))
         if probs_out is None and proposals is None:  # one token per request: its argmax
             tokens = logits.argmax(-1)
-            before_copy()
+            before_copy(tokens)
             drafts.advance_one(live, _on_host(tokens))  # the round's one copy
             return len(live)
         if probs_out is None:  # no vocabulary-wide probabilities at all: nobody reads them
@@ -288,7 +299,7 @@ class MiddleLoop:
         else:
             packed = self._emit(step, drafts, live, active, layout, logits, proposals,
                                 proposal_probs, probs_out)
-        before_copy()
+        before_copy(packed[:, 1])  # each request's first emitted token
         host = _on_host(packed)  # [A, 1 + G + 1]: the round's one device-to-host copy
         drafts.advance(live, host, layout.first_rows)
         if proposals is not None:  # each proposing request's round, for its own state

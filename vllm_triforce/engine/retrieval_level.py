@@ -143,6 +143,8 @@ class RetrievalStep:
         # re-selections so far this step, and the last `_selections_of` (key, value)
         self._num_reselects = 0
         self._rows_selections: tuple | None = None
+        # (rows, positions, RoundGraphs' LoadedPass): the next round's pass, loaded ahead
+        self._ahead: tuple | None = None
 
     def __enter__(self) -> "RetrievalStep":
         return self
@@ -314,12 +316,14 @@ class RetrievalStep:
         the host's (`selection_sizes`). Keeps the pass's queries for `select_in_middle`."""
         level, batch = self.level, self.batch
         bs = level.blocks.block_size
-        selected, sizes, block_table = self._selections_of(rows)
-        layout = TableLayout.of(*sizes, positions.starts + positions.lens, bs)
         # its queries may re-select the next round's blocks: the capture records them
-        logits = (self._replayed(token_ids, positions, block_table, layout, selected)
-                  if level.round_graphs is not None else None)
+        loaded = self._take_loaded(rows, positions)
+        if loaded is None and level.round_graphs is not None:
+            loaded = self._loaded(rows, token_ids, positions)
+        logits = None if loaded is None else self._replayed(loaded)
         if logits is None:
+            selected, sizes, block_table = self._selections_of(rows)
+            layout = TableLayout.of(*sizes, positions.starts + positions.lens, bs)
             num_selected, tail_start, num_tails = to_device(
                 level.device, layout.num_selected, layout.tail_start, layout.num_tails)
             tables = laid_out_tables(selected, block_table, num_selected, tail_start,
@@ -333,23 +337,51 @@ class RetrievalStep:
         self._pass_queries = queries if isinstance(queries, LayerRows) else list(queries)
         return logits
 
-    def _replayed(self, token_ids, positions: Runs, block_table: torch.Tensor,
-                  layout: TableLayout, selected: torch.Tensor) -> torch.Tensor | None:
-        """The pass over the level's persistent buffers, in its token bucket, loaded straight
-        from the host's values (`RoundGraphs.run_runs`; None: it fits no bucket, and takes
-        `run_pass`)."""
+    def load_ahead(self, rows, token_ids: torch.Tensor, positions: Runs) -> None:
+        """Load the next round's pass into the round buffers now, before this round's copy
+        to the host (engine/middle.py `MiddleLoop._ahead`): request rows[i] running
+        positions.lens[i] tokens from positions.starts[i] with the flat ids `token_ids`,
+        still on the device. Called after the next round's re-selection; `forward` replays
+        it when asked for exactly these rows and positions (any other pass loads anew).
+        Nothing without round graphs, or where the pass fits no bucket."""
+        if self.level.round_graphs is None:
+            return
+        loaded = self._loaded(rows, token_ids, positions, count_miss=False)  # `forward` will
+        self._ahead = None if loaded is None else (list(rows), positions, loaded)
+
+    def _take_loaded(self, rows, positions: Runs):
+        """The pass `load_ahead` loaded, if it is this one (then forgotten either way)."""
+        ahead, self._ahead = self._ahead, None
+        if (ahead is None or ahead[0] != list(rows)
+                or not np.array_equal(ahead[1].starts, positions.starts)
+                or not np.array_equal(ahead[1].lens, positions.lens)):
+            return None
+        self.level.stats.add(round_graph_ahead=1)
+        return ahead[2]
+
+    def _loaded(self, rows, token_ids, positions: Runs, count_miss: bool = True):
+        """Requests `rows`' pass loaded into the round buffers (`RoundGraphs.load_runs`,
+        from the host's values, its tables laid out into the buffer); None, counted as a
+        miss: it fits no bucket, and takes `run_pass`."""
+        level = self.level
+        selected, sizes, block_table = self._selections_of(rows)
+        layout = TableLayout.of(*sizes, positions.starts + positions.lens,
+                                level.blocks.block_size)
+        loaded = level.round_graphs.load_runs(token_ids, positions, block_table, layout,
+                                              selected)
+        if loaded is None and count_miss:
+            level.stats.add(round_graph_misses=1)
+        return loaded
+
+    def _replayed(self, loaded) -> torch.Tensor:
+        """The loaded pass replayed over the level's persistent buffers."""
         level = self.level
         start = time.perf_counter()
-        logits = level.round_graphs.run_runs(token_ids, positions, block_table, layout,
-                                             selected)
-        if logits is None:
-            level.stats.add(round_graph_misses=1)
-            return None
+        logits = level.round_graphs.replay(loaded)
         if logits.is_cuda and os.environ.get(TIME_FORWARDS_ENV) == "1":
             torch.cuda.synchronize(logits.device)
         level.stats.add(round_graph_passes=1, forward_seconds=time.perf_counter() - start)
-        level.stats.max_pass_tokens = max(level.stats.max_pass_tokens,
-                                          int(positions.lens.sum()))
+        level.stats.max_pass_tokens = max(level.stats.max_pass_tokens, loaded.num_tokens)
         return logits
 
     def _selections_of(self, rows: list[int]):

@@ -35,9 +35,11 @@ class TriForceStats:
     split_passes: int = 0      # passes split to fit max_num_batched_tokens (engine/device/forward.py)
     max_pass_tokens: int = 0   # gauge: the largest forward the proposer ran
     # round_graphs only (engine/device/round_graph.py): middle passes run over the
-    # persistent buffers, and passes that fit no bucket (today's path instead)
+    # persistent buffers, and passes that fit no bucket (today's path instead); of the
+    # passes, those loaded ahead, before the last round's copy to the host
     round_graph_passes: int = 0
     round_graph_misses: int = 0
+    round_graph_ahead: int = 0
     # plain steps decided on the host with no TriForce work at all (engine/plain_steps.py)
     host_plain_steps: int = 0
     # measure_middle_acceptance only: sum over measured positions of sum_x min(p, q), p the

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -323,9 +324,17 @@ class RoundGraphs:
 
     def run_runs(self, token_ids, runs: Runs, block_table: torch.Tensor, layout: TableLayout,
                  selected: torch.Tensor) -> torch.Tensor | None:
-        """`run` of a middle round's pass given as the host decided it (`PassBuffers.
-        load_runs`: no `PassInputs`, no tables of its own), over the per-layer tables
-        `layout` lays out of `selected`. None: no bucket fits."""
+        """`run` of a middle round's pass given as the host decided it: `load_runs`, then
+        `replay`. None: no bucket fits."""
+        loaded = self.load_runs(token_ids, runs, block_table, layout, selected)
+        return None if loaded is None else self.replay(loaded)
+
+    def load_runs(self, token_ids, runs: Runs, block_table: torch.Tensor, layout: TableLayout,
+                  selected: torch.Tensor) -> "LoadedPass | None":
+        """A middle round's pass written into the buffers (`PassBuffers.load_runs`: no
+        `PassInputs`, no tables of its own), over the per-layer tables `layout` lays out
+        of `selected`, ready for `replay`; nothing else may load the buffers in between.
+        None: no bucket fits."""
         num_tokens = int(runs.lens.sum())
         bucket = self.bounds.bucket(num_tokens, layout.width, int(runs.lens.max()))
         if bucket is None:
@@ -333,7 +342,12 @@ class RoundGraphs:
         replay = self.replays.get(bucket) or self._prepare(bucket)  # before the load
         self.buffers.load_runs(token_ids, runs, block_table, layout, selected, bucket,
                                self.bounds.requests_of(bucket))
-        return self._replay(replay, bucket, num_tokens, len(runs.lens))
+        return LoadedPass(replay, bucket, num_tokens, len(runs.lens))
+
+    def replay(self, loaded: "LoadedPass") -> torch.Tensor:
+        """The logits of a pass `load_runs` loaded (the last one it loaded)."""
+        return self._replay(loaded.replay, loaded.bucket, loaded.num_tokens,
+                            loaded.num_reqs)
 
     def _replay(self, replay, bucket: int, num_tokens: int, num_reqs: int) -> torch.Tensor:
         """The loaded bucket's replay (watched by the guard, if any); its queries left in
@@ -378,6 +392,16 @@ class RoundGraphs:
     @property
     def nbytes(self) -> int:
         return self.buffers.nbytes + self.query_buffers.nbytes
+
+
+@dataclass(frozen=True)
+class LoadedPass:
+    """A pass `RoundGraphs.load_runs` wrote into the buffers: its bucket's replay, the
+    bucket, and the real tokens and requests in it."""
+    replay: object  # EagerReplay | CudaGraphReplay
+    bucket: int
+    num_tokens: int
+    num_reqs: int
 
 
 class ReplayMismatch(AssertionError):
