@@ -115,3 +115,31 @@ def test_the_depth_controller_adds_no_device_sync(tiny_llama):
     assert s["host"] > 0  # the controller planned (and its tensors were seen)
     assert s["num_rounds"] > 0 and drafted["top_proposed"] > 0  # and it drafted
     assert s["max_round"] <= MAX_PER_ROUND and s["max_step"] <= MAX_PER_STEP, s["by_op"]
+
+
+def test_host_ops_counts_what_propose_dispatches_outside_the_model(monkeypatch):
+    """tools/bench/host_ops.py (the GPU script's profile of a graphed round): every aten
+    operation `propose` dispatches is counted with its host time, a pass's model's are not,
+    and leaving restores the drafter and the engine's functions."""
+    import torch
+
+    from vllm_triforce.engine.device import forward
+    from vllm_triforce.tools.bench.host_ops import HostOps
+
+    def model_pass(x):  # stands for `forward.run`: its three operations are the model's
+        return (x * 2 + 1).sum()
+
+    monkeypatch.setattr(forward, "run", model_pass)
+
+    class Drafter:
+        def propose(self):
+            x = torch.ones(4)  # 1 operation
+            forward.run(x)
+            return (x + 1).sum()  # 2 more
+
+    drafter = Drafter()
+    with HostOps(drafter) as ops:
+        assert drafter.propose().item() == 8
+    assert ops.total == 3, ops.counts
+    assert ops.summary(rounds=1)["ops_per_round"] == 3
+    assert "propose" not in vars(drafter) and forward.run is model_pass

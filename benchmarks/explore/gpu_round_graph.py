@@ -226,6 +226,11 @@ def checks(jobs: dict) -> dict:
     for name in ("b", "c"):
         if saved.get(name, {}).get("rows"):
             out[name] = summarise_rows(saved[name]["rows"], saved[name].get("memory"))
+            profile = saved[name].get("host_ops")
+            if profile:  # where a graphed round's host time goes: the totals, the top sites
+                out[name]["host_ops"] = {**{k: profile[k] for k in
+                                            ("ops_per_round", "host_ms_per_round")},
+                                         "top": profile["sites"][:8]}
     return out
 
 
@@ -635,7 +640,26 @@ def cost_job(args, report: Report, model: Path, spec: dict, part: str, plan) -> 
         report["round_graphs"] = graphs_facts(graphs)
         report.save()
     drafter.retrieval.round_graphs = graphs
+    if graphs is not None:
+        report["host_ops"] = host_profile(llm, drafter, prompts, s["decode"][0],
+                                          plan[0][0])
+        report.save()
     report["memory"] = memory_report(drafter, memory, peaks, report["captures"])
+
+
+def host_profile(llm, drafter, prompts, decode: int, depth: int) -> dict:
+    """Where a graphed middle round's host time goes: a decode of `decode` tokens at
+    `depth` with round graphs on, every aten operation `propose` dispatches outside the
+    model by call site with its host time (tools/bench/host_ops.py: on a GPU its dispatch
+    and launch, not its kernel), per middle round, a graph's launch included."""
+    from vllm_triforce.tools.bench.gpu_costs import timed_generate
+    from vllm_triforce.tools.bench.host_ops import HostOps
+
+    drafter.set_fixed_depth(depth)
+    before = drafter.stats.snapshot()["middle_rounds"]
+    with HostOps(drafter) as ops:
+        timed_generate(llm, prompts, decode)
+    return ops.summary(drafter.stats.snapshot()["middle_rounds"] - before)
 
 
 def measure(llm, drafter, graphs, prompts, decode, depth: int, on: bool, synced: bool,

@@ -7,19 +7,21 @@ middle rounds (engine/stats.py), over the timed generations; syncs per round and
 come from one more, untimed generation (vllm_triforce/tools/bench/syncs.py), where the tree has it.
 `--ops N`: one more generation counts the aten operations per middle round outside the
 model forwards (each a launch on a GPU; unlike milliseconds on a shared host, the count
-does not move between runs), and prints the N busiest vllm_triforce call sites.
+does not move between runs), and prints the N vllm_triforce call sites whose operations
+took the most host time (tools/bench/host_ops.py). `--round-graphs`: the middle passes
+over persistent buffers, and one more generation times the host's work from a round's
+copy to the host to the next round's replay (what a GPU waits through).
 
-    .venv/bin/python benchmarks/explore/host_overhead.py [--rounds 2] [--levels 2] [--ops 40]
+    .venv/bin/python benchmarks/explore/host_overhead.py [--repeats 3] [--levels 2]
+        [--round-graphs] [--ops 40]
 """
 
 import argparse
-import collections
 import os
 import statistics
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -133,58 +135,20 @@ def time_copy_to_replay(llm, drafter, prompts, params) -> None:
 
 
 def count_operations(llm, drafter, prompts, params, top: int) -> None:
-    """Aten operations per middle round outside the model forwards, by call site."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    """Aten operations per middle round outside the model forwards, by call site, with the
+    host time each site's operations took (tools/bench/host_ops.py)."""
+    from vllm_triforce.tools.bench.host_ops import HostOps
 
-    from vllm_triforce.engine.device import forward, round_graph
-
-    in_model = [0]  # > 0 inside a model forward: its operations are not counted
-    sites: collections.Counter = collections.Counter()
-
-    class Counting(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not in_model[0]:
-                sites[_call_site()] += 1
-            return func(*args, **(kwargs or {}))
-
-    model_forward, propose = forward.run, drafter.propose
-    closure = round_graph.BucketPass.closure  # a round graph's model and logits
-
-    def uncounted(run):
-        def wrapped(*args, **kwargs):
-            in_model[0] += 1
-            try:
-                return run(*args, **kwargs)
-            finally:
-                in_model[0] -= 1
-        return wrapped
-
-    def counted_propose(*args, **kwargs):
-        with Counting():
-            return propose(*args, **kwargs)
-
-    forward.run, drafter.propose = uncounted(model_forward), counted_propose
-    round_graph.BucketPass.closure = uncounted(closure)
     before = drafter.stats.snapshot()["middle_rounds"]
-    try:
+    with HostOps(drafter) as ops:
         llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        forward.run, drafter.propose = model_forward, propose
-        round_graph.BucketPass.closure = closure
     rounds = drafter.stats.snapshot()["middle_rounds"] - before
-    total = sum(sites.values())
-    print(f"aten operations outside model forwards: {total / rounds:.1f} per middle round "
-          f"({total} over {rounds} rounds; commit, selection and hand-off included)")
-    for site, count in sites.most_common(top):
-        print(f"{count / rounds:7.1f}  {site}")
-
-
-def _call_site() -> str:
-    """The innermost vllm_triforce frame of the current stack, as file:line function."""
-    for frame in reversed(traceback.extract_stack(limit=30)):
-        if "vllm_triforce" in frame.filename:
-            return f"{frame.filename.split('vllm_triforce/')[-1]}:{frame.lineno} {frame.name}"
-    return "?"
+    summary = ops.summary(rounds, top)
+    print(f"aten operations outside model forwards: {summary['ops_per_round']:.1f} per middle "
+          f"round, {summary['host_ms_per_round']:.3f} host ms ({ops.total} over {rounds} "
+          f"rounds; commit, selection and hand-off included)")
+    for site in summary["sites"]:
+        print(f"{site['ops']:7.1f} {site['host_ms']:8.4f} ms  {site['site']}")
 
 
 if __name__ == "__main__":

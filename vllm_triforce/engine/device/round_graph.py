@@ -23,11 +23,18 @@ widest row's tokens), the same at every round, as a CUDA graph freezes them. A p
 than the largest bucket, wider than `RoundBounds.max_width` or with a longer query than
 `max_query_len` takes today's path (`RoundGraphs.run` returns None).
 
-Per round, what cannot be frozen is refreshed in place (`BucketPass.refresh`): the
-scheduler metadata that CPU_ATTN and FA3 compute from the lengths (vLLM's builders make it
-in `build()`; vllm/v1/attention/backends/cpu_attn.py and flash_attn.py, 0.32.0) is built
-again over the buffers and handed to the captured objects (eager) or copied into the
-captured tensor (CUDA graph). Nothing else is built per round.
+Per round, what cannot be frozen is refreshed in place (`BucketPass.refresh`), as the
+pass is loaded: the scheduler metadata that CPU_ATTN and FA3 compute from the lengths
+(vLLM's builders make it in `build()`; vllm/v1/attention/backends/cpu_attn.py and
+flash_attn.py, 0.32.0) is built again over the buffers and handed to the captured objects
+(eager) or copied into the captured tensor (CUDA graph). Nothing else is built per round.
+
+Loading ahead. The middle level's pass is written from the host's values (`load_runs`: one
+copy to the device, its tables laid out into the buffer) and replayed apart (`replay`),
+so the middle loop loads a round's pass before the last round's copy to the host, while
+the device still runs that round (engine/middle.py `MiddleLoop._ahead`): on a GPU the
+copy, the tables and the refresh queue behind the last replay, and after the copy the
+host launches the replay and nothing else.
 
 Replays. `EagerReplay` runs the bucket's closure (forward context, model, logits) over the
 buffers: the CPU's twin of the graph, and the path of a GPU run that captures no graph
@@ -240,8 +247,11 @@ class EagerReplay:
     def __init__(self, bucket: BucketPass):
         self.bucket = bucket
 
-    def run(self) -> torch.Tensor:
+    def refresh(self) -> None:
+        """After a load: the metadata built from the lengths, handed to the layers."""
         self.bucket.refresh(in_place=False)
+
+    def run(self) -> torch.Tensor:
         return self.bucket.closure()
 
 
@@ -259,8 +269,12 @@ class CudaGraphReplay:
         with torch.cuda.graph(self.graph, pool=pool):
             self.logits = bucket.closure()
 
-    def run(self) -> torch.Tensor:
+    def refresh(self) -> None:
+        """After a load: the metadata built from the lengths, copied into the captured
+        tensors (on the stream, after the last replay that read them)."""
         self.bucket.refresh(in_place=True)
+
+    def run(self) -> torch.Tensor:
         self.graph.replay()
         return self.logits
 
@@ -320,6 +334,7 @@ class RoundGraphs:
             return None
         replay = self.replays.get(bucket) or self._prepare(bucket)  # before the load
         self.buffers.load(inputs, tables, bucket, self.bounds.requests_of(bucket))
+        replay.refresh()
         return self._replay(replay, bucket, inputs.num_tokens, len(inputs.seq_lens))
 
     def run_runs(self, token_ids, runs: Runs, block_table: torch.Tensor, layout: TableLayout,
@@ -342,6 +357,7 @@ class RoundGraphs:
         replay = self.replays.get(bucket) or self._prepare(bucket)  # before the load
         self.buffers.load_runs(token_ids, runs, block_table, layout, selected, bucket,
                                self.bounds.requests_of(bucket))
+        replay.refresh()  # with the load: a replay launches nothing else
         return LoadedPass(replay, bucket, num_tokens, len(runs.lens))
 
     def replay(self, loaded: "LoadedPass") -> torch.Tensor:
