@@ -9,8 +9,9 @@
 #   bash scripts/gpu_session.sh real [SECONDS]   # carry .carry/b: part b, conversion checked
 #                                                # against the CPU's, the real-model run, then
 #                                                # the cost jobs still missing, in SECONDS
-#   bash scripts/gpu_session.sh host-rounds [SECONDS]  # carry .bundle: host ms per middle
-#                                                # round at batch 8-128 with the tiny model
+#   bash scripts/gpu_session.sh host-rounds [SECONDS] [graphs]  # carry .bundle: host ms
+#                                                # per middle round at batch 8-128 with the
+#                                                # tiny model, with "graphs" as CUDA graphs
 #                                                # (benchmarks/explore/host_per_round.py)
 #   bash scripts/gpu_session.sh kv-kept [SECONDS]  # carry .bundle: the KV cache TriForce
 #                                                # keeps (compact summaries, prefill_from_cache,
@@ -86,8 +87,10 @@ case "$step" in
       2>&1 | grep -v " INFO \| DEBUG "
     ;;
   host-rounds)
+    # a third argument "graphs": the middle passes as CUDA graphs (`round_graphs`)
     timeout "$budget" bash scripts/gpu_run.sh -- python3 "$PWD/benchmarks/explore/host_per_round.py" \
-      --configs 2:0 30:1 --out "$OUT/host_per_round" 2>&1 | grep -v " INFO \| DEBUG \|WARNING"
+      --configs 2:0 30:1 ${3:+--round-graphs} --out "$OUT/host_per_round" 2>&1 \
+      | grep -v " INFO \| DEBUG \|WARNING"
     ;;
   round-graphs)
     # the script's own budget leaves the bundle's unpack (about 25 s) and a margin

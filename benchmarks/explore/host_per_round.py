@@ -41,8 +41,11 @@ issue's target is about, measured directly. From a lent machine's bundle
         --out $OUT/host_per_round
 
     .venv/bin/python benchmarks/explore/host_per_round.py [--batches 8 32 64 128]
-        [--configs 30:1 2:0] [--depth 4] [--repeats 7]
+        [--configs 30:1 2:0] [--depth 4] [--repeats 7] [--round-graphs]
         [--out benchmarks/host_per_round_2026-11-28]
+
+`--round-graphs`: the middle passes over persistent buffers (each bucket's replay counted
+as the model's, like a forward; on a GPU, CUDA graphs).
 
 Prints a table per configuration and writes results.json and results.md into --out.
 """
@@ -79,6 +82,8 @@ def main() -> None:
     parser.add_argument("--dtype", default=None,
                         help="the model's (default: float32 on a CPU, bfloat16 on a GPU, "
                              "where the stock attention backends take no float32)")
+    parser.add_argument("--round-graphs", action="store_true",
+                        help="the middle passes over persistent buffers (`round_graphs`)")
     parser.add_argument("--out", type=Path,
                         default=REPO / "benchmarks" / "host_per_round_2026-11-28")
     args = parser.parse_args()
@@ -102,7 +107,7 @@ def measure_engine(args, layers: int, refresh_interval: int) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="host_per_round_"))
     target = tiny_models.build_tiny_llama(tmp / "target", num_layers=layers, hidden=64,
                                           heads=2, kv_heads=2, vocab_size=1024)
-    spec = {**SPEC, "refresh_interval": refresh_interval}
+    spec = {**SPEC, "refresh_interval": refresh_interval, "round_graphs": args.round_graphs}
     llm = in_process_llm(target, spec, dtype=args.dtype, enforce_eager=True, block_size=32,
                          max_model_len=1024, max_num_seqs=max(args.batches), seed=0)
     try:
@@ -217,22 +222,26 @@ def fixed_work_after_forwards(llm, prompts, params) -> float:
     """Median microseconds `fixed_host_work` takes right after each model forward of one
     generation (outside the forward's timing: it runs after the forward returned)."""
     import vllm_triforce.engine.device.forward as forward
+    import vllm_triforce.engine.device.round_graph as round_graph
 
     times = []
 
-    def run_then_fixed_work(*args, **kwargs):
-        out = run(*args, **kwargs)
-        start = time.perf_counter()
-        fixed_host_work()
-        times.append(time.perf_counter() - start)
-        return out
+    def then_fixed_work(model):
+        def run_then_fixed_work(*args, **kwargs):
+            out = model(*args, **kwargs)
+            start = time.perf_counter()
+            fixed_host_work()
+            times.append(time.perf_counter() - start)
+            return out
+        return run_then_fixed_work
 
-    run = forward.run
-    forward.run = run_then_fixed_work
+    run, closure = forward.run, round_graph.BucketPass.closure
+    forward.run = then_fixed_work(run)
+    round_graph.BucketPass.closure = then_fixed_work(closure)  # `--round-graphs`
     try:
         llm.generate(prompts, params, use_tqdm=False)
     finally:
-        forward.run = run
+        forward.run, round_graph.BucketPass.closure = run, closure
     return 1e6 * statistics.median(times)
 
 
@@ -254,6 +263,7 @@ def tensor_work_per_round(llm, drafter, prompts, params, repeats: int) -> tuple[
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import vllm_triforce.engine.device.forward as forward
+    import vllm_triforce.engine.device.round_graph as round_graph
 
     count = {"model": 0, "ops": 0, "seconds": 0.0}
 
@@ -273,7 +283,9 @@ def tensor_work_per_round(llm, drafter, prompts, params, repeats: int) -> tuple[
             return propose(*args, **kwargs)
 
     run, propose = forward.run, drafter.propose
+    closure = round_graph.BucketPass.closure  # a round graph's model (`--round-graphs`)
     forward.run, drafter.propose = inside(count, "model", run), timed
+    round_graph.BucketPass.closure = inside(count, "model", closure)
     ops, kernel_ms = [], []
     try:
         for _ in range(repeats):
@@ -285,6 +297,7 @@ def tensor_work_per_round(llm, drafter, prompts, params, repeats: int) -> tuple[
             kernel_ms.append(1000 * count["seconds"] / rounds)
     finally:
         forward.run, drafter.propose = run, propose
+        round_graph.BucketPass.closure = closure
     return statistics.median(ops), statistics.median(kernel_ms)
 
 
@@ -296,6 +309,7 @@ def python_lines_per_round(llm, drafter, prompts, params) -> tuple[float, float,
     and the CPU's tensor work are not in it). The rest is the step's own work (the commit,
     the plan, the step-start selection, the hand-off), once a step whatever its rounds."""
     import vllm_triforce.engine.device.forward as forward
+    import vllm_triforce.engine.device.round_graph as round_graph
     from vllm_triforce.engine.middle import MiddleLoop
     from vllm_triforce.engine.retrieval_level import RetrievalStep
 
@@ -307,12 +321,14 @@ def python_lines_per_round(llm, drafter, prompts, params) -> tuple[float, float,
             counted["round_lines"] += counted["round"] > 0
         return local
 
-    def model_untraced(*args, **kwargs):
-        counted["on"] = False
-        try:
-            return run(*args, **kwargs)
-        finally:
-            counted["on"] = True
+    def untraced(model):
+        def model_untraced(*args, **kwargs):
+            counted["on"] = False
+            try:
+                return model(*args, **kwargs)
+            finally:
+                counted["on"] = True
+        return model_untraced
 
     def traced(*args, **kwargs):
         counted["on"] = True
@@ -332,8 +348,10 @@ def python_lines_per_round(llm, drafter, prompts, params) -> tuple[float, float,
         steady["before"] = counted["lines"]
 
     run, propose = forward.run, drafter.propose
+    closure = round_graph.BucketPass.closure  # a round graph's model (`--round-graphs`)
     round_, select_in_middle = MiddleLoop._round, RetrievalStep.select_in_middle
-    forward.run, drafter.propose = model_untraced, traced
+    forward.run, drafter.propose = untraced(run), traced
+    round_graph.BucketPass.closure = untraced(closure)
     MiddleLoop._round = inside(counted, "round", round_)
     RetrievalStep.select_in_middle = inside(counted, "round", select_in_middle)
     unwrap = steady_steps(drafter, on_step)
@@ -344,6 +362,7 @@ def python_lines_per_round(llm, drafter, prompts, params) -> tuple[float, float,
     finally:
         unwrap()
         forward.run, drafter.propose = run, propose
+        round_graph.BucketPass.closure = closure
         MiddleLoop._round, RetrievalStep.select_in_middle = round_, select_in_middle
     return (counted["lines"] / rounds, counted["round_lines"] / rounds,
             steady["lines"] / max(steady["rounds"], 1))
@@ -374,7 +393,8 @@ def write(out: Path, results: dict) -> None:
              f"median of {config['repeats']} generations; {config['machine']}.", "",
              f"    .venv/bin/python benchmarks/explore/host_per_round.py --batches "
              f"{' '.join(map(str, config['batches']))} --configs {' '.join(config['configs'])} "
-             f"--depth {config['depth']}"]
+             f"--depth {config['depth']}"
+             + (" --round-graphs" if config.get("round_graphs") else "")]
     for table in results["tables"]:
         rows = table["rows"]
         smallest = rows[0]["host_ms_per_round"]
