@@ -6,9 +6,10 @@
 #                                                # cases not measured yet (vLLM defaults,
 #                                                # TriForce, TriForce's settings)
 #   bash scripts/gpu_session.sh model-a          # carry .carry/a: SmolLM2 part a
-#   bash scripts/gpu_session.sh real [SECONDS]   # carry .carry/b: part b, conversion checked
-#                                                # against the CPU's, the real-model run, then
-#                                                # the cost jobs still missing, in SECONDS
+#   bash scripts/gpu_session.sh real [SECONDS] [graphs]  # carry .carry/b: part b,
+#                                                # conversion checked against the CPU's, the
+#                                                # real-model run ("graphs": with round graphs
+#                                                # on), then the cost jobs still missing
 #   bash scripts/gpu_session.sh host-rounds [SECONDS] [graphs]  # carry .bundle: host ms
 #                                                # per middle round at batch 8-128 with the
 #                                                # tiny model, with "graphs" as CUDA graphs
@@ -107,8 +108,9 @@ case "$step" in
     python3 scripts/gpu_model_carry.py assemble --carry .carry/b || exit 1
     python3 scripts/gpu_model_carry.py convert \
       || python3 scripts/gpu_model_carry.py convert --allow-file-differences || exit 1
+    # a third argument "graphs": the demo with TriForce's round graphs on (`--round-graphs`)
     bash scripts/gpu_run.sh -- python3 -m vllm_triforce.tools.cli demo --device cuda \
-      --out "$OUT/demo.json" --eager-check > "$OUT/demo.log" 2>&1
+      --out "$OUT/demo.json" --eager-check ${3:+--round-graphs} > "$OUT/demo.log" 2>&1
     echo "demo: exit $?"
     grep -v " INFO \| DEBUG \|WARNING\|^\s*$\|Loading\|it/s\]" "$OUT/demo.log" | tail -40
     left=$((budget - (SECONDS - start)))

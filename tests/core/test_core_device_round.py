@@ -138,8 +138,17 @@ class StandInRetrieval(_Lookup):
     def __init__(self, logits: torch.Tensor, batch, states):
         super().__init__(logits)
         self.batch, self.states = batch, states
+        self._ahead = None
+
+    def load_ahead(self, rows, token_ids, positions):
+        """As the engine's with round graphs: the next round's pass, its ids still on the
+        device, which `forward` takes when asked for the same rows and positions."""
+        self._ahead = (list(rows), positions.starts.copy(), token_ids)
 
     def forward(self, rows, token_ids, positions):
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == list(rows) and (ahead[1] == positions.starts).all():
+            token_ids = ahead[2]
         if not isinstance(token_ids, torch.Tensor):  # a host list, as the engine passes it
             token_ids = to_device(self.batch.device, token_ids)[0]
         return self.run(token_ids)

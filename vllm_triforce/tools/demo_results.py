@@ -11,6 +11,8 @@ import time
 
 from vllm_triforce.tools.demo_engine import DRAFT_COUNTS
 
+ROUND_GRAPH_COUNTS = ("round_graph_passes", "round_graph_ahead", "round_graph_misses")
+
 GPU_RESULTS = "benchmarks/gpu/real_model_2026-11-27/results.md"
 
 
@@ -127,9 +129,11 @@ def save(args, plain, tri, fixed, verdict, fixed_verdict) -> None:
             # cumulative over the TriForce engine's runs (warm-up, controller and fixed)
             "vllm_counters": {"drafted": m.get("vllm:spec_decode_num_draft_tokens"),
                               "accepted": m.get("vllm:spec_decode_num_accepted_tokens")},
-            "controller": {k: tri["triforce"][k] for k in (*DRAFT_COUNTS, "depth_counts",
-                                                            "plain_steps", "drafting_steps")},
-            "fixed": {k: fixed["triforce"][k] for k in (*DRAFT_COUNTS, "depth_counts")},
+            "controller": {k: tri["triforce"].get(k) for k in (*DRAFT_COUNTS, "depth_counts",
+                                                                "plain_steps", "drafting_steps",
+                                                                *ROUND_GRAPH_COUNTS)},
+            "fixed": {k: fixed["triforce"].get(k) for k in (*DRAFT_COUNTS, "depth_counts",
+                                                            *ROUND_GRAPH_COUNTS)},
             "rounds": {"triforce": run_rows(tri["rounds"], args),
                        "fixed": run_rows(fixed["rounds"], args)},
             "verdict": verdict, "fixed_verdict": fixed_verdict,
@@ -279,7 +283,18 @@ def report(plain: dict, tri: dict, fixed: dict, args) -> None:
     print(f"outputs identical to plain vLLM: {'YES' if same else 'NO'} (drafts verified by "
           f"vLLM, proposed / accepted: controller {_drafts(s)}, fixed k={args.gamma} "
           f"{_drafts(f)})")
+    if getattr(args, "round_graphs", False):
+        print(f"round graphs: {_round_graphs(s)} (controller), {_round_graphs(f)} "
+              f"(fixed k={args.gamma})")
     print(_where_it_pays(args, statistics.median(ratios)))
+
+
+def _round_graphs(counts: dict) -> str:
+    """What took the round graphs (`--round-graphs`): passes replayed over the buffers, of
+    them loaded ahead, and passes that fit no bucket."""
+    return (f"{counts.get('round_graph_passes', 0)} passes replayed "
+            f"({counts.get('round_graph_ahead', 0)} loaded ahead), "
+            f"{counts.get('round_graph_misses', 0)} per pass")
 
 
 def _rate(counts: dict) -> str:
