@@ -140,10 +140,12 @@ class StandInRetrieval(_Lookup):
         self.batch, self.states = batch, states
         self._ahead = None
 
-    def load_ahead(self, rows, token_ids, positions):
+    def load_ahead(self, rows, tokens, picked, positions):
         """As the engine's with round graphs: the next round's pass, its ids still on the
         device, which `forward` takes when asked for the same rows and positions."""
-        self._ahead = (list(rows), positions.starts.copy(), token_ids)
+        if picked is not None:
+            tokens = tokens[to_device(tokens.device, picked)[0]]
+        self._ahead = (list(rows), positions.starts.copy(), tokens)
 
     def forward(self, rows, token_ids, positions):
         ahead, self._ahead = self._ahead, None

@@ -255,9 +255,9 @@ class MiddleLoop:
                 return
             rows = drafts.rows[more]
             step.select_in_middle(rows, after)
-            if more.size < live.size:  # their tokens among the round's
-                tokens = tokens[to_device(tokens.device, np.searchsorted(live, more))[0]]
-            step.load_ahead(rows.tolist(), tokens,
+            # their tokens: all the round's, or those at their places in it
+            picked = None if more.size == live.size else np.searchsorted(live, more)
+            step.load_ahead(rows.tolist(), tokens, picked,
                             Runs(drafts.position[more] + 1, np.ones(more.size, np.int64)))
         return ahead
 

@@ -337,16 +337,19 @@ class RetrievalStep:
         self._pass_queries = queries if isinstance(queries, LayerRows) else list(queries)
         return logits
 
-    def load_ahead(self, rows, token_ids: torch.Tensor, positions: Runs) -> None:
+    def load_ahead(self, rows, tokens: torch.Tensor, picked, positions: Runs) -> None:
         """Load the next round's pass into the round buffers now, before this round's copy
         to the host (engine/middle.py `MiddleLoop._ahead`): request rows[i] running
-        positions.lens[i] tokens from positions.starts[i] with the flat ids `token_ids`,
-        still on the device. Called after the next round's re-selection; `forward` replays
-        it when asked for exactly these rows and positions (any other pass loads anew).
+        positions.lens[i] tokens from positions.starts[i], with the flat ids `tokens`
+        (this round's, still on the device), or with `picked` [n] (host) those at these
+        indices of them. Called after the next round's re-selection; `forward` replays it
+        when asked for exactly these rows and positions (any other pass loads anew).
         Nothing without round graphs, or where the pass fits no bucket."""
         if self.level.round_graphs is None:
             return
-        loaded = self._loaded(rows, token_ids, positions, count_miss=False)  # `forward` will
+        if picked is not None:
+            tokens = tokens[to_device(tokens.device, picked)[0]]
+        loaded = self._loaded(rows, tokens, positions, count_miss=False)  # `forward` will
         self._ahead = None if loaded is None else (list(rows), positions, loaded)
 
     def _take_loaded(self, rows, positions: Runs):

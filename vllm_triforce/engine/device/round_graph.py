@@ -337,13 +337,6 @@ class RoundGraphs:
         replay.refresh()
         return self._replay(replay, bucket, inputs.num_tokens, len(inputs.seq_lens))
 
-    def run_runs(self, token_ids, runs: Runs, block_table: torch.Tensor, layout: TableLayout,
-                 selected: torch.Tensor) -> torch.Tensor | None:
-        """`run` of a middle round's pass given as the host decided it: `load_runs`, then
-        `replay`. None: no bucket fits."""
-        loaded = self.load_runs(token_ids, runs, block_table, layout, selected)
-        return None if loaded is None else self.replay(loaded)
-
     def load_runs(self, token_ids, runs: Runs, block_table: torch.Tensor, layout: TableLayout,
                   selected: torch.Tensor) -> "LoadedPass | None":
         """A middle round's pass written into the buffers (`PassBuffers.load_runs`: no
