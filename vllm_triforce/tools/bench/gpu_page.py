@@ -17,7 +17,11 @@ def gpu_section(data: dict, case: Case) -> tuple[str, ...]:
               "middle drafted / accepted", "vLLM's syncs / step", "TriForce's syncs / step"]
     stale = set(summary.get("stale", ()))  # judged by no current reference
     rows = [_gpu_row(job, exact.get(job), syncs.get(job))
-            for job in data["jobs"] if (job in exact or job in syncs) and job not in stale]
+            for job in data["jobs"] if job in exact and job not in stale]
+    # the plain references have syncs only: one sentence, not a row of empty cells each
+    plain = [f"{job} {syncs[job]['vllm_per_step']:.2f}" for job in data["jobs"]
+             if job in syncs and job not in exact and job not in stale]
+    plain_syncs = f"Plain vLLM's own syncs per step: {', '.join(plain)}. " if plain else ""
     costs = [[row["case"], _ms_cell(row.get("plain_defaults_ms")),
               _ms_cell(row.get("plain_forced_ms")), _tax_cell(row.get("tax")), ", ".join(
                   f"k={k}: {_ms_cell(d.get('step_ms'))}" for k, d in row["depths"].items())
@@ -31,7 +35,7 @@ def gpu_section(data: dict, case: Case) -> tuple[str, ...]:
                                     "speedups against"], costs)
                   if costs else "")
     return ("", markdown_table(header, rows),
-            f"{_kernels(data)} {_job_states(data)}", cost_table)
+            f"{plain_syncs}{_kernels(data)} {_job_states(data)}", cost_table)
 
 
 def _ms_cell(value) -> str:
@@ -62,14 +66,11 @@ def gpu_glance(data: dict) -> str:
             f"{len(states.get('failed', []))}, not run: {len(states.get('not run', []))}")
 
 
-def _gpu_row(job: str, exact: dict | None, syncs: dict | None) -> list[str]:
-    exact, syncs = exact or {}, syncs or {}
+def _gpu_row(job: str, exact: dict, syncs: dict | None) -> list[str]:
     pair = "{} / {}".format
-    return [job, exact.get("backend", ""),
-            _yes(exact["identical"]) if exact else "",
-            _yes(exact["explained"]) if exact else "",
-            pair(exact["drafted"], exact["accepted"]) if exact else "",
-            pair(exact["middle_drafted"], exact["middle_accepted"]) if exact else "",
+    return [job, exact.get("backend", ""), _yes(exact["identical"]), _yes(exact["explained"]),
+            pair(exact["drafted"], exact["accepted"]),
+            pair(exact["middle_drafted"], exact["middle_accepted"]),
             f"{syncs['vllm_per_step']:.2f}" if syncs else "",
             f"{syncs['triforce_per_step']:.2f}" if syncs else ""]
 

@@ -4,8 +4,6 @@ job's status, and the summary (bench/gpu_summary.py) as tables.
 
 from __future__ import annotations
 
-import json
-
 from vllm_triforce.tools.bench.gpu_summary import ALPHA, MARGIN_EPS, PROJECTION, summarise
 
 
@@ -116,4 +114,6 @@ def _pct(x) -> str:
 def _mib(key: str, value) -> str:
     if key.endswith("bytes") or key.endswith("given_up") or key.startswith("max_reserved"):
         return f"{value / 2**20:.1f} MiB" if isinstance(value, (int, float)) else str(value)
-    return json.dumps(value) if isinstance(value, dict) else str(value)
+    if isinstance(value, dict):  # a nested engine's figures (kv_kept), each as above
+        return "; ".join(f"{k} {_mib(k, v)}" for k, v in value.items())
+    return str(value)
