@@ -369,3 +369,31 @@ def test_round_graphs_give_todays_tokens_at_depths_that_vary(temperature, tiny_l
     assert graphed["selections"] == plain["selections"]
     assert graphed["counts"] == plain["counts"]
     assert graphed["tokens"] == plain["tokens"]
+
+
+@pytest.mark.engine
+def test_compiled_reranking_gives_todays_tokens_selections_and_acceptance(
+        tiny_llama, llm_factory, monkeypatch):
+    """`compiled_reranking` with round graphs (how a GPU runs them): every shortlist
+    re-ranking between middle rounds goes through the compiled kernel
+    (core/fused_reads.py), and the engine gives the eager reads' tokens, selections and
+    drafted/accepted counts."""
+    from engine_helpers import drafter_of
+    from vllm_triforce.core.fused_reads import ListedScores
+
+    prompts = _prompts(3)
+    spec = dict(SPEC, round_graphs=True)
+    eager = _run(llm_factory(tiny_llama, speculative_config=spec, num_gpu_blocks_override=64),
+                 prompts)
+    llm = llm_factory(tiny_llama, speculative_config=dict(spec, compiled_reranking=True),
+                      num_gpu_blocks_override=64)
+    listed = drafter_of(llm).policy.compiled
+    assert listed is not None and listed.compile_seconds is not None
+    calls, call = [], ListedScores.__call__
+    monkeypatch.setattr(ListedScores, "__call__",
+                        lambda self, *a: calls.append(a[0].shape) or call(self, *a))
+    compiled = _run(llm, prompts)
+    assert calls, "no shortlist was re-ranked: the test proves nothing"
+    assert compiled["selections"] == eager["selections"]
+    assert compiled["accepted"] == eager["accepted"]
+    assert compiled["tokens"] == eager["tokens"]

@@ -20,15 +20,19 @@ only a GPU can show, in three parts, most valuable first:
 (b) Cost at Llama-3.1-8B's width (`--b-layers`, 8 by default: a pass's device time is about
     a quarter of the 32-layer model's, while the host's work per round is not, so a round's
     cost over its device time is if anything higher here), dummy weights, 8 x 7,680 tokens,
-    depth 6: ms per middle round with graphs and without, in ONE engine, alternating twice
-    (a drift of the machine shows as a difference between the two passes of each mode);
-    each mode also with VLLM_TRIFORCE_TIME_FORWARDS=1 (a sync per pass: the forwards' time
-    as the device finishes them), and the graph replays' device time from CUDA events
+    depth 6: ms per middle round in three modes (`MODES`: graphs with the compiled
+    re-ranking, `compiled_reranking`; graphs with the eager reads; per pass) in ONE engine,
+    alternating twice (a drift of the machine shows as a difference between the two passes
+    of each mode); the compiled and per-pass modes also with VLLM_TRIFORCE_TIME_FORWARDS=1
+    (a sync per pass: the forwards' time as the device finishes them), and the graph
+    replays' device time from CUDA events
     around their launches (no sync); TriForce's CUDA memory
     (what `initialize_attn_backend` keeps, what each capture took, the peak above each
     `propose`'s entry) against its reservation (`drafter.reserved_bytes`).
 (c) Cost at SmolLM2-135M's shape (dummy weights), 32 x 7,808 tokens: ms per middle round and
-    per step at depths 6 and 0, graphs on and off in one engine.
+    per step at depths 6 (the three modes) and 0 (graphs and per pass) in one engine.
+Parts (a), (b) and (c) compile the re-ranking (`compiled_reranking`; whether it compiled,
+and in how long, is in each report).
 
 Each engine runs in a child process of its own: a CUDA error in a replay (an illegal
 address, say) leaves its process's context unusable, and would take every later engine with
@@ -110,6 +114,11 @@ COUNTERS = ("top_proposed", "top_accepted", "middle_proposed", "middle_accepted"
             "round_graph_misses", "refreshes", "plain_steps", "drafting_steps")
 PER_ROUND_KEPT = 16  # rounds of (a) kept one by one in the results; all are summarised
 TIME_FORWARDS = "VLLM_TRIFORCE_TIME_FORWARDS"
+# How (b) and (c) run a middle round, in one engine: round graphs with the shortlist
+# re-ranked by the compiled kernel (`compiled_reranking`), round graphs with the eager
+# chunked reads, and each pass built anew with the eager reads (today's default)
+COMPILED, GRAPHS, PER_PASS = "graphs, compiled re-ranking", "graphs", "per pass"
+MODES = (COMPILED, GRAPHS, PER_PASS)
 
 
 def main() -> None:
@@ -393,7 +402,7 @@ def job_levels(args, report: Report, levels: int) -> None:
     from vllm_triforce.tools.bench.gpu_engine import drafter_or_none
 
     target, draft = tiny_models(args)
-    spec = {**TINY_SPEC, "round_graphs": True,
+    spec = {**TINY_SPEC, "round_graphs": True, "compiled_reranking": True,
             **({"model": str(draft), **THREE_LEVELS} if levels == 3 else {})}
     llm = build(args, report, target, spec, "a")
     drafter = drafter_or_none(llm)
@@ -408,6 +417,7 @@ def job_levels(args, report: Report, levels: int) -> None:
         except Exception:  # kept; the next generation may still run (a CUDA error: not)
             report[key] = {"error": traceback.format_exc()[-4000:]}
         report["round_graphs"] = {**graphs_facts(graphs), "captures": captures}
+        report["compiled_reranking"] = compiled_facts(drafter)
         report.save()
 
 
@@ -547,6 +557,14 @@ def per_pass_generation(llm, drafter, prompts, params) -> dict:
         level.round_graphs = graphs
 
 
+def compiled_facts(drafter) -> dict:
+    """Whether the compiled re-ranking was built (a failed compilation leaves the eager
+    reads, with a warning in the log) and how long its compilation took."""
+    listed = drafter.policy.compiled
+    return {"on": listed is not None,
+            "compile_seconds": None if listed is None else listed.compile_seconds}
+
+
 def graphs_facts(graphs) -> dict:
     """The path the middle passes take, the buckets' bounds, what is prepared so far."""
     if graphs is None:
@@ -595,9 +613,10 @@ def job_width(args, report: Report) -> None:
         over["vocab_size"] = tokenizer_vocab(args)
     model = gpu_models.write_llama_8b_shape(
         args.work / f"llama-8b-width-{over['num_hidden_layers']}l", args.tokenizer, **over)
-    spec = {**COST_SPEC, "retrieval_budget": s["budget"], "round_graphs": True}
-    plan = [(s["depth"], on, synced) for on in (True, False, True, False)
-            for synced in (False, True)]
+    spec = {**COST_SPEC, "retrieval_budget": s["budget"], "round_graphs": True,
+            "compiled_reranking": True}
+    plan = ([(s["depth"], mode, False) for mode in MODES + MODES]
+            + [(s["depth"], mode, True) for mode in (COMPILED, PER_PASS)])
     cost_job(args, report, model, spec, "b", plan)
 
 
@@ -609,8 +628,11 @@ def job_smollm2(args, report: Report) -> None:
     s = SIZES[args.device]["c"]
     model = gpu_models.write_llama_8b_shape(args.work / "smollm2-135m-shape", args.tokenizer,
                                             **{**SMOLLM2_SHAPE, **s["over"]})
-    spec = {**COST_SPEC, "retrieval_budget": s["budget"], "round_graphs": True}
-    plan = [(depth, on, False) for depth in s["depths"] for on in (True, False, True, False)]
+    spec = {**COST_SPEC, "retrieval_budget": s["budget"], "round_graphs": True,
+            "compiled_reranking": True}
+    # depth 0 re-ranks nothing: the compiled re-ranking and the eager reads are one mode there
+    plan = [(depth, mode, False) for depth in s["depths"]
+            for mode in (MODES + MODES if depth else (COMPILED, PER_PASS) * 2)]
     cost_job(args, report, model, spec, "c", plan)
 
 
@@ -628,18 +650,21 @@ def cost_job(args, report: Report, model: Path, spec: dict, part: str, plan) -> 
         memory.install_init_probe()
     llm = build(args, report, model, spec, part)
     drafter = drafter_or_none(llm)
-    graphs = drafter.retrieval.round_graphs
+    graphs, listed = drafter.retrieval.round_graphs, drafter.policy.compiled
     report["captures"] = watch_captures(graphs) if graphs is not None else []
+    report["compiled_reranking"] = compiled_facts(drafter)
     peaks, timer = PeakProbe(drafter, cuda), ReplayTimer(graphs, cuda)
     prompts = random_prompts(s["batch"], s["context"], tokenizer_vocab(args), seed=s["context"])
     report["prefill_s"] = timed_generate(llm, prompts, 1)
     report["rows"] = []
-    for depth, on, synced in plan:
-        report["rows"].append(measure(llm, drafter, graphs, prompts, s["decode"], depth, on,
-                                      synced, peaks, timer))
+    for depth, mode, synced in plan:
+        drafter.policy.compiled = listed if mode == COMPILED else None
+        report["rows"].append(measure(llm, drafter, graphs, prompts, s["decode"], depth,
+                                      mode != PER_PASS, synced, peaks, timer))
+        report["rows"][-1]["mode"] = mode
         report["round_graphs"] = graphs_facts(graphs)
         report.save()
-    drafter.retrieval.round_graphs = graphs
+    drafter.retrieval.round_graphs, drafter.policy.compiled = graphs, listed
     if graphs is not None:
         report["host_ops"] = host_profile(llm, drafter, prompts, s["decode"][0],
                                           plan[0][0])
@@ -809,14 +834,19 @@ def memory_report(drafter, memory, peaks: PeakProbe, captures: list) -> dict | N
 
 
 def summarise_rows(rows: list[dict], memory: dict | None) -> dict:
-    """Per depth and mode, medians over the rows: ms per step and per middle round
-    (unsynchronised rows), the forwards' ms per round (synchronised rows: device time
-    of the passes) and the replays' device ms per round; with graphs, a round's cost over
-    its pass's device time."""
+    """Per depth and mode (`MODES`; rows saved before the modes: graphs or per pass),
+    medians over the rows: ms per step and per middle round (unsynchronised rows), the
+    forwards' ms per round (synchronised rows: device time of the passes) and the replays'
+    device ms per round; with graphs, a round's cost over its pass's device time."""
     out = {}
+    for row in rows:
+        row.setdefault("mode", GRAPHS if row["graphs"] else PER_PASS)
     for depth in sorted({r["depth"] for r in rows}, reverse=True):
-        for on in (True, False):
-            mine = [r for r in rows if r["depth"] == depth and r["graphs"] == on]
+        for mode in MODES:
+            mine = [r for r in rows if r["depth"] == depth and r["mode"] == mode]
+            if not mine:
+                continue
+            on = mode != PER_PASS
             free = [r for r in mine if not r["synced_forwards"]]
             synced = [r for r in mine if r["synced_forwards"]]
             cell = {"step_ms": median(r["step_ms"] for r in free),
@@ -828,7 +858,7 @@ def summarise_rows(rows: list[dict], memory: dict | None) -> dict:
                     "replay_ms_per_round": median(r["replay_ms_per_round"] for r in mine)}
             if on and cell["middle_round_ms"] and cell["replay_ms_per_round"]:
                 cell["round_over_replay"] = cell["middle_round_ms"] / cell["replay_ms_per_round"]
-            out[f"depth {depth}, {'graphs' if on else 'per pass'}"] = cell
+            out[f"depth {depth}, {mode}"] = cell
     if memory is not None:
         out["within_reservation"] = memory["within_reservation"]
     return out

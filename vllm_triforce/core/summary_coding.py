@@ -60,6 +60,15 @@ def decode(codes: Tensor, scales: Tensor, coding: str) -> Tensor:
     return values.masked_fill_(codes == LOG8_ZERO, 0.0)
 
 
+def decode_table(coding: str, device=None) -> Tensor:
+    """[256] float32: what each code reads back as at scale 1, so that `decode(codes,
+    scales)` is `decode_table(coding)[codes] * scales`, value for value (the same
+    operations, on every code at once; fp8's two NaN codes, which `encode` never makes,
+    read 0). A compiled read decodes with it inside its kernel (core/fused_reads.py)."""
+    codes = torch.arange(256, dtype=torch.uint8, device=device)
+    return decode(codes, torch.ones((), device=device), coding).nan_to_num_(0.0)
+
+
 def rounded(x: Tensor, coding: str) -> Tensor:
     """x [..., D] as a coded store holds it: decode(encode(x)) (the bench's columns)."""
     return decode(*encode(x, coding), coding)

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from vllm_triforce.core.blocks import full_block_mask
+from vllm_triforce.core.fused_reads import ListedScores
 from vllm_triforce.core.reads import (block_slice, flat_rows, gather_chunks, gathered,
                                       read_limit, rows_dot, score_chunks)
 from vllm_triforce.core.scoring import (SelectionPolicy, aggregate_heads, check_aggregation,
@@ -77,6 +78,9 @@ class RetrievalPolicy(SelectionPolicy):
         self.aggregation = aggregation
         self.strategy = strategy
         self.scale = scale  # None: 1 / sqrt(head_dim)
+        # core/fused_reads.ListedScores over the engine's coded summaries
+        # (`compiled_reranking`): a shortlist's re-ranking in one compiled kernel, no copy
+        self.compiled: ListedScores | None = None
 
     def block_scores(self, query, summaries, block_table, num_committed, state=None,
                      candidates: Tensor | None = None):
@@ -104,19 +108,25 @@ class RetrievalPolicy(SelectionPolicy):
         """As block_scores, over per-layer block lists (softmax: over the listed blocks),
         read by `gather_chunks`: Llama-3.1-8B's default shortlist (4 x 247 blocks per layer)
         at batch 8 would otherwise gather 2 GiB of float32 rows per re-selection. With
-        `copy` (`listed_copy`), read from it: one or two batched products, no store read."""
+        `copy` (`listed_copy`), read from it: one or two batched products, no store read.
+        With `compiled` (over these summaries), its kernel reads the store: one launch."""
         q = group_query(query, summaries.num_kv_heads)  # [R, L, H, G, D]
         q = q * (self.scale or 1.0 / math.sqrt(q.shape[-1]))
         if copy is not None:
             return self._copied_scores(q, copy, summaries)
-        weights = [(q, summaries.sums)]
-        if self.variance:
-            weights.append((0.5 * summaries.variance_weights(q.square()),
-                            summaries.deviations()))
         if counts is None:
             counts = summaries.counts[blocks.clamp(min=0)].clamp(min=1).float()  # [R, L, S]
         if rows is None:
             rows = summaries.layer_rows(blocks)  # one index for every store read
+        if self._compiled_for(summaries):
+            weights = [q.sum(3)]  # [R, L, H, D]
+            if self.variance:
+                weights.append(summaries.variance_weights(q.square().sum(3)).mul_(0.5))
+            return self.compiled(rows, counts, weights)
+        weights = [(q, summaries.sums)]
+        if self.variance:
+            weights.append((0.5 * summaries.variance_weights(q.square()),
+                            summaries.deviations()))
         per_chunk = []  # the listed blocks' rows read by `gather_chunks` of the S axis
         for c in gather_chunks(summaries.sums, blocks[:, 0], read_limit(summaries)):
             # one store's rows at a time ([R, L, s, H, D]), freed before the next is read
@@ -138,10 +148,10 @@ class RetrievalPolicy(SelectionPolicy):
         [R, L, S], divided by `counts` once here instead of at every re-ranking; None where
         the copy would take more than one read chunk (`read_limit`; Llama-3.1-8B's default
         shortlist of 988 blocks per layer: 259 MB per request), as the chunked reads are
-        bounded.
+        bounded, or where `compiled` reads the store itself.
         Memory: within the selection's scratch (engine/buffers.py
         `selection_scratch_bytes`); made with one store's rows at a time."""
-        if self.aggregation != "sum":
+        if self.aggregation != "sum" or self._compiled_for(summaries):
             return None
         stores = [summaries.sums, *([summaries.deviations()] if self.variance else [])]
         widths = [math.prod(store.shape[2:]) for store in stores]  # H * D, then H * W
@@ -155,6 +165,10 @@ class RetrievalPolicy(SelectionPolicy):
             start += width
             del picked  # freed before the next store's rows are read
         return copy.div_(counts[..., None])
+
+    def _compiled_for(self, summaries) -> bool:
+        return (self.compiled is not None and self.compiled.summaries is summaries
+                and self.aggregation == "sum")
 
     @staticmethod
     def _copied_scores(q: Tensor, copy: Tensor, summaries: BlockSummaries) -> Tensor:

@@ -39,6 +39,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 
 from vllm_triforce import engine_settings, metrics
 from vllm_triforce.config import TriForceConfigError, forced_settings
+from vllm_triforce.core.fused_reads import ListedScores
 from vllm_triforce.core.policies import make_policy
 from vllm_triforce.core.refresh import RefreshPolicy
 from vllm_triforce.core.scoring import SelectionState
@@ -175,6 +176,8 @@ class Drafting:
                            "(%s); it keeps its first stage only.", self.policy.name,
                            unreadable)
         self._build_levels(paged_keys, unreadable, target_groups)
+        if self.cfg.compiled_reranking:
+            self._compile_reranking()
         logger.info(engine_settings.describe(self.vllm_config, backend, self.forced_settings))
         logger.info("TriForce block summaries: %.1f MiB for %d blocks (%s); probability buffers "
                     "%.1f MiB for %d drafting requests; reads of at most %.1f MiB",
@@ -182,6 +185,22 @@ class Drafting:
                     "coded in one byte a value" if self.summaries.coded else self.summaries.dtype,
                     self._probs_buffer.nbytes / 2**20,
                     self.sizing.drafting, self.sizing.chunk_bytes / 2**20)
+
+    def _compile_reranking(self) -> None:
+        """`compiled_reranking`: the middle rounds' shortlist re-ranking as one compiled
+        kernel over these summaries (core/fused_reads.py), compiled now; a compilation
+        that fails leaves the eager reads, with a warning."""
+        try:
+            listed = ListedScores(self.summaries, self.policy.variance)
+            seconds = listed.warm_up()
+        except Exception as exc:  # noqa: BLE001 - inductor's failures are many kinds
+            logger.warning("TriForce compiled_reranking: compiling the shortlist re-ranking "
+                           "failed (%s: %s); it reads the summaries eagerly, in chunks.",
+                           type(exc).__name__, exc)
+            return
+        self.policy.compiled = listed
+        logger.info("TriForce compiled_reranking: the shortlist re-ranking is one compiled "
+                    "kernel (compiled in %.1f s)", seconds)
 
     def _build_levels(self, paged_keys, unreadable: str | None, target_groups: list) -> None:
         """Each level gets exactly what it uses, from the engine's shape. `paged_keys`:

@@ -6,7 +6,9 @@ the host time of one is its dispatch and launch, not the kernel's device time, w
 runs later, asynchronously: the sum over a middle round is the host work a round costs
 besides its Python. On a CPU an operation's host time also holds its computation. A
 pass's model (`forward.run` today, a bucket's closure with round graphs) is not counted:
-its operations are the device work, or a graph replay that dispatches none.
+its operations are the device work, or a graph replay that dispatches none. The compiled
+re-ranking (`compiled_reranking`, core/fused_reads.py) runs with the mode off (dynamo
+compiles nothing under one) and counts as one site, its launches' host time.
 
     with HostOps(drafter) as ops:
         llm.generate(...)
@@ -36,8 +38,9 @@ class HostOps:
         self._restore: list = []
 
     def __enter__(self) -> "HostOps":
-        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+        from vllm_triforce.core.fused_reads import ListedScores
         from vllm_triforce.engine.device import forward, round_graph
 
         owner = self
@@ -54,13 +57,17 @@ class HostOps:
                 owner.seconds[site] += elapsed
                 return out
 
-        def uncounted(run, site=None):
+        def uncounted(run, site=None, unwatched=False):
             """`run` with its operations not counted; `site`: its own wall time counted
-            there (a graph's launch, which dispatches no aten operation)."""
+            there (a graph's launch, which dispatches no aten operation); `unwatched`: run
+            with the mode off (a compiled function, which dynamo compiles under none)."""
             def wrapped(*args, **kwargs):
                 self._in_model += 1
                 start = time.perf_counter()
                 try:
+                    if unwatched:
+                        with _disable_current_modes():
+                            return run(*args, **kwargs)
                     return run(*args, **kwargs)
                 finally:
                     self._in_model -= 1
@@ -76,18 +83,20 @@ class HostOps:
             with Timing():
                 return propose(*args, **kwargs)
 
-        self._restore = [(forward, "run", forward.run, None),
+        self._restore = [(forward, "run", forward.run, None, False),
                          (round_graph.BucketPass, "closure", round_graph.BucketPass.closure,
-                          None),
+                          None, False),
                          (round_graph.CudaGraphReplay, "run", round_graph.CudaGraphReplay.run,
-                          "(a CUDA graph's launch)")]
-        for holder, name, value, site in self._restore:
-            setattr(holder, name, uncounted(value, site))
+                          "(a CUDA graph's launch)", False),
+                         (ListedScores, "__call__", ListedScores.__call__,
+                          "(the compiled re-ranking's launch)", True)]
+        for holder, name, value, site, unwatched in self._restore:
+            setattr(holder, name, uncounted(value, site, unwatched))
         self.drafter.propose = timed_propose
         return self
 
     def __exit__(self, *exc) -> None:
-        for holder, name, value, _ in self._restore:
+        for holder, name, value, *_ in self._restore:
             setattr(holder, name, value)
         if self._own_propose is not None:
             self.drafter.propose = self._own_propose

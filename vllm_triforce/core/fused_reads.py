@@ -1,0 +1,104 @@
+"""A shortlist's scores read from coded summaries in one compiled kernel
+(`compiled_reranking`, config.py).
+
+Between middle rounds the retrieval policy re-ranks each layer's shortlist: for every
+listed block, q . mean key (+ 1/2 q^2 . key variance) over its KV heads' channels, from
+summaries coded in one byte a value (core/summary_coding.py). Read in eager torch, the
+codes are gathered and decoded to float32 in chunks of at most one read chunk
+(core/reads.py) and multiplied chunk by chunk: at Llama-3.1-8B's shape (8 requests,
+32 layers, 988 listed blocks, 8 x 128 channels) 1 GiB of float32 a store in 16 chunks,
+some 25 host operations a chunk, every round. Compiled (torch.compile, inductor), the
+gather, the decode (a 256-entry table, `summary_coding.decode_table`), the products and
+the sums over channels are one kernel that allocates nothing larger than its result
+[R, L, S]: a launch or two a round, whatever the shape.
+
+The requests and listed-blocks axes are marked unbacked (dynamo's `mark_unbacked`), so
+one compilation serves every batch and shortlist size, 1 included: a size never seen
+compiles nothing. The first call compiles (about 10 s on a CPU); the engine makes it at
+start-up (`ListedScores.warm_up`), and a compilation that fails there leaves the
+re-ranking to the eager reads, with a warning.
+
+Example (tests/core/test_core_fused_reads.py): a store of 4 rows, one layer, one KV head,
+two channels, coded "fp8" from [1, -2], [0.5, 0.5], [4, 0], [0, 3]; rows [[0, 1, 3]] with
+weights [1, 1] and counts [1, 2, 1] score [-1, 0.5, 3] (row 1: (0.5 + 0.5) / 2).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import Tensor
+from torch._dynamo.decorators import mark_unbacked
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from vllm_triforce.core.summary_coding import CodedStore, decode_table
+
+
+def listed_dots(rows: Tensor, counts: Tensor, weights: Tensor, codes: Tensor,
+                scales: Tensor, table: Tensor, more_weights: Tensor | None = None,
+                more_codes: Tensor | None = None, more_scales: Tensor | None = None,
+                more_table: Tensor | None = None) -> Tensor:
+    """rows [R, L, S] of the stores viewed as [L * N, H, D]; counts [R, L, S] float32;
+    weights [R, L, H, D] float32 for the store `codes` [L * N, H, D] uint8 with `scales`
+    [L * N, H, 1] and decode `table` [256]; optionally a second store (the key variance)
+    and its weights -> [R, L, S] float32: sum over H and D of weights x decoded rows, over
+    counts. Eager, it holds the decoded rows ([R, L, S, H, D] float32): for tests and small
+    shapes; compiled (`ListedScores`), one kernel."""
+    decoded = table[codes[rows].long()] * scales[rows]  # [R, L, S, H, D]
+    dots = (decoded * weights[:, :, None]).sum((-1, -2))
+    if more_codes is not None:
+        decoded = more_table[more_codes[rows].long()] * more_scales[rows]
+        dots = dots + (decoded * more_weights[:, :, None]).sum((-1, -2))
+    return dots / counts
+
+
+class ListedScores:
+    """The compiled `listed_dots` over one summaries' coded stores (`sums`, and with the
+    key variance `deviations()`), built once per engine."""
+
+    def __init__(self, summaries, variance: bool):
+        self.summaries = summaries
+        self.variance = variance
+        stores = [summaries.sums, *([summaries.deviations()] if variance else [])]
+        if not all(isinstance(s, CodedStore) for s in stores):
+            raise ValueError("ListedScores reads coded summaries (compact_summaries)")
+        self._stores = [(flat(s.codes), flat(s.scales), decode_table(s.coding, s.device))
+                        for s in stores]
+        self._compiled = torch.compile(listed_dots, dynamic=True, fullgraph=True)
+        self.compile_seconds: float | None = None  # set by warm_up
+
+    def __call__(self, rows: Tensor, counts: Tensor, weights: list[Tensor]) -> Tensor:
+        """rows, counts [R, L, S] (`Shortlist.summary_rows`); weights: one [R, L, H, D]
+        float32 per store -> scores [R, L, S]."""
+        args = [rows, counts.float(), *[w.float().contiguous() for w in weights]]
+        for t in args:
+            mark_unbacked(t, 0)  # requests
+        for t in args[:2]:
+            mark_unbacked(t, 2)  # listed blocks
+        (codes, scales, table), *more = self._stores
+        extra = () if not more else (args[3], *more[0])
+        if _get_current_dispatch_mode() is not None:
+            # a dispatch mode (tools/bench: syncs.py's counter) is watching: dynamo compiles
+            # nothing under one, so the same arithmetic runs eagerly, where it sees it
+            return listed_dots(args[0], args[1], args[2], codes, scales, table, *extra)
+        with torch.inference_mode():  # one grad mode for every call: no recompilation
+            return self._compiled(args[0], args[1], args[2], codes, scales, table, *extra)
+
+    def warm_up(self) -> float:
+        """Compile now (2 requests, 3 listed blocks of block 0): the seconds it took."""
+        s = self.summaries
+        start = time.perf_counter()
+        rows = torch.zeros(2, s.num_layers, 3, dtype=torch.long, device=s.device)
+        counts = torch.ones(2, s.num_layers, 3, device=s.device)
+        weights = [torch.zeros(2, s.num_layers, s.num_kv_heads, codes.shape[-1],
+                               device=s.device) for codes, _, _ in self._stores]
+        self(rows, counts, weights)
+        self.compile_seconds = time.perf_counter() - start
+        return self.compile_seconds
+
+
+def flat(store_part: Tensor) -> Tensor:
+    """[L, N, H, X] -> [L * N, H, X], a view (rows as `BlockSummaries.layer_rows` number
+    them)."""
+    return store_part.view(store_part.shape[0] * store_part.shape[1], *store_part.shape[2:])
