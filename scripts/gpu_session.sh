@@ -16,8 +16,10 @@
 #                                                # (benchmarks/explore/host_per_round.py)
 #   bash scripts/gpu_session.sh kv-kept [SECONDS]  # carry .bundle: the KV cache TriForce
 #                                                # keeps (compact summaries, prefill_from_cache,
-#                                                # at gpu_memory_utilization 0.9) and the
-#                                                # tokens with prefill_from_cache on
+#                                                # at gpu_memory_utilization 0.9) against
+#                                                # plain vLLM's at the same settings
+#                                                # (kv-plain), and the tokens with
+#                                                # prefill_from_cache on
 #   bash scripts/gpu_session.sh mrv2 [SECONDS]    # carry .bundle: TriForce in Model Runner
 #                                                # V2 (VLLM_TRIFORCE_MRV2=1, experimental):
 #                                                # tokens against plain vLLM's, drafts verified;
@@ -60,7 +62,7 @@ case "$step" in
   kv-kept)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     bash scripts/gpu_run.sh --budget-s "$budget" --only \
-      kernels,kv-kept,exact-flash-bf16-plain,exact-flash-bf16-fromcache \
+      kernels,kv-plain,kv-kept,exact-flash-bf16-plain,exact-flash-bf16-fromcache \
       2>&1 | grep -v " INFO \| DEBUG "
     ;;
   mrv2)

@@ -248,9 +248,10 @@ def test_the_gpu_plan_times_costs_first_and_vllm_defaults_before_forced_settings
     models = {"target": "t", "draft": "d", "shape": "s", "tag": "x", "vocab": 1000,
               "sampling": "m"}
     names = [job["name"] for job in plan(True, models)]
-    assert names[:6] == ["kernels", "costs-plain-defaults", "costs-triforce",
-                         "costs-plain-forced", "kv-kept", "costs-triforce-mrv2"], names
-    assert names[6:] and all(n.startswith(("exact-", "sample-")) for n in names[6:]), names
+    assert names[:7] == ["kernels", "costs-plain-defaults", "costs-triforce",
+                         "costs-plain-forced", "kv-kept", "kv-plain",
+                         "costs-triforce-mrv2"], names
+    assert names[7:] and all(n.startswith(("exact-", "sample-")) for n in names[7:]), names
     costs = plan(True, models)[1]
     assert [c["name"] for c in costs["cases"]][:2] == ["8x32K", "1x128K"]
     # the KV cache given back: the default coded summaries, no prefill peak, at plain
@@ -259,6 +260,12 @@ def test_the_gpu_plan_times_costs_first_and_vllm_defaults_before_forced_settings
     assert kept["spec"]["prefill_from_cache"] and "compact_key_variance" not in kept["spec"]
     assert TriForceConfig.from_speculative_config(kept["spec"]).summary_kinds().coded
     assert kept["llm"]["gpu_memory_utilization"] == costs["llm"]["gpu_memory_utilization"]
+    # plain vLLM's blocks at kv-kept's settings: its max_num_seqs and TriForce's forced ones
+    same = plan(True, models)[5]
+    assert same["llm"]["max_num_seqs"] == kept["llm"]["max_num_seqs"] == 256
+    assert same["llm"]["gpu_memory_utilization"] == kept["llm"]["gpu_memory_utilization"]
+    assert same["cases"] == kept["cases"] and same.get("spec") is None
+    assert same["llm"]["compilation_config"]["cudagraph_mode"] == "PIECEWISE"  # TriForce's
     # ... and its tokens with prefill_from_cache, against the plain job its name leads to
     fromcache = next(job for job in plan(True, models) if job["name"].endswith("-fromcache"))
     assert fromcache["spec"]["prefill_from_cache"]
@@ -367,3 +374,21 @@ def test_a_compile_failure_retries_without_aot_then_eager_and_says_so():
     assert row["engines"]["plain_defaults"] == "eager (compiled engine failed)"
     assert row["tax"] is None  # eager against compiled is no tax
     assert row["reference"] == "vLLM defaults"
+
+
+def test_the_kv_kept_ratio_takes_plain_vllm_at_the_same_settings():
+    """TriForce's KV blocks (kv-kept) against plain vLLM's at its own max_num_seqs
+    (kv-plain) where that ran, else against the cost cases' plain engine, whose
+    max_num_seqs the summary names beside the ratio."""
+    from vllm_triforce.tools.bench.gpu_summary import _memory
+
+    def job(blocks, seqs):
+        return {"result": {"facts": {"num_gpu_blocks": blocks, "max_num_seqs": seqs}}}
+
+    jobs = {"costs-triforce": job(46_225, 256), "costs-plain-forced": job(55_604, 64),
+            "kv-kept": job(53_320, 256)}
+    older = _memory(jobs)["kv_kept"]
+    assert (older["plain_blocks"], older["plain_max_num_seqs"]) == (55_604, 64)
+    same = _memory({**jobs, "kv-plain": job(55_000, 256)})["kv_kept"]
+    assert (same["plain_blocks"], same["plain_max_num_seqs"]) == (55_000, 256)
+    assert same["of_plain"] == 53_320 / 55_000

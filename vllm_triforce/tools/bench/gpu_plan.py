@@ -57,8 +57,8 @@ GPU_MEMORY = {"plain": 0.9, "triforce": 0.85}
 CPU_CASES = (("2x1K", 2, 1024), ("1x2K", 1, 2048))
 # The KV cache given back (GPU only, job kv-kept, after the cost jobs): TriForce's engine with
 # compact summaries and no prefill peak, at plain vLLM's gpu_memory_utilization; its block
-# count against plain's, its propose peak against its reservation, at the 1 x 128K case
-# (every prefill chunk at its longest) with drafting.
+# count against plain's at the same settings (job kv-plain), its propose peak against its
+# reservation, at the 1 x 128K case (every prefill chunk at its longest) with drafting.
 KV_KEPT_SPEC = {"prefill_from_cache": True}  # the coded summaries are the default
 
 
@@ -247,6 +247,12 @@ def _cost_jobs(on_gpu: bool, models: dict, kernels_ok: bool) -> list[dict]:
             "cases": [c for c in cases if c["name"] == "1x128K"], "depths": [0, 6],
             "llm": {**tri_llm, "gpu_memory_utilization": GPU_MEMORY["plain"]},
             "estimate_s": 90, "many_requests": None}
+    # ... and plain vLLM's blocks at kv-kept's own settings: TriForce's forced settings and
+    # its max_num_seqs (vLLM's profile and graphs grow with max_num_seqs, outside
+    # TriForce's reservation: costs-plain-forced runs at the cases' largest batch)
+    kept_plain = {**forced, "name": "kv-plain", "cases": kept["cases"], "estimate_s": 70,
+                  "llm": {**forced["llm"], "max_num_seqs": tri_llm["max_num_seqs"],
+                          "gpu_memory_utilization": GPU_MEMORY["plain"]}}
     # TriForce on vLLM's defaults (experimental): Model Runner V2, FULL decode graphs where
     # it reads nothing of a pass, async scheduling; depth 0 against costs-plain-defaults is
     # issue 60's number, depth 6 what a drafting step costs there
@@ -254,4 +260,4 @@ def _cost_jobs(on_gpu: bool, models: dict, kernels_ok: bool) -> list[dict]:
             "cases": cases[:2], "depths": [0, 6], "many_requests": None,
             "llm": {**tri_llm, "async_scheduling": True,
                     "compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE"}}}
-    return [defaults, triforce, forced, kept, mrv2]
+    return [defaults, triforce, forced, kept, kept_plain, mrv2]

@@ -235,9 +235,15 @@ def _memory(jobs: dict) -> dict | None:
         out["kv_kept"] = {**(kept.get("memory") or {}),
                           "kv_blocks": kept["facts"]["num_gpu_blocks"],
                           "gpu_memory_utilization": kept["facts"].get("gpu_memory_utilization")}
-        if plain is not None and "facts" in plain:
+        # plain vLLM at kv-kept's settings where it ran (kv-plain), else at the cost
+        # cases' (a smaller max_num_seqs: named beside the ratio)
+        same = _cost_result(jobs, "kv-plain")
+        reference = same if same is not None and "facts" in same else plain
+        if reference is not None and "facts" in reference:
             out["kv_kept"]["of_plain"] = (kept["facts"]["num_gpu_blocks"]
-                                          / plain["facts"]["num_gpu_blocks"])
+                                          / reference["facts"]["num_gpu_blocks"])
+            out["kv_kept"]["plain_blocks"] = reference["facts"]["num_gpu_blocks"]
+            out["kv_kept"]["plain_max_num_seqs"] = reference["facts"].get("max_num_seqs")
     return out
 
 
