@@ -372,9 +372,9 @@ def test_round_graphs_give_todays_tokens_at_depths_that_vary(temperature, tiny_l
 
 
 @pytest.mark.engine
-def test_compiled_reranking_gives_todays_tokens_selections_and_acceptance(
+def test_compiled_scoring_gives_todays_tokens_selections_and_acceptance(
         tiny_llama, llm_factory, monkeypatch):
-    """`compiled_reranking` with round graphs (how a GPU runs them): every shortlist
+    """`compiled_scoring` with round graphs (how a GPU runs them): every shortlist
     re-ranking between middle rounds goes through the compiled kernel
     (core/fused_reads.py), and the engine gives the eager reads' tokens, selections and
     drafted/accepted counts."""
@@ -385,7 +385,7 @@ def test_compiled_reranking_gives_todays_tokens_selections_and_acceptance(
     spec = dict(SPEC, round_graphs=True)
     eager = _run(llm_factory(tiny_llama, speculative_config=spec, num_gpu_blocks_override=64),
                  prompts)
-    llm = llm_factory(tiny_llama, speculative_config=dict(spec, compiled_reranking=True),
+    llm = llm_factory(tiny_llama, speculative_config=dict(spec, compiled_scoring=True),
                       num_gpu_blocks_override=64)
     listed = drafter_of(llm).policy.compiled
     assert listed is not None and listed.compile_seconds is not None

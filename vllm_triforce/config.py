@@ -130,13 +130,13 @@ class TriForceConfig:
     # on a GPU, replayed eagerly over the same buffers elsewhere. Off until a GPU has run a
     # real model with the graphs; a pass that fits no bucket takes today's path either way.
     round_graphs: bool = False
-    # Re-rank the middle rounds' shortlists in one compiled kernel (core/fused_reads.py:
-    # torch.compile of the gather, decode, products and sums over the coded summaries),
-    # not in chunked eager reads: at Llama-3.1-8B's shape about 25 host operations a read
-    # chunk become one launch a round, with no float32 copy of the listed summaries. Needs
-    # `compact_summaries` and the "retrieval" policy; compiles at start-up (about 10 s on a
-    # CPU). Off until a GPU has timed it.
-    compiled_reranking: bool = False
+    # Score blocks (each step's selection, the middle rounds' shortlist re-ranking) in one
+    # compiled kernel (core/fused_reads.py: torch.compile of the gather, decode, products
+    # and sums over the coded summaries), not in chunked eager reads: at Llama-3.1-8B's
+    # shape about 25 host operations a read chunk become one launch, with no float32 copy
+    # of the listed summaries. Needs `compact_summaries` and the "retrieval" policy;
+    # compiles at start-up (about 10 s on a CPU). Off until a GPU has timed it.
+    compiled_scoring: bool = False
     # Where summaries are set from vLLM's KV cache (engine/summary_keeper.py: a backend
     # whose cache TriForce reads back exactly), a pass larger than the capture's copies (a
     # long prompt chunk) keeps only its requests' last query rows, not every layer's query
@@ -173,10 +173,10 @@ class TriForceConfig:
                 f"speculative_config['round_graphs']={self.round_graphs!r} must be true (the "
                 "middle level's passes over persistent buffers, as CUDA graphs on a GPU) or "
                 "false (each pass built anew, the default).")
-        if not isinstance(self.compiled_reranking, bool):
+        if not isinstance(self.compiled_scoring, bool):
             raise TriForceConfigError(
-                f"speculative_config['compiled_reranking']={self.compiled_reranking!r} must be "
-                "true (the middle rounds' shortlist re-ranking in one compiled kernel) or false "
+                f"speculative_config['compiled_scoring']={self.compiled_scoring!r} must be "
+                "true (block scores in one compiled kernel) or false "
                 "(eager chunked reads, the default).")
         if not isinstance(self.prefill_from_cache, bool):
             raise TriForceConfigError(
@@ -213,13 +213,13 @@ class TriForceConfig:
                 "the coded summaries keep the key variance per channel, the compact variance "
                 "per band. Drop 'compact_key_variance' (the coded summaries take as little "
                 "memory and lose less acceptance), or set 'compact_summaries': false.")
-        if self.compiled_reranking and not (self.compact_summaries
+        if self.compiled_scoring and not (self.compact_summaries
                                             and self.selection_policy == "retrieval"):
             raise TriForceConfigError(
-                "speculative_config['compiled_reranking'] reads coded summaries with the "
+                "speculative_config['compiled_scoring'] reads coded summaries with the "
                 "'retrieval' policy; this config has "
                 f"selection_policy={self.selection_policy!r} and "
-                f"compact_summaries={self.compact_summaries!r}. Drop 'compiled_reranking', or "
+                f"compact_summaries={self.compact_summaries!r}. Drop 'compiled_scoring', or "
                 "use selection_policy 'retrieval' with compact_summaries true (the defaults).")
         if not isinstance(self.allow_full_key_copy, bool):
             raise TriForceConfigError(

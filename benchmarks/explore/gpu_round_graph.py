@@ -20,8 +20,8 @@ only a GPU can show, in three parts, most valuable first:
 (b) Cost at Llama-3.1-8B's width (`--b-layers`, 8 by default: a pass's device time is about
     a quarter of the 32-layer model's, while the host's work per round is not, so a round's
     cost over its device time is if anything higher here), dummy weights, 8 x 7,680 tokens,
-    depth 6: ms per middle round in three modes (`MODES`: graphs with the compiled
-    re-ranking, `compiled_reranking`; graphs with the eager reads; per pass) in ONE engine,
+    depth 6: ms per middle round in three modes (`MODES`: graphs with the compiled block
+    scoring, `compiled_scoring`; graphs with the eager reads; per pass) in ONE engine,
     alternating twice (a drift of the machine shows as a difference between the two passes
     of each mode); the compiled and per-pass modes also with VLLM_TRIFORCE_TIME_FORWARDS=1
     (a sync per pass: the forwards' time as the device finishes them), and the graph
@@ -31,7 +31,7 @@ only a GPU can show, in three parts, most valuable first:
     `propose`'s entry) against its reservation (`drafter.reserved_bytes`).
 (c) Cost at SmolLM2-135M's shape (dummy weights), 32 x 7,808 tokens: ms per middle round and
     per step at depths 6 (the three modes) and 0 (graphs and per pass) in one engine.
-Parts (a), (b) and (c) compile the re-ranking (`compiled_reranking`; whether it compiled,
+Parts (a), (b) and (c) compile the block scoring (`compiled_scoring`; whether it compiled,
 and in how long, is in each report).
 
 Each engine runs in a child process of its own: a CUDA error in a replay (an illegal
@@ -115,9 +115,9 @@ COUNTERS = ("top_proposed", "top_accepted", "middle_proposed", "middle_accepted"
 PER_ROUND_KEPT = 16  # rounds of (a) kept one by one in the results; all are summarised
 TIME_FORWARDS = "VLLM_TRIFORCE_TIME_FORWARDS"
 # How (b) and (c) run a middle round, in one engine: round graphs with the shortlist
-# re-ranked by the compiled kernel (`compiled_reranking`), round graphs with the eager
+# scored by the compiled kernel (`compiled_scoring`), round graphs with the eager
 # chunked reads, and each pass built anew with the eager reads (today's default)
-COMPILED, GRAPHS, PER_PASS = "graphs, compiled re-ranking", "graphs", "per pass"
+COMPILED, GRAPHS, PER_PASS = "graphs, compiled scoring", "graphs", "per pass"
 MODES = (COMPILED, GRAPHS, PER_PASS)
 
 
@@ -402,7 +402,7 @@ def job_levels(args, report: Report, levels: int) -> None:
     from vllm_triforce.tools.bench.gpu_engine import drafter_or_none
 
     target, draft = tiny_models(args)
-    spec = {**TINY_SPEC, "round_graphs": True, "compiled_reranking": True,
+    spec = {**TINY_SPEC, "round_graphs": True, "compiled_scoring": True,
             **({"model": str(draft), **THREE_LEVELS} if levels == 3 else {})}
     llm = build(args, report, target, spec, "a")
     drafter = drafter_or_none(llm)
@@ -417,7 +417,7 @@ def job_levels(args, report: Report, levels: int) -> None:
         except Exception:  # kept; the next generation may still run (a CUDA error: not)
             report[key] = {"error": traceback.format_exc()[-4000:]}
         report["round_graphs"] = {**graphs_facts(graphs), "captures": captures}
-        report["compiled_reranking"] = compiled_facts(drafter)
+        report["compiled_scoring"] = compiled_facts(drafter)
         report.save()
 
 
@@ -558,7 +558,7 @@ def per_pass_generation(llm, drafter, prompts, params) -> dict:
 
 
 def compiled_facts(drafter) -> dict:
-    """Whether the compiled re-ranking was built (a failed compilation leaves the eager
+    """Whether the compiled scoring was built (a failed compilation leaves the eager
     reads, with a warning in the log) and how long its compilation took."""
     listed = drafter.policy.compiled
     return {"on": listed is not None,
@@ -614,7 +614,7 @@ def job_width(args, report: Report) -> None:
     model = gpu_models.write_llama_8b_shape(
         args.work / f"llama-8b-width-{over['num_hidden_layers']}l", args.tokenizer, **over)
     spec = {**COST_SPEC, "retrieval_budget": s["budget"], "round_graphs": True,
-            "compiled_reranking": True}
+            "compiled_scoring": True}
     plan = ([(s["depth"], mode, False) for mode in MODES + MODES]
             + [(s["depth"], mode, True) for mode in (COMPILED, PER_PASS)])
     cost_job(args, report, model, spec, "b", plan)
@@ -629,8 +629,8 @@ def job_smollm2(args, report: Report) -> None:
     model = gpu_models.write_llama_8b_shape(args.work / "smollm2-135m-shape", args.tokenizer,
                                             **{**SMOLLM2_SHAPE, **s["over"]})
     spec = {**COST_SPEC, "retrieval_budget": s["budget"], "round_graphs": True,
-            "compiled_reranking": True}
-    # depth 0 re-ranks nothing: the compiled re-ranking and the eager reads are one mode there
+            "compiled_scoring": True}
+    # depth 0 selects nothing: the compiled scoring and the eager reads are one mode there
     plan = [(depth, mode, False) for depth in s["depths"]
             for mode in (MODES + MODES if depth else (COMPILED, PER_PASS) * 2)]
     cost_job(args, report, model, spec, "c", plan)
@@ -652,7 +652,7 @@ def cost_job(args, report: Report, model: Path, spec: dict, part: str, plan) -> 
     drafter = drafter_or_none(llm)
     graphs, listed = drafter.retrieval.round_graphs, drafter.policy.compiled
     report["captures"] = watch_captures(graphs) if graphs is not None else []
-    report["compiled_reranking"] = compiled_facts(drafter)
+    report["compiled_scoring"] = compiled_facts(drafter)
     peaks, timer = PeakProbe(drafter, cuda), ReplayTimer(graphs, cuda)
     prompts = random_prompts(s["batch"], s["context"], tokenizer_vocab(args), seed=s["context"])
     report["prefill_s"] = timed_generate(llm, prompts, 1)

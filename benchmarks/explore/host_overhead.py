@@ -11,10 +11,10 @@ does not move between runs), and prints the N vllm_triforce call sites whose ope
 took the most host time (tools/bench/host_ops.py). `--round-graphs`: the middle passes
 over persistent buffers, and one more generation times the host's work from a round's
 copy to the host to the next round's replay (what a GPU waits through).
-`--compiled-reranking`: the shortlist re-ranking as one compiled kernel (core/fused_reads.py).
+`--compiled-scoring`: the block scores as one compiled kernel (core/fused_reads.py).
 
     .venv/bin/python benchmarks/explore/host_overhead.py [--repeats 3] [--levels 2]
-        [--round-graphs] [--compiled-reranking] [--ops 40]
+        [--round-graphs] [--compiled-scoring] [--ops 40]
 """
 
 import argparse
@@ -41,9 +41,9 @@ def main() -> None:
                         help="1 (default): re-select between middle rounds; 0: never")
     parser.add_argument("--round-graphs", action="store_true",
                         help="the middle passes over persistent buffers (`round_graphs`)")
-    parser.add_argument("--compiled-reranking", action="store_true",
-                        help="the shortlist re-ranking as one compiled kernel "
-                             "(`compiled_reranking`)")
+    parser.add_argument("--compiled-scoring", action="store_true",
+                        help="the block scores as one compiled kernel "
+                             "(`compiled_scoring`)")
     parser.add_argument("--no-syncs", action="store_true", help="skip the counted generation")
     parser.add_argument("--ops", type=int, default=0, metavar="N",
                         help="count aten operations per middle round; print N call sites")
@@ -60,7 +60,7 @@ def main() -> None:
     spec = {"method": "triforce", "num_speculative_tokens": 6, "retrieval_budget": 256,
             "retrieval_sink_tokens": 32, "retrieval_recent_tokens": 64, "adaptive": False,
             "refresh_interval": args.refresh_interval, "round_graphs": args.round_graphs,
-            "compiled_reranking": args.compiled_reranking}
+            "compiled_scoring": args.compiled_scoring}
     if args.levels == 3:
         draft = tiny_models.build_tiny_llama_draft(tmp / "draft", vocab_size=1024)
         spec.update(model=str(draft), draft_window_tokens=96)

@@ -1,6 +1,7 @@
-"""The compiled shortlist re-ranking (core/fused_reads.py, `compiled_reranking`): the scores
-the chunked reads of coded summaries give, from one compilation for every batch and
-shortlist size, with no copy of the listed summaries."""
+"""The compiled block scoring (core/fused_reads.py, `compiled_scoring`): the scores the
+chunked reads of coded summaries give, a step's selection's and a shortlist's re-ranking,
+from one compilation for every batch, table and shortlist size, with no copy of the listed
+summaries."""
 
 import pytest
 import torch
@@ -49,7 +50,7 @@ def test_listed_dots_worked_example():
 
 
 @pytest.mark.parametrize("variance", [False, True])
-def test_compiled_reranking_scores_as_the_chunked_reads(monkeypatch, variance):
+def test_compiled_scoring_scores_as_the_chunked_reads(monkeypatch, variance):
     """The compiled kernel gives the chunked reads' scores (to float32 rounding) for
     batches and shortlists of every size, 1 included, padding included, compiling once;
     with it the policy makes no copy of the listed summaries."""
@@ -75,7 +76,31 @@ def test_compiled_reranking_scores_as_the_chunked_reads(monkeypatch, variance):
     assert counters["stats"]["unique_graphs"] == graphs  # no size compiled anew
 
 
-def test_compiled_reranking_reads_only_its_own_summaries():
+@pytest.mark.parametrize("strategy", ["gather", "all"])
+def test_compiled_scoring_scores_a_steps_tables_as_the_eager_reads(strategy):
+    """A step's selection scores every block of each request's table (padding -1 reads
+    block 0, as the eager reads do): the compiled kernel gives the eager strategy's scores
+    for tables of any width, without compiling again."""
+    summaries = coded_summaries(7)
+    policy = make_policy("retrieval", variance=True, strategy=strategy)
+    listed = ListedScores(summaries, True)
+    listed.warm_up()
+    graphs = counters["stats"]["unique_graphs"]
+    gen = torch.Generator().manual_seed(8)
+    for requests, width in [(1, 1), (2, 9), (4, 30)]:
+        table = torch.randint(0, N, (requests, width), generator=gen)
+        table[-1, -1] = -1
+        committed = torch.full((requests,), width * BS)
+        query = torch.randn(requests, L, 4, D, generator=gen)
+        policy.compiled = None
+        want = policy.block_scores(query, summaries, table, committed)
+        policy.compiled = listed
+        got = policy.block_scores(query, summaries, table, committed)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_compiled_scoring_reads_only_its_own_summaries():
     """A policy whose kernel was built over other summaries reads these eagerly."""
     summaries, other = coded_summaries(0), coded_summaries(1)
     policy = make_policy("retrieval", variance=True)
@@ -87,7 +112,7 @@ def test_compiled_reranking_reads_only_its_own_summaries():
     assert torch.equal(compiled, policy.shortlist_scores(query, summaries, blocks))
 
 
-def test_compiled_reranking_selects_as_the_chunked_reads():
+def test_compiled_scoring_selects_as_the_chunked_reads():
     """Through `Selector.choose`: a shortlist re-ranked by the kernel picks the blocks the
     eager reads pick (random summaries: no near-ties at this size)."""
     summaries = coded_summaries(5)

@@ -1,22 +1,24 @@
-"""A shortlist's scores read from coded summaries in one compiled kernel
-(`compiled_reranking`, config.py).
+"""Block scores read from coded summaries in one compiled kernel (`compiled_scoring`,
+config.py).
 
-Between middle rounds the retrieval policy re-ranks each layer's shortlist: for every
-listed block, q . mean key (+ 1/2 q^2 . key variance) over its KV heads' channels, from
-summaries coded in one byte a value (core/summary_coding.py). Read in eager torch, the
+The retrieval policy scores blocks at each step's selection (every block of a request's
+table) and between middle rounds (each layer's shortlist): for every block, q . mean key
+(+ 1/2 q^2 . key variance) over its KV heads' channels, from summaries coded in one byte a
+value (core/summary_coding.py). Both are rows of the stores viewed as [L * N, H, D]
+(`BlockSummaries.layer_rows`), [R, L, S] of them. Read in eager torch, the
 codes are gathered and decoded to float32 in chunks of at most one read chunk
 (core/reads.py) and multiplied chunk by chunk: at Llama-3.1-8B's shape (8 requests,
 32 layers, 988 listed blocks, 8 x 128 channels) 1 GiB of float32 a store in 16 chunks,
-some 25 host operations a chunk, every round. Compiled (torch.compile, inductor), the
+some 25 host operations a chunk, every round of a shortlist's re-ranking. Compiled (torch.compile, inductor), the
 gather, the decode (a 256-entry table, `summary_coding.decode_table`), the products and
 the sums over channels are one kernel that allocates nothing larger than its result
 [R, L, S]: a launch or two a round, whatever the shape.
 
 The requests and listed-blocks axes are marked unbacked (dynamo's `mark_unbacked`), so
-one compilation serves every batch and shortlist size, 1 included: a size never seen
-compiles nothing. The first call compiles (about 10 s on a CPU); the engine makes it at
-start-up (`ListedScores.warm_up`), and a compilation that fails there leaves the
-re-ranking to the eager reads, with a warning.
+one compilation serves every batch, table and shortlist size, 1 included: a size never
+seen compiles nothing. The first call compiles (about 10 s on a CPU); the engine makes it
+at start-up (`ListedScores.warm_up`), and a compilation that fails there leaves the
+scores to the eager reads, with a warning.
 
 Example (tests/core/test_core_fused_reads.py): a store of 4 rows, one layer, one KV head,
 two channels, coded "fp8" from [1, -2], [0.5, 0.5], [4, 0], [0, 3]; rows [[0, 1, 3]] with

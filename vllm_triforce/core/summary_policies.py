@@ -79,7 +79,7 @@ class RetrievalPolicy(SelectionPolicy):
         self.strategy = strategy
         self.scale = scale  # None: 1 / sqrt(head_dim)
         # core/fused_reads.ListedScores over the engine's coded summaries
-        # (`compiled_reranking`): a shortlist's re-ranking in one compiled kernel, no copy
+        # (`compiled_scoring`): block scores in one compiled kernel, no listed copy
         self.compiled: ListedScores | None = None
 
     def block_scores(self, query, summaries, block_table, num_committed, state=None,
@@ -88,6 +88,9 @@ class RetrievalPolicy(SelectionPolicy):
         q = group_query(query, summaries.num_kv_heads)  # [R, L, H, G, D]
         q = q * (self.scale or 1.0 / math.sqrt(q.shape[-1]))
         ids = on_device(block_table, summaries.device, torch.long).clamp(min=0)  # [R, B]
+        if self._compiled_for(summaries):  # every table block as a listed one: one kernel
+            return self._compiled_scores(q, summaries, summaries.layer_rows(ids[:, None]),
+                                         summaries.counts[ids].clamp(min=1).float()[:, None])
         if self.aggregation == "sum":  # linear in q: one dot product per KV group
             scores = self._summed_scores(q.sum(3).flatten(2), summaries, ids, summaries.sums)
             if self.variance:
@@ -119,10 +122,7 @@ class RetrievalPolicy(SelectionPolicy):
         if rows is None:
             rows = summaries.layer_rows(blocks)  # one index for every store read
         if self._compiled_for(summaries):
-            weights = [q.sum(3)]  # [R, L, H, D]
-            if self.variance:
-                weights.append(summaries.variance_weights(q.square().sum(3)).mul_(0.5))
-            return self.compiled(rows, counts, weights)
+            return self._compiled_scores(q, summaries, rows, counts)
         weights = [(q, summaries.sums)]
         if self.variance:
             weights.append((0.5 * summaries.variance_weights(q.square()),
@@ -169,6 +169,18 @@ class RetrievalPolicy(SelectionPolicy):
     def _compiled_for(self, summaries) -> bool:
         return (self.compiled is not None and self.compiled.summaries is summaries
                 and self.aggregation == "sum")
+
+    def _compiled_scores(self, q: Tensor, summaries: BlockSummaries, rows: Tensor,
+                         counts: Tensor) -> Tensor:
+        """q [R, L, H, G, D] (scaled), `layer_rows` rows [R, L or 1, S] and their counts
+        [R, L or 1, S] -> [R, L, S] by `compiled`: q . mean key (+ 1/2 q^2 . key
+        variance), summed over each group's query heads."""
+        shape = (q.shape[0], q.shape[1], rows.shape[-1])
+        weights = [q.sum(3)]  # [R, L, H, D]
+        if self.variance:
+            weights.append(summaries.variance_weights(q.square().sum(3)).mul_(0.5))
+        return self.compiled(rows.expand(shape).contiguous(),
+                             counts.expand(shape).contiguous(), weights)
 
     @staticmethod
     def _copied_scores(q: Tensor, copy: Tensor, summaries: BlockSummaries) -> Tensor:

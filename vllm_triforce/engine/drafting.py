@@ -176,8 +176,8 @@ class Drafting:
                            "(%s); it keeps its first stage only.", self.policy.name,
                            unreadable)
         self._build_levels(paged_keys, unreadable, target_groups)
-        if self.cfg.compiled_reranking:
-            self._compile_reranking()
+        if self.cfg.compiled_scoring:
+            self._compile_scoring()
         logger.info(engine_settings.describe(self.vllm_config, backend, self.forced_settings))
         logger.info("TriForce block summaries: %.1f MiB for %d blocks (%s); probability buffers "
                     "%.1f MiB for %d drafting requests; reads of at most %.1f MiB",
@@ -186,21 +186,22 @@ class Drafting:
                     self._probs_buffer.nbytes / 2**20,
                     self.sizing.drafting, self.sizing.chunk_bytes / 2**20)
 
-    def _compile_reranking(self) -> None:
-        """`compiled_reranking`: the middle rounds' shortlist re-ranking as one compiled
-        kernel over these summaries (core/fused_reads.py), compiled now; a compilation
-        that fails leaves the eager reads, with a warning."""
+    def _compile_scoring(self) -> None:
+        """`compiled_scoring`: the policy's block scores (each step's selection, the
+        middle rounds' shortlist re-ranking) as one compiled kernel over these summaries
+        (core/fused_reads.py), compiled now; a compilation that fails leaves the eager
+        reads, with a warning."""
         try:
             listed = ListedScores(self.summaries, self.policy.variance)
             seconds = listed.warm_up()
         except Exception as exc:  # noqa: BLE001 - inductor's failures are many kinds
-            logger.warning("TriForce compiled_reranking: compiling the shortlist re-ranking "
-                           "failed (%s: %s); it reads the summaries eagerly, in chunks.",
+            logger.warning("TriForce compiled_scoring: compiling the block scoring failed "
+                           "(%s: %s); it reads the summaries eagerly, in chunks.",
                            type(exc).__name__, exc)
             return
         self.policy.compiled = listed
-        logger.info("TriForce compiled_reranking: the shortlist re-ranking is one compiled "
-                    "kernel (compiled in %.1f s)", seconds)
+        logger.info("TriForce compiled_scoring: block scores are one compiled kernel "
+                    "(compiled in %.1f s)", seconds)
 
     def _build_levels(self, paged_keys, unreadable: str | None, target_groups: list) -> None:
         """Each level gets exactly what it uses, from the engine's shape. `paged_keys`:

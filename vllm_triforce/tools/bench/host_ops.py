@@ -7,7 +7,7 @@ runs later, asynchronously: the sum over a middle round is the host work a round
 besides its Python. On a CPU an operation's host time also holds its computation. A
 pass's model (`forward.run` today, a bucket's closure with round graphs) is not counted:
 its operations are the device work, or a graph replay that dispatches none. The compiled
-re-ranking (`compiled_reranking`, core/fused_reads.py) runs with the mode off (dynamo
+block scoring (`compiled_scoring`, core/fused_reads.py) runs with the mode off (dynamo
 compiles nothing under one) and counts as one site, its launches' host time.
 
     with HostOps(drafter) as ops:
@@ -89,7 +89,7 @@ class HostOps:
                          (round_graph.CudaGraphReplay, "run", round_graph.CudaGraphReplay.run,
                           "(a CUDA graph's launch)", False),
                          (ListedScores, "__call__", ListedScores.__call__,
-                          "(the compiled re-ranking's launch)", True)]
+                          "(the compiled scoring's launch)", True)]
         for holder, name, value, site, unwatched in self._restore:
             setattr(holder, name, uncounted(value, site, unwatched))
         self.drafter.propose = timed_propose
