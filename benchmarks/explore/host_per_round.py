@@ -258,46 +258,19 @@ def inside(depth: dict, key: str, function):
 
 def tensor_work_per_round(llm, drafter, prompts, params, repeats: int) -> tuple[float, float]:
     """(aten operations per middle round outside the model forwards, ms per round inside
-    them: median over `repeats` generations). Each operation is timed where it reaches
-    the dispatcher, so the mode's own Python is not in the time."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    them: median over `repeats` generations), by tools/bench/host_ops.HostOps: each
+    operation timed where it reaches the dispatcher, so the mode's own Python is not in
+    the time (a CUDA graph's launch counts as one operation, its wall time)."""
+    from vllm_triforce.tools.bench.host_ops import HostOps
 
-    import vllm_triforce.engine.device.forward as forward
-    import vllm_triforce.engine.device.round_graph as round_graph
-
-    count = {"model": 0, "ops": 0, "seconds": 0.0}
-
-    class Timing(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if count["model"]:
-                return func(*args, **(kwargs or {}))
-            start = time.perf_counter()
-            try:
-                return func(*args, **(kwargs or {}))
-            finally:
-                count["seconds"] += time.perf_counter() - start
-                count["ops"] += 1
-
-    def timed(*args, **kwargs):
-        with Timing():
-            return propose(*args, **kwargs)
-
-    run, propose = forward.run, drafter.propose
-    closure = round_graph.BucketPass.closure  # a round graph's model (`--round-graphs`)
-    forward.run, drafter.propose = inside(count, "model", run), timed
-    round_graph.BucketPass.closure = inside(count, "model", closure)
     ops, kernel_ms = [], []
-    try:
-        for _ in range(repeats):
-            count.update(ops=0, seconds=0.0)
-            before = drafter.stats.snapshot()["middle_rounds"]
+    for _ in range(repeats):
+        before = drafter.stats.snapshot()["middle_rounds"]
+        with HostOps(drafter) as counted:
             llm.generate(prompts, params, use_tqdm=False)
-            rounds = drafter.stats.snapshot()["middle_rounds"] - before
-            ops.append(count["ops"] / rounds)
-            kernel_ms.append(1000 * count["seconds"] / rounds)
-    finally:
-        forward.run, drafter.propose = run, propose
-        round_graph.BucketPass.closure = closure
+        rounds = drafter.stats.snapshot()["middle_rounds"] - before
+        ops.append(counted.total / rounds)
+        kernel_ms.append(1000 * sum(counted.seconds.values()) / rounds)
     return statistics.median(ops), statistics.median(kernel_ms)
 
 
