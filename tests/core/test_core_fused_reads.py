@@ -135,6 +135,31 @@ def test_compiled_scoring_selects_as_the_chunked_reads():
     assert torch.equal(compiled.selection.logical_blocks, eager.selection.logical_blocks)
 
 
+def test_a_call_that_would_compile_again_fails_and_the_policy_reads_eagerly(caplog):
+    """After the warm-up nothing compiles again: a call whose guards fail (rows as int32)
+    raises rather than run the eager arithmetic, which would hold every decoded row; the
+    policy drops the kernel, says so, and scores by the eager reads from then on."""
+    summaries = coded_summaries(9)
+    listed = ListedScores(summaries, True)
+    listed.warm_up()
+    rows = summaries.layer_rows(torch.randint(0, N, (2, L, 5)))
+    counts = torch.ones(2, L, 5)
+    weights = [torch.randn(2, L, H, D), torch.rand(2, L, H, D)]
+    listed(rows, counts, weights)
+    with pytest.raises(RuntimeError, match="recompile"):
+        listed(rows.int(), counts, weights)
+    policy = make_policy("retrieval", variance=True)
+    blocks = torch.randint(0, N, (2, L, 5), generator=torch.Generator().manual_seed(10))
+    query = torch.randn(2, L, 4, D, generator=torch.Generator().manual_seed(11))
+    want = policy.shortlist_scores(query, summaries, blocks)
+    policy.compiled = listed
+    listed._stores = [(c.double(), s, t) for c, s, t in listed._stores]  # guards now fail
+    with caplog.at_level("WARNING"):
+        got = policy.shortlist_scores(query, summaries, blocks)
+    assert policy.compiled is None and "read the summaries eagerly" in caplog.text
+    assert torch.equal(got, want)
+
+
 def test_listed_scores_refuses_float_summaries():
     floats = BlockSummaries(L, N, H, D, BS, keep_variance=True)
     with pytest.raises(ValueError, match="coded summaries"):

@@ -70,9 +70,13 @@ class ListedScores:
         self._compiled = torch.compile(listed_dots, dynamic=True, fullgraph=True)
         self.compile_seconds: float | None = None  # set by warm_up
 
-    def __call__(self, rows: Tensor, counts: Tensor, weights: list[Tensor]) -> Tensor:
+    def __call__(self, rows: Tensor, counts: Tensor, weights: list[Tensor],
+                 compile_now: bool = False) -> Tensor:
         """rows, counts [R, L, S] (`Shortlist.summary_rows`); weights: one [R, L, H, D]
-        float32 per store -> scores [R, L, S]."""
+        float32 per store -> scores [R, L, S]. After `warm_up` nothing compiles again: a
+        call that would (a guard no size should fail) raises (dynamo's stance
+        "fail_on_recompile") rather than run the eager arithmetic, which would hold the
+        decoded rows; the policy then reads eagerly, in chunks."""
         args = [rows, counts.float(), *[w.float().contiguous() for w in weights]]
         for t in args:
             mark_unbacked(t, 0)  # requests
@@ -84,7 +88,9 @@ class ListedScores:
             # a dispatch mode (tools/bench: syncs.py's counter) is watching: dynamo compiles
             # nothing under one, so the same arithmetic runs eagerly, where it sees it
             return listed_dots(args[0], args[1], args[2], codes, scales, table, *extra)
-        with torch.inference_mode():  # one grad mode for every call: no recompilation
+        stance = "default" if compile_now else "fail_on_recompile"
+        # one grad mode for every call: no recompilation
+        with torch.inference_mode(), torch.compiler.set_stance(stance):
             return self._compiled(args[0], args[1], args[2], codes, scales, table, *extra)
 
     def warm_up(self) -> float:
@@ -95,7 +101,7 @@ class ListedScores:
         counts = torch.ones(2, s.num_layers, 3, device=s.device)
         weights = [torch.zeros(2, s.num_layers, s.num_kv_heads, codes.shape[-1],
                                device=s.device) for codes, _, _ in self._stores]
-        self(rows, counts, weights)
+        self(rows, counts, weights, compile_now=True)
         self.compile_seconds = time.perf_counter() - start
         return self.compile_seconds
 

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -27,6 +28,8 @@ from vllm_triforce.core.scoring import (SelectionPolicy, aggregate_heads, check_
                                         group_query)
 from vllm_triforce.core.summaries import BlockSummaries
 from vllm_triforce.core.tensors import on_device
+
+logger = logging.getLogger(__name__)
 
 
 class StreamingLLMPolicy(SelectionPolicy):
@@ -89,8 +92,11 @@ class RetrievalPolicy(SelectionPolicy):
         q = q * (self.scale or 1.0 / math.sqrt(q.shape[-1]))
         ids = on_device(block_table, summaries.device, torch.long).clamp(min=0)  # [R, B]
         if self._compiled_for(summaries):  # every table block as a listed one: one kernel
-            return self._compiled_scores(q, summaries, summaries.layer_rows(ids[:, None]),
-                                         summaries.counts[ids].clamp(min=1).float()[:, None])
+            scores = self._compiled_scores(
+                q, summaries, summaries.layer_rows(ids[:, None]),
+                summaries.counts[ids].clamp(min=1).float()[:, None])
+            if scores is not None:
+                return scores
         if self.aggregation == "sum":  # linear in q: one dot product per KV group
             scores = self._summed_scores(q.sum(3).flatten(2), summaries, ids, summaries.sums)
             if self.variance:
@@ -122,7 +128,9 @@ class RetrievalPolicy(SelectionPolicy):
         if rows is None:
             rows = summaries.layer_rows(blocks)  # one index for every store read
         if self._compiled_for(summaries):
-            return self._compiled_scores(q, summaries, rows, counts)
+            scores = self._compiled_scores(q, summaries, rows, counts)
+            if scores is not None:
+                return scores
         weights = [(q, summaries.sums)]
         if self.variance:
             weights.append((0.5 * summaries.variance_weights(q.square()),
@@ -171,16 +179,25 @@ class RetrievalPolicy(SelectionPolicy):
                 and self.aggregation == "sum")
 
     def _compiled_scores(self, q: Tensor, summaries: BlockSummaries, rows: Tensor,
-                         counts: Tensor) -> Tensor:
+                         counts: Tensor) -> Tensor | None:
         """q [R, L, H, G, D] (scaled), `layer_rows` rows [R, L or 1, S] and their counts
         [R, L or 1, S] -> [R, L, S] by `compiled`: q . mean key (+ 1/2 q^2 . key
-        variance), summed over each group's query heads."""
+        variance), summed over each group's query heads. None where the kernel failed
+        (it would have compiled again, say): it is dropped, with a warning, and the
+        caller reads eagerly from then on."""
         shape = (q.shape[0], q.shape[1], rows.shape[-1])
         weights = [q.sum(3)]  # [R, L, H, D]
         if self.variance:
             weights.append(summaries.variance_weights(q.square().sum(3)).mul_(0.5))
-        return self.compiled(rows.expand(shape).contiguous(),
-                             counts.expand(shape).contiguous(), weights)
+        try:
+            return self.compiled(rows.expand(shape).contiguous(),
+                                 counts.expand(shape).contiguous(), weights)
+        except Exception as exc:  # noqa: BLE001 - dynamo's and inductor's are many kinds
+            logger.warning("TriForce compiled_scoring: the compiled block scores failed "
+                           "(%s: %s); block scores read the summaries eagerly from now on.",
+                           type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            self.compiled = None
+            return None
 
     @staticmethod
     def _copied_scores(q: Tensor, copy: Tensor, summaries: BlockSummaries) -> Tensor:
