@@ -374,12 +374,12 @@ def test_round_graphs_give_todays_tokens_at_depths_that_vary(temperature, tiny_l
 @pytest.mark.engine
 def test_compiled_scoring_gives_todays_tokens_selections_and_acceptance(
         tiny_llama, llm_factory, monkeypatch):
-    """`compiled_scoring` with round graphs (how a GPU runs them): every shortlist
-    re-ranking between middle rounds goes through the compiled kernel
+    """`compiled_scoring` with round graphs (how a GPU runs them): each step's selection
+    and every shortlist re-ranking between middle rounds go through the compiled kernels
     (core/fused_reads.py), and the engine gives the eager reads' tokens, selections and
     drafted/accepted counts."""
     from engine_helpers import drafter_of
-    from vllm_triforce.core.fused_reads import ListedScores
+    from vllm_triforce.core.fused_reads import CompiledScores
 
     prompts = _prompts(3)
     spec = dict(SPEC, round_graphs=True)
@@ -387,13 +387,15 @@ def test_compiled_scoring_gives_todays_tokens_selections_and_acceptance(
                  prompts)
     llm = llm_factory(tiny_llama, speculative_config=dict(spec, compiled_scoring=True),
                       num_gpu_blocks_override=64)
-    listed = drafter_of(llm).policy.compiled
-    assert listed is not None and listed.compile_seconds is not None
-    calls, call = [], ListedScores.__call__
-    monkeypatch.setattr(ListedScores, "__call__",
-                        lambda self, *a: calls.append(a[0].shape) or call(self, *a))
-    compiled = _run(llm, prompts)
-    assert calls, "no shortlist was re-ranked: the test proves nothing"
-    assert compiled["selections"] == eager["selections"]
-    assert compiled["accepted"] == eager["accepted"]
-    assert compiled["tokens"] == eager["tokens"]
+    compiled = drafter_of(llm).policy.compiled
+    assert compiled is not None and compiled.compile_seconds is not None
+    calls, run = [], CompiledScores._run
+    monkeypatch.setattr(CompiledScores, "_run",
+                        lambda self, fn, *a: calls.append(fn) or run(self, fn, *a))
+    scored = _run(llm, prompts)
+    assert compiled._listed in calls, "no shortlist was re-ranked: the test proves nothing"
+    assert compiled._tables in calls, "no step selected: the test proves nothing"
+    assert drafter_of(llm).policy.compiled is compiled, "the kernels fell back to eager reads"
+    assert scored["selections"] == eager["selections"]
+    assert scored["accepted"] == eager["accepted"]
+    assert scored["tokens"] == eager["tokens"]

@@ -558,11 +558,12 @@ def per_pass_generation(llm, drafter, prompts, params) -> dict:
 
 
 def compiled_facts(drafter) -> dict:
-    """Whether the compiled scoring was built (a failed compilation leaves the eager
-    reads, with a warning in the log) and how long its compilation took."""
-    listed = drafter.policy.compiled
-    return {"on": listed is not None,
-            "compile_seconds": None if listed is None else listed.compile_seconds}
+    """Whether the compiled scoring is on (a failed compilation, or a call that would have
+    compiled again, leaves the eager reads, with a warning in the log) and how long its
+    compilation took."""
+    compiled = drafter.policy.compiled
+    return {"on": compiled is not None,
+            "compile_seconds": None if compiled is None else compiled.compile_seconds}
 
 
 def graphs_facts(graphs) -> dict:
@@ -650,7 +651,7 @@ def cost_job(args, report: Report, model: Path, spec: dict, part: str, plan) -> 
         memory.install_init_probe()
     llm = build(args, report, model, spec, part)
     drafter = drafter_or_none(llm)
-    graphs, listed = drafter.retrieval.round_graphs, drafter.policy.compiled
+    graphs, compiled = drafter.retrieval.round_graphs, drafter.policy.compiled
     report["captures"] = watch_captures(graphs) if graphs is not None else []
     report["compiled_scoring"] = compiled_facts(drafter)
     peaks, timer = PeakProbe(drafter, cuda), ReplayTimer(graphs, cuda)
@@ -658,13 +659,15 @@ def cost_job(args, report: Report, model: Path, spec: dict, part: str, plan) -> 
     report["prefill_s"] = timed_generate(llm, prompts, 1)
     report["rows"] = []
     for depth, mode, synced in plan:
-        drafter.policy.compiled = listed if mode == COMPILED else None
+        drafter.policy.compiled = compiled if mode == COMPILED else None
         report["rows"].append(measure(llm, drafter, graphs, prompts, s["decode"], depth,
                                       mode != PER_PASS, synced, peaks, timer))
         report["rows"][-1]["mode"] = mode
+        if mode == COMPILED:  # False: the kernels failed and the policy read eagerly
+            report["rows"][-1]["compiled_held"] = drafter.policy.compiled is compiled
         report["round_graphs"] = graphs_facts(graphs)
         report.save()
-    drafter.retrieval.round_graphs, drafter.policy.compiled = graphs, listed
+    drafter.retrieval.round_graphs, drafter.policy.compiled = graphs, compiled
     if graphs is not None:
         report["host_ops"] = host_profile(llm, drafter, prompts, s["decode"][0],
                                           plan[0][0])
@@ -856,6 +859,8 @@ def summarise_rows(rows: list[dict], memory: dict | None) -> dict:
                     "forward_ms_per_round_synced": median(r["forward_ms_per_round"]
                                                           for r in synced),
                     "replay_ms_per_round": median(r["replay_ms_per_round"] for r in mine)}
+            if mode == COMPILED:  # every row's scores came from the kernels
+                cell["compiled_held"] = all(r.get("compiled_held", True) for r in mine)
             if on and cell["middle_round_ms"] and cell["replay_ms_per_round"]:
                 cell["round_over_replay"] = cell["middle_round_ms"] / cell["replay_ms_per_round"]
             out[f"depth {depth}, {mode}"] = cell

@@ -8,7 +8,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from vllm_triforce.core import reads
-from vllm_triforce.core.fused_reads import ListedScores, listed_dots
+from vllm_triforce.core.fused_reads import CompiledScores, listed_dots
 from vllm_triforce.core.policies import make_policy
 from vllm_triforce.core.selection import Selector
 from vllm_triforce.core.summaries import BlockSummaries
@@ -56,8 +56,8 @@ def test_compiled_scoring_scores_as_the_chunked_reads(monkeypatch, variance):
     with it the policy makes no copy of the listed summaries."""
     summaries = coded_summaries()
     policy = make_policy("retrieval", variance=variance)
-    listed = ListedScores(summaries, variance)
-    listed.warm_up()
+    compiled = CompiledScores(summaries, variance)
+    compiled.warm_up()
     graphs = counters["stats"]["unique_graphs"]
     monkeypatch.setattr(reads, "SCORE_CHUNK_BYTES", 4 * 2 * H * D * 3)  # 3 rows a chunk
     gen = torch.Generator().manual_seed(2)
@@ -69,7 +69,7 @@ def test_compiled_scoring_scores_as_the_chunked_reads(monkeypatch, variance):
         counts = summaries.counts[blocks.clamp(min=0)].clamp(min=1).float()
         policy.compiled = None
         want = policy.shortlist_scores(query, summaries, blocks, rows=rows, counts=counts)
-        policy.compiled = listed
+        policy.compiled = compiled
         got = policy.shortlist_scores(query, summaries, blocks, rows=rows, counts=counts)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         assert policy.listed_copy(summaries, rows, counts) is None
@@ -83,8 +83,8 @@ def test_compiled_scoring_scores_a_steps_tables_as_the_eager_reads(strategy):
     for tables of any width, without compiling again."""
     summaries = coded_summaries(7)
     policy = make_policy("retrieval", variance=True, strategy=strategy)
-    listed = ListedScores(summaries, True)
-    listed.warm_up()
+    compiled = CompiledScores(summaries, True)
+    compiled.warm_up()
     graphs = counters["stats"]["unique_graphs"]
     gen = torch.Generator().manual_seed(8)
     for requests, width in [(1, 1), (2, 9), (4, 30)]:
@@ -94,7 +94,7 @@ def test_compiled_scoring_scores_a_steps_tables_as_the_eager_reads(strategy):
         query = torch.randn(requests, L, 4, D, generator=gen)
         policy.compiled = None
         want = policy.block_scores(query, summaries, table, committed)
-        policy.compiled = listed
+        policy.compiled = compiled
         got = policy.block_scores(query, summaries, table, committed)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert counters["stats"]["unique_graphs"] == graphs
@@ -104,7 +104,7 @@ def test_compiled_scoring_reads_only_its_own_summaries():
     """A policy whose kernel was built over other summaries reads these eagerly."""
     summaries, other = coded_summaries(0), coded_summaries(1)
     policy = make_policy("retrieval", variance=True)
-    policy.compiled = ListedScores(other, True)
+    policy.compiled = CompiledScores(other, True)
     blocks = torch.randint(0, N, (2, L, 5), generator=torch.Generator().manual_seed(3))
     query = torch.randn(2, L, 4, D, generator=torch.Generator().manual_seed(4))
     compiled = policy.shortlist_scores(query, summaries, blocks)
@@ -129,7 +129,7 @@ def test_compiled_scoring_selects_as_the_chunked_reads():
     again = torch.randn(2, L, 4, D, generator=gen)
     eager = selector.choose(again, summaries, table, committed, shortlist=shortlist)
     selector.release_copies()
-    policy.compiled = ListedScores(summaries, True)
+    policy.compiled = CompiledScores(summaries, True)
     compiled = selector.choose(again, summaries, table, committed, shortlist=shortlist)
     assert shortlist.copy is None
     assert torch.equal(compiled.selection.logical_blocks, eager.selection.logical_blocks)
@@ -140,20 +140,20 @@ def test_a_call_that_would_compile_again_fails_and_the_policy_reads_eagerly(capl
     raises rather than run the eager arithmetic, which would hold every decoded row; the
     policy drops the kernel, says so, and scores by the eager reads from then on."""
     summaries = coded_summaries(9)
-    listed = ListedScores(summaries, True)
-    listed.warm_up()
+    compiled = CompiledScores(summaries, True)
+    compiled.warm_up()
     rows = summaries.layer_rows(torch.randint(0, N, (2, L, 5)))
     counts = torch.ones(2, L, 5)
     weights = [torch.randn(2, L, H, D), torch.rand(2, L, H, D)]
-    listed(rows, counts, weights)
+    compiled.listed(rows, counts, weights)
     with pytest.raises(RuntimeError, match="recompile"):
-        listed(rows.int(), counts, weights)
+        compiled.listed(rows.int(), counts, weights)
     policy = make_policy("retrieval", variance=True)
     blocks = torch.randint(0, N, (2, L, 5), generator=torch.Generator().manual_seed(10))
     query = torch.randn(2, L, 4, D, generator=torch.Generator().manual_seed(11))
     want = policy.shortlist_scores(query, summaries, blocks)
-    policy.compiled = listed
-    listed._stores = [(c.double(), s, t) for c, s, t in listed._stores]  # guards now fail
+    policy.compiled = compiled
+    compiled._stores = [(c.double(), s, t) for c, s, t in compiled._stores]  # guards now fail
     with caplog.at_level("WARNING"):
         got = policy.shortlist_scores(query, summaries, blocks)
     assert policy.compiled is None and "read the summaries eagerly" in caplog.text
@@ -163,4 +163,4 @@ def test_a_call_that_would_compile_again_fails_and_the_policy_reads_eagerly(capl
 def test_listed_scores_refuses_float_summaries():
     floats = BlockSummaries(L, N, H, D, BS, keep_variance=True)
     with pytest.raises(ValueError, match="coded summaries"):
-        ListedScores(floats, True)
+        CompiledScores(floats, True)

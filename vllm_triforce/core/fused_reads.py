@@ -17,7 +17,7 @@ the sums over channels are one kernel that allocates nothing larger than its res
 The requests and listed-blocks axes are marked unbacked (dynamo's `mark_unbacked`), so
 one compilation serves every batch, table and shortlist size, 1 included: a size never
 seen compiles nothing. The first call compiles (about 10 s on a CPU); the engine makes it
-at start-up (`ListedScores.warm_up`), and a compilation that fails there leaves the
+at start-up (`CompiledScores.warm_up`), and a compilation that fails there leaves the
 scores to the eager reads, with a warning.
 
 Example (tests/core/test_core_fused_reads.py): a store of 4 rows, one layer, one KV head,
@@ -46,7 +46,7 @@ def listed_dots(rows: Tensor, counts: Tensor, weights: Tensor, codes: Tensor,
     [L * N, H, 1] and decode `table` [256]; optionally a second store (the key variance)
     and its weights -> [R, L, S] float32: sum over H and D of weights x decoded rows, over
     counts. Eager, it holds the decoded rows ([R, L, S, H, D] float32): for tests and small
-    shapes; compiled (`ListedScores`), one kernel."""
+    shapes; compiled (`CompiledScores`), one kernel."""
     decoded = table[codes[rows].long()] * scales[rows]  # [R, L, S, H, D]
     dots = (decoded * weights[:, :, None]).sum((-1, -2))
     if more_codes is not None:
@@ -55,55 +55,89 @@ def listed_dots(rows: Tensor, counts: Tensor, weights: Tensor, codes: Tensor,
     return dots / counts
 
 
-class ListedScores:
-    """The compiled `listed_dots` over one summaries' coded stores (`sums`, and with the
-    key variance `deviations()`), built once per engine."""
+def table_dots(ids: Tensor, counts: Tensor, num_blocks: int, weights: Tensor, *stores):
+    """`listed_dots` of every layer's rows of the blocks ids [R, B] (physical, >= 0), with
+    their counts [R, B] float32: a step's selection's scores [R, L, B]. The rows are
+    worked out inside (layer l's block b: row l * num_blocks + b), so compiled nothing
+    [R, L, B] but the scores is held."""
+    layers = torch.arange(weights.shape[1], device=ids.device)[None, :, None]
+    return listed_dots(layers * num_blocks + ids[:, None, :], counts[:, None, :], weights,
+                       *stores)
+
+
+class CompiledScores:
+    """`listed_dots` and `table_dots` compiled over one summaries' coded stores (`sums`,
+    and with the key variance `deviations()`), built once per engine: `listed` scores
+    a shortlist's rows, `tables` a step's tables."""
 
     def __init__(self, summaries, variance: bool):
         self.summaries = summaries
         self.variance = variance
         stores = [summaries.sums, *([summaries.deviations()] if variance else [])]
         if not all(isinstance(s, CodedStore) for s in stores):
-            raise ValueError("ListedScores reads coded summaries (compact_summaries)")
+            raise ValueError("CompiledScores reads coded summaries (compact_summaries)")
         self._stores = [(flat(s.codes), flat(s.scales), decode_table(s.coding, s.device))
                         for s in stores]
-        self._compiled = torch.compile(listed_dots, dynamic=True, fullgraph=True)
+        self._listed = torch.compile(listed_dots, dynamic=True, fullgraph=True)
+        self._tables = torch.compile(table_dots, dynamic=True, fullgraph=True)
         self.compile_seconds: float | None = None  # set by warm_up
 
-    def __call__(self, rows: Tensor, counts: Tensor, weights: list[Tensor],
-                 compile_now: bool = False) -> Tensor:
+    def listed(self, rows: Tensor, counts: Tensor, weights: list[Tensor],
+               compile_now: bool = False) -> Tensor:
         """rows, counts [R, L, S] (`Shortlist.summary_rows`); weights: one [R, L, H, D]
-        float32 per store -> scores [R, L, S]. After `warm_up` nothing compiles again: a
-        call that would (a guard no size should fail) raises (dynamo's stance
-        "fail_on_recompile") rather than run the eager arithmetic, which would hold the
-        decoded rows; the policy then reads eagerly, in chunks."""
-        args = [rows, counts.float(), *[w.float().contiguous() for w in weights]]
-        for t in args:
+        float32 per store -> scores [R, L, S]."""
+        return self._run(self._listed, listed_dots, [rows, counts], (), weights, compile_now)
+
+    def tables(self, ids: Tensor, counts: Tensor, weights: list[Tensor],
+               compile_now: bool = False) -> Tensor:
+        """ids, counts [R, B] (physical blocks >= 0, their token counts); weights: one
+        [R, L, H, D] float32 per store -> scores [R, L, B]."""
+        return self._run(self._tables, table_dots, [ids, counts],
+                         (self.summaries.num_blocks,), weights, compile_now)
+
+    def _run(self, compiled, eager, index: list[Tensor], fixed: tuple,
+             weights: list[Tensor], compile_now: bool) -> Tensor:
+        """After `warm_up` nothing compiles again: a call that would (a guard no size
+        should fail) raises (dynamo's stance "fail_on_recompile") rather than run the eager
+        arithmetic, which would hold the decoded rows; the policy then reads eagerly, in
+        chunks."""
+        with torch.inference_mode():  # the engine's tensors: what the kernels were made for
+            index = [_inference(index[0]), _inference(index[1].float())]
+            weights = [_inference(w.float().contiguous()) for w in weights]
+        for t in (*index, *weights):
             mark_unbacked(t, 0)  # requests
-        for t in args[:2]:
-            mark_unbacked(t, 2)  # listed blocks
+        for t in index:
+            mark_unbacked(t, t.dim() - 1)  # listed blocks, or the tables' width
         (codes, scales, table), *more = self._stores
-        extra = () if not more else (args[3], *more[0])
+        args = (*index, *fixed, weights[0], codes, scales, table,
+                *(() if not more else (weights[1], *more[0])))
         if _get_current_dispatch_mode() is not None:
             # a dispatch mode (tools/bench: syncs.py's counter) is watching: dynamo compiles
             # nothing under one, so the same arithmetic runs eagerly, where it sees it
-            return listed_dots(args[0], args[1], args[2], codes, scales, table, *extra)
+            return eager(*args)
         stance = "default" if compile_now else "fail_on_recompile"
         # one grad mode for every call: no recompilation
         with torch.inference_mode(), torch.compiler.set_stance(stance):
-            return self._compiled(args[0], args[1], args[2], codes, scales, table, *extra)
+            return compiled(*args)
 
     def warm_up(self) -> float:
-        """Compile now (2 requests, 3 listed blocks of block 0): the seconds it took."""
+        """Compile both now (2 requests, 3 blocks, block 0): the seconds it took."""
         s = self.summaries
         start = time.perf_counter()
-        rows = torch.zeros(2, s.num_layers, 3, dtype=torch.long, device=s.device)
-        counts = torch.ones(2, s.num_layers, 3, device=s.device)
         weights = [torch.zeros(2, s.num_layers, s.num_kv_heads, codes.shape[-1],
                                device=s.device) for codes, _, _ in self._stores]
-        self(rows, counts, weights, compile_now=True)
+        self.listed(torch.zeros(2, s.num_layers, 3, dtype=torch.long, device=s.device),
+                    torch.ones(2, s.num_layers, 3, device=s.device), weights, compile_now=True)
+        self.tables(torch.zeros(2, 3, dtype=torch.long, device=s.device),
+                    torch.ones(2, 3, device=s.device), weights, compile_now=True)
         self.compile_seconds = time.perf_counter() - start
         return self.compile_seconds
+
+
+def _inference(t: Tensor) -> Tensor:
+    """`t` as an inference tensor (vLLM runs the engine in inference mode, so its tensors
+    are; dynamo guards on the difference): a copy where it is not (a test's, say)."""
+    return t if t.is_inference() else t.clone()
 
 
 def flat(store_part: Tensor) -> Tensor:

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from vllm_triforce.core.blocks import full_block_mask
-from vllm_triforce.core.fused_reads import ListedScores
+from vllm_triforce.core.fused_reads import CompiledScores
 from vllm_triforce.core.reads import (block_slice, flat_rows, gather_chunks, gathered,
                                       read_limit, rows_dot, score_chunks)
 from vllm_triforce.core.scoring import (SelectionPolicy, aggregate_heads, check_aggregation,
@@ -81,9 +81,9 @@ class RetrievalPolicy(SelectionPolicy):
         self.aggregation = aggregation
         self.strategy = strategy
         self.scale = scale  # None: 1 / sqrt(head_dim)
-        # core/fused_reads.ListedScores over the engine's coded summaries
+        # core/fused_reads.CompiledScores over the engine's coded summaries
         # (`compiled_scoring`): block scores in one compiled kernel, no listed copy
-        self.compiled: ListedScores | None = None
+        self.compiled: CompiledScores | None = None
 
     def block_scores(self, query, summaries, block_table, num_committed, state=None,
                      candidates: Tensor | None = None):
@@ -92,9 +92,9 @@ class RetrievalPolicy(SelectionPolicy):
         q = q * (self.scale or 1.0 / math.sqrt(q.shape[-1]))
         ids = on_device(block_table, summaries.device, torch.long).clamp(min=0)  # [R, B]
         if self._compiled_for(summaries):  # every table block as a listed one: one kernel
-            scores = self._compiled_scores(
-                q, summaries, summaries.layer_rows(ids[:, None]),
-                summaries.counts[ids].clamp(min=1).float()[:, None])
+            scores = self._compiled_scores(q, summaries, ids,
+                                           summaries.counts[ids].clamp(min=1).float(),
+                                           tables=True)
             if scores is not None:
                 return scores
         if self.aggregation == "sum":  # linear in q: one dot product per KV group
@@ -128,7 +128,7 @@ class RetrievalPolicy(SelectionPolicy):
         if rows is None:
             rows = summaries.layer_rows(blocks)  # one index for every store read
         if self._compiled_for(summaries):
-            scores = self._compiled_scores(q, summaries, rows, counts)
+            scores = self._compiled_scores(q, summaries, rows, counts, tables=False)
             if scores is not None:
                 return scores
         weights = [(q, summaries.sums)]
@@ -178,24 +178,24 @@ class RetrievalPolicy(SelectionPolicy):
         return (self.compiled is not None and self.compiled.summaries is summaries
                 and self.aggregation == "sum")
 
-    def _compiled_scores(self, q: Tensor, summaries: BlockSummaries, rows: Tensor,
-                         counts: Tensor) -> Tensor | None:
-        """q [R, L, H, G, D] (scaled), `layer_rows` rows [R, L or 1, S] and their counts
-        [R, L or 1, S] -> [R, L, S] by `compiled`: q . mean key (+ 1/2 q^2 . key
-        variance), summed over each group's query heads. None where the kernel failed
+    def _compiled_scores(self, q: Tensor, summaries: BlockSummaries, index: Tensor,
+                         counts: Tensor, tables: bool) -> Tensor | None:
+        """q [R, L, H, G, D] (scaled) -> [R, L, S] by `compiled`: q . mean key (+ 1/2 q^2
+        . key variance), summed over each group's query heads, of a shortlist's
+        `layer_rows` index [R, L, S] with their counts, or (`tables`) of every layer's
+        blocks index [R, S] (physical) with theirs [R, S]. None where the kernel failed
         (it would have compiled again, say): it is dropped, with a warning, and the
         caller reads eagerly from then on."""
-        shape = (q.shape[0], q.shape[1], rows.shape[-1])
         weights = [q.sum(3)]  # [R, L, H, D]
         if self.variance:
             weights.append(summaries.variance_weights(q.square().sum(3)).mul_(0.5))
         try:
-            return self.compiled(rows.expand(shape).contiguous(),
-                                 counts.expand(shape).contiguous(), weights)
+            run = self.compiled.tables if tables else self.compiled.listed
+            return run(index, counts, weights)
         except Exception as exc:  # noqa: BLE001 - dynamo's and inductor's are many kinds
             logger.warning("TriForce compiled_scoring: the compiled block scores failed "
                            "(%s: %s); block scores read the summaries eagerly from now on.",
-                           type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+                           type(exc).__name__, exc)
             self.compiled = None
             return None
 

@@ -39,7 +39,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 
 from vllm_triforce import engine_settings, metrics
 from vllm_triforce.config import TriForceConfigError, forced_settings
-from vllm_triforce.core.fused_reads import ListedScores
+from vllm_triforce.core.fused_reads import CompiledScores
 from vllm_triforce.core.policies import make_policy
 from vllm_triforce.core.refresh import RefreshPolicy
 from vllm_triforce.core.scoring import SelectionState
@@ -192,14 +192,14 @@ class Drafting:
         (core/fused_reads.py), compiled now; a compilation that fails leaves the eager
         reads, with a warning."""
         try:
-            listed = ListedScores(self.summaries, self.policy.variance)
-            seconds = listed.warm_up()
+            compiled = CompiledScores(self.summaries, self.policy.variance)
+            seconds = compiled.warm_up()
         except Exception as exc:  # noqa: BLE001 - inductor's failures are many kinds
             logger.warning("TriForce compiled_scoring: compiling the block scoring failed "
                            "(%s: %s); it reads the summaries eagerly, in chunks.",
                            type(exc).__name__, exc)
             return
-        self.policy.compiled = listed
+        self.policy.compiled = compiled
         logger.info("TriForce compiled_scoring: block scores are one compiled kernel "
                     "(compiled in %.1f s)", seconds)
 

@@ -40,7 +40,7 @@ class HostOps:
     def __enter__(self) -> "HostOps":
         from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-        from vllm_triforce.core.fused_reads import ListedScores
+        from vllm_triforce.core.fused_reads import CompiledScores
         from vllm_triforce.engine.device import forward, round_graph
 
         owner = self
@@ -88,7 +88,7 @@ class HostOps:
                           None, False),
                          (round_graph.CudaGraphReplay, "run", round_graph.CudaGraphReplay.run,
                           "(a CUDA graph's launch)", False),
-                         (ListedScores, "__call__", ListedScores.__call__,
+                         (CompiledScores, "_run", CompiledScores._run,
                           "(the compiled scoring's launch)", True)]
         for holder, name, value, site, unwatched in self._restore:
             setattr(holder, name, uncounted(value, site, unwatched))
