@@ -42,6 +42,11 @@
 #                                                # (a), their cost at the 8B width (b) and at
 #                                                # SmolLM2's shape (c); PARTS a,b by default
 #                                                # (benchmarks/explore/gpu_round_graph.py)
+#   bash scripts/gpu_session.sh hot-path [SECONDS]  # carry .bundle: the hot path's device
+#                                                # work at Llama-3.1-8B's shape (8 x 32K,
+#                                                # 32 layers), coded summaries, the block
+#                                                # scores eager and compiled
+#                                                # (benchmarks/explore/cuda_hot_path.py)
 #
 # Results go to $OUT (gpu/ of bench gpu; demo.json, demo.log of the real-model run) as
 # each part completes. Parts: scripts/gpu_bundle.py (.bundle), scripts/gpu_model_carry.py
@@ -51,7 +56,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-session-out}
 mkdir -p "$OUT"
 export VLLM_TRIFORCE_CACHE=/tmp/vt-cache
-step=${1:?costs, kv-kept, mrv2-first, mrv2, sampled, mrv2-full, model-a, real, host-rounds or round-graphs}
+step=${1:?costs, kv-kept, mrv2-first, mrv2, sampled, mrv2-full, model-a, real, host-rounds, round-graphs or hot-path}
 budget=${2:-270}
 case "$step" in
   costs)
@@ -88,6 +93,11 @@ case "$step" in
     bash scripts/gpu_run.sh --budget-s "$budget" --only \
       kernels,exact-flash-bf16-grow-defaults-plain,exact-flash-bf16-grow-2L-mrv2-full,costs-triforce-mrv2 \
       2>&1 | grep -v " INFO \| DEBUG "
+    ;;
+  hot-path)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    timeout "$budget" bash scripts/gpu_run.sh -- python3 "$PWD/benchmarks/explore/cuda_hot_path.py" \
+      --coded --json "$OUT/hot_path.json" 2>&1 | grep -v " INFO \| DEBUG \|WARNING"
     ;;
   host-rounds)
     # a third argument "graphs": the middle passes as CUDA graphs (`round_graphs`)

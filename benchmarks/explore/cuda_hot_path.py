@@ -13,7 +13,12 @@ it allocated beyond its inputs, and its syncs (SyncCounter; on CUDA under
 of a round's parts are TriForce's own per-round overhead on this device.
 
     python3 benchmarks/explore/cuda_hot_path.py [--batch 8] [--context 32768]
-        [--cache-blocks N] [--score-chunk-mib M] [--json F] [--shape S] [--profile]
+        [--cache-blocks N] [--score-chunk-mib M] [--json F] [--shape S] [--profile] [--coded]
+
+`--coded`: the engine's default coded summaries (`compact_summaries`), and the step's
+selection and a middle re-selection once more with their scores from the compiled kernels
+(`compiled_scoring`, core/fused_reads.py): device and host ms, peak, syncs, beside the
+eager chunked reads of the same summaries.
 """
 
 from __future__ import annotations
@@ -65,8 +70,11 @@ def measure(name: str, fn, repeats: int, strict: bool, device: str, results: lis
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     with SyncCounter(device_type=device, strict=strict and device == "cuda") as counter:
-        out = fn()
+        out = fn()  # (a compiled function runs eagerly under the counter's dispatch mode)
     syncs = counter.total
+    if device == "cuda":  # the peak of the timed calls alone
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     device_ms, host_ms = [], []
     for _ in range(repeats):
         if device == "cuda":
@@ -105,6 +113,10 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="also print torch.profiler's top operations of a sampled "
                              "middle loop")
+    parser.add_argument("--coded", action="store_true",
+                        help="the engine's default summaries (`compact_summaries`: one byte a "
+                             "value), and the selections also by the compiled kernels "
+                             "(`compiled_scoring`, core/fused_reads.py)")
     parser.add_argument("--score-chunk-mib", type=int, default=0,
                         help="override core/reads.SCORE_CHUNK_BYTES (MiB; 0: keep 64)")
     args = parser.parse_args()
@@ -122,9 +134,16 @@ def main() -> None:
           f"{args.shape} shapes", flush=True)
     table = torch.randperm(num_blocks, device=dev)[:R * per_req].view(R, per_req).int()
     summaries = BlockSummaries(LAYERS, num_blocks, KV_HEADS, HEAD_DIM, BLOCK,
-                               dtype=DTYPE, device=dev, keep_variance=True)
-    summaries.sums.normal_()
-    summaries.square_deviations.uniform_()
+                               dtype=DTYPE, device=dev, keep_variance=True, coded=args.coded)
+    if args.coded:  # written a slice of blocks at a time (each coded from float32)
+        for start in range(0, num_blocks, 1024):
+            ids = torch.arange(start, min(start + 1024, num_blocks), device=dev)
+            shape = (LAYERS, ids.numel(), KV_HEADS, HEAD_DIM)
+            summaries.sums.write(ids, torch.randn(shape, device=dev))
+            summaries.square_deviations.write(ids, torch.rand(shape, device=dev))
+    else:
+        summaries.sums.normal_()
+        summaries.square_deviations.uniform_()
     summaries.counts.fill_(BLOCK)
     blocks = BlockCounts(block_size=BLOCK, budget_blocks=BUDGET // BLOCK,
                          retrieval_sink_blocks=SINK_BLOCKS, retrieval_recent_blocks=RECENT_BLOCKS)
@@ -164,6 +183,9 @@ def main() -> None:
                     lambda: selector.choose(query, summaries, table, committed_dev,
                                             shortlist=choice.shortlist),
                     args.repeats, True, device, results)
+    if args.coded:
+        compiled_selections(query, summaries, table, committed_dev, selector, choice,
+                            args.repeats, device, results)
     sizes = [selection_sizes(c, blocks) for c in committed]
     ends = [c + GAMMA2 + 1 for c in committed]
     width = max(s + -(-e // BLOCK) - t for (s, t), e in zip(sizes, ends))
@@ -220,6 +242,35 @@ def main() -> None:
                                         indent=1))
 
 
+def compiled_selections(query, summaries, table, committed, selector, choice, repeats: int,
+                        device: str, results: list) -> None:
+    """`compiled_scoring` (core/fused_reads.py): the step's selection and a middle
+    re-selection with their scores from the compiled kernels, after their compilation
+    (timed): against the two rows above, which read the coded summaries eagerly, in
+    chunks."""
+    from vllm_triforce.core.fused_reads import CompiledScores
+
+    compiled = CompiledScores(summaries, variance=True)
+    seconds = compiled.warm_up()
+    print(f"{'':<52} compiled in {seconds:.1f} s", flush=True)
+    results.append({"op": "compiled_scoring: compilation", "seconds": seconds})
+    selector.release_copies()
+    selector.policy.compiled = compiled
+    try:
+        measure(f"select, compiled: {table.shape[0]} x {table.shape[1]} blocks",
+                lambda: selector.choose(query, summaries, table, committed,
+                                        keep_shortlist=True),
+                repeats, True, device, results)
+        measure(f"re-select in the middle, compiled: shortlist of "
+                f"{choice.shortlist.logical.shape[-1]}",
+                lambda: selector.choose(query, summaries, table, committed,
+                                        shortlist=choice.shortlist),
+                repeats, True, device, results)
+        assert selector.policy.compiled is compiled, "the compiled kernels fell back"
+    finally:
+        selector.policy.compiled = None
+
+
 def copied_reselect(dev, device: str, query, summaries, table, committed, blocks,
                     repeats: int, results: list) -> None:
     """A middle re-selection from the shortlist's copy (`RetrievalPolicy.listed_copy`): the
@@ -261,9 +312,12 @@ def middle_rounds(dev, device: str, R: int, repeats: int, results: list,
             self.batch, self.states = batch, states
 
         def forward(self, rows, token_ids, positions):
-            if not isinstance(token_ids, torch.Tensor):
-                token_ids = to_device(dev, [t for ids in token_ids for t in ids])[0]
+            if not isinstance(token_ids, torch.Tensor):  # the flat ids, on the host
+                token_ids = to_device(dev, token_ids)[0]
             return emb[token_ids] @ out
+
+        def load_ahead(self, *args):  # no round graphs here: nothing to load
+            pass
 
         def select_in_middle(self, *args):
             pass
