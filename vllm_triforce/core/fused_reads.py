@@ -58,8 +58,8 @@ def listed_dots(rows: Tensor, counts: Tensor, weights: Tensor, codes: Tensor,
 def table_dots(ids: Tensor, counts: Tensor, num_blocks: int, weights: Tensor, *stores):
     """`listed_dots` of every layer's rows of the blocks ids [R, B] (physical, >= 0), with
     their counts [R, B] float32: a step's selection's scores [R, L, B]. The rows are
-    worked out inside (layer l's block b: row l * num_blocks + b), so compiled nothing
-    [R, L, B] but the scores is held."""
+    worked out inside (layer l's block b: row l * num_blocks + b), so that, compiled, the
+    kernel holds nothing of size [R, L, B] but the scores."""
     layers = torch.arange(weights.shape[1], device=ids.device)[None, :, None]
     return listed_dots(layers * num_blocks + ids[:, None, :], counts[:, None, :], weights,
                        *stores)
