@@ -260,8 +260,9 @@ def tensor_work_per_round(llm, drafter, prompts, params, repeats: int) -> tuple[
     """(aten operations per middle round outside the model forwards, ms per round inside
     them: median over `repeats` generations), by tools/bench/host_ops.HostOps: each
     operation timed where it reaches the dispatcher, so the mode's own Python is not in
-    the time (a CUDA graph's launch counts as one operation, its wall time)."""
-    from vllm_triforce.tools.bench.host_ops import HostOps
+    the time. A round graph's launch is left out, as the model's forwards are (its time
+    is the engine's forward time, which `host_ms_per_round` excludes already)."""
+    from vllm_triforce.tools.bench.host_ops import GRAPH_LAUNCH, HostOps
 
     ops, kernel_ms = [], []
     for _ in range(repeats):
@@ -269,8 +270,9 @@ def tensor_work_per_round(llm, drafter, prompts, params, repeats: int) -> tuple[
         with HostOps(drafter) as counted:
             llm.generate(prompts, params, use_tqdm=False)
         rounds = drafter.stats.snapshot()["middle_rounds"] - before
-        ops.append(counted.total / rounds)
-        kernel_ms.append(1000 * sum(counted.seconds.values()) / rounds)
+        ops.append((counted.total - counted.counts[GRAPH_LAUNCH]) / rounds)
+        kernel_ms.append(1000 * (sum(counted.seconds.values())
+                                 - counted.seconds[GRAPH_LAUNCH]) / rounds)
     return statistics.median(ops), statistics.median(kernel_ms)
 
 

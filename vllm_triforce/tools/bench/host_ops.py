@@ -25,6 +25,8 @@ import collections
 import time
 import traceback
 
+GRAPH_LAUNCH = "(a CUDA graph's launch)"  # the site a round graph's replay counts at
+
 
 class HostOps:
     """Counts and times every aten operation `drafter.propose` dispatches outside the
@@ -87,7 +89,7 @@ class HostOps:
                          (round_graph.BucketPass, "closure", round_graph.BucketPass.closure,
                           None, False),
                          (round_graph.CudaGraphReplay, "run", round_graph.CudaGraphReplay.run,
-                          "(a CUDA graph's launch)", False),
+                          GRAPH_LAUNCH, False),
                          (CompiledScores, "_run", CompiledScores._run,
                           "(the compiled scoring's launch)", True)]
         for holder, name, value, site, unwatched in self._restore:
