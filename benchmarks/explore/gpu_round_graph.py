@@ -25,10 +25,9 @@ only a GPU can show, in three parts, most valuable first:
     alternating twice (a drift of the machine shows as a difference between the two passes
     of each mode); the compiled and per-pass modes also with VLLM_TRIFORCE_TIME_FORWARDS=1
     (a sync per pass: the forwards' time as the device finishes them), and the graph
-    replays' device time from CUDA events
-    around their launches (no sync); TriForce's CUDA memory
-    (what `initialize_attn_backend` keeps, what each capture took, the peak above each
-    `propose`'s entry) against its reservation (`drafter.reserved_bytes`).
+    replays' device time from CUDA events around their launches (no sync); TriForce's CUDA
+    memory (what `initialize_attn_backend` keeps, what each capture took, the peak above
+    each `propose`'s entry) against its reservation (`drafter.reserved_bytes`).
 (c) Cost at SmolLM2-135M's shape (dummy weights), 32 x 7,808 tokens: ms per middle round and
     per step at depths 6 (the three modes) and 0 (graphs and per pass) in one engine.
 Parts (a), (b) and (c) compile the block scoring (`compiled_scoring`; whether it compiled,
@@ -663,8 +662,9 @@ def cost_job(args, report: Report, model: Path, spec: dict, part: str, plan) -> 
         report["rows"].append(measure(llm, drafter, graphs, prompts, s["decode"], depth,
                                       mode != PER_PASS, synced, peaks, timer))
         report["rows"][-1]["mode"] = mode
-        if mode == COMPILED:  # False: the kernels failed and the policy read eagerly
-            report["rows"][-1]["compiled_held"] = drafter.policy.compiled is compiled
+        if mode == COMPILED:  # False: no kernels (start-up), or they failed in the row
+            report["rows"][-1]["compiled_held"] = (compiled is not None
+                                                   and drafter.policy.compiled is compiled)
         report["round_graphs"] = graphs_facts(graphs)
         report.save()
     drafter.retrieval.round_graphs, drafter.policy.compiled = graphs, compiled

@@ -72,7 +72,6 @@ class CompiledScores:
 
     def __init__(self, summaries, variance: bool):
         self.summaries = summaries
-        self.variance = variance
         stores = [summaries.sums, *([summaries.deviations()] if variance else [])]
         if not all(isinstance(s, CodedStore) for s in stores):
             raise ValueError("CompiledScores reads coded summaries (compact_summaries)")
