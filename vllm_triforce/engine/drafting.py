@@ -178,6 +178,9 @@ class Drafting:
         self._build_levels(paged_keys, unreadable, target_groups)
         if self.cfg.compiled_scoring:
             self._compile_scoring()
+        else:
+            logger.info("TriForce block scores: eager reads of the summaries, in chunks "
+                        "(compiled_scoring off)")
         logger.info(engine_settings.describe(self.vllm_config, backend, self.forced_settings))
         logger.info("TriForce block summaries: %.1f MiB for %d blocks (%s); probability buffers "
                     "%.1f MiB for %d drafting requests; reads of at most %.1f MiB",
