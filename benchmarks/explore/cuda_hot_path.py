@@ -244,13 +244,14 @@ def main() -> None:
 
 def compiled_selections(query, summaries, table, committed, selector, choice, repeats: int,
                         device: str, results: list) -> None:
-    """`compiled_scoring` (core/fused_reads.py): the step's selection and a middle
-    re-selection with their scores from the compiled kernels, after their compilation
+    """`compiled_scoring` (core/fused_reads.py): the step's selection with its scores
+    from the compiled kernel, and a middle re-selection as one compiled graph (query to
+    selection), after their compilation
     (timed): against the two rows above, which read the coded summaries eagerly, in
     chunks."""
     from vllm_triforce.core.fused_reads import CompiledScores
 
-    compiled = CompiledScores(summaries, variance=True)
+    compiled = CompiledScores(summaries, True, selector.blocks, Q_HEADS)
     seconds = compiled.warm_up()
     print(f"{'':<52} compiled in {seconds:.1f} s", flush=True)
     results.append({"op": "compiled_scoring: compilation", "seconds": seconds})

@@ -7,8 +7,8 @@ coded summaries the busiest part of a graphed round. This builds coded summaries
 `--layers` layers x 8 KV heads x 128 channels for `--batch` requests of `--context`
 tokens, keeps a shortlist as the step's selection does (factor 4, budget 4,096 tokens),
 and re-ranks it `--repeats` times with fresh queries, counting the operations each
-re-ranking dispatches (a TorchDispatchMode; the compiled kernels run outside it and
-count as one) and its wall time on this machine. Needs only torch.
+re-ranking dispatches (a TorchDispatchMode; the compiled graph, query to selection, runs
+outside it and counts as one) and its wall time on this machine. Needs only torch.
 
     .venv/bin/python benchmarks/explore/rerank_ops.py [--layers 8] [--batch 8]
         [--context 7680] [--repeats 3]
@@ -70,12 +70,12 @@ def main() -> None:
                                 keep_shortlist=True).shortlist
     print(f"{torch.__version__}: {reqs} x {args.context} tokens, {layers} layers x "
           f"{KV_HEADS} x {HEAD_DIM}, shortlist of {shortlist.logical.shape[-1]} blocks")
-    compiled = CompiledScores(summaries, variance=True)
+    compiled = CompiledScores(summaries, True, blocks, Q_HEADS)
     print(f"compiled in {compiled.warm_up():.1f} s")
     run = CompiledScores._run
 
     def unwatched(self, *a):  # one operation: the kernel's launch
-        Counting.current.ops["(the compiled kernel)"] += 1
+        Counting.current.ops["(the compiled graph)"] += 1
         with _disable_current_modes():
             return run(self, *a)
 

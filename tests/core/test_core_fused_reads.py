@@ -1,6 +1,7 @@
-"""The compiled block scoring (core/fused_reads.py, `compiled_scoring`): the scores the
-chunked reads of coded summaries give, a step's selection's and a shortlist's re-ranking,
-from one compilation for every batch, table and shortlist size, with no copy of the listed
+"""The compiled block scoring (core/fused_reads.py, `compiled_scoring`): a step's
+selection's scores as the eager reads of coded summaries give them, and a shortlist's
+re-ranking, query to selection, as the chunked reads then `select_listed` make it, from
+one compilation for every batch, table and shortlist size, with no copy of the listed
 summaries."""
 
 import pytest
@@ -16,6 +17,8 @@ from vllm_triforce.core.summary_coding import CODINGS, decode, decode_table, enc
 from vllm_triforce.config import BlockCounts
 
 L, N, H, D, BS = 3, 40, 2, 16, 4
+BLOCKS = BlockCounts(block_size=BS, budget_blocks=6, retrieval_sink_blocks=1,
+                     retrieval_recent_blocks=1)
 
 
 def coded_summaries(seed: int = 0) -> BlockSummaries:
@@ -49,31 +52,68 @@ def test_listed_dots_worked_example():
     torch.testing.assert_close(got, torch.tensor([[[-1.0, 0.5, 3.0]], [[2.0, 8.0, 4.0]]]))
 
 
+def shortlisted(selector, summaries, requests: int, width: int, gen):
+    """A step's choice with its shortlist (eagerly, as the engine's step start makes it)
+    for `requests` random tables of `width` blocks, and (table, committed, a later query)
+    to re-rank it with."""
+    table = torch.randperm(N, generator=gen)[:requests * width].view(requests, width)
+    committed = width * BS - torch.randint(0, BS, (requests,), generator=gen)
+    query = torch.randn(requests, L, 4, D, generator=gen)
+    compiled, selector.policy.compiled = selector.policy.compiled, None
+    shortlist = selector.choose(query, summaries, table, committed,
+                                keep_shortlist=True).shortlist
+    selector.policy.compiled = compiled
+    return shortlist, table, committed, torch.randn(requests, L, 4, D, generator=gen)
+
+
 @pytest.mark.parametrize("variance", [False, True])
-def test_compiled_scoring_scores_as_the_chunked_reads(monkeypatch, variance):
-    """The compiled kernel gives the chunked reads' scores (to float32 rounding) for
-    batches and shortlists of every size, 1 included, padding included, compiling once;
-    with it the policy makes no copy of the listed summaries."""
-    summaries = coded_summaries()
+def test_compiled_reranking_selects_as_the_chunked_reads(monkeypatch, variance):
+    """A shortlist re-ranked by the compiled graph (query to selection) picks the blocks
+    the chunked reads then `select_listed` pick, for batches of every size, 1 included,
+    and lists shorter than a selection keeps (a table of few blocks: padded), compiling
+    once; with it the Selector makes no copy of the listed summaries. Random summaries:
+    no near-ties at this size."""
+    summaries = coded_summaries(5)
+    blocks = BLOCKS
     policy = make_policy("retrieval", variance=variance)
-    compiled = CompiledScores(summaries, variance)
+    selector = Selector(policy, blocks, shortlist_factor=3)
+    compiled = CompiledScores(summaries, variance, blocks, num_q_heads=4)
     compiled.warm_up()
     graphs = counters["stats"]["unique_graphs"]
     monkeypatch.setattr(reads, "SCORE_CHUNK_BYTES", 4 * 2 * H * D * 3)  # 3 rows a chunk
     gen = torch.Generator().manual_seed(2)
-    for requests, size in [(1, 1), (3, 7), (2, 1), (5, 13)]:
-        blocks = torch.randint(0, N, (requests, L, size), generator=gen)
-        blocks[0, 0, -1] = -1  # padding reads block 0, as the eager reads do
-        query = torch.randn(requests, L, 4, D, generator=gen)
-        rows = summaries.layer_rows(blocks)
-        counts = summaries.counts[blocks.clamp(min=0)].clamp(min=1).float()
+    short = 0
+    for requests, width in [(1, 18), (3, 10), (2, 3), (5, 8), (1, 2)]:
+        shortlist, table, committed, query = shortlisted(selector, summaries, requests,
+                                                         width, gen)
+        short += shortlist.logical.shape[-1] < blocks.max_chosen
         policy.compiled = None
-        want = policy.shortlist_scores(query, summaries, blocks, rows=rows, counts=counts)
+        want = selector.choose(query, summaries, table, committed, shortlist=shortlist)
+        selector.release_copies()
         policy.compiled = compiled
-        got = policy.shortlist_scores(query, summaries, blocks, rows=rows, counts=counts)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        assert policy.listed_copy(summaries, rows, counts) is None
+        got = selector.choose(query, summaries, table, committed, shortlist=shortlist)
+        assert policy.compiled is compiled and shortlist.copy is None
+        for field in ("logical_blocks", "num_selected", "tail_start"):
+            assert torch.equal(getattr(got.selection, field), getattr(want.selection, field))
+    assert short  # a list shorter than max_chosen was among them
     assert counters["stats"]["unique_graphs"] == graphs  # no size compiled anew
+
+
+def test_the_compiled_reranking_is_its_eager_arithmetic():
+    """Compiled, `listed_choice` returns what the same function returns eagerly."""
+    summaries = coded_summaries(3)
+    blocks = BlockCounts(block_size=BS, budget_blocks=8, retrieval_sink_blocks=1,
+                         retrieval_recent_blocks=1)
+    selector = Selector(make_policy("retrieval", variance=True), blocks, shortlist_factor=2)
+    compiled = CompiledScores(summaries, True, blocks, num_q_heads=4)
+    compiled.warm_up()
+    shortlist, _, _, query = shortlisted(selector, summaries, 3, 12,
+                                         torch.Generator().manual_seed(4))
+    shortlist.summary_rows(summaries)
+    shortlist.padding = shortlist.logical < 0
+    got = compiled.choose_listed(query, shortlist)
+    compiled._listed = compiled._choice  # the same call, not compiled
+    assert torch.equal(got, compiled.choose_listed(query, shortlist))
 
 
 @pytest.mark.parametrize("strategy", ["gather", "all"])
@@ -83,7 +123,7 @@ def test_compiled_scoring_scores_a_steps_tables_as_the_eager_reads(strategy):
     for tables of any width, without compiling again."""
     summaries = coded_summaries(7)
     policy = make_policy("retrieval", variance=True, strategy=strategy)
-    compiled = CompiledScores(summaries, True)
+    compiled = CompiledScores(summaries, True, BLOCKS, num_q_heads=4)
     compiled.warm_up()
     graphs = counters["stats"]["unique_graphs"]
     gen = torch.Generator().manual_seed(8)
@@ -101,66 +141,47 @@ def test_compiled_scoring_scores_a_steps_tables_as_the_eager_reads(strategy):
 
 
 def test_compiled_scoring_reads_only_its_own_summaries():
-    """A policy whose kernel was built over other summaries reads these eagerly."""
+    """A policy whose kernels were built over other summaries scores and re-ranks these
+    eagerly."""
     summaries, other = coded_summaries(0), coded_summaries(1)
-    policy = make_policy("retrieval", variance=True)
-    policy.compiled = CompiledScores(other, True)
-    blocks = torch.randint(0, N, (2, L, 5), generator=torch.Generator().manual_seed(3))
-    query = torch.randn(2, L, 4, D, generator=torch.Generator().manual_seed(4))
-    compiled = policy.shortlist_scores(query, summaries, blocks)
-    policy.compiled = None
-    assert torch.equal(compiled, policy.shortlist_scores(query, summaries, blocks))
-
-
-def test_compiled_scoring_selects_as_the_chunked_reads():
-    """Through `Selector.choose`: a shortlist re-ranked by the kernel picks the blocks the
-    eager reads pick (random summaries: no near-ties at this size)."""
-    summaries = coded_summaries(5)
-    blocks = BlockCounts(block_size=BS, budget_blocks=6, retrieval_sink_blocks=1,
-                         retrieval_recent_blocks=1)
-    policy = make_policy("retrieval", variance=True)
-    selector = Selector(policy, blocks, shortlist_factor=3)
-    gen = torch.Generator().manual_seed(6)
-    table = torch.randperm(N, generator=gen)[:36].view(2, 18)
-    committed = torch.tensor([18 * BS, 15 * BS + 2])
-    query = torch.randn(2, L, 4, D, generator=gen)
-    shortlist = selector.choose(query, summaries, table, committed,
-                                keep_shortlist=True).shortlist
-    again = torch.randn(2, L, 4, D, generator=gen)
-    eager = selector.choose(again, summaries, table, committed, shortlist=shortlist)
-    selector.release_copies()
-    policy.compiled = CompiledScores(summaries, True)
-    compiled = selector.choose(again, summaries, table, committed, shortlist=shortlist)
-    assert shortlist.copy is None
-    assert torch.equal(compiled.selection.logical_blocks, eager.selection.logical_blocks)
+    selector = Selector(make_policy("retrieval", variance=True), BLOCKS, shortlist_factor=3)
+    selector.policy.compiled = CompiledScores(other, True, BLOCKS, num_q_heads=4)
+    shortlist, _, _, query = shortlisted(selector, summaries, 2, 12,
+                                         torch.Generator().manual_seed(3))
+    assert selector.policy.listed_selection(query, summaries, shortlist) is None
+    table = torch.randint(0, N, (2, 9), generator=torch.Generator().manual_seed(4))
+    scores = selector.policy.block_scores(query, summaries, table, torch.tensor([36, 30]))
+    selector.policy.compiled = None
+    assert torch.equal(scores, selector.policy.block_scores(query, summaries, table,
+                                                            torch.tensor([36, 30])))
 
 
 def test_a_call_that_would_compile_again_fails_and_the_policy_reads_eagerly(caplog):
-    """After the warm-up nothing compiles again: a call whose guards fail (rows as int32)
+    """After the warm-up nothing compiles again: a call whose guards fail (ids as int32)
     raises rather than run the eager arithmetic, which would hold every decoded row; the
-    policy drops the kernel, says so, and scores by the eager reads from then on."""
+    policy drops the kernels, says so, and scores and re-ranks eagerly from then on."""
     summaries = coded_summaries(9)
-    compiled = CompiledScores(summaries, True)
+    compiled = CompiledScores(summaries, True, BLOCKS, num_q_heads=4)
     compiled.warm_up()
-    rows = summaries.layer_rows(torch.randint(0, N, (2, L, 5)))
-    counts = torch.ones(2, L, 5)
+    ids, counts = torch.randint(0, N, (2, 5)), torch.ones(2, 5)
     weights = [torch.randn(2, L, H, D), torch.rand(2, L, H, D)]
-    compiled.listed(rows, counts, weights)
+    compiled.tables(ids, counts, weights)
     with pytest.raises(RuntimeError, match="recompile"):
-        compiled.listed(rows.int(), counts, weights)
-    policy = make_policy("retrieval", variance=True)
-    blocks = torch.randint(0, N, (2, L, 5), generator=torch.Generator().manual_seed(10))
-    query = torch.randn(2, L, 4, D, generator=torch.Generator().manual_seed(11))
-    want = policy.shortlist_scores(query, summaries, blocks)
-    policy.compiled = compiled
+        compiled.tables(ids.int(), counts, weights)
+    selector = Selector(make_policy("retrieval", variance=True), BLOCKS, shortlist_factor=3)
+    shortlist, table, committed, query = shortlisted(selector, summaries, 2, 12,
+                                                     torch.Generator().manual_seed(10))
+    want = selector.choose(query, summaries, table, committed, shortlist=shortlist)
+    selector.release_copies()
+    selector.policy.compiled = compiled
     compiled._stores = [(c.double(), s, t) for c, s, t in compiled._stores]  # guards now fail
     with caplog.at_level("WARNING"):
-        got = policy.shortlist_scores(query, summaries, blocks)
-    assert policy.compiled is None and "read the summaries eagerly" in caplog.text
-    assert torch.equal(got, want)
+        got = selector.choose(query, summaries, table, committed, shortlist=shortlist)
+    assert selector.policy.compiled is None and "read the summaries eagerly" in caplog.text
+    assert torch.equal(got.selection.logical_blocks, want.selection.logical_blocks)
 
 
-def test_listed_scores_refuses_float_summaries():
+def test_compiled_scores_refuse_float_summaries():
     floats = BlockSummaries(L, N, H, D, BS, keep_variance=True)
     with pytest.raises(ValueError, match="coded summaries"):
-        CompiledScores(floats, True)
+        CompiledScores(floats, True, BLOCKS, num_q_heads=4)

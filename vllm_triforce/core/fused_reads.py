@@ -12,7 +12,9 @@ codes are gathered and decoded to float32 in chunks of at most one read chunk
 some 25 host operations a chunk, every round of a shortlist's re-ranking. Compiled (torch.compile, inductor), the
 gather, the decode (a 256-entry table, `summary_coding.decode_table`), the products and
 the sums over channels are one kernel that allocates nothing larger than its result
-[R, L, S]: a launch or two a round, whatever the shape.
+[R, L, S]: a launch or two a round, whatever the shape. Between middle rounds the whole
+re-ranking is one compiled graph (`listed_choice`): the query's weights, the scores, the
+top-k and the selection in order, where eager torch dispatches some 25 operations more.
 
 The requests and listed-blocks axes are marked unbacked (dynamo's `mark_unbacked`), so
 one compilation serves every batch, table and shortlist size, 1 included: a size never
@@ -27,13 +29,18 @@ weights [1, 1] and counts [1, 2, 1] score [-1, 0.5, 3] (row 1: (0.5 + 0.5) / 2).
 
 from __future__ import annotations
 
+import functools
+import math
 import time
 
 import torch
 from torch import Tensor
-from torch._dynamo.decorators import mark_unbacked
+from torch._dynamo.decorators import mark_static, mark_unbacked
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from vllm_triforce.config import BlockCounts
+from vllm_triforce.core.selection import Frame, Shortlist, ordered_blocks, rank_listed
+from vllm_triforce.core.summaries import fold_bands
 from vllm_triforce.core.summary_coding import CodedStore, decode_table
 
 
@@ -65,51 +72,115 @@ def table_dots(ids: Tensor, counts: Tensor, num_blocks: int, weights: Tensor, *s
                        *stores)
 
 
-class CompiledScores:
-    """`listed_dots` and `table_dots` compiled over one summaries' coded stores (`sums`,
-    and with the key variance `deviations()`), built once per engine: `listed` scores
-    a shortlist's rows, `tables` a step's tables."""
+def listed_choice(query: Tensor, shares: Tensor | None, rows: Tensor, counts: Tensor,
+                  padding: Tensor, logical: Tensor, num_chosen: Tensor, sink_ids: Tensor,
+                  codes: Tensor, scales: Tensor, table: Tensor, more_codes: Tensor | None = None,
+                  more_scales: Tensor | None = None, more_table: Tensor | None = None, *,
+                  scale: float, num_kv_heads: int, variance_width: int, k: int,
+                  max_selected: int) -> Tensor:
+    """A shortlist's re-ranking from the query to the selection, as `Selector.choose` with
+    a shortlist makes it eagerly (`RetrievalPolicy.shortlist_scores`, then
+    `select_listed`): query [R, L, Hq, D] (each request's newest token); shares [L, H, D]
+    the key variance's channel shares (`BlockSummaries.variance_shares`; None: the
+    variance is kept per channel); a `Shortlist`'s rows, counts, padding and logical
+    blocks [R, L, S] (S >= k) and its Frame's num_chosen [R, 1, 1] and sink_ids [R, 1,
+    sinks]; the stores as `listed_dots` takes them (the second: the key variance) ->
+    [R, L, max_selected] logical blocks (Selection.logical_blocks). k is
+    `BlockCounts.max_chosen`, the candidates a selection ranks."""
+    num_reqs, num_layers, num_q_heads, head_dim = query.shape
+    q = query.float().view(num_reqs, num_layers, num_kv_heads, num_q_heads // num_kv_heads,
+                           head_dim) * scale
+    more_weights = None
+    if more_codes is not None:  # 1/2 q^2 per channel, folded to the store's bands
+        squares = q.square().sum(3)
+        more_weights = 0.5 * fold_bands(squares if shares is None else squares * shares,
+                                        variance_width)
+    scores = listed_dots(rows, counts, q.sum(3), codes, scales, table, more_weights,
+                         more_codes, more_scales, more_table)
+    torch._check(scores.shape[-1] >= k)  # the caller pads a shorter list
+    kept = torch.arange(k, device=query.device) < num_chosen  # `Frame.kept`
+    return ordered_blocks(rank_listed(scores, padding, logical, k), kept, sink_ids,
+                          max_selected)
 
-    def __init__(self, summaries, variance: bool):
+
+class CompiledScores:
+    """Compiled over one summaries' coded stores (`sums`, and with the key variance
+    `deviations()`), built once per engine: `tables` scores a step's tables
+    (`table_dots`); `choose_listed` re-ranks a shortlist between middle rounds, query to
+    selection (`listed_choice`), for the geometry `blocks`, queries of `num_q_heads`
+    heads and the policy's `scale` (None: 1 / sqrt(head_dim))."""
+
+    def __init__(self, summaries, variance: bool, blocks: BlockCounts, num_q_heads: int,
+                 scale: float | None = None):
         self.summaries = summaries
+        self.blocks = blocks
+        self.num_q_heads = num_q_heads
         stores = [summaries.sums, *([summaries.deviations()] if variance else [])]
         if not all(isinstance(s, CodedStore) for s in stores):
             raise ValueError("CompiledScores reads coded summaries (compact_summaries)")
         self._stores = [(flat(s.codes), flat(s.scales), decode_table(s.coding, s.device))
                         for s in stores]
-        self._listed = torch.compile(listed_dots, dynamic=True, fullgraph=True)
+        self._choice = functools.partial(
+            listed_choice, scale=scale or 1.0 / math.sqrt(summaries.head_dim),
+            num_kv_heads=summaries.num_kv_heads, variance_width=summaries.variance_width,
+            k=blocks.max_chosen, max_selected=blocks.max_selected)
+        self._listed = torch.compile(self._choice, dynamic=True, fullgraph=True)
         self._tables = torch.compile(table_dots, dynamic=True, fullgraph=True)
         self.compile_seconds: float | None = None  # set by warm_up
-
-    def listed(self, rows: Tensor, counts: Tensor, weights: list[Tensor],
-               compile_now: bool = False) -> Tensor:
-        """rows, counts [R, L, S] (`Shortlist.summary_rows`); weights: one [R, L, H, D]
-        float32 per store -> scores [R, L, S]."""
-        return self._run(self._listed, listed_dots, [rows, counts], (), weights, compile_now)
 
     def tables(self, ids: Tensor, counts: Tensor, weights: list[Tensor],
                compile_now: bool = False) -> Tensor:
         """ids, counts [R, B] (physical blocks >= 0, their token counts); weights: one
         [R, L, H, D] float32 per store -> scores [R, L, B]."""
-        return self._run(self._tables, table_dots, [ids, counts],
-                         (self.summaries.num_blocks,), weights, compile_now)
+        with torch.inference_mode():  # the engine's tensors: what the kernels were made for
+            ids, counts = _inference(ids), _inference(counts.float())
+            weights = [_inference(w.float().contiguous()) for w in weights]
+        for t in (ids, counts, *weights):
+            mark_unbacked(t, 0)  # requests
+        for t in (ids, counts):
+            mark_unbacked(t, 1)  # the tables' width
+        return self._run(self._tables, table_dots,
+                         (ids, counts, self.summaries.num_blocks, *self._with_stores(weights)),
+                         compile_now)
 
-    def _run(self, compiled, eager, index: list[Tensor], fixed: tuple,
-             weights: list[Tensor], compile_now: bool) -> Tensor:
+    def choose_listed(self, query: Tensor, shortlist, compile_now: bool = False) -> Tensor:
+        """query [R, L, Hq, D]; `shortlist` (core/selection.Shortlist, its summary rows
+        read) -> its Selection's logical blocks [R, L, max_selected]. A list shorter than
+        max_chosen (a table of fewer blocks) is padded to it here: padding ranks last and
+        is never kept, so the selection is the same."""
+        k = self.blocks.max_chosen
+        listed = [shortlist.rows, shortlist.counts, shortlist.padding, shortlist.logical]
+        short = k - listed[0].shape[-1]
+        if short > 0:
+            listed = [torch.nn.functional.pad(t, (0, short), value=fill)
+                      for t, fill in zip(listed, (0, 1.0, True, -1))]
+        frame = shortlist.frame
+        with torch.inference_mode():  # float32 and dense, as at warm_up: at most a copy
+            query = _inference(_dense(query.float()))
+            listed = [_inference(_dense(t)) for t in listed]
+            kept = [_inference(_dense(frame.num_chosen)), _inference(_dense(frame.sink_ids))]
+        for t in (query, *listed, *kept):
+            mark_unbacked(t, 0)  # requests
+        for t in listed:
+            mark_unbacked(t, 2)  # listed blocks
+        for dim in range(1, 4):  # layers, heads, channels: the model's, as at warm_up
+            mark_static(query, dim)
+        shares = self.summaries.variance_shares() if len(self._stores) > 1 else None
+        return self._run(self._listed, self._choice,
+                         (query, shares, *listed, *kept, *self._with_stores()), compile_now)
+
+    def _with_stores(self, weights: list[Tensor] | None = None) -> tuple:
+        """The stores' arguments (each store's weights first, where given)."""
+        args = ()
+        for i, store in enumerate(self._stores):
+            args += ((weights[i],) if weights is not None else ()) + store
+        return args
+
+    def _run(self, compiled, eager, args: tuple, compile_now: bool) -> Tensor:
         """After `warm_up` nothing compiles again: a call that would (a guard no size
         should fail) raises (dynamo's stance "fail_on_recompile") rather than run the eager
         arithmetic, which would hold the decoded rows; the policy then reads eagerly, in
         chunks."""
-        with torch.inference_mode():  # the engine's tensors: what the kernels were made for
-            index = [_inference(index[0]), _inference(index[1].float())]
-            weights = [_inference(w.float().contiguous()) for w in weights]
-        for t in (*index, *weights):
-            mark_unbacked(t, 0)  # requests
-        for t in index:
-            mark_unbacked(t, t.dim() - 1)  # listed blocks, or the tables' width
-        (codes, scales, table), *more = self._stores
-        args = (*index, *fixed, weights[0], codes, scales, table,
-                *(() if not more else (weights[1], *more[0])))
         if _get_current_dispatch_mode() is not None:
             # a dispatch mode (tools/bench: syncs.py's counter) is watching: dynamo compiles
             # nothing under one, so the same arithmetic runs eagerly, where it sees it
@@ -121,16 +192,33 @@ class CompiledScores:
 
     def warm_up(self) -> float:
         """Compile both now (2 requests, 3 blocks, block 0): the seconds it took."""
-        s = self.summaries
+        s, k = self.summaries, self.blocks.max_chosen
         start = time.perf_counter()
         weights = [torch.zeros(2, s.num_layers, s.num_kv_heads, codes.shape[-1],
                                device=s.device) for codes, _, _ in self._stores]
-        self.listed(torch.zeros(2, s.num_layers, 3, dtype=torch.long, device=s.device),
-                    torch.ones(2, s.num_layers, 3, device=s.device), weights, compile_now=True)
         self.tables(torch.zeros(2, 3, dtype=torch.long, device=s.device),
                     torch.ones(2, 3, device=s.device), weights, compile_now=True)
+        listed = torch.zeros(2, s.num_layers, k + 1, dtype=torch.long, device=s.device)
+        self.choose_listed(
+            torch.zeros(2, s.num_layers, self.num_q_heads, s.head_dim, device=s.device),
+            Shortlist(listed, listed, Frame(
+                torch.ones(2, 1, 1, dtype=torch.long, device=s.device),
+                torch.zeros(2, 1, self.blocks.retrieval_sink_blocks, dtype=torch.long,
+                            device=s.device), None, None),
+                rows=listed, counts=torch.ones(listed.shape, device=s.device),
+                padding=listed < 0), compile_now=True)
         self.compile_seconds = time.perf_counter() - start
         return self.compile_seconds
+
+
+def _dense(t: Tensor) -> Tensor:
+    """`t` with the strides of a new tensor of its shape (dynamo guards on them, even
+    along a dimension of size 1, where a view's may differ): a copy where they differ."""
+    expected, stride = [], 1
+    for size in reversed(t.shape):
+        expected.insert(0, stride)
+        stride *= size
+    return t if list(t.stride()) == expected else t.clone(memory_format=torch.contiguous_format)
 
 
 def _inference(t: Tensor) -> Tensor:

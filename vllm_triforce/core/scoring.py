@@ -120,3 +120,11 @@ class SelectionPolicy:
         """The listed blocks' summaries as `shortlist_scores` reads them, copied once for a
         step's middle rounds, or None (no copy: each re-ranking reads the stores)."""
         return None
+
+    def listed_selection(self, query: Tensor, summaries: BlockSummaries,
+                         shortlist) -> Tensor | None:
+        """A shortlist's (selection.Shortlist, its summary rows read) re-ranking made whole,
+        query [R, L, Hq, D] to its Selection's logical blocks [R, L, max_selected], where
+        the policy has a kernel for it (`RetrievalPolicy`'s compiled one); None: the
+        caller scores (`shortlist_scores`) and selects (`select_listed`) itself."""
+        return None

@@ -231,6 +231,10 @@ class Selector:
                 states, shortlist: Shortlist | None, keep_shortlist: bool) -> Choice:
         """`choose` for one chunk of requests (a shortlist's summary rows already read)."""
         if shortlist is not None:
+            chosen = self.policy.listed_selection(query, summaries, shortlist)
+            if chosen is not None:
+                return Choice(Selection(chosen, shortlist.frame.num_selected,
+                                        shortlist.frame.tail_start))
             scores = self.policy.shortlist_scores(query, summaries, shortlist.physical,
                                                   rows=shortlist.rows, counts=shortlist.counts,
                                                   copy=shortlist.copy)
@@ -276,13 +280,21 @@ def select_listed(scores: Tensor, shortlist: Shortlist, blocks: BlockCounts) -> 
     as a selection keeps, which a Selector's shortlist always does (`shortlist_size`);
     but it ranks S blocks instead of every block of the table, needs no candidate mask (a
     listed block is a candidate) and takes its Frame from the shortlist."""
-    finfo = torch.finfo(torch.float32)
-    scores = scores.float().nan_to_num(nan=finfo.min, posinf=finfo.max, neginf=finfo.min)
     if shortlist.padding is None:
         shortlist.padding = shortlist.logical < 0
-    scores = scores.masked_fill(shortlist.padding, float("-inf"))  # padding ranks last
-    best = scores.topk(min(blocks.max_chosen, scores.shape[-1]), dim=-1, sorted=True).indices
-    return _selection_of(shortlist.logical.gather(-1, best), shortlist.frame, blocks)
+    ranked = rank_listed(scores, shortlist.padding, shortlist.logical,
+                         min(blocks.max_chosen, scores.shape[-1]))
+    return _selection_of(ranked, shortlist.frame, blocks)
+
+
+def rank_listed(scores: Tensor, padding: Tensor, logical: Tensor, k: int) -> Tensor:
+    """scores [R, L, S] of a shortlist's `logical` blocks [R, L, S] (`padding`: logical < 0)
+    -> [R, L, k] logical blocks, best first, padding last (NaN / inf scores of listed
+    blocks still rank above it)."""
+    finfo = torch.finfo(torch.float32)
+    scores = scores.float().nan_to_num(nan=finfo.min, posinf=finfo.max, neginf=finfo.min)
+    scores = scores.masked_fill(padding, float("-inf"))
+    return logical.gather(-1, scores.topk(k, dim=-1, sorted=True).indices)
 
 
 _BIG = torch.iinfo(torch.long).max  # sorts after every real block, then becomes PAD
@@ -302,17 +314,24 @@ def frame(num_committed: Tensor, blocks: BlockCounts,
 def _selection_of(ranked: Tensor, frame: Frame, blocks: BlockCounts) -> Selection:
     """ranked [R, L, k] logical candidates, best first (at least as many as are chosen) ->
     the Selection: the frame's sinks and the first num_chosen of `ranked`, ascending."""
-    num_reqs, num_layers, k = ranked.shape
-    kept = frame.kept(k)  # [R, 1, k]
+    return Selection(ordered_blocks(ranked, frame.kept(ranked.shape[-1]), frame.sink_ids,
+                                    blocks.max_selected),
+                     frame.num_selected, frame.tail_start)
+
+
+def ordered_blocks(ranked: Tensor, kept: Tensor, sink_ids: Tensor, max_selected: int) -> Tensor:
+    """ranked [R, L, k] logical candidates, best first; kept [R, 1, k] bool (`Frame.kept`);
+    sink_ids [R, 1, sinks] (`Frame.sink_ids`) -> [R, L, max_selected] logical blocks: the
+    sinks, then the kept candidates ascending, then padding (-1)."""
+    num_layers, k = ranked.shape[1], ranked.shape[-1]
     # the kept candidates ascending, then the others: the last k - num_chosen, padding
     chosen = torch.where(kept, torch.where(kept, ranked, _BIG).sort(dim=-1).values, PAD)
+    room = max_selected - sink_ids.shape[-1] - k
+    if room > 0:
+        chosen = torch.nn.functional.pad(chosen, (0, room), value=PAD)
     # sinks come before every candidate, and a request with fewer sinks than sink blocks
     # has no candidate: no sort of the two together
-    parts = [frame.sink_ids.expand(-1, num_layers, -1), chosen]
-    room = blocks.max_selected - frame.sink_ids.shape[-1] - k
-    if room > 0:
-        parts.append(chosen.new_full((1, 1, 1), PAD).expand(num_reqs, num_layers, room))
-    return Selection(torch.cat(parts, dim=-1), frame.num_selected, frame.tail_start)
+    return torch.cat([sink_ids.expand(-1, num_layers, -1), chosen], dim=-1)
 
 
 def best_candidates(scores: Tensor, num_committed: Tensor, blocks: BlockCounts,

@@ -389,13 +389,22 @@ class BlockSummaries:
         1/2 q^2) -> [R, L, H, (G,) W], so that weights . deviations() is sum_d w_d M2_d per
         channel, and compact, sum over bands of its M2 x its channels' weights, each by
         its share of the band in the channel profile (module docstring)."""
-        if self.channel_profile is None:
+        shares = self.variance_shares()
+        if shares is None:
             return fold_bands(weights, self.variance_width)
+        shares = shares.view(self.num_layers, self.num_kv_heads,
+                             *[1] * (weights.dim() - 4), self.head_dim)
+        return fold_bands(weights * shares, self.variance_width)
+
+    def variance_shares(self) -> Tensor | None:
+        """[L, H, head_dim] float32 each channel's share of its band in the channel
+        profile (made again after a fold changed it); None where the variance is kept per
+        channel (no profile)."""
+        if self.channel_profile is None:
+            return None
         if self._shares is None:
             self._shares = band_shares(self.channel_profile, self.variance_width)
-        shares = self._shares.view(self.num_layers, self.num_kv_heads,
-                                   *[1] * (weights.dim() - 4), self.head_dim)
-        return fold_bands(weights * shares, self.variance_width)
+        return self._shares
 
     def with_compact_variance(self, dtype: torch.dtype | None = None, profile: bool = True,
                               bands: int = COMPACT_BANDS) -> "BlockSummaries":

@@ -93,8 +93,7 @@ class RetrievalPolicy(SelectionPolicy):
         ids = on_device(block_table, summaries.device, torch.long).clamp(min=0)  # [R, B]
         if self._compiled_for(summaries):  # every table block as a listed one: one kernel
             scores = self._compiled_scores(q, summaries, ids,
-                                           summaries.counts[ids].clamp(min=1).float(),
-                                           tables=True)
+                                           summaries.counts[ids].clamp(min=1).float())
             if scores is not None:
                 return scores
         if self.aggregation == "sum":  # linear in q: one dot product per KV group
@@ -127,10 +126,6 @@ class RetrievalPolicy(SelectionPolicy):
             counts = summaries.counts[blocks.clamp(min=0)].clamp(min=1).float()  # [R, L, S]
         if rows is None:
             rows = summaries.layer_rows(blocks)  # one index for every store read
-        if self._compiled_for(summaries):
-            scores = self._compiled_scores(q, summaries, rows, counts, tables=False)
-            if scores is not None:
-                return scores
         weights = [(q, summaries.sums)]
         if self.variance:
             weights.append((0.5 * summaries.variance_weights(q.square()),
@@ -174,30 +169,43 @@ class RetrievalPolicy(SelectionPolicy):
             del picked  # freed before the next store's rows are read
         return copy.div_(counts[..., None])
 
+    def listed_selection(self, query, summaries, shortlist):
+        """`compiled` over these summaries: the shortlist's re-ranking, query to selection,
+        in one compiled graph (core/fused_reads.listed_choice); None without it, or where
+        it failed (`_dropped`)."""
+        if not self._compiled_for(summaries):
+            return None
+        try:
+            return self.compiled.choose_listed(query, shortlist)
+        except Exception as exc:  # noqa: BLE001 - dynamo's and inductor's are many kinds
+            return self._dropped(exc)
+
     def _compiled_for(self, summaries) -> bool:
         return (self.compiled is not None and self.compiled.summaries is summaries
                 and self.aggregation == "sum")
 
-    def _compiled_scores(self, q: Tensor, summaries: BlockSummaries, index: Tensor,
-                         counts: Tensor, tables: bool) -> Tensor | None:
-        """q [R, L, H, G, D] (scaled) -> [R, L, S] by `compiled`: q . mean key (+ 1/2 q^2
-        . key variance), summed over each group's query heads, of a shortlist's
-        `layer_rows` index [R, L, S] with their counts, or (`tables`) of every layer's
-        blocks index [R, S] (physical) with theirs [R, S]. None where the kernel failed
-        (it would have compiled again, say): it is dropped, with a warning, and the
-        caller reads eagerly from then on."""
+    def _compiled_scores(self, q: Tensor, summaries: BlockSummaries, ids: Tensor,
+                         counts: Tensor) -> Tensor | None:
+        """q [R, L, H, G, D] (scaled) -> [R, L, B] by `compiled`: q . mean key (+ 1/2 q^2
+        . key variance), summed over each group's query heads, of every layer's blocks ids
+        [R, B] (physical) with their counts [R, B]. None where the kernel failed
+        (`_dropped`)."""
         weights = [q.sum(3)]  # [R, L, H, D]
         if self.variance:
             weights.append(summaries.variance_weights(q.square().sum(3)).mul_(0.5))
         try:
-            run = self.compiled.tables if tables else self.compiled.listed
-            return run(index, counts, weights)
+            return self.compiled.tables(ids, counts, weights)
         except Exception as exc:  # noqa: BLE001 - dynamo's and inductor's are many kinds
-            logger.warning("TriForce compiled_scoring: the compiled block scores failed "
-                           "(%s: %s); block scores read the summaries eagerly from now on.",
-                           type(exc).__name__, exc)
-            self.compiled = None
-            return None
+            return self._dropped(exc)
+
+    def _dropped(self, exc: Exception) -> None:
+        """A compiled kernel failed (it would have compiled again, say): the kernels are
+        dropped, with a warning, and the caller reads eagerly from then on."""
+        logger.warning("TriForce compiled_scoring: the compiled block scores failed "
+                       "(%s: %s); block scores read the summaries eagerly from now on.",
+                       type(exc).__name__, exc)
+        self.compiled = None
+        return None
 
     @staticmethod
     def _copied_scores(q: Tensor, copy: Tensor, summaries: BlockSummaries) -> Tensor:

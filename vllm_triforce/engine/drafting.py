@@ -190,12 +190,13 @@ class Drafting:
                     self.sizing.drafting, self.sizing.chunk_bytes / 2**20)
 
     def _compile_scoring(self) -> None:
-        """`compiled_scoring`: the policy's block scores (each step's selection, the
-        middle rounds' shortlist re-ranking) as one compiled kernel over these summaries
-        (core/fused_reads.py), compiled now; a compilation that fails leaves the eager
-        reads, with a warning."""
+        """`compiled_scoring`: the policy's block scores of each step's selection as one
+        compiled kernel over these summaries, and the middle rounds' shortlist re-ranking,
+        query to selection, as one compiled graph (core/fused_reads.py), compiled now; a
+        compilation that fails leaves the eager reads, with a warning."""
         try:
-            compiled = CompiledScores(self.summaries, self.policy.variance)
+            compiled = CompiledScores(self.summaries, self.policy.variance, self.shape.blocks,
+                                      self.shape.num_q_heads, self.policy.scale)
             seconds = compiled.warm_up()
         except Exception as exc:  # noqa: BLE001 - inductor's failures are many kinds
             logger.warning("TriForce compiled_scoring: compiling the block scoring failed "
@@ -203,8 +204,9 @@ class Drafting:
                            type(exc).__name__, exc)
             return
         self.policy.compiled = compiled
-        logger.info("TriForce compiled_scoring: block scores are one compiled kernel "
-                    "(compiled in %.1f s)", seconds)
+        logger.info("TriForce compiled_scoring: a step's block scores are one compiled "
+                    "kernel, a middle round's re-ranking one compiled graph (compiled in "
+                    "%.1f s)", seconds)
 
     def _build_levels(self, paged_keys, unreadable: str | None, target_groups: list) -> None:
         """Each level gets exactly what it uses, from the engine's shape. `paged_keys`:
