@@ -130,12 +130,13 @@ class TriForceConfig:
     # on a GPU, replayed eagerly over the same buffers elsewhere. Off until a GPU has run a
     # real model with the graphs; a pass that fits no bucket takes today's path either way.
     round_graphs: bool = False
-    # Score blocks (each step's selection, the middle rounds' shortlist re-ranking) in one
-    # compiled kernel (core/fused_reads.py: torch.compile of the gather, decode, products
-    # and sums over the coded summaries), not in chunked eager reads: at Llama-3.1-8B's
-    # shape about 25 host operations a read chunk become one launch, with no float32 copy
-    # of the listed summaries. Needs `compact_summaries` and the "retrieval" policy;
-    # compiles at start-up (about 10 s on a CPU). Off until a GPU has timed it.
+    # Score a step's blocks in one compiled kernel (core/fused_reads.py: torch.compile of
+    # the gather, decode, products and sums over the coded summaries), not in chunked
+    # eager reads, and re-rank a middle round's shortlist, query to selection, as one
+    # compiled graph: at Llama-3.1-8B's shape about 25 host operations a read chunk, and
+    # some 20 more a re-ranking, become one call, with no float32 copy of the listed
+    # summaries. Needs `compact_summaries` and the "retrieval" policy; compiles at start-up
+    # (about 10-20 s on a CPU). Off until a GPU has timed it.
     compiled_scoring: bool = False
     # Where summaries are set from vLLM's KV cache (engine/summary_keeper.py: a backend
     # whose cache TriForce reads back exactly), a pass larger than the capture's copies (a
@@ -176,7 +177,7 @@ class TriForceConfig:
         if not isinstance(self.compiled_scoring, bool):
             raise TriForceConfigError(
                 f"speculative_config['compiled_scoring']={self.compiled_scoring!r} must be "
-                "true (block scores in one compiled kernel) or false "
+                "true (block scores and re-ranking compiled) or false "
                 "(eager chunked reads, the default).")
         if not isinstance(self.prefill_from_cache, bool):
             raise TriForceConfigError(

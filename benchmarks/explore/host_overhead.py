@@ -11,7 +11,7 @@ does not move between runs), and prints the N vllm_triforce call sites whose ope
 took the most host time (tools/bench/host_ops.py). `--round-graphs`: the middle passes
 over persistent buffers, and one more generation times the host's work from a round's
 copy to the host to the next round's replay (what a GPU waits through).
-`--compiled-scoring`: the block scores as one compiled kernel (core/fused_reads.py).
+`--compiled-scoring`: the block scores and the re-ranking compiled (core/fused_reads.py).
 
     .venv/bin/python benchmarks/explore/host_overhead.py [--repeats 3] [--levels 2]
         [--round-graphs] [--compiled-scoring] [--ops 40]
@@ -42,7 +42,7 @@ def main() -> None:
     parser.add_argument("--round-graphs", action="store_true",
                         help="the middle passes over persistent buffers (`round_graphs`)")
     parser.add_argument("--compiled-scoring", action="store_true",
-                        help="the block scores as one compiled kernel "
+                        help="the block scores and re-ranking compiled "
                              "(`compiled_scoring`)")
     parser.add_argument("--no-syncs", action="store_true", help="skip the counted generation")
     parser.add_argument("--ops", type=int, default=0, metavar="N",

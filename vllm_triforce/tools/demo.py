@@ -93,7 +93,7 @@ def add_demo_parser(subparsers) -> None:
                    help="TriForce's middle passes over persistent buffers, as CUDA graphs on "
                         "a GPU (speculative_config['round_graphs'], off by default)")
     p.add_argument("--compiled-scoring", action="store_true",
-                   help="TriForce's block scores as one compiled kernel "
+                   help="TriForce's block scores and re-ranking compiled "
                         "(speculative_config['compiled_scoring'], off by default)")
     p.add_argument("--eager-check", action="store_true",
                    help="after the rounds, the fixed-depth decode once more on an eager "
