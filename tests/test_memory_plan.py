@@ -434,7 +434,8 @@ def test_round_graphs_reserve_their_buffers_and_on_flash_attn_their_pool():
     sized = graphs.sized(53_000)
     assert off.round_bytes == 0 and off.drafting == eager.drafting == sized.drafting == 15
     mib = 2**20
-    assert eager.round_bytes == 495_784 + 32 * 15 * 4096 * 2 + 32 * 512 * 40 * 128 * 2
+    inputs = 15 * (4 + 8 + 8) + 31 * 4 + 32 * 15 * 258 * 4 + 258 * 8  # columns: 258 int64
+    assert eager.round_bytes == inputs + 32 * 15 * 4096 * 2 + 32 * 512 * 40 * 128 * 2
     pool = 15 * 128_256 * 4 + 15 * 4096 * 16 * 2 + 5 * mib
     assert sized.round_bytes == eager.round_bytes + pool
     assert round(sized.round_bytes / mib, 1) == 178.4

@@ -70,13 +70,15 @@ def test_load_pads_so_nothing_is_written_or_read():
     assert torch.equal(buffers.tables[:, :3, :2], tables)
 
 
-@pytest.mark.parametrize("ids_on", ["host", "device"])
-def test_load_runs_writes_what_build_pass_then_load_write(ids_on):
+@pytest.mark.parametrize("ids_on,compiled", [("host", False), ("device", False),
+                                              ("device", True)])
+def test_load_runs_writes_what_build_pass_then_load_write(ids_on, compiled):
     """The middle level's load straight from the host's values (`load_runs`: one copy to
     the device, the tables laid out into the buffer) leaves every buffer as today's
     `build_pass`, `laid_out_tables` and `load` do, padding included. Three requests of
     [2, 1, 1] tokens at 5, 2 and 3, in the 8-token bucket; the first holds its sink block
-    and a tail from block 1, the others a tail from block 0."""
+    and a tail from block 1, the others a tail from block 0. `compiled`: the tables and
+    slots by the compiled layout (`compiled_scoring`)."""
     import numpy as np
 
     from vllm_triforce.core.blocks import PAD
@@ -85,7 +87,7 @@ def test_load_runs_writes_what_build_pass_then_load_write(ids_on):
 
     b = bounds(gamma1=1)
     table = torch.tensor([[10, 11, 12], [20, 21, 22], [30, 31, 32]], dtype=torch.int32)
-    selected = torch.full((3, 2, 2), PAD, dtype=torch.long)
+    selected = torch.full((3, 2, 2), PAD, dtype=torch.int32)  # the engine's selections
     selected[0, :, 0] = 0
     runs = Runs(np.array([5, 2, 3]), np.array([2, 1, 1]))
     layout = TableLayout.of([1, 0, 0], [1, 0, 0], runs.starts + runs.lens, 4)
@@ -100,12 +102,45 @@ def test_load_runs_writes_what_build_pass_then_load_write(ids_on):
         layout.num_selected, layout.tail_start, layout.num_tails)), layout.width)
     today.load(inputs, tables, 8, b.requests_of(8))
     ids = [7, 8, 9, 5] if ids_on == "host" else torch.tensor([7, 8, 9, 5])
+    if compiled:
+        direct.layout.compile(num_layers=2, max_selected=2, device="cpu")
     direct.load_runs(ids, runs, table, layout, selected, 8, b.requests_of(8))
+    assert (direct.layout.compiled is not None) == compiled  # it did not fall back
     assert direct.slot_mapping[:8].tolist() == [45, 46, 82, 123] + [PADDING_SLOT] * 4
     assert direct.tables[:, :3, :2].tolist() == [[[10, 11], [20, 0], [30, 0]]] * 2
     for name in ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens",
                  "tables"):
         assert torch.equal(getattr(direct, name), getattr(today, name)), name
+
+
+def test_the_compiled_pass_layout_is_the_eager_one_for_every_size():
+    """`PassLayout` compiled once gives `pass_layout`'s tables and slots for passes of 1 to
+    6 requests, tables 1 to 9 columns wide and batch tables of any width, compiling
+    nothing more; the selections' first columns, the tails and padding included."""
+    from torch._dynamo.utils import counters
+
+    from vllm_triforce.engine.device.round_graph import PassLayout
+
+    layout = PassLayout(block_size=4)
+    layout.compile(num_layers=3, max_selected=4, device="cpu")
+    graphs = counters["stats"]["unique_graphs"]
+    gen = torch.Generator().manual_seed(0)
+    for reqs, width, table_width in [(1, 1, 2), (3, 5, 7), (6, 9, 12), (2, 4, 4)]:
+        selected = torch.randint(-1, table_width, (reqs, 3, 4), generator=gen,
+                                 dtype=torch.int32)
+        table = torch.randint(0, 100, (reqs, table_width), generator=gen, dtype=torch.int32)
+        num_selected = torch.randint(0, 5, (reqs,), generator=gen)
+        tail_start = torch.randint(0, table_width, (reqs,), generator=gen)
+        num_tails = torch.minimum(table_width - tail_start, width - num_selected).clamp(min=0)
+        tokens = torch.randint(1, 3, (reqs,), generator=gen)
+        owner = torch.repeat_interleave(torch.arange(reqs), tokens)
+        positions = torch.randint(0, table_width * 4, owner.shape, generator=gen)
+        args = (selected, table, num_selected, tail_start, num_tails, torch.arange(width),
+                owner, positions)
+        got, want = layout(*args), layout.eager(*args)
+        assert layout.compiled is not None
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert counters["stats"]["unique_graphs"] == graphs  # no size compiled anew
 
 
 def test_capture_buffers_views_equal_clones_and_stay_apart():
@@ -376,10 +411,11 @@ def test_compiled_scoring_gives_todays_tokens_selections_and_acceptance(
         tiny_llama, llm_factory, monkeypatch):
     """`compiled_scoring` with round graphs (how a GPU runs them): each step's selection
     and every shortlist re-ranking between middle rounds go through the compiled kernels
-    (core/fused_reads.py), and the engine gives the eager reads' tokens, selections and
-    drafted/accepted counts."""
+    (core/fused_reads.py), every middle pass's tables and slots through the compiled
+    layout (engine/device/round_graph.PassLayout), and the engine gives the eager reads'
+    tokens, selections and drafted/accepted counts."""
     from engine_helpers import drafter_of
-    from vllm_triforce.core.fused_reads import CompiledScores
+    from vllm_triforce.core.compiled import CompiledFunction
 
     prompts = _prompts(3)
     spec = dict(SPEC, round_graphs=True)
@@ -388,14 +424,18 @@ def test_compiled_scoring_gives_todays_tokens_selections_and_acceptance(
     llm = llm_factory(tiny_llama, speculative_config=dict(spec, compiled_scoring=True),
                       num_gpu_blocks_override=64)
     compiled = drafter_of(llm).policy.compiled
+    layout = drafter_of(llm).retrieval.round_graphs.buffers.layout
     assert compiled is not None and compiled.compile_seconds is not None
-    calls, run = [], CompiledScores._run
-    monkeypatch.setattr(CompiledScores, "_run",
-                        lambda self, fn, *a: calls.append(fn) or run(self, fn, *a))
+    assert layout.compiled is not None
+    calls, run = [], CompiledFunction.__call__
+    monkeypatch.setattr(CompiledFunction, "__call__",
+                        lambda self, *a, **kw: calls.append(self) or run(self, *a, **kw))
     scored = _run(llm, prompts)
     assert compiled._listed in calls, "no shortlist was re-ranked: the test proves nothing"
     assert compiled._tables in calls, "no step selected: the test proves nothing"
+    assert layout.compiled in calls, "no middle pass was laid out compiled"
     assert drafter_of(llm).policy.compiled is compiled, "the kernels fell back to eager reads"
+    assert layout.compiled is not None, "the pass layout fell back to eager"
     assert scored["selections"] == eager["selections"]
     assert scored["accepted"] == eager["accepted"]
     assert scored["tokens"] == eager["tokens"]

@@ -112,7 +112,7 @@ def test_the_compiled_reranking_is_its_eager_arithmetic():
     shortlist.summary_rows(summaries)
     shortlist.padding = shortlist.logical < 0
     got = compiled.choose_listed(query, shortlist)
-    compiled._listed = compiled._choice  # the same call, not compiled
+    compiled._listed._compiled = compiled._listed.eager  # the same call, not compiled
     assert torch.equal(got, compiled.choose_listed(query, shortlist))
 
 

@@ -36,9 +36,9 @@ import time
 import torch
 from torch import Tensor
 from torch._dynamo.decorators import mark_static, mark_unbacked
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from vllm_triforce.config import BlockCounts
+from vllm_triforce.core.compiled import CompiledFunction, dense, inference
 from vllm_triforce.core.selection import Frame, Shortlist, ordered_blocks, rank_listed
 from vllm_triforce.core.summaries import fold_bands
 from vllm_triforce.core.summary_coding import CodedStore, decode_table
@@ -124,8 +124,8 @@ class CompiledScores:
             listed_choice, scale=scale or 1.0 / math.sqrt(summaries.head_dim),
             num_kv_heads=summaries.num_kv_heads, variance_width=summaries.variance_width,
             k=blocks.max_chosen, max_selected=blocks.max_selected)
-        self._listed = torch.compile(self._choice, dynamic=True, fullgraph=True)
-        self._tables = torch.compile(table_dots, dynamic=True, fullgraph=True)
+        self._listed = CompiledFunction(self._choice)
+        self._tables = CompiledFunction(table_dots)
         self.compile_seconds: float | None = None  # set by warm_up
 
     def tables(self, ids: Tensor, counts: Tensor, weights: list[Tensor],
@@ -133,15 +133,14 @@ class CompiledScores:
         """ids, counts [R, B] (physical blocks >= 0, their token counts); weights: one
         [R, L, H, D] float32 per store -> scores [R, L, B]."""
         with torch.inference_mode():  # the engine's tensors: what the kernels were made for
-            ids, counts = _inference(ids), _inference(counts.float())
-            weights = [_inference(w.float().contiguous()) for w in weights]
+            ids, counts = inference(ids), inference(counts.float())
+            weights = [inference(w.float().contiguous()) for w in weights]
         for t in (ids, counts, *weights):
             mark_unbacked(t, 0)  # requests
         for t in (ids, counts):
             mark_unbacked(t, 1)  # the tables' width
-        return self._run(self._tables, table_dots,
-                         (ids, counts, self.summaries.num_blocks, *self._with_stores(weights)),
-                         compile_now)
+        return self._tables(ids, counts, self.summaries.num_blocks,
+                            *self._with_stores(weights), compile_now=compile_now)
 
     def choose_listed(self, query: Tensor, shortlist, compile_now: bool = False) -> Tensor:
         """query [R, L, Hq, D]; `shortlist` (core/selection.Shortlist, its summary rows
@@ -156,9 +155,9 @@ class CompiledScores:
                       for t, fill in zip(listed, (0, 1.0, True, -1))]
         frame = shortlist.frame
         with torch.inference_mode():  # float32 and dense, as at warm_up: at most a copy
-            query = _inference(_dense(query.float()))
-            listed = [_inference(_dense(t)) for t in listed]
-            kept = [_inference(_dense(frame.num_chosen)), _inference(_dense(frame.sink_ids))]
+            query = inference(dense(query.float()))
+            listed = [inference(dense(t)) for t in listed]
+            kept = [inference(dense(frame.num_chosen)), inference(dense(frame.sink_ids))]
         for t in (query, *listed, *kept):
             mark_unbacked(t, 0)  # requests
         for t in listed:
@@ -166,8 +165,8 @@ class CompiledScores:
         for dim in range(1, 4):  # layers, heads, channels: the model's, as at warm_up
             mark_static(query, dim)
         shares = self.summaries.variance_shares() if len(self._stores) > 1 else None
-        return self._run(self._listed, self._choice,
-                         (query, shares, *listed, *kept, *self._with_stores()), compile_now)
+        return self._listed(query, shares, *listed, *kept, *self._with_stores(),
+                            compile_now=compile_now)
 
     def _with_stores(self, weights: list[Tensor] | None = None) -> tuple:
         """The stores' arguments (each store's weights first, where given)."""
@@ -175,20 +174,6 @@ class CompiledScores:
         for i, store in enumerate(self._stores):
             args += ((weights[i],) if weights is not None else ()) + store
         return args
-
-    def _run(self, compiled, eager, args: tuple, compile_now: bool) -> Tensor:
-        """After `warm_up` nothing compiles again: a call that would (a guard no size
-        should fail) raises (dynamo's stance "fail_on_recompile") rather than run the eager
-        arithmetic, which would hold the decoded rows; the policy then reads eagerly, in
-        chunks."""
-        if _get_current_dispatch_mode() is not None:
-            # a dispatch mode (tools/bench: syncs.py's counter) is watching: dynamo compiles
-            # nothing under one, so the same arithmetic runs eagerly, where it sees it
-            return eager(*args)
-        stance = "default" if compile_now else "fail_on_recompile"
-        # one grad mode for every call: no recompilation
-        with torch.inference_mode(), torch.compiler.set_stance(stance):
-            return compiled(*args)
 
     def warm_up(self) -> float:
         """Compile both now (2 requests, 3 blocks, block 0): the seconds it took."""
@@ -209,22 +194,6 @@ class CompiledScores:
                 padding=listed < 0), compile_now=True)
         self.compile_seconds = time.perf_counter() - start
         return self.compile_seconds
-
-
-def _dense(t: Tensor) -> Tensor:
-    """`t` with the strides of a new tensor of its shape (dynamo guards on them, even
-    along a dimension of size 1, where a view's may differ): a copy where they differ."""
-    expected, stride = [], 1
-    for size in reversed(t.shape):
-        expected.insert(0, stride)
-        stride *= size
-    return t if list(t.stride()) == expected else t.clone(memory_format=torch.contiguous_format)
-
-
-def _inference(t: Tensor) -> Tensor:
-    """`t` as an inference tensor (vLLM runs the engine in inference mode, so its tensors
-    are; dynamo guards on the difference): a copy where it is not (a test's, say)."""
-    return t if t.is_inference() else t.clone()
 
 
 def flat(store_part: Tensor) -> Tensor:

@@ -101,15 +101,25 @@ def laid_out_tables(selected: Tensor, block_table: Tensor, num_selected: Tensor,
     physical ids -> [L, R, width] int32, padding 0; written into `out` ([L, R, width] int32,
     a view of persistent buffers) when given. A dozen operations whatever R, L and width;
     no host list as long as the tables."""
-    num_reqs, num_layers, _ = selected.shape
-    offset = torch.arange(width, device=selected.device) - num_selected[:, None]  # [R, W]
-    tail = (offset + tail_start[:, None]).masked_fill_(offset >= num_tails[:, None], PAD)
-    head = selected[..., :width]
-    if head.shape[-1] < width:
-        head = torch.nn.functional.pad(head, (0, width - head.shape[-1]), value=PAD)
-    logical = torch.where((offset < 0)[:, None, :], head, tail[:, None, :])  # [R, L, W]
-    phys = block_table.gather(1, logical.clamp(min=0).view(num_reqs, -1))
-    phys = phys.view(num_reqs, num_layers, width).masked_fill(logical < 0, 0)
+    phys = table_rows(selected, block_table, num_selected, tail_start, num_tails,
+                      torch.arange(width, device=selected.device))
     if out is not None:
         return out.copy_(phys.transpose(0, 1))
     return phys.transpose(0, 1).to(torch.int32).contiguous()
+
+
+def table_rows(selected: Tensor, block_table: Tensor, num_selected: Tensor,
+               tail_start: Tensor, num_tails: Tensor, columns: Tensor) -> Tensor:
+    """`laid_out_tables`' rows [R, L, W] (block_table's dtype, padding 0), W columns given
+    as columns = arange(W) [W]: every size comes from a tensor's, none from a host int, so
+    compiled it serves every size (engine/device/round_graph.py `pass_layout`)."""
+    num_reqs, num_layers, max_selected = selected.shape
+    offset = columns - num_selected[:, None]  # [R, W]
+    tail = (offset + tail_start[:, None]).masked_fill_(offset >= num_tails[:, None], PAD)
+    # column c < num_selected <= max_selected is the selection's c-th block; the others
+    # take the tail, so the clamped columns' blocks are never kept
+    head = selected.gather(-1, columns.clamp(max=max_selected - 1).expand(num_reqs,
+                                                                           num_layers, -1))
+    logical = torch.where((offset < 0)[:, None, :], head, tail[:, None, :])  # [R, L, W]
+    phys = block_table.gather(1, logical.clamp(min=0).flatten(1)).view_as(logical)
+    return phys.masked_fill(logical < 0, 0)

@@ -203,8 +203,8 @@ def round_graph_bytes(bounds, num_layers: int, num_q_heads: int, num_kv_heads: i
                       cuda_graphs: bool, draft_bounds=None) -> int:
     """What `round_graphs` allocates beside the KV cache (engine/device/): the middle
     pass's input buffers at `bounds` (engine/device/bounds.RoundBounds: ids, positions,
-    slots, query starts, lengths, per-layer tables [L, R, W]), its queries' copies (one
-    hidden-sized row per token and layer), the copies of vLLM's passes' queries and keys
+    slots, query starts, lengths, per-layer tables [L, R, W], their column numbers), its
+    queries' copies (one hidden-sized row per token and layer), the copies of vLLM's passes' queries and keys
     (`capture_tokens` rows per layer, device/capture.CaptureBuffers) and, with CUDA graphs,
     their one pool: the largest bucket's logits (float32, the widest they come), its
     activations (ACTIVATION_ROWS) and GRAPH_OVERHEAD_BYTES per graph. `element`: the
@@ -216,14 +216,17 @@ def round_graph_bytes(bounds, num_layers: int, num_q_heads: int, num_kv_heads: i
     graphs, its pool, sized with the target's hidden size (the draft's is smaller)."""
     tokens, requests, width = bounds.max_tokens, bounds.max_requests, bounds.max_width
     hidden = num_q_heads * head_dim
-    inputs = tokens * (4 + 8 + 8) + (2 * requests + 1) * 4 + num_layers * requests * width * 4
+    # ids int32, positions and slots int64; query starts and lengths; tables; columns int64
+    inputs = (tokens * (4 + 8 + 8) + (2 * requests + 1) * 4 + num_layers * requests * width * 4
+              + width * 8)
     queries = num_layers * tokens * hidden * element
     step_copies = num_layers * capture_tokens * (num_q_heads + num_kv_heads) * head_dim * element
     pool = _pool_bytes(bounds, tokens, hidden, vocab_size, element) if cuda_graphs else 0
     draft = 0
     if draft_bounds is not None:
         d_tokens, d_reqs = draft_bounds.max_tokens, draft_bounds.max_requests
-        draft = d_tokens * (4 + 8 + 8) + (2 * d_reqs + 1) * 4 + d_reqs * draft_bounds.max_width * 4
+        draft = (d_tokens * (4 + 8 + 8) + (2 * d_reqs + 1) * 4
+                 + d_reqs * draft_bounds.max_width * 4 + draft_bounds.max_width * 8)
         if cuda_graphs:
             draft += _pool_bytes(draft_bounds, d_reqs, hidden, vocab_size, element)
     return inputs + queries + step_copies + pool + draft

@@ -192,8 +192,10 @@ class Drafting:
     def _compile_scoring(self) -> None:
         """`compiled_scoring`: the policy's block scores of each step's selection as one
         compiled kernel over these summaries, and the middle rounds' shortlist re-ranking,
-        query to selection, as one compiled graph (core/fused_reads.py), compiled now; a
-        compilation that fails leaves the eager reads, with a warning."""
+        query to selection, as one compiled graph (core/fused_reads.py); with round graphs,
+        each middle pass's tables and slots as one compiled function
+        (engine/device/round_graph.PassLayout); all compiled now. A compilation that fails
+        leaves that part eager, with a warning."""
         try:
             compiled = CompiledScores(self.summaries, self.policy.variance, self.shape.blocks,
                                       self.shape.num_q_heads, self.policy.scale)
@@ -202,11 +204,25 @@ class Drafting:
             logger.warning("TriForce compiled_scoring: compiling the block scoring failed "
                            "(%s: %s); it reads the summaries eagerly, in chunks.",
                            type(exc).__name__, exc)
+        else:
+            self.policy.compiled = compiled
+            logger.info("TriForce compiled_scoring: a step's block scores are one compiled "
+                        "kernel, a middle round's re-ranking one compiled graph (compiled in "
+                        "%.1f s)", seconds)
+        graphs = self.retrieval.round_graphs
+        if graphs is None:
             return
-        self.policy.compiled = compiled
-        logger.info("TriForce compiled_scoring: a step's block scores are one compiled "
-                    "kernel, a middle round's re-ranking one compiled graph (compiled in "
-                    "%.1f s)", seconds)
+        layout = graphs.buffers.layout
+        try:
+            seconds = layout.compile(self.shape.num_layers, self.shape.blocks.max_selected,
+                                     self.device)
+        except Exception as exc:  # noqa: BLE001 - inductor's failures are many kinds
+            layout.compiled = None
+            logger.warning("TriForce compiled_scoring: compiling the middle passes' layout "
+                           "failed (%s: %s); it stays eager.", type(exc).__name__, exc)
+            return
+        logger.info("TriForce compiled_scoring: a middle pass's tables and slots are one "
+                    "compiled function (compiled in %.1f s)", seconds)
 
     def _build_levels(self, paged_keys, unreadable: str | None, target_groups: list) -> None:
         """Each level gets exactly what it uses, from the engine's shape. `paged_keys`:

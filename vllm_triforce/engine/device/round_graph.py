@@ -54,6 +54,8 @@ fails any later run that differs: what a real CUDA graph would silently freeze.
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import time
 from dataclasses import dataclass
 
@@ -65,10 +67,15 @@ from vllm.v1.spec_decode.utils import PADDING_SLOT_ID
 
 from vllm_triforce.engine.device.bounds import GRAPH_BACKENDS, RoundBounds
 from vllm_triforce.engine.device.capture import CaptureBuffers
-from vllm_triforce.core.tables import TableLayout, laid_out_tables
+from torch._dynamo.decorators import mark_static, mark_unbacked
+
+from vllm_triforce.core.compiled import CompiledFunction, dense, inference
+from vllm_triforce.core.tables import TableLayout, table_rows
 from vllm_triforce.engine.device.forward import (PassInputs, Runs, SWAP_TABLE, _with_table,
                                                  metadata_path)
 from vllm_triforce.engine.device.transfer import to_device
+
+logger = logging.getLogger(__name__)
 
 PADDING_SLOT = PADDING_SLOT_ID  # -1: every KV-cache write skips the token
 # Metadata fields a builder computes from the lengths (host work a graph cannot redo).
@@ -90,12 +97,15 @@ class PassBuffers:
         self.seq_lens = torch.zeros(reqs, dtype=torch.int32, device=device)  # [R]
         self.tables = torch.zeros(num_tables, reqs, width, dtype=torch.int32,
                                   device=device)  # [L or 1, R, W]
+        self.columns = torch.arange(width, device=device)  # [W]: a table's column numbers
         self.block_size = bounds.block_size
+        self.layout = PassLayout(bounds.block_size)  # `load_runs`' tables and slots
 
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (self.input_ids, self.positions, self.slot_mapping,
-                                      self.query_start_loc, self.seq_lens, self.tables))
+                                      self.query_start_loc, self.seq_lens, self.tables,
+                                      self.columns))
 
     def load(self, inputs: PassInputs, tables: torch.Tensor, bucket: int,
              bucket_requests: int) -> None:
@@ -152,18 +162,79 @@ class PassBuffers:
             self.input_ids[num_tokens:bucket].zero_()
         self.query_start_loc[:bucket_requests + 1].copy_(qsl_dev)
         self.seq_lens[:bucket_requests].copy_(lens_dev)
-        real, size = positions_dev[:num_tokens], self.block_size
-        self.slot_mapping[:num_tokens].copy_(
-            block_table[owner_dev, real // size].long() * size + real % size)
+        rows, slots = self.layout(selected, block_table, num_selected, tail_start, num_tails,
+                                  self.columns[:layout.width], owner_dev,
+                                  positions_dev[:num_tokens])
+        self.slot_mapping[:num_tokens].copy_(slots)
         self.slot_mapping[num_tokens:bucket].fill_(PADDING_SLOT)
-        laid_out_tables(selected, block_table, num_selected, tail_start, num_tails,
-                        layout.width, out=self.tables[:, :num_reqs, :layout.width])
+        self.tables[:, :num_reqs, :layout.width].copy_(rows.transpose(0, 1))
 
     def clear(self) -> None:
         """A pass of padding only: what a bucket is built and captured over."""
         self.slot_mapping.fill_(PADDING_SLOT)
         self.query_start_loc.zero_()
         self.seq_lens.zero_()
+
+
+def pass_layout(selected: torch.Tensor, block_table: torch.Tensor, num_selected: torch.Tensor,
+                tail_start: torch.Tensor, num_tails: torch.Tensor, columns: torch.Tensor,
+                owner: torch.Tensor, positions: torch.Tensor, *,
+                block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A middle round's pass laid out on the device: its per-layer tables' rows [R, L, W]
+    (core/tables.table_rows of `selected` [R, L, max_selected], block_table [R, B] and a
+    `TableLayout`'s sizes [R] each, W = len(columns)) and its tokens' KV slots [T] (owner
+    [T] each token's request, positions [T]), as `forward.build_pass` computes them."""
+    rows = table_rows(selected, block_table, num_selected, tail_start, num_tails, columns)
+    slots = (block_table[owner, positions // block_size].long() * block_size
+             + positions % block_size)
+    return rows, slots
+
+
+class PassLayout:
+    """`pass_layout` for one level's buffers: eagerly (a dozen and a half operations), or,
+    once `compile` has run (`compiled_scoring`, core/compiled.py), as one compiled
+    function for every size. A compiled call that fails (it would have compiled again)
+    is dropped with a warning, and the layout is eager from then on."""
+
+    def __init__(self, block_size: int):
+        self.eager = functools.partial(pass_layout, block_size=block_size)
+        self.compiled: CompiledFunction | None = None
+
+    def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.compiled is None:
+            return self.eager(*args)
+        try:
+            return self._compiled(*args)
+        except Exception as exc:  # noqa: BLE001 - dynamo's and inductor's are many kinds
+            logger.warning("TriForce compiled_scoring: the compiled pass layout failed (%s: "
+                           "%s); middle passes are laid out eagerly from now on.",
+                           type(exc).__name__, exc)
+            self.compiled = None
+            return self.eager(*args)
+
+    def compile(self, num_layers: int, max_selected: int, device) -> float:
+        """Compile now (2 requests of 2 and 1 tokens, tables of 3 columns), for the
+        engine's dtypes (selections int32, engine/selections.py; vLLM's block tables int32):
+        the seconds it took."""
+        start = time.perf_counter()
+        self.compiled = CompiledFunction(self.eager)
+        ids = functools.partial(torch.zeros, dtype=torch.long, device=device)
+        self._compiled(ids(2, num_layers, max_selected, dtype=torch.int32),
+                       ids(2, 4, dtype=torch.int32),
+                       ids(2), ids(2), ids(2), torch.arange(3, device=device),
+                       torch.tensor([0, 0, 1], device=device), ids(3), compile_now=True)
+        return time.perf_counter() - start
+
+    def _compiled(self, *args: torch.Tensor, compile_now: bool = False):
+        with torch.inference_mode():
+            args = [inference(dense(t)) for t in args]
+        selected, block_table, *sizes, columns, owner, positions = args
+        for t in (selected, block_table, *sizes, owner, positions, columns):
+            mark_unbacked(t, 0)  # requests; W columns; T tokens
+        mark_unbacked(block_table, 1)  # the batch's table width
+        mark_static(selected, 1)  # layers
+        mark_static(selected, 2)  # max_selected
+        return self.compiled(*args, compile_now=compile_now)
 
 
 class BucketPass:

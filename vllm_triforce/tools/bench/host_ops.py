@@ -7,8 +7,8 @@ runs later, asynchronously: the sum over a middle round is the host work a round
 besides its Python. On a CPU an operation's host time also holds its computation. A
 pass's model (`forward.run` today, a bucket's closure with round graphs) is not counted:
 its operations are the device work, or a graph replay that dispatches none. The compiled
-block scoring (`compiled_scoring`, core/fused_reads.py) runs with the mode off (dynamo
-compiles nothing under one) and counts as one site, its launches' host time.
+functions (`compiled_scoring`, core/compiled.py) run with the mode off (dynamo compiles
+nothing under one) and count as one site, their launches' host time.
 
     with HostOps(drafter) as ops:
         llm.generate(...)
@@ -26,6 +26,7 @@ import time
 import traceback
 
 GRAPH_LAUNCH = "(a CUDA graph's launch)"  # the site a round graph's replay counts at
+COMPILED_LAUNCH = "(a compiled function's launch)"  # core/compiled.py's, each call
 
 
 class HostOps:
@@ -42,7 +43,7 @@ class HostOps:
     def __enter__(self) -> "HostOps":
         from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-        from vllm_triforce.core.fused_reads import CompiledScores
+        from vllm_triforce.core.compiled import CompiledFunction
         from vllm_triforce.engine.device import forward, round_graph
 
         owner = self
@@ -90,8 +91,8 @@ class HostOps:
                           None, False),
                          (round_graph.CudaGraphReplay, "run", round_graph.CudaGraphReplay.run,
                           GRAPH_LAUNCH, False),
-                         (CompiledScores, "_run", CompiledScores._run,
-                          "(the compiled scoring's launch)", True)]
+                         (CompiledFunction, "__call__", CompiledFunction.__call__,
+                          COMPILED_LAUNCH, True)]
         for holder, name, value, site, unwatched in self._restore:
             setattr(holder, name, uncounted(value, site, unwatched))
         self.drafter.propose = timed_propose

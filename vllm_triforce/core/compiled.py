@@ -1,0 +1,53 @@
+"""Functions of TriForce's hot path compiled once, at start-up, for every size
+(`compiled_selection`, config.py): torch.compile (inductor) with the sizes that vary from
+call to call marked unbacked by the caller (dynamo's `mark_unbacked`), so a size never
+seen compiles nothing.
+
+After its warm-up such a function never compiles again: a call that would (a guard no
+size should fail) raises, under dynamo's stance "fail_on_recompile", rather than compile
+on the hot path or fall back silently to eager torch (which, for the block scores, would
+hold every decoded row); the caller then takes its eager path, with a warning. Under a
+Python dispatch mode (tools/bench: the sync counter) dynamo compiles nothing, so the same
+function runs eagerly there, where the mode sees its operations.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+
+class CompiledFunction:
+    """`fn` compiled (dynamic shapes, one graph), called as `fn` is."""
+
+    def __init__(self, fn):
+        self.eager = fn
+        self._compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+
+    def __call__(self, *args, compile_now: bool = False):
+        """`compile_now`: the warm-up's call, which may compile; any other raises where it
+        would."""
+        if _get_current_dispatch_mode() is not None:
+            return self.eager(*args)
+        stance = "default" if compile_now else "fail_on_recompile"
+        # one grad mode for every call: no recompilation
+        with torch.inference_mode(), torch.compiler.set_stance(stance):
+            return self._compiled(*args)
+
+
+def dense(t: Tensor) -> Tensor:
+    """`t` with the strides of a new tensor of its shape (dynamo guards on them, even
+    along a dimension of size 1, where a view's may differ): a copy where they differ."""
+    expected, stride = [], 1
+    for size in reversed(t.shape):
+        expected.insert(0, stride)
+        stride *= size
+    return t if list(t.stride()) == expected else t.clone(memory_format=torch.contiguous_format)
+
+
+def inference(t: Tensor) -> Tensor:
+    """`t` as an inference tensor (vLLM runs the engine in inference mode, so its tensors
+    are; dynamo guards on the difference): a copy where it is not (a test's, say). Call
+    under torch.inference_mode()."""
+    return t if t.is_inference() else t.clone()
