@@ -80,15 +80,17 @@ def listed_choice(query: Tensor, shares: Tensor | None, rows: Tensor, counts: Te
                   max_selected: int) -> Tensor:
     """A shortlist's re-ranking from the query to the selection, as `Selector.choose` with
     a shortlist makes it eagerly (`RetrievalPolicy.shortlist_scores`, then
-    `select_listed`): query [R, L, Hq, D] (each request's newest token); shares [L, H, D]
+    `select_listed`): query [L, R, Hq, D] (each request's newest token, layer-major as a
+    round's query buffers hold it: engine/device/capture.LayerRows); shares [L, H, D]
     the key variance's channel shares (`BlockSummaries.variance_shares`; None: the
     variance is kept per channel); a `Shortlist`'s rows, counts, padding and logical
     blocks [R, L, S] (S >= k) and its Frame's num_chosen [R, 1, 1] and sink_ids [R, 1,
     sinks]; the stores as `listed_dots` takes them (the second: the key variance) ->
     [R, L, max_selected] logical blocks (Selection.logical_blocks). k is
     `BlockCounts.max_chosen`, the candidates a selection ranks."""
+    query = query.transpose(0, 1)  # [R, L, Hq, D]
     num_reqs, num_layers, num_q_heads, head_dim = query.shape
-    q = query.float().view(num_reqs, num_layers, num_kv_heads, num_q_heads // num_kv_heads,
+    q = query.float().reshape(num_reqs, num_layers, num_kv_heads, num_q_heads // num_kv_heads,
                            head_dim) * scale
     more_weights = None
     if more_codes is not None:  # 1/2 q^2 per channel, folded to the store's bands
@@ -154,15 +156,17 @@ class CompiledScores:
             listed = [torch.nn.functional.pad(t, (0, short), value=fill)
                       for t, fill in zip(listed, (0, 1.0, True, -1))]
         frame = shortlist.frame
-        with torch.inference_mode():  # float32 and dense, as at warm_up: at most a copy
-            query = inference(dense(query.float()))
+        with torch.inference_mode():  # float32, layer-major and dense, as at warm_up: at
+            # most a copy (none of a round's queries in a bf16 model: engine/device/capture)
+            query = inference(dense(query.float().transpose(0, 1)))
             listed = [inference(dense(t)) for t in listed]
             kept = [inference(dense(frame.num_chosen)), inference(dense(frame.sink_ids))]
-        for t in (query, *listed, *kept):
+        mark_unbacked(query, 1)  # requests
+        for t in (*listed, *kept):
             mark_unbacked(t, 0)  # requests
         for t in listed:
             mark_unbacked(t, 2)  # listed blocks
-        for dim in range(1, 4):  # layers, heads, channels: the model's, as at warm_up
+        for dim in (0, 2, 3):  # layers, heads, channels: the model's, as at warm_up
             mark_static(query, dim)
         shares = self.summaries.variance_shares() if len(self._stores) > 1 else None
         return self._listed(query, shares, *listed, *kept, *self._with_stores(),

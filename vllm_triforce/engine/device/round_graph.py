@@ -97,7 +97,8 @@ class PassBuffers:
         self.seq_lens = torch.zeros(reqs, dtype=torch.int32, device=device)  # [R]
         self.tables = torch.zeros(num_tables, reqs, width, dtype=torch.int32,
                                   device=device)  # [L or 1, R, W]
-        self.columns = torch.arange(width, device=device)  # [W]: a table's column numbers
+        with torch.inference_mode():  # as the engine's other inputs of the compiled layout
+            self.columns = torch.arange(width, device=device)  # [W]: a table's column numbers
         self.block_size = bounds.block_size
         self.layout = PassLayout(bounds.block_size)  # `load_runs`' tables and slots
 
