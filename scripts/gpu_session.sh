@@ -121,9 +121,9 @@ case "$step" in
     python3 scripts/gpu_model_carry.py convert \
       || python3 scripts/gpu_model_carry.py convert --allow-file-differences || exit 1
     # a third argument "graphs": the demo with TriForce's round graphs on (`--round-graphs`)
-    # and its block scores compiled (`--compiled-scoring`)
+    # and its selection compiled (`--compiled-selection`)
     bash scripts/gpu_run.sh -- python3 -m vllm_triforce.tools.cli demo --device cuda \
-      --out "$OUT/demo.json" --eager-check ${3:+--round-graphs --compiled-scoring} \
+      --out "$OUT/demo.json" --eager-check ${3:+--round-graphs --compiled-selection} \
       > "$OUT/demo.log" 2>&1
     echo "demo: exit $?"
     grep -v " INFO \| DEBUG \|WARNING\|^\s*$\|Loading\|it/s\]" "$OUT/demo.log" | tail -40

@@ -64,9 +64,9 @@ def test_version_gate_refuses_other_vllm(found):
     ({"compact_key_variance": 1}, "compact_key_variance"),
     ({"compact_summaries": "on"}, "compact_summaries"),
     ({"compact_summaries": True, "compact_key_variance": True}, "compact_summaries"),
-    ({"compiled_scoring": "yes"}, "compiled_scoring"),
-    ({"compiled_scoring": True, "compact_summaries": False}, "compiled_scoring"),
-    ({"compiled_scoring": True, "selection_policy": "quest"}, "compiled_scoring"),
+    ({"compiled_selection": "yes"}, "compiled_selection"),
+    ({"compiled_selection": True, "compact_summaries": False}, "compiled_selection"),
+    ({"compiled_selection": True, "selection_policy": "quest"}, "compiled_selection"),
 ])
 def test_config_errors_name_the_key(spec, key):
     with pytest.raises(TriForceConfigError, match=key):

@@ -78,7 +78,7 @@ def test_load_runs_writes_what_build_pass_then_load_write(ids_on, compiled):
     `build_pass`, `laid_out_tables` and `load` do, padding included. Three requests of
     [2, 1, 1] tokens at 5, 2 and 3, in the 8-token bucket; the first holds its sink block
     and a tail from block 1, the others a tail from block 0. `compiled`: the tables and
-    slots by the compiled layout (`compiled_scoring`)."""
+    slots by the compiled layout (`compiled_selection`)."""
     import numpy as np
 
     from vllm_triforce.core.blocks import PAD
@@ -407,9 +407,9 @@ def test_round_graphs_give_todays_tokens_at_depths_that_vary(temperature, tiny_l
 
 
 @pytest.mark.engine
-def test_compiled_scoring_gives_todays_tokens_selections_and_acceptance(
+def test_compiled_selection_gives_todays_tokens_selections_and_acceptance(
         tiny_llama, llm_factory, monkeypatch):
-    """`compiled_scoring` with round graphs (how a GPU runs them): each step's selection
+    """`compiled_selection` with round graphs (how a GPU runs them): each step's selection
     and every shortlist re-ranking between middle rounds go through the compiled kernels
     (core/fused_reads.py), every middle pass's tables and slots through the compiled
     layout (engine/device/round_graph.PassLayout), and the engine gives the eager reads'
@@ -421,7 +421,7 @@ def test_compiled_scoring_gives_todays_tokens_selections_and_acceptance(
     spec = dict(SPEC, round_graphs=True)
     eager = _run(llm_factory(tiny_llama, speculative_config=spec, num_gpu_blocks_override=64),
                  prompts)
-    llm = llm_factory(tiny_llama, speculative_config=dict(spec, compiled_scoring=True),
+    llm = llm_factory(tiny_llama, speculative_config=dict(spec, compiled_selection=True),
                       num_gpu_blocks_override=64)
     compiled = drafter_of(llm).policy.compiled
     layout = drafter_of(llm).retrieval.round_graphs.buffers.layout

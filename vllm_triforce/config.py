@@ -130,14 +130,16 @@ class TriForceConfig:
     # on a GPU, replayed eagerly over the same buffers elsewhere. Off until a GPU has run a
     # real model with the graphs; a pass that fits no bucket takes today's path either way.
     round_graphs: bool = False
-    # Score a step's blocks in one compiled kernel (core/fused_reads.py: torch.compile of
-    # the gather, decode, products and sums over the coded summaries), not in chunked
-    # eager reads, and re-rank a middle round's shortlist, query to selection, as one
-    # compiled graph: at Llama-3.1-8B's shape about 25 host operations a read chunk, and
-    # some 20 more a re-ranking, become one call, with no float32 copy of the listed
-    # summaries. Needs `compact_summaries` and the "retrieval" policy; compiles at start-up
-    # (about 10-20 s on a CPU). Off until a GPU has timed it.
-    compiled_scoring: bool = False
+    # The retrieval selection's host work as compiled functions (core/compiled.py): a
+    # step's block scores one kernel (core/fused_reads.py: torch.compile of the gather,
+    # decode, products and sums over the coded summaries), not chunked eager reads; a
+    # middle round's shortlist re-ranking one graph, query to selection; with round
+    # graphs, a middle pass's tables and slots one function (engine/device/round_graph.
+    # PassLayout). At Llama-3.1-8B's shape about 25 host operations a read chunk, and
+    # some 45 more a round, become calls, with no float32 copy of the listed summaries.
+    # Needs `compact_summaries` and the "retrieval" policy; compiles at start-up (about
+    # 10-20 s on a CPU). Off until a GPU has timed it.
+    compiled_selection: bool = False
     # Where summaries are set from vLLM's KV cache (engine/summary_keeper.py: a backend
     # whose cache TriForce reads back exactly), a pass larger than the capture's copies (a
     # long prompt chunk) keeps only its requests' last query rows, not every layer's query
@@ -174,9 +176,9 @@ class TriForceConfig:
                 f"speculative_config['round_graphs']={self.round_graphs!r} must be true (the "
                 "middle level's passes over persistent buffers, as CUDA graphs on a GPU) or "
                 "false (each pass built anew, the default).")
-        if not isinstance(self.compiled_scoring, bool):
+        if not isinstance(self.compiled_selection, bool):
             raise TriForceConfigError(
-                f"speculative_config['compiled_scoring']={self.compiled_scoring!r} must be "
+                f"speculative_config['compiled_selection']={self.compiled_selection!r} must be "
                 "true (block scores and re-ranking compiled) or false "
                 "(eager chunked reads, the default).")
         if not isinstance(self.prefill_from_cache, bool):
@@ -214,13 +216,13 @@ class TriForceConfig:
                 "the coded summaries keep the key variance per channel, the compact variance "
                 "per band. Drop 'compact_key_variance' (the coded summaries take as little "
                 "memory and lose less acceptance), or set 'compact_summaries': false.")
-        if self.compiled_scoring and not (self.compact_summaries
+        if self.compiled_selection and not (self.compact_summaries
                                             and self.selection_policy == "retrieval"):
             raise TriForceConfigError(
-                "speculative_config['compiled_scoring'] reads coded summaries with the "
+                "speculative_config['compiled_selection'] reads coded summaries with the "
                 "'retrieval' policy; this config has "
                 f"selection_policy={self.selection_policy!r} and "
-                f"compact_summaries={self.compact_summaries!r}. Drop 'compiled_scoring', or "
+                f"compact_summaries={self.compact_summaries!r}. Drop 'compiled_selection', or "
                 "use selection_policy 'retrieval' with compact_summaries true (the defaults).")
         if not isinstance(self.allow_full_key_copy, bool):
             raise TriForceConfigError(

@@ -17,7 +17,7 @@ of a round's parts are TriForce's own per-round overhead on this device.
 
 `--coded`: the engine's default coded summaries (`compact_summaries`), and the step's
 selection and a middle re-selection once more with their scores from the compiled kernels
-(`compiled_scoring`, core/fused_reads.py): device and host ms, peak, syncs, beside the
+(`compiled_selection`, core/fused_reads.py): device and host ms, peak, syncs, beside the
 eager chunked reads of the same summaries.
 """
 
@@ -116,7 +116,7 @@ def main() -> None:
     parser.add_argument("--coded", action="store_true",
                         help="the engine's default summaries (`compact_summaries`: one byte a "
                              "value), and the selections also by the compiled kernels "
-                             "(`compiled_scoring`, core/fused_reads.py)")
+                             "(`compiled_selection`, core/fused_reads.py)")
     parser.add_argument("--score-chunk-mib", type=int, default=0,
                         help="override core/reads.SCORE_CHUNK_BYTES (MiB; 0: keep 64)")
     args = parser.parse_args()
@@ -244,7 +244,7 @@ def main() -> None:
 
 def compiled_selections(query, summaries, table, committed, selector, choice, repeats: int,
                         device: str, results: list) -> None:
-    """`compiled_scoring` (core/fused_reads.py): the step's selection with its scores
+    """`compiled_selection` (core/fused_reads.py): the step's selection with its scores
     from the compiled kernel, and a middle re-selection as one compiled graph (query to
     selection), after their compilation
     (timed): against the two rows above, which read the coded summaries eagerly, in
@@ -254,7 +254,7 @@ def compiled_selections(query, summaries, table, committed, selector, choice, re
     compiled = CompiledScores(summaries, True, selector.blocks, Q_HEADS)
     seconds = compiled.warm_up()
     print(f"{'':<52} compiled in {seconds:.1f} s", flush=True)
-    results.append({"op": "compiled_scoring: compilation", "seconds": seconds})
+    results.append({"op": "compiled_selection: compilation", "seconds": seconds})
     selector.release_copies()
     selector.policy.compiled = compiled
     try:

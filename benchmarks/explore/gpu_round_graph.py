@@ -20,8 +20,8 @@ only a GPU can show, in three parts, most valuable first:
 (b) Cost at Llama-3.1-8B's width (`--b-layers`, 8 by default: a pass's device time is about
     a quarter of the 32-layer model's, while the host's work per round is not, so a round's
     cost over its device time is if anything higher here), dummy weights, 8 x 7,680 tokens,
-    depth 6: ms per middle round in three modes (`MODES`: graphs with the compiled block
-    scoring, `compiled_scoring`; graphs with the eager reads; per pass) in ONE engine,
+    depth 6: ms per middle round in three modes (`MODES`: graphs with the selection
+    compiled, `compiled_selection`; graphs with the eager reads; per pass) in ONE engine,
     alternating twice (a drift of the machine shows as a difference between the two passes
     of each mode); the compiled and per-pass modes also with VLLM_TRIFORCE_TIME_FORWARDS=1
     (a sync per pass: the forwards' time as the device finishes them), and the graph
@@ -30,8 +30,8 @@ only a GPU can show, in three parts, most valuable first:
     each `propose`'s entry) against its reservation (`drafter.reserved_bytes`).
 (c) Cost at SmolLM2-135M's shape (dummy weights), 32 x 7,808 tokens: ms per middle round and
     per step at depths 6 (the three modes) and 0 (graphs and per pass) in one engine.
-Parts (a), (b) and (c) compile the block scoring (`compiled_scoring`; whether it compiled,
-and in how long, is in each report).
+Parts (a), (b) and (c) compile the selection (`compiled_selection`: block scores, re-ranking,
+a pass's tables and slots; whether it compiled, and in how long, is in each report).
 
 Each engine runs in a child process of its own: a CUDA error in a replay (an illegal
 address, say) leaves its process's context unusable, and would take every later engine with
@@ -114,9 +114,10 @@ COUNTERS = ("top_proposed", "top_accepted", "middle_proposed", "middle_accepted"
 PER_ROUND_KEPT = 16  # rounds of (a) kept one by one in the results; all are summarised
 TIME_FORWARDS = "VLLM_TRIFORCE_TIME_FORWARDS"
 # How (b) and (c) run a middle round, in one engine: round graphs with the shortlist
-# scored by the compiled kernel (`compiled_scoring`), round graphs with the eager
-# chunked reads, and each pass built anew with the eager reads (today's default)
-COMPILED, GRAPHS, PER_PASS = "graphs, compiled scoring", "graphs", "per pass"
+# re-ranked and the pass laid out by compiled functions (`compiled_selection`), round
+# graphs with the eager chunked reads, and each pass built anew with the eager reads
+# (today's default)
+COMPILED, GRAPHS, PER_PASS = "graphs, compiled selection", "graphs", "per pass"
 MODES = (COMPILED, GRAPHS, PER_PASS)
 
 
@@ -401,7 +402,7 @@ def job_levels(args, report: Report, levels: int) -> None:
     from vllm_triforce.tools.bench.gpu_engine import drafter_or_none
 
     target, draft = tiny_models(args)
-    spec = {**TINY_SPEC, "round_graphs": True, "compiled_scoring": True,
+    spec = {**TINY_SPEC, "round_graphs": True, "compiled_selection": True,
             **({"model": str(draft), **THREE_LEVELS} if levels == 3 else {})}
     llm = build(args, report, target, spec, "a")
     drafter = drafter_or_none(llm)
@@ -416,7 +417,7 @@ def job_levels(args, report: Report, levels: int) -> None:
         except Exception:  # kept; the next generation may still run (a CUDA error: not)
             report[key] = {"error": traceback.format_exc()[-4000:]}
         report["round_graphs"] = {**graphs_facts(graphs), "captures": captures}
-        report["compiled_scoring"] = compiled_facts(drafter)
+        report["compiled_selection"] = compiled_facts(drafter)
         report.save()
 
 
@@ -557,7 +558,7 @@ def per_pass_generation(llm, drafter, prompts, params) -> dict:
 
 
 def compiled_facts(drafter) -> dict:
-    """Whether the compiled scoring is on (a failed compilation, or a call that would have
+    """Whether the compiled selection is on (a failed compilation, or a call that would have
     compiled again, leaves the eager reads, with a warning in the log) and how long its
     compilation took."""
     compiled = drafter.policy.compiled
@@ -614,7 +615,7 @@ def job_width(args, report: Report) -> None:
     model = gpu_models.write_llama_8b_shape(
         args.work / f"llama-8b-width-{over['num_hidden_layers']}l", args.tokenizer, **over)
     spec = {**COST_SPEC, "retrieval_budget": s["budget"], "round_graphs": True,
-            "compiled_scoring": True}
+            "compiled_selection": True}
     plan = ([(s["depth"], mode, False) for mode in MODES + MODES]
             + [(s["depth"], mode, True) for mode in (COMPILED, PER_PASS)])
     cost_job(args, report, model, spec, "b", plan)
@@ -629,8 +630,8 @@ def job_smollm2(args, report: Report) -> None:
     model = gpu_models.write_llama_8b_shape(args.work / "smollm2-135m-shape", args.tokenizer,
                                             **{**SMOLLM2_SHAPE, **s["over"]})
     spec = {**COST_SPEC, "retrieval_budget": s["budget"], "round_graphs": True,
-            "compiled_scoring": True}
-    # depth 0 selects nothing: the compiled scoring and the eager reads are one mode there
+            "compiled_selection": True}
+    # depth 0 selects nothing: the compiled selection and the eager reads are one mode there
     plan = [(depth, mode, False) for depth in s["depths"]
             for mode in (MODES + MODES if depth else (COMPILED, PER_PASS) * 2)]
     cost_job(args, report, model, spec, "c", plan)
@@ -652,7 +653,7 @@ def cost_job(args, report: Report, model: Path, spec: dict, part: str, plan) -> 
     drafter = drafter_or_none(llm)
     graphs, compiled = drafter.retrieval.round_graphs, drafter.policy.compiled
     report["captures"] = watch_captures(graphs) if graphs is not None else []
-    report["compiled_scoring"] = compiled_facts(drafter)
+    report["compiled_selection"] = compiled_facts(drafter)
     peaks, timer = PeakProbe(drafter, cuda), ReplayTimer(graphs, cuda)
     prompts = random_prompts(s["batch"], s["context"], tokenizer_vocab(args), seed=s["context"])
     report["prefill_s"] = timed_generate(llm, prompts, 1)

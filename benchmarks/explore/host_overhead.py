@@ -11,10 +11,11 @@ does not move between runs), and prints the N vllm_triforce call sites whose ope
 took the most host time (tools/bench/host_ops.py). `--round-graphs`: the middle passes
 over persistent buffers, and one more generation times the host's work from a round's
 copy to the host to the next round's replay (what a GPU waits through).
-`--compiled-scoring`: the block scores and the re-ranking compiled (core/fused_reads.py).
+`--compiled-selection`: the block scores, the re-ranking and the pass layout compiled
+(core/compiled.py).
 
     .venv/bin/python benchmarks/explore/host_overhead.py [--repeats 3] [--levels 2]
-        [--round-graphs] [--compiled-scoring] [--ops 40]
+        [--round-graphs] [--compiled-selection] [--ops 40]
 """
 
 import argparse
@@ -41,9 +42,9 @@ def main() -> None:
                         help="1 (default): re-select between middle rounds; 0: never")
     parser.add_argument("--round-graphs", action="store_true",
                         help="the middle passes over persistent buffers (`round_graphs`)")
-    parser.add_argument("--compiled-scoring", action="store_true",
-                        help="the block scores and re-ranking compiled "
-                             "(`compiled_scoring`)")
+    parser.add_argument("--compiled-selection", action="store_true",
+                        help="the block scores, re-ranking and pass layout compiled "
+                             "(`compiled_selection`)")
     parser.add_argument("--no-syncs", action="store_true", help="skip the counted generation")
     parser.add_argument("--ops", type=int, default=0, metavar="N",
                         help="count aten operations per middle round; print N call sites")
@@ -60,7 +61,7 @@ def main() -> None:
     spec = {"method": "triforce", "num_speculative_tokens": 6, "retrieval_budget": 256,
             "retrieval_sink_tokens": 32, "retrieval_recent_tokens": 64, "adaptive": False,
             "refresh_interval": args.refresh_interval, "round_graphs": args.round_graphs,
-            "compiled_scoring": args.compiled_scoring}
+            "compiled_selection": args.compiled_selection}
     if args.levels == 3:
         draft = tiny_models.build_tiny_llama_draft(tmp / "draft", vocab_size=1024)
         spec.update(model=str(draft), draft_window_tokens=96)

@@ -1,5 +1,5 @@
 """Aten operations a middle round's shortlist re-ranking dispatches, eager and compiled
-(`compiled_scoring`), at Llama-3.1-8B's KV shape (issue 59).
+(`compiled_selection`), at Llama-3.1-8B's KV shape (issue 59).
 
 On a GPU each operation is a launch the host pays for; the H200 profile of 2026-11-29
 (benchmarks/gpu/round_graph_ahead_2026-11-29/) found the re-ranking's chunked reads of the

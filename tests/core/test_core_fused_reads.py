@@ -1,4 +1,4 @@
-"""The compiled block scoring (core/fused_reads.py, `compiled_scoring`): a step's
+"""The compiled block scoring (core/fused_reads.py, `compiled_selection`): a step's
 selection's scores as the eager reads of coded summaries give them, and a shortlist's
 re-ranking, query to selection, as the chunked reads then `select_listed` make it, from
 one compilation for every batch, table and shortlist size, with no copy of the listed
@@ -117,7 +117,7 @@ def test_the_compiled_reranking_is_its_eager_arithmetic():
 
 
 @pytest.mark.parametrize("strategy", ["gather", "all"])
-def test_compiled_scoring_scores_a_steps_tables_as_the_eager_reads(strategy):
+def test_compiled_selection_scores_a_steps_tables_as_the_eager_reads(strategy):
     """A step's selection scores every block of each request's table (padding -1 reads
     block 0, as the eager reads do): the compiled kernel gives the eager strategy's scores
     for tables of any width, without compiling again."""
@@ -140,7 +140,7 @@ def test_compiled_scoring_scores_a_steps_tables_as_the_eager_reads(strategy):
     assert counters["stats"]["unique_graphs"] == graphs
 
 
-def test_compiled_scoring_reads_only_its_own_summaries():
+def test_compiled_selection_reads_only_its_own_summaries():
     """A policy whose kernels were built over other summaries scores and re-ranks these
     eagerly."""
     summaries, other = coded_summaries(0), coded_summaries(1)

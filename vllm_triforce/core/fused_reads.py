@@ -1,4 +1,4 @@
-"""Block scores read from coded summaries in one compiled kernel (`compiled_scoring`,
+"""Block scores read from coded summaries in one compiled kernel (`compiled_selection`,
 config.py).
 
 The retrieval policy scores blocks at each step's selection (every block of a request's

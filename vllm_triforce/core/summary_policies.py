@@ -82,7 +82,7 @@ class RetrievalPolicy(SelectionPolicy):
         self.strategy = strategy
         self.scale = scale  # None: 1 / sqrt(head_dim)
         # core/fused_reads.CompiledScores over the engine's coded summaries
-        # (`compiled_scoring`): block scores in one compiled kernel, no listed copy
+        # (`compiled_selection`): block scores in one compiled kernel, no listed copy
         self.compiled: CompiledScores | None = None
 
     def block_scores(self, query, summaries, block_table, num_committed, state=None,
@@ -201,7 +201,7 @@ class RetrievalPolicy(SelectionPolicy):
     def _dropped(self, exc: Exception) -> None:
         """A compiled kernel failed (it would have compiled again, say): the kernels are
         dropped, with a warning, and the caller reads eagerly from then on."""
-        logger.warning("TriForce compiled_scoring: the compiled block scores failed "
+        logger.warning("TriForce compiled_selection: the compiled block scores failed "
                        "(%s: %s); block scores read the summaries eagerly from now on.",
                        type(exc).__name__, exc)
         self.compiled = None

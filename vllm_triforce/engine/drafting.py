@@ -176,11 +176,11 @@ class Drafting:
                            "(%s); it keeps its first stage only.", self.policy.name,
                            unreadable)
         self._build_levels(paged_keys, unreadable, target_groups)
-        if self.cfg.compiled_scoring:
+        if self.cfg.compiled_selection:
             self._compile_scoring()
         else:
             logger.info("TriForce block scores: eager reads of the summaries, in chunks "
-                        "(compiled_scoring off)")
+                        "(compiled_selection off)")
         logger.info(engine_settings.describe(self.vllm_config, backend, self.forced_settings))
         logger.info("TriForce block summaries: %.1f MiB for %d blocks (%s); probability buffers "
                     "%.1f MiB for %d drafting requests; reads of at most %.1f MiB",
@@ -190,7 +190,7 @@ class Drafting:
                     self.sizing.drafting, self.sizing.chunk_bytes / 2**20)
 
     def _compile_scoring(self) -> None:
-        """`compiled_scoring`: the policy's block scores of each step's selection as one
+        """`compiled_selection`: the policy's block scores of each step's selection as one
         compiled kernel over these summaries, and the middle rounds' shortlist re-ranking,
         query to selection, as one compiled graph (core/fused_reads.py); with round graphs,
         each middle pass's tables and slots as one compiled function
@@ -201,12 +201,12 @@ class Drafting:
                                       self.shape.num_q_heads, self.policy.scale)
             seconds = compiled.warm_up()
         except Exception as exc:  # noqa: BLE001 - inductor's failures are many kinds
-            logger.warning("TriForce compiled_scoring: compiling the block scoring failed "
+            logger.warning("TriForce compiled_selection: compiling the block scoring failed "
                            "(%s: %s); it reads the summaries eagerly, in chunks.",
                            type(exc).__name__, exc)
         else:
             self.policy.compiled = compiled
-            logger.info("TriForce compiled_scoring: a step's block scores are one compiled "
+            logger.info("TriForce compiled_selection: a step's block scores are one compiled "
                         "kernel, a middle round's re-ranking one compiled graph (compiled in "
                         "%.1f s)", seconds)
         graphs = self.retrieval.round_graphs
@@ -218,10 +218,10 @@ class Drafting:
                                      self.device)
         except Exception as exc:  # noqa: BLE001 - inductor's failures are many kinds
             layout.compiled = None
-            logger.warning("TriForce compiled_scoring: compiling the middle passes' layout "
+            logger.warning("TriForce compiled_selection: compiling the middle passes' layout "
                            "failed (%s: %s); it stays eager.", type(exc).__name__, exc)
             return
-        logger.info("TriForce compiled_scoring: a middle pass's tables and slots are one "
+        logger.info("TriForce compiled_selection: a middle pass's tables and slots are one "
                     "compiled function (compiled in %.1f s)", seconds)
 
     def _build_levels(self, paged_keys, unreadable: str | None, target_groups: list) -> None:

@@ -92,9 +92,9 @@ def add_demo_parser(subparsers) -> None:
     p.add_argument("--round-graphs", action="store_true",
                    help="TriForce's middle passes over persistent buffers, as CUDA graphs on "
                         "a GPU (speculative_config['round_graphs'], off by default)")
-    p.add_argument("--compiled-scoring", action="store_true",
-                   help="TriForce's block scores and re-ranking compiled "
-                        "(speculative_config['compiled_scoring'], off by default)")
+    p.add_argument("--compiled-selection", action="store_true",
+                   help="TriForce's block scores, re-ranking and pass layout compiled "
+                        "(speculative_config['compiled_selection'], off by default)")
     p.add_argument("--eager-check", action="store_true",
                    help="after the rounds, the fixed-depth decode once more on an eager "
                         "TriForce engine: its acceptance must match the compiled engine's "
@@ -136,8 +136,8 @@ def run_demo(args: argparse.Namespace) -> int:
         spec.update(model=str(draft), draft_tokens_per_round=2, draft_window_tokens=480)
     if args.round_graphs:
         spec["round_graphs"] = True
-    if args.compiled_scoring:
-        spec["compiled_scoring"] = True
+    if args.compiled_selection:
+        spec["compiled_selection"] = True
     prompts = _book_prompts(target, args.prompt_tokens, args.batch)
     where = "a GPU" if args.device == "cuda" else f"this CPU ({os.cpu_count()} cores)"
     print(f"TriForce against plain vLLM: {target.name} ({args.dtype}) on {where}, "

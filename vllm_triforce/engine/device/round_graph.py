@@ -193,7 +193,7 @@ def pass_layout(selected: torch.Tensor, block_table: torch.Tensor, num_selected:
 
 class PassLayout:
     """`pass_layout` for one level's buffers: eagerly (a dozen and a half operations), or,
-    once `compile` has run (`compiled_scoring`, core/compiled.py), as one compiled
+    once `compile` has run (`compiled_selection`, core/compiled.py), as one compiled
     function for every size. A compiled call that fails (it would have compiled again)
     is dropped with a warning, and the layout is eager from then on."""
 
@@ -207,7 +207,7 @@ class PassLayout:
         try:
             return self._compiled(*args)
         except Exception as exc:  # noqa: BLE001 - dynamo's and inductor's are many kinds
-            logger.warning("TriForce compiled_scoring: the compiled pass layout failed (%s: "
+            logger.warning("TriForce compiled_selection: the compiled pass layout failed (%s: "
                            "%s); middle passes are laid out eagerly from now on.",
                            type(exc).__name__, exc)
             self.compiled = None

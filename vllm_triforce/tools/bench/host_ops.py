@@ -7,7 +7,7 @@ runs later, asynchronously: the sum over a middle round is the host work a round
 besides its Python. On a CPU an operation's host time also holds its computation. A
 pass's model (`forward.run` today, a bucket's closure with round graphs) is not counted:
 its operations are the device work, or a graph replay that dispatches none. The compiled
-functions (`compiled_scoring`, core/compiled.py) run with the mode off (dynamo compiles
+functions (`compiled_selection`, core/compiled.py) run with the mode off (dynamo compiles
 nothing under one) and count as one site, their launches' host time.
 
     with HostOps(drafter) as ops:
