@@ -559,11 +559,12 @@ def per_pass_generation(llm, drafter, prompts, params) -> dict:
 
 def compiled_facts(drafter) -> dict:
     """Whether the compiled selection is on (a failed compilation, or a call that would have
-    compiled again, leaves the eager reads, with a warning in the log) and how long its
-    compilation took."""
-    compiled = drafter.policy.compiled
+    compiled again, leaves the eager reads, with a warning in the log), how long its
+    scores' compilation took, and whether a middle pass's layout is compiled too."""
+    compiled, graphs = drafter.policy.compiled, drafter.retrieval.round_graphs
     return {"on": compiled is not None,
-            "compile_seconds": None if compiled is None else compiled.compile_seconds}
+            "compile_seconds": None if compiled is None else compiled.compile_seconds,
+            "layout_on": graphs is not None and graphs.buffers.layout.compiled is not None}
 
 
 def graphs_facts(graphs) -> dict:
@@ -652,6 +653,7 @@ def cost_job(args, report: Report, model: Path, spec: dict, part: str, plan) -> 
     llm = build(args, report, model, spec, part)
     drafter = drafter_or_none(llm)
     graphs, compiled = drafter.retrieval.round_graphs, drafter.policy.compiled
+    layout = None if graphs is None else graphs.buffers.layout.compiled
     report["captures"] = watch_captures(graphs) if graphs is not None else []
     report["compiled_selection"] = compiled_facts(drafter)
     peaks, timer = PeakProbe(drafter, cuda), ReplayTimer(graphs, cuda)
@@ -660,16 +662,20 @@ def cost_job(args, report: Report, model: Path, spec: dict, part: str, plan) -> 
     report["rows"] = []
     for depth, mode, synced in plan:
         drafter.policy.compiled = compiled if mode == COMPILED else None
+        if graphs is not None:
+            graphs.buffers.layout.compiled = layout if mode == COMPILED else None
         report["rows"].append(measure(llm, drafter, graphs, prompts, s["decode"], depth,
                                       mode != PER_PASS, synced, peaks, timer))
         report["rows"][-1]["mode"] = mode
-        if mode == COMPILED:  # False: no kernels (start-up), or they failed in the row
-            report["rows"][-1]["compiled_held"] = (compiled is not None
-                                                   and drafter.policy.compiled is compiled)
+        if mode == COMPILED:  # False: none compiled at start-up, or one failed in the row
+            report["rows"][-1]["compiled_held"] = (
+                compiled is not None and drafter.policy.compiled is compiled
+                and layout is not None and graphs.buffers.layout.compiled is layout)
         report["round_graphs"] = graphs_facts(graphs)
         report.save()
     drafter.retrieval.round_graphs, drafter.policy.compiled = graphs, compiled
     if graphs is not None:
+        graphs.buffers.layout.compiled = layout
         report["host_ops"] = host_profile(llm, drafter, prompts, s["decode"][0],
                                           plan[0][0])
         report.save()
