@@ -42,10 +42,13 @@ issue's target is about, measured directly. From a lent machine's bundle
 
     .venv/bin/python benchmarks/explore/host_per_round.py [--batches 8 32 64 128]
         [--configs 30:1 2:0] [--depth 4] [--repeats 7] [--round-graphs]
+        [--compiled-selection]
         [--out benchmarks/host_per_round_2026-11-28]
 
 `--round-graphs`: the middle passes over persistent buffers (each bucket's replay counted
-as the model's, like a forward; on a GPU, CUDA graphs).
+as the model's, like a forward; on a GPU, CUDA graphs). `--compiled-selection`: the
+selection's host work as compiled functions (`compiled_selection`; each call counted as
+one launch).
 
 Prints a table per configuration and writes results.json and results.md into --out.
 """
@@ -84,6 +87,9 @@ def main() -> None:
                              "where the stock attention backends take no float32)")
     parser.add_argument("--round-graphs", action="store_true",
                         help="the middle passes over persistent buffers (`round_graphs`)")
+    parser.add_argument("--compiled-selection", action="store_true",
+                        help="the block scores, re-ranking and pass layout compiled "
+                             "(`compiled_selection`)")
     parser.add_argument("--out", type=Path,
                         default=REPO / "benchmarks" / "host_per_round_2026-11-28")
     args = parser.parse_args()
@@ -107,7 +113,8 @@ def measure_engine(args, layers: int, refresh_interval: int) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="host_per_round_"))
     target = tiny_models.build_tiny_llama(tmp / "target", num_layers=layers, hidden=64,
                                           heads=2, kv_heads=2, vocab_size=1024)
-    spec = {**SPEC, "refresh_interval": refresh_interval, "round_graphs": args.round_graphs}
+    spec = {**SPEC, "refresh_interval": refresh_interval, "round_graphs": args.round_graphs,
+            "compiled_selection": args.compiled_selection}
     llm = in_process_llm(target, spec, dtype=args.dtype, enforce_eager=True, block_size=32,
                          max_model_len=1024, max_num_seqs=max(args.batches), seed=0)
     try:
@@ -369,7 +376,8 @@ def write(out: Path, results: dict) -> None:
              f"    .venv/bin/python benchmarks/explore/host_per_round.py --batches "
              f"{' '.join(map(str, config['batches']))} --configs {' '.join(config['configs'])} "
              f"--depth {config['depth']}"
-             + (" --round-graphs" if config.get("round_graphs") else "")]
+             + (" --round-graphs" if config.get("round_graphs") else "")
+             + (" --compiled-selection" if config.get("compiled_selection") else "")]
     for table in results["tables"]:
         rows = table["rows"]
         smallest = rows[0]["host_ms_per_round"]

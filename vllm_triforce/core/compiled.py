@@ -1,7 +1,12 @@
 """Functions of TriForce's hot path compiled once, at start-up, for every size
 (`compiled_selection`, config.py): torch.compile (inductor) with the sizes that vary from
-call to call marked unbacked by the caller (dynamo's `mark_unbacked`), so a size never
-seen compiles nothing.
+call to call marked unbacked by the caller at the warm-up's call (dynamo's
+`mark_unbacked`), so a size never seen compiles nothing: the compiled code has no guard
+on those sizes, and later calls need no mark.
+
+A call costs some 450 lines of torch's Python (dynamo's frame callback, its guards, the
+stance, the compiled wrapper) besides its launches: on a GPU's host about what two or
+three eager operations cost, where each of these functions replaces twenty or more.
 
 After its warm-up such a function never compiles again: a call that would (a guard no
 size should fail) raises, under dynamo's stance "fail_on_recompile", rather than compile
@@ -31,6 +36,9 @@ class CompiledFunction:
         if _get_current_dispatch_mode() is not None:
             return self.eager(*args)
         stance = "default" if compile_now else "fail_on_recompile"
+        if torch.is_inference_mode_enabled():  # the engine's calls
+            with torch.compiler.set_stance(stance):
+                return self._compiled(*args)
         # one grad mode for every call: no recompilation
         with torch.inference_mode(), torch.compiler.set_stance(stance):
             return self._compiled(*args)
@@ -39,6 +47,8 @@ class CompiledFunction:
 def dense(t: Tensor) -> Tensor:
     """`t` with the strides of a new tensor of its shape (dynamo guards on them, even
     along a dimension of size 1, where a view's may differ): a copy where they differ."""
+    if t.is_contiguous() and 1 not in t.shape:  # strides only a size-1 dimension can bend
+        return t
     expected, stride = [], 1
     for size in reversed(t.shape):
         expected.insert(0, stride)
@@ -48,6 +58,8 @@ def dense(t: Tensor) -> Tensor:
 
 def inference(t: Tensor) -> Tensor:
     """`t` as an inference tensor (vLLM runs the engine in inference mode, so its tensors
-    are; dynamo guards on the difference): a copy where it is not (a test's, say). Call
-    under torch.inference_mode()."""
-    return t if t.is_inference() else t.clone()
+    are; dynamo guards on the difference): a copy where it is not (a test's, say)."""
+    if t.is_inference():
+        return t
+    with torch.inference_mode():
+        return t.clone()

@@ -134,13 +134,13 @@ class CompiledScores:
                compile_now: bool = False) -> Tensor:
         """ids, counts [R, B] (physical blocks >= 0, their token counts); weights: one
         [R, L, H, D] float32 per store -> scores [R, L, B]."""
-        with torch.inference_mode():  # the engine's tensors: what the kernels were made for
-            ids, counts = inference(ids), inference(counts.float())
-            weights = [inference(w.float().contiguous()) for w in weights]
-        for t in (ids, counts, *weights):
-            mark_unbacked(t, 0)  # requests
-        for t in (ids, counts):
-            mark_unbacked(t, 1)  # the tables' width
+        ids, counts = inference(ids), inference(counts.float())
+        weights = [inference(w.float().contiguous()) for w in weights]
+        if compile_now:
+            for t in (ids, counts, *weights):
+                mark_unbacked(t, 0)  # requests
+            for t in (ids, counts):
+                mark_unbacked(t, 1)  # the tables' width
         return self._tables(ids, counts, self.summaries.num_blocks,
                             *self._with_stores(weights), compile_now=compile_now)
 
@@ -156,18 +156,19 @@ class CompiledScores:
             listed = [torch.nn.functional.pad(t, (0, short), value=fill)
                       for t, fill in zip(listed, (0, 1.0, True, -1))]
         frame = shortlist.frame
-        with torch.inference_mode():  # float32, layer-major and dense, as at warm_up: at
-            # most a copy (none of a round's queries in a bf16 model: engine/device/capture)
-            query = inference(dense(query.float().transpose(0, 1)))
-            listed = [inference(dense(t)) for t in listed]
-            kept = [inference(dense(frame.num_chosen)), inference(dense(frame.sink_ids))]
-        mark_unbacked(query, 1)  # requests
-        for t in (*listed, *kept):
-            mark_unbacked(t, 0)  # requests
-        for t in listed:
-            mark_unbacked(t, 2)  # listed blocks
-        for dim in (0, 2, 3):  # layers, heads, channels: the model's, as at warm_up
-            mark_static(query, dim)
+        # float32, layer-major and dense, as at warm_up: at most a copy (none of a round's
+        # queries in a bf16 model, held layer-major: engine/device/capture)
+        query = inference(dense(query.float().transpose(0, 1)))
+        listed = [inference(dense(t)) for t in listed]
+        kept = [inference(dense(frame.num_chosen)), inference(dense(frame.sink_ids))]
+        if compile_now:
+            mark_unbacked(query, 1)  # requests
+            for t in (*listed, *kept):
+                mark_unbacked(t, 0)  # requests
+            for t in listed:
+                mark_unbacked(t, 2)  # listed blocks
+            for dim in (0, 2, 3):  # layers, heads, channels: the model's
+                mark_static(query, dim)
         shares = self.summaries.variance_shares() if len(self._stores) > 1 else None
         return self._listed(query, shares, *listed, *kept, *self._with_stores(),
                             compile_now=compile_now)

@@ -227,14 +227,14 @@ class PassLayout:
         return time.perf_counter() - start
 
     def _compiled(self, *args: torch.Tensor, compile_now: bool = False):
-        with torch.inference_mode():
-            args = [inference(dense(t)) for t in args]
-        selected, block_table, *sizes, columns, owner, positions = args
-        for t in (selected, block_table, *sizes, owner, positions, columns):
-            mark_unbacked(t, 0)  # requests; W columns; T tokens
-        mark_unbacked(block_table, 1)  # the batch's table width
-        mark_static(selected, 1)  # layers
-        mark_static(selected, 2)  # max_selected
+        args = [inference(dense(t)) for t in args]
+        if compile_now:
+            selected, block_table, *sizes, columns, owner, positions = args
+            for t in (selected, block_table, *sizes, owner, positions, columns):
+                mark_unbacked(t, 0)  # requests; W columns; T tokens
+            mark_unbacked(block_table, 1)  # the batch's table width
+            mark_static(selected, 1)  # layers
+            mark_static(selected, 2)  # max_selected
         return self.compiled(*args, compile_now=compile_now)
 
 
