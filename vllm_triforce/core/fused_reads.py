@@ -181,7 +181,8 @@ class CompiledScores:
         return args
 
     def warm_up(self) -> float:
-        """Compile both now (2 requests, 3 blocks, block 0): the seconds it took."""
+        """Compile both forms now (2 requests; a table of 3 blocks, a list of max_chosen + 1,
+        block 0 throughout): the seconds it took."""
         s, k = self.summaries, self.blocks.max_chosen
         start = time.perf_counter()
         weights = [torch.zeros(2, s.num_layers, s.num_kv_heads, codes.shape[-1],
