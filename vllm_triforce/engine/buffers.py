@@ -204,8 +204,9 @@ def round_graph_bytes(bounds, num_layers: int, num_q_heads: int, num_kv_heads: i
     """What `round_graphs` allocates beside the KV cache (engine/device/): the middle
     pass's input buffers at `bounds` (engine/device/bounds.RoundBounds: ids, positions,
     slots, query starts, lengths, per-layer tables [L, R, W], their column numbers), its
-    queries' copies (one hidden-sized row per token and layer), the copies of vLLM's passes' queries and keys
-    (`capture_tokens` rows per layer, device/capture.CaptureBuffers) and, with CUDA graphs,
+    queries' copies (one hidden-sized row per token and layer), the copies of vLLM's
+    passes' queries and keys (`capture_tokens` rows per layer, device/capture.
+    CaptureBuffers) and, with CUDA graphs,
     their one pool: the largest bucket's logits (float32, the widest they come), its
     activations (ACTIVATION_ROWS) and GRAPH_OVERHEAD_BYTES per graph. `element`: the
     model's bytes per value. Example, Llama-3.1-8B (32 layers, 32 x 128 query heads, 8 KV
