@@ -113,10 +113,17 @@ def test_load_runs_writes_what_build_pass_then_load_write(ids_on, compiled):
         assert torch.equal(getattr(direct, name), getattr(today, name)), name
 
 
-def test_the_compiled_pass_layout_is_the_eager_one_for_every_size():
+@pytest.mark.parametrize("inference", [False, True])
+def test_the_compiled_pass_layout_is_the_eager_one_for_every_size(inference):
     """`PassLayout` compiled once gives `pass_layout`'s tables and slots for passes of 1 to
     6 requests, tables 1 to 9 columns wide and batch tables of any width, compiling
-    nothing more; the selections' first columns, the tails and padding included."""
+    nothing more; the selections' first columns, the tails and padding included. Also
+    wholly in inference mode, as vLLM runs the engine (no argument copied)."""
+    with torch.inference_mode(inference):
+        _compiled_layout_for_every_size()
+
+
+def _compiled_layout_for_every_size():
     from torch._dynamo.utils import counters
 
     from vllm_triforce.engine.device.round_graph import PassLayout

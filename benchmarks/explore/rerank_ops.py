@@ -8,7 +8,8 @@ coded summaries the busiest part of a graphed round. This builds coded summaries
 tokens, keeps a shortlist as the step's selection does (factor 4, budget 4,096 tokens),
 and re-ranks it `--repeats` times with fresh queries, counting the operations each
 re-ranking dispatches (a TorchDispatchMode; the compiled graph, query to selection, runs
-outside it and counts as one) and its wall time on this machine. Needs only torch.
+outside it and counts as one) and its wall time on this machine, in inference mode as the
+engine runs. Needs only torch.
 
     .venv/bin/python benchmarks/explore/rerank_ops.py [--layers 8] [--batch 8]
         [--context 7680] [--repeats 3]
@@ -101,4 +102,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with torch.inference_mode():  # as vLLM runs the engine: its tensors are inference tensors
+        main()

@@ -99,6 +99,27 @@ def test_compiled_reranking_selects_as_the_chunked_reads(monkeypatch, variance):
     assert counters["stats"]["unique_graphs"] == graphs  # no size compiled anew
 
 
+def test_the_kernels_hold_when_everything_runs_in_inference_mode():
+    """As vLLM runs the engine: summaries, warm-up and calls in inference mode, where no
+    argument is copied, so two that alias at the warm-up would be guarded to alias ever
+    after; the kernels serve the calls and re-rank as the eager reads do."""
+    with torch.inference_mode():
+        summaries = coded_summaries(6)
+        selector = Selector(make_policy("retrieval", variance=True), BLOCKS, shortlist_factor=3)
+        compiled = CompiledScores(summaries, True, BLOCKS, num_q_heads=4)
+        compiled.warm_up()
+        for requests, width in [(2, 12), (1, 7)]:
+            shortlist, table, committed, query = shortlisted(
+                selector, summaries, requests, width, torch.Generator().manual_seed(width))
+            want = selector.choose(query, summaries, table, committed, shortlist=shortlist)
+            selector.release_copies()
+            selector.policy.compiled = compiled
+            got = selector.choose(query, summaries, table, committed, shortlist=shortlist)
+            assert selector.policy.compiled is compiled, "the kernel fell back"
+            assert torch.equal(got.selection.logical_blocks, want.selection.logical_blocks)
+            selector.policy.compiled = None
+
+
 def test_the_compiled_reranking_is_its_eager_arithmetic():
     """Compiled, `listed_choice` returns what the same function returns eagerly."""
     summaries = coded_summaries(3)

@@ -189,15 +189,18 @@ class CompiledScores:
                                device=s.device) for codes, _, _ in self._stores]
         self.tables(torch.zeros(2, 3, dtype=torch.long, device=s.device),
                     torch.ones(2, 3, device=s.device), weights, compile_now=True)
-        listed = torch.zeros(2, s.num_layers, k + 1, dtype=torch.long, device=s.device)
+        # a new tensor for each argument: dynamo guards that arguments alias where they did
+        def listed() -> Tensor:
+            return torch.zeros(2, s.num_layers, k + 1, dtype=torch.long, device=s.device)
+
         self.choose_listed(
             torch.zeros(2, s.num_layers, self.num_q_heads, s.head_dim, device=s.device),
-            Shortlist(listed, listed, Frame(
+            Shortlist(listed(), listed(), Frame(
                 torch.ones(2, 1, 1, dtype=torch.long, device=s.device),
                 torch.zeros(2, 1, self.blocks.retrieval_sink_blocks, dtype=torch.long,
                             device=s.device), None, None),
-                rows=listed, counts=torch.ones(listed.shape, device=s.device),
-                padding=listed < 0), compile_now=True)
+                rows=listed(), counts=torch.ones(2, s.num_layers, k + 1, device=s.device),
+                padding=listed() < 0), compile_now=True)
         self.compile_seconds = time.perf_counter() - start
         return self.compile_seconds
 
