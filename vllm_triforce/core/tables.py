@@ -94,17 +94,13 @@ class TableLayout:
 
 
 def laid_out_tables(selected: Tensor, block_table: Tensor, num_selected: Tensor,
-                    tail_start: Tensor, num_tails: Tensor, width: int,
-                    out: Tensor | None = None) -> Tensor:
+                    tail_start: Tensor, num_tails: Tensor, width: int) -> Tensor:
     """The compacted tables from a `TableLayout` (its per-row sizes on the device, [R] each):
     selected [R, L, max_selected] logical blocks (a Selection's), block_table [R, max_blocks]
-    physical ids -> [L, R, width] int32, padding 0; written into `out` ([L, R, width] int32,
-    a view of persistent buffers) when given. A dozen operations whatever R, L and width;
-    no host list as long as the tables."""
+    physical ids -> [L, R, width] int32, padding 0. A dozen operations whatever R, L and
+    width; no host list as long as the tables."""
     phys = table_rows(selected, block_table, num_selected, tail_start, num_tails,
                       torch.arange(width, device=selected.device))
-    if out is not None:
-        return out.copy_(phys.transpose(0, 1))
     return phys.transpose(0, 1).to(torch.int32).contiguous()
 
 

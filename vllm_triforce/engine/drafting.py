@@ -217,7 +217,6 @@ class Drafting:
             seconds = layout.compile(self.shape.num_layers, self.shape.blocks.max_selected,
                                      self.device)
         except Exception as exc:  # noqa: BLE001 - inductor's failures are many kinds
-            layout.compiled = None
             logger.warning("TriForce compiled_selection: compiling the middle passes' layout "
                            "failed (%s: %s); it stays eager.", type(exc).__name__, exc)
             return

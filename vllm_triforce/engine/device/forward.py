@@ -75,6 +75,15 @@ class Runs:
         return self.starts[owner] + np.arange(owner.size) - first[owner]
 
 
+def kv_slots(block_table: torch.Tensor, owner: torch.Tensor, positions: torch.Tensor,
+             block_size: int) -> torch.Tensor:
+    """[T] the KV slot each token writes: block_table [R, B] physical ids, owner [T] each
+    token's request, positions [T]; slot = block_table[owner, p // block_size] *
+    block_size + p % block_size."""
+    return (block_table[owner, positions // block_size].long() * block_size
+            + positions % block_size)
+
+
 def build_pass(token_ids: list | torch.Tensor, positions: list[list[int]] | Runs,
                block_table: torch.Tensor, block_size: int, seq_lens: list[int],
                sample_last: bool = False,
@@ -114,7 +123,7 @@ def build_pass(token_ids: list | torch.Tensor, positions: list[list[int]] | Runs
         rows_dev = rows
     one_each = qsl[-1] == len(lens)  # one token per request: token t is request t's
     who = rows if one_each else torch.searchsorted(qsl_dev[1:], rows, right=True)  # [T]
-    slots = block_table[who, pos // block_size].long() * block_size + pos % block_size
+    slots = kv_slots(block_table, who, pos, block_size)
     return PassInputs(qsl, list(seq_lens), sample_rows,
                       input_ids=(ids if host_ids is not None else token_ids).to(torch.int32),
                       positions=pos if rotated is None else rot, slot_mapping=slots,

@@ -72,7 +72,7 @@ from torch._dynamo.decorators import mark_static, mark_unbacked
 from vllm_triforce.core.compiled import CompiledFunction, dense, inference
 from vllm_triforce.core.tables import TableLayout, table_rows
 from vllm_triforce.engine.device.forward import (PassInputs, Runs, SWAP_TABLE, _with_table,
-                                                 metadata_path)
+                                                 kv_slots, metadata_path)
 from vllm_triforce.engine.device.transfer import to_device
 
 logger = logging.getLogger(__name__)
@@ -186,9 +186,7 @@ def pass_layout(selected: torch.Tensor, block_table: torch.Tensor, num_selected:
     `TableLayout`'s sizes [R] each, W = len(columns)) and its tokens' KV slots [T] (owner
     [T] each token's request, positions [T]), as `forward.build_pass` computes them."""
     rows = table_rows(selected, block_table, num_selected, tail_start, num_tails, columns)
-    slots = (block_table[owner, positions // block_size].long() * block_size
-             + positions % block_size)
-    return rows, slots
+    return rows, kv_slots(block_table, owner, positions, block_size)
 
 
 class PassLayout:
@@ -216,14 +214,18 @@ class PassLayout:
     def compile(self, num_layers: int, max_selected: int, device) -> float:
         """Compile now (2 requests of 2 and 1 tokens, tables of 3 columns), for the
         engine's dtypes (selections int32, engine/selections.py; vLLM's block tables int32):
-        the seconds it took."""
+        the seconds it took. A compilation that fails raises and leaves the layout eager."""
         start = time.perf_counter()
         self.compiled = CompiledFunction(self.eager)
         ids = functools.partial(torch.zeros, dtype=torch.long, device=device)
-        self._compiled(ids(2, num_layers, max_selected, dtype=torch.int32),
-                       ids(2, 4, dtype=torch.int32),
-                       ids(2), ids(2), ids(2), torch.arange(3, device=device),
-                       torch.tensor([0, 0, 1], device=device), ids(3), compile_now=True)
+        try:
+            self._compiled(ids(2, num_layers, max_selected, dtype=torch.int32),
+                           ids(2, 4, dtype=torch.int32),
+                           ids(2), ids(2), ids(2), torch.arange(3, device=device),
+                           torch.tensor([0, 0, 1], device=device), ids(3), compile_now=True)
+        except Exception:
+            self.compiled = None  # eager, as before
+            raise
         return time.perf_counter() - start
 
     def _compiled(self, *args: torch.Tensor, compile_now: bool = False):
