@@ -91,3 +91,68 @@ def test_logical_fp8_keys_are_dequantised():
 def test_unknown_layouts_are_not_read(backend, isa, dtype, named):
     reader, why = paged_keys_for(layers_of(torch.zeros(1), 64, isa=isa), backend, BS, dtype)
     assert reader is None and named in why
+
+
+@pytest.mark.parametrize("case", ["cpu_transposed-coded", "logical-float-bounds",
+                                  "logical-fp8-compact"])
+def test_compiled_block_reads_set_what_the_eager_reads_set(case):
+    """`compiled_selection`'s read of lazy summaries (summary_keeper.BlockReads): one
+    compiled function over every layer's cache sets the summaries the eager reads (a read
+    per layer, then set_blocks' arithmetic) set, for read chunks of 1 to 5 blocks, with no
+    compilation after the first, compiled only once the layers hold a cache; the eager path
+    is `set_blocks` itself. Three layers, each cache its own tensor, as vLLM allocates
+    them."""
+    from torch._dynamo.utils import counters
+
+    from vllm_triforce.core.summaries import BlockSummaries
+    from vllm_triforce.core.summary_coding import CodedStore
+    from vllm_triforce.engine.summary_keeper import BlockReads
+
+    layout, kind, *extra = case.split("-")
+    num_layers, head_dim, num_blocks = 3, 16, 6
+    gen = torch.Generator().manual_seed(1)
+    fp8 = kind == "fp8"
+
+    def cache():
+        values = torch.randn(num_blocks, H, BS, 2 * head_dim, generator=gen)
+        return values.to(torch.float8_e4m3fn).view(torch.uint8) if fp8 else values
+
+    # before vLLM allocates its cache, each layer holds an empty placeholder
+    layers = [types.SimpleNamespace(kv_cache=torch.tensor([]), num_kv_heads=H,
+                                    head_size=head_dim, _k_scale_float=0.5 + layer)
+              for layer in range(num_layers)]
+    reader = PagedKeys(layers, layout, BS, "fp8" if fp8 else "auto")
+
+    def summaries():
+        return BlockSummaries(num_layers, num_blocks, H, head_dim, BS, keep_variance=True,
+                              coded=kind == "coded", keep_bounds=extra == ["bounds"],
+                              compact_variance=extra == ["compact"])
+
+    eager, compiled = summaries(), summaries()
+    reads = BlockReads(compiled)
+    reads.wanted = True
+    reads.compile_when_bound(reader, "in the test")
+    assert reads.compiled is None  # nothing to compile over yet
+    for layer in layers:
+        layer.kv_cache = cache()
+    reads.compile_when_bound(reader, "in the test")
+    assert reads.compiled is not None and reads.compile_seconds > 0
+    graphs = counters["stats"]["unique_graphs"]
+    for ids in ([4], [0, 5, 2], [1, 3, 2, 0, 5]):
+        ids = torch.tensor(ids)
+        keys = torch.stack([reader.layer_keys(layer, ids) for layer in range(num_layers)])
+        eager.set_blocks(ids, keys.float())
+        compiled.write_blocks(ids, reads(reader, ids))
+        assert reads.compiled is not None, "the compiled read fell back to eager"
+    assert counters["stats"]["unique_graphs"] == graphs  # no chunk size compiled anew
+    stores = ["counts", "sums", "square_deviations", "mins", "maxs", "channel_profile"]
+    for name in stores:
+        want, got = getattr(eager, name), getattr(compiled, name)
+        if want is None:
+            assert got is None
+        elif isinstance(want, CodedStore):  # one rounding each: codes may differ by one
+            assert (want.codes.int() - got.codes.int()).abs().max() <= 1, name
+            torch.testing.assert_close(got.scales, want.scales, rtol=1e-5, atol=0)
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
+    assert compiled.counts.tolist() == [BS] * num_blocks

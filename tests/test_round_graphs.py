@@ -419,8 +419,9 @@ def test_compiled_selection_gives_todays_tokens_selections_and_acceptance(
     """`compiled_selection` with round graphs (how a GPU runs them): each step's selection
     and every shortlist re-ranking between middle rounds go through the compiled kernels
     (core/fused_reads.py), every middle pass's tables and slots through the compiled
-    layout (engine/device/round_graph.PassLayout), and the engine gives the eager reads'
-    tokens, selections and drafted/accepted counts."""
+    layout (engine/device/round_graph.PassLayout), the lazy block summaries through the
+    compiled read of the KV cache (engine/summary_keeper.BlockReads), and the engine gives
+    the eager reads' tokens, selections and drafted/accepted counts."""
     from engine_helpers import drafter_of
     from vllm_triforce.core.compiled import CompiledFunction
 
@@ -432,8 +433,10 @@ def test_compiled_selection_gives_todays_tokens_selections_and_acceptance(
                       num_gpu_blocks_override=64)
     compiled = drafter_of(llm).policy.compiled
     layout = drafter_of(llm).retrieval.round_graphs.buffers.layout
+    reads = drafter_of(llm).retrieval.keeper.block_reads
     assert compiled is not None and compiled.compile_seconds is not None
     assert layout.compiled is not None
+    assert reads.wanted  # compiled at the first commit: enforce_eager runs no warm-up
     calls, run = [], CompiledFunction.__call__
     monkeypatch.setattr(CompiledFunction, "__call__",
                         lambda self, *a, **kw: calls.append(self) or run(self, *a, **kw))
@@ -443,6 +446,8 @@ def test_compiled_selection_gives_todays_tokens_selections_and_acceptance(
     assert layout.compiled in calls, "no middle pass was laid out compiled"
     assert drafter_of(llm).policy.compiled is compiled, "the kernels fell back to eager reads"
     assert layout.compiled is not None, "the pass layout fell back to eager"
+    assert reads.compiled in calls, "no block summaries were read from the KV cache"
+    assert reads.compiled is not None, "the read of block summaries fell back to eager"
     assert scored["selections"] == eager["selections"]
     assert scored["accepted"] == eager["accepted"]
     assert scored["tokens"] == eager["tokens"]

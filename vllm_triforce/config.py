@@ -135,10 +135,13 @@ class TriForceConfig:
     # decode, products and sums over the coded summaries), not chunked eager reads; a
     # middle round's shortlist re-ranking one graph, query to selection; with round
     # graphs, a middle pass's tables and slots one function (engine/device/round_graph.
-    # PassLayout). At Llama-3.1-8B's shape about 25 host operations a read chunk, and
-    # some 45 more a round, become calls, with no float32 copy of the listed summaries.
+    # PassLayout); a read chunk of lazy summaries from the KV cache one function over
+    # every layer's cache (engine/summary_keeper.BlockReads). At Llama-3.1-8B's shape
+    # about 25 host operations a read chunk, some 45 more a round, and about four a layer
+    # a lazy read become calls, with no float32 copy of the listed summaries.
     # Needs `compact_summaries` and the "retrieval" policy; compiles at start-up (about
-    # 10-20 s on a CPU). Off until a GPU has timed it.
+    # 10-20 s on a CPU; the lazy read at the first commit under enforce_eager, where no
+    # warm-up runs after vLLM binds its cache). Off until a GPU has timed it.
     compiled_selection: bool = False
     # Where summaries are set from vLLM's KV cache (engine/summary_keeper.py: a backend
     # whose cache TriForce reads back exactly), a pass larger than the capture's copies (a

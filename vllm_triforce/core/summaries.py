@@ -65,7 +65,7 @@ import torch
 from torch import Tensor
 
 from vllm_triforce.core.reads import flat_rows
-from vllm_triforce.core.summary_coding import CodedStore
+from vllm_triforce.core.summary_coding import CodedStore, encode
 from vllm_triforce.core.tensors import on_device
 
 # Values a compact key variance keeps per KV head (fewer where the head is too narrow for
@@ -272,31 +272,51 @@ class BlockSummaries:
         twice changes nothing (but a compact store's channel profile, a history of every
         fold). The engine's lazy summaries (engine/summary_keeper.py) use
         it, for all layers at once: a few operations per read, not a few per layer. Counts
-        become block_size."""
+        become block_size. `block_values` then `write_blocks`, the copied keys besides."""
         if keys.shape[3] != self.block_size:
             raise ValueError(f"set_blocks takes whole blocks of {self.block_size} keys, "
                              f"got {keys.shape[3]}")
         ids = on_device(block_ids, self.device, torch.long)
         keys = on_device(keys, self.device, torch.float32)  # [L, n, H, bs, D]
+        self.write_blocks(ids, self.block_values(keys))
+        if self.keys is not None:  # [L, num_blocks, bs, H, D]
+            self.keys.index_copy_(1, ids, keys.transpose(2, 3).to(self.keys.dtype))
+
+    def block_values(self, keys: Tensor) -> tuple[Tensor, ...]:
+        """Whole blocks' keys [L, n, H, block_size, D] (float32) -> what `write_blocks`
+        stores of them, as the stores hold it (a coded store's codes and scales), touching
+        no store: the tensor work of `set_blocks`, which the engine may run compiled
+        (engine/summary_keeper.py `BlockReads`). In order: the sums (coded: codes, scales);
+        with the variance, the square deviations per channel (coded: codes, scales); with
+        the bounds, the minima and maxima."""
         sums = keys.sum(3)  # [L, n, H, D]
-        self.counts.index_fill_(0, ids, self.block_size)
-        if self.coded:
-            self.sums.write(ids, sums)
-        else:
-            self.sums.index_copy_(1, ids, sums.to(self.sums.dtype))
+        values = encode(sums, "fp8") if self.coded else (sums,)
         if self.square_deviations is not None:
             mean = sums / self.block_size
             per_channel = (keys - mean[:, :, :, None]).square_().sum(3)  # [L, n, H, D]
+            values += encode(per_channel, "log8") if self.coded else (per_channel,)
+        if self.mins is not None:
+            values += (keys.amin(3), keys.amax(3))
+        return values
+
+    def write_blocks(self, ids: Tensor, values: Sequence[Tensor]) -> None:
+        """Blocks ids [n] (int64, on the device) take `block_values`' values, their counts
+        block_size."""
+        values = list(values)
+        self.counts.index_fill_(0, ids, self.block_size)
+        if self.coded:
+            self.sums.write_coded(ids, values.pop(0), values.pop(0))
+        else:
+            self.sums.index_copy_(1, ids, values.pop(0).to(self.sums.dtype))
+        if self.square_deviations is not None:
             if self.coded:
-                self.square_deviations.write(ids, per_channel)
+                self.square_deviations.write_coded(ids, values.pop(0), values.pop(0))
             else:
                 self.square_deviations.index_copy_(
-                    1, ids, self._to_bands(per_channel).to(self.square_deviations.dtype))
+                    1, ids, self._to_bands(values.pop(0)).to(self.square_deviations.dtype))
         if self.mins is not None:
-            self.mins.index_copy_(1, ids, keys.amin(3).to(self.mins.dtype))
-            self.maxs.index_copy_(1, ids, keys.amax(3).to(self.maxs.dtype))
-        if self.keys is not None:  # [L, num_blocks, bs, H, D]
-            self.keys.index_copy_(1, ids, keys.transpose(2, 3).to(self.keys.dtype))
+            self.mins.index_copy_(1, ids, values.pop(0).to(self.mins.dtype))
+            self.maxs.index_copy_(1, ids, values.pop(0).to(self.maxs.dtype))
 
     def _reset_blocks(self, block_ids: Tensor, starts: Tensor) -> None:
         """Empty blocks block_ids[i] where starts[i] (both [S]), without a data-dependent

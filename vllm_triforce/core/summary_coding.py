@@ -110,7 +110,10 @@ class CodedStore:
     def write(self, ids: Tensor, values: Tensor) -> None:
         """Blocks ids [n] (a block listed twice: the last one's values) take values
         [L, n, H, D] (any float dtype), coded."""
-        codes, scales = encode(values, self.coding)
+        self.write_coded(ids, *encode(values, self.coding))
+
+    def write_coded(self, ids: Tensor, codes: Tensor, scales: Tensor) -> None:
+        """Blocks ids [n] take `encode`'s codes [L, n, H, D] and scales [L, n, H, 1]."""
         self.codes.index_copy_(1, ids, codes)
         self.scales.index_copy_(1, ids, scales)
 

@@ -194,8 +194,11 @@ class Drafting:
         compiled kernel over these summaries, and the middle rounds' shortlist re-ranking,
         query to selection, as one compiled graph (core/fused_reads.py); with round graphs,
         each middle pass's tables and slots as one compiled function
-        (engine/device/round_graph.PassLayout); all compiled now. A compilation that fails
-        leaves that part eager, with a warning."""
+        (engine/device/round_graph.PassLayout); all compiled now. A read chunk of lazy
+        summaries from the KV cache is one compiled function over every layer's cache
+        (engine/summary_keeper.BlockReads), compiled once that cache exists
+        (`_compile_after_binding`). A compilation that fails leaves that part eager, with a
+        warning."""
         try:
             compiled = CompiledScores(self.summaries, self.policy.variance, self.shape.blocks,
                                       self.shape.num_q_heads, self.policy.scale)
@@ -209,6 +212,8 @@ class Drafting:
             logger.info("TriForce compiled_selection: a step's block scores are one compiled "
                         "kernel, a middle round's re-ranking one compiled graph (compiled in "
                         "%.1f s)", seconds)
+        # the lazy summaries' read: once vLLM has bound its cache (`_compile_after_binding`)
+        self.retrieval.keeper.block_reads.wanted = self.retrieval.keeper.may_be_lazy()
         graphs = self.retrieval.round_graphs
         if graphs is None:
             return
@@ -222,6 +227,15 @@ class Drafting:
             return
         logger.info("TriForce compiled_selection: a middle pass's tables and slots are one "
                     "compiled function (compiled in %.1f s)", seconds)
+
+    def _compile_after_binding(self) -> None:
+        """`compiled_selection`'s read of lazy summaries from the KV cache, compiled once
+        vLLM has bound the cache to the layers (after `_build_drafting`): the host calls this
+        from its warm-up (V1: `dummy_run`, MRV2: `initialize_kv_cache`); where none runs
+        after the binding, the keeper compiles it at the first commit."""
+        if self.retrieval is not None:
+            keeper = self.retrieval.keeper
+            keeper.block_reads.compile_when_bound(keeper.reader, "at start-up")
 
     def _build_levels(self, paged_keys, unreadable: str | None, target_groups: list) -> None:
         """Each level gets exactly what it uses, from the engine's shape. `paged_keys`:

@@ -81,7 +81,23 @@ class PagedKeys:
         """ids (any shape, physical block ids >= 0) -> [*ids.shape, H, block_size, D]: every
         head's keys of those blocks (fp8: dequantised), one gather per layer (the lazy block
         summaries read them: BlockSummaries.set_blocks)."""
-        kv = self.layers[layer].kv_cache
+        return self.keys_of(self.layers[layer].kv_cache, ids, self.key_scale(layer))
+
+    def caches(self) -> list[Tensor]:
+        """Each layer's KV cache, in layer order (`every_layer_keys` reads them)."""
+        return [layer.kv_cache for layer in self.layers]
+
+    def bound(self) -> bool:
+        """Whether every layer holds vLLM's KV cache (before vLLM allocates it, a layer
+        holds an empty placeholder)."""
+        return all(layer.kv_cache.numel() for layer in self.layers)
+
+    def key_scale(self, layer: int) -> float | None:
+        """An fp8 cache's key scale of `layer` (None: a plain cache)."""
+        return None if self.fp8 is None else float(self.layers[layer]._k_scale_float)
+
+    def keys_of(self, kv: Tensor, ids: Tensor, scale: float | None) -> Tensor:
+        """`layer_keys` of the layer whose cache is `kv` (key scale `scale`)."""
         num_blocks, heads, bs, _ = kv.shape
         d = self.head_dim
         if self.layout == "logical":
@@ -90,8 +106,16 @@ class PagedKeys:
             keys = kv.view(num_blocks, heads, 2, bs * d)[:, :, 0][ids].unflatten(
                 -1, (d, bs)).transpose(-1, -2)
         if self.fp8 is not None:
-            keys = keys.view(self.fp8).float() * self.layers[layer]._k_scale_float
+            keys = keys.view(self.fp8).float() * scale
         return keys
+
+    def every_layer_keys(self, ids: Tensor, caches: list[Tensor],
+                         scales: list[float | None]) -> Tensor:
+        """ids [n] -> [L, n, H, block_size, D] float32: every layer's keys of those blocks,
+        from `caches()` (key scales `scales`), as one expression (compiled, one call:
+        engine/summary_keeper.py `BlockReads`)."""
+        return torch.stack([self.keys_of(kv, ids, scale).float()
+                            for kv, scale in zip(caches, scales)])
 
     def block_keys(self, layer: int, ids: Tensor) -> Tensor:
         """ids (any shape) -> [*ids.shape, block_size, H, D]: every head's keys (check)."""

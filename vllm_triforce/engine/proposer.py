@@ -106,6 +106,7 @@ class TriForceProposer(Drafting, DraftModelProposer):
                              [g for groups in self.runner.attn_groups for g in groups])
 
     def dummy_run(self, num_tokens, *args, **kwargs) -> None:
+        self._compile_after_binding()  # warm-up runs after vLLM bound its KV cache
         if self.shape.has_draft:
             super().dummy_run(num_tokens, *args, **kwargs)
 

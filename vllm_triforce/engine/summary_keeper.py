@@ -30,11 +30,16 @@ accepted).
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
+from torch._dynamo.decorators import mark_unbacked
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 from vllm.logger import init_logger
 
 from vllm_triforce.core import reads
+from vllm_triforce.core.compiled import CompiledFunction
 from vllm_triforce.core.summaries import committed_runs, token_pieces
 from vllm_triforce.engine.block_contents import block_contents, common_prefix
 from vllm_triforce.engine.buffers import fold_piece_tokens
@@ -69,6 +74,7 @@ class SummaryKeeper:
         # another request summarised (a prefix-cache hit) is not set again. A block a fold
         # touches without completing is dropped from it.
         self._summarised: dict[int, int] = {}
+        self.block_reads = BlockReads(summaries)  # the reads `set_full_blocks` makes
 
     @property
     def reader(self):
@@ -93,6 +99,8 @@ class SummaryKeeper:
                 return
             self._check_reader(reader, *first[:3])
             self.lazy = self.reader is not None and self._lazy_possible()
+            if self.lazy:  # no warm-up after vLLM bound its cache (enforce_eager on CPU)
+                self.block_reads.compile_when_bound(self.reader, "at the first commit")
             capture.key_rows = 0  # checked: a compact pass keeps no key from now on
             if not self.lazy:  # every key folded: keep a large pass whole again
                 capture.compact_rows = None
@@ -288,11 +296,7 @@ class SummaryKeeper:
                         // (s.num_layers * s.num_kv_heads * bs * s.head_dim * 4))
         for start in range(0, block_ids.numel(), per_chunk):
             ids = block_ids[start:start + per_chunk]
-            keys = torch.empty(s.num_layers, ids.numel(), s.num_kv_heads, bs, s.head_dim,
-                               dtype=torch.float32, device=ids.device)
-            for layer in range(s.num_layers):  # one read per layer: layers' caches are apart
-                keys[layer].copy_(self.reader.layer_keys(layer, ids))
-            s.set_blocks(ids, keys)  # then every layer at once
+            s.write_blocks(ids, self.block_reads(self.reader, ids))
         self.stats.add(summarised_blocks=block_ids.numel())
 
 
@@ -300,3 +304,82 @@ def fold_committed(summaries, layer_keys, committed) -> None:
     """Folded summaries: one piece of `SummaryKeeper.committed_tokens` into `summaries`."""
     rows, block_ids, offsets, runs = committed
     summaries.add_committed(layer_keys, rows, block_ids, offsets, runs)
+
+
+class BlockReads:
+    """Blocks' summaries read from vLLM's KV cache, a read chunk at a time: ids [n] ->
+    `BlockSummaries.block_values` of their keys, every layer's (the keeper then writes
+    them: `write_blocks`). Eagerly, one read per layer into one float32 buffer (the layers'
+    caches are apart), then a few operations for every layer at once: about four
+    operations a layer. Or (`compiled_selection`: `wanted`) one compiled function for
+    every chunk size over all the layers' caches (core/compiled.py), compiled once vLLM has
+    bound its cache to the layers, which is after the engine is built (`compile_when_bound`:
+    from the host's warm-up, else at the first commit, before any read). A compiled call
+    that fails is dropped with a warning, and the reads are eager from then on."""
+
+    def __init__(self, summaries):
+        self.summaries = summaries
+        self.wanted = False  # compiled_selection
+        self.compiled: CompiledFunction | None = None
+        self.compile_seconds: float | None = None
+        self._tried = False
+
+    def __call__(self, reader, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.compiled is not None:
+            try:
+                return self.compiled(ids, *reader.caches())
+            except Exception as exc:  # noqa: BLE001 - dynamo's and inductor's are many kinds
+                logger.warning("TriForce compiled_selection: the compiled read of block "
+                               "summaries from the KV cache failed (%s: %s); they are read "
+                               "eagerly from now on.", type(exc).__name__, exc)
+                self.compiled = None
+        s = self.summaries
+        keys = torch.empty(s.num_layers, ids.numel(), s.num_kv_heads, s.block_size, s.head_dim,
+                           dtype=torch.float32, device=ids.device)
+        for layer in range(s.num_layers):
+            keys[layer].copy_(reader.layer_keys(layer, ids))
+        return s.block_values(keys)
+
+    def compile_when_bound(self, reader, when: str) -> None:
+        """Compile now if `wanted`, not tried yet, and `reader`'s caches are vLLM's bound
+        cache (not the placeholders the layers hold before it exists); `when` names the
+        moment in the log line. A failure is logged and leaves the reads eager."""
+        if not self.wanted or self._tried or reader is None or not reader.bound():
+            return
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return  # vLLM's graph capture: not while a graph records
+        if _get_current_dispatch_mode() is not None:
+            return  # a counting mode (tools/bench) would see eager calls, not a compilation
+        self._tried = True
+        try:
+            self.compile(reader)
+        except Exception as exc:  # noqa: BLE001 - inductor's failures are many kinds
+            logger.warning("TriForce compiled_selection: compiling the read of block summaries "
+                           "from the KV cache failed (%s: %s); it stays eager.",
+                           type(exc).__name__, exc)
+            return
+        logger.info("TriForce compiled_selection: a read chunk of block summaries from the KV "
+                    "cache, every layer's, is one compiled function (compiled %s, in %.1f s)",
+                    when, self.compile_seconds)
+
+    def compile(self, reader) -> float:
+        """Compile now, over `reader`'s caches (a read of block 0 twice): the seconds it
+        took. A compilation that fails raises and leaves the reads eager."""
+        start = time.perf_counter()
+        caches = reader.caches()
+        scales = [reader.key_scale(layer) for layer in range(len(caches))]
+        summaries = self.summaries
+
+        def block_values(ids: torch.Tensor, *caches: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return summaries.block_values(reader.every_layer_keys(ids, list(caches), scales))
+
+        self.compiled = CompiledFunction(block_values)
+        ids = torch.zeros(2, dtype=torch.long, device=caches[0].device)
+        mark_unbacked(ids, 0)  # the blocks of a read chunk
+        try:
+            self.compiled(ids, *caches, compile_now=True)
+        except Exception:
+            self.compiled = None  # eager, as before
+            raise
+        self.compile_seconds = time.perf_counter() - start
+        return self.compile_seconds

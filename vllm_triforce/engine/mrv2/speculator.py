@@ -211,6 +211,8 @@ class TriForceRunnerV2(GPUModelRunnerV2):
         FULL_AND_PIECEWISE), variable-length ones, dispatched piecewise for every pass
         TriForce reads (engine/mrv2/graphs.py)."""
         super().initialize_kv_cache(*args, **kwargs)
+        if self.speculator is not None:  # the cache is bound to the layers now
+            self.speculator._compile_after_binding()
         self.capture_demotion = None
         if self.speculator is not None and takes_full_decode(self.cudagraph_manager):
             # every backend replays any mix of 1 .. 1 + K tokens per request (FLASH_ATTN);
