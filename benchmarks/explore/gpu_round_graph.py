@@ -31,7 +31,8 @@ only a GPU can show, in three parts, most valuable first:
 (c) Cost at SmolLM2-135M's shape (dummy weights), 32 x 7,808 tokens: ms per middle round and
     per step at depths 6 (the three modes) and 0 (graphs and per pass) in one engine.
 Parts (a), (b) and (c) compile the selection (`compiled_selection`: block scores, re-ranking,
-a pass's tables and slots; whether it compiled, and in how long, is in each report).
+a pass's tables and slots, the lazy summaries' read of the KV cache; whether each compiled,
+and in how long, is in each report).
 
 Each engine runs in a child process of its own: a CUDA error in a replay (an illegal
 address, say) leaves its process's context unusable, and would take every later engine with
@@ -560,11 +561,15 @@ def per_pass_generation(llm, drafter, prompts, params) -> dict:
 def compiled_facts(drafter) -> dict:
     """Whether the compiled selection is on (a failed compilation, or a call that would have
     compiled again, leaves the eager reads, with a warning in the log), how long its
-    scores' compilation took, and whether a middle pass's layout is compiled too."""
+    scores' compilation took, whether a middle pass's layout is compiled too, and the
+    lazy summaries' read of the KV cache (None: the summaries are not set lazily)."""
     compiled, graphs = drafter.policy.compiled, drafter.retrieval.round_graphs
+    reads = drafter.retrieval.keeper.block_reads
     return {"on": compiled is not None,
             "compile_seconds": None if compiled is None else compiled.compile_seconds,
-            "layout_on": graphs is not None and graphs.buffers.layout.compiled is not None}
+            "layout_on": graphs is not None and graphs.buffers.layout.compiled is not None,
+            "block_reads_on": reads.compiled is not None if reads.wanted else None,
+            "block_reads_compile_seconds": reads.compile_seconds}
 
 
 def graphs_facts(graphs) -> dict:
@@ -655,13 +660,18 @@ def cost_job(args, report: Report, model: Path, spec: dict, part: str, plan) -> 
     graphs, compiled = drafter.retrieval.round_graphs, drafter.policy.compiled
     layout = None if graphs is None else graphs.buffers.layout.compiled
     report["captures"] = watch_captures(graphs) if graphs is not None else []
-    report["compiled_selection"] = compiled_facts(drafter)
     peaks, timer = PeakProbe(drafter, cuda), ReplayTimer(graphs, cuda)
     prompts = random_prompts(s["batch"], s["context"], tokenizer_vocab(args), seed=s["context"])
     report["prefill_s"] = timed_generate(llm, prompts, 1)
+    # after the prefill: without a warm-up (enforce_eager) the lazy reads compile at the
+    # first commit
+    report["compiled_selection"] = compiled_facts(drafter)
+    reads = drafter.retrieval.keeper.block_reads
+    reads_fn = reads.compiled
     report["rows"] = []
     for depth, mode, synced in plan:
         drafter.policy.compiled = compiled if mode == COMPILED else None
+        reads.compiled = reads_fn if mode == COMPILED else None
         if graphs is not None:
             graphs.buffers.layout.compiled = layout if mode == COMPILED else None
         report["rows"].append(measure(llm, drafter, graphs, prompts, s["decode"], depth,
@@ -670,10 +680,12 @@ def cost_job(args, report: Report, model: Path, spec: dict, part: str, plan) -> 
         if mode == COMPILED:  # False: none compiled at start-up, or one failed in the row
             report["rows"][-1]["compiled_held"] = (
                 compiled is not None and drafter.policy.compiled is compiled
-                and layout is not None and graphs.buffers.layout.compiled is layout)
+                and layout is not None and graphs.buffers.layout.compiled is layout
+                and reads.compiled is reads_fn)
         report["round_graphs"] = graphs_facts(graphs)
         report.save()
     drafter.retrieval.round_graphs, drafter.policy.compiled = graphs, compiled
+    reads.compiled = reads_fn
     if graphs is not None:
         graphs.buffers.layout.compiled = layout
         report["host_ops"] = host_profile(llm, drafter, prompts, s["decode"][0],
