@@ -137,8 +137,9 @@ def selection_scratch_bytes(drafting: int, num_layers: int, max_blocks: int,
 
 # `lazy_read_bytes`: float32-sized copies of a chunk of blocks' keys [L, n, H, bs, D] alive
 # at once while the lazy summaries read them from the KV cache (the float32 keys, their
-# square deviations in BlockSummaries.set_blocks, one layer's gather): read from
-# engine/summary_keeper.py `SummaryKeeper.set_full_blocks` and core/summaries.py
+# square deviations in BlockSummaries.block_values, one layer's gather; the compiled read
+# holds only the first, its other buffers being a value per block, not per key): read from
+# engine/summary_keeper.py `BlockReads` and core/summaries.py
 LAZY_READ_COPIES = 3
 
 

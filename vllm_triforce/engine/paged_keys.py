@@ -80,7 +80,7 @@ class PagedKeys:
     def layer_keys(self, layer: int, ids: Tensor) -> Tensor:
         """ids (any shape, physical block ids >= 0) -> [*ids.shape, H, block_size, D]: every
         head's keys of those blocks (fp8: dequantised), one gather per layer (the lazy block
-        summaries read them: BlockSummaries.set_blocks)."""
+        summaries' eager read: engine/summary_keeper.py `BlockReads`)."""
         return self.keys_of(self.layers[layer].kv_cache, ids, self.key_scale(layer))
 
     def caches(self) -> list[Tensor]:

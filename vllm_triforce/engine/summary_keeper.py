@@ -12,8 +12,8 @@ a long prompt chunk) keeps none of its keys where summaries are set lazily
 keeps 5.4 GB of activations alive at Llama-3.1-8B's shape): its prefills' full blocks are
 set from the KV cache right after it, by read chunks (`set_full_blocks`), the same
 summaries. Blocks completed while decoding are set just before their request selects,
-from their keys read back from vLLM's KV cache (engine/paged_keys.py,
-`BlockSummaries.set_blocks`). So a decode step in which nobody selects (every plain step)
+from their keys read back from vLLM's KV cache (engine/paged_keys.py, `BlockReads`,
+`BlockSummaries.block_values`). So a decode step in which nobody selects (every plain step)
 does no per-layer TriForce work at all, and a request's first selection never reads its
 whole prompt back inside a decode step (work as large as the prompt where a decode step
 has the least room for it). A request that never drafts (engine/plain_steps.py
