@@ -191,7 +191,9 @@ def test_the_runner_sets_the_graphs_up_after_vllms_kv_cache(binding, monkeypatch
                                                             varlen_ok):
     """TriForceRunnerV2.initialize_kv_cache: under FULL_AND_PIECEWISE, variable-length
     decode graphs where every backend replays them, the demotion of passes TriForce reads,
-    and no recording while vLLM captures; under PIECEWISE nothing changes."""
+    and no recording while vLLM captures; under PIECEWISE nothing changes. In every mode the
+    speculator then compiles what needs the bound cache (`compiled_selection`'s lazy
+    read)."""
     monkeypatch.setattr(binding.GPUModelRunnerV2, "initialize_kv_cache",
                         lambda self, *args, **kwargs: None)
     monkeypatch.setattr(binding, "get_varlen_cudagraph_unsupported_backend",
@@ -200,9 +202,12 @@ def test_the_runner_sets_the_graphs_up_after_vllms_kv_cache(binding, monkeypatch
     runner = object.__new__(binding.TriForceRunnerV2)
     runner.cudagraph_manager = manager = graph_manager(mode)
     runner.attn_groups, runner.vllm_config, runner.decode_query_len = [], None, 1 + K
+    compiled = []
     runner.speculator = types.SimpleNamespace(
-        layer_capture=types.SimpleNamespace(skip_while_capturing=False))
+        layer_capture=types.SimpleNamespace(skip_while_capturing=False),
+        _compile_after_binding=lambda: compiled.append(True))
     runner.initialize_kv_cache(None)
+    assert compiled == [True]  # the lazy summaries' read, once the cache is bound
     full = mode == CUDAGraphMode.FULL_AND_PIECEWISE
     assert (runner.capture_demotion is not None) == full
     assert runner.speculator.layer_capture.skip_while_capturing == full
