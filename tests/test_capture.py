@@ -111,6 +111,85 @@ def test_capture_survives_graph_pool_reuse(round_graphs, tiny_llama, llm_factory
     assert overwritten["tokens"] == clean["tokens"]
 
 
+def test_a_large_pass_is_copied_where_references_may_not_hold():
+    """`copy_large_passes`: a pass larger than copy_tokens keeps copies of its query and
+    key (and a middle pass of its query), so what attention's inputs later hold (inductor
+    reusing their buffers inside one compiled graph) leaves the kept values as they were;
+    without it they are the pass's own tensors, which is what an eager model or vLLM's
+    graph split at attention allows."""
+    import torch
+
+    from vllm_triforce.engine.device.capture import CaptureBuffers, LayerCapture
+
+    for copy_large in (False, True):
+        capture = LayerCapture(num_layers=2, copy_tokens=4)
+        capture.copy_large_passes = copy_large
+        query, key = torch.randn(9, 2, 4), torch.randn(9, 1, 4)
+        want_q, want_k = query.clone(), key.clone()
+        capture.record(1, query, key)
+        with capture.recording(into=CaptureBuffers(2, max_tokens=4, keep_keys=False)):
+            capture.record(0, query, key)  # a middle pass too large for its buffers
+        middle_query = capture.queries[0]
+        query.normal_(), key.normal_()  # a later operation writes into their memory
+        assert (capture.queries[1] is query) == (not copy_large)
+        assert (capture.keys[1] is key) == (not copy_large)
+        assert (middle_query is query) == (not copy_large)
+        if copy_large:
+            assert torch.equal(capture.queries[1], want_q) and torch.equal(middle_query, want_q)
+            assert torch.equal(capture.keys[1], want_k)
+
+
+def test_references_hold_only_outside_one_compiled_graph():
+    """Which vLLM compilations hand attention inputs that keep their values after the
+    forward (capture.references_outlive_passes): eager models, dynamo's eager backends and
+    vLLM's piecewise compilation split at attention do; vLLM's CPU compilation (one
+    inductor graph: DYNAMO_TRACE_ONCE, vllm/platforms/cpu.py), an inductor graph partition
+    or a split that leaves attention inside a piece do not."""
+    from vllm.config import CompilationConfig, CompilationMode
+
+    from vllm_triforce.engine.device.capture import references_outlive_passes
+
+    def why(enforce_eager=False, **config):
+        return references_outlive_passes(CompilationConfig(**config), enforce_eager)
+
+    attention_ops = list(CompilationConfig()._attention_ops)
+    assert why(mode=CompilationMode.DYNAMO_TRACE_ONCE, backend="inductor", enforce_eager=True) == ""
+    assert why(mode=CompilationMode.NONE) == ""
+    assert why(mode=CompilationMode.DYNAMO_TRACE_ONCE, backend="eager") == ""
+    assert why(mode=CompilationMode.VLLM_COMPILE, splitting_ops=attention_ops,
+               use_inductor_graph_partition=False) == ""
+    assert "DYNAMO_TRACE_ONCE, backend inductor" in why(mode=CompilationMode.DYNAMO_TRACE_ONCE,
+                                                        backend="inductor")
+    assert why(mode=CompilationMode.VLLM_COMPILE, splitting_ops=[],
+               use_inductor_graph_partition=False)
+    assert why(mode=CompilationMode.VLLM_COMPILE, splitting_ops=attention_ops,
+               use_inductor_graph_partition=True)
+
+
+def test_a_compiled_cpu_engine_reads_back_the_keys_it_captured(tiny_llama, llm_factory):
+    """vLLM's CPU compilation runs the model as one inductor graph, which reuses the memory
+    of a layer's query and key once its attention has run: a prefill pass held by reference
+    held other values by the time the commit read it (SmolLM2, compiled: the cache reader's
+    check found layer 1's keys different, and the summaries folded from them were as
+    wrong). Copied, the keys every layer captured of the prefill equal the KV cache's (the
+    check) and the engine drafts from them."""
+    from vllm import SamplingParams
+
+    from engine_helpers import assert_drafted
+
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 250 + 1 for j in range(300 + 60 * i)]}
+               for i in range(3)]  # one prefill pass of 1,080 tokens, above copy_tokens
+    spec = dict(SPEC, adaptive=False)
+    llm = llm_factory(tiny_llama, speculative_config=spec, enforce_eager=False,
+                      max_num_batched_tokens=2048)
+    drafter = drafter_of(llm)
+    assert drafter.vllm_config.compilation_config.backend == "inductor"
+    assert drafter.layer_capture.copy_large_passes
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    assert_drafted(drafter.stats.snapshot())
+    assert drafter.retrieval.keeper.status == "checked (cpu_transposed)"
+
+
 def test_a_compact_pass_keeps_each_requests_last_rows_and_nothing_of_the_pass():
     """`compact_large_passes` (docstring examples): rows 2, query starts [0, 3, 7] keep rows
     [1, 2, 5, 6]; request 1's row 6 is kept row 3, its row 5 kept row 2; keys of the

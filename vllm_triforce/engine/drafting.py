@@ -133,9 +133,16 @@ class Drafting:
         layers = get_layers_from_vllm_config(self.vllm_config, Attention)
         self.target_layer_names = sorted(target_names, key=extract_layer_index)
         self.target_layers = [layers[n] for n in self.target_layer_names]
-        self.layer_capture = capture.install(
-            self.target_layers,
-            self.vllm_config.compilation_config.max_cudagraph_capture_size)
+        compilation = self.vllm_config.compilation_config
+        why = capture.references_outlive_passes(compilation,
+                                                self.vllm_config.model_config.enforce_eager)
+        self.layer_capture = capture.install(self.target_layers,
+                                             compilation.max_cudagraph_capture_size,
+                                             copy_large_passes=bool(why))
+        if why:
+            logger.info("TriForce capture: %s, so a pass of more than %d tokens keeps copies "
+                        "of its queries and keys, not references", why,
+                        self.layer_capture.copy_tokens)
 
     def _build_drafting(self, kv_cache_config, target_groups: list) -> None:
         """The summaries, the hand-off buffer and the levels, over the KV cache vLLM made

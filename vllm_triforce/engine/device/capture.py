@@ -20,6 +20,14 @@ is kept by reference, so a prefill chunk is never copied (or, `compact_large_pas
 only its requests' last rows of queries are: the engine then needs none of its keys). The
 copies cost two device copies per layer of a decode-sized pass
 (benchmarks/explore/capture_copy.py measures them).
+The same holds without CUDA graphs wherever attention runs inside one compiled graph:
+vLLM's CPU compilation (DYNAMO_TRACE_ONCE with inductor, vllm/platforms/cpu.py) traces the
+whole model into one inductor graph, and inductor's memory planning reuses a buffer once its
+last use, the attention op, has run. A compiled CPU engine's prefill keys held by reference
+held a later layer's values by the time the cache reader's check read them (layer 1 already
+differed), and the summaries folded from them were as wrong. So where
+`references_outlive_passes` says a reference may not hold (`copy_large_passes`), a larger
+pass is copied too: every layer's query and key of a prefill chunk, or its compact rows.
 Under FULL CUDA graphs attention does not run Python at all, so TriForce needs eager or
 piecewise graphs (engine_settings.py), or, on Model Runner V2, FULL graphs only for the
 passes it reads nothing of (engine/mrv2/graphs.py).
@@ -145,6 +153,8 @@ class LayerCapture:
         self.compacted = False  # the last pass recorded was kept compact (`last_rows`)
         self._compact_when = None  # asked at each large pass's first layer
         self._compact_pass = False  # its answer for the pass being recorded
+        # a pass larger than copy_tokens is copied too (`references_outlive_passes`)
+        self.copy_large_passes = False
         # vLLM's FULL CUDA graphs (engine/mrv2/graphs.py): nothing of vLLM's is recorded
         # while a graph is being captured, so no copy is baked into every replay
         self.skip_while_capturing = False
@@ -222,15 +232,18 @@ class LayerCapture:
         if into is not None:  # a middle pass: queries only, never in vLLM's pass's buffers
             if into.fits(query.shape[0]):
                 query = into.put("query", index, query)
-            elif query.shape[0] <= self.copy_tokens:
+            elif query.shape[0] <= self.copy_tokens or self.copy_large_passes:
                 query = query.clone()
             key = None
-        elif query.shape[0] > self.copy_tokens:  # never a graph's: by reference, or compact
-            if self._compact_pass:
+        elif query.shape[0] > self.copy_tokens:  # never a CUDA graph's: by reference, or
+            if self._compact_pass:               # compact, or copied (`copy_large_passes`)
                 query = query[self._kept_rows(query_start_loc, query.shape[0])]
                 key = (key[:self.key_rows].clone() if key is not None and self.key_rows
                        else None)
                 self.compacted = True
+            elif self.copy_large_passes:
+                query = query.clone()
+                key = key.clone() if key is not None else None
         else:  # may be a graph replay's pool memory
             buffers = self.step_buffers
             if buffers is not None:
@@ -280,15 +293,44 @@ class LayerCapture:
         self.compacted = False
 
 
-def install(layers, copy_tokens: int | None = None) -> LayerCapture:
+def install(layers, copy_tokens: int | None = None,
+            copy_large_passes: bool = False) -> LayerCapture:
     """Wrap `layer.impl.forward` of each layer (ordered by layer index); returns the capture
     they record into. `copy_tokens`: the engine's `max_cudagraph_capture_size` (None: unset,
-    DEFAULT_COPY_TOKENS)."""
+    DEFAULT_COPY_TOKENS); `copy_large_passes`: larger passes are copied too (see top)."""
     check_interface()
     capture = LayerCapture(len(layers), copy_tokens or DEFAULT_COPY_TOKENS)
+    capture.copy_large_passes = copy_large_passes
     for index, layer in enumerate(layers):
         layer.impl.forward = _wrap_forward(_unwrapped(layer.impl.forward), index, capture)
     return capture
+
+
+# dynamo backends that run the traced graph's operations one by one, each output its own
+# allocation: nothing reuses an attention input's memory
+EAGER_BACKENDS = ("eager", "aot_eager")
+
+
+def references_outlive_passes(compilation_config, enforce_eager: bool) -> str:
+    """'' when the query and key a layer's attention is handed keep their values after the
+    forward (vLLM's CUDA graphs aside, which copy_tokens covers): an eager model, a dynamo
+    backend that runs operations one by one, or vLLM's compilation split at the attention
+    ops, whose pieces' outputs are fresh allocations. Otherwise why not: attention runs
+    inside one compiled graph, whose memory planning reuses its inputs' buffers (top)."""
+    from vllm.config import CompilationMode
+
+    mode = compilation_config.mode
+    if enforce_eager or mode == CompilationMode.NONE:
+        return ""
+    backend = compilation_config.backend or "inductor"
+    if backend in EAGER_BACKENDS:
+        return ""
+    if (mode == CompilationMode.VLLM_COMPILE
+            and compilation_config.splitting_ops_contain_attention()
+            and not compilation_config.use_inductor_graph_partition):
+        return ""
+    return (f"attention runs inside one compiled graph (compilation mode "
+            f"{getattr(mode, 'name', mode)}, backend {backend})")
 
 
 def check_interface() -> None:
