@@ -382,7 +382,7 @@ def test_smollm2_two_level_moby_dick(smollm2):
     from vllm_triforce.assets import moby_dick_text
 
     ids = AutoTokenizer.from_pretrained(str(smollm2))(moby_dick_text()[:40000])["input_ids"]
-    prompts = [{"prompt_token_ids": ids[:2000]}, {"prompt_token_ids": ids[3000:4200]}]
+    prompts = [{"prompt_token_ids": ids[:1200]}, {"prompt_token_ids": ids[3000:3800]}]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     spec = {"method": "triforce", "num_speculative_tokens": 4, "retrieval_budget": 256}
     results = []
@@ -398,7 +398,7 @@ def test_smollm2_two_level_moby_dick(smollm2):
     assert_drafted(adaptive)
     assert_drafted(stats)
     accepted, proposed = stats["top_accepted"], stats["top_proposed"]
-    print(f"SmolLM2 two-level, 2000/1200-token Moby-Dick prompts, depth 4: full-cache "
+    print(f"SmolLM2 two-level, 1200/800-token Moby-Dick prompts, depth 4: full-cache "
           f"acceptance of middle-level drafts {accepted}/{proposed} = {accepted / proposed:.3f}; "
           f"the controller drafted {adaptive['top_proposed']} tokens "
           f"({adaptive['plain_steps']} plain steps of "
