@@ -5,7 +5,7 @@
 # (measured: 44.5 min one at a time), each worker on one OpenMP thread (tests/conftest.py; with
 # two threads each, 35 min against 20 on a 2-core Intel Xeon). TEST_WORKERS=0 runs them in this
 # process, one at a time. Files go to the workers in collection order, longest first
-# (tests/conftest.py LONGEST_FIRST), not xdist's order by test count.
+# (tests/suite_order.py LONGEST_FIRST), not xdist's order by test count.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

@@ -24,6 +24,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # `import tiny_models` from tests
 
+import suite_order  # noqa: E402
 import tiny_models  # noqa: E402
 from engine_helpers import (DEFAULT_MAX_MODEL_LEN, free_llm, in_process_llm,  # noqa: E402,F401
                             make_engine_kwargs)
@@ -59,43 +60,8 @@ def _one_thread_per_worker() -> None:
         os.environ["OMP_NUM_THREADS"] = "1"
 
 
-# The test files that take longest, longest first: seconds of one run of the suite
-# (`scripts/test.sh --junitxml`, summed per file) on a 2-core AMD EPYC with AVX2, 2026-11-30.
-# scripts/test.sh hands whole files to two workers in collection order
-# (`--no-loadscope-reorder`), so these go first and the short files fill the end: the two
-# workers finish together (about 70 s sooner than xdist's order by test count, whose last
-# file ran alone on one worker). A file missing here runs after them, in collection order.
-LONGEST_FIRST = (
-    "tests/test_triforce_engine.py",  # 420
-    "tests/test_readme_serve.py",  # 386
-    "tests/test_serving_plumbing.py",  # 244
-    "tests/test_memory_plan.py",  # 237
-    "tests/test_gpu_check.py",  # 182
-    "tests/test_bench.py",  # 179
-    "tests/test_engine_depth_rules.py",  # 165
-    "tests/test_bench_serve.py",  # 144
-    "tests/test_flex_backend.py",  # 120
-    "tests/test_chat.py",  # 119
-    "tests/test_demo.py",  # 119
-    "tests/test_capture.py",  # 108
-    "tests/test_gpu_install.py",  # 99
-    "tests/test_doctor.py",  # 86
-    "tests/test_round_graphs.py",  # 78
-    "tests/test_triforce_sampling.py",  # 77
-    "tests/test_patches_sampling.py",  # 76
-    "tests/test_serving_load.py",  # 73
-    "tests/test_gpu_model_carry.py",  # 59
-    "tests/test_syncs.py",  # 56
-    "tests/test_gpu_safety.py",  # 41
-    "tests/test_drafting_cap.py",  # 35
-    "tests/test_middle_acceptance.py",  # 34
-)
-
-
 def pytest_collection_modifyitems(config, items):
-    """The files of LONGEST_FIRST first, in its order; the others after, as collected."""
-    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+    suite_order.longest_files_first(items)
 
 
 def pytest_unconfigure(config):

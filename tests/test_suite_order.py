@@ -1,9 +1,9 @@
-"""The suite's file order (tests/conftest.py LONGEST_FIRST) names files that exist: a file
+"""The suite's file order (tests/suite_order.py LONGEST_FIRST) names files that exist: a file
 renamed or removed there would silently fall back to running at the end."""
 
 from pathlib import Path
 
-from conftest import LONGEST_FIRST, pytest_collection_modifyitems
+from suite_order import LONGEST_FIRST, longest_files_first
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,5 +22,5 @@ def test_listed_files_go_first_in_their_order_and_the_rest_keep_theirs():
     ids = ["tests/core/test_a.py::t1", f"{LONGEST_FIRST[1]}::t2", "tests/test_b.py::t3",
            f"{LONGEST_FIRST[0]}::t4", f"{LONGEST_FIRST[1]}::t5", "tests/core/test_a.py::t6"]
     items = [Item(i) for i in ids]
-    pytest_collection_modifyitems(None, items)
+    longest_files_first(items)
     assert [i.nodeid for i in items] == [ids[3], ids[1], ids[4], ids[0], ids[2], ids[5]]
