@@ -122,8 +122,7 @@ def test_a_large_pass_is_copied_where_references_may_not_hold():
     from vllm_triforce.engine.device.capture import CaptureBuffers, LayerCapture
 
     for copy_large in (False, True):
-        capture = LayerCapture(num_layers=2, copy_tokens=4)
-        capture.copy_large_passes = copy_large
+        capture = LayerCapture(num_layers=2, copy_tokens=4, copy_large_passes=copy_large)
         query, key = torch.randn(9, 2, 4), torch.randn(9, 1, 4)
         want_q, want_k = query.clone(), key.clone()
         capture.record(1, query, key)

@@ -64,21 +64,15 @@ def chat_answers(base: str, messages: list[dict]) -> dict:
             "completion_tokens": plain.usage.completion_tokens}
 
 
-def plain_chat_answer(model, messages: list[dict]) -> dict:
-    """Plain vLLM's greedy answer, from an in-process engine with the servers' settings
-    (`start_server`: float32, eager, blocks of 32; the chat server's length and seed) and
-    vLLM's own chat template handling (`LLM.chat`): the reference a plain server gives,
-    without a second server's start-up (about 40 s here)."""
+def plain_chat_answer(llm, messages: list[dict]) -> dict:
+    """Plain vLLM's greedy answer from `llm`, an in-process engine with the servers'
+    settings (`start_server`: float32, eager, blocks of 32; the chat server's length and
+    seed), through vLLM's own chat template handling (`LLM.chat`): the reference a plain
+    server gives, without a second server's start-up (about 40 s here)."""
     from vllm import SamplingParams
 
-    from engine_helpers import free_llm, in_process_llm, make_engine_kwargs
-
-    llm = in_process_llm(model, None, **make_engine_kwargs(max_model_len=1024))
-    try:
-        [out] = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
-                         use_tqdm=False)
-    finally:
-        free_llm(llm)
+    [out] = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+                     use_tqdm=False)
     done = out.outputs[0]
     return {"text": done.text, "finish_reason": done.finish_reason,
             "prompt_tokens": len(out.prompt_token_ids),
@@ -86,11 +80,12 @@ def plain_chat_answer(model, messages: list[dict]) -> dict:
 
 
 @pytest.mark.engine
-def test_chat_triforce_equals_plain(vllm_command, smollm2, conversation, tmp_path):
+def test_chat_triforce_equals_plain(vllm_command, smollm2, conversation, tmp_path,
+                                    llm_factory):
     with chat_server(vllm_command, smollm2, tmp_path, "triforce", TRIFORCE_SPEC) as base:
         tri = chat_answers(base, conversation)
         assert spec_drafts(base) > 0  # TriForce drafted for the chat requests
-    plain = plain_chat_answer(smollm2, conversation)
+    plain = plain_chat_answer(llm_factory(smollm2, max_model_len=1024), conversation)
     print(json.dumps({"plain": plain, "triforce": tri}, indent=1))
     assert plain["prompt_tokens"] > TRIFORCE_SPEC["retrieval_budget"]  # retrieval had to choose
     assert plain["text"]

@@ -137,7 +137,8 @@ class LayerCapture:
     copies (see top).
     """
 
-    def __init__(self, num_layers: int, copy_tokens: int = DEFAULT_COPY_TOKENS):
+    def __init__(self, num_layers: int, copy_tokens: int = DEFAULT_COPY_TOKENS,
+                 copy_large_passes: bool = False):
         self.queries: list = [None] * num_layers
         self.keys: list = [None] * num_layers
         self.copy_tokens = copy_tokens
@@ -154,7 +155,7 @@ class LayerCapture:
         self._compact_when = None  # asked at each large pass's first layer
         self._compact_pass = False  # its answer for the pass being recorded
         # a pass larger than copy_tokens is copied too (`references_outlive_passes`)
-        self.copy_large_passes = False
+        self.copy_large_passes = copy_large_passes
         # vLLM's FULL CUDA graphs (engine/mrv2/graphs.py): nothing of vLLM's is recorded
         # while a graph is being captured, so no copy is baked into every replay
         self.skip_while_capturing = False
@@ -299,8 +300,7 @@ def install(layers, copy_tokens: int | None = None,
     they record into. `copy_tokens`: the engine's `max_cudagraph_capture_size` (None: unset,
     DEFAULT_COPY_TOKENS); `copy_large_passes`: larger passes are copied too (see top)."""
     check_interface()
-    capture = LayerCapture(len(layers), copy_tokens or DEFAULT_COPY_TOKENS)
-    capture.copy_large_passes = copy_large_passes
+    capture = LayerCapture(len(layers), copy_tokens or DEFAULT_COPY_TOKENS, copy_large_passes)
     for index, layer in enumerate(layers):
         layer.impl.forward = _wrap_forward(_unwrapped(layer.impl.forward), index, capture)
     return capture
