@@ -161,25 +161,23 @@ def test_metadata_alias_answers_only_the_vllm_lookup():
                           cpu=True, n_vllm=1, dup_plugins=0)
 
 
-def test_vllm_command_runs_and_rejects_bad_spec_config(vllm_command, tiny_llama, tmp_path):
-    """`vllm --version` works; a missing or not-JSON spec file gives an argparse
-    error naming flag and file, exit status 2, before any weights load."""
+def test_vllm_command_rejects_a_bad_spec_config_before_loading(vllm_command, tiny_llama,
+                                                                tmp_path):
+    """Our `vllm` launcher runs vLLM's CLI: a spec file that is not JSON gives vLLM's
+    argparse error naming flag and file, exit status 2, before any weights load. One
+    process: each `vllm` process spends about 20 s importing vLLM on a 2-vCPU EPYC. The
+    metadata lookup that `vllm --version` makes is checked in-process above, and
+    `vllm serve` itself runs below and in tests/test_readme_serve.py."""
     not_json = tmp_path / "broken.json"
     not_json.write_text("method: triforce\n")
-    cases = {tmp_path / "missing.json": "file not found: {path}",
-             not_json: "{path} is not valid JSON: Expecting value"}
-    procs = {path: subprocess.Popen(
-        [str(vllm_command), "serve", str(tiny_llama), "--speculative-config", str(path)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for path in cases}
-    version = subprocess.run([str(vllm_command), "--version"], capture_output=True, text=True,
-                             timeout=CLI_EXIT_TIMEOUT_S)
-    assert version.returncode == 0, version.stderr[-2000:]
-    assert version.stdout.strip().splitlines()[-1] == "0.32.0+cpu"
-    for path, proc in procs.items():
-        out, err = proc.communicate(timeout=CLI_EXIT_TIMEOUT_S)
-        assert proc.returncode == 2, err[-2000:]
-        assert "argument --speculative-config/-sc: " + cases[path].format(path=path) in err
-        assert "Loading weights" not in out + err and "Starting to load model" not in out + err
+    proc = subprocess.run(
+        [str(vllm_command), "serve", str(tiny_llama), "--speculative-config", str(not_json)],
+        capture_output=True, text=True, timeout=CLI_EXIT_TIMEOUT_S)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert (f"argument --speculative-config/-sc: {not_json} is not valid JSON: Expecting value"
+            in proc.stderr)
+    assert "Starting to load model" not in proc.stdout + proc.stderr
+    assert "Loading weights" not in proc.stdout + proc.stderr
 
 
 # ------------------------------------------------------------------------ server

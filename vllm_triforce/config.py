@@ -31,6 +31,11 @@ POLICIES = POLICY_NAMES
 # (`rerank` reads its shortlist's keys from vLLM's own KV cache: engine/paged_keys.py.)
 FULL_KEY_POLICIES = tuple(name for name, f in POLICY_FACTS.items() if f.keeps_keys)
 
+# Values a compact key variance (`compact_key_variance`, core/summaries.py) keeps per KV head
+# (fewer where the head is too narrow for bands of an even number of channels:
+# `variance_width`)
+COMPACT_BANDS = 8
+
 # Attention backends whose metadata TriForce builds correctly per layer
 # (engine/device/forward.py says how each is handled). Anything else is refused at config time.
 SUPPORTED_ATTENTION_BACKENDS = ("CPU_ATTN", "FLASH_ATTN", "TRITON_ATTN", "FLASHINFER",

@@ -64,13 +64,10 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from vllm_triforce.config import COMPACT_BANDS
 from vllm_triforce.core.reads import flat_rows
 from vllm_triforce.core.summary_coding import CodedStore, encode
 from vllm_triforce.core.tensors import on_device
-
-# Values a compact key variance keeps per KV head (fewer where the head is too narrow for
-# bands of an even number of channels: `variance_width`)
-COMPACT_BANDS = 8
 
 
 def variance_width(head_dim: int, compact: bool, bands: int = COMPACT_BANDS) -> int:

@@ -28,13 +28,12 @@ import math
 import time
 from pathlib import Path
 
-from vllm_triforce.config import BlockCounts, TriForceConfig
-from vllm_triforce.core.policies import make_policy
-from vllm_triforce.core.selection import Selector
-from vllm_triforce.core.summaries import COMPACT_BANDS
+from vllm_triforce.config import COMPACT_BANDS, BlockCounts, TriForceConfig
 from vllm_triforce.tools.bench import prompts as bench_prompts
 from vllm_triforce.tools.bench import report
-from vllm_triforce.tools.bench.teacher import Column, TeacherForcedEngine, measure_span
+
+# torch and the engine are imported where the bench runs, not here: `vllm-triforce`
+# builds this module's parser for every command, `data fetch` included
 
 BLOCK = 32
 # Positions between a column's full selections. The engine re-selects at every drafting step
@@ -178,6 +177,8 @@ def run_acceptance(args, model: str, out: Path) -> dict:
     if args.quick:
         for key, value in QUICK.items():
             setattr(args, key, value)
+    from vllm_triforce.tools.bench.teacher import TeacherForcedEngine, measure_span
+
     start = time.perf_counter()
     tasks = _tasks(args, model)
     longest = max(len(doc) for docs, _, _ in tasks.values() for doc in docs)
@@ -237,6 +238,10 @@ def _progress(task: str, start: float):
 def _column(name: str, blocks: BlockCounts, keys) -> Column:
     """Column `name` of COLUMNS at the budget of `blocks`; `keys`: the exact keys a
     two-stage policy reads (the teacher's key copy)."""
+    from vllm_triforce.core.policies import make_policy
+    from vllm_triforce.core.selection import Selector
+    from vllm_triforce.tools.bench.teacher import Column
+
     policy, kwargs, refresh_every, middle, _ = COLUMNS[name]
     policy = make_policy(policy, **kwargs)
     shortlist = SHORTLIST if middle == MIDDLE else 0  # the Selector ignores it if it cannot
