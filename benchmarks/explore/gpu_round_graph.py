@@ -585,9 +585,10 @@ def graphs_facts(graphs) -> dict:
 
 def watch_captures(graphs) -> list[dict]:
     """Each `_prepare` (a bucket built; on a GPU every bucket captured at once): its
-    seconds and, on a GPU, what the allocator holds after it beyond before: `bytes`
-    allocated (the graphs' live outputs), `reserved_bytes` (the private pool's segments
-    too, and what the warm-up runs left cached: an upper bound)."""
+    seconds and, on a GPU, `bytes` allocated after it beyond before (the graphs' live
+    outputs), `reserved_bytes` (the change in what torch reserves: each capture empties
+    the allocator's cache first, so it can be negative) and `pool_bytes` (the graphs'
+    private pool, `RoundGraphs.pool_bytes`: what the reservation must hold)."""
     import torch
 
     captures, prepare, cuda = [], graphs._prepare, torch.cuda.is_available()
@@ -601,7 +602,8 @@ def watch_captures(graphs) -> list[dict]:
         after = held()
         captures.append({"bucket": bucket, "s": time.perf_counter() - start,
                          "bytes": after[0] - before[0] if cuda else None,
-                         "reserved_bytes": after[1] - before[1] if cuda else None})
+                         "reserved_bytes": after[1] - before[1] if cuda else None,
+                         "pool_bytes": graphs.pool_bytes() if cuda else None})
         return replay
     graphs._prepare = measured
     return captures
@@ -840,13 +842,13 @@ class EventTimedGraph:
 
 def memory_report(drafter, memory, peaks: PeakProbe, captures: list) -> dict | None:
     """TriForce's CUDA memory against its reservation, per mode: what
-    `initialize_attn_backend` keeps, what the graphs' captures hold (their pool's
-    reserved segments: the upper bound), each mode's propose peak (None on a CPU)."""
+    `initialize_attn_backend` keeps, what the graphs' captures hold (their private
+    pool's segments), each mode's propose peak (None on a CPU)."""
     if memory is None:
         return None
     import torch
 
-    captured = sum(c["reserved_bytes"] or 0 for c in captures)
+    captured = max((c.get("pool_bytes") or 0 for c in captures), default=0)  # one pool
     return {"reserved_bytes": drafter.reserved_bytes, "persistent_bytes": memory.persistent,
             "capture_bytes": captured, "propose_peak_bytes": dict(peaks.peaks),
             "within_reservation": {label: memory.persistent + captured + peak
