@@ -67,6 +67,7 @@ def test_version_gate_refuses_other_vllm(found):
     ({"compiled_selection": "yes"}, "compiled_selection"),
     ({"compiled_selection": True, "compact_summaries": False}, "compiled_selection"),
     ({"compiled_selection": True, "selection_policy": "quest"}, "compiled_selection"),
+    ({"prefill_from_cache": "auto"}, "prefill_from_cache"),
 ])
 def test_config_errors_name_the_key(spec, key):
     with pytest.raises(TriForceConfigError, match=key):
@@ -82,6 +83,18 @@ def test_summaries_are_coded_unless_the_banded_variance_is_asked_for():
     assert banded.summary_kinds().compact_variance
     assert not TriForceConfig(compact_summaries=False).summary_kinds().coded
     assert TriForceConfig.from_dict(banded.to_dict()) == banded
+
+
+def test_prefills_are_read_back_from_the_cache_by_default_on_a_gpu_only():
+    """`prefill_from_cache` left out: on with a CUDA device (vLLM's profile run sizes the
+    KV cache there, and never sees a held prefill), off on a CPU (a fixed KV cache); as set
+    otherwise, on any device."""
+    default = TriForceConfig()
+    assert default.prefill_from_cache is None
+    assert default.prefill_from_cache_on("cuda") and not default.prefill_from_cache_on("cpu")
+    assert TriForceConfig(prefill_from_cache=True).prefill_from_cache_on("cpu")
+    assert not TriForceConfig(prefill_from_cache=False).prefill_from_cache_on("cuda")
+    assert TriForceConfig.from_dict(default.to_dict()) == default
 
 
 def _engine_config(model, spec, **kw):

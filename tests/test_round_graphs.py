@@ -16,7 +16,7 @@ from vllm_triforce.engine.device.capture import CaptureBuffers, LayerCapture
 from vllm_triforce.engine.device.forward import build_pass
 from vllm_triforce.engine.device.bounds import RoundBounds
 from vllm_triforce.engine.device.round_graph import (PADDING_SLOT, PassBuffers, ReplayGuard,
-                                                     ReplayMismatch)
+                                                     ReplayMismatch, RoundGraphs)
 
 
 def bounds(**over) -> RoundBounds:
@@ -43,6 +43,23 @@ def test_width_bound_holds_the_budget_and_a_step_of_tail_growth():
     assert b.max_width == 5 + 2 + 1 and b.max_seq_len == 8 * 4
     assert b.bucket(1, 8) == 1 and b.bucket(1, 9) is None
     assert bounds(max_blocks=6).max_width == 6  # never wider than a max_model_len request
+
+
+def test_the_pool_is_measured_by_its_own_segments(monkeypatch):
+    """The round graphs' memory is their private pool's segments, as torch's CUDA-graph
+    trees count them, not the change in `memory_reserved` around the capture (each
+    `torch.cuda.graph` empties the allocator's cache first, so an H200 logged
+    -1,296 MiB "more reserved" for 8 captured graphs)."""
+    graphs = object.__new__(RoundGraphs)
+    graphs._pool = None
+    assert graphs.pool_bytes() == 0  # nothing captured yet
+    graphs._pool = (0, 7)
+    segments = [{"segment_pool_id": (0, 7), "total_size": 2 << 20},
+                {"segment_pool_id": (0, 0), "total_size": 5 << 30},  # the default pool
+                {"segment_pool_id": (0, 8), "total_size": 3 << 20},  # vLLM's graphs' pool
+                {"segment_pool_id": (0, 7), "total_size": 1 << 20}]
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
+    assert graphs.pool_bytes() == 3 << 20
 
 
 def test_load_pads_so_nothing_is_written_or_read():

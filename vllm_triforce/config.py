@@ -154,9 +154,13 @@ class TriForceConfig:
     # and key (which hold the pass's activations alive: 5.4 GB for a 16K-token chunk at
     # Llama-3.1-8B's shape, a peak vLLM's profile run never sees), and its prompts' full
     # blocks are set from the cache right after it (engine/device/capture.py
-    # `compact_large_passes`). Off until a GPU lease has shown it at vLLM's default
-    # gpu_memory_utilization.
-    prefill_from_cache: bool = False
+    # `compact_large_passes`). Default (None): on with a CUDA device, where vLLM sizes its
+    # KV cache by a profile run that never sees the held keys (on an H200 at vLLM's default
+    # gpu_memory_utilization 0.9, 1 x 128K tokens with drafting: 96.1% of plain vLLM's
+    # KV blocks, within the reservation; tokens identical to plain vLLM's with FLASH_ATTN
+    # bf16: benchmarks/gpu/results.md); off elsewhere (a CPU's KV cache has a fixed size,
+    # VLLM_CPU_KVCACHE_SPACE, that a held prefill does not shrink). `prefill_from_cache_on`.
+    prefill_from_cache: bool | None = None
     # vLLM keys passed through to the draft-model path.
     passthrough: dict[str, Any] = field(default_factory=dict)
 
@@ -189,11 +193,13 @@ class TriForceConfig:
                 f"speculative_config['compiled_selection']={self.compiled_selection!r} must be "
                 "true (block scores and re-ranking compiled) or false "
                 "(eager chunked reads, the default).")
-        if not isinstance(self.prefill_from_cache, bool):
+        if self.prefill_from_cache is not None and not isinstance(self.prefill_from_cache,
+                                                                   bool):
             raise TriForceConfigError(
                 f"speculative_config['prefill_from_cache']={self.prefill_from_cache!r} must be "
                 "true (a long prompt chunk's summaries set from the KV cache, its keys not "
-                "held) or false (folded from its keys, the default).")
+                "held), false (folded from its keys) or left out (true with a CUDA device, "
+                "false on a CPU).")
         if not isinstance(self.measure_middle_acceptance, bool):
             raise TriForceConfigError(
                 "speculative_config['measure_middle_acceptance']="
@@ -286,6 +292,13 @@ class TriForceConfig:
         allocates (`BlockSummaries(**dataclasses.asdict(kinds))`)."""
         return summary_kinds(self.selection_policy, self.key_variance,
                              self.compact_key_variance, self.compact_summaries)
+
+    def prefill_from_cache_on(self, device_type: str) -> bool:
+        """`prefill_from_cache` as set; left out, whether the device (its type: "cuda",
+        "cpu", ...) is a CUDA device (the field's comment says why)."""
+        if self.prefill_from_cache is not None:
+            return self.prefill_from_cache
+        return device_type == "cuda"
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TriForceConfig":

@@ -253,7 +253,8 @@ class Drafting:
                             chunk_requests=shape.selection_chunk_requests)
         keeper = SummaryKeeper(self.summaries, self.layer_capture, selector, self.stats,
                                self.device, unreadable=unreadable)
-        if self.cfg.prefill_from_cache and keeper.may_be_lazy():
+        from_cache = self.cfg.prefill_from_cache_on(torch.device(self.device).type)
+        if from_cache and keeper.may_be_lazy():
             # a long prefill's blocks come from the cache, not its keys (config.py)
             self.layer_capture.compact_large_passes(shape.gamma2 + 1, keeper.fold_tokens(),
                                                     when=keeper.may_be_lazy)
@@ -261,10 +262,11 @@ class Drafting:
                         "last %d query rows; its prompts' summaries are read back from the KV "
                         "cache (prefill_from_cache)", self.layer_capture.copy_tokens,
                         shape.gamma2 + 1)
-        elif self.cfg.prefill_from_cache:
-            logger.warning("TriForce prefills: prefill_from_cache has no effect here, summaries "
-                           "are folded from every key (%s)",
-                           unreadable or "the policy or the KV cache's dtype needs them")
+        elif from_cache:  # asked for (a warning), or on by default with a CUDA device
+            log = logger.warning if self.cfg.prefill_from_cache else logger.info
+            log("TriForce prefills: prefill_from_cache has no effect here, summaries are "
+                "folded from every key, a long prompt chunk's held until then (%s)",
+                unreadable or "the policy or the KV cache's dtype needs them")
         else:
             logger.info("TriForce prefills: folded from their keys as computed, a long prompt "
                         "chunk's held until then (prefill_from_cache off)")

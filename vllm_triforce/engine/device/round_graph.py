@@ -460,17 +460,29 @@ class RoundGraphs:
             self.replays[bucket] = EagerReplay(BucketPass(self, bucket))
             return self.replays[bucket]
         self._pool = torch.cuda.graph_pool_handle()
-        start, reserved = time.perf_counter(), torch.cuda.memory_reserved()
+        start = time.perf_counter()
         with self._recording():
             for size in sorted(self.bounds.buckets, reverse=True):
                 self.replays[size] = CudaGraphReplay(BucketPass(self, size), self._pool)
         from vllm.logger import init_logger
         init_logger("vllm.triforce").info(
-            "TriForce round graphs: %d captured (buckets %s) in %.1f s, %.1f MiB more "
-            "reserved by torch (the plan reserved %.1f MiB for the buffers and pools)",
+            "TriForce round graphs: %d captured (buckets %s) in %.1f s, their pool %.1f MiB "
+            "(the plan reserved %.1f MiB for the buffers and pools)",
             len(self.replays), list(self.bounds.buckets), time.perf_counter() - start,
-            (torch.cuda.memory_reserved() - reserved) / 2**20, self.planned_bytes / 2**20)
+            self.pool_bytes() / 2**20, self.planned_bytes / 2**20)
         return self.replays[bucket]
+
+    def pool_bytes(self) -> int:
+        """What the graphs' private pool holds: its segments' bytes, found as torch's own
+        CUDA-graph trees find them (`torch.cuda.memory_snapshot`, by `segment_pool_id`);
+        0 before a capture. Not the change in `memory_reserved` around the capture: each
+        `torch.cuda.graph` empties the allocator's cache first, so that change can be
+        negative."""
+        if self._pool is None:
+            return 0
+        pool = tuple(self._pool)
+        return sum(segment["total_size"] for segment in torch.cuda.memory_snapshot()
+                   if tuple(segment["segment_pool_id"]) == pool)
 
     @property
     def nbytes(self) -> int:
