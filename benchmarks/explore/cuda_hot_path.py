@@ -18,7 +18,10 @@ of a round's parts are TriForce's own per-round overhead on this device.
 `--coded`: the engine's default coded summaries (`compact_summaries`), and the step's
 selection and a middle re-selection once more with their scores from the compiled kernels
 (`compiled_selection`, core/fused_reads.py): device and host ms, peak, syncs, beside the
-eager chunked reads of the same summaries.
+eager chunked reads of the same summaries; then each of the two compiled functions called
+alone (`bare_calls`): as the engine calls it, with its guards skipped, and on CUDA
+captured as a CUDA graph and replayed (host ms, and whether the replay's output equals the
+call's): what moving the selection into the round's graph would leave on the host.
 """
 
 from __future__ import annotations
@@ -268,8 +271,74 @@ def compiled_selections(query, summaries, table, committed, selector, choice, re
                                         shortlist=choice.shortlist),
                 repeats, True, device, results)
         assert selector.policy.compiled is compiled, "the compiled kernels fell back"
+        bare_calls(compiled, "_tables", "block scores",
+                   lambda: selector.choose(query, summaries, table, committed,
+                                           keep_shortlist=True), repeats, device, results)
+        bare_calls(compiled, "_listed", "re-rank",
+                   lambda: selector.choose(query, summaries, table, committed,
+                                           shortlist=choice.shortlist), repeats, device, results)
     finally:
         selector.policy.compiled = None
+
+
+def bare_calls(compiled, attribute: str, name: str, select, repeats: int, device: str,
+               results: list) -> None:
+    """One compiled function of `compiled` (`CompiledScores._tables`: a step's block
+    scores; `_listed`: a middle round's re-ranking) called alone, with the arguments
+    `select` passed it: its host and device ms as the engine calls it (dynamo's frame, its
+    guards, the compiled wrapper's launches), with the guards skipped
+    (`set_stance(skip_guard_eval_unsafe=True)`), and on CUDA captured once as a CUDA graph
+    and replayed, with whether the replay's output equals the call's. What is left on the
+    host if the selection moves into the round's graph (issue 59: a round's two compiled
+    launches took 1.29 ms of host time on an H200, its replays 1.71 ms of device time)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    function = getattr(compiled, attribute)
+    seen = {}
+
+    def spy(*args, **kwargs):
+        seen["args"] = args
+        return function(*args, **kwargs)
+
+    setattr(compiled, attribute, spy)
+    try:
+        select()
+    finally:
+        setattr(compiled, attribute, function)
+    args = seen["args"]
+    want = measure(f"{name}: the compiled call alone", lambda: function(*args), repeats,
+                   False, device, results)
+
+    def unguarded():
+        if _get_current_dispatch_mode() is not None:  # measure's sync counter: as the call
+            return function.eager(*args)
+        with torch.inference_mode(), torch.compiler.set_stance(
+                "fail_on_recompile", skip_guard_eval_unsafe=True):
+            return function._compiled(*args)
+
+    got = measure(f"{name}: the call, guards skipped", unguarded, repeats, False, device,
+                  results)
+    results[-1]["equal"] = bool(torch.equal(got, want))
+    if device != "cuda":
+        return
+    graph = torch.cuda.CUDAGraph()
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            function(*args)  # warm-up off the capture's stream, as torch.cuda.graph asks
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(graph):
+            out = function(*args)
+    except Exception as exc:  # noqa: BLE001 - the probe reports what capture refuses
+        results.append({"op": f"{name}: the call as a CUDA graph",
+                        "failed": f"{type(exc).__name__}: {str(exc)[:300]}"})
+        print(f"{name}: capture failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        return
+    got = measure(f"{name}: the call as a CUDA graph, replayed",
+                  lambda: (graph.replay(), out)[1], repeats, False, device, results)
+    results[-1]["equal"] = bool(torch.equal(got, want))
+    print(f"{'':<52} equal to the call: {results[-1]['equal']}", flush=True)
 
 
 def copied_reselect(dev, device: str, query, summaries, table, committed, blocks,
