@@ -44,6 +44,13 @@ class CompiledFunction:
             return self._compiled(*args)
 
 
+def first_line(exc: BaseException) -> str:
+    """An exception's message, its first line: what a warning about a compiled function
+    shows (inductor's messages run to twenty lines of advice on environment variables)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
 def dense(t: Tensor) -> Tensor:
     """`t` with the strides of a new tensor of its shape (dynamo guards on them, even
     along a dimension of size 1, where a view's may differ): a copy where they differ."""

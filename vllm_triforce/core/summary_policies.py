@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from vllm_triforce.core.blocks import full_block_mask
+from vllm_triforce.core.compiled import first_line
 from vllm_triforce.core.fused_reads import CompiledScores
 from vllm_triforce.core.reads import (block_slice, flat_rows, gather_chunks, gathered,
                                       read_limit, rows_dot, score_chunks)
@@ -203,7 +204,7 @@ class RetrievalPolicy(SelectionPolicy):
         dropped, with a warning, and the caller reads eagerly from then on."""
         logger.warning("TriForce compiled_selection: the compiled block scores failed "
                        "(%s: %s); block scores read the summaries eagerly from now on.",
-                       type(exc).__name__, exc)
+                       type(exc).__name__, first_line(exc))
         self.compiled = None
         return None
 

@@ -39,6 +39,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 
 from vllm_triforce import engine_settings, metrics
 from vllm_triforce.config import TriForceConfigError, forced_settings
+from vllm_triforce.core.compiled import first_line
 from vllm_triforce.core.fused_reads import CompiledScores
 from vllm_triforce.core.policies import make_policy
 from vllm_triforce.core.refresh import RefreshPolicy
@@ -213,7 +214,7 @@ class Drafting:
         except Exception as exc:  # noqa: BLE001 - inductor's failures are many kinds
             logger.warning("TriForce compiled_selection: compiling the block scoring failed "
                            "(%s: %s); it reads the summaries eagerly, in chunks.",
-                           type(exc).__name__, exc)
+                           type(exc).__name__, first_line(exc))
         else:
             self.policy.compiled = compiled
             logger.info("TriForce compiled_selection: a step's block scores are one compiled "
@@ -230,7 +231,8 @@ class Drafting:
                                      self.device)
         except Exception as exc:  # noqa: BLE001 - inductor's failures are many kinds
             logger.warning("TriForce compiled_selection: compiling the middle passes' layout "
-                           "failed (%s: %s); it stays eager.", type(exc).__name__, exc)
+                           "failed (%s: %s); it stays eager.", type(exc).__name__,
+                           first_line(exc))
             return
         logger.info("TriForce compiled_selection: a middle pass's tables and slots are one "
                     "compiled function (compiled in %.1f s)", seconds)

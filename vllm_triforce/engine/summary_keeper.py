@@ -34,12 +34,12 @@ import time
 
 import numpy as np
 import torch
-from torch._dynamo.decorators import mark_unbacked
+from torch._dynamo.decorators import mark_dynamic, mark_unbacked
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 from vllm.logger import init_logger
 
 from vllm_triforce.core import reads
-from vllm_triforce.core.compiled import CompiledFunction
+from vllm_triforce.core.compiled import CompiledFunction, first_line
 from vllm_triforce.core.summaries import committed_runs, token_pieces
 from vllm_triforce.engine.block_contents import block_contents, common_prefix
 from vllm_triforce.engine.buffers import fold_piece_tokens
@@ -314,24 +314,33 @@ class BlockReads:
     operations a layer. Or (`compiled_selection`: `wanted`) one compiled function for
     every chunk size over all the layers' caches (core/compiled.py), compiled once vLLM has
     bound its cache to the layers, which is after the engine is built (`compile_when_bound`:
-    from the host's warm-up, else at the first commit, before any read). A compiled call
-    that fails is dropped with a warning, and the reads are eager from then on."""
+    from the host's warm-up, else at the first commit, before any read). The chunk's size
+    is compiled unbacked (no guard on it); where inductor refuses that (torch 2.11 on an
+    H200 did: a guard on the size being 1), it is compiled again as a dynamic size, which
+    holds for 2 blocks and more, and a chunk of one block is read as two (the block
+    twice; its values once). A compiled call that fails is dropped with a warning, and
+    the reads are eager from then on."""
 
     def __init__(self, summaries):
         self.summaries = summaries
         self.wanted = False  # compiled_selection
         self.compiled: CompiledFunction | None = None
         self.compile_seconds: float | None = None
+        self.padded = False  # compiled for 2 blocks and more: one block is read as two
         self._tried = False
 
     def __call__(self, reader, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.compiled is not None:
+            n = ids.numel()
             try:
+                if self.padded and n == 1:
+                    return tuple(v[:, :1] for v in self.compiled(ids.repeat(2),
+                                                                 *reader.caches()))
                 return self.compiled(ids, *reader.caches())
             except Exception as exc:  # noqa: BLE001 - dynamo's and inductor's are many kinds
                 logger.warning("TriForce compiled_selection: the compiled read of block "
                                "summaries from the KV cache failed (%s: %s); they are read "
-                               "eagerly from now on.", type(exc).__name__, exc)
+                               "eagerly from now on.", type(exc).__name__, first_line(exc))
                 self.compiled = None
         s = self.summaries
         keys = torch.empty(s.num_layers, ids.numel(), s.num_kv_heads, s.block_size, s.head_dim,
@@ -354,17 +363,25 @@ class BlockReads:
         try:
             self.compile(reader)
         except Exception as exc:  # noqa: BLE001 - inductor's failures are many kinds
-            logger.warning("TriForce compiled_selection: compiling the read of block summaries "
-                           "from the KV cache failed (%s: %s); it stays eager.",
-                           type(exc).__name__, exc)
-            return
+            logger.info("TriForce compiled_selection: the read of block summaries from the "
+                        "KV cache does not compile for any chunk size (%s: %s); compiling it "
+                        "for 2 blocks and more.", type(exc).__name__, first_line(exc))
+            try:
+                self.compile(reader, unbacked=False)
+            except Exception as again:  # noqa: BLE001
+                logger.warning("TriForce compiled_selection: compiling the read of block "
+                               "summaries from the KV cache failed (%s: %s); it stays eager.",
+                               type(again).__name__, first_line(again))
+                return
         logger.info("TriForce compiled_selection: a read chunk of block summaries from the KV "
-                    "cache, every layer's, is one compiled function (compiled %s, in %.1f s)",
-                    when, self.compile_seconds)
+                    "cache, every layer's, is one compiled function (compiled %s, in %.1f s%s)",
+                    when, self.compile_seconds,
+                    "; a chunk of one block read as two" if self.padded else "")
 
-    def compile(self, reader) -> float:
-        """Compile now, over `reader`'s caches (a read of block 0 twice): the seconds it
-        took. A compilation that fails raises and leaves the reads eager."""
+    def compile(self, reader, unbacked: bool = True) -> float:
+        """Compile now, over `reader`'s caches (a read of block 0 twice), the chunk's size
+        unbacked, or (`unbacked` false) dynamic: the seconds it took. A compilation that
+        fails raises and leaves the reads eager."""
         start = time.perf_counter()
         caches = reader.caches()
         scales = [reader.key_scale(layer) for layer in range(len(caches))]
@@ -375,11 +392,15 @@ class BlockReads:
 
         self.compiled = CompiledFunction(block_values)
         ids = torch.zeros(2, dtype=torch.long, device=caches[0].device)
-        mark_unbacked(ids, 0)  # the blocks of a read chunk
+        if unbacked:
+            mark_unbacked(ids, 0)  # the blocks of a read chunk
+        else:
+            mark_dynamic(ids, 0)  # from 2 blocks on; `__call__` reads one block as two
         try:
             self.compiled(ids, *caches, compile_now=True)
         except Exception:
             self.compiled = None  # eager, as before
             raise
+        self.padded = not unbacked
         self.compile_seconds = time.perf_counter() - start
         return self.compile_seconds

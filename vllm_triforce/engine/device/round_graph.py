@@ -69,7 +69,7 @@ from vllm_triforce.engine.device.bounds import GRAPH_BACKENDS, RoundBounds
 from vllm_triforce.engine.device.capture import CaptureBuffers
 from torch._dynamo.decorators import mark_static, mark_unbacked
 
-from vllm_triforce.core.compiled import CompiledFunction, dense, inference
+from vllm_triforce.core.compiled import CompiledFunction, dense, first_line, inference
 from vllm_triforce.core.tables import TableLayout, table_rows
 from vllm_triforce.engine.device.forward import (PassInputs, Runs, SWAP_TABLE, _with_table,
                                                  kv_slots, metadata_path)
@@ -207,7 +207,7 @@ class PassLayout:
         except Exception as exc:  # noqa: BLE001 - dynamo's and inductor's are many kinds
             logger.warning("TriForce compiled_selection: the compiled pass layout failed (%s: "
                            "%s); middle passes are laid out eagerly from now on.",
-                           type(exc).__name__, exc)
+                           type(exc).__name__, first_line(exc))
             self.compiled = None
             return self.eager(*args)
 
