@@ -331,9 +331,8 @@ class BlockReads:
 
     def __call__(self, reader, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.compiled is not None:
-            n = ids.numel()
             try:
-                if self.padded and n == 1:
+                if self.padded and ids.numel() == 1:
                     return tuple(v[:, :1] for v in self.compiled(ids.repeat(2),
                                                                  *reader.caches()))
                 return self.compiled(ids, *reader.caches())
