@@ -12,8 +12,9 @@
 #                                                # on), then the cost jobs still missing
 #   bash scripts/gpu_session.sh host-rounds [SECONDS] [graphs]  # carry .bundle: host ms
 #                                                # per middle round at batch 8-128 with the
-#                                                # tiny model, with "graphs" as CUDA graphs
-#                                                # and the selection compiled
+#                                                # tiny model, with "graphs" as CUDA graphs,
+#                                                # the selection compiled and a round's
+#                                                # re-selection and load one graph
 #                                                # (benchmarks/explore/host_per_round.py)
 #   bash scripts/gpu_session.sh kv-kept [SECONDS]  # carry .bundle: the KV cache TriForce
 #                                                # keeps (compact summaries, prefill_from_cache,
@@ -101,10 +102,12 @@ case "$step" in
       --coded --json "$OUT/hot_path.json" 2>&1 | grep -v " INFO \| DEBUG \|WARNING"
     ;;
   host-rounds)
-    # a third argument "graphs": the middle passes as CUDA graphs (`round_graphs`) and the
-    # selection compiled (`compiled_selection`)
+    # a third argument "graphs": the middle passes as CUDA graphs (`round_graphs`), the
+    # selection compiled (`compiled_selection`) and a round's re-selection and load one
+    # graph (`selection_graphs`)
     timeout "$budget" bash scripts/gpu_run.sh -- python3 "$PWD/benchmarks/explore/host_per_round.py" \
-      --configs 2:0 30:1 ${3:+--round-graphs --compiled-selection} --out "$OUT/host_per_round" 2>&1 \
+      --configs 2:0 30:1 ${3:+--round-graphs --compiled-selection --selection-graphs} \
+      --out "$OUT/host_per_round" 2>&1 \
       | grep -v " INFO \| DEBUG \|WARNING"
     ;;
   round-graphs)

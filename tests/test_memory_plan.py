@@ -375,7 +375,7 @@ SUMMARY_SETTINGS = {"coded": {},  # the default: compact_summaries
 
 def llama_8b_plan(summaries: str = "coded", max_num_seqs: int = 256,
                   round_graphs: bool = False, backend: str | None = None,
-                  hands_off_probs: bool = True):
+                  hands_off_probs: bool = True, selection_graphs: bool = False):
     """engine/memory.py's example at scale: Llama-3.1-8B's shape (32 layers x 8 KV heads x
     128, 32 query heads, V 128,256), bf16 KV cache, block 16, max_model_len 131,072, 8,192
     batched tokens, two levels, gamma2 6; `summaries`: a key of SUMMARY_SETTINGS (the
@@ -387,7 +387,8 @@ def llama_8b_plan(summaries: str = "coded", max_num_seqs: int = 256,
     from vllm_triforce.engine.shape import EngineShape
 
     cfg = TriForceConfig(num_speculative_tokens=6, round_graphs=round_graphs,
-                         **SUMMARY_SETTINGS[summaries])
+                         **({"compiled_selection": True, "selection_graphs": True}
+                            if selection_graphs else {}), **SUMMARY_SETTINGS[summaries])
     shape = EngineShape.from_sizes(
         num_layers=32, num_kv_heads=8, head_dim=128, vocab_size=128_256, block_size=16,
         max_num_seqs=max_num_seqs, cfg=cfg, max_model_len=131_072, max_batched_tokens=8192,
@@ -419,6 +420,26 @@ def test_model_runner_v2_reserves_no_hand_off_rows():
     drafts = MiddleDrafts([0], [2], np.array([5]), np.array([9]), width=6)
     drafts.tokens[0, :2] = [3, 4]
     assert hand_off(batch, drafts, [2], empty) == ([[3, 4]], None, None)
+
+
+def test_selection_graphs_reserve_their_buffers_and_pool():
+    """`selection_graphs` reserves buffers.selection_graph_bytes beside the round graphs'
+    (the worked example there: 17.4 MiB at the H200 example's 15 drafting requests), and
+    the 8B plan still keeps 96% of plain vLLM's blocks."""
+    from vllm_triforce.engine.buffers import selection_graph_bytes
+
+    graphs = llama_8b_plan(round_graphs=True, backend="FLASH_ATTN").sized(53_000)
+    plan = llama_8b_plan(round_graphs=True, backend="FLASH_ATTN", selection_graphs=True)
+    fused = plan.sized(53_000)
+    assert fused.drafting == graphs.drafting == 15
+    mib = 2**20
+    lists = 15 * 32 * 1000 * (8 + 8 + 4 + 1)  # 4 x 250 retrieved blocks a layer
+    pool = 15 * 32 * (252 + 258) * 8 + 5 * mib
+    assert fused.round_bytes - graphs.round_bytes == selection_graph_bytes(
+        plan.shape.round_bounds(15), 32, 1000, 1, 8192, 252, True)
+    assert fused.round_bytes - graphs.round_bytes > lists + pool
+    assert round((fused.round_bytes - graphs.round_bytes) / mib, 1) == 17.4
+    assert plan.blocks_for(H200_AVAILABLE) >= 0.96 * 55_604
 
 
 def test_round_graphs_reserve_their_buffers_and_on_flash_attn_their_pool():

@@ -266,6 +266,14 @@ def _run(llm, prompts, watch_kv: bool = False) -> dict:
 
     drafter = drafter_of(llm)
     selections = record_selections(drafter)
+    recorded, table = [], drafter.retrieval.selections
+    record = table.record
+
+    def recording(rows, rows_on_device, logical, *sizes):  # every selection kept, by row
+        recorded.append((rows.tolist(), logical.tolist(), [a.tolist() for a in sizes]))
+        return record(rows, rows_on_device, logical, *sizes)
+
+    table.record = recording
     graphs, writes = drafter.retrieval.round_graphs, []
     guard = draft_guard = None
     draft_graphs = drafter.draft.round_graphs if drafter.draft is not None else None
@@ -312,6 +320,7 @@ def _run(llm, prompts, watch_kv: bool = False) -> dict:
     return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "selections": selections,
             "accepted": (stats["top_proposed"], stats["top_accepted"],
                          stats["middle_proposed"], stats["middle_accepted"]),
+            "recorded": recorded,
             "stats": stats, "guard": guard, "draft_guard": draft_guard, "writes": writes,
             "round_bytes": round_bytes}
 
@@ -468,3 +477,58 @@ def test_compiled_selection_gives_todays_tokens_selections_and_acceptance(
     assert scored["selections"] == eager["selections"]
     assert scored["accepted"] == eager["accepted"]
     assert scored["tokens"] == eager["tokens"]
+
+
+@pytest.mark.engine
+def test_selection_graphs_give_todays_tokens_selections_and_acceptance(
+        tiny_llama, llm_factory, monkeypatch):
+    """`selection_graphs` (with round graphs and the compiled selection): a middle round's
+    re-selection and the next pass's load run as one closure over persistent buffers per
+    bucket (engine/device/selection_graph.py), the CPU's twin of its CUDA graph. At depths
+    that vary (`force_depths`: 4, 3, 4, 1, 4) rows leave the rounds at different rounds, so
+    some rounds re-rank a subset of the step's shortlist and take some of the round's
+    tokens. Rounds after a step's first are loaded that way where every request holds
+    this step's shortlist; the engine keeps the per-call path's selections (every one recorded, by row), tokens and drafted/accepted
+    counts; no padded token writes KV (three requests run in a bucket of four); nothing
+    falls back to the eager reads."""
+    from engine_helpers import drafter_of, force_depths
+    from vllm_triforce.engine.device.selection_graph import SelectionGraphs
+
+    loads = []  # the requests of each selection graph's load
+    load = SelectionGraphs.load
+    monkeypatch.setattr(SelectionGraphs, "load",
+                        lambda self, tokens, picked, *rest: loads.append(
+                            (len(rest[0]), picked is not None))
+                        or load(self, tokens, picked, *rest))
+    prompts = _prompts(3)
+    spec = dict(SPEC, adaptive=True, round_graphs=True, compiled_selection=True)
+    runs = []
+    for fused in (False, True):
+        llm = llm_factory(tiny_llama, speculative_config=dict(spec, selection_graphs=fused),
+                          num_gpu_blocks_override=64)
+        force_depths(llm, [4, 3, 4, 1, 4])
+        drafter = drafter_of(llm)
+        graphs, compiled = drafter.retrieval.selection_graphs, drafter.policy.compiled
+        layout = drafter.retrieval.round_graphs.buffers.layout.compiled
+        assert (graphs is not None) == fused and compiled is not None and layout is not None
+        runs.append(_run(llm, prompts, watch_kv=fused))
+        # nothing fell back to the eager reads or would have compiled again
+        assert drafter.policy.compiled is compiled
+        assert drafter.retrieval.round_graphs.buffers.layout.compiled is layout
+    per_call, fused = runs
+    stats = fused["stats"]
+    assert not graphs.use_cuda_graphs and graphs.failed is None
+    # a round in which some request holds an earlier step's shortlist (it was not due at
+    # this step's start) re-selects the per-call way: it scores every candidate
+    assert 0 < stats["round_graph_selections"] <= stats["round_graph_ahead"], stats
+    assert per_call["stats"]["round_graph_selections"] == 0
+    assert any(picked for _, picked in loads), f"no load took a subset of a round: {loads}"
+    assert 4 in graphs.runs and any(n == 3 for n, _ in loads), loads  # 3 rows, bucket 4
+    assert len(fused["recorded"]) == len(per_call["recorded"]) > stats["drafting_steps"]
+    assert fused["recorded"] == per_call["recorded"]
+    assert fused["accepted"] == per_call["accepted"]
+    assert fused["tokens"] == per_call["tokens"]
+    padded = [(changed, real) for was_padded, changed, real in fused["writes"] if was_padded]
+    assert padded and any(changed for changed, _ in padded), "the padding check is blind"
+    for changed, real in padded:
+        assert changed <= real, f"padding wrote KV blocks {sorted(changed - real)}"

@@ -148,6 +148,14 @@ class TriForceConfig:
     # 10-20 s on a CPU; the lazy read at the first commit under enforce_eager, where no
     # warm-up runs after vLLM binds its cache). Off until a GPU has timed it.
     compiled_selection: bool = False
+    # A middle round's re-selection and the next round's load as one graph per token
+    # bucket (engine/device/selection_graph.py): the round's queries gathered, each
+    # request's shortlist re-ranked (compiled), the next pass's tables, slots and inputs
+    # written into the round buffers, captured as one CUDA graph on a GPU and run over the
+    # same buffers elsewhere; where a round emits one token a request and every request
+    # re-selects from its step's shortlist (refresh_interval 1). Needs `round_graphs` and
+    # `compiled_selection`. Off until a GPU has run it exact.
+    selection_graphs: bool = False
     # Where summaries are set from vLLM's KV cache (engine/summary_keeper.py: a backend
     # whose cache TriForce reads back exactly), a pass larger than the capture's copies (a
     # long prompt chunk) keeps only its requests' last query rows, not every layer's query
@@ -193,6 +201,18 @@ class TriForceConfig:
                 f"speculative_config['compiled_selection']={self.compiled_selection!r} must be "
                 "true (block scores and re-ranking compiled) or false "
                 "(eager chunked reads, the default).")
+        if not isinstance(self.selection_graphs, bool):
+            raise TriForceConfigError(
+                f"speculative_config['selection_graphs']={self.selection_graphs!r} must be "
+                "true (a middle round's re-selection and load as one graph) or false (the "
+                "default).")
+        if self.selection_graphs and not (self.round_graphs and self.compiled_selection):
+            raise TriForceConfigError(
+                "speculative_config['selection_graphs'] runs the compiled re-ranking over "
+                "the round graphs' buffers; this config has "
+                f"round_graphs={self.round_graphs!r} and "
+                f"compiled_selection={self.compiled_selection!r}. Set both true, or drop "
+                "'selection_graphs'.")
         if self.prefill_from_cache is not None and not isinstance(self.prefill_from_cache,
                                                                    bool):
             raise TriForceConfigError(

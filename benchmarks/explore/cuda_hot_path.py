@@ -392,6 +392,9 @@ def middle_rounds(dev, device: str, R: int, repeats: int, results: list,
         def select_in_middle(self, *args):
             pass
 
+        def reselect_and_load(self, *args):  # no selection graphs either
+            return False
+
     class Stats:
         rounds = 0
 

@@ -16,12 +16,15 @@ only a GPU can show, in three parts, most valuable first:
     gpu_summary.compare_tokens), drafts verified (top_proposed > 0); syncs per middle round
     (tools/bench/syncs.py, and torch's sync debug mode); the same engine with its round
     graphs switched off (`drafter.retrieval.round_graphs = None`): the same tokens, and
-    acceptance within a few points.
+    acceptance within a few points. With `selection_graphs` on, the rounds a selection
+    graph loaded (`round_graph_selections`) are counted beside the rounds.
 (b) Cost at Llama-3.1-8B's width (`--b-layers`, 8 by default: a pass's device time is about
     a quarter of the 32-layer model's, while the host's work per round is not, so a round's
     cost over its device time is if anything higher here), dummy weights, 8 x 7,680 tokens,
-    depth 6: ms per middle round in three modes (`MODES`: graphs with the selection
-    compiled, `compiled_selection`; graphs with the eager reads; per pass) in ONE engine,
+    depth 6: ms per middle round in four modes (`MODES`: graphs with a round's
+    re-selection and the next pass's load as one graph more, `selection_graphs`; graphs
+    with the selection compiled, `compiled_selection`; graphs with the eager reads; per
+    pass) in ONE engine,
     alternating twice (a drift of the machine shows as a difference between the two passes
     of each mode); the compiled and per-pass modes also with VLLM_TRIFORCE_TIME_FORWARDS=1
     (a sync per pass: the forwards' time as the device finishes them), and the graph
@@ -29,10 +32,11 @@ only a GPU can show, in three parts, most valuable first:
     memory (what `initialize_attn_backend` keeps, what each capture took, the peak above
     each `propose`'s entry) against its reservation (`drafter.reserved_bytes`).
 (c) Cost at SmolLM2-135M's shape (dummy weights), 32 x 7,808 tokens: ms per middle round and
-    per step at depths 6 (the three modes) and 0 (graphs and per pass) in one engine.
+    per step at depths 6 (the four modes) and 0 (graphs and per pass) in one engine.
 Parts (a), (b) and (c) compile the selection (`compiled_selection`: block scores, re-ranking,
 a pass's tables and slots, the lazy summaries' read of the KV cache; whether each compiled,
-and in how long, is in each report).
+and in how long, is in each report) and run a round's re-selection and load as one graph
+(`selection_graphs`; whether its capture held, in `compiled_selection`).
 
 Each engine runs in a child process of its own: a CUDA error in a replay (an illegal
 address, say) leaves its process's context unusable, and would take every later engine with
@@ -113,15 +117,18 @@ FIRST_RESULT_S = {"cuda": {"a-2L": 80, "b": 110, "a-3L": 90, "a-plain": 80, "c":
                   "cpu": {"a-2L": 30, "b": 30, "a-3L": 40, "a-plain": 40, "c": 30}}
 COUNTERS = ("top_proposed", "top_accepted", "middle_proposed", "middle_accepted",
             "middle_rounds", "middle_seconds", "forward_seconds", "round_graph_passes",
-            "round_graph_misses", "refreshes", "plain_steps", "drafting_steps")
+            "round_graph_misses", "round_graph_ahead", "round_graph_selections", "refreshes",
+            "plain_steps", "drafting_steps")
 PER_ROUND_KEPT = 16  # rounds of (a) kept one by one in the results; all are summarised
 TIME_FORWARDS = "VLLM_TRIFORCE_TIME_FORWARDS"
-# How (b) and (c) run a middle round, in one engine: round graphs with the shortlist
-# re-ranked and the pass laid out by compiled functions (`compiled_selection`), round
-# graphs with the eager chunked reads, and each pass built anew with the eager reads
-# (today's default)
-COMPILED, GRAPHS, PER_PASS = "graphs, compiled selection", "graphs", "per pass"
-MODES = (COMPILED, GRAPHS, PER_PASS)
+# How (b) and (c) run a middle round, in one engine: round graphs with the round's
+# re-selection and the next pass's load as one graph more (`selection_graphs`, engine/
+# device/selection_graph.py), round graphs with the shortlist re-ranked and the pass laid
+# out by compiled functions (`compiled_selection`), round graphs with the eager chunked
+# reads, and each pass built anew with the eager reads (today's default)
+FUSED, COMPILED, GRAPHS, PER_PASS = ("graphs, selection graphs", "graphs, compiled selection",
+                                     "graphs", "per pass")
+MODES = (FUSED, COMPILED, GRAPHS, PER_PASS)
 
 
 def main() -> None:
@@ -260,8 +267,9 @@ def levels_check(result: dict, plain: dict | None) -> dict:
         if not run or "tokens" not in run:
             continue
         row = {"acceptance": acceptance(run["stats"]), "drafted": run["stats"]["top_proposed"] > 0,
-               "round_graph_passes": run["stats"]["round_graph_passes"],
-               "round_graph_misses": run["stats"]["round_graph_misses"]}
+               **{k: run["stats"].get(k) for k in ("round_graph_passes", "round_graph_misses",
+                                                   "round_graph_ahead",
+                                                   "round_graph_selections")}}
         if plain is not None and "tokens" in plain:
             row["against_plain"] = compare_tokens(plain["tokens"], run["tokens"],
                                                   plain.get("margins"))
@@ -408,6 +416,7 @@ def job_levels(args, report: Report, levels: int) -> None:
 
     target, draft = tiny_models(args)
     spec = {**TINY_SPEC, "round_graphs": True, "compiled_selection": True,
+            "selection_graphs": True,
             **({"model": str(draft), **THREE_LEVELS} if levels == 3 else {})}
     llm = build(args, report, target, spec, "a")
     drafter = drafter_or_none(llm)
@@ -553,7 +562,8 @@ def synced_generation(llm, drafter, prompts, params) -> dict:
 
 
 def per_pass_generation(llm, drafter, prompts, params) -> dict:
-    """The same generation with the round graphs off: today's per-pass path."""
+    """The same generation with the round graphs off: today's per-pass path (the
+    selection graphs, which load the round graphs' buffers, are off with them)."""
     level = drafter.retrieval
     graphs, level.round_graphs = level.round_graphs, None
     try:
@@ -568,8 +578,12 @@ def compiled_facts(drafter) -> dict:
     scores' compilation took, whether a middle pass's layout is compiled too, and the
     lazy summaries' read of the KV cache (None: the summaries are not set lazily)."""
     compiled, graphs = drafter.policy.compiled, drafter.retrieval.round_graphs
-    reads = drafter.retrieval.keeper.block_reads
+    reads, fused = drafter.retrieval.keeper.block_reads, drafter.retrieval.selection_graphs
     return {"on": compiled is not None,
+            "selection_graphs": None if fused is None else {
+                "path": "cuda graphs" if fused.use_cuda_graphs else "eager over buffers",
+                "failed": fused.failed, "prepared": sorted(fused.runs),
+                "buffer_bytes": fused.nbytes, "pool_bytes": fused.pool_bytes()},
             "compile_seconds": None if compiled is None else compiled.compile_seconds,
             "layout_on": graphs is not None and graphs.buffers.layout.compiled is not None,
             "block_reads_on": reads.compiled is not None if reads.wanted else None,
@@ -627,9 +641,9 @@ def job_width(args, report: Report) -> None:
     model = gpu_models.write_llama_8b_shape(
         args.work / f"llama-8b-width-{over['num_hidden_layers']}l", args.tokenizer, **over)
     spec = {**COST_SPEC, "retrieval_budget": s["budget"], "round_graphs": True,
-            "compiled_selection": True}
+            "compiled_selection": True, "selection_graphs": True}
     plan = ([(s["depth"], mode, False) for mode in MODES + MODES]
-            + [(s["depth"], mode, True) for mode in (COMPILED, PER_PASS)])
+            + [(s["depth"], mode, True) for mode in (FUSED, PER_PASS)])
     cost_job(args, report, model, spec, "b", plan)
 
 
@@ -642,10 +656,10 @@ def job_smollm2(args, report: Report) -> None:
     model = gpu_models.write_llama_8b_shape(args.work / "smollm2-135m-shape", args.tokenizer,
                                             **{**SMOLLM2_SHAPE, **s["over"]})
     spec = {**COST_SPEC, "retrieval_budget": s["budget"], "round_graphs": True,
-            "compiled_selection": True}
-    # depth 0 selects nothing: the compiled selection and the eager reads are one mode there
+            "compiled_selection": True, "selection_graphs": True}
+    # depth 0 selects nothing: the graphed modes are one mode there
     plan = [(depth, mode, False) for depth in s["depths"]
-            for mode in (MODES + MODES if depth else (COMPILED, PER_PASS) * 2)]
+            for mode in (MODES + MODES if depth else (FUSED, PER_PASS) * 2)]
     cost_job(args, report, model, spec, "c", plan)
 
 
@@ -664,6 +678,7 @@ def cost_job(args, report: Report, model: Path, spec: dict, part: str, plan) -> 
     llm = build(args, report, model, spec, part)
     drafter = drafter_or_none(llm)
     graphs, compiled = drafter.retrieval.round_graphs, drafter.policy.compiled
+    fused = drafter.retrieval.selection_graphs
     layout = None if graphs is None else graphs.buffers.layout.compiled
     report["captures"] = watch_captures(graphs) if graphs is not None else []
     peaks, timer = PeakProbe(drafter, cuda), ReplayTimer(graphs, cuda)
@@ -676,22 +691,27 @@ def cost_job(args, report: Report, model: Path, spec: dict, part: str, plan) -> 
     reads_fn = reads.compiled
     report["rows"] = []
     for depth, mode, synced in plan:
-        drafter.policy.compiled = compiled if mode == COMPILED else None
-        reads.compiled = reads_fn if mode == COMPILED else None
+        compiled_on = mode in (FUSED, COMPILED)
+        drafter.policy.compiled = compiled if compiled_on else None
+        reads.compiled = reads_fn if compiled_on else None
+        drafter.retrieval.selection_graphs = fused if mode == FUSED else None
         if graphs is not None:
-            graphs.buffers.layout.compiled = layout if mode == COMPILED else None
+            graphs.buffers.layout.compiled = layout if compiled_on else None
         report["rows"].append(measure(llm, drafter, graphs, prompts, s["decode"], depth,
                                       mode != PER_PASS, synced, peaks, timer))
         report["rows"][-1]["mode"] = mode
-        if mode == COMPILED:  # False: none compiled at start-up, or one failed in the row
+        if compiled_on:  # False: none compiled at start-up, or one failed in the row
             report["rows"][-1]["compiled_held"] = (
                 compiled is not None and drafter.policy.compiled is compiled
                 and layout is not None and graphs.buffers.layout.compiled is layout
                 and reads.compiled is reads_fn)
+        if mode == FUSED:  # None: no selection graphs; else why they were given up, if
+            report["rows"][-1]["selection_graphs_failed"] = (
+                "none built" if fused is None else fused.failed)
         report["round_graphs"] = graphs_facts(graphs)
         report.save()
     drafter.retrieval.round_graphs, drafter.policy.compiled = graphs, compiled
-    reads.compiled = reads_fn
+    reads.compiled, drafter.retrieval.selection_graphs = reads_fn, fused
     if graphs is not None:
         graphs.buffers.layout.compiled = layout
         report["host_ops"] = host_profile(llm, drafter, prompts, s["decode"][0],
@@ -755,8 +775,9 @@ def measure(llm, drafter, graphs, prompts, decode, depth: int, on: bool, synced:
                step_ms=None if timing["step_s"] is None else 1000 * timing["step_s"],
                timing=timing, replays=replays,
                replay_ms_per_round=replay_ms / replays if replays else None,
-               **{k: after[k] - before[k] for k in ("round_graph_passes",
-                                                    "round_graph_misses")})
+               **{k: after[k] - before[k] for k in ("round_graph_passes", "round_graph_misses",
+                                                    "round_graph_selections",
+                                                    "middle_rounds")})
     return row
 
 
@@ -847,14 +868,18 @@ class EventTimedGraph:
 def memory_report(drafter, memory, peaks: PeakProbe, captures: list) -> dict | None:
     """TriForce's CUDA memory against its reservation, per mode: what
     `initialize_attn_backend` keeps, what the graphs' captures hold (their private
-    pool's segments), each mode's propose peak (None on a CPU)."""
+    pools' segments: the round graphs' and the selection graphs'), each mode's propose
+    peak (None on a CPU)."""
     if memory is None:
         return None
     import torch
 
     captured = max((c.get("pool_bytes") or 0 for c in captures), default=0)  # one pool
+    fused = drafter.retrieval.selection_graphs
+    selection_pool = 0 if fused is None else fused.pool_bytes()  # the selection graphs' own
+    captured += selection_pool
     return {"reserved_bytes": drafter.reserved_bytes, "persistent_bytes": memory.persistent,
-            "capture_bytes": captured, "propose_peak_bytes": dict(peaks.peaks),
+            "capture_bytes": captured, "selection_pool_bytes": selection_pool, "propose_peak_bytes": dict(peaks.peaks),
             "within_reservation": {label: memory.persistent + captured + peak
                                    <= drafter.reserved_bytes
                                    for label, peak in peaks.peaks.items()},
@@ -884,8 +909,12 @@ def summarise_rows(rows: list[dict], memory: dict | None) -> dict:
                     "forward_ms_per_round_synced": median(r["forward_ms_per_round"]
                                                           for r in synced),
                     "replay_ms_per_round": median(r["replay_ms_per_round"] for r in mine)}
-            if mode == COMPILED:  # every row's scores came from the kernels
+            if mode in (FUSED, COMPILED):  # every row's scores came from the kernels
                 cell["compiled_held"] = all(r.get("compiled_held", True) for r in mine)
+            if mode == FUSED:  # rounds loaded by a selection graph, of the middle rounds
+                cell["round_graph_selections"] = sum(r.get("round_graph_selections", 0)
+                                                     for r in mine)
+                cell["middle_rounds"] = sum(r.get("middle_rounds", 0) for r in mine)
             if on and cell["middle_round_ms"] and cell["replay_ms_per_round"]:
                 cell["round_over_replay"] = cell["middle_round_ms"] / cell["replay_ms_per_round"]
             out[f"depth {depth}, {mode}"] = cell

@@ -42,13 +42,15 @@ issue's target is about, measured directly. From a lent machine's bundle
 
     .venv/bin/python benchmarks/explore/host_per_round.py [--batches 8 32 64 128]
         [--configs 30:1 2:0] [--depth 4] [--repeats 7] [--round-graphs]
-        [--compiled-selection]
+        [--compiled-selection] [--selection-graphs]
         [--out benchmarks/host_per_round_2026-11-28]
 
 `--round-graphs`: the middle passes over persistent buffers (each bucket's replay counted
 as the model's, like a forward; on a GPU, CUDA graphs). `--compiled-selection`: the
 selection's host work as compiled functions (`compiled_selection`; each call counted as
-one launch).
+one launch). `--selection-graphs` (with both): a round's re-selection and the next pass's
+load as one graph (`selection_graphs`; each run counted as one launch, its time as tensor
+work: on a CPU the closure runs there).
 
 Prints a table per configuration and writes results.json and results.md into --out.
 """
@@ -90,6 +92,9 @@ def main() -> None:
     parser.add_argument("--compiled-selection", action="store_true",
                         help="the block scores, re-ranking and pass layout compiled "
                              "(`compiled_selection`)")
+    parser.add_argument("--selection-graphs", action="store_true",
+                        help="a round's re-selection and the next pass's load as one graph "
+                             "(`selection_graphs`; with both flags above)")
     parser.add_argument("--out", type=Path,
                         default=REPO / "benchmarks" / "host_per_round_2026-11-28")
     args = parser.parse_args()
@@ -114,7 +119,8 @@ def measure_engine(args, layers: int, refresh_interval: int) -> dict:
     target = tiny_models.build_tiny_llama(tmp / "target", num_layers=layers, hidden=64,
                                           heads=2, kv_heads=2, vocab_size=1024)
     spec = {**SPEC, "refresh_interval": refresh_interval, "round_graphs": args.round_graphs,
-            "compiled_selection": args.compiled_selection}
+            "compiled_selection": args.compiled_selection,
+            "selection_graphs": args.selection_graphs}
     llm = in_process_llm(target, spec, dtype=args.dtype, enforce_eager=True, block_size=32,
                          max_model_len=1024, max_num_seqs=max(args.batches), seed=0)
     try:
@@ -292,6 +298,7 @@ def python_lines_per_round(llm, drafter, prompts, params) -> tuple[float, float,
     the plan, the step-start selection, the hand-off), once a step whatever its rounds."""
     import vllm_triforce.engine.device.forward as forward
     import vllm_triforce.engine.device.round_graph as round_graph
+    from vllm_triforce.engine.device.selection_graph import SelectionGraphs
     from vllm_triforce.engine.middle import MiddleLoop
     from vllm_triforce.engine.retrieval_level import RetrievalStep
 
@@ -331,9 +338,11 @@ def python_lines_per_round(llm, drafter, prompts, params) -> tuple[float, float,
 
     run, propose = forward.run, drafter.propose
     closure = round_graph.BucketPass.closure  # a round graph's model (`--round-graphs`)
+    launch = SelectionGraphs.launch  # a selection graph's run (`--selection-graphs`)
     round_, select_in_middle = MiddleLoop._round, RetrievalStep.select_in_middle
     forward.run, drafter.propose = untraced(run), traced
     round_graph.BucketPass.closure = untraced(closure)
+    SelectionGraphs.launch = untraced(launch)
     MiddleLoop._round = inside(counted, "round", round_)
     RetrievalStep.select_in_middle = inside(counted, "round", select_in_middle)
     unwrap = steady_steps(drafter, on_step)
@@ -344,7 +353,7 @@ def python_lines_per_round(llm, drafter, prompts, params) -> tuple[float, float,
     finally:
         unwrap()
         forward.run, drafter.propose = run, propose
-        round_graph.BucketPass.closure = closure
+        round_graph.BucketPass.closure, SelectionGraphs.launch = closure, launch
         MiddleLoop._round, RetrievalStep.select_in_middle = round_, select_in_middle
     return (counted["lines"] / rounds, counted["round_lines"] / rounds,
             steady["lines"] / max(steady["rounds"], 1))
@@ -377,7 +386,8 @@ def write(out: Path, results: dict) -> None:
              f"{' '.join(map(str, config['batches']))} --configs {' '.join(config['configs'])} "
              f"--depth {config['depth']}"
              + (" --round-graphs" if config.get("round_graphs") else "")
-             + (" --compiled-selection" if config.get("compiled_selection") else "")]
+             + (" --compiled-selection" if config.get("compiled_selection") else "")
+             + (" --selection-graphs" if config.get("selection_graphs") else "")]
     for table in results["tables"]:
         rows = table["rows"]
         smallest = rows[0]["host_ms_per_round"]

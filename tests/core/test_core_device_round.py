@@ -158,6 +158,9 @@ class StandInRetrieval(_Lookup):
     def select_in_middle(self, rows, drafts_by_row):
         pass  # selection's device work: test_commit_select_and_tables_make_no_sync
 
+    def reselect_and_load(self, *args) -> bool:
+        return False  # no selection graphs: `select_in_middle`, then `load_ahead`
+
 
 class StandInDraft(_Lookup):
     """engine/draft_level.DraftLevel's interface, stepping with the engine's own

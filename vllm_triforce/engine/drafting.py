@@ -51,6 +51,7 @@ from vllm_triforce.engine.depth import DepthChooser
 from vllm_triforce.engine.device import capture
 from vllm_triforce.engine.device.forward import metadata_path
 from vllm_triforce.engine.device.round_graph import RoundGraphs
+from vllm_triforce.engine.device.selection_graph import SelectionGraphs
 from vllm_triforce.engine.draft_level import DraftLevel, draft_window
 from vllm_triforce.engine.memory import (MemoryPlan, Sizing, allocate_summaries,
                                          check_one_request, describe_reservation)
@@ -186,6 +187,7 @@ class Drafting:
         self._build_levels(paged_keys, unreadable, target_groups)
         if self.cfg.compiled_selection:
             self._compile_scoring()
+            self._build_selection_graphs()
         else:
             logger.info("TriForce block scores: eager reads of the summaries, in chunks "
                         "(compiled_selection off)")
@@ -236,6 +238,31 @@ class Drafting:
             return
         logger.info("TriForce compiled_selection: a middle pass's tables and slots are one "
                     "compiled function (compiled in %.1f s)", seconds)
+
+    def _build_selection_graphs(self) -> None:
+        """`selection_graphs`: a middle round's re-selection and the next pass's load as
+        one graph per bucket over the round graphs' buffers (engine/device/
+        selection_graph.py); the start-up log says whether, and why not."""
+        if not self.cfg.selection_graphs:
+            return
+        retrieval = self.retrieval
+        graphs, compiled = retrieval.round_graphs, self.policy.compiled
+        why = ("the middle passes are built per pass" if graphs is None
+               else "the re-ranking is not compiled" if compiled is None
+               else "the selector keeps no shortlist" if retrieval.selector.shortlist_size == 0
+               else None)
+        if why is not None:
+            logger.warning("TriForce selection_graphs: off (%s); rounds re-select the "
+                           "per-call way.", why)
+            return
+        retrieval.selection_graphs = SelectionGraphs(
+            graphs, compiled, retrieval.num_heads, retrieval.head_size,
+            retrieval.selector.shortlist_size, self.shape.max_blocks, self.device,
+            graphs.use_cuda_graphs)
+        logger.info("TriForce selection_graphs: a middle round's re-selection and the next "
+                    "pass's load are one %s per bucket; buffers %.1f MiB",
+                    "CUDA graph" if graphs.use_cuda_graphs else "run over the buffers",
+                    retrieval.selection_graphs.nbytes / 2**20)
 
     def _compile_after_binding(self) -> None:
         """`compiled_selection`'s read of lazy summaries from the KV cache, compiled once

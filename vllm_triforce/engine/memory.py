@@ -126,8 +126,8 @@ from vllm_triforce.core.policy_facts import SummaryKinds
 from vllm_triforce.core.summaries import BlockSummaries, variance_dtype, variance_width
 from vllm_triforce.core.summary_coding import SCALE_BYTES
 from vllm_triforce.engine.buffers import (FLOAT32_BYTES, fold_scratch_bytes, lazy_read_bytes,
-                                          round_graph_bytes, selection_scratch_bytes,
-                                          vocabulary_rows)
+                                          round_graph_bytes, selection_graph_bytes,
+                                          selection_scratch_bytes, vocabulary_rows)
 
 if TYPE_CHECKING:
     from vllm_triforce.engine.shape import EngineShape
@@ -305,10 +305,17 @@ class MemoryPlan:
         if not shape.cfg.round_graphs:
             return 0
         draft = shape.draft_round_bounds(drafting) if shape.has_draft else None
-        return round_graph_bytes(shape.round_bounds(drafting), shape.num_layers,
-                                 shape.num_q_heads, shape.num_kv_heads, shape.head_dim,
-                                 shape.vocab_size, shape.summary_dtype.itemsize,
-                                 shape.capture_tokens, self.cuda_graphs, draft)
+        bounds, blocks = shape.round_bounds(drafting), shape.blocks
+        selection = 0
+        if shape.cfg.selection_graphs:  # the longest shortlist a Selector keeps
+            listed = max(shape.cfg.middle_shortlist * blocks.num_retrieved, blocks.max_chosen)
+            selection = selection_graph_bytes(bounds, shape.num_layers, listed,
+                                              blocks.retrieval_sink_blocks, shape.max_blocks,
+                                              blocks.max_selected, self.cuda_graphs)
+        return selection + round_graph_bytes(bounds, shape.num_layers, shape.num_q_heads,
+                                             shape.num_kv_heads, shape.head_dim,
+                                             shape.vocab_size, shape.summary_dtype.itemsize,
+                                             shape.capture_tokens, self.cuda_graphs, draft)
 
     @property
     def fixed_bytes(self) -> int:

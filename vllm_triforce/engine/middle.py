@@ -254,11 +254,13 @@ class MiddleLoop:
             if not more.size:
                 return
             rows = drafts.rows[more]
-            step.select_in_middle(rows, after)
             # their tokens: all the round's, or those at their places in it
             picked = None if more.size == live.size else np.searchsorted(live, more)
-            step.load_ahead(rows.tolist(), tokens, picked,
-                            Runs(drafts.position[more] + 1, np.ones(more.size, np.int64)))
+            runs = Runs(drafts.position[more] + 1, np.ones(more.size, np.int64))
+            if step.reselect_and_load(rows, after, tokens, picked, runs):
+                return  # as one graph (`selection_graphs`)
+            step.select_in_middle(rows, after)
+            step.load_ahead(rows.tolist(), tokens, picked, runs)
         return ahead
 
     @staticmethod

@@ -75,6 +75,10 @@ class RetrievalLevel:
         # where a middle pass's queries go: the round buffers with `round_graphs` (also for
         # a pass that fits no bucket: vLLM's pass's buffers stay its own); None: clones
         self.middle_queries = None if round_graphs is None else round_graphs.query_buffers
+        # a middle round's re-selection and the next pass's load as one graph
+        # (engine/device/selection_graph.py), with `selection_graphs`: set once the
+        # selection is compiled; None: `select_in_middle`, then `load_ahead`
+        self.selection_graphs = None
 
     @property
     def summaries(self):
@@ -145,6 +149,10 @@ class RetrievalStep:
         self._rows_selections: tuple | None = None
         # (rows, positions, RoundGraphs' LoadedPass): the next round's pass, loaded ahead
         self._ahead: tuple | None = None
+        # what this step put into the selection graphs' buffers: the Shortlist, and the
+        # rows whose block tables (`reselect_and_load`)
+        self._graph_listed = None
+        self._graph_rows: bytes | None = None
 
     def __enter__(self) -> "RetrievalStep":
         return self
@@ -238,6 +246,54 @@ class RetrievalStep:
             if group.any():
                 self._reselect(due_rows[group].tolist(), self._pass_queries,
                                query_rows[group], positions[group], use_shortlist=use_list)
+
+    def reselect_and_load(self, rows: np.ndarray, drafts, tokens: torch.Tensor, picked,
+                          positions: Runs) -> bool:
+        """`select_in_middle(rows, drafts)`, then `load_ahead(rows, tokens, picked,
+        positions)`, as one run of the level's selection graphs (engine/device/
+        selection_graph.py): True. Where they cannot (none; some request not due or not
+        holding this step's shortlist; fp8 queries; more than one token a request; the
+        compiled re-ranking dropped; no bucket fits), False, and nothing is selected or
+        loaded: the caller makes the two calls."""
+        level = self.level
+        graphs, queries = level.selection_graphs, self._pass_queries
+        if (graphs is None or level.round_graphs is not graphs.graphs
+                or not isinstance(queries, LayerRows) or level.refresh.interval <= 0
+                or queries.buffer.dtype.itemsize == 1 or (positions.lens != 1).any()
+                or getattr(level.selector.policy, "compiled", None) is not graphs.compiled):
+            return False
+        rows = np.asarray(rows, dtype=np.int64)
+        if rows.size > graphs.bounds.max_requests:  # no bucket holds them
+            return False
+        prefixes, query_rows = positions_of(drafts, rows)
+        slots = self.refresh_rows[rows]
+        if (not level.refresh.due_in_middle(slots, prefixes).all()
+                or not (level.selections.shortlist_step[slots] == self.number).all()):
+            return False
+        self._summarise(rows)
+        if self._graph_rows != rows.tobytes():  # the rows' block tables
+            table = self.batch.block_table[to_device(level.device, rows)[0]]
+            if table.shape[1] > graphs.max_blocks:
+                return False
+            graphs.set_block_tables(table)
+            self._graph_rows = rows.tobytes()
+        listed = self._listed(slots)
+        if listed is not self._graph_listed:
+            graphs.set_listed(listed, level.summaries)
+            self._graph_listed = listed
+        num_selected, tail_start = selection_sizes(self.batch.committed_array[rows],
+                                                   level.blocks)
+        done = graphs.load(tokens, picked, query_rows, slots, positions.starts, num_selected,
+                           tail_start, queries.buffer)
+        if done is None:
+            return False
+        loaded, selected, slots_dev = done
+        level.selections.record(slots, slots_dev, selected, num_selected, tail_start)
+        level.refresh.record_selections(slots, prefixes)
+        self._num_reselects += 1
+        level.stats.add(refreshes=len(rows), round_graph_selections=1)
+        self._ahead = (rows.tolist(), positions, loaded)
+        return True
 
     def _reselect(self, due: list[int], layer_queries: list, query_rows, prefixes,
                   keep_shortlist: bool = False, use_shortlist: bool = False) -> None:

@@ -40,6 +40,9 @@ class TriForceStats:
     round_graph_passes: int = 0
     round_graph_misses: int = 0
     round_graph_ahead: int = 0
+    # of those, loaded with their re-selection as one graph (selection_graphs:
+    # engine/device/selection_graph.py)
+    round_graph_selections: int = 0
     # plain steps decided on the host with no TriForce work at all (engine/plain_steps.py)
     host_plain_steps: int = 0
     # measure_middle_acceptance only: sum over measured positions of sum_x min(p, q), p the

@@ -421,11 +421,16 @@ class RoundGraphs:
         bucket = self.bounds.bucket(num_tokens, layout.width, int(runs.lens.max()))
         if bucket is None:
             return None
-        replay = self.replays.get(bucket) or self._prepare(bucket)  # before the load
+        replay = self.replay_of(bucket)  # before the load
         self.buffers.load_runs(token_ids, runs, block_table, layout, selected, bucket,
                                self.bounds.requests_of(bucket))
         replay.refresh()  # with the load: a replay launches nothing else
         return LoadedPass(replay, bucket, num_tokens, len(runs.lens))
+
+    def replay_of(self, bucket: int):
+        """The bucket's replay, prepared now if it is the first (which clears the buffers:
+        call it before a load)."""
+        return self.replays.get(bucket) or self._prepare(bucket)
 
     def replay(self, loaded: "LoadedPass") -> torch.Tensor:
         """The logits of a pass `load_runs` loaded (the last one it loaded)."""
@@ -478,15 +483,21 @@ class RoundGraphs:
         0 before a capture. Not the change in `memory_reserved` around the capture: each
         `torch.cuda.graph` empties the allocator's cache first, so that change can be
         negative."""
-        if self._pool is None:
-            return 0
-        pool = tuple(self._pool)
-        return sum(segment["total_size"] for segment in torch.cuda.memory_snapshot()
-                   if tuple(segment["segment_pool_id"]) == pool)
+        return pool_bytes(self._pool)
 
     @property
     def nbytes(self) -> int:
         return self.buffers.nbytes + self.query_buffers.nbytes
+
+
+def pool_bytes(pool) -> int:
+    """The bytes of a CUDA-graph memory pool's segments (`torch.cuda.memory_snapshot`, by
+    `segment_pool_id`); 0 for None (no capture yet)."""
+    if pool is None:
+        return 0
+    pool = tuple(pool)
+    return sum(segment["total_size"] for segment in torch.cuda.memory_snapshot()
+               if tuple(segment["segment_pool_id"]) == pool)
 
 
 @dataclass(frozen=True)

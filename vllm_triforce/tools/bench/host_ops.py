@@ -8,7 +8,8 @@ besides its Python. On a CPU an operation's host time also holds its computation
 pass's model (`forward.run` today, a bucket's closure with round graphs) is not counted:
 its operations are the device work, or a graph replay that dispatches none. The compiled
 functions (`compiled_selection`, core/compiled.py) run with the mode off (dynamo compiles
-nothing under one) and count as one site, their launches' host time.
+nothing under one) and count as one site, their launches' host time; so does a selection
+graph's run (`selection_graphs`), its closure's operations the device's work.
 
     with HostOps(drafter) as ops:
         llm.generate(...)
@@ -27,6 +28,9 @@ import traceback
 
 GRAPH_LAUNCH = "(a CUDA graph's launch)"  # the site a round graph's replay counts at
 COMPILED_LAUNCH = "(a compiled function's launch)"  # core/compiled.py's, each call
+# a middle round's re-selection and load as one graph (`selection_graphs`): one launch,
+# its work the device's (engine/device/selection_graph.py)
+SELECTION_LAUNCH = "(a selection graph's launch)"
 
 
 class HostOps:
@@ -45,6 +49,7 @@ class HostOps:
 
         from vllm_triforce.core.compiled import CompiledFunction
         from vllm_triforce.engine.device import forward, round_graph
+        from vllm_triforce.engine.device.selection_graph import SelectionGraphs
 
         owner = self
 
@@ -62,9 +67,12 @@ class HostOps:
 
         def uncounted(run, site=None, unwatched=False):
             """`run` with its operations not counted; `site`: its own wall time counted
-            there (a graph's launch, which dispatches no aten operation); `unwatched`: run
-            with the mode off (a compiled function, which dynamo compiles under none)."""
+            there (a graph's launch, which dispatches no aten operation), unless it runs
+            inside another uncounted call (a compiled function inside a selection graph's
+            run); `unwatched`: run with the mode off (a compiled function, which dynamo
+            compiles under none)."""
             def wrapped(*args, **kwargs):
+                outermost = self._in_model == 0
                 self._in_model += 1
                 start = time.perf_counter()
                 try:
@@ -74,7 +82,7 @@ class HostOps:
                     return run(*args, **kwargs)
                 finally:
                     self._in_model -= 1
-                    if site is not None:
+                    if site is not None and outermost:
                         self.counts[site] += 1
                         self.seconds[site] += time.perf_counter() - start
             return wrapped
@@ -92,7 +100,9 @@ class HostOps:
                          (round_graph.CudaGraphReplay, "run", round_graph.CudaGraphReplay.run,
                           GRAPH_LAUNCH, False),
                          (CompiledFunction, "__call__", CompiledFunction.__call__,
-                          COMPILED_LAUNCH, True)]
+                          COMPILED_LAUNCH, True),
+                         (SelectionGraphs, "launch", SelectionGraphs.launch, SELECTION_LAUNCH,
+                          True)]
         for holder, name, value, site, unwatched in self._restore:
             setattr(holder, name, uncounted(value, site, unwatched))
         self.drafter.propose = timed_propose
