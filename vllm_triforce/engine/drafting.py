@@ -250,6 +250,9 @@ class Drafting:
         why = ("the middle passes are built per pass" if graphs is None
                else "the re-ranking is not compiled" if compiled is None
                else "the selector keeps no shortlist" if retrieval.selector.shortlist_size == 0
+               # banded variance shares are made again after a fold: a graph would keep
+               # the old ones (compiled_selection refuses banded variances anyway)
+               else "the key variance is banded" if self.summaries.channel_profile is not None
                else None)
         if why is not None:
             logger.warning("TriForce selection_graphs: off (%s); rounds re-select the "
