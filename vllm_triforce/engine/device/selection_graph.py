@@ -87,6 +87,10 @@ class SelectionGraphs:
         self.tokens = full((tokens,), 0, torch.long)  # the round's tokens
         self.staged = full((staged,), 0, torch.long)  # the host's values (`load`)
         self.views = _staged_views(self.staged, tokens, reqs)
+        # the host's side of `staged`, written each round (its copy to the device is made
+        # from a pinned copy of it, so it can be written again at once)
+        self.host = np.zeros(staged, dtype=np.int64)
+        self.host_views = _staged_views(self.host, tokens, reqs)
         self.use_cuda_graphs = use_cuda_graphs
         self.runs: dict = {}  # bucket -> its run: its closure, or its CUDA graph's replay
         self._pool = None
@@ -151,8 +155,8 @@ class SelectionGraphs:
         run = self.runs.get(bucket) or self._prepare(bucket)
         if run is None:
             return None
-        staged = np.zeros(self.staged.shape[0], dtype=np.int64)
-        view = _staged_views(staged, self.bounds.max_tokens, self.bounds.max_requests)
+        staged, view = self.host, self.host_views
+        staged.fill(0)
         view["positions"][:n] = positions
         view["owner"][:n] = np.arange(n)
         view["valid"][:n] = 1
