@@ -6,10 +6,11 @@
 #                                                # cases not measured yet (vLLM defaults,
 #                                                # TriForce, TriForce's settings)
 #   bash scripts/gpu_session.sh model-a          # carry .carry/a: SmolLM2 part a
-#   bash scripts/gpu_session.sh real [SECONDS] [graphs]  # carry .carry/b: part b,
+#   bash scripts/gpu_session.sh real [SECONDS] [graphs|fused]  # carry .carry/b: part b,
 #                                                # conversion checked against the CPU's, the
 #                                                # real-model run ("graphs": with round graphs
-#                                                # on), then the cost jobs still missing
+#                                                # on; "fused": and selection graphs), then
+#                                                # the cost jobs still missing
 #   bash scripts/gpu_session.sh host-rounds [SECONDS] [graphs]  # carry .bundle: host ms
 #                                                # per middle round at batch 8-128 with the
 #                                                # tiny model, with "graphs" as CUDA graphs,
@@ -126,9 +127,12 @@ case "$step" in
     python3 scripts/gpu_model_carry.py convert \
       || python3 scripts/gpu_model_carry.py convert --allow-file-differences || exit 1
     # a third argument "graphs": the demo with TriForce's round graphs on (`--round-graphs`)
-    # and its selection compiled (`--compiled-selection`)
+    # and its selection compiled (`--compiled-selection`); "fused": and a round's
+    # re-selection and load as one graph (`--selection-graphs`)
+    fused=""
+    [ "$3" = fused ] && fused="--selection-graphs"
     bash scripts/gpu_run.sh -- python3 -m vllm_triforce.tools.cli demo --device cuda \
-      --out "$OUT/demo.json" --eager-check ${3:+--round-graphs --compiled-selection} \
+      --out "$OUT/demo.json" --eager-check ${3:+--round-graphs --compiled-selection} $fused \
       > "$OUT/demo.log" 2>&1
     echo "demo: exit $?"
     grep -v " INFO \| DEBUG \|WARNING\|^\s*$\|Loading\|it/s\]" "$OUT/demo.log" | tail -40

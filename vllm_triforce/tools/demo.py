@@ -95,6 +95,10 @@ def add_demo_parser(subparsers) -> None:
     p.add_argument("--compiled-selection", action="store_true",
                    help="TriForce's block scores, re-ranking and pass layout compiled "
                         "(speculative_config['compiled_selection'], off by default)")
+    p.add_argument("--selection-graphs", action="store_true",
+                   help="with both above: a middle round's re-selection and the next pass's "
+                        "load as one graph (speculative_config['selection_graphs'], off by "
+                        "default)")
     p.add_argument("--eager-check", action="store_true",
                    help="after the rounds, the fixed-depth decode once more on an eager "
                         "TriForce engine: its acceptance must match the compiled engine's "
@@ -138,6 +142,8 @@ def run_demo(args: argparse.Namespace) -> int:
         spec["round_graphs"] = True
     if args.compiled_selection:
         spec["compiled_selection"] = True
+    if args.selection_graphs:
+        spec["selection_graphs"] = True
     prompts = _book_prompts(target, args.prompt_tokens, args.batch)
     where = "a GPU" if args.device == "cuda" else f"this CPU ({os.cpu_count()} cores)"
     print(f"TriForce against plain vLLM: {target.name} ({args.dtype}) on {where}, "
