@@ -487,8 +487,8 @@ def test_selection_graphs_give_todays_tokens_selections_and_acceptance(
     bucket (engine/device/selection_graph.py), the CPU's twin of its CUDA graph. At depths
     that vary (`force_depths`: 4, 3, 4, 1, 4) rows leave the rounds at different rounds, so
     some rounds re-rank a subset of the step's shortlist and take some of the round's
-    tokens. Rounds after a step's first are loaded that way where every request holds
-    this step's shortlist; the engine keeps the per-call path's selections (every one recorded, by row), tokens and drafted/accepted
+    tokens. Every round after a step's first is loaded that way; the engine keeps the
+    per-call path's selections (every one recorded, by row), tokens and drafted/accepted
     counts; no padded token writes KV (three requests run in a bucket of four); nothing
     falls back to the eager reads."""
     from engine_helpers import drafter_of, force_depths
@@ -518,9 +518,10 @@ def test_selection_graphs_give_todays_tokens_selections_and_acceptance(
     per_call, fused = runs
     stats = fused["stats"]
     assert not graphs.use_cuda_graphs and graphs.failed is None
-    # a round in which some request holds an earlier step's shortlist (it was not due at
-    # this step's start) re-selects the per-call way: it scores every candidate
-    assert 0 < stats["round_graph_selections"] <= stats["round_graph_ahead"], stats
+    # every drafting request re-selects at its step's start and holds the step's
+    # shortlist (`RetrievalStep.select`'s middle_tokens), so every round loaded ahead is
+    # loaded by a selection graph
+    assert 0 < stats["round_graph_selections"] == stats["round_graph_ahead"], stats
     assert per_call["stats"]["round_graph_selections"] == 0
     assert any(picked for _, picked in loads), f"no load took a subset of a round: {loads}"
     assert 4 in graphs.runs and any(n == 3 for n, _ in loads), loads  # 3 rows, bucket 4

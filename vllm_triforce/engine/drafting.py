@@ -477,10 +477,11 @@ class Drafting:
         depths, use_draft = depth.plan(of_rows(batch.req_ids), max_depth,
                                        num_committed=of_rows(batch.committed),
                                        seeded=of_rows(batch.seeded), plain=of_rows(batch.plain))
-        drafting = np.asarray(rows, dtype=np.int64)[np.asarray(depths, dtype=np.int64) > 0]
+        depths_array = np.asarray(depths, dtype=np.int64)
+        drafting = np.asarray(rows, dtype=np.int64)[depths_array > 0]
         if not drafting.size:
             return [[] for _ in range(batch.num_reqs)], None, None
-        step.select(drafting)
+        step.select(drafting, middle_tokens=depths_array[depths_array > 0])
         drafts_by_row = self.middle.run(step, rows, depths, self._probs_buffer,
                                         use_draft and self.draft is not None,
                                         on_round=depth.round_done)

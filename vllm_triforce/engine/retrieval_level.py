@@ -189,14 +189,26 @@ class RetrievalStep:
             self.summarise_seconds += time.perf_counter() - start
 
     # ---- select ---------------------------------------------------------------------
-    def select(self, rows: list[int]) -> None:
+    def select(self, rows: list[int], middle_tokens=None) -> None:
         """Re-select the blocks of requests `rows` due a refresh, with the query of their
-        newest committed token (vLLM's pass); the others' policies observe."""
+        newest committed token (vLLM's pass); the others' policies observe.
+        `middle_tokens` [n] (None: not known): the middle tokens each will draft this
+        step. A request whose selection is still current (it was made between the last
+        step's rounds, at the token vLLM's pass ended on) but which will re-select between
+        this step's rounds anyway (at its first, with refresh_interval 1) re-selects now
+        instead, and keeps this step's shortlist: without one, each of its re-selections
+        between rounds would score every candidate, and a round holding it could not
+        re-rank as one graph (`selection_graphs`)."""
         level, batch, states = self.level, self.batch, self.states
         # a request that never selected is due (its policy row has no selection yet)
         rows = np.asarray(rows, dtype=np.int64)
-        refresh_due = level.refresh.due_at_start(self.refresh_rows[rows],
-                                                 batch.committed_array[rows])
+        committed = batch.committed_array[rows]
+        refresh_due = level.refresh.due_at_start(self.refresh_rows[rows], committed)
+        if middle_tokens is not None and level.selector.shortlist_size > 0:
+            # its first re-selection between rounds: the query of its first middle token
+            refresh_due |= ((np.asarray(middle_tokens) >= 2)
+                            & level.refresh.due_in_middle(self.refresh_rows[rows],
+                                                          committed + 1))
         queries = level.capture.queries
         if queries[0] is None:
             return
