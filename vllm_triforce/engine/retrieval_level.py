@@ -272,7 +272,7 @@ class RetrievalStep:
         if (graphs is None or level.round_graphs is not graphs.graphs
                 or not isinstance(queries, LayerRows) or level.refresh.interval <= 0
                 or queries.buffer.dtype.itemsize == 1 or (positions.lens != 1).any()
-                or getattr(level.selector.policy, "compiled", None) is not graphs.compiled):
+                or level.selector.policy.compiled is not graphs.compiled):
             return False
         rows = np.asarray(rows, dtype=np.int64)
         if rows.size > graphs.bounds.max_requests:  # no bucket holds them

@@ -7,8 +7,10 @@ against 1.71 ms of replays (benchmarks/gpu/round_graph_2026-11-30/), 1.29 ms of 
 launches of the compiled re-ranking and pass layout, most of the rest some 80 small
 launches around them. Where a round emits one token per request (two levels, or the
 small draft sitting out) and every request still drafting re-selects from this step's
-shortlist (`refresh_interval` 1, the default), what follows the round on the device is
-the same every round:
+shortlist (`refresh_interval` 1, the default; a drafting request that will re-select
+between rounds re-selects at the step's start too, and so holds it:
+retrieval_level.RetrievalStep.select), what follows the round on the device is the same
+every round:
 - each request's newest query gathered from the round's query buffers;
 - its shortlist re-ranked (the compiled `listed_choice`, core/fused_reads.py);
 - the next pass's per-layer tables and KV slots laid out of that selection (PassLayout);
@@ -67,7 +69,7 @@ class SelectionGraphs:
         blocks = compiled.blocks
         reqs, tokens, layers = bounds.max_requests, bounds.max_tokens, len(graphs.layer_names)
         listed = max(listed, blocks.max_chosen)  # `choose_listed` pads shorter lists to it
-        self.listed, self.max_blocks = listed, max_blocks
+        self.max_blocks = max_blocks
         staged = (len(SELECTION_TOKEN_FIELDS) * tokens + len(SELECTION_REQUEST_FIELDS) * reqs
                   + reqs + 1)
 
