@@ -2,7 +2,7 @@
 
 Issue 25's measure of the overhead a GPU cannot hide: a 30-layer Llama of hidden size 64
 and a 1,024-token vocabulary (built here, tests/tiny_models.py), two levels, batch 8,
-fixed depth, greedy. Host ms per round = (time in `propose` - time in model forwards) /
+fixed depth, greedy (`--temperature`: sampled). Host ms per round = (time in `propose` - time in model forwards) /
 middle rounds (engine/stats.py), over the timed generations; syncs per round and per step
 come from one more, untimed generation (vllm_triforce/tools/bench/syncs.py), where the tree has it.
 `--ops N`: one more generation counts the aten operations per middle round outside the
@@ -12,10 +12,11 @@ took the most host time (tools/bench/host_ops.py). `--round-graphs`: the middle 
 over persistent buffers, and one more generation times the host's work from a round's
 copy to the host to the next round's replay (what a GPU waits through).
 `--compiled-selection`: the block scores, the re-ranking and the pass layout compiled
-(core/compiled.py).
+(core/compiled.py). `--selection-graphs` (with both): a round's re-selection and the next
+pass's load as one graph (`selection_graphs`; engine/device/selection_graph.py).
 
     .venv/bin/python benchmarks/explore/host_overhead.py [--repeats 3] [--levels 2]
-        [--round-graphs] [--compiled-selection] [--ops 40]
+        [--round-graphs] [--compiled-selection] [--selection-graphs] [--ops 40]
 """
 
 import argparse
@@ -45,6 +46,12 @@ def main() -> None:
     parser.add_argument("--compiled-selection", action="store_true",
                         help="the block scores, re-ranking and pass layout compiled "
                              "(`compiled_selection`)")
+    parser.add_argument("--selection-graphs", action="store_true",
+                        help="with both above: a round's re-selection and the next pass's "
+                             "load as one graph (`selection_graphs`)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 (default): greedy; above 0 every request samples (the "
+                             "rounds' vocabulary work: probabilities, draws, the hand-off)")
     parser.add_argument("--no-syncs", action="store_true", help="skip the counted generation")
     parser.add_argument("--ops", type=int, default=0, metavar="N",
                         help="count aten operations per middle round; print N call sites")
@@ -61,14 +68,16 @@ def main() -> None:
     spec = {"method": "triforce", "num_speculative_tokens": 6, "retrieval_budget": 256,
             "retrieval_sink_tokens": 32, "retrieval_recent_tokens": 64, "adaptive": False,
             "refresh_interval": args.refresh_interval, "round_graphs": args.round_graphs,
-            "compiled_selection": args.compiled_selection}
+            "compiled_selection": args.compiled_selection,
+            "selection_graphs": args.selection_graphs}
     if args.levels == 3:
         draft = tiny_models.build_tiny_llama_draft(tmp / "draft", vocab_size=1024)
         spec.update(model=str(draft), draft_window_tokens=96)
     llm = in_process_llm(target, spec, dtype="float32", enforce_eager=True, block_size=32,
                          max_model_len=2048, seed=0)
     prompts = [tiny_models.make_text(args.prompt_words, seed=i) for i in range(args.batch)]
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
+                            ignore_eos=True, seed=None if args.temperature == 0 else 0)
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     drafter = drafter_of(llm)
     host_ms, wall = [], []
