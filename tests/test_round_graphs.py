@@ -443,7 +443,8 @@ def test_round_graphs_give_todays_tokens_at_depths_that_vary(temperature, tiny_l
 def test_compiled_selection_gives_todays_tokens_selections_and_acceptance(
         tiny_llama, llm_factory, monkeypatch):
     """`compiled_selection` with round graphs (how a GPU runs them): each step's selection
-    and every shortlist re-ranking between middle rounds go through the compiled kernels
+    and shortlist (one compiled graph, query to both) and every shortlist re-ranking
+    between middle rounds go through the compiled kernels
     (core/fused_reads.py), every middle pass's tables and slots through the compiled
     layout (engine/device/round_graph.PassLayout), the lazy block summaries through the
     compiled read of the KV cache (engine/summary_keeper.BlockReads), and the engine gives
@@ -468,7 +469,7 @@ def test_compiled_selection_gives_todays_tokens_selections_and_acceptance(
                         lambda self, *a, **kw: calls.append(self) or run(self, *a, **kw))
     scored = _run(llm, prompts)
     assert compiled._listed in calls, "no shortlist was re-ranked: the test proves nothing"
-    assert compiled._tables in calls, "no step selected: the test proves nothing"
+    assert compiled._table in calls, "no step selected: the test proves nothing"
     assert layout.compiled in calls, "no middle pass was laid out compiled"
     assert drafter_of(llm).policy.compiled is compiled, "the kernels fell back to eager reads"
     assert layout.compiled is not None, "the pass layout fell back to eager"

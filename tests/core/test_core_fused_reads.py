@@ -1,5 +1,6 @@
 """The compiled block scoring (core/fused_reads.py, `compiled_selection`): a step's
-selection's scores as the eager reads of coded summaries give them, and a shortlist's
+selection's scores as the eager reads of coded summaries give them, its selection and
+shortlist from one graph as the eager ones, and a shortlist's
 re-ranking, query to selection, as the chunked reads then `select_listed` make it, from
 one compilation for every batch, table and shortlist size, with no copy of the listed
 summaries."""
@@ -96,6 +97,50 @@ def test_compiled_reranking_selects_as_the_chunked_reads(monkeypatch, variance):
         for field in ("logical_blocks", "num_selected", "tail_start"):
             assert torch.equal(getattr(got.selection, field), getattr(want.selection, field))
     assert short  # a list shorter than max_chosen was among them
+    assert counters["stats"]["unique_graphs"] == graphs  # no size compiled anew
+
+
+@pytest.mark.parametrize("variance", [False, True])
+def test_a_steps_selection_and_shortlist_are_one_graph_of_the_eager_ones(variance):
+    """A step's selection with its shortlist (`keep_shortlist`), made by one compiled graph
+    from the query (`CompiledScores.choose_table`), is the one the eager reads then
+    `select_blocks`, `best_candidates` and `Shortlist.of` make: blocks, sizes, the
+    shortlist's blocks, summary rows, counts and frame, for batches of every size, 1
+    included, and tables narrower than a shortlist (padded, then cut back), compiling
+    once; without `keep_shortlist`, no shortlist. Random summaries: no near-ties."""
+    summaries = coded_summaries(11)
+    policy = make_policy("retrieval", variance=variance)
+    selector = Selector(policy, BLOCKS, shortlist_factor=3)
+    compiled = CompiledScores(summaries, variance, BLOCKS, num_q_heads=4,
+                              shortlist_size=selector.shortlist_size)
+    compiled.warm_up()
+    graphs = counters["stats"]["unique_graphs"]
+    gen = torch.Generator().manual_seed(12)
+    narrow = 0
+    for requests, width in [(1, 18), (3, 10), (2, 3), (5, 8), (1, 2), (3, 13)]:
+        narrow += width < selector.shortlist_size
+        table = torch.randperm(N, generator=gen)[:requests * width].view(requests, width)
+        committed = width * BS - torch.randint(0, BS, (requests,), generator=gen)
+        query = torch.randn(requests, L, 4, D, generator=gen)
+        for keep in (False, True):
+            policy.compiled = None
+            want = selector.choose(query, summaries, table, committed, keep_shortlist=keep)
+            policy.compiled = compiled
+            got = selector.choose(query, summaries, table, committed, keep_shortlist=keep)
+            assert policy.compiled is compiled, "the graph fell back to the eager reads"
+            for field in ("logical_blocks", "num_selected", "tail_start"):
+                assert torch.equal(getattr(got.selection, field), getattr(want.selection, field))
+            if not keep:
+                assert got.shortlist is None
+                continue
+            want.shortlist.summary_rows(summaries)
+            for field in ("logical", "physical", "rows", "counts"):
+                assert torch.equal(getattr(got.shortlist, field),
+                                   getattr(want.shortlist, field)), (field, requests, width)
+            for field in ("num_chosen", "sink_ids", "num_selected", "tail_start"):
+                assert torch.equal(getattr(got.shortlist.frame, field),
+                                   getattr(want.shortlist.frame, field))
+    assert narrow  # a table narrower than the shortlist was among them
     assert counters["stats"]["unique_graphs"] == graphs  # no size compiled anew
 
 

@@ -30,18 +30,20 @@ class CompiledFunction:
         self.eager = fn
         self._compiled = torch.compile(fn, dynamic=True, fullgraph=True)
 
-    def __call__(self, *args, compile_now: bool = False):
+    def __call__(self, *args, compile_now: bool = False, **kwargs):
         """`compile_now`: the warm-up's call, which may compile; any other raises where it
-        would."""
+        would. `kwargs`: `fn`'s keyword arguments (a function's own constants, given at
+        each call rather than bound by functools.partial: torch.compile runs every partial
+        through one shared frame, whose recompile limit all of them would share)."""
         if _get_current_dispatch_mode() is not None:
-            return self.eager(*args)
+            return self.eager(*args, **kwargs)
         stance = "default" if compile_now else "fail_on_recompile"
         if torch.is_inference_mode_enabled():  # the engine's calls
             with torch.compiler.set_stance(stance):
-                return self._compiled(*args)
+                return self._compiled(*args, **kwargs)
         # one grad mode for every call: no recompilation
         with torch.inference_mode(), torch.compiler.set_stance(stance):
-            return self._compiled(*args)
+            return self._compiled(*args, **kwargs)
 
 
 def first_line(exc: BaseException) -> str:

@@ -39,7 +39,10 @@ from torch._dynamo.decorators import mark_static, mark_unbacked
 
 from vllm_triforce.config import BlockCounts
 from vllm_triforce.core.compiled import CompiledFunction, dense, inference
-from vllm_triforce.core.selection import Frame, Shortlist, ordered_blocks, rank_listed
+from vllm_triforce.core.blocks import PAD
+from vllm_triforce.core.selection import (Choice, Frame, Selection, Shortlist, ordered_blocks,
+                                          rank_listed, rank_table)
+from vllm_triforce.core.tensors import on_device
 from vllm_triforce.core.summaries import fold_bands
 from vllm_triforce.core.summary_coding import CodedStore, decode_table
 
@@ -105,15 +108,63 @@ def listed_choice(query: Tensor, shares: Tensor | None, rows: Tensor, counts: Te
                           max_selected)
 
 
+def query_weights(query: Tensor, shares: Tensor | None, *, scale: float, num_kv_heads: int,
+                  variance_width: int, variance: bool) -> tuple[Tensor, Tensor | None]:
+    """query [R, L, Hq, D] -> the stores' weights (`listed_dots`): q summed over each KV
+    head's query heads [R, L, H, D], and with the key variance 1/2 q^2 folded to the
+    store's bands [R, L, H, W] (None without); q scaled by `scale`. shares as
+    `listed_choice` takes them."""
+    num_reqs, num_layers, num_q_heads, head_dim = query.shape
+    q = query.float().reshape(num_reqs, num_layers, num_kv_heads, num_q_heads // num_kv_heads,
+                              head_dim) * scale
+    if not variance:
+        return q.sum(3), None
+    squares = q.square().sum(3)
+    return q.sum(3), 0.5 * fold_bands(squares if shares is None else squares * shares,
+                                      variance_width)
+
+
+def table_choice(query: Tensor, shares: Tensor | None, table: Tensor, committed: Tensor,
+                 block_counts: Tensor, codes: Tensor, scales: Tensor, decode: Tensor,
+                 more_codes: Tensor | None = None, more_scales: Tensor | None = None,
+                 more_table: Tensor | None = None, *, scale: float, num_kv_heads: int,
+                 variance_width: int, blocks: BlockCounts, num_blocks: int,
+                 shortlist_size: int) -> tuple[Tensor, ...]:
+    """A step's selection from the query to the selection and its shortlist, as
+    `Selector.choose(keep_shortlist=True)` makes it with the compiled scores
+    (`RetrievalPolicy.block_scores`, `select_blocks`, `best_candidates`, `Shortlist.of`
+    and its `summary_rows`): query [R, L, Hq, D] (each request's newest token); table
+    [R, B] int64 physical ids, -1 padded, B >= max(max_chosen, shortlist_size);
+    committed [R] int64; block_counts [N] the summaries' token counts; the stores as
+    `listed_dots` takes them -> `rank_table`'s tensors, then (shortlist_size > 0) the
+    shortlist's summary rows and counts [R, L, shortlist_size]."""
+    weights, more_weights = query_weights(query, shares, scale=scale,
+                                          num_kv_heads=num_kv_heads,
+                                          variance_width=variance_width,
+                                          variance=more_codes is not None)
+    ids = table.clamp(min=0)
+    scores = table_dots(ids, block_counts[ids].clamp(min=1).float(), num_blocks, weights, codes,
+                        scales, decode, more_weights, more_codes, more_scales, more_table)
+    torch._check(scores.shape[-1] >= max(blocks.max_chosen, shortlist_size))  # the caller pads
+    out = rank_table(scores, table, committed, blocks, shortlist_size)
+    if shortlist_size == 0:
+        return out
+    physical = out[4].clamp(min=0)  # `BlockSummaries.layer_rows`, and their counts
+    layers = torch.arange(query.shape[1], device=table.device)[None, :, None]
+    return out + (layers * num_blocks + physical, block_counts[physical].clamp(min=1).float())
+
+
 class CompiledScores:
     """Compiled over one summaries' coded stores (`sums`, and with the key variance
     `deviations()`), built once per engine: `tables` scores a step's tables
-    (`table_dots`); `choose_listed` re-ranks a shortlist between middle rounds, query to
-    selection (`listed_choice`), for the geometry `blocks`, queries of `num_q_heads`
-    heads and the policy's `scale` (None: 1 / sqrt(head_dim))."""
+    (`table_dots`); `choose_table` makes a step's selection and its shortlist of
+    `shortlist_size` blocks a layer (0: none), query to both (`table_choice`);
+    `choose_listed` re-ranks a shortlist between middle rounds, query to selection
+    (`listed_choice`); for the geometry `blocks`, queries of `num_q_heads` heads and the
+    policy's `scale` (None: 1 / sqrt(head_dim))."""
 
     def __init__(self, summaries, variance: bool, blocks: BlockCounts, num_q_heads: int,
-                 scale: float | None = None):
+                 scale: float | None = None, shortlist_size: int = 0):
         self.summaries = summaries
         self.blocks = blocks
         self.num_q_heads = num_q_heads
@@ -128,6 +179,8 @@ class CompiledScores:
             k=blocks.max_chosen, max_selected=blocks.max_selected)
         self._listed = CompiledFunction(self._choice)
         self._tables = CompiledFunction(table_dots)
+        self.shortlist_size = shortlist_size
+        self._table = CompiledFunction(table_choice)  # its constants: `_table_constants`
         self.compile_seconds: float | None = None  # set by warm_up
 
     def tables(self, ids: Tensor, counts: Tensor, weights: list[Tensor],
@@ -143,6 +196,52 @@ class CompiledScores:
                 mark_unbacked(t, 1)  # the tables' width
         return self._tables(ids, counts, self.summaries.num_blocks,
                             *self._with_stores(weights), compile_now=compile_now)
+
+    def choose_table(self, query: Tensor, block_table: Tensor, num_committed: Tensor,
+                     shortlist_size: int, compile_now: bool = False) -> Choice:
+        """query [R, L, Hq, D], block_table [R, B] physical ids, num_committed [R] -> the
+        step's Choice: its Selection and (shortlist_size, 0 or this object's) its
+        Shortlist, summary rows read, as `Selector.choose` makes them eagerly. A table
+        narrower than max(max_chosen, shortlist_size) is padded with -1 here (no candidate:
+        the selection is the same), and the shortlist cut back to the table's width."""
+        device = self.summaries.device
+        width, size = block_table.shape[1], self.shortlist_size
+        table = on_device(block_table, device, torch.long)
+        least = max(self.blocks.max_chosen, size)
+        if width < least:
+            table = torch.nn.functional.pad(table, (0, least - width), value=PAD)
+        table = inference(dense(table))
+        committed = inference(dense(on_device(num_committed, device, torch.long)))
+        query = inference(dense(query.float()))
+        if compile_now:
+            for t in (query, table, committed):
+                mark_unbacked(t, 0)  # requests
+            mark_unbacked(table, 1)  # the tables' width
+            for dim in (1, 2, 3):  # layers, heads, channels: the model's
+                mark_static(query, dim)
+        shares = self.summaries.variance_shares() if len(self._stores) > 1 else None
+        out = self._table(query, shares, table, committed, self.summaries.counts,
+                          *self._with_stores(), compile_now=compile_now,
+                          **self._table_constants)
+        selection = Selection(*out[:3])
+        if shortlist_size == 0 or size == 0:
+            return Choice(selection)
+        logical, physical, num_chosen, sink_ids, rows, counts = out[3:]
+        if width < size:  # as `best_candidates` lists a narrow table: its width
+            logical, physical, rows, counts = (t[..., :width] for t in
+                                               (logical, physical, rows, counts))
+        return Choice(selection, Shortlist(
+            logical, physical, Frame(num_chosen, sink_ids, selection.num_selected,
+                                     selection.tail_start),
+            rows=rows, counts=counts, padding=logical < 0))
+
+    @functools.cached_property
+    def _table_constants(self) -> dict:
+        """`table_choice`'s keyword arguments."""
+        s = self.summaries
+        return dict(scale=self._choice.keywords["scale"], num_kv_heads=s.num_kv_heads,
+                    variance_width=s.variance_width, blocks=self.blocks,
+                    num_blocks=s.num_blocks, shortlist_size=self.shortlist_size)
 
     def choose_listed(self, query: Tensor, shortlist, compile_now: bool = False) -> Tensor:
         """query [R, L, Hq, D]; `shortlist` (core/selection.Shortlist, its summary rows
@@ -181,10 +280,17 @@ class CompiledScores:
         return args
 
     def warm_up(self) -> float:
-        """Compile both forms now (2 requests; a table of 3 blocks, a list of max_chosen + 1,
-        block 0 throughout): the seconds it took."""
+        """Compile the three forms now (2 requests; a table of 3 blocks, a list of
+        max_chosen + 1, a step's table one block wider than it pads to; block 0
+        throughout): the seconds it took."""
         s, k = self.summaries, self.blocks.max_chosen
         start = time.perf_counter()
+        width = max(k, self.shortlist_size) + 1
+        self.choose_table(
+            torch.zeros(2, s.num_layers, self.num_q_heads, s.head_dim, device=s.device),
+            torch.zeros(2, width, dtype=torch.long, device=s.device),
+            torch.full((2,), width * s.block_size, dtype=torch.long, device=s.device),
+            self.shortlist_size, compile_now=True)
         weights = [torch.zeros(2, s.num_layers, s.num_kv_heads, codes.shape[-1],
                                device=s.device) for codes, _, _ in self._stores]
         self.tables(torch.zeros(2, 3, dtype=torch.long, device=s.device),

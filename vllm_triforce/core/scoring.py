@@ -121,6 +121,14 @@ class SelectionPolicy:
         step's middle rounds, or None (no copy: each re-ranking reads the stores)."""
         return None
 
+    def table_selection(self, query: Tensor, summaries: BlockSummaries, block_table: Tensor,
+                        num_committed: Tensor, shortlist_size: int):
+        """A step's selection made whole, query [R, L, Hq, D] to its selection.Choice (with
+        each layer's best `shortlist_size` candidates as its Shortlist, summary rows read;
+        0: none), where the policy has a kernel for it (`RetrievalPolicy`'s compiled one);
+        None: the caller scores (`block_scores`) and selects (`select_blocks`) itself."""
+        return None
+
     def listed_selection(self, query: Tensor, summaries: BlockSummaries,
                          shortlist) -> Tensor | None:
         """A shortlist's (selection.Shortlist, its summary rows read) re-ranking made whole,

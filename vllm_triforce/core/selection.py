@@ -239,6 +239,12 @@ class Selector:
                                                   rows=shortlist.rows, counts=shortlist.counts,
                                                   copy=shortlist.copy)
             return Choice(select_listed(scores, shortlist, self.blocks))
+        if states is None and not (self.policy.exact_stage and self.keys is not None):
+            chosen = self.policy.table_selection(
+                query, summaries, block_table, num_committed,
+                self.shortlist_size if keep_shortlist else 0)
+            if chosen is not None:  # one compiled graph, query to selection and shortlist
+                return chosen
         committed = on_device(num_committed, block_table.device, torch.long)
         scores = self.policy.block_scores(query, summaries, block_table, committed, states)
         scores = rerank_exactly(self.policy, scores, query, self.keys, block_table,
@@ -271,6 +277,26 @@ def select_blocks(scores: Tensor, num_committed: Tensor, blocks: BlockCounts) ->
     ranked = _rank_candidates(scores, num_committed, blocks,
                               k=min(blocks.max_chosen, scores.shape[-1]), bounds=bounds)
     return _selection_of(ranked, frame(num_committed, blocks, bounds), blocks)
+
+
+def rank_table(scores: Tensor, block_table: Tensor, num_committed: Tensor,
+               blocks: BlockCounts, shortlist_size: int) -> tuple[Tensor, ...]:
+    """`select_blocks`, then (shortlist_size > 0) `best_candidates` and `Shortlist.of`, as
+    tensors, for tables at least max(max_chosen, shortlist_size) blocks wide (a compiled
+    graph's outputs, core/fused_reads.table_choice; a narrower table is padded with -1
+    first: a padded block is no candidate, so nothing kept changes): the Selection's
+    logical blocks, num_selected and tail_start; then the shortlist's logical and
+    physical blocks [R, L, shortlist_size] and its Frame's num_chosen and sink_ids.
+    num_committed [R] int64 on the device."""
+    bounds = candidate_bounds(num_committed, blocks)
+    kept = frame(num_committed, blocks, bounds)
+    ranked = _rank_candidates(scores, num_committed, blocks, k=blocks.max_chosen, bounds=bounds)
+    selection = _selection_of(ranked, kept, blocks)
+    out = (selection.logical_blocks, selection.num_selected, selection.tail_start)
+    if shortlist_size > 0:
+        listed = ranked_candidates(scores, num_committed, blocks, shortlist_size, bounds)
+        out += (listed, _physical(block_table, listed), kept.num_chosen, kept.sink_ids)
+    return out
 
 
 def select_listed(scores: Tensor, shortlist: Shortlist, blocks: BlockCounts) -> Selection:
@@ -339,10 +365,17 @@ def best_candidates(scores: Tensor, num_committed: Tensor, blocks: BlockCounts,
     """[R, L, min(size, max_blocks)] int64: each layer's best candidates by `scores` (as
     select_blocks ranks them), best first, -1 past a request's last candidate."""
     committed = on_device(num_committed, scores.device, torch.long)
-    bounds = candidate_bounds(committed, blocks)
-    ranked = _rank_candidates(scores, committed, blocks, k=min(size, scores.shape[-1]),
-                              bounds=bounds)
-    mask = candidate_mask(committed, scores.shape[-1], blocks, bounds)  # [R, B]
+    return ranked_candidates(scores, committed, blocks, min(size, scores.shape[-1]),
+                             candidate_bounds(committed, blocks))
+
+
+def ranked_candidates(scores: Tensor, num_committed: Tensor, blocks: BlockCounts, k: int,
+                      bounds: tuple[Tensor, Tensor]) -> Tensor:
+    """`best_candidates` of k <= max_blocks (num_committed [R] int64 on the device, its
+    `candidate_bounds` given): `rank_table`'s, compiled, where the tables' width is a size
+    it cannot take the minimum with."""
+    ranked = _rank_candidates(scores, num_committed, blocks, k=k, bounds=bounds)
+    mask = candidate_mask(num_committed, scores.shape[-1], blocks, bounds)  # [R, B]
     is_candidate = mask.gather(1, ranked.flatten(1)).view_as(ranked)
     return ranked.masked_fill(~is_candidate, PAD)
 

@@ -170,6 +170,20 @@ class RetrievalPolicy(SelectionPolicy):
             del picked  # freed before the next store's rows are read
         return copy.div_(counts[..., None])
 
+    def table_selection(self, query, summaries, block_table, num_committed, shortlist_size):
+        """`compiled` over these summaries, keeping shortlists of `shortlist_size` (0: none;
+        else the size it was built for): a step's selection, query to selection and shortlist, in one compiled
+        graph (core/fused_reads.table_choice); None without it, or where it failed
+        (`_dropped`)."""
+        if (not self._compiled_for(summaries)
+                or shortlist_size not in (0, self.compiled.shortlist_size)):
+            return None
+        try:
+            return self.compiled.choose_table(query, block_table, num_committed,
+                                              shortlist_size)
+        except Exception as exc:  # noqa: BLE001 - dynamo's and inductor's are many kinds
+            return self._dropped(exc)
+
     def listed_selection(self, query, summaries, shortlist):
         """`compiled` over these summaries: the shortlist's re-ranking, query to selection,
         in one compiled graph (core/fused_reads.listed_choice); None without it, or where

@@ -211,7 +211,8 @@ class Drafting:
         warning."""
         try:
             compiled = CompiledScores(self.summaries, self.policy.variance, self.shape.blocks,
-                                      self.shape.num_q_heads, self.policy.scale)
+                                      self.shape.num_q_heads, self.policy.scale,
+                                      self.retrieval.selector.shortlist_size)
             seconds = compiled.warm_up()
         except Exception as exc:  # noqa: BLE001 - inductor's failures are many kinds
             logger.warning("TriForce compiled_selection: compiling the block scoring failed "
@@ -219,8 +220,8 @@ class Drafting:
                            type(exc).__name__, first_line(exc))
         else:
             self.policy.compiled = compiled
-            logger.info("TriForce compiled_selection: a step's block scores are one compiled "
-                        "kernel, a middle round's re-ranking one compiled graph (compiled in "
+            logger.info("TriForce compiled_selection: a step's selection and shortlist are "
+                        "one compiled graph, a middle round's re-ranking another (compiled in "
                         "%.1f s)", seconds)
         # the lazy summaries' read: once vLLM has bound its cache (`_compile_after_binding`)
         self.retrieval.keeper.block_reads.wanted = self.retrieval.keeper.may_be_lazy()
