@@ -144,6 +144,35 @@ def test_a_steps_selection_and_shortlist_are_one_graph_of_the_eager_ones(varianc
     assert counters["stats"]["unique_graphs"] == graphs  # no size compiled anew
 
 
+def test_a_steps_selection_that_does_not_compile_ranks_the_compiled_scores(monkeypatch):
+    """Where the step's whole selection fails to compile at the warm-up, the warm-up says
+    why (`table_failed`) and the rest stays compiled: the step's block scores are the
+    compiled kernel's, ranked eagerly, and the selection is the eager one."""
+    from vllm_triforce.core import fused_reads
+
+    def refused(*args, **kwargs):
+        raise NotImplementedError("refused")
+
+    monkeypatch.setattr(fused_reads, "rank_table", refused)
+    summaries = coded_summaries(13)
+    selector = Selector(make_policy("retrieval", variance=True), BLOCKS, shortlist_factor=3)
+    compiled = CompiledScores(summaries, True, BLOCKS, num_q_heads=4,
+                              shortlist_size=selector.shortlist_size)
+    compiled.warm_up()
+    assert compiled.table_failed is not None  # dynamo says it observed an exception
+    gen = torch.Generator().manual_seed(14)
+    table = torch.randperm(N, generator=gen)[:24].view(2, 12)
+    committed, query = torch.tensor([48, 45]), torch.randn(2, L, 4, D, generator=gen)
+    want = selector.choose(query, summaries, table, committed, keep_shortlist=True)
+    calls, tables = [], compiled.tables
+    monkeypatch.setattr(compiled, "tables", lambda *a, **k: calls.append(1) or tables(*a, **k))
+    selector.policy.compiled = compiled
+    got = selector.choose(query, summaries, table, committed, keep_shortlist=True)
+    assert calls and selector.policy.compiled is compiled  # scored by the kernel, kept
+    assert torch.equal(got.selection.logical_blocks, want.selection.logical_blocks)
+    assert torch.equal(got.shortlist.logical, want.shortlist.logical)
+
+
 def test_the_kernels_hold_when_everything_runs_in_inference_mode():
     """As vLLM runs the engine: summaries, warm-up and calls in inference mode, where no
     argument is copied, so two that alias at the warm-up would be guarded to alias ever

@@ -38,7 +38,7 @@ from torch import Tensor
 from torch._dynamo.decorators import mark_static, mark_unbacked
 
 from vllm_triforce.config import BlockCounts
-from vllm_triforce.core.compiled import CompiledFunction, dense, inference
+from vllm_triforce.core.compiled import CompiledFunction, dense, first_line, inference
 from vllm_triforce.core.blocks import PAD
 from vllm_triforce.core.selection import (Choice, Frame, Selection, Shortlist, ordered_blocks,
                                           rank_listed, rank_table)
@@ -181,6 +181,9 @@ class CompiledScores:
         self._tables = CompiledFunction(table_dots)
         self.shortlist_size = shortlist_size
         self._table = CompiledFunction(table_choice)  # its constants: `_table_constants`
+        # why `table_choice` did not compile at the warm-up (None: it did, or none ran):
+        # then a step's selection scores with `tables` and ranks eagerly
+        self.table_failed: str | None = None
         self.compile_seconds: float | None = None  # set by warm_up
 
     def tables(self, ids: Tensor, counts: Tensor, weights: list[Tensor],
@@ -282,15 +285,20 @@ class CompiledScores:
     def warm_up(self) -> float:
         """Compile the three forms now (2 requests; a table of 3 blocks, a list of
         max_chosen + 1, a step's table one block wider than it pads to; block 0
-        throughout): the seconds it took."""
+        throughout): the seconds it took. Where the step's whole selection does not
+        compile (`table_failed` says why), the other two still serve."""
         s, k = self.summaries, self.blocks.max_chosen
         start = time.perf_counter()
         width = max(k, self.shortlist_size) + 1
-        self.choose_table(
-            torch.zeros(2, s.num_layers, self.num_q_heads, s.head_dim, device=s.device),
-            torch.zeros(2, width, dtype=torch.long, device=s.device),
-            torch.full((2,), width * s.block_size, dtype=torch.long, device=s.device),
-            self.shortlist_size, compile_now=True)
+        try:
+            self.choose_table(
+                torch.zeros(2, s.num_layers, self.num_q_heads, s.head_dim, device=s.device),
+                torch.zeros(2, width, dtype=torch.long, device=s.device),
+                torch.full((2,), width * s.block_size, dtype=torch.long, device=s.device),
+                self.shortlist_size, compile_now=True)
+        except Exception as exc:  # noqa: BLE001 - inductor's failures are many kinds
+            # the step's selection takes the compiled scores, then ranks eagerly
+            self.table_failed = f"{type(exc).__name__}: {first_line(exc)}"
         weights = [torch.zeros(2, s.num_layers, s.num_kv_heads, codes.shape[-1],
                                device=s.device) for codes, _, _ in self._stores]
         self.tables(torch.zeros(2, 3, dtype=torch.long, device=s.device),

@@ -175,7 +175,7 @@ class RetrievalPolicy(SelectionPolicy):
         else the size it was built for): a step's selection, query to selection and shortlist, in one compiled
         graph (core/fused_reads.table_choice); None without it, or where it failed
         (`_dropped`)."""
-        if (not self._compiled_for(summaries)
+        if (not self._compiled_for(summaries) or self.compiled.table_failed is not None
                 or shortlist_size not in (0, self.compiled.shortlist_size)):
             return None
         try:

@@ -220,9 +220,14 @@ class Drafting:
                            type(exc).__name__, first_line(exc))
         else:
             self.policy.compiled = compiled
+            if compiled.table_failed is not None:
+                logger.warning("TriForce compiled_selection: compiling a step's whole "
+                               "selection failed (%s); its block scores are one compiled "
+                               "kernel and it ranks them eagerly.", compiled.table_failed)
             logger.info("TriForce compiled_selection: a step's selection and shortlist are "
-                        "one compiled graph, a middle round's re-ranking another (compiled in "
-                        "%.1f s)", seconds)
+                        "%s, a middle round's re-ranking one compiled graph (compiled in "
+                        "%.1f s)", "one compiled graph" if compiled.table_failed is None
+                        else "compiled scores ranked eagerly", seconds)
         # the lazy summaries' read: once vLLM has bound its cache (`_compile_after_binding`)
         self.retrieval.keeper.block_reads.wanted = self.retrieval.keeper.may_be_lazy()
         graphs = self.retrieval.round_graphs
