@@ -488,7 +488,8 @@ def test_selection_graphs_give_todays_tokens_selections_and_acceptance(
     bucket (engine/device/selection_graph.py), the CPU's twin of its CUDA graph. At depths
     that vary (`force_depths`: 4, 3, 4, 1, 4) rows leave the rounds at different rounds, so
     some rounds re-rank a subset of the step's shortlist and take some of the round's
-    tokens. Every round after a step's first is loaded that way; the engine keeps the
+    tokens. Every round after a step's first is loaded that way, and every step's first
+    round by the bucket's run without the re-ranking; the engine keeps the
     per-call path's selections (every one recorded, by row), tokens and drafted/accepted
     counts; no padded token writes KV (three requests run in a bucket of four); nothing
     falls back to the eager reads."""
@@ -523,9 +524,15 @@ def test_selection_graphs_give_todays_tokens_selections_and_acceptance(
     # shortlist (`RetrievalStep.select`'s middle_tokens), so every round loaded ahead is
     # loaded by a selection graph
     assert 0 < stats["round_graph_selections"] == stats["round_graph_ahead"], stats
+    # and every step's first pass, over the selection its start made, by the graph
+    # without the re-ranking
+    assert 0 < stats["round_graph_layouts"] == (stats["round_graph_passes"]
+                                                - stats["round_graph_ahead"]), stats
     assert per_call["stats"]["round_graph_selections"] == 0
+    assert per_call["stats"]["round_graph_layouts"] == 0
     assert any(picked for _, picked in loads), f"no load took a subset of a round: {loads}"
-    assert 4 in graphs.runs and any(n == 3 for n, _ in loads), loads  # 3 rows, bucket 4
+    assert (4, True) in graphs.runs and (4, False) in graphs.runs, graphs.runs.keys()
+    assert any(n == 3 for n, _ in loads), loads  # 3 rows, bucket 4
     assert len(fused["recorded"]) == len(per_call["recorded"]) > stats["drafting_steps"]
     assert fused["recorded"] == per_call["recorded"]
     assert fused["accepted"] == per_call["accepted"]

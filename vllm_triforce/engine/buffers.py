@@ -236,9 +236,17 @@ def round_graph_bytes(bounds, num_layers: int, num_q_heads: int, num_kv_heads: i
 
 # `selection_graphs`' staged host values (engine/device/selection_graph.py): per token [T]
 # fields, then per request [R] fields, then the query starts [R + 1], in this order.
-SELECTION_TOKEN_FIELDS = ("positions", "owner", "valid", "picked")
+SELECTION_TOKEN_FIELDS = ("positions", "owner", "valid", "picked", "tokens")
 SELECTION_REQUEST_FIELDS = ("query_rows", "num_selected", "tail_start", "num_tails",
                             "seq_lens", "refresh_rows")
+
+
+def selection_staged_length(tokens: int, reqs: int) -> int:
+    """int64 values a selection graph's staged array holds (engine/device/selection_graph:
+    `SELECTION_TOKEN_FIELDS` per token, `SELECTION_REQUEST_FIELDS` per request, then the
+    query starts) at `tokens` tokens and `reqs` requests."""
+    return (len(SELECTION_TOKEN_FIELDS) * tokens + len(SELECTION_REQUEST_FIELDS) * reqs
+            + reqs + 1)
 
 
 def selection_graph_bytes(bounds, num_layers: int, listed: int, sinks: int, max_blocks: int,
@@ -247,25 +255,25 @@ def selection_graph_bytes(bounds, num_layers: int, listed: int, sinks: int, max_
     selection_graph.SelectionGraphs) at `bounds` (R requests, T tokens): the listed
     buffers [R, L, listed] (logical blocks and summary rows int64, counts float32, padding
     bool), the frame's [R, 1 + sinks] int64, the rows' block tables [R, max_blocks] int32,
-    the selection [R, L, max_selected] int32, the round's tokens [T] and the staged values
-    int64; with CUDA graphs their pool, which holds the re-ranking's and the layout's
-    results (a selection and a table row [R, L, max_selected + width] each, int64) and
-    GRAPH_OVERHEAD_BYTES a graph. Example, the Llama-3.1-8B plan at 53,000 blocks (32
-    layers; 15 drafting requests and tokens, 5 buckets; lists of 1,000 blocks, 4 x 250
-    retrieved; 1 sink; 8,192 blocks a request; 252 selected; rows of 258): lists 9.6
-    MiB, tables 0.47 MiB, selections 0.46 MiB; with CUDA graphs a pool of 1.9 MiB and 5
-    graphs: 17.4 MiB in all."""
+    the selection [R, L, max_selected] int32 and the staged values (the pass's tokens
+    among them) int64; with CUDA graphs their pool, which holds the re-ranking's and the
+    layout's results (a selection and a table row [R, L, max_selected + width] each,
+    int64) and GRAPH_OVERHEAD_BYTES a graph, two a bucket (with the re-ranking and
+    without). Example, the Llama-3.1-8B plan at 53,000 blocks (32 layers; 15 drafting
+    requests and tokens, 5 buckets; lists of 1,000 blocks, 4 x 250 retrieved; 1 sink;
+    8,192 blocks a request; 252 selected; rows of 258): lists 9.6 MiB, tables 0.47 MiB,
+    selections 0.46 MiB; with CUDA graphs a pool of 1.9 MiB and 10 graphs: 22.4 MiB in
+    all."""
     reqs, tokens = bounds.max_requests, bounds.max_tokens
     lists = reqs * num_layers * listed * (8 + 8 + 4 + 1)
     frame = reqs * (1 + sinks) * 8
     tables = reqs * max_blocks * 4
     selected = reqs * num_layers * max_selected * 4
-    staged = (len(SELECTION_TOKEN_FIELDS) * tokens + len(SELECTION_REQUEST_FIELDS) * reqs
-              + reqs + 1 + tokens) * 8
+    staged = selection_staged_length(tokens, reqs) * 8
     pool = 0
-    if cuda_graphs:
+    if cuda_graphs:  # two graphs a bucket: with the re-ranking and without
         pool = (reqs * num_layers * (max_selected + bounds.max_width) * 8
-                + len(bounds.buckets) * GRAPH_OVERHEAD_BYTES)
+                + 2 * len(bounds.buckets) * GRAPH_OVERHEAD_BYTES)
     return lists + frame + tables + selected + staged + pool
 
 

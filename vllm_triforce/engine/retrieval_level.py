@@ -432,16 +432,39 @@ class RetrievalStep:
 
     def _loaded(self, rows, token_ids, positions: Runs, count_miss: bool = True):
         """Requests `rows`' pass loaded into the round buffers (`RoundGraphs.load_runs`,
-        from the host's values, its tables laid out into the buffer); None, counted as a
-        miss: it fits no bucket, and takes `run_pass`."""
+        from the host's values, its tables laid out into the buffer; with selection
+        graphs, a pass of one host token a request as one graph: `_layout_graph`); None,
+        counted as a miss: it fits no bucket, and takes `run_pass`."""
         level = self.level
         selected, sizes, block_table = self._selections_of(rows)
+        loaded = self._layout_graph(rows, token_ids, positions, selected, sizes, block_table)
+        if loaded is not None:
+            return loaded
         layout = TableLayout.of(*sizes, positions.starts + positions.lens,
                                 level.blocks.block_size)
         loaded = level.round_graphs.load_runs(token_ids, positions, block_table, layout,
                                               selected)
         if loaded is None and count_miss:
             level.stats.add(round_graph_misses=1)
+        return loaded
+
+    def _layout_graph(self, rows, token_ids, positions: Runs, selected, sizes, block_table):
+        """`RoundGraphs.load_runs` of a pass of one token a request, its ids on the host
+        (a step's first middle pass), as one run of the selection graphs without their
+        re-ranking (`SelectionGraphs.load_selected`); None where there are none, or they
+        cannot (then nothing is loaded)."""
+        graphs = self.level.selection_graphs
+        if (graphs is None or graphs.graphs is not self.level.round_graphs
+                or isinstance(token_ids, torch.Tensor) or (positions.lens != 1).any()
+                or len(rows) > graphs.bounds.max_requests):
+            return None
+        key = np.asarray(rows, dtype=np.int64).tobytes()
+        loaded = graphs.load_selected(token_ids, positions.starts, *sizes, selected,
+                                      None if self._graph_rows == key else block_table)
+        if loaded is None:
+            return None
+        self._graph_rows = key  # their tables are the graphs' now
+        self.level.stats.add(round_graph_layouts=1)
         return loaded
 
     def _replayed(self, loaded) -> torch.Tensor:

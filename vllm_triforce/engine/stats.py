@@ -43,6 +43,9 @@ class TriForceStats:
     # of those, loaded with their re-selection as one graph (selection_graphs:
     # engine/device/selection_graph.py)
     round_graph_selections: int = 0
+    # passes over a selection the step's start made (a step's first middle pass), laid
+    # out and loaded as one graph (selection_graphs)
+    round_graph_layouts: int = 0
     # plain steps decided on the host with no TriForce work at all (engine/plain_steps.py)
     host_plain_steps: int = 0
     # measure_middle_acceptance only: sum over measured positions of sum_x min(p, q), p the

@@ -163,12 +163,26 @@ class PassBuffers:
             self.input_ids[num_tokens:bucket].zero_()
         self.query_start_loc[:bucket_requests + 1].copy_(qsl_dev)
         self.seq_lens[:bucket_requests].copy_(lens_dev)
-        rows, slots = self.layout(selected, block_table, num_selected, tail_start, num_tails,
-                                  self.columns[:layout.width], owner_dev,
-                                  positions_dev[:num_tokens])
-        self.slot_mapping[:num_tokens].copy_(slots)
+        self.write_tables(selected, block_table, num_selected, tail_start, num_tails,
+                          owner_dev, positions_dev[:num_tokens], layout.width)
         self.slot_mapping[num_tokens:bucket].fill_(PADDING_SLOT)
-        self.tables[:, :num_reqs, :layout.width].copy_(rows.transpose(0, 1))
+
+    def write_tables(self, selected: torch.Tensor, block_table: torch.Tensor,
+                     num_selected: torch.Tensor, tail_start: torch.Tensor,
+                     num_tails: torch.Tensor, owner: torch.Tensor, positions: torch.Tensor,
+                     width: int, valid: torch.Tensor | None = None) -> None:
+        """A pass's per-layer tables and its tokens' KV slots, laid out on the device
+        (`layout`) of `selected` [R, L, max_selected] and block_table [R, B] with a
+        TableLayout's sizes [R] each, into the buffers: the R requests' tables `width`
+        blocks wide, and the slots of the T tokens at positions [T] of requests owner [T]
+        (-1 where `valid` [T] is False: padding). `load_runs` writes its real rows so;
+        a selection graph its whole bucket (engine/device/selection_graph.py)."""
+        rows, slots = self.layout(selected, block_table, num_selected, tail_start, num_tails,
+                                  self.columns[:width], owner, positions)
+        if valid is not None:
+            slots = torch.where(valid, slots, PADDING_SLOT)
+        self.slot_mapping[:positions.shape[0]].copy_(slots)
+        self.tables[:, :selected.shape[0], :width].copy_(rows.transpose(0, 1))
 
     def clear(self) -> None:
         """A pass of padding only: what a bucket is built and captured over."""

@@ -47,7 +47,8 @@ import torch
 from vllm_triforce.core.compiled import first_line
 from vllm_triforce.core.selection import Frame, Shortlist
 from vllm_triforce.core.tables import TableLayout
-from vllm_triforce.engine.buffers import SELECTION_REQUEST_FIELDS, SELECTION_TOKEN_FIELDS
+from vllm_triforce.engine.buffers import (SELECTION_REQUEST_FIELDS, SELECTION_TOKEN_FIELDS,
+                                          selection_staged_length)
 from vllm_triforce.engine.device.round_graph import PADDING_SLOT, LoadedPass, pool_bytes
 
 logger = logging.getLogger(__name__)
@@ -70,8 +71,7 @@ class SelectionGraphs:
         reqs, tokens, layers = bounds.max_requests, bounds.max_tokens, len(graphs.layer_names)
         listed = max(listed, blocks.max_chosen)  # `choose_listed` pads shorter lists to it
         self.max_blocks = max_blocks
-        staged = (len(SELECTION_TOKEN_FIELDS) * tokens + len(SELECTION_REQUEST_FIELDS) * reqs
-                  + reqs + 1)
+        staged = selection_staged_length(tokens, reqs)
 
         def full(shape, fill, dtype) -> torch.Tensor:
             with torch.inference_mode():  # as the engine's tensors (dynamo guards on it)
@@ -86,15 +86,18 @@ class SelectionGraphs:
         self.sink_ids = full((reqs, 1, blocks.retrieval_sink_blocks), -1, torch.long)
         self.block_table = full((reqs, max_blocks), 0, torch.int32)  # the rows' tables
         self.selected = full((reqs, layers, blocks.max_selected), -1, torch.int32)
-        self.tokens = full((tokens,), 0, torch.long)  # the round's tokens
         self.staged = full((staged,), 0, torch.long)  # the host's values (`load`)
         self.views = _staged_views(self.staged, tokens, reqs)
+        # the pass's token ids: the round's (`load` copies them in after the staged
+        # values), or the host's, staged (`load_selected`)
+        self.tokens = self.views["tokens"]
         # the host's side of `staged`, written each round (its copy to the device is made
         # from a pinned copy of it, so it can be written again at once)
         self.host = np.zeros(staged, dtype=np.int64)
         self.host_views = _staged_views(self.host, tokens, reqs)
         self.use_cuda_graphs = use_cuda_graphs
-        self.runs: dict = {}  # bucket -> its run: its closure, or its CUDA graph's replay
+        # (bucket, whether it re-ranks) -> its run: its closure, or its CUDA graph's replay
+        self.runs: dict = {}
         self._pool = None
         self.failed: str | None = None  # why the graphs were given up (then today's path)
         self._shortlists: dict[int, Shortlist] = {}
@@ -104,8 +107,7 @@ class SelectionGraphs:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (self.logical, self.summary_rows, self.counts,
                                       self.padding, self.num_chosen, self.sink_ids,
-                                      self.block_table, self.selected, self.tokens,
-                                      self.staged))
+                                      self.block_table, self.selected, self.staged))
 
     def pool_bytes(self) -> int:
         """What the graphs' private pool holds (0: none captured)."""
@@ -146,40 +148,89 @@ class SelectionGraphs:
         buffer is not the one the graphs read, or the graphs were given up; then nothing
         is written and the caller takes today's path."""
         n = len(positions)
-        layout = TableLayout.of(num_selected, tail_start, positions + 1,
-                                self.bounds.block_size)
-        bucket = self.bounds.bucket(n, layout.width, 1)
-        if (bucket is None or tokens.shape[0] > self.tokens.shape[0]
-                or self.failed is not None or not self._reads(query_buffer)):
+        if (tokens.shape[0] > self.tokens.shape[0] or self.failed is not None
+                or not self._reads(query_buffer)):
             return None
-        reqs = self.bounds.requests_of(bucket)
-        replay = self.graphs.replay_of(bucket)  # before the load: a first one clears it
-        run = self.runs.get(bucket) or self._prepare(bucket)
-        if run is None:
+        ready = self._ready(positions, num_selected, tail_start, rerank=True)
+        if ready is None:
             return None
-        staged, view = self.host, self.host_views
-        staged.fill(0)
-        view["positions"][:n] = positions
-        view["owner"][:n] = np.arange(n)
-        view["valid"][:n] = 1
+        replay, bucket, run, view = ready
         view["picked"][:n] = np.arange(n) if picked is None else picked
         view["query_rows"][:n] = query_rows
-        view["num_selected"][:n] = num_selected
-        view["tail_start"][:n] = tail_start
-        view["num_tails"][:n] = layout.num_tails
-        view["seq_lens"][:n] = layout.compact_lens
         view["refresh_rows"][:n] = refresh_rows
-        view["query_start_loc"][1:n + 1] = np.arange(1, n + 1)
-        view["query_start_loc"][n + 1:reqs + 1] = n
-        host = torch.from_numpy(staged)
-        if self.staged.is_cuda:  # pinned: the copy does not wait (engine/device/transfer)
-            host = host.pin_memory()
-        self.staged.copy_(host, non_blocking=True)
-        self.tokens[:tokens.shape[0]].copy_(tokens)
+        self._copy_staged()
+        self.tokens[:tokens.shape[0]].copy_(tokens)  # after the staged values: its part
         self.launch(run)
         replay.refresh()  # the pass's metadata from its lengths, as `load_runs` does
         return (LoadedPass(replay, bucket, n, n), self.selected[:n],
                 self.views["refresh_rows"][:n])
+
+    def load_selected(self, token_ids, positions: np.ndarray, num_selected: np.ndarray,
+                      tail_start: np.ndarray, selected: torch.Tensor,
+                      block_table: torch.Tensor | None):
+        """Load the pass of n requests, one token each: request i's token token_ids[i]
+        (host) at positions[i], over the selection it holds already, `selected` [n, L,
+        max_selected] (its sizes num_selected[i], tail_start[i]): a step's first middle
+        pass, whose selection the step's start made. The same layout and writes as `load`
+        after its re-ranking, as one run (the bucket's graph without the re-ranking).
+        `block_table` [n, width]: the requests' tables, copied in first (None: the ones
+        copied last, these requests'). Returns the loaded pass, or None (nothing written):
+        it fits no bucket, its table is wider than `max_blocks`, or the graphs were given
+        up."""
+        n = len(positions)
+        if self.failed is not None or (block_table is not None
+                                       and block_table.shape[1] > self.max_blocks):
+            return None
+        ready = self._ready(positions, num_selected, tail_start, rerank=False)
+        if ready is None:
+            return None
+        replay, bucket, run, view = ready
+        view["picked"][:n] = np.arange(n)
+        view["tokens"][:n] = token_ids
+        if block_table is not None:
+            self.set_block_tables(block_table)
+        self.selected[:n].copy_(selected)
+        self._copy_staged()
+        self.launch(run)
+        replay.refresh()
+        return LoadedPass(replay, bucket, n, n)
+
+    def _ready(self, positions: np.ndarray, num_selected: np.ndarray, tail_start: np.ndarray,
+               rerank: bool):
+        """A load's bucket prepared and the host's staged values written for n requests
+        of one token at `positions`, with the sizes of their selections (`load` and
+        `load_selected` add theirs): (the bucket's replay, the bucket, its run, the host's
+        views), or None where no bucket fits or the capture failed."""
+        n = len(positions)
+        layout = TableLayout.of(num_selected, tail_start, positions + 1,
+                                self.bounds.block_size)
+        bucket = self.bounds.bucket(n, layout.width, 1)
+        if bucket is None:
+            return None
+        reqs = self.bounds.requests_of(bucket)
+        replay = self.graphs.replay_of(bucket)  # before the load: a first one clears it
+        run = self.runs.get((bucket, rerank)) or self._prepare(bucket, rerank)
+        if run is None:
+            return None
+        self.host.fill(0)
+        view = self.host_views
+        view["positions"][:n] = positions
+        view["owner"][:n] = np.arange(n)
+        view["valid"][:n] = 1
+        view["num_selected"][:n] = num_selected
+        view["tail_start"][:n] = tail_start
+        view["num_tails"][:n] = layout.num_tails
+        view["seq_lens"][:n] = layout.compact_lens
+        view["query_start_loc"][1:n + 1] = np.arange(1, n + 1)
+        view["query_start_loc"][n + 1:reqs + 1] = n
+        return replay, bucket, run, view
+
+    def _copy_staged(self) -> None:
+        """The host's staged values to the device, in one copy that does not wait."""
+        host = torch.from_numpy(self.host)
+        if self.staged.is_cuda:  # pinned: the copy does not wait (engine/device/transfer)
+            host = host.pin_memory()
+        self.staged.copy_(host, non_blocking=True)
 
     def launch(self, run) -> None:
         """A bucket's `run` (its closure, or its CUDA graph's replay): where a profiler
@@ -193,25 +244,24 @@ class SelectionGraphs:
             self.query_buffer = query_buffer
         return query_buffer is self.query_buffer
 
-    def closure(self, bucket: int) -> None:
-        """What a bucket runs (and a graph records): from the staged values, the query
-        buffer and the listed buffers, the selection (into `selected`) and the next pass
-        (into the round buffers: round_graph.PassBuffers)."""
+    def closure(self, bucket: int, rerank: bool = True) -> None:
+        """What a bucket runs (and a graph records): `rerank`, from the query buffer and
+        the listed buffers, the selection (into `selected`); then, from the staged values
+        and `selected`, the next pass (into the round buffers: round_graph.PassBuffers,
+        its tables and slots as `load_runs` lays them out: `write_tables`)."""
         reqs = self.bounds.requests_of(bucket)
-        s, buffers, query_buffer = self.views, self.graphs.buffers, self.query_buffer
-        layers = query_buffer.shape[0]
-        query = query_buffer[:, s["query_rows"][:reqs]].transpose(0, 1).reshape(
-            reqs, layers, self.num_heads, self.head_size)
-        logical = self.compiled.choose_listed(query, self._shortlist(reqs))
-        selected = self.selected[:reqs]
-        selected.copy_(logical)
-        valid = s["valid"][:bucket] > 0
-        rows, slots = buffers.layout(selected, self.block_table[:reqs],
-                                     s["num_selected"][:reqs], s["tail_start"][:reqs],
-                                     s["num_tails"][:reqs], buffers.columns, s["owner"][:bucket],
-                                     s["positions"][:bucket])
-        buffers.slot_mapping[:bucket].copy_(torch.where(valid, slots, PADDING_SLOT))
-        buffers.tables[:, :reqs].copy_(rows.transpose(0, 1))
+        s = self.views
+        if rerank:
+            query_buffer = self.query_buffer
+            query = query_buffer[:, s["query_rows"][:reqs]].transpose(0, 1).reshape(
+                reqs, query_buffer.shape[0], self.num_heads, self.head_size)
+            self.selected[:reqs].copy_(self.compiled.choose_listed(query,
+                                                                   self._shortlist(reqs)))
+        buffers, valid = self.graphs.buffers, s["valid"][:bucket] > 0
+        buffers.write_tables(self.selected[:reqs], self.block_table[:reqs],
+                             s["num_selected"][:reqs], s["tail_start"][:reqs],
+                             s["num_tails"][:reqs], s["owner"][:bucket], s["positions"][:bucket],
+                             buffers.columns.shape[0], valid)
         buffers.positions[:bucket].copy_(s["positions"][:bucket])
         buffers.input_ids[:bucket].copy_(torch.where(valid, self.tokens[s["picked"][:bucket]],
                                                      0))
@@ -229,24 +279,31 @@ class SelectionGraphs:
                 padding=self.padding[:reqs])
         return self._shortlists[reqs]
 
-    def _prepare(self, bucket: int):
-        """The bucket's run: its closure (eager), or, with CUDA graphs, every bucket
-        captured at the first round, largest first, into one pool of their own (after an
-        eager run each: the compiled functions' first calls happen outside the capture).
-        A capture that fails gives the graphs up, with a warning (None)."""
+    def _prepare(self, bucket: int, rerank: bool):
+        """The bucket's run, with the re-ranking or without: its closure (eager), or, with
+        CUDA graphs, every bucket's two captured at the first load, largest first, into
+        one pool of their own (after an eager run each: the compiled functions' first
+        calls happen outside the capture). A capture that fails gives the graphs up, with
+        a warning (None). The re-ranking reads the round graphs' query buffer, which their
+        own capture (before this one: `_ready`) made."""
         if not self.use_cuda_graphs:
-            self.runs[bucket] = lambda: self.closure(bucket)
-            return self.runs[bucket]
+            self.runs[bucket, rerank] = lambda: self.closure(bucket, rerank)
+            return self.runs[bucket, rerank]
+        if self.query_buffer is None:  # the round graphs' capture made it
+            self.query_buffer = self.graphs.query_buffers.buffers.get("query")
+        if self.query_buffer is None:
+            return None
         start = time.perf_counter()
         try:
             self._pool = torch.cuda.graph_pool_handle()
             for size in sorted(self.bounds.buckets, reverse=True):
-                self.closure(size)  # warm-up, over what is staged
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool):
-                    self.closure(size)
-                self.runs[size] = graph.replay
+                for reranks in (True, False):
+                    self.closure(size, reranks)  # warm-up, over what is staged
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self._pool):
+                        self.closure(size, reranks)
+                    self.runs[size, reranks] = graph.replay
         except Exception as exc:  # noqa: BLE001 - capture and dynamo fail many ways
             self.failed = f"{type(exc).__name__}: {first_line(exc)}"
             self.runs.clear()
@@ -256,7 +313,7 @@ class SelectionGraphs:
             return None
         logger.info("TriForce selection graphs: %d captured in %.1f s", len(self.runs),
                     time.perf_counter() - start)
-        return self.runs[bucket]
+        return self.runs[bucket, rerank]
 
 
 def _staged_views(staged, tokens: int, reqs: int) -> dict:
