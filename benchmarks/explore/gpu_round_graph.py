@@ -17,7 +17,8 @@ only a GPU can show, in three parts, most valuable first:
     (tools/bench/syncs.py, and torch's sync debug mode); the same engine with its round
     graphs switched off (`drafter.retrieval.round_graphs = None`): the same tokens, and
     acceptance within a few points. With `selection_graphs` on, the rounds a selection
-    graph loaded (`round_graph_selections`) are counted beside the rounds.
+    graph loaded (`round_graph_selections`) and the steps' first passes it laid out
+    (`round_graph_layouts`) are counted beside the rounds.
 (b) Cost at Llama-3.1-8B's width (`--b-layers`, 8 by default: a pass's device time is about
     a quarter of the 32-layer model's, while the host's work per round is not, so a round's
     cost over its device time is if anything higher here), dummy weights, 8 x 7,680 tokens,
@@ -117,8 +118,8 @@ FIRST_RESULT_S = {"cuda": {"a-2L": 80, "b": 110, "a-3L": 90, "a-plain": 80, "c":
                   "cpu": {"a-2L": 30, "b": 30, "a-3L": 40, "a-plain": 40, "c": 30}}
 COUNTERS = ("top_proposed", "top_accepted", "middle_proposed", "middle_accepted",
             "middle_rounds", "middle_seconds", "forward_seconds", "round_graph_passes",
-            "round_graph_misses", "round_graph_ahead", "round_graph_selections", "refreshes",
-            "plain_steps", "drafting_steps")
+            "round_graph_misses", "round_graph_ahead", "round_graph_selections",
+            "round_graph_layouts", "refreshes", "plain_steps", "drafting_steps")
 PER_ROUND_KEPT = 16  # rounds of (a) kept one by one in the results; all are summarised
 TIME_FORWARDS = "VLLM_TRIFORCE_TIME_FORWARDS"
 # How (b) and (c) run a middle round, in one engine: round graphs with the round's
@@ -269,7 +270,8 @@ def levels_check(result: dict, plain: dict | None) -> dict:
         row = {"acceptance": acceptance(run["stats"]), "drafted": run["stats"]["top_proposed"] > 0,
                **{k: run["stats"].get(k) for k in ("round_graph_passes", "round_graph_misses",
                                                    "round_graph_ahead",
-                                                   "round_graph_selections")}}
+                                                   "round_graph_selections",
+                                                   "round_graph_layouts")}}
         if plain is not None and "tokens" in plain:
             row["against_plain"] = compare_tokens(plain["tokens"], run["tokens"],
                                                   plain.get("margins"))
@@ -574,7 +576,8 @@ def per_pass_generation(llm, drafter, prompts, params) -> dict:
 
 def compiled_facts(drafter) -> dict:
     """Whether the compiled selection is on (a failed compilation, or a call that would have
-    compiled again, leaves the eager reads, with a warning in the log), how long its
+    compiled again, leaves the eager reads, with a warning in the log), whether a step's
+    whole selection compiled, how long its
     scores' compilation took, whether a middle pass's layout is compiled too, and the
     lazy summaries' read of the KV cache (None: the summaries are not set lazily)."""
     compiled, graphs = drafter.policy.compiled, drafter.retrieval.round_graphs
@@ -585,6 +588,9 @@ def compiled_facts(drafter) -> dict:
                 "failed": fused.failed, "prepared": sorted(fused.runs),
                 "buffer_bytes": fused.nbytes, "pool_bytes": fused.pool_bytes()},
             "compile_seconds": None if compiled is None else compiled.compile_seconds,
+            # why a step's whole selection did not compile (None: it did): then its
+            # scores are the compiled kernel's, ranked eagerly
+            "step_selection_failed": None if compiled is None else compiled.table_failed,
             "layout_on": graphs is not None and graphs.buffers.layout.compiled is not None,
             "block_reads_on": reads.compiled is not None if reads.wanted else None,
             "block_reads_compile_seconds": reads.compile_seconds}
@@ -777,7 +783,7 @@ def measure(llm, drafter, graphs, prompts, decode, depth: int, on: bool, synced:
                replay_ms_per_round=replay_ms / replays if replays else None,
                **{k: after[k] - before[k] for k in ("round_graph_passes", "round_graph_misses",
                                                     "round_graph_selections",
-                                                    "middle_rounds")})
+                                                    "round_graph_layouts", "middle_rounds")})
     return row
 
 
@@ -912,8 +918,8 @@ def summarise_rows(rows: list[dict], memory: dict | None) -> dict:
             if mode in (FUSED, COMPILED):  # every row's scores came from the kernels
                 cell["compiled_held"] = all(r.get("compiled_held", True) for r in mine)
             if mode == FUSED:  # rounds loaded by a selection graph, of the middle rounds
-                cell["round_graph_selections"] = sum(r.get("round_graph_selections", 0)
-                                                     for r in mine)
+                for counter in ("round_graph_selections", "round_graph_layouts"):
+                    cell[counter] = sum(r.get(counter, 0) for r in mine)
                 cell["middle_rounds"] = sum(r.get("middle_rounds", 0) for r in mine)
             if on and cell["middle_round_ms"] and cell["replay_ms_per_round"]:
                 cell["round_over_replay"] = cell["middle_round_ms"] / cell["replay_ms_per_round"]

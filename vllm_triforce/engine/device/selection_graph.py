@@ -17,11 +17,15 @@ every round:
 - the next pass's ids, positions, query starts and lengths written into the round buffers.
 Here that is one closure over persistent buffers per bucket (`closure`), captured as one
 CUDA graph on a GPU and run eagerly over the same buffers on a CPU: the twin the tests
-hold to today's path (`select_in_middle`, then `load_ahead`).
+hold to today's path (`select_in_middle`, then `load_ahead`). A step's first middle pass
+runs over the selection the step's start made (`load_selected`): the same closure
+without the re-ranking, a second graph per bucket, in place of `load_runs` and its
+compiled layout's launch.
 
 Per round the host works out what it knows (positions, query rows, the tables' sizes:
 core/tables.TableLayout), packs it into one array padded to the bucket and copies it
-into `staged` in one non-blocking copy; copies the round's tokens into `tokens`; runs
+into `staged` in one non-blocking copy; copies the round's tokens into `tokens` (a part
+of `staged`, where `load_selected` stages the host's ids instead); runs
 the bucket; and records the selection in the level's SelectionTable (one indexed write).
 The shortlist's tensors go into the listed buffers when a step first re-ranks it (or a
 subset of it), the requests' block tables when the rows change: not every round.
