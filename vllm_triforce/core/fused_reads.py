@@ -38,13 +38,13 @@ from torch import Tensor
 from torch._dynamo.decorators import mark_static, mark_unbacked
 
 from vllm_triforce.config import BlockCounts
-from vllm_triforce.core.compiled import CompiledFunction, dense, first_line, inference
 from vllm_triforce.core.blocks import PAD
+from vllm_triforce.core.compiled import CompiledFunction, dense, first_line, inference
 from vllm_triforce.core.selection import (Choice, Frame, Selection, Shortlist, ordered_blocks,
                                           rank_listed, rank_table)
-from vllm_triforce.core.tensors import on_device
 from vllm_triforce.core.summaries import fold_bands
 from vllm_triforce.core.summary_coding import CodedStore, decode_table
+from vllm_triforce.core.tensors import on_device
 
 
 def listed_dots(rows: Tensor, counts: Tensor, weights: Tensor, codes: Tensor,
@@ -91,16 +91,11 @@ def listed_choice(query: Tensor, shares: Tensor | None, rows: Tensor, counts: Te
     sinks]; the stores as `listed_dots` takes them (the second: the key variance) ->
     [R, L, max_selected] logical blocks (Selection.logical_blocks). k is
     `BlockCounts.max_chosen`, the candidates a selection ranks."""
-    query = query.transpose(0, 1)  # [R, L, Hq, D]
-    num_reqs, num_layers, num_q_heads, head_dim = query.shape
-    q = query.float().reshape(num_reqs, num_layers, num_kv_heads, num_q_heads // num_kv_heads,
-                           head_dim) * scale
-    more_weights = None
-    if more_codes is not None:  # 1/2 q^2 per channel, folded to the store's bands
-        squares = q.square().sum(3)
-        more_weights = 0.5 * fold_bands(squares if shares is None else squares * shares,
-                                        variance_width)
-    scores = listed_dots(rows, counts, q.sum(3), codes, scales, table, more_weights,
+    weights, more_weights = query_weights(query.transpose(0, 1), shares, scale=scale,
+                                          num_kv_heads=num_kv_heads,
+                                          variance_width=variance_width,
+                                          variance=more_codes is not None)
+    scores = listed_dots(rows, counts, weights, codes, scales, table, more_weights,
                          more_codes, more_scales, more_table)
     torch._check(scores.shape[-1] >= k)  # the caller pads a shorter list
     kept = torch.arange(k, device=query.device) < num_chosen  # `Frame.kept`
@@ -119,7 +114,7 @@ def query_weights(query: Tensor, shares: Tensor | None, *, scale: float, num_kv_
                               head_dim) * scale
     if not variance:
         return q.sum(3), None
-    squares = q.square().sum(3)
+    squares = q.square().sum(3)  # 1/2 q^2 per channel, folded to the store's bands
     return q.sum(3), 0.5 * fold_bands(squares if shares is None else squares * shares,
                                       variance_width)
 

@@ -129,7 +129,8 @@ class SelectionGraphs:
                                    (self.summary_rows, rows, 0), (self.counts, counts, 1.0),
                                    (self.padding, shortlist.padding, True)):
             buffer[:n, :, :s].copy_(part)
-            buffer[:n, :, s:].fill_(fill)
+            if s < buffer.shape[-1]:  # a shortlist of a table narrower than the buffers
+                buffer[:n, :, s:].fill_(fill)
         self.num_chosen[:n].copy_(shortlist.frame.num_chosen)
         self.sink_ids[:n].copy_(shortlist.frame.sink_ids)
 
