@@ -2,8 +2,9 @@
 
 Issue 25's measure of the overhead a GPU cannot hide: a 30-layer Llama of hidden size 64
 and a 1,024-token vocabulary (built here, tests/tiny_models.py), two levels, batch 8,
-fixed depth, greedy (`--temperature`: sampled). Host ms per round = (time in `propose` - time in model forwards) /
-middle rounds (engine/stats.py), over the timed generations; syncs per round and per step
+fixed depth, greedy (`--temperature`: sampled). Host ms per round = (time in `propose`
+- time in model forwards) / middle rounds (engine/stats.py), over the timed generations;
+syncs per round and per step
 come from one more, untimed generation (vllm_triforce/tools/bench/syncs.py), where the tree has it.
 `--ops N`: one more generation counts the aten operations per middle round outside the
 model forwards (each a launch on a GPU; unlike milliseconds on a shared host, the count

@@ -171,10 +171,10 @@ class RetrievalPolicy(SelectionPolicy):
         return copy.div_(counts[..., None])
 
     def table_selection(self, query, summaries, block_table, num_committed, shortlist_size):
-        """`compiled` over these summaries, keeping shortlists of `shortlist_size` (0: none;
-        else the size it was built for): a step's selection, query to selection and shortlist, in one compiled
-        graph (core/fused_reads.table_choice); None without it, or where it failed
-        (`_dropped`)."""
+        """`compiled` over these summaries: a step's selection, query to selection and
+        shortlist (`shortlist_size` blocks a layer: 0, none; else the size it was built
+        for), in one compiled graph (core/fused_reads.table_choice); None without it,
+        where it did not compile, or where it failed (`_dropped`)."""
         if (not self._compiled_for(summaries) or self.compiled.table_failed is not None
                 or shortlist_size not in (0, self.compiled.shortlist_size)):
             return None
