@@ -153,13 +153,14 @@ class CompiledScores:
     """Compiled over one summaries' coded stores (`sums`, and with the key variance
     `deviations()`), built once per engine: `tables` scores a step's tables
     (`table_dots`); `choose_table` makes a step's selection and its shortlist of
-    `shortlist_size` blocks a layer (0: none), query to both (`table_choice`);
+    `shortlist_size` blocks a layer (0: none), query to both (`table_choice`; None: no
+    such graph, for a caller that scores and ranks itself);
     `choose_listed` re-ranks a shortlist between middle rounds, query to selection
     (`listed_choice`); for the geometry `blocks`, queries of `num_q_heads` heads and the
     policy's `scale` (None: 1 / sqrt(head_dim))."""
 
     def __init__(self, summaries, variance: bool, blocks: BlockCounts, num_q_heads: int,
-                 scale: float | None = None, shortlist_size: int = 0):
+                 scale: float | None = None, shortlist_size: int | None = None):
         self.summaries = summaries
         self.blocks = blocks
         self.num_q_heads = num_q_heads
@@ -280,17 +281,20 @@ class CompiledScores:
     def warm_up(self) -> float:
         """Compile the three forms now (2 requests; a table of 3 blocks, a list of
         max_chosen + 1, a step's table one block wider than it pads to; block 0
-        throughout): the seconds it took. Where the step's whole selection does not
-        compile (`table_failed` says why), the other two still serve."""
+        throughout; the last not where `shortlist_size` is None): the seconds it took.
+        Where the step's whole selection does not compile (`table_failed` says why), the
+        other two still serve."""
         s, k = self.summaries, self.blocks.max_chosen
         start = time.perf_counter()
-        width = max(k, self.shortlist_size) + 1
         try:
-            self.choose_table(
-                torch.zeros(2, s.num_layers, self.num_q_heads, s.head_dim, device=s.device),
-                torch.zeros(2, width, dtype=torch.long, device=s.device),
-                torch.full((2,), width * s.block_size, dtype=torch.long, device=s.device),
-                self.shortlist_size, compile_now=True)
+            if self.shortlist_size is not None:
+                width = max(k, self.shortlist_size) + 1
+                self.choose_table(
+                    torch.zeros(2, s.num_layers, self.num_q_heads, s.head_dim,
+                                device=s.device),
+                    torch.zeros(2, width, dtype=torch.long, device=s.device),
+                    torch.full((2,), width * s.block_size, dtype=torch.long, device=s.device),
+                    self.shortlist_size, compile_now=True)
         except Exception as exc:  # noqa: BLE001 - inductor's failures are many kinds
             # the step's selection takes the compiled scores, then ranks eagerly
             self.table_failed = f"{type(exc).__name__}: {first_line(exc)}"

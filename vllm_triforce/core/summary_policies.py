@@ -175,7 +175,8 @@ class RetrievalPolicy(SelectionPolicy):
         shortlist (`shortlist_size` blocks a layer: 0, none; else the size it was built
         for), in one compiled graph (core/fused_reads.table_choice); None without it,
         where it did not compile, or where it failed (`_dropped`)."""
-        if (not self._compiled_for(summaries) or self.compiled.table_failed is not None
+        if (not self._compiled_for(summaries) or self.compiled.shortlist_size is None
+                or self.compiled.table_failed is not None
                 or shortlist_size not in (0, self.compiled.shortlist_size)):
             return None
         try:
