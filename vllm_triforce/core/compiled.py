@@ -11,12 +11,20 @@ three eager operations cost, where each of these functions replaces twenty or mo
 After its warm-up such a function never compiles again: a call that would (a guard no
 size should fail) raises, under dynamo's stance "fail_on_recompile", rather than compile
 on the hot path or fall back silently to eager torch (which, for the block scores, would
-hold every decoded row); the caller then takes its eager path, with a warning. Under a
+hold every decoded row); the caller then takes its eager path, with a warning.
+
+The warm-up compiles with Python's garbage collector paused (collected first): an object
+collected mid-trace runs its `__del__` inside dynamo's fake-tensor mode, and one whose
+`__del__` reads a tensor (vLLM's CPU GEMM handler calls `.item()`) fails the compilation
+("GuardOnDataDependentSymNode", "you set no_dispatch()"), leaving that part eager. Under a
 Python dispatch mode (tools/bench: the sync counter) dynamo compiles nothing, so the same
 function runs eagerly there, where the mode sees its operations.
 """
 
 from __future__ import annotations
+
+import contextlib
+import gc
 
 import torch
 from torch import Tensor
@@ -38,12 +46,27 @@ class CompiledFunction:
         if _get_current_dispatch_mode() is not None:
             return self.eager(*args, **kwargs)
         stance = "default" if compile_now else "fail_on_recompile"
-        if torch.is_inference_mode_enabled():  # the engine's calls
-            with torch.compiler.set_stance(stance):
-                return self._compiled(*args, **kwargs)
-        # one grad mode for every call: no recompilation
-        with torch.inference_mode(), torch.compiler.set_stance(stance):
+        with contextlib.ExitStack() as scope:
+            if compile_now:
+                scope.enter_context(collector_paused())
+            if not torch.is_inference_mode_enabled():  # one grad mode for every call
+                scope.enter_context(torch.inference_mode())
+            scope.enter_context(torch.compiler.set_stance(stance))
             return self._compiled(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def collector_paused():
+    """Python's garbage collector run now, then paused until the block ends (module
+    docstring: no `__del__` inside a trace); as it was before, after."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def first_line(exc: BaseException) -> str:
