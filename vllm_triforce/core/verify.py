@@ -137,15 +137,18 @@ class VerifyResult:
 def verify(draft_token_ids: Tensor, draft_probs: Tensor | None, target_probs: Tensor,
            num_drafts: Tensor, greedy: Tensor,
            generators: Sequence[torch.Generator | None] | None = None,
-           all_greedy: bool | None = None) -> VerifyResult:
+           all_greedy: bool | None = None,
+           shared: torch.Generator | None = None) -> VerifyResult:
     """Standard speculative sampling of one level (module docstring).
 
     draft_token_ids [R, G]; draft_probs [R, G, V] or None (drafts are one-hot, i.e.
     proposed deterministically); target_probs [R, G + 1, V]; num_drafts [R] <= G valid
     drafts per row (slots past it are ignored); greedy [R] bool: accept while the draft
     equals argmax p, then emit argmax p (pass it on the host: an all-greedy batch then
-    draws nothing). generators: one per row (None entries and a None list use the
-    default RNG). `all_greedy`: whether every row is greedy, if known on the host.
+    draws nothing). generators: one per row (a seeded request's: its row is reproducible
+    whatever the batch); rows with a None entry, or all with a None list, draw together
+    from `shared` (None: the default RNG). `all_greedy`: whether every row is greedy, if
+    known on the host.
     """
     num_reqs, gamma = draft_token_ids.shape
     device = target_probs.device
@@ -158,7 +161,7 @@ def verify(draft_token_ids: Tensor, draft_probs: Tensor | None, target_probs: Te
     safe_ids = ids.clamp(0, p.shape[-1] - 1)[..., None]  # [R, G, 1]; padding may be -1
     num_drafts = on_device(num_drafts, device, torch.long)
     greedy = on_device(greedy, device, torch.bool)
-    uniform = _draw(num_reqs, gamma + 1, generators, device)  # [R, G+1]
+    uniform = _draw(num_reqs, gamma + 1, generators, device, shared)  # [R, G+1]
     p_draft = p[:, :gamma].gather(2, safe_ids).squeeze(-1)  # [R, G] p(x_i)
     q_draft = (torch.ones_like(p_draft) if draft_probs is None
                else on_device(draft_probs, device).float().gather(2, safe_ids).squeeze(-1))
@@ -240,22 +243,24 @@ def sample_tokens(q: Tensor, greedy: Tensor, generators: Sequence[torch.Generato
         return argmax
     uniform = torch.rand(q.shape[0], dtype=torch.float64, device=q.device, generator=shared)
     for j, gen in enumerate(generators):
-        if gen is not None:
-            uniform[j] = torch.rand(1, dtype=torch.float64, device=q.device, generator=gen)[0]
+        if gen is not None:  # in place: the value `torch.rand(1, generator=gen)` gives
+            uniform[j:j + 1].uniform_(generator=gen)
     return torch.where(on_device(greedy, q.device, torch.bool), argmax,
                        _inverse_cdf(q, uniform))
 
 
-def _draw(num_reqs: int, count: int, generators, device) -> Tensor:
-    """[R, count] float64 uniforms in [0, 1), each row from its own generator if it has one."""
-    if generators is None:
-        return torch.rand(num_reqs, count, dtype=torch.float64, device=device)
-    if len(generators) != num_reqs:
+def _draw(num_reqs: int, count: int, generators, device,
+          shared: torch.Generator | None = None) -> Tensor:
+    """[R, count] float64 uniforms in [0, 1): a row with its own generator draws from it
+    (the values `torch.rand(count, generator=gen)` gives), the others in one draw from
+    `shared` (None: the default RNG)."""
+    if generators is not None and len(generators) != num_reqs:
         raise ValueError(f"{len(generators)} generators for {num_reqs} rows")
-    rows = [torch.rand(count, dtype=torch.float64, device=device, generator=gen)
-            for gen in generators]
-    return torch.stack(rows) if rows else torch.empty(0, count, dtype=torch.float64,
-                                                      device=device)
+    uniform = torch.rand(num_reqs, count, dtype=torch.float64, device=device, generator=shared)
+    for j, gen in enumerate(generators or ()):
+        if gen is not None:  # in place: one launch a seeded row
+            uniform[j].uniform_(generator=gen)
+    return uniform
 
 
 def _inverse_cdf(dist: Tensor, uniform: Tensor) -> Tensor:

@@ -223,11 +223,13 @@ class Drafting:
             if compiled.table_failed is not None:
                 logger.warning("TriForce compiled_selection: compiling a step's whole "
                                "selection failed (%s); its block scores are one compiled "
-                               "kernel and it ranks them eagerly.", compiled.table_failed)
-            logger.info("TriForce compiled_selection: a step's selection and shortlist are "
-                        "%s, a middle round's re-ranking one compiled graph (compiled in "
-                        "%.1f s)", "one compiled graph" if compiled.table_failed is None
-                        else "compiled scores ranked eagerly", seconds)
+                               "kernel and it ranks them eagerly; a middle round's "
+                               "re-ranking is one compiled graph (compiled in %.1f s).",
+                               compiled.table_failed, seconds)
+            else:
+                logger.info("TriForce compiled_selection: a step's selection and shortlist "
+                            "are one compiled graph, a middle round's re-ranking another "
+                            "(compiled in %.1f s)", seconds)
         # the lazy summaries' read: once vLLM has bound its cache (`_compile_after_binding`)
         self.retrieval.keeper.block_reads.wanted = self.retrieval.keeper.may_be_lazy()
         graphs = self.retrieval.round_graphs

@@ -340,9 +340,8 @@ class MiddleLoop:
                 target_probs = layout.per_request(probs, c)  # [n, max(sizes) + 1, V]
                 del probs
                 result = verify(proposals[c], proposal_probs[c], target_probs,
-                                layout.num_drafts[c], greedy[c],
-                                [g or self.generator for g in generators[c]],
-                                all_greedy=all_greedy)
+                                layout.num_drafts[c], greedy[c], generators[c],
+                                all_greedy=all_greedy, shared=self.generator)
                 accepted, emitted = result.num_accepted, result.output_token_ids
             if probs_out.flat is not None:  # V1: the probabilities handed to vLLM
                 _keep_probs(probs_out, target_probs, accepted + 1, base[c], room[c])

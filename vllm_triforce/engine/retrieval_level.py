@@ -150,7 +150,7 @@ class RetrievalStep:
         # (rows, positions, RoundGraphs' LoadedPass): the next round's pass, loaded ahead
         self._ahead: tuple | None = None
         # what this step put into the selection graphs' buffers: the Shortlist, and the
-        # rows whose block tables (`reselect_and_load`)
+        # rows whose block tables (`_hold_tables`)
         self._graph_listed = None
         self._graph_rows: bytes | None = None
 
@@ -283,12 +283,8 @@ class RetrievalStep:
                 or not (level.selections.shortlist_step[slots] == self.number).all()):
             return False
         self._summarise(rows)
-        if self._graph_rows != rows.tobytes():  # the rows' block tables
-            table = self.batch.block_table[to_device(level.device, rows)[0]]
-            if table.shape[1] > graphs.max_blocks:
-                return False
-            graphs.set_block_tables(table)
-            self._graph_rows = rows.tobytes()
+        if not self._hold_tables(graphs, rows):
+            return False
         listed = self._listed(slots)
         if listed is not self._graph_listed:
             graphs.set_listed(listed, level.summaries)
@@ -456,16 +452,29 @@ class RetrievalStep:
         graphs = self.level.selection_graphs
         if (graphs is None or graphs.graphs is not self.level.round_graphs
                 or isinstance(token_ids, torch.Tensor) or (positions.lens != 1).any()
-                or len(rows) > graphs.bounds.max_requests):
+                or len(rows) > graphs.bounds.max_requests
+                or not self._hold_tables(graphs, rows, block_table)):
             return None
-        key = np.asarray(rows, dtype=np.int64).tobytes()
-        loaded = graphs.load_selected(token_ids, positions.starts, *sizes, selected,
-                                      None if self._graph_rows == key else block_table)
-        if loaded is None:
-            return None
-        self._graph_rows = key  # their tables are the graphs' now
-        self.level.stats.add(round_graph_layouts=1)
+        loaded = graphs.load_selected(token_ids, positions.starts, *sizes, selected)
+        if loaded is not None:
+            self.level.stats.add(round_graph_layouts=1)
         return loaded
+
+    def _hold_tables(self, graphs, rows, block_table: torch.Tensor | None = None) -> bool:
+        """Whether the selection graphs hold requests `rows`' block tables, copied in unless
+        they hold them already (`block_table`: those tables [n, width]; None: gathered from
+        the batch); False, nothing written, where the tables are wider than the graphs'
+        `max_blocks`."""
+        key = np.asarray(rows, dtype=np.int64).tobytes()
+        if self._graph_rows == key:
+            return True
+        if block_table is None:
+            block_table = self.batch.block_table[to_device(self.level.device, rows)[0]]
+        if block_table.shape[1] > graphs.max_blocks:
+            return False
+        graphs.set_block_tables(block_table)
+        self._graph_rows = key  # their tables are the graphs' now
+        return True
 
     def _replayed(self, loaded) -> torch.Tensor:
         """The loaded pass replayed over the level's persistent buffers."""

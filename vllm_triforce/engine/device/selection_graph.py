@@ -171,20 +171,17 @@ class SelectionGraphs:
                 self.views["refresh_rows"][:n])
 
     def load_selected(self, token_ids, positions: np.ndarray, num_selected: np.ndarray,
-                      tail_start: np.ndarray, selected: torch.Tensor,
-                      block_table: torch.Tensor | None):
+                      tail_start: np.ndarray, selected: torch.Tensor):
         """Load the pass of n requests, one token each: request i's token token_ids[i]
         (host) at positions[i], over the selection it holds already, `selected` [n, L,
         max_selected] (its sizes num_selected[i], tail_start[i]): a step's first middle
         pass, whose selection the step's start made. The same layout and writes as `load`
-        after its re-ranking, as one run (the bucket's graph without the re-ranking).
-        `block_table` [n, width]: the requests' tables, copied in first (None: the ones
-        copied last, these requests'). Returns the loaded pass, or None (nothing written):
-        it fits no bucket, its table is wider than `max_blocks`, or the graphs were given
-        up."""
+        after its re-ranking, as one run (the bucket's graph without the re-ranking), over
+        the block tables set last (`set_block_tables`: the caller's, these requests').
+        Returns the loaded pass, or None (nothing written): it fits no bucket, or the
+        graphs were given up."""
         n = len(positions)
-        if self.failed is not None or (block_table is not None
-                                       and block_table.shape[1] > self.max_blocks):
+        if self.failed is not None:
             return None
         ready = self._ready(positions, num_selected, tail_start, rerank=False)
         if ready is None:
@@ -192,8 +189,6 @@ class SelectionGraphs:
         replay, bucket, run, view = ready
         view["picked"][:n] = np.arange(n)
         view["tokens"][:n] = token_ids
-        if block_table is not None:
-            self.set_block_tables(block_table)
         self.selected[:n].copy_(selected)
         self._copy_staged()
         self.launch(run)
