@@ -2,10 +2,10 @@
 
 Issue 25's measure of the overhead a GPU cannot hide: a 30-layer Llama of hidden size 64
 and a 1,024-token vocabulary (built here, tests/tiny_models.py), two levels, batch 8,
-fixed depth, greedy (`--temperature`: sampled). Host ms per round = (time in `propose`
-- time in model forwards) / middle rounds (engine/stats.py), over the timed generations;
-syncs per round and per step
-come from one more, untimed generation (vllm_triforce/tools/bench/syncs.py), where the tree has it.
+fixed depth, greedy (`--temperature`: sampled, every request seeded unless `--unseeded`).
+Host ms per round = (time in `propose` - time in model forwards) / middle rounds
+(engine/stats.py), over the timed generations; syncs per round and per step come from one
+more, untimed generation (vllm_triforce/tools/bench/syncs.py), where the tree has it.
 `--ops N`: one more generation counts the aten operations per middle round outside the
 model forwards (each a launch on a GPU; unlike milliseconds on a shared host, the count
 does not move between runs), and prints the N vllm_triforce call sites whose operations
@@ -53,6 +53,9 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="0 (default): greedy; above 0 every request samples (the "
                              "rounds' vocabulary work: probabilities, draws, the hand-off)")
+    parser.add_argument("--unseeded", action="store_true",
+                        help="with --temperature: requests without a seed (a serving "
+                             "load's usual case: one batched draw), not each seeded")
     parser.add_argument("--no-syncs", action="store_true", help="skip the counted generation")
     parser.add_argument("--ops", type=int, default=0, metavar="N",
                         help="count aten operations per middle round; print N call sites")
@@ -78,7 +81,8 @@ def main() -> None:
                          max_model_len=2048, seed=0)
     prompts = [tiny_models.make_text(args.prompt_words, seed=i) for i in range(args.batch)]
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
-                            ignore_eos=True, seed=None if args.temperature == 0 else 0)
+                            ignore_eos=True,
+                            seed=None if args.temperature == 0 or args.unseeded else 0)
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     drafter = drafter_of(llm)
     host_ms, wall = [], []

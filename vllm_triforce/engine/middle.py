@@ -450,9 +450,12 @@ def _keep_probs(probs_out: HandOffBuffer, target_probs: torch.Tensor, emitted: t
     every other row goes to the buffer's spare row. Example, gamma2 6, width 3, a request
     at slot 1 holding 4 middle tokens that emitted 3: base 10, room 2, rows 0 and 1 go to
     flat rows 10 and 11 (rows[1, 4] and rows[1, 5]), row 2 to the spare row."""
+    kept = torch.minimum(emitted, room)  # [n] rows each request keeps
+    if target_probs.shape[1] == 1:  # one row a request (the level drafting alone)
+        probs_out.flat[torch.where(kept > 0, base, probs_out.spare)] = target_probs[:, 0]
+        return
     j = torch.arange(target_probs.shape[1], device=base.device)
-    kept = (j < emitted[:, None]) & (j < room[:, None])  # [n, width]
-    dst = torch.where(kept, base[:, None] + j, probs_out.spare)
+    dst = torch.where(j < kept[:, None], base[:, None] + j, probs_out.spare)  # [n, width]
     probs_out.flat[dst.flatten()] = target_probs.flatten(0, 1)
 
 
