@@ -241,10 +241,7 @@ def sample_tokens(q: Tensor, greedy: Tensor, generators: Sequence[torch.Generato
     argmax = q.argmax(-1)  # [n]
     if all_greedy:
         return argmax
-    uniform = torch.rand(q.shape[0], dtype=torch.float64, device=q.device, generator=shared)
-    for j, gen in enumerate(generators):
-        if gen is not None:  # in place: the value `torch.rand(1, generator=gen)` gives
-            uniform[j:j + 1].uniform_(generator=gen)
+    uniform = _draw(q.shape[0], 1, generators, q.device, shared)[:, 0]
     return torch.where(on_device(greedy, q.device, torch.bool), argmax,
                        _inverse_cdf(q, uniform))
 
