@@ -130,6 +130,60 @@ def test_load_runs_writes_what_build_pass_then_load_write(ids_on, compiled):
         assert torch.equal(getattr(direct, name), getattr(today, name)), name
 
 
+@pytest.mark.parametrize("ids_on", ["host", "device"])
+def test_load_host_writes_what_the_small_drafts_build_pass_then_load_write(ids_on):
+    """The small draft's load from the host's description of its pass (`load_host`: one
+    copy, one gather of blocks) leaves every buffer as today's `streaming_table`,
+    `build_pass` and `load` do, padding included; its table equal where a row reads it
+    (past a row, what `load_host` leaves is never read). Batch rows 2, 0 and 1 of a
+    window of one sink and two window blocks of 4: [20, 21, 22] rebased by 8; the sinks
+    and [8, 9]; [5], whose table has a column past its blocks."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from vllm_triforce.core.streaming import DraftWindow
+    from vllm_triforce.engine.draft_level import DraftLevel
+
+    window = DraftWindow(num_sink_blocks=1, num_window_blocks=2, block_size=4,
+                         max_draft_position=40, lookahead=4)
+    b = RoundBounds.of_draft(3, 4, gamma1=2, gamma2=4, drafting=4, max_batched_tokens=2048)
+    block_table = torch.randperm(100, dtype=torch.int32)[:24].view(3, 8) + 1
+    states = [SimpleNamespace(draft_rebase_offset=o) for o in (0, 0, 8)]
+    rows, positions = [2, 0, 1], [[20, 21, 22], [0, 1, 2, 3, 8, 9], [5]]
+    ids = [[7, 8, 9], [1, 2, 3, 4, 5, 6], [11]]
+    level = object.__new__(DraftLevel)
+    level.window = window
+    host = level._host_pass(SimpleNamespace(block_table=block_table), states, rows, positions)
+    assert host.positions.tolist() == [12, 13, 14, 0, 1, 2, 3, 8, 9, 5]
+    assert host.columns.tolist() == [[0, 4, 5], [0, 1, 2], [0, 1, -1]]
+    assert host.seq_lens.tolist() == [11, 10, 6]
+    bucket = b.bucket(host.num_tokens, 3, 6)
+    assert bucket == 16 and b.requests_of(bucket) == 4
+    today, direct = PassBuffers(b, num_tables=1, device="cpu"), PassBuffers(b, 1, "cpu")
+    for buffers in (today, direct):  # what an earlier round could have left
+        for t in (buffers.input_ids, buffers.positions, buffers.slot_mapping,
+                  buffers.query_start_loc, buffers.seq_lens, buffers.tables):
+            t.fill_(99)
+    mine = block_table[torch.tensor(rows)]
+    table, _ = window.table(mine, torch.tensor([23, 10, 6]))
+    rebased = [[window.position(p, states[r].draft_rebase_offset) for p in ps]
+               for r, ps in zip(rows, positions)]
+    inputs = build_pass(ids, positions, mine, 4, host.seq_lens.tolist(), sample_last=True,
+                        model_positions=rebased)
+    today.load(inputs, table[None], bucket, 4)
+    flat = [t for ts in ids for t in ts]
+    direct.load_host(flat if ids_on == "host" else torch.tensor(flat), host, block_table,
+                     bucket, 4)
+    assert direct.slot_mapping[10:16].tolist() == [PADDING_SLOT] * 6
+    assert direct.query_start_loc[:5].tolist() == [0, 3, 9, 10, 10]
+    for name in ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens"):
+        assert torch.equal(getattr(direct, name), getattr(today, name)), name
+    read = torch.from_numpy(np.pad(host.columns >= 0, ((0, b.max_requests - 3), (0, 0))))
+    assert torch.equal(direct.tables[0][read], today.tables[0][read])
+    assert not torch.equal(direct.tables, today.tables)  # past a row: the check can tell
+
+
 @pytest.mark.parametrize("inference", [False, True])
 def test_the_compiled_pass_layout_is_the_eager_one_for_every_size(inference):
     """`PassLayout` compiled once gives `pass_layout`'s tables and slots for passes of 1 to

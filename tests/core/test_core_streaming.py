@@ -99,3 +99,23 @@ def test_host_helpers_equal_the_tensor_functions():
             assert w.position(n, offset) == int(draft_positions(torch.tensor(n), offset, 4))
             assert w.needs_rebase(n, offset) == bool(
                 needs_rebase(torch.tensor([n]), torch.tensor([offset]), 4, 40)[0])
+
+
+def test_table_columns_are_the_tables_blocks():
+    """The host's table (`DraftWindow.table_columns`: block-table columns) reads the blocks
+    and gives the lengths `streaming_table` gives, for every length up to past the block
+    table's width, and the docstring's example."""
+    w = DraftWindow(num_sink_blocks=2, num_window_blocks=3, block_size=4, max_draft_position=64,
+                    lookahead=4)
+    seq_lens = torch.arange(1, 60)
+    table = torch.randint(1, 1000, (len(seq_lens), 12), dtype=torch.int32)
+    tables, compact = w.table(table, seq_lens)
+    columns, host_compact = w.table_columns(seq_lens.numpy(), max_blocks=12)
+    assert columns.shape == tuple(tables.shape) and host_compact.tolist() == compact.tolist()
+    assert (columns == -1).any() and (columns >= 0).any()
+    gathered = table.gather(1, torch.from_numpy(columns).clamp(min=0))
+    assert torch.equal(gathered.masked_fill(torch.from_numpy(columns) < 0, 0), tables)
+    small = DraftWindow(num_sink_blocks=1, num_window_blocks=2, block_size=4,
+                        max_draft_position=40, lookahead=4)
+    cols, lens = small.table_columns([13, 6], max_blocks=8)
+    assert cols.tolist() == [[0, 2, 3], [0, 1, -1]] and lens.tolist() == [9, 6]

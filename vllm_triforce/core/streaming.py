@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -106,6 +107,26 @@ class DraftWindow:
     def table(self, block_table: Tensor, seq_lens: Tensor) -> tuple[Tensor, Tensor]:
         return streaming_table(block_table, seq_lens, self.num_sink_blocks,
                                self.num_window_blocks, self.block_size)
+
+    def table_columns(self, seq_lens: np.ndarray,
+                      max_blocks: int) -> tuple[np.ndarray, np.ndarray]:
+        """`table` on the host, as columns of the block table: ([n, sinks + window] the
+        block-table column each entry of a request's compacted row reads, -1 where
+        `streaming_table` pads with 0; [n] the compacted rows' tokens) for requests of
+        seq_lens [n] tokens in a block table `max_blocks` columns wide. Row r of `table` is
+        block_table[r, columns[r]] where columns[r] >= 0 (tests/core/test_core_streaming.py).
+        Example, block_size 4, 1 sink and 2 window blocks: 13 tokens (blocks 0..3) ->
+        [0, 2, 3] and 9 tokens (4 + 4 + 1); 6 tokens -> [0, 1, -1] and 6."""
+        lens = np.asarray(seq_lens, dtype=np.int64)
+        num_blocks = -(-lens // self.block_size)  # [n]
+        first = np.maximum(num_blocks - self.num_window_blocks, self.num_sink_blocks)  # [n]
+        slot = np.arange(self.num_sink_blocks + self.num_window_blocks)  # [W]
+        columns = np.where(slot < self.num_sink_blocks, slot,
+                           first[:, None] + slot - self.num_sink_blocks)  # [n, W]
+        columns[(columns >= num_blocks[:, None]) | (columns >= max_blocks)] = -1
+        compact = (np.minimum(lens, self.sink_tokens)
+                   + np.maximum(lens - first * self.block_size, 0))
+        return columns, compact
 
 
 def window_start(seq_lens: Tensor, block_size: int, num_sink_blocks: int,

@@ -13,15 +13,17 @@ rebase) and samples e_1, then single-token steps sample e_2..e_g.
 
 from __future__ import annotations
 
+import itertools
 import time
 
+import numpy as np
 import torch
 
 from vllm_triforce.config import TriForceConfigError
 from vllm_triforce.core.streaming import DraftWindow
 from vllm_triforce.core.verify import GREEDY_TEMPERATURE, sample_tokens
 from vllm_triforce.engine.buffers import MIDDLE_CHUNK_ROWS
-from vllm_triforce.engine.device.forward import build_pass, run_pass
+from vllm_triforce.engine.device.forward import HostPass, build_pass, run_pass
 from vllm_triforce.engine.device.transfer import to_device
 
 
@@ -63,29 +65,31 @@ class DraftLevel:
         for r in range(batch.num_reqs):
             states[r].invalidate_draft_from(batch.verify_start[r], self.window.sink_tokens)
 
-    def propose(self, batch, states, drafts_by_row, active, sizes):
+    def propose(self, batch, states, drafts_by_row, active, sizes, probs: bool = True):
         """sizes[i] tokens for request active[i] (`drafts_by_row[r]`: its middle tokens so
         far, engine/middle.RequestDrafts); returns the proposals [len(active),
         max(sizes)] and their probs [len(active), max(sizes), V] (zero past each request's
-        size), both on the device: a draft step feeds the next one without the host
-        reading its tokens (the round reads them once, after verification)."""
+        size; `probs` False: None, every request greedy and its argmaxes the proposals),
+        both on the device: a draft step feeds the next one without the host reading its
+        tokens (the round reads them once, after verification)."""
         pending = [self._pending_tokens(batch, states[r], drafts_by_row[r], r, sizes[i])
                    for i, r in enumerate(active)]
+        last = np.array([drafts_by_row[r].position for r in active], dtype=np.int64)
 
         def run_step(step, rows, reqs, previous):
             if step == 0:
                 positions, token_ids = [pending[i][0] for i in rows], [pending[i][1] for i in rows]
             else:  # each request runs its previous proposal
-                positions = [[drafts_by_row[active[i]].position + step] for i in rows]
+                positions = [[p] for p in (last[rows] + step).tolist()]
                 token_ids = previous
             return self._forward(batch, states, reqs, positions, token_ids)
 
-        proposals, probs = draft_proposals(batch, states, active, sizes, run_step,
-                                           self.generator)
+        proposals, q = draft_proposals(batch, states, active, sizes, run_step, self.generator,
+                                       probs=probs)
         for r in active:  # the pending tokens now hold current draft KV
             states[r].draft_valid_upto = drafts_by_row[r].position + 1
             states[r].draft_sinks_valid = True
-        return proposals, probs
+        return proposals, q
 
     @staticmethod
     def after_round(state, drafts, num_proposed: int, num_accepted: int) -> None:
@@ -112,7 +116,21 @@ class DraftLevel:
                  token_ids) -> torch.Tensor:
         """One forward of the small draft, request rows[i] running positions[i] (absolute)
         with token_ids[i] (or flat ids on the device); logits at each request's last token.
-        Its table is built on the device; lengths and rebased positions on the host."""
+        With round graphs the host describes the pass (`HostPass`: its table as block-table
+        columns) and the buffers take it in one copy; else its table is built on the
+        device, lengths and rebased positions on the host."""
+        graphs = self.round_graphs
+        if graphs is not None:
+            host = self._host_pass(batch, states, rows, positions)
+            flat_ids = (token_ids if isinstance(token_ids, torch.Tensor)
+                        else list(itertools.chain.from_iterable(token_ids)))
+            start = time.perf_counter()
+            logits = graphs.run_host(flat_ids, host, batch.block_table)
+            if logits is not None:
+                self.stats.add(round_graph_passes=1,
+                               forward_seconds=time.perf_counter() - start)
+                return logits
+            self.stats.add(round_graph_misses=1)
         w = self.window
         seq_ends = [p[-1] + 1 for p in positions]  # [n] through each query
         idx, ends = to_device(self.device, rows, seq_ends)
@@ -123,16 +141,24 @@ class DraftLevel:
         inputs = build_pass(token_ids, positions, block_table, w.block_size,
                             [w.compact_len(end) for end in seq_ends], sample_last=True,
                             model_positions=rebased)
-        graphs = self.round_graphs
-        start = time.perf_counter()
-        logits = None if graphs is None else graphs.run(inputs, table[None])
-        if logits is not None:
-            self.stats.add(round_graph_passes=1, forward_seconds=time.perf_counter() - start)
-            return logits
-        if graphs is not None:
-            self.stats.add(round_graph_misses=1)
         return run_pass(self.model, self.vllm_config, self.attn_groups, inputs, table,
                         self.stats)
+
+    def _host_pass(self, batch, states, rows: list[int],
+                   positions: list[list[int]]) -> HostPass:
+        """The pass of `_forward` as host arrays: its rebased positions
+        (`DraftWindow.position`) and its StreamingLLM table as block-table columns
+        (`DraftWindow.table_columns`), what today's path builds on the device."""
+        w = self.window
+        lens = np.fromiter(map(len, positions), dtype=np.int64, count=len(positions))
+        kv = np.fromiter(itertools.chain.from_iterable(positions), dtype=np.int64,
+                         count=int(lens.sum()))
+        offsets = np.array([states[r].draft_rebase_offset for r in rows], dtype=np.int64)
+        rebased = np.where(kv < w.sink_tokens, kv, kv - np.repeat(offsets, lens))
+        columns, seq_lens = w.table_columns(kv[np.cumsum(lens) - 1] + 1,
+                                            batch.block_table.shape[1])
+        return HostPass(np.asarray(rows, dtype=np.int64), lens, kv, rebased, columns,
+                        seq_lens)
 
 
 def _token_ids(batch, drafts, row: int, positions: list[int]) -> list[int]:
@@ -149,7 +175,8 @@ def _token_ids(batch, drafts, row: int, positions: list[int]) -> list[int]:
 
 
 def draft_proposals(batch, states, active: list[int], sizes: list[int], run_step,
-                    generator: torch.Generator, chunk_requests: int = MIDDLE_CHUNK_ROWS):
+                    generator: torch.Generator, chunk_requests: int = MIDDLE_CHUNK_ROWS,
+                    probs: bool = True):
     """Level 1's proposals, step by step on the device: sizes[i] tokens for request
     active[i]. Step s calls `run_step(s, rows, reqs, previous)` for the requests still
     proposing (rows: their indices in `active`, reqs: their batch rows, previous: their
@@ -159,22 +186,30 @@ def draft_proposals(batch, states, active: list[int], sizes: list[int], run_step
     temporaries of a chunk, not of the batch: engine/buffers.py `vocabulary_rows`). Returns
     the proposals [len(active), max(sizes)] and their probs [len(active), max(sizes), V]
     (zero past each size), on the device: a step feeds the next without the host reading
-    its tokens."""
+    its tokens. `probs` False (every request greedy, nobody reads the distributions): the
+    proposals are the logits' argmaxes and the probs None."""
     max_size = max(sizes)
-    proposals = probs = None
+    proposals = q_all = None
     for step in range(max_size):
         rows = [i for i in range(len(active)) if sizes[i] > step]
         reqs = [active[i] for i in rows]
         all_rows = len(rows) == len(active)
-        rows_dev, reqs_dev = to_device(batch.device, [] if all_rows else rows, reqs)
-        previous = None if step == 0 else proposals[rows_dev if not all_rows else slice(None),
-                                                    step - 1]
+        if probs:
+            rows_dev, reqs_dev = to_device(batch.device, [] if all_rows else rows, reqs)
+        else:  # the requests' sampling parameters are not read
+            rows_dev = None if all_rows else to_device(batch.device, rows)[0]
+        into = slice(None) if all_rows else rows_dev
+        previous = None if step == 0 else proposals[into, step - 1]
         logits = run_step(step, rows, reqs, previous)
-        if probs is None:
-            probs = logits.new_zeros(len(active), max_size, logits.shape[-1],
-                                     dtype=torch.float32)
+        if proposals is None:
             proposals = torch.zeros(len(active), max_size, dtype=torch.long,
                                     device=logits.device)
+        if not probs:
+            proposals[into, step] = logits.argmax(-1)
+            continue
+        if q_all is None:
+            q_all = logits.new_zeros(len(active), max_size, logits.shape[-1],
+                                     dtype=torch.float32)
         greedy = batch.temperature[reqs_dev] < GREEDY_TEMPERATURE
         all_greedy = batch.all_greedy(reqs)
         for lo in range(0, len(rows), chunk_requests):
@@ -182,7 +217,7 @@ def draft_proposals(batch, states, active: list[int], sizes: list[int], run_step
             q = batch.probs(logits[c], reqs[c], reqs_dev[c])  # [n, V]
             tokens = sample_tokens(q, greedy[c], [states[r].generator for r in reqs[c]],
                                    generator, all_greedy=all_greedy)
-            into = slice(lo, lo + q.shape[0]) if all_rows else rows_dev[c]
-            probs[into, step] = q
-            proposals[into, step] = tokens
-    return proposals, probs
+            chunk_into = slice(lo, lo + q.shape[0]) if all_rows else rows_dev[c]
+            q_all[chunk_into, step] = q
+            proposals[chunk_into, step] = tokens
+    return proposals, q_all

@@ -285,7 +285,8 @@ class MiddleLoop:
         proposals, proposal_probs = None, None  # [A, max(sizes)] and [A, max(sizes), V]
         if sizes.max() > 0:
             proposals, proposal_probs = self.draft.propose(batch, states, drafts, active,
-                                                           size_list)
+                                                           size_list,
+                                                           probs=probs_out is not None)
         layout = _RoundLayout(batch.device, sizes)
         logits = step.forward(active, layout.input_ids(drafts.last_token[live], proposals),
                               Runs(drafts.position[live], sizes + 1))

@@ -75,6 +75,31 @@ class Runs:
         return self.starts[owner] + np.arange(owner.size) - first[owner]
 
 
+@dataclass(frozen=True)
+class HostPass:
+    """A pass every input of which the host knows, over one table for every layer given
+    as columns of the block table (the small draft's: core/streaming.py
+    `DraftWindow.table_columns`), host numpy arrays: request i runs lens[i] tokens from
+    `rows[i]` of the block table, writing KV at `kv_positions` (absolute) and rotating with
+    `positions` (the level's own, e.g. rebased); its compacted row reads
+    block_table[rows[i], columns[i]] (-1: past the row, never read) and holds seq_lens[i]
+    tokens. `round_graph.PassBuffers.load_host` writes it with one copy to the device.
+    Example, block size 16, one sink and two window blocks, a rebase offset of 30: the
+    request in block-table row 3 runs 2 tokens at 70 and 71 (72 tokens, blocks 0..4):
+    rows [3], lens [2], kv_positions [70, 71], positions [40, 41], columns [[0, 3, 4]],
+    seq_lens [16 + 24]."""
+    rows: np.ndarray          # [n]
+    lens: np.ndarray          # [n]
+    kv_positions: np.ndarray  # [T]
+    positions: np.ndarray     # [T]
+    columns: np.ndarray       # [n, W]
+    seq_lens: np.ndarray      # [n]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lens.sum())
+
+
 def kv_slots(block_table: torch.Tensor, owner: torch.Tensor, positions: torch.Tensor,
              block_size: int) -> torch.Tensor:
     """[T] the KV slot each token writes: block_table [R, B] physical ids, owner [T] each

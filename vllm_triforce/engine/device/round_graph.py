@@ -71,8 +71,8 @@ from torch._dynamo.decorators import mark_static, mark_unbacked
 
 from vllm_triforce.core.compiled import CompiledFunction, dense, first_line, inference
 from vllm_triforce.core.tables import TableLayout, table_rows
-from vllm_triforce.engine.device.forward import (PassInputs, Runs, SWAP_TABLE, _with_table,
-                                                 kv_slots, metadata_path)
+from vllm_triforce.engine.device.forward import (HostPass, PassInputs, Runs, SWAP_TABLE,
+                                                 _with_table, kv_slots, metadata_path)
 from vllm_triforce.engine.device.transfer import to_device
 
 logger = logging.getLogger(__name__)
@@ -165,6 +165,49 @@ class PassBuffers:
         self.seq_lens[:bucket_requests].copy_(lens_dev)
         self.write_tables(selected, block_table, num_selected, tail_start, num_tails,
                           owner_dev, positions_dev[:num_tokens], layout.width)
+        self.slot_mapping[num_tokens:bucket].fill_(PADDING_SLOT)
+
+    def load_host(self, token_ids, host: HostPass, block_table: torch.Tensor, bucket: int,
+                  bucket_requests: int) -> None:
+        """`load` of a pass over one table that the host describes (`HostPass`: the small
+        draft's), with the flat ids `token_ids` (a host list or array, or a device tensor):
+        every host value, padded to the bucket, in one non-blocking copy; the table's
+        blocks and the tokens' KV blocks read from block_table [rows, B] in one gather,
+        the slots worked out from them (as `forward.kv_slots`). Columns past a row are
+        read as column 0 (any block: never read)."""
+        lens, columns = host.lens, host.columns
+        num_reqs, num_tokens, width = len(lens), host.num_tokens, columns.shape[1]
+        positions = np.zeros(bucket, dtype=np.int64)
+        positions[:num_tokens] = host.positions
+        query_start_loc = np.full(bucket_requests + 1, num_tokens, dtype=np.int64)
+        query_start_loc[0] = 0
+        np.cumsum(lens, out=query_start_loc[1:num_reqs + 1])
+        seq_lens = np.zeros(bucket_requests, dtype=np.int64)
+        seq_lens[:num_reqs] = host.seq_lens
+        on_host = not isinstance(token_ids, torch.Tensor)
+        ids = np.zeros(bucket if on_host else 0, dtype=np.int64)
+        if on_host:
+            ids[:num_tokens] = token_ids
+        # one gather: the table's blocks [n * W], then each token's KV block [T]
+        kv = host.kv_positions
+        gather_rows = np.concatenate([np.repeat(host.rows, width), np.repeat(host.rows, lens)])
+        gather_columns = np.concatenate([np.maximum(columns, 0).reshape(-1),
+                                         kv // self.block_size])
+        (positions_dev, ids_dev, qsl_dev, lens_dev, rows_dev, columns_dev,
+         offsets_dev) = to_device(block_table.device, positions, ids, query_start_loc,
+                                  seq_lens, gather_rows, gather_columns, kv % self.block_size)
+        self.positions[:bucket].copy_(positions_dev)
+        if on_host:
+            self.input_ids[:bucket].copy_(ids_dev)
+        else:
+            self.input_ids[:num_tokens].copy_(token_ids)
+            self.input_ids[num_tokens:bucket].zero_()
+        self.query_start_loc[:bucket_requests + 1].copy_(qsl_dev)
+        self.seq_lens[:bucket_requests].copy_(lens_dev)
+        blocks = block_table[rows_dev, columns_dev]  # [n * W + T]
+        self.tables[0, :num_reqs, :width].copy_(blocks[:num_reqs * width].view(num_reqs, width))
+        torch.add(offsets_dev, blocks[num_reqs * width:], alpha=self.block_size,
+                  out=self.slot_mapping[:num_tokens])
         self.slot_mapping[num_tokens:bucket].fill_(PADDING_SLOT)
 
     def write_tables(self, selected: torch.Tensor, block_table: torch.Tensor,
@@ -424,6 +467,20 @@ class RoundGraphs:
         self.buffers.load(inputs, tables, bucket, self.bounds.requests_of(bucket))
         replay.refresh()
         return self._replay(replay, bucket, inputs.num_tokens, len(inputs.seq_lens))
+
+    def run_host(self, token_ids, host: HostPass,
+                 block_table: torch.Tensor) -> torch.Tensor | None:
+        """`run` of a pass the host describes (`PassBuffers.load_host`: the small draft's),
+        with no `PassInputs` and no table on the device in between. None: no bucket fits."""
+        bucket = self.bounds.bucket(host.num_tokens, host.columns.shape[1],
+                                    int(host.lens.max()))
+        if bucket is None:
+            return None
+        replay = self.replay_of(bucket)  # before the load
+        self.buffers.load_host(token_ids, host, block_table, bucket,
+                               self.bounds.requests_of(bucket))
+        replay.refresh()
+        return self._replay(replay, bucket, host.num_tokens, len(host.lens))
 
     def load_runs(self, token_ids, runs: Runs, block_table: torch.Tensor, layout: TableLayout,
                   selected: torch.Tensor) -> "LoadedPass | None":
