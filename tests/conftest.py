@@ -24,6 +24,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # `import tiny_models` from tests
 
+import pip_resolutions  # noqa: E402
 import suite_order  # noqa: E402
 import tiny_models  # noqa: E402
 from engine_helpers import (DEFAULT_MAX_MODEL_LEN, free_llm, in_process_llm,  # noqa: E402,F401
@@ -62,6 +63,12 @@ def _one_thread_per_worker() -> None:
 
 def pytest_collection_modifyitems(config, items):
     suite_order.longest_files_first(items)
+
+
+def pytest_collection_finish(session):
+    """The `[gpu]` extra's resolutions start now, if their test was collected: they wait
+    on the network beside the tests that use the cores (tests/pip_resolutions.py)."""
+    pip_resolutions.start_if_selected(session)
 
 
 def pytest_unconfigure(config):

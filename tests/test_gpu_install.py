@@ -8,55 +8,21 @@ reached here serves no separate metadata files (PEP 658). `--use-feature=fast-de
 read each wheel's METADATA through HTTP range requests instead: the same 201 packages and
 versions, under 80 MB received in all (measured on the network interface), 64-79 s here.
 This machine's pip config points at a local CPU torch wheel and a torch cap; the test drops
-both so pip sees what a GPU machine sees.
+both so pip sees what a GPU machine sees. The resolutions start when the suite is collected
+(tests/pip_resolutions.py), so the network's time overlaps the other tests.
 """
-
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-# Machine-local pip settings a GPU user does not have: a folder holding torch 2.13.0+cpu,
-# a torch version cap, and local mirror indexes.
-LOCAL_PIP_ENV = ("PIP_FIND_LINKS", "PIP_CONSTRAINT", "PIP_EXTRA_INDEX_URL")
-RESOLVE_TIMEOUT_S = 600
-
-
-PINS = {"unpinned": (), "vllm==0.32.0": ("vllm==0.32.0",)}
-
-
-def _start_resolution(report: Path, *also: str) -> subprocess.Popen:
-    """`pip install --dry-run` of `vllm-triforce[gpu]` (and `also`, e.g. a vLLM pin),
-    started; it writes what pip picked to `report`."""
-    env = {k: v for k, v in os.environ.items() if k not in LOCAL_PIP_ENV}
-    env["PIP_CONFIG_FILE"] = os.devnull  # no config files (they hold the same local settings)
-    cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed",
-           "--use-feature=fast-deps", "--quiet", "--report", str(report),
-           f"vllm-triforce[gpu] @ {REPO.as_uri()}", *also]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, cwd=report.parent)
+import pip_resolutions
 
 
 @pytest.fixture(scope="module")
-def resolutions(tmp_path_factory) -> dict[str, dict[str, str]]:
-    """{pin: {name: version} pip picked}, both resolutions run at once: each waits on the
-    network, not on the 2 cores (one after the other they took 138 + 132 s)."""
-    started = {}
-    for pin, also in PINS.items():
-        folder = tmp_path_factory.mktemp(pin.replace("=", "-"))
-        started[pin] = (folder / "report.json", _start_resolution(folder / "report.json", *also))
-    picked = {}
-    for pin, (report, proc) in started.items():
-        _, stderr = proc.communicate(timeout=RESOLVE_TIMEOUT_S)
-        assert proc.returncode == 0, f"{pin}: {stderr[-3000:]}"
-        install = json.loads(report.read_text())["install"]
-        picked[pin] = {item["metadata"]["name"].lower().replace("_", "-"):
-                       item["metadata"]["version"] for item in install}
-    return picked
+def resolutions(request) -> dict[str, dict[str, str]]:
+    """{pin: {name: version} pip picked}: both resolutions, started when the suite was
+    collected (tests/pip_resolutions.py), at once: each waits on the network, not on the
+    2 cores (one after the other they took 138 + 132 s)."""
+    return pip_resolutions.results(pip_resolutions.folder(request.config))
 
 
 @pytest.mark.network
