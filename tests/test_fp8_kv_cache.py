@@ -68,11 +68,12 @@ def test_fp8_cache_identical_to_plain_with_float_summaries(tiny_llama):
     resolving 3 points takes hundreds of drafts of a real model, minutes of CI.) Float and
     coded summaries (the default) alike: CPU_ATTN's fp8 cache has no reader, so both are
     folded at every step (a coded block coded again at each token it takes)."""
+    plain = generate(tiny_llama, kv_cache_dtype="fp8")[0]
     for coded in (False, True):
         spec = dict(two_level(), compact_summaries=coded)
         tokens, stats, facts = triforce_on_fp8(tiny_llama, spec, prompts(), greedy_params())
         assert_drafted(stats)
-        assert tokens == generate(tiny_llama, kv_cache_dtype="fp8")[0]
+        assert tokens == plain
         assert facts["kv_dtype"] == torch.uint8 and facts["dtype"] == torch.float32
         assert facts["coded"] == coded and not facts["lazy"]
         assert facts["nbytes"] == facts["planned"]
