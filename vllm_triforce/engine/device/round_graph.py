@@ -139,30 +139,14 @@ class PassBuffers:
         of round graphs holds them to today's path."""
         lens = runs.lens
         num_reqs, num_tokens = len(lens), int(lens.sum())
-        positions = np.zeros(bucket, dtype=np.int64)
-        positions[:num_tokens] = runs.flat()
-        query_start_loc = np.full(bucket_requests + 1, num_tokens, dtype=np.int64)
-        query_start_loc[0] = 0
-        np.cumsum(lens, out=query_start_loc[1:num_reqs + 1])
-        seq_lens = np.zeros(bucket_requests, dtype=np.int64)
-        seq_lens[:num_reqs] = layout.compact_lens
-        on_host = not isinstance(token_ids, torch.Tensor)
-        ids = np.zeros(bucket if on_host else 0, dtype=np.int64)
-        if on_host:
-            ids[:num_tokens] = token_ids
+        padded = _padded(lens, runs.flat(), layout.compact_lens, token_ids, bucket,
+                         bucket_requests)
         owner = np.repeat(np.arange(num_reqs), lens)  # [T] each token's request
-        (positions_dev, ids_dev, qsl_dev, lens_dev, owner_dev, num_selected, tail_start,
-         num_tails) = to_device(block_table.device, positions, ids, query_start_loc, seq_lens,
-                                owner, layout.num_selected, layout.tail_start,
-                                layout.num_tails)
-        self.positions[:bucket].copy_(positions_dev)
-        if on_host:
-            self.input_ids[:bucket].copy_(ids_dev)
-        else:
-            self.input_ids[:num_tokens].copy_(token_ids)
-            self.input_ids[num_tokens:bucket].zero_()
-        self.query_start_loc[:bucket_requests + 1].copy_(qsl_dev)
-        self.seq_lens[:bucket_requests].copy_(lens_dev)
+        (*padded_dev, owner_dev, num_selected, tail_start, num_tails) = to_device(
+            block_table.device, *padded, owner, layout.num_selected, layout.tail_start,
+            layout.num_tails)
+        positions_dev = self._write_padded(token_ids, *padded_dev, num_tokens, bucket,
+                                           bucket_requests)
         self.write_tables(selected, block_table, num_selected, tail_start, num_tails,
                           owner_dev, positions_dev[:num_tokens], layout.width)
         self.slot_mapping[num_tokens:bucket].fill_(PADDING_SLOT)
@@ -177,38 +161,36 @@ class PassBuffers:
         read as column 0 (any block: never read)."""
         lens, columns = host.lens, host.columns
         num_reqs, num_tokens, width = len(lens), host.num_tokens, columns.shape[1]
-        positions = np.zeros(bucket, dtype=np.int64)
-        positions[:num_tokens] = host.positions
-        query_start_loc = np.full(bucket_requests + 1, num_tokens, dtype=np.int64)
-        query_start_loc[0] = 0
-        np.cumsum(lens, out=query_start_loc[1:num_reqs + 1])
-        seq_lens = np.zeros(bucket_requests, dtype=np.int64)
-        seq_lens[:num_reqs] = host.seq_lens
-        on_host = not isinstance(token_ids, torch.Tensor)
-        ids = np.zeros(bucket if on_host else 0, dtype=np.int64)
-        if on_host:
-            ids[:num_tokens] = token_ids
+        padded = _padded(lens, host.positions, host.seq_lens, token_ids, bucket,
+                         bucket_requests)
         # one gather: the table's blocks [n * W], then each token's KV block [T]
         kv = host.kv_positions
         gather_rows = np.concatenate([np.repeat(host.rows, width), np.repeat(host.rows, lens)])
         gather_columns = np.concatenate([np.maximum(columns, 0).reshape(-1),
                                          kv // self.block_size])
-        (positions_dev, ids_dev, qsl_dev, lens_dev, rows_dev, columns_dev,
-         offsets_dev) = to_device(block_table.device, positions, ids, query_start_loc,
-                                  seq_lens, gather_rows, gather_columns, kv % self.block_size)
-        self.positions[:bucket].copy_(positions_dev)
-        if on_host:
-            self.input_ids[:bucket].copy_(ids_dev)
-        else:
-            self.input_ids[:num_tokens].copy_(token_ids)
-            self.input_ids[num_tokens:bucket].zero_()
-        self.query_start_loc[:bucket_requests + 1].copy_(qsl_dev)
-        self.seq_lens[:bucket_requests].copy_(lens_dev)
+        (*padded_dev, rows_dev, columns_dev, offsets_dev) = to_device(
+            block_table.device, *padded, gather_rows, gather_columns, kv % self.block_size)
+        self._write_padded(token_ids, *padded_dev, num_tokens, bucket, bucket_requests)
         blocks = block_table[rows_dev, columns_dev]  # [n * W + T]
         self.tables[0, :num_reqs, :width].copy_(blocks[:num_reqs * width].view(num_reqs, width))
         torch.add(offsets_dev, blocks[num_reqs * width:], alpha=self.block_size,
                   out=self.slot_mapping[:num_tokens])
         self.slot_mapping[num_tokens:bucket].fill_(PADDING_SLOT)
+
+    def _write_padded(self, token_ids, positions: torch.Tensor, ids: torch.Tensor,
+                      query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int,
+                      bucket: int, bucket_requests: int) -> torch.Tensor:
+        """`_padded`'s values, on the device, into the buffers (the ids from `token_ids`
+        where they are a device tensor); returns the positions."""
+        self.positions[:bucket].copy_(positions)
+        if isinstance(token_ids, torch.Tensor):
+            self.input_ids[:num_tokens].copy_(token_ids)
+            self.input_ids[num_tokens:bucket].zero_()
+        else:
+            self.input_ids[:bucket].copy_(ids)
+        self.query_start_loc[:bucket_requests + 1].copy_(query_start_loc)
+        self.seq_lens[:bucket_requests].copy_(seq_lens)
+        return positions
 
     def write_tables(self, selected: torch.Tensor, block_table: torch.Tensor,
                      num_selected: torch.Tensor, tail_start: torch.Tensor,
@@ -232,6 +214,27 @@ class PassBuffers:
         self.slot_mapping.fill_(PADDING_SLOT)
         self.query_start_loc.zero_()
         self.seq_lens.zero_()
+
+
+def _padded(lens: np.ndarray, positions: np.ndarray, seq_lens, token_ids, bucket: int,
+            bucket_requests: int) -> tuple[np.ndarray, ...]:
+    """A pass's host values padded to its bucket (module docstring): positions [bucket],
+    ids [bucket] (none where `token_ids` is a device tensor), query starts
+    [bucket_requests + 1] and lengths [bucket_requests], for requests of lens [n] tokens
+    whose compacted rows hold seq_lens [n]."""
+    num_reqs, num_tokens = len(lens), int(lens.sum())
+    padded_positions = np.zeros(bucket, dtype=np.int64)
+    padded_positions[:num_tokens] = positions
+    query_start_loc = np.full(bucket_requests + 1, num_tokens, dtype=np.int64)
+    query_start_loc[0] = 0
+    np.cumsum(lens, out=query_start_loc[1:num_reqs + 1])
+    padded_lens = np.zeros(bucket_requests, dtype=np.int64)
+    padded_lens[:num_reqs] = seq_lens
+    on_host = not isinstance(token_ids, torch.Tensor)
+    ids = np.zeros(bucket if on_host else 0, dtype=np.int64)
+    if on_host:
+        ids[:num_tokens] = token_ids
+    return padded_positions, ids, query_start_loc, padded_lens
 
 
 def pass_layout(selected: torch.Tensor, block_table: torch.Tensor, num_selected: torch.Tensor,
