@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from vllm_triforce.core.streaming import (DraftWindow, draft_positions, needs_rebase,
-                                          streaming_table, window_start)
+                                          window_start)
 
 
 def ref_table(table_row, seq_len, bs, num_sink, num_window):
@@ -30,13 +30,16 @@ def test_hand_worked_docstring_example():
 
 def test_table_matches_reference():
     bs, num_sink, num_window = 4, 2, 3
+    w = DraftWindow(num_sink_blocks=num_sink, num_window_blocks=num_window, block_size=bs,
+                    max_draft_position=64, lookahead=4)
     seq_lens = list(range(1, 40))
-    table = torch.arange(100, 100 + 12, dtype=torch.int32).expand(len(seq_lens), -1)
-    tables, lens = streaming_table(table, torch.tensor(seq_lens), num_sink, num_window, bs)
-    assert tables.shape == (len(seq_lens), num_sink + num_window)
+    table = torch.arange(100, 100 + 12, dtype=torch.int32)
+    columns, lens = w.table_columns(seq_lens, max_blocks=12)
+    assert columns.shape == (len(seq_lens), num_sink + num_window)
     for r, n in enumerate(seq_lens):
-        row, tokens, _ = ref_table(table[r], n, bs, num_sink, num_window)
-        assert tables[r, :len(row)].tolist() == row and torch.all(tables[r, len(row):] == 0)
+        row, tokens, _ = ref_table(table, n, bs, num_sink, num_window)
+        assert [int(table[c]) for c in columns[r, :len(row)]] == row
+        assert (columns[r, len(row):] == -1).all()
         assert int(lens[r]) == tokens
         if n <= (num_sink + num_window) * bs:
             assert int(lens[r]) == n  # short: the full table
@@ -56,7 +59,7 @@ def test_long_request_never_exceeds_draft_context(seed):
                     max_draft_position=limit, lookahead=lookahead)
     written = []  # offset each token was written with
     seq_len, rebases, offset = 0, 0, 0
-    table = torch.arange(400, dtype=torch.int32)[None]
+    table = torch.arange(400, dtype=torch.int32)
     while seq_len < 5000:
         step = rng.randint(1, lookahead)
         if w.needs_rebase(seq_len + step - 1, offset):
@@ -65,8 +68,8 @@ def test_long_request_never_exceeds_draft_context(seed):
             rebases += 1
         written += [offset] * step
         seq_len += step
-        _, lens = w.table(table, torch.tensor([seq_len]))
-        _, _, blocks = ref_table(table[0], seq_len, bs, 1, 6)
+        _, lens = w.table_columns([seq_len], max_blocks=400)
+        _, _, blocks = ref_table(table, seq_len, bs, 1, 6)
         attended = [t for b in blocks for t in range(b * bs, min((b + 1) * bs, seq_len))]
         assert len(attended) == int(lens[0])
         positions = [w.position(t, offset) for t in attended]
@@ -91,8 +94,7 @@ def test_host_helpers_equal_the_tensor_functions():
                     lookahead=4)
     seq_lens = torch.arange(1, 120)
     starts = window_start(seq_lens, 4, 1, 3)
-    table = torch.arange(30 * 119).view(119, 30)
-    _, compact = streaming_table(table, seq_lens, 1, 3, 4)
+    _, compact = w.table_columns(seq_lens.numpy(), max_blocks=30)
     for n, start, length in zip(seq_lens.tolist(), starts.tolist(), compact.tolist()):
         assert w.window_start(n) == start and w.compact_len(n) == length
         for offset in (0, 8, 20):
@@ -101,20 +103,14 @@ def test_host_helpers_equal_the_tensor_functions():
                 needs_rebase(torch.tensor([n]), torch.tensor([offset]), 4, 40)[0])
 
 
-def test_table_columns_are_the_tables_blocks():
-    """The host's table (`DraftWindow.table_columns`: block-table columns) reads the blocks
-    and gives the lengths `streaming_table` gives, for every length up to past the block
-    table's width, and the docstring's example."""
+def test_table_columns_stop_at_the_block_tables_width():
+    """A request longer than its block table holds (a table cut to a pass's width) reads
+    no column past it; the docstring's example."""
     w = DraftWindow(num_sink_blocks=2, num_window_blocks=3, block_size=4, max_draft_position=64,
                     lookahead=4)
-    seq_lens = torch.arange(1, 60)
-    table = torch.randint(1, 1000, (len(seq_lens), 12), dtype=torch.int32)
-    tables, compact = w.table(table, seq_lens)
-    columns, host_compact = w.table_columns(seq_lens.numpy(), max_blocks=12)
-    assert columns.shape == tuple(tables.shape) and host_compact.tolist() == compact.tolist()
-    assert (columns == -1).any() and (columns >= 0).any()
-    gathered = table.gather(1, torch.from_numpy(columns).clamp(min=0))
-    assert torch.equal(gathered.masked_fill(torch.from_numpy(columns) < 0, 0), tables)
+    columns, compact = w.table_columns([40, 48], max_blocks=11)  # 10 and 12 blocks
+    assert columns.tolist() == [[0, 1, 7, 8, 9], [0, 1, 9, 10, -1]]
+    assert compact.tolist() == [8 + 12, 8 + 12]
     small = DraftWindow(num_sink_blocks=1, num_window_blocks=2, block_size=4,
                         max_draft_position=40, lookahead=4)
     cols, lens = small.table_columns([13, 6], max_blocks=8)

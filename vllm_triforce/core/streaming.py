@@ -94,7 +94,7 @@ class DraftWindow:
         return position if position < self.sink_tokens else position - rebase_offset
 
     def compact_len(self, seq_len: int) -> int:
-        """Tokens in the compacted row of `table` for a request of seq_len tokens."""
+        """Tokens in the compacted row of `table_columns` for a request of seq_len tokens."""
         sink_len = min(seq_len, self.sink_tokens)
         return sink_len + max(seq_len - self.window_start(seq_len), 0)
 
@@ -104,19 +104,16 @@ class DraftWindow:
         start = self.window_start(seq_len)
         return start, max(start - self.sink_tokens, 0)
 
-    def table(self, block_table: Tensor, seq_lens: Tensor) -> tuple[Tensor, Tensor]:
-        return streaming_table(block_table, seq_lens, self.num_sink_blocks,
-                               self.num_window_blocks, self.block_size)
-
     def table_columns(self, seq_lens: np.ndarray,
                       max_blocks: int) -> tuple[np.ndarray, np.ndarray]:
-        """`table` on the host, as columns of the block table: ([n, sinks + window] the
-        block-table column each entry of a request's compacted row reads, -1 where
-        `streaming_table` pads with 0; [n] the compacted rows' tokens) for requests of
-        seq_lens [n] tokens in a block table `max_blocks` columns wide. Row r of `table` is
-        block_table[r, columns[r]] where columns[r] >= 0 (tests/core/test_core_streaming.py).
-        Example, block_size 4, 1 sink and 2 window blocks: 13 tokens (blocks 0..3) ->
-        [0, 2, 3] and 9 tokens (4 + 4 + 1); 6 tokens -> [0, 1, -1] and 6."""
+        """The draft's table, as columns of the block table: ([n, sinks + window] the
+        block-table column each entry of a request's compacted row reads, -1 past its
+        blocks; [n] the compacted rows' tokens) for requests of seq_lens [n] tokens in a
+        block table `max_blocks` columns wide: request r's row is block_table[r,
+        columns[r]] where columns[r] >= 0, its sink blocks then the last num_window_blocks
+        blocks (the last one possibly partial). Example, block_size 4, 1 sink and 2 window
+        blocks: 13 tokens (blocks 0..3) -> [0, 2, 3] and 9 tokens (4 + 4 + 1); 6 tokens ->
+        [0, 1, -1] and 6."""
         lens = np.asarray(seq_lens, dtype=np.int64)
         num_blocks = -(-lens // self.block_size)  # [n]
         first = np.maximum(num_blocks - self.num_window_blocks, self.num_sink_blocks)  # [n]
@@ -135,28 +132,6 @@ def window_start(seq_lens: Tensor, block_size: int, num_sink_blocks: int,
     num_blocks = (seq_lens.long() + block_size - 1) // block_size
     first_block = (num_blocks - num_window_blocks).clamp(min=num_sink_blocks)
     return first_block * block_size
-
-
-def streaming_table(block_table: Tensor, seq_lens: Tensor, num_sink_blocks: int,
-                    num_window_blocks: int, block_size: int) -> tuple[Tensor, Tensor]:
-    """Sink blocks + the last num_window_blocks blocks (the last one possibly partial).
-
-    block_table [R, max_blocks] physical ids; seq_lens [R] tokens including this pass's.
-    Returns (tables [R, num_sink_blocks + num_window_blocks] int32 padded with 0,
-    compact_seq_lens [R] int32).
-    """
-    seq_lens = (seq_lens.long() if seq_lens.device == block_table.device
-                else seq_lens.to(block_table.device, torch.long))
-    num_blocks = (seq_lens + block_size - 1) // block_size  # [R]
-    start = window_start(seq_lens, block_size, num_sink_blocks, num_window_blocks) // block_size
-    slot = torch.arange(num_sink_blocks + num_window_blocks, device=block_table.device)  # [W]
-    logical = torch.where(slot < num_sink_blocks, slot, start[:, None] + slot - num_sink_blocks)
-    logical = logical.masked_fill(logical >= num_blocks[:, None], -1)  # [R, W]
-    logical = logical.masked_fill(logical >= block_table.shape[1], -1)
-    tables = block_table.long().gather(1, logical.clamp(min=0)).masked_fill(logical < 0, 0)
-    sink_len = seq_lens.clamp(max=num_sink_blocks * block_size)
-    compact = sink_len + (seq_lens - start * block_size).clamp(min=0)
-    return tables.to(torch.int32), compact.to(torch.int32)
 
 
 def draft_positions(positions: Tensor, rebase_offset: Tensor, sink_tokens: int) -> Tensor:

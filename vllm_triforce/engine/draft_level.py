@@ -116,12 +116,12 @@ class DraftLevel:
                  token_ids) -> torch.Tensor:
         """One forward of the small draft, request rows[i] running positions[i] (absolute)
         with token_ids[i] (or flat ids on the device); logits at each request's last token.
-        With round graphs the host describes the pass (`HostPass`: its table as block-table
-        columns) and the buffers take it in one copy; else its table is built on the
-        device, lengths and rebased positions on the host."""
+        The host describes the pass (`HostPass`: rebased positions, lengths, its
+        StreamingLLM table as block-table columns); with round graphs the buffers take it
+        in one copy, else its table is gathered on the device and the pass built anew."""
+        host = self._host_pass(batch, states, rows, positions)
         graphs = self.round_graphs
         if graphs is not None:
-            host = self._host_pass(batch, states, rows, positions)
             flat_ids = (token_ids if isinstance(token_ids, torch.Tensor)
                         else list(itertools.chain.from_iterable(token_ids)))
             start = time.perf_counter()
@@ -131,16 +131,13 @@ class DraftLevel:
                                forward_seconds=time.perf_counter() - start)
                 return logits
             self.stats.add(round_graph_misses=1)
-        w = self.window
-        seq_ends = [p[-1] + 1 for p in positions]  # [n] through each query
-        idx, ends = to_device(self.device, rows, seq_ends)
+        idx, columns = to_device(self.device, host.rows, np.maximum(host.columns, 0))
         block_table = batch.block_table[idx]
-        table, _ = w.table(block_table, ends)
-        rebased = [[w.position(p, states[r].draft_rebase_offset) for p in ps]
-                   for r, ps in zip(rows, positions)]
-        inputs = build_pass(token_ids, positions, block_table, w.block_size,
-                            [w.compact_len(end) for end in seq_ends], sample_last=True,
-                            model_positions=rebased)
+        table = block_table.gather(1, columns.view(host.columns.shape))  # past a row: unread
+        inputs = build_pass(token_ids, positions, block_table, self.window.block_size,
+                            host.seq_lens.tolist(), sample_last=True,
+                            model_positions=np.split(host.positions,
+                                                     np.cumsum(host.lens)[:-1]))
         return run_pass(self.model, self.vllm_config, self.attn_groups, inputs, table,
                         self.stats)
 
@@ -148,7 +145,7 @@ class DraftLevel:
                    positions: list[list[int]]) -> HostPass:
         """The pass of `_forward` as host arrays: its rebased positions
         (`DraftWindow.position`) and its StreamingLLM table as block-table columns
-        (`DraftWindow.table_columns`), what today's path builds on the device."""
+        (`DraftWindow.table_columns`)."""
         w = self.window
         lens = np.fromiter(map(len, positions), dtype=np.int64, count=len(positions))
         kv = np.fromiter(itertools.chain.from_iterable(positions), dtype=np.int64,
