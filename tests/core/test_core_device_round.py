@@ -171,13 +171,14 @@ class StandInDraft(_Lookup):
         super().__init__(logits)
         self.generator = generator
 
-    def propose(self, batch, states, drafts_by_row, active, sizes):
+    def propose(self, batch, states, drafts_by_row, active, sizes, probs=True):
         def run_step(step, rows, reqs, previous):
             if previous is None:
                 previous = to_device(batch.device, [drafts_by_row[r].last_token for r in reqs])[0]
             return self.run(previous)
 
-        return draft_proposals(batch, states, active, sizes, run_step, self.generator)
+        return draft_proposals(batch, states, active, sizes, run_step, self.generator,
+                               probs=probs)
 
     def after_round(self, state, drafts, num_proposed, num_accepted):
         pass
