@@ -65,3 +65,40 @@ def test_one_piece_matches_committed_runs_on_a_worked_example():
     assert block_ids.tolist() == [11, 11, 12, 20, 20]
     assert offsets.tolist() == [2, 3, 0, 0, 1]
     assert runs.tolist() == [0, 0, 1, 2, 2] and num_runs == 3
+
+
+def test_a_pass_folds_to_the_same_summaries_whatever_the_read_chunk():
+    """The fold's piece size comes from the memory plan's read chunk (`fold_tokens`), which
+    other settings move (round graphs reserve memory): a pass's summaries must not depend
+    on it. Pieces cut a request's tokens only where a block ends, so each block's tokens
+    of the pass are folded at once: a coded store codes it once and the variance merges
+    once, for any piece size of at least a block. Two prefill chunks (one starts
+    mid-block) and a decode row, folded in pieces of 20 and of 29 tokens (block size 8):
+    the same summaries, bit for bit, coded and float32."""
+    from vllm_triforce.core.summaries import BlockSummaries
+    from vllm_triforce.engine.summary_keeper import fold_committed
+
+    bs, layers, heads, dim = 8, 2, 2, 16
+    batch = types.SimpleNamespace(
+        q_lens=[45, 1, 38], num_rejected=[0, 0, 0], verify_start=[0, 70, 13],
+        query_start_loc=[0, 45, 46, 84],
+        block_table=torch.arange(3 * 12, dtype=torch.int32).reshape(3, 12))
+    gen = torch.Generator().manual_seed(0)
+    keys = [torch.randn(84, heads * dim, generator=gen) * 3 + 1 for _ in range(layers)]
+    for coded in (True, False):
+        folded = []
+        for limit in (20, 29):
+            summaries = BlockSummaries(layers, 36, heads, dim, bs, keep_variance=True,
+                                       coded=coded)
+            pieces = list(_keeper(bs, limit).committed_tokens(batch, range(3)))
+            assert len(pieces) >= 3  # the pass is cut
+            for piece in pieces:
+                fold_committed(summaries, keys, piece)
+            folded.append(summaries)
+        a, b = folded
+        assert torch.equal(a.counts, b.counts)
+        for store in ("sums", "square_deviations"):
+            x, y = getattr(a, store), getattr(b, store)
+            if coded:
+                x, y = x.blocks(slice(None)), y.blocks(slice(None))
+            assert torch.equal(x, y), (coded, store, (x - y).abs().max())

@@ -330,6 +330,28 @@ def test_token_pieces_cut_spans_at_the_limit():
     assert list(token_pieces([], 4)) == []
 
 
+def test_token_pieces_cut_a_span_only_where_a_block_ends():
+    from vllm_triforce.core.summaries import token_pieces
+
+    # the docstring's example: request 1's block 0 does not fit the first piece's room
+    assert list(token_pieces([(0, 6, 3), (1, 0, 9)], 6, block_size=4)) == [
+        [(0, 6, 3)], [(1, 0, 4)], [(1, 4, 5)]]
+    # a span from mid-block: its first cut where that block ends, then whole blocks
+    assert list(token_pieces([(0, 2, 14)], 9, block_size=4)) == [
+        [(0, 2, 6)], [(0, 8, 8)]]
+    # a limit below a block: cut anywhere, as without blocks
+    assert list(token_pieces([(0, 0, 5)], 2, block_size=4)) == [
+        [(0, 0, 2)], [(0, 2, 2)], [(0, 4, 1)]]
+    for limit in range(4, 20):  # never a block of one span in two pieces, never over limit
+        pieces = list(token_pieces([(0, 3, 30), (1, 0, 17), (2, 9, 2)], limit, 4))
+        assert all(sum(n for _, _, n in p) <= limit for p in pieces)
+        seen = [(o, b) for p in pieces for o, first, n in p
+                for b in {q // 4 for q in range(first, first + n)}]
+        assert len(seen) == len(set(seen)), (limit, pieces)
+        assert [q for p in pieces for o, f, n in p for q in range(f, f + n) if o == 0] == \
+            list(range(3, 33))
+
+
 def test_metrics_beside_spec_decode(tiny_llama):
     """Per-level TriForce counters appear in LLM.get_metrics() next to vllm:spec_decode_*."""
     _, stats, metrics = generate(tiny_llama, two_level())

@@ -109,17 +109,29 @@ def band_shares(profile: Tensor, width: int) -> Tensor:
     return (per_band / per_band.sum((-3, -1), keepdim=True)).flatten(-3)
 
 
-def token_pieces(spans, limit: int):
+def token_pieces(spans, limit: int, block_size: int = 1):
     """Spans (owner, first position, count) cut into lists of spans of at most `limit`
-    tokens in all, in order. Example: limit 4, [(0, 6, 3), (1, 0, 2)] ->
-    [(0, 6, 3), (1, 0, 1)], [(1, 1, 1)]."""
+    tokens in all, in order. A span is cut only where a block of `block_size` positions
+    ends (where a piece holds a whole block: limit >= block_size), so the tokens a span
+    brings to one block are folded together whatever the limit: the summaries of a pass
+    do not depend on the memory plan's read chunk (a coded store codes a block once per
+    fold; the variance merges once). Examples, limit 4: [(0, 6, 3), (1, 0, 2)] ->
+    [(0, 6, 3), (1, 0, 1)], [(1, 1, 1)]; block_size 4, limit 6: [(0, 6, 3), (1, 0, 9)] ->
+    [(0, 6, 3)], [(1, 0, 4)], [(1, 4, 5)]."""
+    align = block_size if limit >= block_size else 1
     piece, size = [], 0
     for owner, start, count in spans:
         while count:
             take = min(count, limit - size)
+            if take < count:  # the span goes on in the next piece: cut where a block ends
+                take = (start + take) // align * align - start
+                if take <= 0:  # its next block does not fit this piece (an empty one holds it)
+                    yield piece
+                    piece, size = [], 0
+                    continue
             piece.append((owner, start, take))
             size, start, count = size + take, start + take, count - take
-            if size == limit:
+            if size == limit or count:
                 yield piece
                 piece, size = [], 0
     if piece:

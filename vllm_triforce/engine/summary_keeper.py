@@ -180,7 +180,8 @@ class SummaryKeeper:
 
     def committed_tokens(self, batch, rows):
         """Where the committed tokens of requests `rows` in this pass go, for
-        `fold_committed`, in pieces of at most `fold_tokens()` tokens: (rows of the pass,
+        `fold_committed`, in pieces of at most `fold_tokens()` tokens, a span cut only
+        where a block ends (`token_pieces`): (rows of the pass,
         physical block ids, offsets, (run of each token, number of runs)) each. Which
         rows, at which positions, in which runs of one block (core/summaries.py) are all
         known on the host, so the fold never waits for the device."""
@@ -195,7 +196,7 @@ class SummaryKeeper:
             yield self._one_piece(batch, rows, starts, counts)
             return
         spans = list(zip(rows.tolist(), starts.tolist(), counts.tolist()))
-        for piece in token_pieces(spans, limit):
+        for piece in token_pieces(spans, limit, bs):
             rows = [batch.query_start_loc[r] + p - batch.verify_start[r]
                     for r, first, n in piece for p in range(first, first + n)]
             # a request's new tokens fill its own blocks in order: one run per block
