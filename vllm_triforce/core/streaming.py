@@ -93,11 +93,6 @@ class DraftWindow:
         """The draft position of absolute `position` (module docstring)."""
         return position if position < self.sink_tokens else position - rebase_offset
 
-    def compact_len(self, seq_len: int) -> int:
-        """Tokens in the compacted row of `table_columns` for a request of seq_len tokens."""
-        sink_len = min(seq_len, self.sink_tokens)
-        return sink_len + max(seq_len - self.window_start(seq_len), 0)
-
     def rebase(self, seq_len: int) -> tuple[int, int]:
         """(first token of the window, new rebase_offset) for a request of seq_len tokens:
         the engine re-runs the draft from that token to seq_len at the new positions."""
@@ -124,14 +119,6 @@ class DraftWindow:
         compact = (np.minimum(lens, self.sink_tokens)
                    + np.maximum(lens - first * self.block_size, 0))
         return columns, compact
-
-
-def window_start(seq_lens: Tensor, block_size: int, num_sink_blocks: int,
-                 num_window_blocks: int) -> Tensor:
-    """[R] first token of the window: the last num_window_blocks blocks, never inside the sinks."""
-    num_blocks = (seq_lens.long() + block_size - 1) // block_size
-    first_block = (num_blocks - num_window_blocks).clamp(min=num_sink_blocks)
-    return first_block * block_size
 
 
 def draft_positions(positions: Tensor, rebase_offset: Tensor, sink_tokens: int) -> Tensor:
