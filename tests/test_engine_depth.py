@@ -209,3 +209,20 @@ def test_a_schedule_varies_depths_within_and_across_steps_and_stays_within_bound
     schedule_depths(ctl, [3, 0, 6])
     depths = [ctl.plan(["a", "b"], 4).depths for _ in range(4)]
     assert depths == [(3, 0), (0, 4), (4, 3), (3, 0)]
+
+
+def test_a_plain_step_counts_as_its_depth_list_would():
+    """`TriForceStats.record_plain(n)` is `record_depths([0] * n)`, without the list."""
+    from vllm_triforce.engine.stats import TriForceStats
+
+    listed, counted = TriForceStats(), TriForceStats()
+    for n in (2, 0, 3):
+        listed.record_depths([0] * n)
+        counted.record_plain(n)
+    assert counted.snapshot() == listed.snapshot()
+    assert counted.depth_counts == [5] and counted.plain_steps == 2
+    listed.record_depths([0, 2])
+    counted.record_depths([0, 2])
+    counted.record_plain(1)
+    listed.record_depths([0])
+    assert counted.snapshot() == listed.snapshot()

@@ -672,6 +672,9 @@ class PlainStats:
     def record_depths(self, depths):
         self.depths += depths
 
+    def record_plain(self, decoding):
+        self.depths += [0] * decoding
+
     def add(self, **counts):
         for name, n in counts.items():
             self.counts[name] = self.counts.get(name, 0) + n

@@ -54,12 +54,21 @@ def test_a_job_inside_the_budget_does_no_triforce_work_and_no_sync(tiny_llama, l
     plain = _generate(llm_factory(tiny_llama), prompts, 12)
     llm = llm_factory(tiny_llama, speculative_config=dict(SPEC))
     drafter = drafter_of(llm)
+    capture, layers, proposed = drafter.layer_capture, [], []
+    record, propose = capture.record, drafter.propose
+    capture.record = lambda index, *args: (layers.append(index), record(index, *args))[1]
+    drafter.propose = lambda *args, **kwargs: (proposed.append(1), propose(*args, **kwargs))[1]
     with ProposeSyncs(drafter) as recorder:
         recorder.take()
         tokens = _generate(llm, prompts, 12)
         syncs = summarise(recorder.take())
     stats = drafter.stats.snapshot()
     assert tokens == plain
+    # every pass was asked at its first layer whether it is read, and none was recorded;
+    # every step was done before vLLM prepared the drafter's inputs (plain_propose)
+    assert layers and set(layers) == {0} and capture.unread, layers
+    assert all(q is None for q in capture.queries)
+    assert not proposed
     assert stats["host_plain_steps"] >= 12 and stats["drafting_steps"] == 0, stats
     assert stats["host_plain_steps"] == syncs["num_steps"], (stats, syncs)
     assert syncs["max_step"] == 0 and syncs["once"] == 0, syncs["by_op"]
@@ -79,8 +88,58 @@ def test_requests_that_outgrow_the_budget_draft_after_host_plain_steps(tiny_llam
     plain = _generate(llm_factory(tiny_llama), prompts, 120)
     llm = llm_factory(tiny_llama, speculative_config=dict(SPEC))
     force_depths(llm, [4, 2, 3])  # the controller's path, its budget rule still applies
+    answers = _compare_plans(drafter_of(llm))
     tokens = _generate(llm, prompts, 120)
     stats = drafter_of(llm).stats.snapshot()
     assert_drafted(stats)
     assert stats["host_plain_steps"] > 0, stats
     assert tokens == plain
+    assert set(answers) == {True, False}, answers  # plain steps, then working ones
+
+
+def _compare_plans(drafter) -> list[bool]:
+    """Wraps `drafter.propose`, which then takes every step (plain ones too: no
+    `propose_plain_step`): each step, the plan made during vLLM's pass (`read_v1_ahead`'s
+    facts and whether the step is plain) must equal what `read_v1` reads after the pass;
+    returns the answers as the steps go."""
+    from vllm_triforce.engine.plain_steps import PlainSteps
+
+    propose, answers = drafter.propose, []
+    drafter.propose_plain_step = lambda: None  # every step through `propose`, compared
+
+    def compared(*args, **kwargs):
+        facts, plain = drafter._pass_plan
+        after = PlainSteps.read_v1(drafter.runner, kwargs["common_attn_metadata"])
+        assert facts.req_ids == after.req_ids
+        for name in ("query_start_loc", "seq_lens", "decoding"):
+            assert (getattr(facts, name) == getattr(after, name)).all(), name
+        assert plain == drafter.plain_steps.is_plain(after, drafter.runner.requests,
+                                                     drafter._handed_last)
+        answers.append(plain)
+        return propose(*args, **kwargs)
+
+    drafter.propose = compared
+    return answers
+
+
+def test_plain_propose_returns_a_plain_steps_drafts_before_vllms_preparation():
+    """patches/plain_propose.py on a stand-in runner: a drafter that took the step as
+    plain answers with its drafts, vLLM's call never runs and no probabilities are kept;
+    a drafter that did not (None), or async scheduling, leaves vLLM's call as it is."""
+    from vllm_triforce.patches.plain_propose import _make_propose_draft_token_ids
+
+    calls = []
+    wrapped = _make_propose_draft_token_ids(lambda runner, *args: calls.append(args) or "vllm")
+    for answer, async_scheduling, want in (([[], []], False, [[], []]), (None, False, "vllm"),
+                                           ([[]], True, "vllm")):
+        calls.clear()
+        runner = SimpleNamespace(drafter=SimpleNamespace(propose_plain_step=lambda: answer),
+                                 use_async_scheduling=async_scheduling,
+                                 _draft_probs="stale", _draft_prob_req_ids=["stale"])
+        assert wrapped(runner, "scheduler output") == want
+        assert (calls == []) == (want != "vllm")
+        if want != "vllm":
+            assert runner._draft_probs is None and runner._draft_prob_req_ids is None
+    calls.clear()  # another drafter (vLLM's own): untouched
+    assert wrapped(SimpleNamespace(drafter=object(), use_async_scheduling=False), 1) == "vllm"
+    assert calls == [(1,)]

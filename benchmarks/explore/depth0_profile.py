@@ -37,7 +37,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--depth", type=int, default=0,
-                        help="the depth TriForce is forced to (0: the issue-26 case)")
+                        help="the depth TriForce is forced to (0: the issue-26 case; "
+                             "-1: its controller)")
+    parser.add_argument("--budget", type=int, default=512, help="TriForce retrieval_budget "
+                        "(4,096, the default config's, with --prompt-tokens 1500 --depth -1: "
+                        "issue 60's short job, where no request can draft)")
     args = parser.parse_args()
 
     from vllm import SamplingParams
@@ -50,11 +54,11 @@ def main() -> None:
     ids = bench_prompts.book_prompts(model, args.prompt_tokens, args.batch)
     spec = None
     if args.engine.startswith("triforce"):
-        spec = {"method": "triforce", "num_speculative_tokens": 6, "retrieval_budget": 512}
+        spec = {"method": "triforce", "num_speculative_tokens": 6, "retrieval_budget": args.budget}
     llm = in_process_llm(model, spec, dtype="float32", enforce_eager=True, block_size=32, seed=0,
                          max_model_len=args.prompt_tokens + args.max_tokens + 2 * 6 + 64,
                          **({"async_scheduling": False} if args.engine == "plain-sync" else {}))
-    if spec:
+    if spec and args.depth >= 0:
         drafter_of(llm).set_fixed_depth(args.depth)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in ids]
@@ -84,6 +88,8 @@ def main() -> None:
     decode_seconds()
     profiler.disable()
     stats = pstats.Stats(profiler)
+    calls = sum(nc for (_cc, nc, _tt, _ct, _callers) in stats.stats.values())
+    print(f"Python function calls: {calls / steps:.0f} per step")
     rows = []
     for (path, line, name), (_cc, _nc, _tt, ct, _callers) in stats.stats.items():
         if (name in WATCH and "vllm" in path) or "vllm_triforce" in path:

@@ -19,6 +19,9 @@ per-layer work. A step qualifies when
   are set lazily from the KV cache (engine/summary_keeper.py, decided by the reader's check
   at the first commit that needs it), no request of the step may ever draft.
 
+The question is asked during vLLM's pass, at its first layer (engine/device/capture.py
+`reads_pass`), and a plain step's pass is not recorded at all: no layer's query or key is
+copied. `propose` then takes that answer for the step.
 What the step still does is what the depth controller's clocks need (`DepthChooser.begin`
 and `DepthStep.end`: vLLM's step time) and the counters (a plain step, `host_plain_steps`).
 Per-request state is taken up at the next step that does work (`StateTable.of_batch`); on
@@ -29,7 +32,9 @@ Host facts read (`PassFacts`, exact under synchronous scheduling, which TriForce
 vLLM 0.32.0 and 0.33.0:
 - V1 runner (vllm/v1/worker/gpu_model_runner.py, `read_v1`): the verification pass's
   `CommonAttentionMetadata` host copies `query_start_loc_cpu` and
-  `seq_lens_cpu_upper_bound`, `input_batch.req_ids` and `discard_request_mask`;
+  `seq_lens_cpu_upper_bound`, `input_batch.req_ids` and `discard_request_mask`; during
+  the pass (`read_v1_ahead`) the runner's buffers those copies are views of,
+  `query_start_loc` and `optimistic_seq_lens_cpu`;
 - Model Runner V2 (vllm/v1/worker/gpu/input_batch.py, `read_mrv2`): the pass's
   `InputBatch` host arrays `req_ids`, `query_start_loc_np`, `seq_lens_cpu_upper_bound`
   and `prefill_len_np`;
@@ -75,7 +80,8 @@ class PassFacts:
     def prefill(self) -> np.ndarray:
         """[R] bool: the row is a prefill chunk (more than one token, none of them handed
         drafts: `is_plain` asks only where nothing was handed last step)."""
-        return np.diff(self.query_start_loc) > 1
+        qsl = self.query_start_loc
+        return (qsl[1:] - qsl[:-1]) > 1  # np.diff's own overhead is most of a small batch's
 
 
 class PlainSteps:
@@ -103,17 +109,6 @@ class PlainSteps:
             self._never = (list(req_ids), never)
         return self._never[1]
 
-    def try_step(self, facts: PassFacts | None, requests, start: float,
-                 handed_last: bool) -> bool:
-        """Whether the step needs no TriForce work (`is_plain`), and if so, what it still
-        owes: the depth chooser's timing and the counters. `facts`: `read_v1` or
-        `read_mrv2` (None: the host lacks them); `requests`: req_id -> the runner's request
-        (V1's) or record (MRV2's)."""
-        if not self.is_plain(facts, requests, handed_last):
-            return False
-        self.record(facts, requests, start)
-        return True
-
     def is_plain(self, facts: PassFacts | None, requests, handed_last: bool) -> bool:
         """Whether every request of the pass decodes plainly, with nothing for TriForce to
         read of it (module docstring): the same answer before vLLM's pass as after it (the
@@ -123,7 +118,9 @@ class PlainSteps:
         if handed_last or (fixed is not None and fixed > 0) or facts is None:
             return False
         never = self.never(facts.req_ids, requests)
-        if not self.keeper.lazy and not never.all():  # summaries folded at every commit
+        if never.all():  # nobody drafts, now or later: nothing else to look at
+            return True
+        if not self.keeper.lazy:  # summaries folded at every commit
             return False
         if (facts.prefill & ~never).any():  # its keys go into the summaries now
             return False
@@ -141,7 +138,7 @@ class PlainSteps:
                                 emitted=num_tokens,
                                 pure_decode=bool(decoding.all()) and not facts.prefill.any(),
                                 verified=[], live_req_ids=requests)
-        self.stats.record_depths([0] * int(decoding.sum()))
+        self.stats.record_plain(int(decoding.sum()))
         step.end(drafting=False)
         self.stats.add(host_plain_steps=1)
 
@@ -155,6 +152,17 @@ class PlainSteps:
         return PassFacts(req_ids=list(runner.input_batch.req_ids[:num_reqs]),
                          query_start_loc=cad.query_start_loc_cpu[:num_reqs + 1].numpy(),
                          seq_lens=cad.seq_lens_cpu_upper_bound[:num_reqs].numpy(),
+                         decoding=~runner.discard_request_mask.np[:num_reqs])
+
+    @staticmethod
+    def read_v1_ahead(runner) -> PassFacts:
+        """`read_v1`'s facts during vLLM's pass (before `propose`), from the V1 runner's
+        host buffers that its `_prepare_inputs` filled for the pass, the ones the pass's
+        `CommonAttentionMetadata` holds views of: the same values."""
+        num_reqs = runner.input_batch.num_reqs
+        return PassFacts(req_ids=list(runner.input_batch.req_ids[:num_reqs]),
+                         query_start_loc=runner.query_start_loc.np[:num_reqs + 1],
+                         seq_lens=runner.optimistic_seq_lens_cpu[:num_reqs].numpy(),
                          decoding=~runner.discard_request_mask.np[:num_reqs])
 
     @staticmethod

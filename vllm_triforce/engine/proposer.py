@@ -77,6 +77,8 @@ class TriForceProposer(Drafting, DraftModelProposer):
         self.runner = runner
         self._last_draft_probs = None
         self._last_draft_prob_req_ids: list[str] | None = None
+        # vLLM's pass, decided during it (`_reads_pass`): (its facts, a plain step), or None
+        self._pass_plan: tuple | None = None
         self._init_drafting(vllm_config, device)
 
     # ---- Drafting's reads of the runner ---------------------------------------------
@@ -98,6 +100,40 @@ class TriForceProposer(Drafting, DraftModelProposer):
             self.model = None
             self._draft_attn_layer_names = set()
         self._attach_target(target_model, target_names)
+        self.layer_capture.reads_pass = self._reads_pass
+
+    def propose_plain_step(self) -> list[list[int]] | None:
+        """Before vLLM prepares `propose`'s inputs (patches/plain_propose.py): a step
+        decided plain during vLLM's pass is done here, and its empty drafts returned;
+        None for any other (`propose` follows, with the decision kept)."""
+        plan = self._pass_plan
+        if plan is None or not plan[1]:
+            return None
+        plan = self._take_plan(self.runner.input_batch.num_reqs)
+        return None if plan is None else self._plain_step(plan[0], time.perf_counter())
+
+    def _take_plan(self, num_reqs: int) -> tuple | None:
+        """The plan `_reads_pass` made during this step's pass (None: none, or not this
+        pass's, which has `num_reqs` requests), taken: a plan serves one step."""
+        plan, self._pass_plan = self._pass_plan, None
+        return plan if plan is not None and len(plan[0].req_ids) == num_reqs else None
+
+    def _plain_step(self, facts, start: float) -> list[list[int]]:
+        """A plain step (engine/plain_steps.py): its timing and counters, no device value
+        read, no batch built; no drafts."""
+        self._last_draft_probs, self._last_draft_prob_req_ids = None, None
+        self.plain_steps.record(facts, self.runner.requests, start)
+        self._plain_step_done(start)
+        return [[] for _ in facts.req_ids]
+
+    def _reads_pass(self) -> bool:
+        """At vLLM's pass's first layer: whether this step reads the pass (not a plain
+        step, engine/plain_steps.py), from the same host facts `propose` reads after it,
+        which then takes this answer: a pass not recorded is never worked on."""
+        facts = self.plain_steps.read_v1_ahead(self.runner)
+        plain = self.plain_steps.is_plain(facts, self.runner.requests, self._handed_last)
+        self._pass_plan = (facts, plain)
+        return not plain
 
     def initialize_attn_backend(self, kv_cache_config, kernel_block_sizes=None) -> None:
         if self.shape.has_draft and len(kv_cache_config.kv_cache_groups) == 1:
@@ -124,10 +160,14 @@ class TriForceProposer(Drafting, DraftModelProposer):
                 num_rejected_tokens_gpu=None, slot_mappings=None) -> list[list[int]]:
         self._last_draft_probs, self._last_draft_prob_req_ids = None, None
         start = time.perf_counter()
-        facts = self.plain_steps.read_v1(self.runner, common_attn_metadata)
-        if self.plain_steps.try_step(facts, self.runner.requests, start, self._handed_last):
-            self._plain_step_done(start)  # no device value read, no batch built
-            return [[] for _ in facts.req_ids]
+        plan = self._take_plan(common_attn_metadata.num_reqs)
+        if plan is None:  # not decided during the pass: now, from the same facts
+            facts = self.plain_steps.read_v1(self.runner, common_attn_metadata)
+            plan = facts, self.plain_steps.is_plain(facts, self.runner.requests,
+                                                    self._handed_last)
+        facts, plain = plan
+        if plain:
+            return self._plain_step(facts, start)
         batch = StepBatch.from_runner(self.runner, common_attn_metadata, target_token_ids,
                                       next_token_ids, num_rejected_tokens_gpu,
                                       sampling_metadata, self.block_size,

@@ -82,6 +82,14 @@ class TriForceStats:
             self.depth_counts[k] += n
         self.add(**{"drafting_steps" if deepest else "plain_steps": 1})
 
+    def record_plain(self, decoding: int) -> None:
+        """`record_depths([0] * decoding)`, a plain step's, without building the list."""
+        if decoding:
+            if not self.depth_counts:
+                self.depth_counts.append(0)
+            self.depth_counts[0] += decoding
+            self.plain_steps += 1
+
     def snapshot(self) -> dict[str, int]:
         return {k: (list(v) if isinstance(v, list) else v) for k, v in asdict(self).items()
                 if not k.startswith("_")}

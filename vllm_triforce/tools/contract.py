@@ -44,6 +44,7 @@ PATCH_TARGETS = (
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._bookkeeping_sync"),  # cpu_seed
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._prepare_inputs"),   # zero_draft
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.propose_draft_token_ids"),
+    # handoff_rows, plain_propose
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._get_spec_decode_draft_probs"),
     ("vllm.v1.engine.input_processor", "InputProcessor._validate_params"),  # plain_params
     ("vllm.sampling_params", "SamplingParams._validate_spec_decode"),         # plain_params
@@ -63,6 +64,16 @@ READ_ATTRIBUTES = (
     ("vllm.v1.attention.backends.cpu_attn", "CPUAttentionMetadata.scheduler_metadata"),
     ("vllm.v1.worker.utils", "AttentionGroup.build_metadata"),
     ("vllm.v1.worker.utils", "AttentionGroup.get_metadata_builder"),
+    # a plain step's host facts during the pass (engine/plain_steps.py `read_v1_ahead`)
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.query_start_loc"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.optimistic_seq_lens_cpu"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.discard_request_mask"),
+    ("vllm.v1.worker.gpu_input_batch", "InputBatch.num_reqs"),
+    ("vllm.v1.worker.gpu_input_batch", "InputBatch.req_ids"),
+    # what patches/plain_propose.py reads and sets on the runner
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.use_async_scheduling"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._draft_probs"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._draft_prob_req_ids"),
 ) + (  # Model Runner V2 (engine/mrv2/, engine/batch.py `StepBatch.from_mrv2`)
     ("vllm.v1.worker.gpu.input_batch", "InputBatch.req_ids"),
     ("vllm.v1.worker.gpu.input_batch", "InputBatch.num_reqs"),

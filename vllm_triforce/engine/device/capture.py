@@ -49,6 +49,11 @@ tokens, also the CPU runner's compile warm-up), piecewise graph captures and idl
 data-parallel batches all reach `impl.forward` with None; every backend returns early on it
 ("Profiling run.", e.g. vllm/v1/attention/backends/flash_attn.py). Keeping those queries
 and keys alive would inflate the peak memory vLLM measures before it sizes the KV cache.
+
+Nor is a pass of vLLM's that TriForce will not read: a plain step's (engine/plain_steps.py:
+nobody drafts, nothing is committed). `LayerCapture.reads_pass`, asked at the pass's first
+layer, decides it from the host's facts before the pass, the same answer `propose` then
+takes for the step; such a pass costs one call of that question, not a copy a layer.
 """
 
 from __future__ import annotations
@@ -159,6 +164,12 @@ class LayerCapture:
         # vLLM's FULL CUDA graphs (engine/mrv2/graphs.py): nothing of vLLM's is recorded
         # while a graph is being captured, so no copy is baked into every replay
         self.skip_while_capturing = False
+        # asked at the first layer of each of vLLM's passes (None: never asked): whether
+        # TriForce will read the pass. One it will not (a plain step's,
+        # engine/plain_steps.py) is not recorded: no copy, nothing kept (`unread`)
+        self.reads_pass = None
+        self.unread = False  # the pass being run is vLLM's, and nothing reads it
+        self._own = False  # inside `recording()`: TriForce's own pass
 
     def compact_large_passes(self, rows_per_request: int, key_rows: int,
                              when=None) -> None:
@@ -203,12 +214,13 @@ class LayerCapture:
     def recording(self, into: CaptureBuffers | None = None):
         """Every target pass inside is recorded; the state before is restored on leaving.
         `into`: its queries go into these buffers (a middle pass's, keys not kept)."""
-        before, self._into = self._into, into
+        before, self._into, own = self._into, into, self._own
+        self._own = True
         try:
             with self._switched(True):
                 yield self
         finally:
-            self._into = before
+            self._into, self._own = before, own
 
     @contextlib.contextmanager
     def _switched(self, on: bool):
@@ -225,6 +237,11 @@ class LayerCapture:
         if not isinstance(self.queries, list):  # a replay's `LayerRows`: a new pass begins
             self.queries = [None] * len(self.queries)
         if index == 0:
+            self.unread = bool(into is None and not self._own and self.reads_pass is not None
+                               and not self.reads_pass())
+            if self.unread:  # the rest of the pass's layers skip `record` (`_wrap_forward`)
+                self.clear()
+                return
             self.compacted = False
             self._compact_pass = bool(
                 self.compact_rows and query_start_loc is not None and into is None
@@ -352,6 +369,7 @@ def _unwrapped(forward):
 def _wrap_forward(forward, index: int, capture: LayerCapture):
     def captured_forward(layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
         if (capture.is_recording and attn_metadata is not None  # None: a dummy run (see top)
+                and (index == 0 or not capture.unread)  # a pass nothing reads: its first
                 and not (capture.skip_while_capturing and capture.capturing_vllms_graph())):
             capture.record(index, query, key, getattr(attn_metadata, "query_start_loc", None))
         return forward(layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)

@@ -297,7 +297,8 @@ class ProposeSyncs:
     split into its middle rounds and the rest of the step: a *round* runs from one call of
     the middle loop's `on_round_start` seam (engine/middle.py) to the next, or to the end of
     `MiddleLoop.run` (so it includes `select_in_middle` and the round's bookkeeping);
-    everything else in `propose` (StepBatch, commit, select, the hand-off) is the *step*,
+    everything else in `propose` (StepBatch, commit, select, the hand-off) is the *step*
+    (a plain step taken by `propose_plain_step`, patches/plain_propose.py, is one too),
     except the
     KV-cache key reader's one check at the engine's first commit (engine/paged_keys.py),
     labelled *once*, and the depth controller's planning (`DepthChooser.plan`), labelled
@@ -336,6 +337,19 @@ class ProposeSyncs:
                 self._counter.mark("step")
 
         proposer.propose, middle.run = counted_propose, marked_run
+        plain_step = getattr(proposer, "propose_plain_step", None)
+        if plain_step is not None:  # a plain step decided during vLLM's pass, done first
+            def counted_plain_step():  # (patches/plain_propose.py): a step when it is one
+                with SyncCounter(trace=self.trace, strict=self.strict) as self._counter:
+                    try:
+                        drafts = plain_step()
+                    finally:
+                        counter, self._counter = self._counter, None
+                if drafts is not None:
+                    self.steps.append(counter)
+                return drafts
+
+            proposer.propose_plain_step = counted_plain_step
         middle.on_round_start = lambda: self._counter.mark("round")
         proposer.depth.plan = self._labelled("host", proposer.depth.plan)
         plain = proposer.plain_steps  # reads vLLM's host copies of the pass's lengths
@@ -357,7 +371,8 @@ class ProposeSyncs:
         return marked
 
     def __exit__(self, *exc) -> None:
-        for owner, name in ((self.proposer, "propose"), (self.proposer.middle, "run"),
+        for owner, name in ((self.proposer, "propose"), (self.proposer, "propose_plain_step"),
+                            (self.proposer.middle, "run"),
                             (self.proposer.depth, "plan"), (self._reader, "check"),
                             (self.proposer.plain_steps, "read_v1")):
             if owner is not None:

@@ -1,0 +1,161 @@
+"""Plain vLLM against TriForce, decode by decode, in two live processes taking turns.
+
+`bench speed --rounds` alternates whole processes, a couple of minutes apart; on a shared
+2-vCPU host one process's decode runs 15-40% faster or slower than the next one's
+(benchmarks/short_job_2026-11-29: plain vLLM under TriForce's settings read 0.96, 1.00,
+1.39 and 0.98 of plain in its four rounds, with nothing between them that a CPU runs
+differently), so four rounds cannot tell 0.98x from 1.00x. Here both engines are built once,
+each in its own process, and take turns: one timed generation of `--max-tokens` tokens
+(prefix-cached prompts, so decode), then the other's, in the order ABBA ABBA ..., the other
+process idle (blocked on its pipe) meanwhile. A pair's ratio sees the host's state of a few
+seconds, so the median of the pairs' ratios resolves a few percent where rounds do not.
+
+The default shape is issue 60's short job: SmolLM2-135M, 2 x 1,500 tokens, 48 new, greedy,
+TriForce's default config (retrieval budget 4,096, so no request can draft). `--depth K`
+fixes TriForce's depth (`set_fixed_depth`) instead of its controller. The tokens of every
+generation are compared with plain vLLM's, and TriForce's drafted and accepted counts are
+printed (at depth 0 and in the short job they are 0: the point is what a step that drafts
+nothing costs).
+
+    .venv/bin/python benchmarks/explore/paired_decode.py [--pairs 16] [--depth K]
+        [--prompt-tokens 1500] [--batch 2] [--max-tokens 48] [--budget 4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import statistics
+import time
+
+ENGINES = ("plain", "triforce2")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--prompt-tokens", type=int, default=1500)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--budget", type=int, default=4096, help="TriForce retrieval_budget")
+    parser.add_argument("--gamma", type=int, default=6, help="num_speculative_tokens")
+    parser.add_argument("--depth", type=int, default=None,
+                        help="fix TriForce's depth (default: its controller)")
+    parser.add_argument("--pairs", type=int, default=16,
+                        help="timed generations per engine (even: ABBA order)")
+    parser.add_argument("--pause", type=float, default=0.5,
+                        help="seconds between turns (an idle OpenMP pool stops spinning)")
+    args = parser.parse_args()
+
+    from vllm_triforce.assets import ensure_model
+    from vllm_triforce.tools.bench import prompts as bench_prompts
+
+    model = str(ensure_model(args.model))
+    job = {"model": model, "prompts": bench_prompts.book_prompts(model, args.prompt_tokens,
+                                                                  args.batch),
+           "max_tokens": args.max_tokens, "depth": args.depth,
+           "spec": {"method": "triforce", "num_speculative_tokens": args.gamma,
+                    "retrieval_budget": args.budget},
+           "max_model_len": args.prompt_tokens + args.max_tokens + 2 * args.gamma + 64}
+    ctx = multiprocessing.get_context("spawn")
+    pipes, procs = {}, []
+    for engine in ENGINES:  # built one after the other: a start-up is not timed against a turn
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_worker, args=(child, engine, job), daemon=True)
+        proc.start()
+        pipes[engine] = parent
+        procs.append(proc)
+        ready = parent.recv()
+        print(f"{engine}: ready ({ready})", flush=True)
+    times = {e: [] for e in ENGINES}
+    tokens = {}
+    for turn in range(args.pairs):
+        order = ENGINES if turn % 2 == 0 else ENGINES[::-1]
+        for engine in order:
+            time.sleep(args.pause)
+            pipes[engine].send("go")
+            seconds, toks = pipes[engine].recv()
+            times[engine].append(seconds)
+            tokens.setdefault(engine, toks)
+            if toks != tokens[engine]:
+                tokens[engine] = None  # a generation gave other tokens than the first
+    for engine in ENGINES:
+        pipes[engine].send("stats")
+    counts = pipes["triforce2"].recv()
+    pipes["plain"].recv()
+    for engine in ENGINES:
+        pipes[engine].send("stop")
+    for proc in procs:
+        proc.join(timeout=60)
+    _report(args, times, tokens, counts)
+
+
+def _report(args, times: dict, tokens: dict, counts: dict) -> None:
+    steps = args.max_tokens
+    ratios = [p / t for p, t in zip(times["plain"], times["triforce2"])]  # TriForce's speed
+    q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
+    depth = "the controller" if args.depth is None else f"fixed depth {args.depth}"
+    print(f"\n{args.batch} x {args.prompt_tokens} tokens, {args.max_tokens} new, greedy; "
+          f"TriForce budget {args.budget}, gamma {args.gamma}, {depth}; "
+          f"{args.pairs} turns each, ABBA")
+    for engine in ENGINES:
+        ms = [1000 * s / steps for s in times[engine]]
+        print(f"  {engine:10s} ms/token by turn: {' '.join(f'{m:.1f}' for m in ms)}")
+    for engine in ENGINES:
+        ms = [1000 * s / steps for s in times[engine]]
+        print(f"  {engine:10s} ms/token: median {statistics.median(ms):.2f}, "
+              f"min {min(ms):.2f}, max {max(ms):.2f}")
+    print(f"  TriForce / plain speed, per turn pair: median {statistics.median(ratios):.3f}, "
+          f"quartiles {q[0]:.3f} .. {q[2]:.3f}, range {min(ratios):.3f} .. {max(ratios):.3f}")
+    print(f"  ratio of the medians: "
+          f"{statistics.median(times['plain']) / statistics.median(times['triforce2']):.3f}")
+    same = tokens.get("plain") is not None and tokens.get("plain") == tokens.get("triforce2")
+    print(f"  greedy tokens identical to plain vLLM's in every turn: {'yes' if same else 'NO'}")
+    print(f"  TriForce drafted {counts['drafted']} tokens, {counts['accepted']} accepted "
+          f"(vLLM's counters over the timed turns)")
+
+
+def _worker(conn, engine: str, job: dict) -> None:
+    """One engine, built here; answers "go" with (seconds, tokens) of one generation,
+    "stats" with vLLM's spec-decode counters, "stop" by returning."""
+    from vllm_triforce.tools.bench.worker import ENGINE_ENV
+
+    for key, value in ENGINE_ENV.items():
+        os.environ.setdefault(key, value)
+    from vllm import SamplingParams
+
+    from vllm_triforce.offline import drafter_of, in_process_llm
+    from vllm_triforce.tools.bench.worker import _delta, _spec_metrics
+
+    spec = job["spec"] if engine == "triforce2" else None
+    start = time.perf_counter()
+    llm = in_process_llm(job["model"], spec, dtype="float32", enforce_eager=True, block_size=32,
+                         seed=0, max_model_len=job["max_model_len"], disable_log_stats=False,
+                         enable_prefix_caching=True)
+    if spec is not None and job["depth"] is not None:
+        drafter_of(llm).set_fixed_depth(job["depth"])
+    prompts = [{"prompt_token_ids": ids} for ids in job["prompts"]]
+    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+                 use_tqdm=False)  # prefill: the timed generations hit the prefix cache
+    llm.generate(prompts, params, use_tqdm=False)  # warm-up
+    before = _spec_metrics(llm)
+    conn.send(f"built and warmed in {time.perf_counter() - start:.0f} s")
+    while True:
+        command = conn.recv()
+        if command == "go":
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            conn.send((time.perf_counter() - start,
+                       [list(o.outputs[0].token_ids) for o in outs]))
+        elif command == "stats":
+            counts = _delta(_spec_metrics(llm), before)
+            conn.send({"drafted": int(counts.get("vllm:spec_decode_num_draft_tokens", 0)),
+                       "accepted": int(counts.get("vllm:spec_decode_num_accepted_tokens", 0))})
+        else:
+            return
+
+
+if __name__ == "__main__":
+    main()
