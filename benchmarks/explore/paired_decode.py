@@ -2,7 +2,7 @@
 
 `bench speed --rounds` alternates whole processes, a couple of minutes apart; on a shared
 2-vCPU host one process's decode runs 15-40% faster or slower than the next one's
-(benchmarks/short_job_2026-11-29: plain vLLM under TriForce's settings read 0.96, 1.00,
+(benchmarks/history/short_job_2026-11-29: plain vLLM under TriForce's settings read 0.96, 1.00,
 1.39 and 0.98 of plain in its four rounds, with nothing between them that a CPU runs
 differently), so four rounds cannot tell 0.98x from 1.00x. Here both engines are built once,
 each in its own process, and take turns: one timed generation of `--max-tokens` tokens
@@ -15,7 +15,10 @@ TriForce's default config (retrieval budget 4,096, so no request can draft). `--
 fixes TriForce's depth (`set_fixed_depth`) instead of its controller. The tokens of every
 generation are compared with plain vLLM's, and TriForce's drafted and accepted counts are
 printed (at depth 0 and in the short job they are 0: the point is what a step that drafts
-nothing costs).
+nothing costs). `--control` makes the second engine plain vLLM too: on a 2-vCPU Intel Xeon
+(AMX) on 2026-12-01 that A/A run read 0.969 (pairs' median; 0.957 the medians' ratio) over
+20 turns, so the engine built second runs a few percent slower here whatever it is; TriForce
+read 0.950 (0.952) over 30 turns beside it. Read a ratio against the control's.
 
     .venv/bin/python benchmarks/explore/paired_decode.py [--pairs 16] [--depth K]
         [--prompt-tokens 1500] [--batch 2] [--max-tokens 48] [--budget 4096]
@@ -44,6 +47,9 @@ def main() -> None:
                         help="fix TriForce's depth (default: its controller)")
     parser.add_argument("--pairs", type=int, default=16,
                         help="timed generations per engine (even: ABBA order)")
+    parser.add_argument("--control", action="store_true",
+                        help="an A/A control: the second engine is plain vLLM too (built "
+                             "second, as TriForce's is), so the ratio shows the design's bias")
     parser.add_argument("--pause", type=float, default=0.5,
                         help="seconds between turns (an idle OpenMP pool stops spinning)")
     args = parser.parse_args()
@@ -54,7 +60,7 @@ def main() -> None:
     model = str(ensure_model(args.model))
     job = {"model": model, "prompts": bench_prompts.book_prompts(model, args.prompt_tokens,
                                                                   args.batch),
-           "max_tokens": args.max_tokens, "depth": args.depth,
+           "max_tokens": args.max_tokens, "depth": args.depth, "control": args.control,
            "spec": {"method": "triforce", "num_speculative_tokens": args.gamma,
                     "retrieval_budget": args.budget},
            "max_model_len": args.prompt_tokens + args.max_tokens + 2 * args.gamma + 64}
@@ -84,6 +90,7 @@ def main() -> None:
         pipes[engine].send("stats")
     counts = pipes["triforce2"].recv()
     pipes["plain"].recv()
+    counts = counts or {"drafted": 0, "accepted": 0}
     for engine in ENGINES:
         pipes[engine].send("stop")
     for proc in procs:
@@ -96,6 +103,8 @@ def _report(args, times: dict, tokens: dict, counts: dict) -> None:
     ratios = [p / t for p, t in zip(times["plain"], times["triforce2"])]  # TriForce's speed
     q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
     depth = "the controller" if args.depth is None else f"fixed depth {args.depth}"
+    if args.control:
+        depth += "; CONTROL: the `triforce2` rows are a second plain vLLM engine"
     print(f"\n{args.batch} x {args.prompt_tokens} tokens, {args.max_tokens} new, greedy; "
           f"TriForce budget {args.budget}, gamma {args.gamma}, {depth}; "
           f"{args.pairs} turns each, ABBA")
@@ -128,7 +137,7 @@ def _worker(conn, engine: str, job: dict) -> None:
     from vllm_triforce.offline import drafter_of, in_process_llm
     from vllm_triforce.tools.bench.worker import _delta, _spec_metrics
 
-    spec = job["spec"] if engine == "triforce2" else None
+    spec = job["spec"] if engine == "triforce2" and not job["control"] else None
     start = time.perf_counter()
     llm = in_process_llm(job["model"], spec, dtype="float32", enforce_eager=True, block_size=32,
                          seed=0, max_model_len=job["max_model_len"], disable_log_stats=False,

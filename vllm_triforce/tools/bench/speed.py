@@ -19,7 +19,9 @@ from vllm_triforce.tools.bench import report
 from vllm_triforce.tools.bench.runner import run_methods
 
 # The settings TriForce's engine runs under where the user left vLLM's default
-# (engine_settings.decide) that a plain CPU engine can take as `LLM` keywords.
+# (engine_settings.decide) that a plain CPU engine can take as `LLM` keywords. On a CPU
+# vLLM turns async scheduling off itself (vllm/platforms/cpu.py, 0.32.0), so there
+# `plain_forced` runs plain vLLM's own settings: it measures the host's spread.
 FORCED_SETTINGS = {"async_scheduling": False}
 
 QUICK = dict(prompt_tokens=256, batch=2, max_tokens=8, repeats=1, budget=192)
@@ -43,7 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--methods", nargs="+", default=None,
                    help="subset of: plain draft_model ngram triforce2 triforce3 plain_forced "
                         "(plain_forced: plain vLLM under the settings TriForce forces, "
-                        "async scheduling off; only when named)")
+                        "async scheduling off, which a CPU engine already is; only when "
+                        "named)")
     p.add_argument("--policies", nargs="+", default=None, choices=POLICIES,
                    help="also time TriForce with each of these selection policies (rows "
                         "`triforce2 <policy>` and its fixed depths, likewise triforce3; the "
