@@ -88,7 +88,7 @@ case "$step" in
   sampled)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     bash scripts/gpu_run.sh --budget-s "$budget" --only \
-      kernels,sample-triton-fp32-plain,sample-triton-fp32-2L-mrv2,sample-triton-fp32-2L-mrv2-wrong,sample-triton-fp32-2L-mrv2-async,sample-triton-fp32-2L,sample-triton-fp32-2L-wrong \
+      kernels,sample-triton-fp32-plain,sample-triton-fp32-2L-mrv2,sample-triton-fp32-2L-mrv2-wrong,sample-triton-fp32-2L-mrv2-async,sample-triton-fp32-2L,sample-triton-fp32-2L-wrong,sample-triton-fp32-2L-compiled \
       2>&1 | grep -v " INFO \| DEBUG "
     ;;
   mrv2-full)

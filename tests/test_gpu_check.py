@@ -308,7 +308,8 @@ def test_the_lease_calls_name_planned_jobs_and_each_exact_row_finds_its_referenc
     # binding beside its negative control
     sampled = [n for n in jobs if n.startswith("sample-") and not n.endswith("-plain")]
     assert {"sample-triton-fp32-2L-mrv2", "sample-triton-fp32-2L-mrv2-wrong",
-            "sample-triton-fp32-2L-wrong", "sample-triton-fp32-2L-mrv2-async"} <= set(sampled)
+            "sample-triton-fp32-2L-wrong", "sample-triton-fp32-2L-mrv2-async",
+            "sample-triton-fp32-2L-compiled"} <= set(sampled)
     assert all(jobs[n]["reference"] == "sample-triton-fp32-plain" for n in sampled)
     assert all(n in selected for n in sampled + ["sample-triton-fp32-plain"]), selected
     assert len({jobs[n]["llm"]["seed"] for n in sampled + ["sample-triton-fp32-plain"]}) == \

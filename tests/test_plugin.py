@@ -68,6 +68,7 @@ def test_version_gate_refuses_other_vllm(found):
     ({"compiled_selection": True, "compact_summaries": False}, "compiled_selection"),
     ({"compiled_selection": True, "selection_policy": "quest"}, "compiled_selection"),
     ({"prefill_from_cache": "auto"}, "prefill_from_cache"),
+    ({"compiled_sampling": "yes"}, "compiled_sampling"),
     ({"selection_graphs": 1}, "selection_graphs"),
     ({"selection_graphs": True, "round_graphs": True}, "selection_graphs"),
     ({"selection_graphs": True, "compiled_selection": True}, "selection_graphs"),

@@ -9,7 +9,7 @@ import pytest
 import tiny_models
 from engine_helpers import (assert_drafted, drafter_of, force_depths, free_llm, in_process_llm,
                             make_engine_kwargs, watch_hand_off)
-from test_triforce_engine import two_level
+from test_triforce_engine import three_level, two_level
 from vllm_triforce.tools.bench.gpu_summary import ALPHA, homogeneity_pvalue
 
 pytestmark = pytest.mark.engine
@@ -132,6 +132,48 @@ def test_seeded_triforce_is_reproducible(tiny_llama):
         finally:
             free_llm(llm)
         runs.append({o.prompt: list(o.outputs[0].token_ids) for o in outs})
+    assert runs[0] == runs[1]
+
+
+def test_compiled_sampling_draws_the_eager_tokens(tiny_llama, tiny_draft):
+    """`compiled_sampling` (core/compiled_sampling.py) draws what the eager path draws: three
+    levels, seeded requests (the same uniforms either way), one batch filtering nothing
+    and one with top-k and top-p, a greedy request in each; drafts verified, and every
+    compiled function called. Its values differ from eager torch's in the last bits at
+    most (tests/core/test_core_compiled_sampling.py), too little to move a draw here."""
+    from vllm import SamplingParams
+
+    prompts = [tiny_models.make_text(n, seed=i) for i, n in enumerate((220, 60, 150, 90))]
+
+    def params(filtered: bool) -> list:
+        out = [SamplingParams(temperature=0.9, seed=200 + i, max_tokens=24, ignore_eos=True,
+                              top_k=20 if filtered and i == 1 else 0,
+                              top_p=0.8 if filtered and i == 2 else 1.0)
+               for i in range(len(prompts) - 1)]
+        return out + [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)]
+
+    runs = []
+    for compiled in (False, True):
+        spec = three_level(tiny_draft, compiled_sampling=compiled)
+        llm = in_process_llm(tiny_llama, spec, **make_engine_kwargs())
+        try:
+            tokens = [[list(o.outputs[0].token_ids)
+                       for o in llm.generate(prompts, params(filtered), use_tqdm=False)]
+                      for filtered in (False, True)]
+            drafter = drafter_of(llm)
+            assert_drafted(drafter.stats.snapshot())
+            sampling = drafter.middle.sampling
+            if compiled:
+                assert sampling is not None and sampling.compiled, "compiled_sampling is off"
+                calls = sampling.calls
+                print(f"compiled calls {calls}")
+                assert all(calls[name] > 0 for name in ("draw", "draw_filtered", "verify",
+                                                        "verify_filtered")), calls
+            else:
+                assert sampling is None
+        finally:
+            free_llm(llm)
+        runs.append(tokens)
     assert runs[0] == runs[1]
 
 

@@ -156,6 +156,13 @@ class TriForceConfig:
     # re-selects from its step's shortlist (refresh_interval 1). Needs `round_graphs` and
     # `compiled_selection`. Off until a GPU has run it exact.
     selection_graphs: bool = False
+    # A sampled batch's vocabulary work as compiled functions (core/compiled_sampling.py):
+    # each draft step's distributions and draws, and each middle round's distributions,
+    # acceptance tests and final draws, one call a chunk instead of some 150 host
+    # operations a three-level round. The uniforms are drawn as the eager path draws them
+    # (a seeded request's from its own generator); greedy batches never use it. Compiles
+    # at start-up (about 15 s on a CPU). Off until a GPU has timed it.
+    compiled_sampling: bool = False
     # Where summaries are set from vLLM's KV cache (engine/summary_keeper.py: a backend
     # whose cache TriForce reads back exactly), a pass larger than the capture's copies (a
     # long prompt chunk) keeps only its requests' last query rows, not every layer's query
@@ -201,6 +208,11 @@ class TriForceConfig:
                 f"speculative_config['compiled_selection']={self.compiled_selection!r} must be "
                 "true (block scores and re-ranking compiled) or false "
                 "(eager chunked reads, the default).")
+        if not isinstance(self.compiled_sampling, bool):
+            raise TriForceConfigError(
+                f"speculative_config['compiled_sampling']={self.compiled_sampling!r} must be "
+                "true (a sampled round's vocabulary work compiled) or false (eager, the "
+                "default).")
         if not isinstance(self.selection_graphs, bool):
             raise TriForceConfigError(
                 f"speculative_config['selection_graphs']={self.selection_graphs!r} must be "

@@ -15,9 +15,12 @@ copy to the host to the next round's replay (what a GPU waits through).
 `--compiled-selection`: the block scores, the re-ranking and the pass layout compiled
 (core/compiled.py). `--selection-graphs` (with both): a round's re-selection and the next
 pass's load as one graph (`selection_graphs`; engine/device/selection_graph.py).
+`--compiled-sampling` (with `--temperature`): a sampled round's vocabulary work compiled
+(`compiled_sampling`; core/compiled_sampling.py).
 
     .venv/bin/python benchmarks/explore/host_overhead.py [--repeats 3] [--levels 2]
         [--round-graphs] [--compiled-selection] [--selection-graphs] [--ops 40]
+        [--temperature 0.8 [--unseeded] [--compiled-sampling]]
 """
 
 import argparse
@@ -56,6 +59,9 @@ def main() -> None:
     parser.add_argument("--unseeded", action="store_true",
                         help="with --temperature: requests without a seed (a serving "
                              "load's usual case: one batched draw), not each seeded")
+    parser.add_argument("--compiled-sampling", action="store_true",
+                        help="a sampled round's distributions, verification and draws "
+                             "compiled (`compiled_sampling`)")
     parser.add_argument("--no-syncs", action="store_true", help="skip the counted generation")
     parser.add_argument("--ops", type=int, default=0, metavar="N",
                         help="count aten operations per middle round; print N call sites")
@@ -73,7 +79,8 @@ def main() -> None:
             "retrieval_sink_tokens": 32, "retrieval_recent_tokens": 64, "adaptive": False,
             "refresh_interval": args.refresh_interval, "round_graphs": args.round_graphs,
             "compiled_selection": args.compiled_selection,
-            "selection_graphs": args.selection_graphs}
+            "selection_graphs": args.selection_graphs,
+            "compiled_sampling": args.compiled_sampling}
     if args.levels == 3:
         draft = tiny_models.build_tiny_llama_draft(tmp / "draft", vocab_size=1024)
         spec.update(model=str(draft), draft_window_tokens=96)

@@ -158,13 +158,24 @@ def verify(draft_token_ids: Tensor, draft_probs: Tensor | None, target_probs: Te
     if all_greedy:
         return verify_greedy(draft_token_ids, p.argmax(-1), num_drafts)
     ids = on_device(draft_token_ids, device, torch.long)
+    uniform = draw_uniforms(num_reqs, gamma + 1, generators, device, shared)  # [R, G+1]
+    return verify_drawn(p, ids, None if draft_probs is None else on_device(draft_probs, device),
+                        on_device(num_drafts, device, torch.long),
+                        on_device(greedy, device, torch.bool), uniform)
+
+
+def verify_drawn(p: Tensor, ids: Tensor, draft_probs: Tensor | None, num_drafts: Tensor,
+                 greedy: Tensor, uniform: Tensor) -> VerifyResult:
+    """`verify`'s work once its uniforms are drawn, every input on one device: p [R, G + 1,
+    V] float32, non-negative; ids [R, G] int64 (padding may be -1); draft_probs [R, G, V]
+    or None (one-hot drafts); num_drafts [R] int64; greedy [R] bool; uniform [R, G + 1]
+    float64 (one per draft slot, the last for the final token). No host decision and no
+    draw: core/compiled_sampling.py compiles it as it is."""
+    gamma = ids.shape[1]
     safe_ids = ids.clamp(0, p.shape[-1] - 1)[..., None]  # [R, G, 1]; padding may be -1
-    num_drafts = on_device(num_drafts, device, torch.long)
-    greedy = on_device(greedy, device, torch.bool)
-    uniform = _draw(num_reqs, gamma + 1, generators, device, shared)  # [R, G+1]
     p_draft = p[:, :gamma].gather(2, safe_ids).squeeze(-1)  # [R, G] p(x_i)
     q_draft = (torch.ones_like(p_draft) if draft_probs is None
-               else on_device(draft_probs, device).float().gather(2, safe_ids).squeeze(-1))
+               else draft_probs.float().gather(2, safe_ids).squeeze(-1))
     argmax_p = p.argmax(-1)  # [R, G+1]
     accept = torch.where(greedy[:, None], ids == argmax_p[:, :gamma],
                          uniform[:, :gamma] * q_draft < p_draft)
@@ -172,7 +183,7 @@ def verify(draft_token_ids: Tensor, draft_probs: Tensor | None, target_probs: Te
 
     dist = _final_distribution(p, draft_probs, safe_ids, num_accepted, num_drafts)  # [R, V]
     greedy_last = argmax_p.gather(1, num_accepted[:, None]).squeeze(1)  # [R]
-    last = torch.where(greedy, greedy_last, _inverse_cdf(dist, uniform[:, gamma]))
+    last = torch.where(greedy, greedy_last, _inverse_cdf(dist, uniform[:, -1]))
     return _result(ids, num_accepted, last)
 
 
@@ -221,7 +232,7 @@ def _final_distribution(p: Tensor, draft_probs: Tensor | None, safe_ids: Tensor,
         q_at = torch.zeros_like(p_at).scatter_(1, token, 1.0)
     else:
         index = draft_at[:, None, None].expand(-1, 1, p.shape[-1])
-        q_at = on_device(draft_probs, p.device).float().gather(1, index).squeeze(1).nan_to_num(0.0)
+        q_at = draft_probs.float().gather(1, index).squeeze(1).nan_to_num(0.0)
     residual = (p_at - q_at).clamp(min=0)
     mass = residual.sum(-1)
     use_residual = (num_accepted < num_drafts) & (mass > 0) & torch.isfinite(mass)
@@ -238,15 +249,19 @@ def sample_tokens(q: Tensor, greedy: Tensor, generators: Sequence[torch.Generato
     Drawn by inverting the float64 cumulative sum with one uniform per row (as `verify`'s
     final token), not with `torch.multinomial`, which synchronises a GPU (vLLM's sampler
     avoids it for the same reason: vllm/v1/sample/ops/topk_topp_sampler.py, random_sample)."""
-    argmax = q.argmax(-1)  # [n]
     if all_greedy:
-        return argmax
-    uniform = _draw(q.shape[0], 1, generators, q.device, shared)[:, 0]
-    return torch.where(on_device(greedy, q.device, torch.bool), argmax,
-                       _inverse_cdf(q, uniform))
+        return q.argmax(-1)
+    uniform = draw_uniforms(q.shape[0], 1, generators, q.device, shared)[:, 0]
+    return sample_drawn(q, on_device(greedy, q.device, torch.bool), uniform)
 
 
-def _draw(num_reqs: int, count: int, generators, device,
+def sample_drawn(q: Tensor, greedy: Tensor, uniform: Tensor) -> Tensor:
+    """`sample_tokens` once its uniforms [n] (float64) are drawn, greedy [n] bool on q's
+    device: no host decision and no draw (core/compiled_sampling.py compiles it)."""
+    return torch.where(greedy, q.argmax(-1), _inverse_cdf(q, uniform))
+
+
+def draw_uniforms(num_reqs: int, count: int, generators, device,
           shared: torch.Generator | None = None) -> Tensor:
     """[R, count] float64 uniforms in [0, 1): a row with its own generator draws from it
     (the values `torch.rand(count, generator=gen)` gives), the others in one draw from

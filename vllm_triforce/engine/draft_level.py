@@ -21,7 +21,7 @@ import torch
 
 from vllm_triforce.config import TriForceConfigError
 from vllm_triforce.core.streaming import DraftWindow
-from vllm_triforce.core.verify import GREEDY_TEMPERATURE, sample_tokens
+from vllm_triforce.core.verify import GREEDY_TEMPERATURE, draw_uniforms, sample_tokens
 from vllm_triforce.engine.buffers import MIDDLE_CHUNK_ROWS
 from vllm_triforce.engine.device.forward import HostPass, build_pass, run_pass
 from vllm_triforce.engine.device.transfer import to_device
@@ -59,6 +59,9 @@ class DraftLevel:
         self.generator = generator  # shared by requests without a seed of their own
         self.device = device
         self.round_graphs = round_graphs
+        # a sampled step's distributions and draws as one compiled function a chunk
+        # (`compiled_sampling`: core/compiled_sampling.py; set by Drafting); None: eager
+        self.sampling = None
 
     def invalidate(self, batch, states) -> None:
         """The verification pass recomputed each request's tokens from its verify_start."""
@@ -85,7 +88,7 @@ class DraftLevel:
             return self._forward(batch, states, reqs, positions, token_ids)
 
         proposals, q = draft_proposals(batch, states, active, sizes, run_step, self.generator,
-                                       probs=probs)
+                                       probs=probs, sampling=self.sampling)
         for r in active:  # the pending tokens now hold current draft KV
             states[r].draft_valid_upto = drafts_by_row[r].position + 1
             states[r].draft_sinks_valid = True
@@ -173,7 +176,7 @@ def _token_ids(batch, drafts, row: int, positions: list[int]) -> list[int]:
 
 def draft_proposals(batch, states, active: list[int], sizes: list[int], run_step,
                     generator: torch.Generator, chunk_requests: int = MIDDLE_CHUNK_ROWS,
-                    probs: bool = True):
+                    probs: bool = True, sampling=None):
     """Level 1's proposals, step by step on the device: sizes[i] tokens for request
     active[i]. Step s calls `run_step(s, rows, reqs, previous)` for the requests still
     proposing (rows: their indices in `active`, reqs: their batch rows, previous: their
@@ -184,7 +187,9 @@ def draft_proposals(batch, states, active: list[int], sizes: list[int], run_step
     the proposals [len(active), max(sizes)] and their probs [len(active), max(sizes), V]
     (zero past each size), on the device: a step feeds the next without the host reading
     its tokens. `probs` False (every request greedy, nobody reads the distributions): the
-    proposals are the logits' argmaxes and the probs None."""
+    proposals are the logits' argmaxes and the probs None. `sampling`: a
+    core/compiled_sampling.CompiledSampling, which turns a chunk of a step that samples
+    into its distributions and tokens in one call (None: eager torch)."""
     max_size = max(sizes)
     proposals = q_all = None
     for step in range(max_size):
@@ -207,13 +212,20 @@ def draft_proposals(batch, states, active: list[int], sizes: list[int], run_step
         if q_all is None:
             q_all = logits.new_zeros(len(active), max_size, logits.shape[-1],
                                      dtype=torch.float32)
-        greedy = batch.temperature[reqs_dev] < GREEDY_TEMPERATURE
         all_greedy = batch.all_greedy(reqs)
+        compiled = sampling is not None and not all_greedy
+        greedy = None if compiled else batch.temperature[reqs_dev] < GREEDY_TEMPERATURE
         for lo in range(0, len(rows), chunk_requests):
             c = slice(lo, lo + chunk_requests)
-            q = batch.probs(logits[c], reqs[c], reqs_dev[c])  # [n, V]
-            tokens = sample_tokens(q, greedy[c], [states[r].generator for r in reqs[c]],
-                                   generator, all_greedy=all_greedy)
+            generators = [states[r].generator for r in reqs[c]]
+            if compiled:  # the uniforms as the eager draw takes them, then one call
+                uniform = draw_uniforms(len(generators), 1, generators, logits.device,
+                                        generator)[:, 0]
+                q, tokens = sampling.draw(logits[c], reqs_dev[c], batch, uniform)
+            else:
+                q = batch.probs(logits[c], reqs[c], reqs_dev[c])  # [n, V]
+                tokens = sample_tokens(q, greedy[c], generators, generator,
+                                       all_greedy=all_greedy)
             chunk_into = slice(lo, lo + q.shape[0]) if all_rows else rows_dev[c]
             q_all[chunk_into, step] = q
             proposals[chunk_into, step] = tokens

@@ -40,6 +40,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm_triforce import engine_settings, metrics
 from vllm_triforce.config import TriForceConfigError, forced_settings
 from vllm_triforce.core.compiled import first_line
+from vllm_triforce.core.compiled_sampling import CompiledSampling
 from vllm_triforce.core.fused_reads import CompiledScores
 from vllm_triforce.core.policies import make_policy
 from vllm_triforce.core.refresh import RefreshPolicy
@@ -185,6 +186,8 @@ class Drafting:
                            "(%s); it keeps its first stage only.", self.policy.name,
                            unreadable)
         self._build_levels(paged_keys, unreadable, target_groups)
+        if self.cfg.compiled_sampling:
+            self._compile_sampling()
         if self.cfg.compiled_selection:
             self._compile_scoring()
             self._build_selection_graphs()
@@ -246,6 +249,25 @@ class Drafting:
             return
         logger.info("TriForce compiled_selection: a middle pass's tables and slots are one "
                     "compiled function (compiled in %.1f s)", seconds)
+
+    def _compile_sampling(self) -> None:
+        """`compiled_sampling`: a sampled draft step's and middle round's vocabulary work as
+        one compiled call a chunk (core/compiled_sampling.py), compiled now, for the target's
+        dtype; a compilation that fails leaves it eager, with a warning."""
+        sampling = CompiledSampling(self.vllm_config.model_config.dtype)
+        try:
+            seconds = sampling.warm_up(self.shape.vocab_size, self.device)
+        except Exception as exc:  # noqa: BLE001 - inductor's failures are many kinds
+            logger.warning("TriForce compiled_sampling: compiling the sampled rounds' "
+                           "vocabulary work failed (%s: %s); it stays eager.",
+                           type(exc).__name__, first_line(exc))
+            return
+        self.middle.sampling = sampling
+        if self.draft is not None:
+            self.draft.sampling = sampling
+        logger.info("TriForce compiled_sampling: a sampled draft step's distributions and "
+                    "draws, and a middle round's verification, are one compiled call a chunk "
+                    "(compiled in %.1f s)", seconds)
 
     def _build_selection_graphs(self) -> None:
         """`selection_graphs`: a middle round's re-selection and the next pass's load as

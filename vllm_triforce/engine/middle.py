@@ -32,7 +32,8 @@ import time
 import numpy as np
 import torch
 
-from vllm_triforce.core.verify import GREEDY_TEMPERATURE, sample_tokens, verify, verify_greedy
+from vllm_triforce.core.verify import (GREEDY_TEMPERATURE, draw_uniforms, sample_tokens, verify,
+                                       verify_greedy)
 from vllm_triforce.engine.buffers import middle_chunk_requests
 from vllm_triforce.engine.device.forward import Runs
 from vllm_triforce.engine.device.transfer import to_device
@@ -189,6 +190,10 @@ class MiddleLoop:
         self.generator = generator
         self.measure = measure_middle_acceptance
         self.on_round_start = None
+        # a sampled round's distributions, verification and draws as one compiled function
+        # a chunk (`compiled_sampling`: core/compiled_sampling.py; set by Drafting); None:
+        # eager torch
+        self.sampling = None
 
     def run(self, step, rows: list[int], num_drafts: list[int], probs_out: HandOffBuffer,
             use_draft: bool = True, on_round=None) -> MiddleDrafts:
@@ -322,28 +327,22 @@ class MiddleLoop:
         rows, base, room = to_device(batch.device, active,
                                      (drafts.slot[live] * gamma2 + firsts).tolist(),
                                      (gamma2 - firsts).tolist())
-        greedy = batch.temperature[rows] < GREEDY_TEMPERATURE  # [A]
         all_greedy = batch.all_greedy(active)
+        compiled = self.sampling is not None and not all_greedy
+        greedy = None if compiled else batch.temperature[rows] < GREEDY_TEMPERATURE  # [A]
         generators = [states[r].generator for r in active]
         size, parts = middle_chunk_requests(self.gamma1), []
         for lo in range(0, len(active), size):
             c = slice(lo, lo + size)
             tokens = layout.token_rows(c)  # the chunk's rows of the pass
-            of_rows = rows[c] if layout.width == 1 else rows[layout.owner[tokens]]
-            probs = batch.probs(logits[tokens], active[c], of_rows)
-            if proposals is None:  # the level drafts alone: one draw from p per request
-                drawn = sample_tokens(probs, greedy[c], generators[c], self.generator,
-                                      all_greedy=all_greedy)
-                # what `verify` of no drafts draws, in a dozen operations instead of ~55
-                accepted, target_probs = drawn.new_zeros(drawn.shape[0]), probs[:, None]
-                emitted = drawn[:, None]
+            if compiled:
+                accepted, emitted, target_probs = self._emit_compiled(
+                    batch, layout, logits[tokens], rows[c], tokens, proposals, proposal_probs,
+                    c, generators[c])
             else:
-                target_probs = layout.per_request(probs, c)  # [n, max(sizes) + 1, V]
-                del probs
-                result = verify(proposals[c], proposal_probs[c], target_probs,
-                                layout.num_drafts[c], greedy[c], generators[c],
-                                all_greedy=all_greedy, shared=self.generator)
-                accepted, emitted = result.num_accepted, result.output_token_ids
+                accepted, emitted, target_probs = self._emit_eager(
+                    batch, layout, logits[tokens], rows, tokens, proposals, proposal_probs,
+                    c, active, greedy, generators[c], all_greedy)
             if probs_out.flat is not None:  # V1: the probabilities handed to vLLM
                 _keep_probs(probs_out, target_probs, accepted + 1, base[c], room[c])
             if probs_out.logits is not None:  # MRV2: the logits the tokens were drawn from
@@ -353,6 +352,40 @@ class MiddleLoop:
                             gamma2 - room[c])
             parts.append(_packed(accepted, emitted))
         return torch.cat(parts)
+
+    def _emit_eager(self, batch, layout: "_RoundLayout", logits, rows, tokens: slice,
+                    proposals, proposal_probs, c: slice, active: list[int], greedy,
+                    generators, all_greedy: bool):
+        """One chunk of `_emit` in eager torch: (accepted [n], emitted [n, G + 1], the
+        distributions its tokens were drawn from [n, G + 1, V])."""
+        of_rows = rows[c] if layout.width == 1 else rows[layout.owner[tokens]]
+        probs = batch.probs(logits, active[c], of_rows)
+        if proposals is None:  # the level drafts alone: one draw from p per request
+            drawn = sample_tokens(probs, greedy[c], generators, self.generator,
+                                  all_greedy=all_greedy)
+            # what `verify` of no drafts draws, in a dozen operations instead of ~55
+            return drawn.new_zeros(drawn.shape[0]), drawn[:, None], probs[:, None]
+        target_probs = layout.per_request(probs, c)  # [n, max(sizes) + 1, V]
+        del probs
+        result = verify(proposals[c], proposal_probs[c], target_probs, layout.num_drafts[c],
+                        greedy[c], generators, all_greedy=all_greedy, shared=self.generator)
+        return result.num_accepted, result.output_token_ids, target_probs
+
+    def _emit_compiled(self, batch, layout: "_RoundLayout", logits, req_rows, tokens: slice,
+                       proposals, proposal_probs, c: slice, generators):
+        """`_emit_eager` in one compiled call (`compiled_sampling`), after drawing its
+        uniforms as the eager path does (a seeded request's from its own generator)."""
+        n = req_rows.shape[0]
+        if proposals is None:
+            uniform = draw_uniforms(n, 1, generators, logits.device, self.generator)[:, 0]
+            probs, drawn = self.sampling.draw(logits, req_rows, batch, uniform)
+            return drawn.new_zeros(n), drawn[:, None], probs[:, None]
+        uniform = draw_uniforms(n, proposals.shape[1] + 1, generators, logits.device,
+                                self.generator)
+        emitted, accepted, target_probs = self.sampling.verify(
+            logits, req_rows, batch, layout.owner[tokens], layout.slot[tokens], proposals[c],
+            proposal_probs[c], layout.num_drafts[c], uniform)
+        return accepted, emitted, target_probs
 
     def _after_proposals(self, states, drafts: MiddleDrafts, live: np.ndarray,
                          sizes: list[int], accepted: list[int]) -> None:

@@ -124,7 +124,8 @@ def _sample_jobs(tag: str, llm: dict, models: dict, on_gpu: bool) -> list[dict]:
     `_distribution`): plain vLLM, then TriForce (two levels, the depth controller planning
     SAMPLE_SCHEDULE in turn) on V1 and, on a GPU, on Model Runner V2 with synchronous and
     async scheduling; each TriForce binding also as its negative control (`-wrong`: the
-    verifier handed distributions other than the drafts were drawn from). A different
+    verifier handed distributions other than the drafts were drawn from); and on V1 with
+    `compiled_sampling` (`-compiled`: the middle level's draws compiled). A different
     engine seed each, so no two draw from one random stream."""
     from vllm_triforce.tools.bench.gpu_engine import random_prompts
     from vllm_triforce.tools.bench.gpu_models import SAMPLING_TAG, SAMPLING_VOCAB
@@ -153,6 +154,9 @@ def _sample_jobs(tag: str, llm: dict, models: dict, on_gpu: bool) -> list[dict]:
          "llm": {**llm, "seed": 5, "async_scheduling": True}},
         v1,
         {**tri, **wrong, "name": f"sample-{tag}-2L-wrong", "llm": {**llm, "seed": 2}},
+        # the draws compiled (`compiled_sampling`, off until a GPU has run it)
+        {**tri, "name": f"sample-{tag}-2L-compiled", "llm": {**llm, "seed": 6},
+         "spec": {**SAMPLE_SPEC, "compiled_sampling": True}},
     ]
 
 
