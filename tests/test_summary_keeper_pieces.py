@@ -1,12 +1,34 @@
-"""SummaryKeeper.committed_tokens: the one-piece path (array operations, every decode step)
-gives exactly what the span-by-span path (`token_pieces` + `committed_runs`) gives."""
+"""SummaryKeeper.committed_tokens: its pieces, by array operations, are what the spans
+(owner, first position, count) give token by token (`committed_runs`, the reference here),
+whether a pass is one piece (every decode step) or cut into several (`token_pieces`: a
+long prefill)."""
 
 import types
 
 import numpy as np
 import torch
 
+from vllm_triforce.core.summaries import token_pieces
 from vllm_triforce.engine.summary_keeper import SummaryKeeper
+
+
+def committed_runs(spans, block_size: int):
+    """The reference, token by token: (positions, owners, run_of_token, num_runs) of spans
+    (owner, first position, count), each span one request's new tokens in order, one run
+    per block a span touches."""
+    positions, owners, runs, num_runs = [], [], [], 0
+    for owner, start, count in spans:
+        first_block = start // block_size
+        positions += range(start, start + count)
+        owners += [owner] * count
+        runs += [num_runs + p // block_size - first_block for p in range(start, start + count)]
+        num_runs += (start + count - 1) // block_size - first_block + 1
+    return positions, owners, runs, num_runs
+
+
+def test_committed_runs_example():
+    assert committed_runs([(0, 6, 3), (1, 0, 2)], 4) == ([6, 7, 8, 0, 1], [0, 0, 0, 1, 1],
+                                                         [0, 0, 1, 2, 2], 3)
 
 
 def _keeper(block_size: int, fold_tokens: int) -> SummaryKeeper:
@@ -27,33 +49,32 @@ def _batch(rng, num_reqs: int, block_size: int):
         block_table=torch.arange(num_reqs * 16, dtype=torch.int32).reshape(num_reqs, 16))
 
 
-def test_one_piece_equals_the_span_by_span_fold():
+def test_pieces_equal_the_token_by_token_reference():
     rng = np.random.default_rng(0)
-    for trial in range(20):
-        batch = _batch(rng, num_reqs=int(rng.integers(1, 40)), block_size=4)
+    for trial in range(40):
+        bs = int(rng.choice([1, 4, 16]))
+        batch = _batch(rng, num_reqs=int(rng.integers(1, 40)), block_size=bs)
         rows = sorted(rng.choice(len(batch.q_lens), size=len(batch.q_lens) // 2 + 1,
                                  replace=False).tolist())
-        whole = list(_keeper(4, 10**6).committed_tokens(batch, rows))  # one piece
-        # spans one token at a time never fit one piece: the span-by-span path, then joined
-        pieces = list(_keeper(4, 1).committed_tokens(batch, rows))
-        if not pieces:
-            assert not whole
-            continue
-        [(pass_rows, block_ids, offsets, (runs, num_runs))] = whole
-        assert pass_rows.tolist() == [t for p in pieces for t in p[0].tolist()]
-        assert block_ids.tolist() == [t for p in pieces for t in p[1].tolist()]
-        assert offsets.tolist() == [t for p in pieces for t in p[2].tolist()]
-        # one token per piece: each piece one run; the whole piece numbers a span's blocks
-        owners = np.repeat(rows, [max(0, q - r) for q, r in
-                                  zip(np.asarray(batch.q_lens)[rows],
-                                      np.asarray(batch.num_rejected)[rows])])
-        blocks = block_ids.numpy()
-        expected = np.cumsum(np.r_[True, (owners[1:] != owners[:-1])
-                                   | (blocks[1:] != blocks[:-1])]) - 1
-        assert runs.tolist() == expected.tolist() and num_runs == expected[-1] + 1, trial
+        spans = [(r, batch.verify_start[r], batch.q_lens[r] - batch.num_rejected[r])
+                 for r in rows if batch.q_lens[r] > batch.num_rejected[r]]
+        for limit in (10**6, 1, 3, 2 * bs, 7):  # one piece, then cut several ways
+            pieces = list(_keeper(bs, limit).committed_tokens(batch, rows))
+            expected = list(token_pieces(spans, limit, bs))
+            assert len(pieces) == len(expected), (trial, limit)
+            for (pass_rows, block_ids, offsets, (runs, num_runs)), piece in zip(pieces,
+                                                                               expected):
+                positions, owners, ref_runs, ref_num_runs = committed_runs(piece, bs)
+                assert pass_rows.tolist() == [
+                    batch.query_start_loc[r] + p - batch.verify_start[r]
+                    for r, p in zip(owners, positions)], (trial, limit)
+                assert block_ids.tolist() == [batch.block_table[r, p // bs].item()
+                                              for r, p in zip(owners, positions)]
+                assert offsets.tolist() == [p % bs for p in positions]
+                assert runs.tolist() == ref_runs and num_runs == ref_num_runs, (trial, limit)
 
 
-def test_one_piece_matches_committed_runs_on_a_worked_example():
+def test_one_piece_on_a_worked_example():
     # block size 4: request 0 commits positions 6, 7, 8 (two blocks), request 1 positions 0, 1
     batch = types.SimpleNamespace(q_lens=[3, 3], num_rejected=[0, 1], verify_start=[6, 0],
                                   query_start_loc=[0, 3, 6],

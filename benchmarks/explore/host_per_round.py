@@ -42,7 +42,7 @@ issue's target is about, measured directly. From a lent machine's bundle
 
     .venv/bin/python benchmarks/explore/host_per_round.py [--batches 8 32 64 128]
         [--configs 30:1 2:0] [--depth 4] [--repeats 7] [--round-graphs]
-        [--compiled-selection] [--selection-graphs]
+        [--compiled-selection] [--selection-graphs] [--sites N]
         [--out benchmarks/host_per_round_2026-11-28]
 
 `--round-graphs`: the middle passes over persistent buffers (each bucket's replay counted
@@ -56,6 +56,7 @@ Prints a table per configuration and writes results.json and results.md into --o
 """
 
 import argparse
+import collections
 import json
 import os
 import platform
@@ -95,6 +96,10 @@ def main() -> None:
     parser.add_argument("--selection-graphs", action="store_true",
                         help="a round's re-selection and the next pass's load as one graph "
                              "(`selection_graphs`; with both flags above)")
+    parser.add_argument("--sites", type=int, default=0, metavar="N",
+                        help="also print the N Python lines and the N aten operations whose "
+                             "count per round grows most from the smallest batch to the "
+                             "largest (what scales with the batch)")
     parser.add_argument("--out", type=Path,
                         default=REPO / "benchmarks" / "host_per_round_2026-11-28")
     args = parser.parse_args()
@@ -144,6 +149,10 @@ def measure_engine(args, layers: int, refresh_interval: int) -> dict:
                   f"{rows[-1]['steady_lines_per_round']:,.0f} (repeats "
                   f"{', '.join(f'{h:.2f}' for h in rows[-1]['repeats'])}; model forwards "
                   f"{rows[-1]['forward_ms_per_round']:.2f} ms)", flush=True)
+        if args.sites:
+            print_growth(rows, args.sites)
+        for row in rows:  # per-site counts are for the print, not the results
+            row.pop("line_sites"), row.pop("op_sites")
         return {"layers": layers, "refresh_interval": refresh_interval,
                 "cap": drafter.depth.max_drafting, "rows": rows}
     finally:
@@ -203,9 +212,11 @@ def measure(llm, drafter, prompts, params, batch: int, repeats: int) -> dict:
         rounds.append(d["middle_rounds"])
         steady_ms.append(1000 * steady["seconds"] / max(steady["rounds"], 1))
         steady_rounds.append(steady["rounds"])
-    ops, kernel_ms = tensor_work_per_round(llm, drafter, prompts, params, max(repeats // 2, 1))
+    ops, kernel_ms, op_sites = tensor_work_per_round(llm, drafter, prompts, params,
+                                                     max(repeats // 2, 1))
     fixed_us = fixed_work_after_forwards(llm, prompts, params)
-    lines, round_lines, steady_lines = python_lines_per_round(llm, drafter, prompts, params)
+    lines, round_lines, steady_lines, line_sites = python_lines_per_round(
+        llm, drafter, prompts, params)
     host = statistics.median(host_ms)
     return {"batch": batch, "host_ms_per_round": host,
             "repeats": host_ms, "forward_ms_per_round": statistics.median(forward_ms),
@@ -214,7 +225,22 @@ def measure(llm, drafter, prompts, params, batch: int, repeats: int) -> dict:
             "aten_ops_per_round": ops, "kernel_ms_per_round": kernel_ms,
             "host_less_kernels_ms": host - kernel_ms, "fixed_work_us": fixed_us,
             "steady_host_ms_per_round": statistics.median(steady_ms),
-            "steady_rounds": steady_rounds, "steady_lines_per_round": steady_lines}
+            "steady_rounds": steady_rounds, "steady_lines_per_round": steady_lines,
+            "line_sites": line_sites, "op_sites": op_sites}
+
+
+def print_growth(rows: list[dict], n: int) -> None:
+    """The `n` Python lines and aten operations whose count per middle round grows most
+    from the smallest batch to the largest: a per-request loop shows as a line whose count
+    grows with the batch."""
+    first, last = rows[0], rows[-1]
+    for key, what in (("line_sites", "Python lines"), ("op_sites", "aten operations")):
+        growth = sorted(((last[key].get(site, 0.0) - first[key].get(site, 0.0), site)
+                         for site in set(first[key]) | set(last[key])), reverse=True)
+        print(f"  {what} per round growing most, batch {first['batch']} -> {last['batch']}:")
+        for grew, site in growth[:n]:
+            print(f"    {first[key].get(site, 0.0):8.1f} -> {last[key].get(site, 0.0):8.1f}  "
+                  f"{site}")
 
 
 def fixed_host_work() -> int:
@@ -269,9 +295,11 @@ def inside(depth: dict, key: str, function):
     return counted
 
 
-def tensor_work_per_round(llm, drafter, prompts, params, repeats: int) -> tuple[float, float]:
+def tensor_work_per_round(llm, drafter, prompts, params, repeats: int
+                          ) -> tuple[float, float, dict]:
     """(aten operations per middle round outside the model forwards, ms per round inside
-    them: median over `repeats` generations), by tools/bench/host_ops.HostOps: each
+    them: median over `repeats` generations, and the last generation's operations per
+    round by name), by tools/bench/host_ops.HostOps: each
     operation timed where it reaches the dispatcher, so the mode's own Python is not in
     the time. A round graph's launch is left out, as the model's forwards are (its time
     is the engine's forward time, which `host_ms_per_round` excludes already)."""
@@ -286,13 +314,17 @@ def tensor_work_per_round(llm, drafter, prompts, params, repeats: int) -> tuple[
         ops.append((counted.total - counted.counts[GRAPH_LAUNCH]) / rounds)
         kernel_ms.append(1000 * (sum(counted.seconds.values())
                                  - counted.seconds[GRAPH_LAUNCH]) / rounds)
-    return statistics.median(ops), statistics.median(kernel_ms)
+    sites = {name: count / rounds for name, count in counted.counts.items()
+             if name != GRAPH_LAUNCH}
+    return statistics.median(ops), statistics.median(kernel_ms), sites
 
 
-def python_lines_per_round(llm, drafter, prompts, params) -> tuple[float, float, float]:
+def python_lines_per_round(llm, drafter, prompts, params
+                           ) -> tuple[float, float, float, dict]:
     """(Python lines the proposer runs per middle round outside the model forwards, of
-    which inside the rounds: `MiddleLoop._round` and `RetrievalStep.select_in_middle`, and
-    per round of the steady steps, `steady_steps`), over one traced generation: counts no
+    which inside the rounds: `MiddleLoop._round` and `RetrievalStep.select_in_middle`, per
+    round of the steady steps, `steady_steps`, and per round by "file:line"), over one
+    traced generation: counts no
     other process on the machine moves, of the host work that is Python's (a GPU's launches
     and the CPU's tensor work are not in it). The rest is the step's own work (the commit,
     the plan, the step-start selection, the hand-off), once a step whatever its rounds."""
@@ -303,10 +335,12 @@ def python_lines_per_round(llm, drafter, prompts, params) -> tuple[float, float,
     from vllm_triforce.engine.retrieval_level import RetrievalStep
 
     counted = {"on": False, "round": 0, "lines": 0, "round_lines": 0}
+    sites = collections.Counter()
 
     def local(frame, event, arg):
         if event == "line" and counted["on"]:
             counted["lines"] += 1
+            sites[frame.f_code.co_filename, frame.f_lineno] += 1
             counted["round_lines"] += counted["round"] > 0
         return local
 
@@ -355,8 +389,11 @@ def python_lines_per_round(llm, drafter, prompts, params) -> tuple[float, float,
         forward.run, drafter.propose = run, propose
         round_graph.BucketPass.closure, SelectionGraphs.launch = closure, launch
         MiddleLoop._round, RetrievalStep.select_in_middle = round_, select_in_middle
+    here = str(REPO) + os.sep
     return (counted["lines"] / rounds, counted["round_lines"] / rounds,
-            steady["lines"] / max(steady["rounds"], 1))
+            steady["lines"] / max(steady["rounds"], 1),
+            {f"{path.removeprefix(here)}:{line}": count / rounds
+             for (path, line), count in sites.items()})
 
 
 def machine() -> str:

@@ -141,12 +141,6 @@ def test_runs_known_on_the_host_fold_like_unique():
     assert b.counts[1].item() == 2  # the reused block started over
 
 
-def test_committed_runs_docstring_example():
-    from vllm_triforce.core.summaries import committed_runs
-    assert committed_runs([(0, 6, 3), (1, 0, 2)], 4) == ([6, 7, 8, 0, 1], [0, 0, 0, 1, 1],
-                                                         [0, 0, 1, 2, 2], 3)
-
-
 def test_set_blocks_equals_committing_every_offset():
     """Lazy summaries (engine/retrieval_level.py): full blocks' summaries set at once from
     their keys [L, n, H, bs, D] equal the ones committing its tokens over several passes gives;

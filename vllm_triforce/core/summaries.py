@@ -138,23 +138,6 @@ def token_pieces(spans, limit: int, block_size: int = 1):
         yield piece
 
 
-def committed_runs(spans: Sequence[tuple[int, int, int]], block_size: int):
-    """Host lists for `BlockSummaries.add_committed`, from the spans (owner, first position,
-    count) of the tokens one pass committed, each span one request's new tokens in order:
-    (positions, owners, run_of_token, num_runs), one run per block a span touches.
-
-    Example: block_size 4, spans [(0, 6, 3), (1, 0, 2)] -> positions [6, 7, 8, 0, 1],
-    owners [0, 0, 0, 1, 1], runs [0, 0, 1, 2, 2], 3 runs."""
-    positions, owners, runs, num_runs = [], [], [], 0
-    for owner, start, count in spans:
-        first_block = start // block_size
-        positions += range(start, start + count)
-        owners += [owner] * count
-        runs += [num_runs + p // block_size - first_block for p in range(start, start + count)]
-        num_runs += (start + count - 1) // block_size - first_block + 1
-    return positions, owners, runs, num_runs
-
-
 class BlockSummaries:
     """Running sums of committed keys per (layer, physical block, KV head)."""
 

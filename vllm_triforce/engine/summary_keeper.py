@@ -40,7 +40,7 @@ from vllm.logger import init_logger
 
 from vllm_triforce.core import reads
 from vllm_triforce.core.compiled import CompiledFunction, first_line
-from vllm_triforce.core.summaries import committed_runs, token_pieces
+from vllm_triforce.core.summaries import token_pieces
 from vllm_triforce.engine.block_contents import block_contents, common_prefix
 from vllm_triforce.engine.buffers import fold_piece_tokens
 from vllm_triforce.engine.device.transfer import to_device
@@ -193,23 +193,18 @@ class SummaryKeeper:
         keep = counts > 0
         rows, starts, counts = rows[keep], starts[keep], counts[keep]
         if rows.size and counts.sum() <= limit:  # one piece (every decode step)
-            yield self._one_piece(batch, rows, starts, counts)
+            yield self._piece(batch, rows, starts, counts)
             return
-        spans = list(zip(rows.tolist(), starts.tolist(), counts.tolist()))
-        for piece in token_pieces(spans, limit, bs):
-            rows = [batch.query_start_loc[r] + p - batch.verify_start[r]
-                    for r, first, n in piece for p in range(first, first + n)]
-            # a request's new tokens fill its own blocks in order: one run per block
-            positions, owners, runs, num_runs = committed_runs(piece, bs)
-            rows, positions, owners, runs = to_device(self.device, rows, positions, owners,
-                                                      runs)
-            block_ids = batch.block_table[owners, positions // bs].long()
-            yield rows, block_ids, positions % bs, (runs, num_runs)
+        spans = zip(rows.tolist(), starts.tolist(), counts.tolist())
+        for piece in token_pieces(spans, limit, bs):  # a piece's tokens by array operations
+            owners, firsts, ns = (np.array(column, dtype=np.int64) for column in zip(*piece))
+            yield self._piece(batch, owners, firsts, ns)
 
-    def _one_piece(self, batch, owners: np.ndarray, starts: np.ndarray, counts: np.ndarray):
+    def _piece(self, batch, owners: np.ndarray, starts: np.ndarray, counts: np.ndarray):
         """`committed_tokens`' piece of every span at once, by array operations: request
-        owners[i] committed counts[i] tokens from position starts[i]; the same values as
-        `committed_runs` gives (one run per block a span touches, in order)."""
+        owners[i] committed counts[i] tokens from position starts[i] (distinct owners): each
+        token's row of the pass, physical block and offset, and one run per block a span
+        touches, in order (a request's new tokens fill its own blocks in order)."""
         bs = self.block_size
         owner = np.repeat(owners, counts)  # [T] each token's request row
         first = np.cumsum(counts) - counts  # each span's first token
