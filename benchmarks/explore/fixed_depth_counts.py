@@ -6,7 +6,7 @@ off (every request drafts gamma2 every step, so no clock decides anything): the 
 every integer counter of the proposer. Two levels with greedy requests; `--three-level`:
 SmolLM2 as its own small draft (gamma1 2), one greedy request and two seeded sampled ones.
 Run it on two trees and compare the lines, e.g. the tree before a change, unpacked with its
-`patches/` linked as `vllm_triforce/patches`, or with and without `--round-graphs`:
+`patches/` linked as `vllm_triforce/patches`, or with and without `--round-graphs` (`--compiled-sampling`):
 
     git archive <rev> | tar -x -C /tmp/old && ln -s /tmp/old/patches /tmp/old/vllm_triforce/patches
     PYTHONPATH=/tmp/old .venv/bin/python benchmarks/explore/fixed_depth_counts.py | tail -1 > old.json
@@ -28,6 +28,9 @@ def main() -> None:
     parser.add_argument("--round-graphs", action="store_true",
                         help="the middle passes over persistent buffers (`round_graphs`); "
                              "its own counters (round_graph_*) are left out of the line")
+    parser.add_argument("--compiled-sampling", action="store_true",
+                        help="a sampled round's probs, verify and draws as compiled functions "
+                             "(`compiled_sampling`; the sampled requests are `--three-level`'s)")
     args = parser.parse_args()
 
     from transformers import AutoTokenizer
@@ -50,6 +53,8 @@ def main() -> None:
                                             max_tokens=64, ignore_eos=True) for seed in (1, 2)]
     if args.round_graphs:
         spec["round_graphs"] = True
+    if args.compiled_sampling:
+        spec["compiled_sampling"] = True
     llm = in_process_llm(model, spec, dtype="float32", enforce_eager=True, block_size=32, seed=0,
                          max_model_len=4096)
     outs = llm.generate(prompts, params, use_tqdm=False)
