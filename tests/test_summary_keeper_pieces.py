@@ -1,5 +1,5 @@
 """SummaryKeeper.committed_tokens: its pieces, by array operations, are what the spans
-(owner, first position, count) give token by token (`committed_runs`, the reference here),
+(owner, first position, count) give token by token (`runs_by_token`, the reference here),
 whether a pass is one piece (every decode step) or cut into several (`token_pieces`: a
 long prefill)."""
 
@@ -12,7 +12,7 @@ from vllm_triforce.core.summaries import token_pieces
 from vllm_triforce.engine.summary_keeper import SummaryKeeper
 
 
-def committed_runs(spans, block_size: int):
+def runs_by_token(spans, block_size: int):
     """The reference, token by token: (positions, owners, run_of_token, num_runs) of spans
     (owner, first position, count), each span one request's new tokens in order, one run
     per block a span touches."""
@@ -26,9 +26,9 @@ def committed_runs(spans, block_size: int):
     return positions, owners, runs, num_runs
 
 
-def test_committed_runs_example():
-    assert committed_runs([(0, 6, 3), (1, 0, 2)], 4) == ([6, 7, 8, 0, 1], [0, 0, 0, 1, 1],
-                                                         [0, 0, 1, 2, 2], 3)
+def test_runs_by_token_example():
+    assert runs_by_token([(0, 6, 3), (1, 0, 2)], 4) == ([6, 7, 8, 0, 1], [0, 0, 0, 1, 1],
+                                                        [0, 0, 1, 2, 2], 3)
 
 
 def _keeper(block_size: int, fold_tokens: int) -> SummaryKeeper:
@@ -64,7 +64,7 @@ def test_pieces_equal_the_token_by_token_reference():
             assert len(pieces) == len(expected), (trial, limit)
             for (pass_rows, block_ids, offsets, (runs, num_runs)), piece in zip(pieces,
                                                                                expected):
-                positions, owners, ref_runs, ref_num_runs = committed_runs(piece, bs)
+                positions, owners, ref_runs, ref_num_runs = runs_by_token(piece, bs)
                 assert pass_rows.tolist() == [
                     batch.query_start_loc[r] + p - batch.verify_start[r]
                     for r, p in zip(owners, positions)], (trial, limit)

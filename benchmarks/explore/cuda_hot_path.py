@@ -160,8 +160,8 @@ def main() -> None:
             for _ in range(LAYERS)]
 
     def commit():
-        positions, owners, runs, num_runs = committed_runs(
-            [(r, n - new, new) for r in range(R)], BLOCK)
+        positions, owners, runs, num_runs = committed_runs(range(R), [n - new] * R, [new] * R,
+                                                           BLOCK)
         rows, owners, positions, runs = to_device(dev, range(R * new), owners, positions, runs)
         summaries.add_committed(keys, rows, table[owners, positions // BLOCK].long(),
                                 positions % BLOCK, (runs, num_runs))

@@ -54,8 +54,9 @@ def commit_lists(lengths: list[int], new: int):
     (as the engine's `RetrievalLevel._add_committed_keys`): pass rows, owners, positions and
     the per-block runs."""
     positions, owners, runs, num_runs = committed_runs(
-        [(r, n - new, new) for r, n in enumerate(lengths)], BLOCK)
-    return list(range(len(positions))), owners, positions, runs, num_runs
+        range(len(lengths)), [n - new for n in lengths], [new] * len(lengths), BLOCK)
+    return (list(range(len(positions))), owners.tolist(), positions.tolist(), runs.tolist(),
+            num_runs)
 
 
 @pytest.mark.parametrize("device", DEVICES)

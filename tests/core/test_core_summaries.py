@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from core_toys import make_pool, write_pass
-from vllm_triforce.core.summaries import BlockSummaries
+from vllm_triforce.core.summaries import BlockSummaries, committed_runs
 
 
 def mean_keys(summaries, layer=None):
@@ -139,6 +139,16 @@ def test_runs_known_on_the_host_fold_like_unique():
     for store in ("sums", "counts", "keys", "mins", "maxs", "square_deviations"):
         assert torch.allclose(getattr(a, store), getattr(b, store)), store
     assert b.counts[1].item() == 2  # the reused block started over
+
+
+def test_committed_runs_on_the_host():
+    # the spans of the test above: request 0 commits positions 2..9, request 1 positions 0..2
+    positions, owners, runs, num_runs = committed_runs([0, 1], [2, 0], [8, 3], 4)
+    assert positions.tolist() == [2, 3, 4, 5, 6, 7, 8, 9, 0, 1, 2]
+    assert owners.tolist() == [0] * 8 + [1] * 3
+    assert runs.tolist() == [0, 0, 1, 1, 1, 1, 2, 2, 3, 3, 3] and num_runs == 4
+    positions, owners, runs, num_runs = committed_runs([], [], [], 4)  # nothing committed
+    assert positions.size == owners.size == runs.size == num_runs == 0
 
 
 def test_set_blocks_equals_committing_every_offset():

@@ -61,6 +61,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -136,6 +137,23 @@ def token_pieces(spans, limit: int, block_size: int = 1):
                 piece, size = [], 0
     if piece:
         yield piece
+
+
+def committed_runs(owners, starts, counts, block_size: int):
+    """Spans (owners[i] committed counts[i] tokens from position starts[i], each owner at
+    most once) token by token, by array operations on the host: (positions, owners,
+    run_of_token, num_runs) with one run per block a span touches, in order (a request's
+    new tokens fill its own blocks in order; `BlockSummaries.add_committed` folds a run at
+    once). Example, block size 4: owners [0, 1], starts [6, 0], counts [3, 2] ->
+    positions [6, 7, 8, 0, 1], owners [0, 0, 0, 1, 1], runs [0, 0, 1, 2, 2], 3 runs."""
+    owners, starts, counts = (np.asarray(a, dtype=np.int64) for a in (owners, starts, counts))
+    owner = np.repeat(owners, counts)  # [T] each token's owner
+    first = np.cumsum(counts) - counts  # each span's first token
+    positions = np.repeat(starts, counts) + np.arange(owner.size) - np.repeat(first, counts)
+    blocks = positions // block_size
+    new_run = np.ones(owner.size, dtype=bool)
+    new_run[1:] = (owner[1:] != owner[:-1]) | (blocks[1:] != blocks[:-1])
+    return positions, owner, np.cumsum(new_run) - 1, int(new_run.sum())
 
 
 class BlockSummaries:

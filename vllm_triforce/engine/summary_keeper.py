@@ -40,7 +40,7 @@ from vllm.logger import init_logger
 
 from vllm_triforce.core import reads
 from vllm_triforce.core.compiled import CompiledFunction, first_line
-from vllm_triforce.core.summaries import token_pieces
+from vllm_triforce.core.summaries import committed_runs, token_pieces
 from vllm_triforce.engine.block_contents import block_contents, common_prefix
 from vllm_triforce.engine.buffers import fold_piece_tokens
 from vllm_triforce.engine.device.transfer import to_device
@@ -201,24 +201,18 @@ class SummaryKeeper:
             yield self._piece(batch, owners, firsts, ns)
 
     def _piece(self, batch, owners: np.ndarray, starts: np.ndarray, counts: np.ndarray):
-        """`committed_tokens`' piece of every span at once, by array operations: request
-        owners[i] committed counts[i] tokens from position starts[i] (distinct owners): each
-        token's row of the pass, physical block and offset, and one run per block a span
-        touches, in order (a request's new tokens fill its own blocks in order)."""
+        """`committed_tokens`' piece of every span at once (`committed_runs`, by array
+        operations): request owners[i] committed counts[i] tokens from position starts[i]
+        (distinct owners): each token's row of the pass, physical block and offset, and its
+        run of one block."""
         bs = self.block_size
-        owner = np.repeat(owners, counts)  # [T] each token's request row
-        first = np.cumsum(counts) - counts  # each span's first token
-        positions = np.repeat(starts, counts) + np.arange(owner.size) - np.repeat(first, counts)
+        positions, owner, runs, num_runs = committed_runs(owners, starts, counts, bs)
         qsl = np.asarray(batch.query_start_loc, dtype=np.int64)
         verify_start = np.asarray(batch.verify_start, dtype=np.int64)
         pass_rows = qsl[owner] + positions - verify_start[owner]
-        blocks = positions // bs
-        new_run = np.ones(owner.size, dtype=bool)
-        new_run[1:] = (owner[1:] != owner[:-1]) | (blocks[1:] != blocks[:-1])
-        runs = np.cumsum(new_run) - 1
         rows, positions, owner, runs = to_device(self.device, pass_rows, positions, owner, runs)
         block_ids = batch.block_table[owner, positions // bs].long()
-        return rows, block_ids, positions % bs, (runs, int(new_run.sum()))
+        return rows, block_ids, positions % bs, (runs, num_runs)
 
     def fold_tokens(self) -> int:
         """Tokens folded at once (engine/buffers.py `fold_piece_tokens`; `fold_scratch_bytes`
