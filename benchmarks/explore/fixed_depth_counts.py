@@ -6,7 +6,8 @@ off (every request drafts gamma2 every step, so no clock decides anything): the 
 every integer counter of the proposer. Two levels with greedy requests; `--three-level`:
 SmolLM2 as its own small draft (gamma1 2), one greedy request and two seeded sampled ones.
 Run it on two trees and compare the lines, e.g. the tree before a change, unpacked with its
-`patches/` linked as `vllm_triforce/patches`, or with and without `--round-graphs` (`--compiled-sampling`):
+`patches/` linked as `vllm_triforce/patches`, or with and without `--round-graphs` or
+`--compiled-sampling`:
 
     git archive <rev> | tar -x -C /tmp/old && ln -s /tmp/old/patches /tmp/old/vllm_triforce/patches
     PYTHONPATH=/tmp/old .venv/bin/python benchmarks/explore/fixed_depth_counts.py | tail -1 > old.json
