@@ -18,10 +18,16 @@ printed (at depth 0 and in the short job they are 0: the point is what a step th
 nothing costs). `--control` makes the second engine plain vLLM too: on a 2-vCPU Intel Xeon
 (AMX) on 2026-12-01 that A/A run read 0.969 (pairs' median; 0.957 the medians' ratio) over
 20 turns, so the engine built second runs a few percent slower here whatever it is; TriForce
-read 0.950 (0.952) over 30 turns beside it. Read a ratio against the control's.
+read 0.950 (0.952) over 30 turns beside it. Read a ratio against the control's, or run
+both build orders (`--triforce-first`): the geometric mean of the two ratios cancels the order's
+bias. `--split` times vLLM's model forward apart from the rest of each turn: on a 2-core AMD
+EPYC (2026-12-02) the forwards read 1.002 (medians' ratio) and the rest 5.58 against 5.78 ms a
+token, so TriForce's whole cost in a step that drafts nothing is outside the forward and about
+0.2 ms of 37 ms, where the turns' totals spread 0.80-1.28 from pair to pair.
 
     .venv/bin/python benchmarks/explore/paired_decode.py [--pairs 16] [--depth K]
         [--prompt-tokens 1500] [--batch 2] [--max-tokens 48] [--budget 4096]
+        [--control] [--triforce-first] [--split]
 """
 
 from __future__ import annotations
@@ -50,6 +56,13 @@ def main() -> None:
     parser.add_argument("--control", action="store_true",
                         help="an A/A control: the second engine is plain vLLM too (built "
                              "second, as TriForce's is), so the ratio shows the design's bias")
+    parser.add_argument("--triforce-first", action="store_true",
+                        help="build TriForce's engine (or the control's second plain one) "
+                             "first; run both orders to cancel the build order's bias")
+    parser.add_argument("--split", action="store_true",
+                        help="also time vLLM's model forward (GPUModelRunner._model_forward) "
+                             "in each turn: the ratio of the forwards and of the rest of the "
+                             "step, apart")
     parser.add_argument("--pause", type=float, default=0.5,
                         help="seconds between turns (an idle OpenMP pool stops spinning)")
     args = parser.parse_args()
@@ -61,12 +74,14 @@ def main() -> None:
     job = {"model": model, "prompts": bench_prompts.book_prompts(model, args.prompt_tokens,
                                                                   args.batch),
            "max_tokens": args.max_tokens, "depth": args.depth, "control": args.control,
+           "split": args.split,
            "spec": {"method": "triforce", "num_speculative_tokens": args.gamma,
                     "retrieval_budget": args.budget},
            "max_model_len": args.prompt_tokens + args.max_tokens + 2 * args.gamma + 64}
     ctx = multiprocessing.get_context("spawn")
     pipes, procs = {}, []
-    for engine in ENGINES:  # built one after the other: a start-up is not timed against a turn
+    build = ENGINES[::-1] if args.triforce_first else ENGINES
+    for engine in build:  # built one after the other: a start-up is not timed against a turn
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=_worker, args=(child, engine, job), daemon=True)
         proc.start()
@@ -75,14 +90,16 @@ def main() -> None:
         ready = parent.recv()
         print(f"{engine}: ready ({ready})", flush=True)
     times = {e: [] for e in ENGINES}
+    forwards = {e: [] for e in ENGINES}  # seconds inside vLLM's model forward (`--split`)
     tokens = {}
     for turn in range(args.pairs):
         order = ENGINES if turn % 2 == 0 else ENGINES[::-1]
         for engine in order:
             time.sleep(args.pause)
             pipes[engine].send("go")
-            seconds, toks = pipes[engine].recv()
+            seconds, toks, forward = pipes[engine].recv()
             times[engine].append(seconds)
+            forwards[engine].append(forward)
             tokens.setdefault(engine, toks)
             if toks != tokens[engine]:
                 tokens[engine] = None  # a generation gave other tokens than the first
@@ -96,6 +113,23 @@ def main() -> None:
     for proc in procs:
         proc.join(timeout=60)
     _report(args, times, tokens, counts)
+    if args.split:
+        _report_split(args, times, forwards)
+
+
+def _report_split(args, times: dict, forwards: dict) -> None:
+    """The forwards' and the rest's ms per token, and TriForce / plain per turn pair."""
+    print("  split (--split): ms per token inside vLLM's model forward / outside it")
+    rest = {e: [t - f for t, f in zip(times[e], forwards[e])] for e in ENGINES}
+    for engine in ENGINES:
+        fwd = statistics.median(forwards[engine]) * 1000 / args.max_tokens
+        other = statistics.median(rest[engine]) * 1000 / args.max_tokens
+        print(f"  {engine:10s} forward median {fwd:.2f}, rest median {other:.2f}")
+    for name, parts in (("forward", forwards), ("rest", rest)):
+        ratios = [p / t for p, t in zip(parts["plain"], parts["triforce2"])]
+        print(f"  TriForce / plain speed of the {name}, per turn pair: median "
+              f"{statistics.median(ratios):.3f}; ratio of the medians "
+              f"{statistics.median(parts['plain']) / statistics.median(parts['triforce2']):.3f}")
 
 
 def _report(args, times: dict, tokens: dict, counts: dict) -> None:
@@ -105,6 +139,7 @@ def _report(args, times: dict, tokens: dict, counts: dict) -> None:
     depth = "the controller" if args.depth is None else f"fixed depth {args.depth}"
     if args.control:
         depth += "; CONTROL: the `triforce2` rows are a second plain vLLM engine"
+    depth += f"; built first: {'triforce2' if args.triforce_first else 'plain'}"
     print(f"\n{args.batch} x {args.prompt_tokens} tokens, {args.max_tokens} new, greedy; "
           f"TriForce budget {args.budget}, gamma {args.gamma}, {depth}; "
           f"{args.pairs} turns each, ABBA")
@@ -149,21 +184,43 @@ def _worker(conn, engine: str, job: dict) -> None:
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
                  use_tqdm=False)  # prefill: the timed generations hit the prefix cache
     llm.generate(prompts, params, use_tqdm=False)  # warm-up
+    forward_seconds = _time_forwards() if job["split"] else None
     before = _spec_metrics(llm)
     conn.send(f"built and warmed in {time.perf_counter() - start:.0f} s")
     while True:
         command = conn.recv()
         if command == "go":
+            forward_before = forward_seconds[0] if forward_seconds else 0.0
             start = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
-            conn.send((time.perf_counter() - start,
-                       [list(o.outputs[0].token_ids) for o in outs]))
+            seconds = time.perf_counter() - start
+            forward = forward_seconds[0] - forward_before if forward_seconds else 0.0
+            conn.send((seconds, [list(o.outputs[0].token_ids) for o in outs], forward))
         elif command == "stats":
             counts = _delta(_spec_metrics(llm), before)
             conn.send({"drafted": int(counts.get("vllm:spec_decode_num_draft_tokens", 0)),
                        "accepted": int(counts.get("vllm:spec_decode_num_accepted_tokens", 0))})
         else:
             return
+
+
+def _time_forwards() -> list[float]:
+    """Wraps vLLM's runner's model forward (`in_process_llm`: the engine runs in this
+    process) with a clock; returns the one-item list its seconds add up in."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    total = [0.0]
+    forward = GPUModelRunner._model_forward
+
+    def timed(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            total[0] += time.perf_counter() - start
+
+    GPUModelRunner._model_forward = timed
+    return total
 
 
 if __name__ == "__main__":
