@@ -226,3 +226,45 @@ def test_a_plain_step_counts_as_its_depth_list_would():
     counted.record_plain(1)
     listed.record_depths([0])
     assert counted.snapshot() == listed.snapshot()
+
+
+
+def test_a_plan_made_ahead_is_the_steps_plan_cut_to_its_bound():
+    """`plan_ahead` (during vLLM's pass) plans with the controller once; the step that
+    begins after the pass takes that plan, cut to vLLM's bound, without planning again."""
+    chooser = _chooser()
+    schedule_depths(chooser.controller, [3, 0])
+    assert chooser.plan_ahead(["a", "b"], 4, [500, 500], [False, False])  # [3, 0]: drafts
+    step = step_of(chooser, 0.0, ["a", "b"])
+    assert step.plan(["a", "b"], 2) == ([2, 0], False)  # taken, cut to the step's bound 2
+    assert not chooser.planned_ahead
+    assert plan(chooser, ["a", "b"], 4) == ([0, 3], False)  # the next plan, made afresh
+    # a plan made ahead for other requests is not taken: that step plans itself
+    assert chooser.plan_ahead(["c"], 4, [500], [False])  # the schedule's third plan: [3]
+    assert plan(chooser, ["a"], 4) == ([0], False)  # its fourth, not c's
+    assert not chooser.planned_ahead
+
+
+def test_a_plain_step_planned_ahead_is_timed_and_held_to_the_controllers_plan():
+    """A step the controller kept plain by a plan made ahead (engine/plain_steps.py)
+    takes that plan (`take_plan_ahead`), so its overhead counts as a plain step's; the
+    cycle before it is held to the rate its own plan expected, not to the new plan's."""
+    chooser = _chooser()
+    ctl = chooser.controller
+    step = step_of(chooser, 0.0, ["a"], pure_decode=True, num_tokens=1, emitted=1)
+    step.plan(["a"], 4, num_committed=[500])
+    ctl._expected = 50.0  # as if that step's plan expected 50 tokens/s
+    step.end(drafting=False)
+    schedule_depths(ctl, [0])
+    assert not chooser.plan_ahead(["a"], 4, [501], [False])
+    ctl._expected = 999.0  # as if the plan made ahead expected its own rate
+    seen = []
+    ctl.observe_cycle = lambda tokens, seconds, expected: seen.append(expected)
+    step = step_of(chooser, chooser._last.end + 0.02, ["a"], pure_decode=True, num_tokens=1,
+                   emitted=1)
+    assert seen == [50.0]  # held to the plan of the cycle that ended
+    step.take_plan_ahead(["a"])
+    assert step.controller_plan is not None and not chooser.planned_ahead
+    idle = ctl.idle.n
+    step.end(drafting=False)
+    assert ctl.idle.n == idle + 1  # a plain step's overhead, as if planned in `propose`

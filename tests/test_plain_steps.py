@@ -97,6 +97,47 @@ def test_requests_that_outgrow_the_budget_draft_after_host_plain_steps(tiny_llam
     assert set(answers) == {True, False}, answers  # plain steps, then working ones
 
 
+@pytest.mark.engine
+def test_a_step_the_controller_keeps_plain_is_a_host_plain_step(tiny_llama, llm_factory):
+    """Prompts past the budget from the start (200 tokens, the budget holds 160), the
+    controller planning [4, 0, 0, 0] in turn (request i of plan n: entry n + i): a plan
+    of [0, 0] after a step that handed no drafts is made during vLLM's pass
+    (`PlainSteps.plan_ahead`) and its step is a host plain step: no sync, the pass not
+    recorded, no batch. Tokens are plain vLLM's, drafts were verified, and without the
+    plan made ahead the same schedule runs no host plain step."""
+    from engine_helpers import assert_drafted, drafter_of, force_depths
+    from vllm_triforce.engine.batch import StepBatch
+    from vllm_triforce.tools.bench.syncs import ProposeSyncs
+
+    prompts = _prompts(2, 200)
+    plain = _generate(llm_factory(tiny_llama), prompts, 40)
+    for ahead in (True, False):
+        llm = llm_factory(tiny_llama, speculative_config=dict(SPEC))
+        drafter = drafter_of(llm)
+        drafter.plan_ahead = ahead
+        force_depths(llm, [4, 0, 0, 0])
+        batches, from_runner = [], StepBatch.from_runner
+        StepBatch.from_runner = lambda *a, **k: batches.append(1) or from_runner(*a, **k)
+        try:
+            with ProposeSyncs(drafter) as recorder:
+                recorder.take()
+                tokens = _generate(llm, prompts, 40)
+                steps = recorder.take()
+        finally:
+            StepBatch.from_runner = from_runner
+        stats = drafter.stats.snapshot()
+        assert tokens == plain
+        assert_drafted(stats)
+        if not ahead:
+            assert stats["host_plain_steps"] == 0, stats
+            continue
+        # plans n = 2, 6, 10, ...: a quarter of the decode steps, less the start
+        assert stats["host_plain_steps"] >= 6, stats
+        silent = sum(1 for c in steps if not any(c.counts.values()))
+        assert silent >= stats["host_plain_steps"], (silent, stats)
+        assert len(batches) == len(steps) - stats["host_plain_steps"], (len(batches), stats)
+
+
 def _compare_plans(drafter) -> list[bool]:
     """Wraps `drafter.propose`, which then takes every step (plain ones too: no
     `propose_plain_step`): each step, the plan made during vLLM's pass (`read_v1_ahead`'s
@@ -113,8 +154,11 @@ def _compare_plans(drafter) -> list[bool]:
         assert facts.req_ids == after.req_ids
         for name in ("query_start_loc", "seq_lens", "decoding"):
             assert (getattr(facts, name) == getattr(after, name)).all(), name
+        # the same answer, or a step the controller kept plain during the pass (its plan
+        # made ahead, taken by this step)
         assert plain == drafter.plain_steps.is_plain(after, drafter.runner.requests,
-                                                     drafter._handed_last)
+                                                     drafter._handed_last) or (
+            plain and drafter.depth.planned_ahead)
         answers.append(plain)
         return propose(*args, **kwargs)
 

@@ -100,6 +100,9 @@ def middle_level_is_the_target(num_committed: int, block_size: int, budget_block
 
 
 # ---- the stateful controller: estimates, probes, hysteresis ------------------------------
+LAST_PLAN = object()  # `observe_cycle`'s default: hold the cycle to the last plan's rate
+
+
 class SpeculationController:
     """Feeds measurements into the estimates and turns them into a Plan every step.
 
@@ -165,12 +168,20 @@ class SpeculationController:
     def observe_overhead(self, drafting: bool, seconds: float) -> None:
         (self.active if drafting else self.idle).observe(seconds)
 
-    def observe_cycle(self, tokens: int, seconds: float) -> None:
-        """The last plan's cycle, timed: `tokens` committed in `seconds` (module docstring:
-        predictions held to what they achieve). Probes at depths no decision chose and
-        steps without a decision are not held to anything."""
-        if self._expected is not None and seconds > 0:
-            self.realised.observe(tokens / seconds / self._expected)
+    @property
+    def expected(self) -> float | None:
+        """The predicted tokens/s the last plan is held to (None: nothing to hold it to)."""
+        return self._expected
+
+    def observe_cycle(self, tokens: int, seconds: float, expected=LAST_PLAN) -> None:
+        """A plan's cycle, timed: `tokens` committed in `seconds` (module docstring:
+        predictions held to what they achieve), held to `expected`: that plan's `expected`
+        (LAST_PLAN: the last plan's; a caller that planned again since passes the earlier
+        one's). Probes at depths no decision chose and steps without a decision are not
+        held to anything."""
+        expected = self._expected if expected is LAST_PLAN else expected
+        if expected is not None and seconds > 0:
+            self.realised.observe(tokens / seconds / expected)
 
     def realisation(self, min_cycles: int = 4) -> float:
         """Achieved / predicted tokens/s of drafting cycles; 1 from REALISED_ENOUGH up and

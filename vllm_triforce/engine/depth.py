@@ -108,6 +108,7 @@ class _Ended:
     req_ids: frozenset       # the requests of vLLM's pass
     pure_decode: bool
     plan: Plan | None        # the controller's, when the controller decided it
+    expected: float | None   # the rate the controller holds that plan's cycle to
 
 
 class DepthChooser:
@@ -133,6 +134,9 @@ class DepthChooser:
         self.achieved_seconds = DecayedMean(decay=0.9)  # ... and its seconds
         self.predicted = DecayedMean(decay=0.9)
         self._last: _Ended | None = None  # the step that ended last
+        # a plan made during vLLM's pass, before its step begins (`plan_ahead`): the
+        # decoding requests' ids, then the plan, which that step's `DepthStep` takes
+        self._ahead: tuple | None = None
 
     def fix(self, depth: int | None) -> None:
         """From the next step on, every decoding request drafts `depth` tokens (module
@@ -162,7 +166,8 @@ class DepthChooser:
         self.controller.observe_step(num_reqs, num_tokens, start - last.end)
         if last.plan is not None:
             # held to its prediction without the one-time work, which no depth buys
-            self.controller.observe_cycle(emitted, start - last.start - last.one_time)
+            self.controller.observe_cycle(emitted, start - last.start - last.one_time,
+                                          last.expected)
             if not math.isnan(last.plan.tokens_per_s):
                 self.predicted.observe(last.plan.tokens_per_s)
         self.achieved_tokens.observe(emitted)
@@ -175,9 +180,45 @@ class DepthChooser:
         draft runs). `max_depth`: the step's bound from vLLM; `num_committed` [R]: each
         request's tokens with exact KV (None: all outgrow the budget); `seeded` [R]: it
         samples from a generator of its own (None: none does); `plain` [R]: it must decode
-        plainly (`decodes_plainly`; None: none must)."""
+        plainly (`decodes_plainly`; None: none must). A plan made ahead for these requests
+        (`plan_ahead`) is taken instead, cut to `max_depth`."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == req_ids:
+            depths, use_draft, step.controller_plan = ahead[1]
+            depths = [min(k, max_depth) for k in depths]
+        else:
+            depths, use_draft, step.controller_plan = self._plan(req_ids, max_depth,
+                                                                 num_committed, seeded, plain)
+        self.stats.record_depths(depths)
+        return depths, use_draft
+
+    def plan_ahead(self, req_ids: list[str], max_depth: int, num_committed: list[int],
+                   plain: list[bool]) -> bool:
+        """The plan of the step whose pass vLLM is running, made before the step begins,
+        from the host's facts (engine/plain_steps.py `PlainSteps.plan_ahead`): the decoding
+        requests `req_ids`, none seeded, with the controller deciding and one TP rank
+        (no `share`); kept for the step's `DepthStep` (`plan` for a step that drafts,
+        `take_plan_ahead` for one that does not). Returns whether it drafts. The
+        controller plans before it hears how long the cycle that ends at this step's start
+        took (`begin`): its estimates are one step older than `plan`'s."""
+        planned = self._plan(req_ids, max_depth, num_committed, None, plain)
+        self._ahead = (list(req_ids), planned)
+        return any(planned[0])
+
+    @property
+    def planned_ahead(self) -> bool:
+        return self._ahead is not None
+
+    def forget_plan_ahead(self) -> None:
+        """A plan made ahead that no step took (vLLM's next pass is another step's)."""
+        self._ahead = None
+
+    def _plan(self, req_ids: list[str], max_depth: int, num_committed: list[int] | None,
+              seeded: list[bool] | None, plain: list[bool] | None):
+        """(depths, whether the small draft runs, the controller's Plan or None): `plan`."""
         if not req_ids:  # only prefill chunks: nothing to decide, no probe used up
-            return [], False
+            return [], False, None
+        controller_plan = None
         seeded = seeded or [False] * len(req_ids)
         plain = plain or [False] * len(req_ids)
         if self.fixed_depth is not None:
@@ -190,16 +231,14 @@ class DepthChooser:
             # the controller decides for the unseeded requests whose context outgrew the
             # budget and that may draft; the others have their depth by rule
             limits = [0 if f or s or p else max_depth for f, s, p in zip(fits, seeded, plain)]
-            step.controller_plan = self.controller.plan(req_ids, max_depth, limits)
-            depths, use_draft = self._by_rule(step.controller_plan, max_depth, fits, seeded,
-                                              plain)
+            controller_plan = self.controller.plan(req_ids, max_depth, limits)
+            depths, use_draft = self._by_rule(controller_plan, max_depth, fits, seeded, plain)
             if self.share is not None:
                 depths, use_draft = self.share((depths, use_draft))
         if self.max_drafting is not None:
             self._warn_if_seeded_over_cap(depths, seeded, self.max_drafting)
             depths = cap_drafting(depths, self.max_drafting, first=seeded)
-        self.stats.record_depths(depths)
-        return depths, use_draft
+        return depths, use_draft, controller_plan
 
     def _by_rule(self, plan: Plan, max_depth: int, fits: list[bool], seeded: list[bool],
                  plain: list[bool]) -> tuple[list[int], bool]:
@@ -245,6 +284,16 @@ class DepthStep:
         self.controller_plan: Plan | None = None
         self.round_seconds = 0.0
 
+    def take_plan_ahead(self, req_ids: list[str]) -> None:
+        """A step that drafts nothing by the plan made ahead for its decoding requests
+        `req_ids` (`DepthChooser.plan_ahead`), run as a plain step (engine/plain_steps.py):
+        the plan becomes this step's, so the step is timed and held to it like any the
+        controller decided."""
+        chooser = self.chooser
+        ahead, chooser._ahead = chooser._ahead, None
+        if ahead is not None and ahead[0] == req_ids:
+            self.controller_plan = ahead[1][2]
+
     def plan(self, req_ids: list[str], max_depth: int, num_committed: list[int] | None = None,
              seeded: list[bool] | None = None,
              plain: list[bool] | None = None) -> tuple[list[int], bool]:
@@ -267,7 +316,7 @@ class DepthStep:
         cycle a drafting plan's prediction is held to (`observe_cycle`)."""
         chooser, end = self.chooser, time.perf_counter()
         chooser._last = _Ended(self.start, end, one_time, self.req_ids, self.pure_decode,
-                               self.controller_plan)
+                               self.controller_plan, chooser.controller.expected)
         if self.controller_plan is not None and self.pure_decode:
             chooser.controller.observe_overhead(
                 drafting, end - self.start - self.round_seconds - one_time)

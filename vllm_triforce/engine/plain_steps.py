@@ -22,6 +22,17 @@ per-layer work. A step qualifies when
 The question is asked during vLLM's pass, at its first layer (engine/device/capture.py
 `reads_pass`), and a plain step's pass is not recorded at all: no layer's query or key is
 copied. `propose` then takes that answer for the step.
+
+A step that fails only the third condition (a request past the budget, under the depth
+controller) may still be plain: where nothing was handed last step, on one TP rank, with
+summaries set lazily, no prefill chunk of a request that may draft and no seeded request,
+the controller plans the step then and there (`PlainSteps.plan_ahead`, engine/depth.py
+`DepthChooser.plan_ahead`), from the same host facts; a plan of depth 0 for every request
+makes the step a plain one like the above, and a plan that drafts is the one the step
+takes after the pass. Most decode steps of a long-context workload are of this kind (the
+controller chose depth 0 in 753 of 757 steps of the real-model run on an H200). The V1
+runner asks it (engine/proposer.py `_reads_pass`; `plan_ahead` False turns it off);
+Model Runner V2's speculator does not yet.
 What the step still does is what the depth controller's clocks need (`DepthChooser.begin`
 and `DepthStep.end`: vLLM's step time) and the counters (a plain step, `host_plain_steps`).
 Per-request state is taken up at the next step that does work (`StateTable.of_batch`); on
@@ -130,6 +141,30 @@ class PlainSteps:
                 return False
         return True
 
+    def plan_ahead(self, facts: PassFacts | None, requests, handed_last: bool,
+                   max_depth: int, seeded: bool) -> bool:
+        """Whether a step `is_plain` found work in is plain after all: the depth controller,
+        asked now, during vLLM's pass (engine/depth.py `DepthChooser.plan_ahead`), gives
+        every decoding request depth 0. Asked only where nothing but the controller's
+        choice stands between the step and a plain one: nothing handed last step, the
+        controller deciding (no fixed depth) on one TP rank, summaries set lazily, no
+        prefill chunk of a request that may draft, and no seeded request in the batch
+        (`seeded`: a seeded request's depth is read from its own length, not a clock). The
+        plan is kept: the step takes it either way. `max_depth`: the configured depth
+        (vLLM's bound for the step, known only after its pass, cuts a drafting plan)."""
+        depth = self.depth
+        if (handed_last or facts is None or seeded or depth.fixed_depth is not None
+                or depth.share is not None or not self.keeper.lazy):
+            return False
+        never = self.never(facts.req_ids, requests)
+        if (facts.prefill & ~never).any():
+            return False
+        rows = np.flatnonzero(facts.decoding)
+        req_ids = [facts.req_ids[r] for r in rows]
+        plain = [decodes_plainly(getattr(requests[r], "sampling_params", None))
+                 for r in req_ids]
+        return not depth.plan_ahead(req_ids, max_depth, facts.seq_lens[rows].tolist(), plain)
+
     def record(self, facts: PassFacts, requests, start: float) -> None:
         """A plain step's timing for the depth chooser, and its counters."""
         decoding = facts.decoding
@@ -138,6 +173,8 @@ class PlainSteps:
                                 emitted=num_tokens,
                                 pure_decode=bool(decoding.all()) and not facts.prefill.any(),
                                 verified=[], live_req_ids=requests)
+        if self.depth.planned_ahead:  # the controller chose it (`plan_ahead`)
+            step.take_plan_ahead([facts.req_ids[r] for r in np.flatnonzero(decoding)])
         self.stats.record_plain(int(decoding.sum()))
         step.end(drafting=False)
         self.stats.add(host_plain_steps=1)

@@ -79,6 +79,10 @@ class TriForceProposer(Drafting, DraftModelProposer):
         self._last_draft_prob_req_ids: list[str] | None = None
         # vLLM's pass, decided during it (`_reads_pass`): (its facts, a plain step), or None
         self._pass_plan: tuple | None = None
+        # where only the depth controller's choice stands between a step and a plain one,
+        # ask it during vLLM's pass (engine/plain_steps.py `plan_ahead`): a step it keeps
+        # plain then costs what any plain step does (no sync, the pass not recorded)
+        self.plan_ahead = True
         self._init_drafting(vllm_config, device)
 
     # ---- Drafting's reads of the runner ---------------------------------------------
@@ -130,8 +134,14 @@ class TriForceProposer(Drafting, DraftModelProposer):
         """At vLLM's pass's first layer: whether this step reads the pass (not a plain
         step, engine/plain_steps.py), from the same host facts `propose` reads after it,
         which then takes this answer: a pass not recorded is never worked on."""
+        self.depth.forget_plan_ahead()  # one a pass, and only this pass's
         facts = self.plain_steps.read_v1_ahead(self.runner)
-        plain = self.plain_steps.is_plain(facts, self.runner.requests, self._handed_last)
+        requests = self.runner.requests
+        plain = self.plain_steps.is_plain(facts, requests, self._handed_last)
+        if not plain and self.plan_ahead:
+            plain = self.plain_steps.plan_ahead(
+                facts, requests, self._handed_last, self.shape.gamma2,
+                seeded=bool(self.runner.input_batch.generators))
         self._pass_plan = (facts, plain)
         return not plain
 
