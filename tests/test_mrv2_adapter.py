@@ -654,8 +654,9 @@ def test_the_binding_classes_take_vllms_places(binding):
 
 class PlainDepth:
     """The depth chooser as a plain step sees it (engine/depth.DepthChooser): adaptive,
-    its clock read once per step."""
+    its clock read once per step; Model Runner V2 plans nothing ahead."""
     fixed_depth = None
+    planned_ahead = False
 
     def __init__(self):
         self.begun = []
