@@ -283,11 +283,14 @@ def test_a_prefix_cache_hit_reuses_the_summaries(tiny_llama, monkeypatch):
     assert compared
 
 
-def test_plain_steps_leave_the_summaries_untouched(tiny_llama, monkeypatch):
+@pytest.mark.parametrize("ahead", [True, False], ids=["plan-ahead", "after-the-pass"])
+def test_plain_steps_leave_the_summaries_untouched(tiny_llama, monkeypatch, ahead):
     """Forced plain: the engine decided at its first commit to fold prefills only, and no
     decode step touched a summary (no per-layer TriForce work on a plain step): the
     summaries after the last pass with a prompt chunk are those at the end, and nothing was
-    set from the cache."""
+    set from the cache. With the controller asked during vLLM's pass (`plan_ahead`, the
+    default) its depth-0 decode steps are host plain steps (engine/plain_steps.py) and
+    never reach the commit; planned after the pass, each one commits, and folds nothing."""
     import torch
 
     from vllm_triforce.engine import summary_keeper
@@ -306,16 +309,25 @@ def test_plain_steps_leave_the_summaries_untouched(tiny_llama, monkeypatch):
 
     monkeypatch.setattr(summary_keeper.SummaryKeeper, "fold", fold_and_copy)
     keepers = []
+
+    def on_engine(llm):
+        keepers.append(drafter_of(llm).retrieval.keeper)
+        drafter_of(llm).plan_ahead = ahead
+
     tokens, stats, _ = generate(tiny_llama, two_level(adaptive=True), schedule=[0],
-                                on_engine=lambda llm: keepers.append(
-                                    drafter_of(llm).retrieval.keeper))
+                                on_engine=on_engine)
     assert tokens == plain(tiny_llama)
     assert stats["plain_steps"] > 0 and stats["top_proposed"] == 0
     summaries = keepers[0].summaries
     assert keepers[0].lazy and keepers[0].status.startswith("checked")
     assert stats["summarised_blocks"] == 0
     sums, counts = after_prefill
-    assert counts.any() and len(decode_steps) >= min(MAX_TOKENS) - 1
+    decode_commits, host_plain = len(decode_steps), stats["host_plain_steps"]
+    if ahead:
+        assert host_plain >= min(MAX_TOKENS) - 1, (decode_commits, host_plain)
+    else:
+        assert decode_commits >= min(MAX_TOKENS) - 1 and host_plain == 0
+    assert counts.any()
     assert torch.equal(summaries.counts, counts)
     assert torch.equal(summaries.sums.blocks(slice(None)), sums)
 

@@ -9,6 +9,7 @@ model forward, sampling and speculative bookkeeping, and TriForce's `propose` wi
 
     .venv/bin/python benchmarks/explore/depth0_profile.py --engine plain
     .venv/bin/python benchmarks/explore/depth0_profile.py --engine triforce2
+        [--depth -1 --budget 512] [--no-plan-ahead]
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=512, help="TriForce retrieval_budget "
                         "(4,096, the default config's, with --prompt-tokens 1500 --depth -1: "
                         "issue 60's short job, where no request can draft)")
+    parser.add_argument("--no-plan-ahead", action="store_true",
+                        help="TriForce's controller plans only after vLLM's pass (no "
+                             "`plan_ahead`: a step it keeps at depth 0 past the budget is "
+                             "not a host plain step)")
     args = parser.parse_args()
 
     from vllm import SamplingParams
@@ -60,6 +65,8 @@ def main() -> None:
                          **({"async_scheduling": False} if args.engine == "plain-sync" else {}))
     if spec and args.depth >= 0:
         drafter_of(llm).set_fixed_depth(args.depth)
+    if spec and args.no_plan_ahead:
+        drafter_of(llm).plan_ahead = False
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in ids]
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -98,7 +105,9 @@ def main() -> None:
     for ct, where in sorted(rows, reverse=True)[:args.top]:
         print(f"  {1000 * ct / steps:8.2f} ms/step  {where}")
     if spec:
-        print("drafted:", drafter_of(llm).stats.snapshot()["top_proposed"])
+        snap = drafter_of(llm).stats.snapshot()
+        print("drafted:", snap["top_proposed"], "host plain steps:", snap["host_plain_steps"],
+              "depths:", snap["depth_counts"])
 
 
 if __name__ == "__main__":
