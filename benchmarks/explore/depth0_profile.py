@@ -9,7 +9,7 @@ model forward, sampling and speculative bookkeeping, and TriForce's `propose` wi
 
     .venv/bin/python benchmarks/explore/depth0_profile.py --engine plain
     .venv/bin/python benchmarks/explore/depth0_profile.py --engine triforce2
-        [--depth -1 --budget 512] [--no-plan-ahead]
+        [--depth -1 --budget 512] [--schedule 0] [--no-plan-ahead]
 """
 
 from __future__ import annotations
@@ -43,6 +43,9 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=512, help="TriForce retrieval_budget "
                         "(4,096, the default config's, with --prompt-tokens 1500 --depth -1: "
                         "issue 60's short job, where no request can draft)")
+    parser.add_argument("--schedule", type=int, nargs="+", default=None,
+                        help="with --depth -1: the controller plans these depths in turn "
+                             "(tools/bench/forcing.schedule_depths; 0: held plain)")
     parser.add_argument("--no-plan-ahead", action="store_true",
                         help="TriForce's controller plans only after vLLM's pass (no "
                              "`plan_ahead`: a step it keeps at depth 0 past the budget is "
@@ -65,6 +68,10 @@ def main() -> None:
                          **({"async_scheduling": False} if args.engine == "plain-sync" else {}))
     if spec and args.depth >= 0:
         drafter_of(llm).set_fixed_depth(args.depth)
+    if spec and args.depth < 0 and args.schedule:
+        from vllm_triforce.tools.bench.forcing import schedule_depths
+
+        schedule_depths(drafter_of(llm).depth.controller, args.schedule)
     if spec and args.no_plan_ahead:
         drafter_of(llm).plan_ahead = False
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
