@@ -33,7 +33,8 @@ takes after the pass. Most decode steps of a long-context workload are of this k
 controller chose depth 0 in 753 of 757 steps of the real-model run on an H200). The V1
 runner asks it (engine/proposer.py `_reads_pass`; `plan_ahead` False turns it off);
 Model Runner V2's speculator does not yet.
-What the step still does is what the depth controller's clocks need (`DepthChooser.begin`
+
+What a plain step still does is what the depth controller's clocks need (`DepthChooser.begin`
 and `DepthStep.end`: vLLM's step time) and the counters (a plain step, `host_plain_steps`).
 Per-request state is taken up at the next step that does work (`StateTable.of_batch`); on
 Model Runner V2 so are the step's tokens (the speculator's records, engine/mrv2/requests.py,
