@@ -40,6 +40,12 @@
 #                                                # defaults (MRV2, FULL_AND_PIECEWISE, async):
 #                                                # tokens against plain vLLM's defaults, then
 #                                                # the 8B step at depths 0 and 6
+#   bash scripts/gpu_session.sh tax [SECONDS]     # carry .bundle: where the tax of
+#                                                # TriForce's settings goes: plain vLLM at
+#                                                # the 8B shape, one setting changed at a
+#                                                # time (V2+FULL+sync, V2+PIECEWISE+sync,
+#                                                # V1+FULL+async), then a spec-decode
+#                                                # engine's 1+K-token FULL step (tax-*)
 #   bash scripts/gpu_session.sh round-graphs [SECONDS] [PARTS]  # carry .bundle: the middle
 #                                                # passes' CUDA graphs against today's path
 #                                                # (a), their cost at the 8B width (b) and at
@@ -59,7 +65,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-session-out}
 mkdir -p "$OUT"
 export VLLM_TRIFORCE_CACHE=/tmp/vt-cache
-step=${1:?costs, kv-kept, mrv2-first, mrv2, sampled, mrv2-full, model-a, real, host-rounds, round-graphs or hot-path}
+step=${1:?costs, kv-kept, mrv2-first, mrv2, sampled, mrv2-full, tax, model-a, real, host-rounds, round-graphs or hot-path}
 budget=${2:-270}
 case "$step" in
   costs)
@@ -96,6 +102,11 @@ case "$step" in
     bash scripts/gpu_run.sh --budget-s "$budget" --only \
       kernels,exact-flash-bf16-grow-defaults-plain,exact-flash-bf16-grow-2L-mrv2-full,costs-triforce-mrv2 \
       2>&1 | grep -v " INFO \| DEBUG "
+    ;;
+  tax)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    bash scripts/gpu_run.sh --budget-s "$budget" --only kernels,tax 2>&1 \
+      | grep -v " INFO \| DEBUG "
     ;;
   hot-path)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader

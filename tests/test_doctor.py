@@ -60,6 +60,21 @@ def test_each_unsafe_setting_fails(engine, item):
     assert "doctor: FAILED" in doctor.format_report(checks)
 
 
+def test_tri_forces_model_runner_v2_binding_passes_with_the_settings_it_takes():
+    """Model Runner V2 with TriForce's own runner (VLLM_TRIFORCE_MRV2=1 or
+    VLLM_USE_V2_MODEL_RUNNER=1) passes, and so do FULL_AND_PIECEWISE and async scheduling,
+    which that binding takes; FULL stays a failure there."""
+    mrv2 = {"runner": "V2", "runner_class": "TriForceRunnerV2", "drafter": "TriForceSpeculator",
+            "async_scheduling": True, "cudagraph_mode": "FULL_AND_PIECEWISE",
+            "enforce_eager": False}
+    checks = {c.item: c for c in doctor.evaluate(PLAIN, _tri(**mrv2))}
+    for item in ("model runner", "CUDA-graph mode", "async scheduling", "TriForce proposer"):
+        assert checks[item].status == "PASS", checks[item]
+    assert "experimental" in checks["model runner"].detail
+    full = {c.item: c for c in doctor.evaluate(PLAIN, _tri(**{**mrv2, "cudagraph_mode": "FULL"}))}
+    assert full["CUDA-graph mode"].status == "FAIL"
+
+
 def test_the_openmp_runtime_is_reported_on_cpu_with_the_fix_not_judged():
     gnu = {c.item: c for c in doctor.evaluate(PLAIN, _tri(openmp="GNU OpenMP"))}
     assert gnu["OpenMP runtime"].status == "INFO"

@@ -251,7 +251,8 @@ def test_the_gpu_plan_times_costs_first_and_vllm_defaults_before_forced_settings
     assert names[:7] == ["kernels", "costs-plain-defaults", "costs-triforce",
                          "costs-plain-forced", "kv-kept", "kv-plain",
                          "costs-triforce-mrv2"], names
-    assert names[7:] and all(n.startswith(("exact-", "sample-")) for n in names[7:]), names
+    assert names[7:] and all(n.startswith(("exact-", "sample-", "tax-")) for n in names[7:]), \
+        names
     costs = plan(True, models)[1]
     assert [c["name"] for c in costs["cases"]][:2] == ["8x32K", "1x128K"]
     # the KV cache given back: the default coded summaries, no prefill peak, at plain
@@ -393,3 +394,100 @@ def test_the_kv_kept_ratio_takes_plain_vllm_at_the_same_settings():
     same = _memory({**jobs, "kv-plain": job(55_000, 256)})["kv_kept"]
     assert (same["plain_blocks"], same["plain_max_num_seqs"]) == (55_000, 256)
     assert same["of_plain"] == 53_320 / 55_000
+
+
+def test_the_tax_split_changes_one_of_triforces_settings_at_a_time():
+    """Issue 60's first GPU question (`gpu_session.sh tax`): plain vLLM at the 8B shape,
+    from vLLM's defaults toward TriForce's settings one setting at a time (async off, then
+    PIECEWISE too; the V1 runner alone), graphs cut to the decode batches; then an n-gram engine whose every step verifies 1 + K tokens per
+    request on a FULL graph of exactly that size. Last in the plan: asked for by name."""
+    from vllm_triforce.tools.bench.gpu_plan import TAX_SPEC, plan
+
+    models = {"target": "t", "draft": "d", "shape": "s", "tag": "x", "vocab": 1000,
+              "sampling": "m"}
+    jobs = plan(True, models)
+    names = [j["name"] for j in jobs]
+    tax = [j for j in jobs if j["name"].startswith("tax-")]
+    assert names[-len(tax):] == [j["name"] for j in tax] and len(tax) == 4, names
+    defaults = next(j for j in jobs if j["name"] == "costs-plain-defaults")
+    forced = next(j for j in jobs if j["name"] == "costs-plain-forced")
+
+    def settings(job):  # (V2 runner, graph mode, async), None where vLLM's default
+        return (job.get("env", {}).get("VLLM_USE_V2_MODEL_RUNNER", "1"),
+                job["llm"].get("compilation_config", {}).get("cudagraph_mode",
+                                                            "FULL_AND_PIECEWISE"),
+                job["llm"].get("async_scheduling", True))
+
+    base, target = settings(defaults), settings(forced)
+    assert base == ("1", "FULL_AND_PIECEWISE", True) and target == ("0", "PIECEWISE", False)
+
+    def changed(job, against):  # which settings differ, each toward TriForce's
+        diff = {i for i, (a, b) in enumerate(zip(settings(job), settings(against))) if a != b}
+        assert all(settings(job)[i] == target[i] for i in diff), job["name"]
+        return diff
+
+    sync, piecewise, v1 = tax[:3]
+    assert changed(sync, defaults) == {2}  # async scheduling off
+    assert changed(piecewise, sync) == {1}  # and PIECEWISE graphs
+    assert changed(v1, defaults) == {0}  # the V1 runner alone
+    for job in tax[:3]:
+        assert [c["name"] for c in job["cases"]] == ["8x32K", "1x128K"]
+        assert job["llm"]["compilation_config"]["cudagraph_capture_sizes"] == [1, 8]
+        assert job["llm"]["load_format"] == "dummy" and "spec" not in job
+    spec = tax[3]
+    assert spec["spec"] == TAX_SPEC and spec["spec"]["method"] == "ngram_gpu"
+    assert settings(spec) == base and [c["name"] for c in spec["cases"]] == ["8x32K"]
+    k = TAX_SPEC["num_speculative_tokens"]
+    assert spec["llm"]["compilation_config"]["cudagraph_capture_sizes"] == [8 * (1 + k)]
+    # random prompts hold no repeated n-gram of this length, and the decode adds fewer
+    assert TAX_SPEC["prompt_lookup_min"] > max(spec["decode_tokens"])
+    assert not any(j["name"].startswith("tax-") for j in plan(False, models))
+
+
+def test_the_tax_split_is_read_against_vllms_defaults():
+    def costs(step, engine="compiled", **extra):
+        return {"status": "ok", "result": {"cases": {"8x32K": {"step_ms": step, **extra}}}}
+
+    results = {"jobs": {
+        "costs-plain-defaults": costs(12.5), "costs-plain-forced": costs(15.0),
+        "tax-v2-full-sync": costs(13.75), "tax-v2-piecewise-sync": costs(14.0),
+        "tax-v1-full-async": costs(12.5),
+        "tax-spec-filler": costs(13.0, draft_tokens_per_draft=6.0, acceptance=0.0),
+        "costs-triforce-mrv2": {"status": "ok", "result": {"cases": {"8x32K": {
+            "depths": {"0": {"step_ms": 15.0}}}}}}}}
+    [row] = gpu_summary.summarise(results)["tax"]
+    ratios = {e["job"]: e["of_defaults"] for e in row["settings"]}
+    assert ratios["tax-v2-full-sync"] == pytest.approx(1.1)
+    assert ratios["costs-plain-forced"] == pytest.approx(1.2)
+    assert row["mrv2_depth0_ms"] == 15.0
+    page = gpu_render.render({"runs": [{"date": "2026-12-02", "gpu": "X"}], **results})
+    assert "## Where the tax goes" in page
+    assert "| 8x32K | V2, FULL_AND_PIECEWISE, sync | 13.8 | 1.10x |" in page, page
+    assert "6 draft tokens a request-step, acceptance 0" in page, page
+    assert gpu_summary.summarise({"jobs": {"costs-plain-defaults": costs(12.5)}})["tax"] == []
+
+
+@pytest.mark.engine
+def test_a_spec_decode_engine_s_steps_and_drafts_are_counted_not_assumed(tiny_llama):
+    """The cost job of an engine with another drafter (the tax split's n-gram engine, here
+    vLLM's CPU n-gram on a tiny model): ms per model step, with the steps counted and
+    vLLM's own spec-decode counters over the decodes, so a step that verified drafts is
+    not mistaken for a 1-token step."""
+    from vllm_triforce.tools.bench.gpu_costs import run_costs
+
+    job = {"kind": "costs", "model": str(tiny_llama), "prompt_vocab": 500,
+           "spec": {"method": "ngram", "num_speculative_tokens": 3,
+                    "prompt_lookup_min": 1, "prompt_lookup_max": 2},
+           "cases": [{"name": "2x256", "batch": 2, "context": 256}], "decode_tokens": (4, 12),
+           "llm": {"load_format": "dummy", "dtype": "float32", "max_model_len": 1024,
+                   "seed": 0, "enforce_eager": True, "block_size": 32}}
+    result = run_costs(job)
+    case = result["cases"]["2x256"]
+    assert result["facts"]["speculative_method"] == "ngram"
+    assert case["step_ms"] is not None and case["step_ms"] > 0, case
+    counters = case["spec_counters"]
+    assert counters["vllm:spec_decode_num_drafts"] > 0, counters  # drafting happened
+    assert 0 < case["draft_tokens_per_draft"] <= 3, case
+    # counted model steps: fewer than tokens where drafts were accepted, never more
+    for short, long in case["timing"]["pairs"]:
+        assert 0 < short[1] <= 4 and short[1] < long[1] <= case["timing"]["long"]

@@ -49,17 +49,48 @@ def test_async_scheduling_refused(tiny_llama):
         _engine_args(tiny_llama, async_scheduling=True).create_engine_config()
 
 
-def test_v2_model_runner_refused(tiny_llama, monkeypatch):
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
-    with pytest.raises(TriForceConfigError, match=r"TriForce.*VLLM_USE_V2_MODEL_RUNNER=1"):
-        _engine_args(tiny_llama).create_engine_config()
-
-
-def test_v2_model_runner_refusal_names_the_experimental_binding(tiny_llama, monkeypatch):
+def test_v2_model_runner_is_refused_on_cpu_naming_the_setting(tiny_llama, monkeypatch):
+    """vLLM's own V2 switch asks for TriForce's Model Runner V2 binding, which needs
+    Triton: on this CPU the error names the variable the user set and the fix."""
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     monkeypatch.delenv("VLLM_TRIFORCE_MRV2", raising=False)
-    with pytest.raises(TriForceConfigError, match=r"VLLM_TRIFORCE_MRV2=1"):
+    with pytest.raises(TriForceConfigError,
+                       match=r"TriForce cannot run with VLLM_USE_V2_MODEL_RUNNER=1 on cpu.*"
+                             r"Triton.*Fix: unset VLLM_USE_V2_MODEL_RUNNER"):
         _engine_args(tiny_llama).create_engine_config()
+
+
+def test_v2_model_runner_alone_picks_tri_forces_binding(monkeypatch):
+    """On a GPU (the platform check stood in for) an explicit VLLM_USE_V2_MODEL_RUNNER=1 is
+    taken as asking for TriForce on Model Runner V2, as VLLM_TRIFORCE_MRV2=1 is: TriForce's
+    worker, the draft logits MRV2's verifier reads, FULL_AND_PIECEWISE and async scheduling
+    taken, and the start-up line names the variable that chose it."""
+    from vllm_triforce import engine_settings
+
+    checked = []
+    monkeypatch.setattr(engine_settings, "_check_mrv2_switch", checked.append)
+    monkeypatch.delenv("VLLM_TRIFORCE_MRV2", raising=False)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    args = types.SimpleNamespace(
+        compilation_config=types.SimpleNamespace(cudagraph_mode="FULL_AND_PIECEWISE"),
+        async_scheduling=True, worker_cls="auto", attention_backend=None,
+        attention_config=None)
+    parallel = types.SimpleNamespace(data_parallel_size=1, worker_cls="auto")
+    assert engine_settings.decide(args, parallel) == ["model_runner"]
+    assert checked == [args] and parallel.worker_cls == engine_settings.MRV2_WORKER
+    assert engine_settings.mrv2_keys({})["draft_sample_method"] == "probabilistic"
+    config = types.SimpleNamespace(
+        compilation_config=args.compilation_config,
+        model_config=types.SimpleNamespace(enforce_eager=False),
+        scheduler_config=types.SimpleNamespace(async_scheduling=True))
+    line = engine_settings.describe(config, "FLASH_ATTN", ["model_runner"])
+    assert "Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1, experimental)" in line
+    # set to 0 (or unset: TriForce sets 0) it is the V1 runner, as before
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    parallel.worker_cls = "auto"
+    args.compilation_config.cudagraph_mode, args.async_scheduling = "PIECEWISE", None
+    assert engine_settings.decide(args, parallel) == ["async_scheduling"]
+    assert parallel.worker_cls == "auto" and not engine_settings.mrv2_requested()
 
 
 def test_the_mrv2_switch_is_refused_where_mrv2_cannot_run(tiny_llama, monkeypatch):
@@ -94,6 +125,7 @@ def test_the_mrv2_switch_picks_v2_and_triforces_worker(monkeypatch):
     assert engine_settings.mrv2_keys({"revision": "r"}) == {
         "revision": "r", "draft_sample_method": "probabilistic"}
     monkeypatch.delenv("VLLM_TRIFORCE_MRV2")
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "")  # the switch set it: V2 asked for
     assert engine_settings.mrv2_keys({"revision": "r"}) == {"revision": "r"}
 
 
@@ -118,6 +150,7 @@ def test_an_explicit_async_scheduling_is_taken_only_on_model_runner_v2(monkeypat
     assert decided(True) == (["model_runner"], True)
     assert decided(None) == (["async_scheduling", "model_runner"], False)
     monkeypatch.delenv("VLLM_TRIFORCE_MRV2")
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "")  # the switch set it: V2 asked for
     with pytest.raises(TriForceConfigError, match=r"async_scheduling=True.*VLLM_TRIFORCE_MRV2=1"):
         decided(True)
 
@@ -145,6 +178,7 @@ def test_model_runner_v2_takes_full_and_piecewise_graphs_and_no_other_full_mode(
         with pytest.raises(TriForceConfigError, match=rf"cudagraph_mode={mode}.*Fix"):
             engine_settings.decide(args, parallel)
     monkeypatch.delenv("VLLM_TRIFORCE_MRV2")
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "")  # the switch set it: V2 asked for
     with pytest.raises(TriForceConfigError, match=r"FULL_AND_PIECEWISE is taken"):
         engine_settings.decide(args, parallel)
 

@@ -7,7 +7,7 @@ source; CPU forces most of them off, which is why CPU tests never saw them):
 |---|---|---|---|
 | `cudagraph_mode` | FULL_AND_PIECEWISE | a FULL graph replays attention without Python, so the capture hook (engine/device/capture.py) sees no query/key: summaries miss committed keys and selections never refresh | default PIECEWISE (attention stays an eager custom op, vllm/model_executor/layers/attention/attention.py); refuse FULL, FULL_AND_PIECEWISE, FULL_DECODE_ONLY, except an explicit FULL_AND_PIECEWISE with `VLLM_TRIFORCE_MRV2=1` (experimental: FULL only for passes TriForce reads nothing of, engine/mrv2/graphs.py) |
 | async scheduling | on for `draft_model` (vllm/config/vllm.py ~1585) | the V1 proposer reads token ids that are still -1 placeholders | default off; refuse an explicit on, except with `VLLM_TRIFORCE_MRV2=1` (experimental: MRV2's runner cuts the K drafts async scheduling schedules to each request's depth, engine/mrv2/draft_tokens.py) |
-| model runner | V2 unless `VLLM_USE_V2_MODEL_RUNNER=0` | the TriForce proposer lives in the V1 runner; V2 would silently run its own draft-model speculator | set 0; refuse an explicit 1 and the features that force V2 (watermarking, HiSparse); with `VLLM_TRIFORCE_MRV2=1` (experimental, GPUs only) set 1 and TriForce's own MRV2 worker (engine/mrv2/) |
+| model runner | V2 unless `VLLM_USE_V2_MODEL_RUNNER=0` | the TriForce proposer lives in the V1 runner; V2 would silently run its own draft-model speculator | set 0; refuse the features that force V2 (watermarking, HiSparse); with `VLLM_TRIFORCE_MRV2=1` or an explicit `VLLM_USE_V2_MODEL_RUNNER=1` (experimental, GPUs only; refused on CPU) set 1 and TriForce's own MRV2 worker (engine/mrv2/) |
 | data parallelism | 1 | ranks run different numbers of middle passes; MoE DP collectives then hang (vllm/forward_context.py ~299) | refuse `data_parallel_size > 1` |
 | attention backend | FLASH_ATTN (Hopper), FLASHINFER (Blackwell) | per-layer metadata must not share builder state | refuse backends outside `SUPPORTED_ATTENTION_BACKENDS` |
 
@@ -36,8 +36,19 @@ MRV2_FULL_MODE = "FULL_AND_PIECEWISE"
 
 
 def mrv2_requested() -> bool:
-    """The experimental Model Runner V2 binding was asked for (`VLLM_TRIFORCE_MRV2=1`)."""
-    return os.environ.get(MRV2_SWITCH_ENV, "").strip().lower() in ("1", "true")
+    """The experimental Model Runner V2 binding was asked for: TriForce's switch
+    `VLLM_TRIFORCE_MRV2=1`, or vLLM's own `VLLM_USE_V2_MODEL_RUNNER=1` set explicitly (a
+    user who names vLLM's V2 runner gets TriForce on it, not an error)."""
+    return _env_on(MRV2_SWITCH_ENV) or _env_on(V2_RUNNER_ENV)
+
+
+def _mrv2_asked_by() -> str:
+    """The setting that asked for Model Runner V2, as the user wrote it."""
+    return f"{MRV2_SWITCH_ENV if _env_on(MRV2_SWITCH_ENV) else V2_RUNNER_ENV}=1"
+
+
+def _env_on(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true")
 
 
 def decide(engine_args, parallel_config) -> list[str]:
@@ -104,7 +115,7 @@ def describe(vllm_config, backend_name: str, forced: list[str]) -> str:
     mode = vllm_config.compilation_config.cudagraph_mode
     why = " (enforce_eager)" if vllm_config.model_config.enforce_eager else tag("cudagraph_mode")
     async_on = vllm_config.scheduler_config.async_scheduling
-    runner = (f"Model Runner V2 ({MRV2_SWITCH_ENV}=1, experimental)" if mrv2_requested()
+    runner = (f"Model Runner V2 ({_mrv2_asked_by()}, experimental)" if mrv2_requested()
               else f"V1 model runner{tag('model_runner')}")
     return (f"TriForce: cudagraph_mode={getattr(mode, 'name', mode)}{why}, async scheduling "
             f"{'on' if async_on else 'off'}{tag('async_scheduling')}, {runner}, "
@@ -142,12 +153,6 @@ def _check_async_scheduling(async_scheduling) -> None:
 def _check_v2_runner(engine_args) -> None:
     if mrv2_requested():
         _check_mrv2_switch(engine_args)
-    elif os.environ.get(V2_RUNNER_ENV, "").strip().lower() in ("1", "true"):
-        raise _fix(f"{V2_RUNNER_ENV}=1",
-                   "TriForce's proposer runs in vLLM's V1 model runner; the V2 runner would "
-                   "silently run its own draft-model speculator instead",
-                   f"unset {V2_RUNNER_ENV} or set it to 0 (or, on a GPU, try TriForce's "
-                   f"experimental Model Runner V2 binding with {MRV2_SWITCH_ENV}=1)")
     if getattr(engine_args, "watermark_config", None) is not None:
         raise _fix("watermark_config", "watermarking forces vLLM's V2 model runner and "
                    "marks drafts inside vLLM's own speculator, which TriForce replaces",
@@ -160,20 +165,22 @@ def _check_v2_runner(engine_args) -> None:
 
 
 def _check_mrv2_switch(engine_args) -> None:
-    """`VLLM_TRIFORCE_MRV2=1` on a machine or with settings it cannot run on."""
+    """Model Runner V2 asked for (`VLLM_TRIFORCE_MRV2=1` or `VLLM_USE_V2_MODEL_RUNNER=1`)
+    on a machine or with settings it cannot run on."""
     from vllm.platforms import current_platform
 
+    asked = _mrv2_asked_by()
     if not current_platform.is_cuda():
-        raise _fix(f"{MRV2_SWITCH_ENV}=1 on {current_platform.device_name}",
+        raise _fix(f"{asked} on {current_platform.device_name}",
                    "Model Runner V2 runs Triton kernels every step, and this platform has no "
                    "Triton backend (vLLM itself uses the V1 runner here)",
-                   f"unset {MRV2_SWITCH_ENV}: TriForce runs in the V1 runner")
+                   f"unset {asked.split('=')[0]}: TriForce runs in the V1 runner")
     if os.environ.get(V2_RUNNER_ENV, "").strip().lower() in ("0", "false"):
         raise _fix(f"{MRV2_SWITCH_ENV}=1 with {V2_RUNNER_ENV}=0",
                    "the one asks for Model Runner V2, the other for the V1 runner",
                    "unset one of them")
     if engine_args.worker_cls not in ("auto", MRV2_WORKER):
-        raise _fix(f"{MRV2_SWITCH_ENV}=1 with worker_cls={engine_args.worker_cls}",
+        raise _fix(f"{asked} with worker_cls={engine_args.worker_cls}",
                    "TriForce's Model Runner V2 binding is its own worker class",
                    "leave worker_cls unset")
 

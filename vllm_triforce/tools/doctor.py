@@ -33,6 +33,9 @@ DEFAULT_ENV = {"VLLM_CPU_KVCACHE_SPACE": "4"}  # GiB, as the demo; ignored off C
 # loss: we accept a first divergence whose plain-vLLM log-prob gap is at most this.
 NEAR_TIE_NATS = 0.25
 QUICK = {"prompt_tokens": 512, "max_tokens": 16, "batch": 1, "budget": 256}
+# TriForce's runner in Model Runner V2 (engine/mrv2/speculator.py), by class name: the
+# child's results are plain dicts
+MRV2_RUNNER = "TriForceRunnerV2"
 
 
 def add_doctor_parser(subparsers) -> None:
@@ -152,12 +155,13 @@ def evaluate(plain: dict, tri: dict) -> list[Check]:
     if "error" in tri:
         return checks
     engine = tri["engine"]
+    mrv2 = engine["runner_class"] == MRV2_RUNNER
     checks += [Check(INFO, "platform", engine["platform"]),
                *_openmp(engine.get("openmp"), engine["device_type"]),
                _vllm_version(engine["vllm_version"]),
                _runner(engine["runner"], engine["runner_class"]),
-               _cudagraph_mode(engine["cudagraph_mode"], engine["enforce_eager"]),
-               _async_scheduling(engine["async_scheduling"]),
+               _cudagraph_mode(engine["cudagraph_mode"], engine["enforce_eager"], mrv2),
+               _async_scheduling(engine["async_scheduling"], mrv2),
                _attention_backend(engine["attention_backends"]),
                _reservation(engine["reserved_bytes"]),
                _key_reader(engine.get("key_reader")),
@@ -214,22 +218,31 @@ def _vllm_version(version: str) -> Check:
 
 
 def _runner(runner: str, runner_class: str) -> Check:
-    ok = runner == "V1"
-    why = "" if ok else " (TriForce's proposer lives in the V1 runner; unset " \
-                        "VLLM_USE_V2_MODEL_RUNNER)"
-    return Check(PASS if ok else FAIL, "model runner", f"{runner} ({runner_class}){why}")
+    """The V1 runner, or Model Runner V2 with TriForce's own runner in it (asked for with
+    VLLM_TRIFORCE_MRV2=1 or VLLM_USE_V2_MODEL_RUNNER=1, experimental); V2 with vLLM's own
+    runner would run vLLM's draft-model speculator, not TriForce."""
+    if runner == "V1":
+        return Check(PASS, "model runner", f"V1 ({runner_class})")
+    if runner_class == MRV2_RUNNER:
+        return Check(PASS, "model runner", f"V2 ({runner_class}, experimental)")
+    return Check(FAIL, "model runner", f"{runner} ({runner_class}): vLLM's own V2 runner would "
+                 "run its draft-model speculator, not TriForce's levels; unset "
+                 "VLLM_USE_V2_MODEL_RUNNER and worker_cls")
 
 
-def _cudagraph_mode(mode: str, enforce_eager: bool) -> Check:
-    from vllm_triforce.engine_settings import UNSAFE_CUDAGRAPH_MODES
+def _cudagraph_mode(mode: str, enforce_eager: bool, mrv2: bool) -> Check:
+    from vllm_triforce.engine_settings import MRV2_FULL_MODE, UNSAFE_CUDAGRAPH_MODES
 
-    ok = mode not in UNSAFE_CUDAGRAPH_MODES
+    # on Model Runner V2 a pass TriForce reads runs piecewise (engine/mrv2/graphs.py)
+    ok = mode not in UNSAFE_CUDAGRAPH_MODES or (mrv2 and mode == MRV2_FULL_MODE)
     note = " (enforce_eager)" if enforce_eager else ""
     why = "" if ok else ": full graphs hide attention from TriForce's key capture"
     return Check(PASS if ok else FAIL, "CUDA-graph mode", f"{mode}{note}{why}")
 
 
-def _async_scheduling(on: bool) -> Check:
+def _async_scheduling(on: bool, mrv2: bool) -> Check:
+    if mrv2:  # MRV2's runner cuts the scheduled drafts to each request's depth
+        return Check(PASS, "async scheduling", "on" if on else "off")
     detail = "on: the proposer would read placeholder token ids" if on else "off"
     return Check(FAIL if on else PASS, "async scheduling", detail)
 
@@ -267,7 +280,7 @@ def _key_reader(status: str | None) -> Check:
 
 def _proposer(drafter: str, stats: dict | None) -> Check:
     proposed = (stats or {}).get("top_proposed", 0)
-    ok = drafter == "TriForceProposer" and proposed > 0
+    ok = drafter in ("TriForceProposer", "TriForceSpeculator") and proposed > 0
     return Check(PASS if ok else FAIL, "TriForce proposer",
                  f"{drafter}, {proposed} draft tokens verified by the full cache")
 

@@ -1,7 +1,7 @@
 """TriForce on vLLM's Model Runner V2 (vllm/v1/worker/gpu/, 0.32.0 and 0.33.0),
-experimental: selected only by `VLLM_TRIFORCE_MRV2=1` on a GPU (engine_settings.py, which
-refuses it on CPU); by default the engine runs on the V1 runner and
-`VLLM_USE_V2_MODEL_RUNNER=1` alone is refused.
+experimental: selected only by `VLLM_TRIFORCE_MRV2=1` or an explicit
+`VLLM_USE_V2_MODEL_RUNNER=1` on a GPU (engine_settings.py, which refuses both on CPU); by
+default the engine runs on the V1 runner.
 
 Which runner, where: the V1 runner (`GPUModelRunner` in vllm/v1/worker/gpu_model_runner.py,
 `CPUModelRunner` on CPU) is TriForce's binding today, on CPU and GPU. MRV2 cannot run on

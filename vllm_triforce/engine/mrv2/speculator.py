@@ -1,7 +1,8 @@
 """TriForce's speculator, runner and worker for Model Runner V2 (vLLM 0.32.0 and 0.33.0):
 importable anywhere, runnable only on a GPU (MRV2's per-step kernels are Triton), and
-selected only by the experimental switch `VLLM_TRIFORCE_MRV2=1` (engine_settings.py),
-off by default until a GPU lease shows it exact.
+selected only by the experimental switch `VLLM_TRIFORCE_MRV2=1` or an explicit
+`VLLM_USE_V2_MODEL_RUNNER=1` (engine_settings.py), off by default until a GPU lease shows
+it exact.
 
 How they sit in vLLM (vllm/v1/worker/, 0.32.0 and 0.33.0):
 - `TriForceWorker(Worker)` overrides `_make_model_runner`, the hook whose docstring says

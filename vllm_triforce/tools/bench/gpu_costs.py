@@ -9,8 +9,8 @@ import json
 import time
 from pathlib import Path
 
-from vllm_triforce.tools.bench.gpu_engine import (build_llm, drafter_or_none, engine_facts,
-                                                   random_prompts, token_prompts)
+from vllm_triforce.tools.bench.gpu_engine import (build_llm, count_steps, drafter_or_none,
+                                                   engine_facts, random_prompts, token_prompts)
 from vllm_triforce.tools.bench.step_timing import decode_step
 
 
@@ -72,6 +72,8 @@ def time_case(llm, drafter, prompts, job: dict) -> dict:
     out = {"prefill_s": prefill_s}
     timed_generate(llm, prompts, short)  # warm-up: first decodes after a prefill
     if drafter is None:
+        if job.get("spec"):  # another drafter: steps and drafts counted, not assumed
+            return {**out, **_spec_engine_steps(llm, prompts, job)}
         measured = decode_step(lambda m: (timed_generate(llm, prompts, m), m), short, long,
                                repeats=job.get("repeats", 2))
         out["step_ms"] = _ms(measured["step_s"])
@@ -99,6 +101,40 @@ def time_case(llm, drafter, prompts, job: dict) -> dict:
         out["depths"][str(depth)] = row
     drafter.set_fixed_depth(None)
     return out
+
+
+def _spec_engine_steps(llm, prompts, job: dict) -> dict:
+    """A spec-decode engine other than TriForce's, timed as plain vLLM is, but with its
+    model steps counted (`execute_model` calls: a step may emit several tokens) and vLLM's
+    own spec-decode counters over the decodes: the draft tokens a step verified per
+    request, and how many were accepted."""
+    short, long = job["decode_tokens"]
+    steps = count_steps(llm)
+    before = spec_counters(llm)
+
+    def timed(m: int) -> tuple[float, int]:
+        start = steps["steps"]
+        wall = timed_generate(llm, prompts, m)
+        return wall, steps["steps"] - start
+
+    measured = decode_step(timed, short, long, repeats=job.get("repeats", 2))
+    after = spec_counters(llm)
+    d = {key: after.get(key, 0) - before.get(key, 0) for key in after}
+    drafts = d.get("vllm:spec_decode_num_drafts", 0)
+    return {"step_ms": _ms(measured["step_s"]), "timing": measured,
+            "spec_counters": d,
+            "draft_tokens_per_draft": (d.get("vllm:spec_decode_num_draft_tokens", 0) / drafts
+                                       if drafts else 0.0),
+            "acceptance": (d.get("vllm:spec_decode_num_accepted_tokens", 0)
+                           / d["vllm:spec_decode_num_draft_tokens"]
+                           if d.get("vllm:spec_decode_num_draft_tokens") else None)}
+
+
+def spec_counters(llm) -> dict:
+    """vLLM's `vllm:spec_decode_*` counters now (those with one value)."""
+    return {m.name: m.value for m in llm.get_metrics()
+            if m.name.startswith("vllm:spec_decode") and isinstance(
+                getattr(m, "value", None), (int, float))}
 
 
 def _ms(seconds: float | None) -> float | None:

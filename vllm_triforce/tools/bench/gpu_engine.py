@@ -26,6 +26,8 @@ def engine_facts(llm) -> dict:
              "block_size": cfg.cache_config.block_size,
              "runner": type(runner).__module__ + "." + type(runner).__name__,
              "cudagraph_mode": str(cfg.compilation_config.cudagraph_mode),
+             "cudagraph_capture_sizes": _sizes(cfg.compilation_config.cudagraph_capture_sizes),
+             "speculative_method": getattr(cfg.speculative_config, "method", None),
              "async_scheduling": bool(cfg.scheduler_config.async_scheduling),
              "max_num_seqs": cfg.scheduler_config.max_num_seqs,
              "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
@@ -43,6 +45,12 @@ def engine_facts(llm) -> dict:
     if drafter is not None:
         facts["reserved_bytes"] = drafter.reserved_bytes
     return facts
+
+
+def _sizes(sizes) -> list[int] | str:
+    """The CUDA-graph sizes vLLM captured (after its own adjustments): listed when few."""
+    sizes = sorted(sizes or [])
+    return sizes if len(sizes) <= 16 else f"{len(sizes)} sizes, {sizes[0]} to {sizes[-1]}"
 
 
 def count_steps(llm) -> dict:

@@ -26,6 +26,9 @@ first, so that a run cut short still answers the first questions:
    2-4 against plain vLLM's by a chi-square test (bench/gpu_summary.py), on V1 and on
    Model Runner V2 (synchronous and async), each beside a negative control whose hand-off
    is wrong and must be caught.
+5. where the tax goes (`tax-*`, `_tax_jobs`, GPU only): plain vLLM moved from its
+   defaults toward TriForce's settings one setting at a time, and a spec-decode engine's
+   (1 + K)-token FULL step.
 
 Estimates are the H100 run's (benchmarks/gpu/jobs.log): an eager tiny engine starts in
 20-45 s; a compiled 8B engine (torch.compile, JIT warm-up, ~60 CUDA-graph sizes) in 60-120 s
@@ -61,6 +64,23 @@ CPU_CASES = (("2x1K", 2, 1024), ("1x2K", 1, 2048))
 # count against plain's at the same settings (job kv-plain), its propose peak against its
 # reservation, at the 1 x 128K case (every prefill chunk at its longest) with drafting.
 KV_KEPT_SPEC = {"prefill_from_cache": True}  # the GPU's default too, as the coded summaries
+# Where the tax goes (GPU only, jobs `tax-*`, run by `gpu_session.sh tax`): plain vLLM at
+# the 8B shape, from vLLM's defaults (Model Runner V2, FULL_AND_PIECEWISE, async;
+# costs-plain-defaults) toward TriForce's settings (V1, PIECEWISE, synchronous;
+# costs-plain-forced) one setting at a time: async off, then PIECEWISE too; the V1 runner
+# alone. (name, V2 runner, mode, async). Their CUDA graphs are cut to the decode batches (shorter starts; a step replays
+# the graph of its own size either way).
+TAX_SETTINGS = (("tax-v2-full-sync", "1", "FULL_AND_PIECEWISE", False),
+                ("tax-v2-piecewise-sync", "1", "PIECEWISE", False),
+                ("tax-v1-full-async", "0", "FULL_AND_PIECEWISE", True))
+# ... and a spec-decode engine's step on vLLM's defaults: Model Runner V2's GPU n-gram
+# drafter fills a slot it finds no match for with the last token and verifies it as a
+# draft, so every step verifies 1 + K tokens per request on a FULL graph captured for
+# exactly that (what depth 0 by filler drafts would cost); against costs-triforce-mrv2's
+# depth 0 (1 token per request in a spec-decode engine) and plain vLLM's 1-token FULL step.
+# n-grams of 48 never match in random prompts (the decode adds at most 40 tokens).
+TAX_SPEC = {"method": "ngram_gpu", "num_speculative_tokens": COST_SPEC["num_speculative_tokens"],
+            "prompt_lookup_min": 48, "prompt_lookup_max": 48}
 
 
 # The sampled jobs (`_sample_jobs`), as tests/test_triforce_sampling.py checks V1 on a CPU:
@@ -116,6 +136,8 @@ def plan(on_gpu: bool, models: dict, kernels_ok: bool = True) -> list[dict]:
             jobs.extend(_grow_jobs(tag, base, llm, models["vocab"]))
         if tag != "flash-bf16":  # float32 only: one distribution, not bf16's roundings
             jobs.extend(_sample_jobs(tag, llm, models, on_gpu))
+    if on_gpu:  # last: asked for by name (`gpu_session.sh tax`)
+        jobs.extend(_tax_jobs(next(j for j in jobs if j["name"] == "costs-plain-defaults")))
     return jobs
 
 
@@ -266,3 +288,26 @@ def _cost_jobs(on_gpu: bool, models: dict, kernels_ok: bool) -> list[dict]:
             "llm": {**tri_llm, "async_scheduling": True,
                     "compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE"}}}
     return [defaults, triforce, forced, kept, kept_plain, mrv2]
+
+
+def _tax_jobs(defaults: dict) -> list[dict]:
+    """Issue 60's first GPU question: the tax of TriForce's settings split by setting, and
+    a spec-decode engine's (1 + K)-token FULL step (TAX_SETTINGS, TAX_SPEC)."""
+    main = [c for c in defaults["cases"] if c["name"] in ("8x32K", "1x128K")]
+    decode_sizes = sorted({c["batch"] for c in main})
+    jobs = []
+    for name, v2, mode, async_on in TAX_SETTINGS:
+        jobs.append({**defaults, "name": name, "cases": main, "estimate_s": 150,
+                     "env": {"VLLM_USE_V2_MODEL_RUNNER": v2},
+                     "llm": {**defaults["llm"], "async_scheduling": async_on,
+                             "compilation_config": {"cudagraph_mode": mode,
+                                                    "cudagraph_capture_sizes": decode_sizes}}})
+    k = TAX_SPEC["num_speculative_tokens"]
+    first = main[:1]  # 8 x 32K
+    spec_sizes = sorted({c["batch"] * (1 + k) for c in first})
+    jobs.append({**defaults, "name": "tax-spec-filler", "cases": first, "estimate_s": 130,
+                 "spec": dict(TAX_SPEC), "env": {"VLLM_USE_V2_MODEL_RUNNER": "1"},
+                 "llm": {**defaults["llm"],
+                         "compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE",
+                                                "cudagraph_capture_sizes": spec_sizes}}})
+    return jobs

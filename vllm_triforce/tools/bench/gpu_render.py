@@ -92,7 +92,34 @@ def render(results: dict) -> str:
             ratio = r.get("mrv2_depth0_of_defaults")
             of = f", depth 0 at {ratio:.2f}x plain vLLM's defaults' step" if ratio else ""
             lines.append(f"- {r['case']}: {ds}{of}")
+    lines += _tax_lines(summary.get("tax") or [])
     return "\n".join(lines) + "\n"
+
+
+def _tax_lines(rows: list[dict]) -> list[str]:
+    """Issue 60's tax split: plain vLLM's step with one setting changed at a time."""
+    if not rows:
+        return []
+    lines = ["", "## Where the tax goes (plain vLLM, ms per decode step, from vLLM's "
+             "defaults toward TriForce's settings)", "",
+             "| case | setting | ms per step | over vLLM's defaults |", "|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['case']} | vLLM's defaults (V2, FULL_AND_PIECEWISE, async) | "
+                     f"{_f(r['defaults_ms'])} | 1 |")
+        for e in r["settings"]:
+            what = e["label"]
+            if "draft_tokens_per_draft" in e:
+                what += (f" ({_f(e['draft_tokens_per_draft'])} draft tokens a request-step, "
+                         f"acceptance {_f(e.get('acceptance'))})")
+            ratio = f"{e['of_defaults']:.2f}x" if e.get("of_defaults") else "-"
+            lines.append(f"| {r['case']} | {what} | {_f(e['step_ms'])} | {ratio} |")
+        if r.get("mrv2_depth0_ms") is not None:
+            ratio = (f"{r['mrv2_depth0_ms'] / r['defaults_ms']:.2f}x" if r["defaults_ms"]
+                     else "-")
+            lines.append(f"| {r['case']} | TriForce at depth 0 on Model Runner V2 (1 token a "
+                         f"request-step in a spec-decode engine) | {_f(r['mrv2_depth0_ms'])} | "
+                         f"{ratio} |")
+    return lines
 
 
 def projection_cell(p: dict | None) -> str:

@@ -26,7 +26,7 @@ def summarise(results: dict) -> dict:
     return {"exactness": _exactness(jobs), "stale": _stale(jobs),
             "distribution": _distribution(jobs),
             "syncs": _syncs(jobs), "memory": _memory(jobs),
-            "costs": _costs(jobs, results.get("acceptance"))}
+            "costs": _costs(jobs, results.get("acceptance")), "tax": _tax(jobs)}
 
 
 def _ok(jobs: dict, name: str) -> dict | None:
@@ -286,6 +286,52 @@ def _costs(jobs: dict, acceptance: dict | None = None) -> list[dict]:
             row["mrv2_depths"] = on_v2
             depth0 = (on_v2.get("0") or on_v2.get(0) or {}).get("step_ms")
             row["mrv2_depth0_of_defaults"] = depth0 / plain_d if depth0 and plain_d else None
+        rows.append(row)
+    return rows
+
+
+# issue 60's tax split (bench/gpu_plan.py TAX_SETTINGS, TAX_SPEC), from vLLM's defaults
+# toward TriForce's settings one setting at a time, then all three (TriForce's), then a
+# spec-decode engine's (1 + K)-token FULL step
+TAX_ROWS = (("tax-v2-full-sync", "V2, FULL_AND_PIECEWISE, sync"),
+            ("tax-v2-piecewise-sync", "V2, PIECEWISE, sync"),
+            ("tax-v1-full-async", "V1, FULL_AND_PIECEWISE, async"),
+            ("costs-plain-forced", "V1, PIECEWISE, sync (TriForce's settings)"),
+            ("tax-spec-filler", "n-gram spec decode, 1 + K tokens a step, FULL"))
+
+
+def _tax(jobs: dict) -> list[dict]:
+    """Per case, plain vLLM's ms per step with vLLM's defaults and with each setting of
+    TAX_ROWS, each over the defaults' step where both ran compiled (or both eager); the
+    spec-decode engine's draft tokens per request-step and acceptance, and TriForce's
+    depth 0 on Model Runner V2 beside them."""
+    defaults = _cost_result(jobs, "costs-plain-defaults") or {}
+    found = {name: _cost_result(jobs, name) for name, _ in TAX_ROWS}
+    if not any(found[name] for name, _ in TAX_ROWS if name.startswith("tax-")):
+        return []
+    mrv2 = _cost_result(jobs, "costs-triforce-mrv2") or {}
+    names = []
+    for res in found.values():
+        names += [c for c in (res or {}).get("cases", {}) if c not in names]
+    rows = []
+    for case in names:
+        ref = defaults.get("cases", {}).get(case) or {}
+        row = {"case": case, "defaults_ms": ref.get("step_ms"), "settings": []}
+        for name, label in TAX_ROWS:
+            got = ((found[name] or {}).get("cases", {}).get(case)) or {}
+            if got.get("step_ms") is None:
+                continue
+            like = _graphs(got.get("engine")) == _graphs(ref.get("engine"))
+            entry = {"job": name, "label": label, "step_ms": got["step_ms"],
+                     "of_defaults": (got["step_ms"] / ref["step_ms"]
+                                     if like and ref.get("step_ms") else None)}
+            if "draft_tokens_per_draft" in got:
+                entry.update(draft_tokens_per_draft=got["draft_tokens_per_draft"],
+                             acceptance=got.get("acceptance"))
+            row["settings"].append(entry)
+        depth0 = (((mrv2.get("cases", {}).get(case) or {}).get("depths") or {}).get("0")
+                  or {}).get("step_ms")
+        row["mrv2_depth0_ms"] = depth0
         rows.append(row)
     return rows
 
