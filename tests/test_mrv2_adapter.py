@@ -654,16 +654,33 @@ def test_the_binding_classes_take_vllms_places(binding):
 
 class PlainDepth:
     """The depth chooser as a plain step sees it (engine/depth.DepthChooser): adaptive,
-    its clock read once per step; Model Runner V2 plans nothing ahead."""
+    one TP rank, its clock read once per step. Asked ahead (`plan_ahead`), it plans to
+    draft (`drafts`) for the decoding requests it is asked about, and keeps the plan."""
     fixed_depth = None
-    planned_ahead = False
+    share = None
 
-    def __init__(self):
-        self.begun = []
+    def __init__(self, drafts: bool = True):
+        self.begun, self.asked, self.taken, self.forgot = [], [], [], 0
+        self.drafts = drafts
+        self.ahead = None
+
+    @property
+    def planned_ahead(self) -> bool:
+        return self.ahead is not None
+
+    def plan_ahead(self, req_ids, max_depth, num_committed, plain) -> bool:
+        self.asked.append((req_ids, max_depth, num_committed, plain))
+        self.ahead = req_ids
+        return self.drafts
+
+    def forget_plan_ahead(self) -> None:
+        self.forgot += 1
+        self.ahead = None
 
     def begin(self, start, req_ids, **facts):
         self.begun.append(req_ids)
-        return types.SimpleNamespace(end=lambda drafting: None)
+        return types.SimpleNamespace(end=lambda drafting: None,
+                                     take_plan_ahead=self.taken.append)
 
 
 class PlainStats:
@@ -681,7 +698,7 @@ class PlainStats:
             self.counts[name] = self.counts.get(name, 0) + n
 
 
-def speculator_stand_in(records, drafted=None, budget_blocks=2):
+def speculator_stand_in(records, drafted=None, budget_blocks=2, depth=None):
     """What TriForceSpeculator.propose reads of itself, built without vLLM's __init__
     (which loads a config); its step (`Drafting._run_step`, the V1 proposer's own, tested
     through the V1 runner) hands `drafted` (req_id -> drafts, none by default) and keeps
@@ -691,6 +708,7 @@ def speculator_stand_in(records, drafted=None, budget_blocks=2):
     from vllm_triforce.engine.mrv2.draft_tokens import DraftCounts
 
     from vllm_triforce.config import BlockCounts
+    from vllm_triforce.engine.mrv2.speculator import TriForceSpeculator
     from vllm_triforce.engine.plain_steps import PlainSteps
 
     stock = stock_handler()
@@ -702,14 +720,19 @@ def speculator_stand_in(records, drafted=None, budget_blocks=2):
         block_tables=types.SimpleNamespace(input_block_tables=[mrv2_block_table()]),
         shape=types.SimpleNamespace(block_size=BLOCK), draft_counts=DraftCounts(stock),
         logits_buffer=DraftLogitsBuffer(MAX_REQS, K, VOCAB, dtype=torch.float32), stepped=[],
-        plain_steps=PlainSteps(blocks, types.SimpleNamespace(lazy=True), PlainDepth(),
+        plain_steps=PlainSteps(blocks, types.SimpleNamespace(lazy=True), depth or PlainDepth(),
                                PlainStats()),
-        _handed_last=False, token_history=token_history(), plain_done=[], _pass_plain=None)
+        _handed_last=False, token_history=token_history(), plain_done=[], _pass_plain=None,
+        plan_ahead=True)
+    this.depth = this.plain_steps.depth
     this._plain_step_done = this.plain_done.append
+    for name in ("_is_plain", "_any_seeded"):  # the speculator's own, on this stand-in
+        setattr(this, name, types.MethodType(getattr(TriForceSpeculator, name), this))
 
     def run_step(batch, start, max_depth):
         this._last_batch = batch
         this.stepped.append((batch, max_depth))
+        this.plan_at_step = this.depth.ahead  # the plan made ahead, still there to take
         return [list((drafted or {}).get(r, [])) for r in batch.req_ids], None, None
 
     this._run_step = run_step
@@ -760,6 +783,71 @@ def test_a_step_nobody_can_draft_in_reads_no_device_value(binding):
         this, mrv2_input_batch(), {}, {}, None, None, *mrv2_sampled(), None, None, None,
         num_speculative_tokens=K)
     assert len(this.stepped) == 1 and records["a"].output_token_ids == [20, 21, 30, 40]
+
+
+@pytest.fixture
+def one_token_steps(monkeypatch):
+    """The hand-worked step with nothing handed last step: a, one output longer, decodes 1
+    token (9 in all: past a 2-block budget; no drafts verified, one sampled), c as before;
+    b is left out by the tests that use it."""
+    monkeypatch.setitem(OUTPUTS, "a", [20, 21, 22])
+    monkeypatch.setitem(COMPUTED, "a", 8)
+    monkeypatch.setitem(SCHEDULED, "a", [22])
+    monkeypatch.setitem(SAMPLED, "a", [30])
+    monkeypatch.delitem(DRAFTS, "a")
+
+
+def test_a_step_the_controller_keeps_plain_reads_no_device_value(binding, one_token_steps):
+    """a (9 tokens) outgrows a 2-block budget, so only the depth controller stands between
+    the step of a and c and a plain one: asked before any batch is built (`plan_ahead`),
+    with each decoding request's length and whether it must decode plainly (c, for its
+    min_p), it gives depth 0, and the step is a plain one that takes that plan and reads
+    nothing of the device."""
+    records = mrv2_records()
+    depth = PlainDepth(drafts=False)
+    this = speculator_stand_in(records, budget_blocks=2, depth=depth)
+    untouchable = types.SimpleNamespace()  # any read of num_sampled & co. would fail
+    drafts = binding.TriForceSpeculator.propose(
+        this, mrv2_input_batch(["a", "c"]), {}, {}, None, None, untouchable, untouchable,
+        untouchable, None, None, None, num_speculative_tokens=K)
+    assert drafts.tolist() == [[-1] * K] * 2 and not this.stepped and this.plain_done
+    assert depth.asked == [(["a", "c"], K, [9, 7], [False, True])]
+    assert depth.taken == [["a", "c"]]  # the plan is the step's: timed and held to it
+    assert this.draft_counts.depths == {"a": 0, "c": 0}
+    assert this.plain_steps.stats.counts == {"host_plain_steps": 1}
+
+
+def test_a_step_the_controller_drafts_in_keeps_the_plan_for_the_step(binding,
+                                                                     one_token_steps):
+    """Asked ahead, the controller drafts for a: the step runs (its batch built) and finds
+    the plan made ahead still there to take (`DepthChooser.plan`), not made twice."""
+    depth = PlainDepth(drafts=True)
+    this = speculator_stand_in(mrv2_records(), drafted={"a": [7]}, budget_blocks=2,
+                               depth=depth)
+    drafts = binding.TriForceSpeculator.propose(
+        this, mrv2_input_batch(["a", "c"]), {}, {}, None, None, *mrv2_sampled(), None, None,
+        None, num_speculative_tokens=K)
+    assert drafts.tolist()[0] == [7, -1, -1] and len(this.stepped) == 1
+    assert len(depth.asked) == 1 and this.plan_at_step == ["a", "c"]
+
+
+def test_the_controller_is_not_asked_ahead_for_a_seeded_request_or_when_turned_off(
+        binding, one_token_steps):
+    """b samples from its own seed (its depth is read from its length, not a clock), so a
+    batch with a seeded request is never planned ahead; nor is any with `plan_ahead` off."""
+    depth = PlainDepth(drafts=False)
+    this = speculator_stand_in(mrv2_records(), budget_blocks=2, depth=depth)
+    slots = np.array([SLOTS[r] for r in ROWS])
+    assert this._any_seeded(slots) and not this._any_seeded(slots[:2])
+    facts = this.plain_steps.read_mrv2(mrv2_input_batch(["a", "c"]))
+    this.plan_ahead = False
+    assert this._is_plain(facts, slots[:2], K) is False and depth.asked == []
+    this.plan_ahead = True
+    assert this._is_plain(facts, slots[:2], K) is True and len(depth.asked) == 1
+    # a seeded request in the batch (c given a seed: the seed test alone, no prefill)
+    this.sampling_states.seeds_set[SLOTS["c"]] = True
+    assert this._is_plain(facts, slots[:2], K) is False and len(depth.asked) == 1
+    assert depth.forgot == 3  # each pass forgets the last pass's plan first
 
 
 def test_the_runner_steps_on_the_cut_copy(binding, monkeypatch):

@@ -145,11 +145,13 @@ def test_the_runner_asks_before_each_pass(binding, monkeypatch):
     runner = object.__new__(binding.TriForceRunnerV2)  # vLLM's __init__ needs a GPU
     asked = []
     runner.speculator = types.SimpleNamespace(
-        plan_pass=lambda facts: asked.append(facts) or facts.seq_lens[0] < 10)
+        plan_pass=lambda facts, slots: asked.append((facts, slots)) or facts.seq_lens[0] < 10)
     runner.req_states = types.SimpleNamespace(num_computed_tokens_np=np.array([7]))
     runner.capture_demotion = types.SimpleNamespace(needs_capture=None)
     assert runner.gather_batch_req_state(None, False) == (state, 1)
-    assert asked[0].seq_lens.tolist() == [8] and asked[0].decoding.tolist() == [True]
+    facts, slots = asked[0]
+    assert facts.seq_lens.tolist() == [8] and facts.decoding.tolist() == [True]
+    assert slots is state.idx_mapping_np  # where the sampler's states say who is seeded
     assert runner.capture_demotion.needs_capture is False  # plain: FULL may take it
     runner.req_states.num_computed_tokens_np = np.array([20])
     runner.gather_batch_req_state(None, False)

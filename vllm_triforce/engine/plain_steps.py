@@ -31,8 +31,9 @@ the controller plans the step then and there (`PlainSteps.plan_ahead`, engine/de
 makes the step a plain one like the above, and a plan that drafts is the one the step
 takes after the pass. Most decode steps of a long-context workload are of this kind (the
 controller chose depth 0 in 753 of 757 steps of the real-model run on an H200). The V1
-runner asks it (engine/proposer.py `_reads_pass`; `plan_ahead` False turns it off);
-Model Runner V2's speculator does not yet.
+runner asks it during vLLM's pass (engine/proposer.py `_reads_pass`), Model Runner V2's
+speculator before it builds a step's batch, and with FULL decode graphs before vLLM's
+pass (engine/mrv2/speculator.py `_is_plain`); `plan_ahead` False turns it off in either.
 
 What a plain step still does is what the depth controller's clocks need (`DepthChooser.begin`
 and `DepthStep.end`: vLLM's step time) and the counters (a plain step, `host_plain_steps`).

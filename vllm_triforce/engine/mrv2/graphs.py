@@ -2,15 +2,17 @@
 one CUDA graph wherever TriForce reads nothing of the step's pass, and keeps the piecewise
 graphs (attention run eagerly, so the query/key capture sees it) where it does.
 
-Taken only when asked for: `VLLM_TRIFORCE_MRV2=1` with an explicit
-`cudagraph_mode=FULL_AND_PIECEWISE` (engine_settings.py; experimental, as the binding).
+Taken only when asked for: `VLLM_TRIFORCE_MRV2=1` (or `VLLM_USE_V2_MODEL_RUNNER=1`) with
+an explicit `cudagraph_mode=FULL_AND_PIECEWISE` (engine_settings.py; experimental, as the
+binding).
 
 Why this is enough (vllm/v1/worker/gpu/, 0.32.0 and 0.33.0). A FULL graph replays
 attention without Python, so TriForce's capture (engine/device/capture.py) sees no query or
 key of that pass. Two kinds of steps read them: a step in which some request drafts or may
 (its selection reads the newest committed token's query), and a step whose keys go into the
-block summaries. Every other step is a plain step (engine/plain_steps.py `is_plain`), and
-those are most steps of a real workload. The runner decides, from the same host facts,
+block summaries. Every other step is a plain step (engine/plain_steps.py `is_plain`, or
+`plan_ahead`: the depth controller, asked before the pass, gives every request depth 0),
+and those are most steps of a real workload. The runner decides, from the same host facts,
 before vLLM's pass (`PlainSteps.read_mrv2_ahead`, from `gather_batch_req_state`) whether
 the pass is read; a pass that is read is dispatched as a batch no FULL graph takes
 (`CaptureDemotion`: no uniform token count, no query-length bound), which runs the

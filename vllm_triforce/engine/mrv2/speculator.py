@@ -19,8 +19,9 @@ How they sit in vLLM (vllm/v1/worker/, 0.32.0 and 0.33.0):
   `propose` with drafts [R, K] in columns [0, k_r) of request r.
 
 What `propose` does: a step the host finds nothing to do in (engine/plain_steps.py, from
-the pass's `InputBatch` host arrays) hands every request depth 0 with no batch and no
-device read. Any other step builds its `StepBatch` (`from_mrv2`), commits its tokens to
+the pass's `InputBatch` host arrays), or one the depth controller, asked before any
+batch is built, keeps plain (`plan_ahead`), hands every request depth 0 with no batch and
+no device read. Any other step builds its `StepBatch` (`from_mrv2`), commits its tokens to
 the records (those of the requests' plain steps from vLLM's token history), runs the step
 (commit, plan, select, middle loop) and hands the drafts over.
 MRV2's verifier takes a draft distribution only as logits in `draft_logits`, which it
@@ -45,6 +46,7 @@ from vllm.v1.worker.gpu_worker import Worker
 
 from vllm_triforce import engine_settings
 from vllm_triforce.config import TriForceConfigError, triforce_settings
+from vllm_triforce.core.verify import GREEDY_TEMPERATURE
 from vllm_triforce.engine.batch import StepBatch
 from vllm_triforce.engine.drafting import Drafting
 from vllm_triforce.engine.mrv2.draft_logits import DraftLogitsBuffer, temperature_only
@@ -74,6 +76,11 @@ class TriForceSpeculator(Drafting, StandaloneARSpeculator):
         # whether the coming pass is a plain step, decided before it (`plan_pass`) when
         # the runner chooses its CUDA graph by it (engine/mrv2/graphs.py); None: not asked
         self._pass_plain: bool | None = None
+        # where only the depth controller's choice stands between a step and a plain one,
+        # ask it before the step's batch is built (engine/plain_steps.py `plan_ahead`): a
+        # step it keeps plain then costs what any plain step does (no device read, and
+        # with FULL decode graphs the pass replays as one); False turns it off
+        self.plan_ahead = True
         if self.draft_logits is None:  # its verifier would take every draft as one-hot
             raise TriForceConfigError(
                 "TriForce on Model Runner V2 needs vLLM's draft_sample_method "
@@ -144,18 +151,19 @@ class TriForceSpeculator(Drafting, StandaloneARSpeculator):
             self.draft_counts.set_depths([], [])
             return drafts
         start = time.perf_counter()
+        max_depth = (self.num_speculative_steps if num_speculative_tokens is None
+                     else num_speculative_tokens)
         plain, self._pass_plain = self._pass_plain, None  # decided before the pass, or now
         if plain is not False:  # a plain step, or one not decided yet
             facts = self.plain_steps.read_mrv2(input_batch)
             if plain is None:
-                plain = self.plain_steps.is_plain(facts, self.records, self._handed_last)
+                plain = self._is_plain(facts, input_batch.idx_mapping_np[:num_reqs],
+                                       max_depth)
             if plain:
                 self.plain_steps.record(facts, self.records, start)
                 self.draft_counts.set_depths(facts.req_ids, [0] * num_reqs)  # all plain
                 self._plain_step_done(start)  # no device value read, no batch built
                 return drafts
-        max_depth = (self.num_speculative_steps if num_speculative_tokens is None
-                     else num_speculative_tokens)
         batch = StepBatch.from_mrv2(
             input_batch, num_sampled, num_rejected, last_sampled, self.sampling_states,
             self.block_tables.input_block_tables[0], self.records, self.shape.block_size,
@@ -168,12 +176,33 @@ class TriForceSpeculator(Drafting, StandaloneARSpeculator):
         put_drafts(drafts, lists)
         return drafts
 
-    def plan_pass(self, facts) -> bool:
-        """Before vLLM's pass (its `PassFacts`): whether it is a plain step, which reads
-        nothing of the pass. `propose` takes this same answer for the step, so a pass the
-        runner let replay as a FULL graph (no capture) is never worked on."""
-        self._pass_plain = self.plain_steps.is_plain(facts, self.records, self._handed_last)
+    def plan_pass(self, facts, slots) -> bool:
+        """Before vLLM's pass (its `PassFacts`, its requests' `slots`): whether it is a
+        plain step, which reads nothing of the pass. `propose` takes this same answer for
+        the step, so a pass the runner let replay as a FULL graph (no capture) is never
+        worked on."""
+        self._pass_plain = self._is_plain(facts, slots, self.num_speculative_steps)
         return self._pass_plain
+
+    def _is_plain(self, facts, slots, max_depth: int) -> bool:
+        """Whether the pass is a plain step: one with nothing to do (`is_plain`), or, where
+        only the depth controller's choice stands between it and one, one the controller,
+        asked now, gives every decoding request depth 0 (`PlainSteps.plan_ahead`; the plan
+        is kept for the step either way). `slots`: the requests' rows of the sampler's
+        states, where a seeded request is found."""
+        self.depth.forget_plan_ahead()  # one a pass, and only this pass's
+        if self.plain_steps.is_plain(facts, self.records, self._handed_last):
+            return True
+        return self.plan_ahead and self.plain_steps.plan_ahead(
+            facts, self.records, self._handed_last, max_depth,
+            seeded=self._any_seeded(slots))
+
+    def _any_seeded(self, slots) -> bool:
+        """Whether a request at `slots` samples from a seed of its own (vLLM's
+        RANDOM_SEED requests: a seed and a temperature; `StepBatch.from_mrv2`'s test)."""
+        states = self.sampling_states
+        return bool((states.seeds_set[slots]
+                     & (states.temperature.np[slots] >= GREEDY_TEMPERATURE)).any())
 
 
 def put_drafts(drafts: torch.Tensor, lists: list[list[int]]) -> None:
@@ -238,7 +267,8 @@ class TriForceRunnerV2(GPUModelRunnerV2):
         demotion = self.capture_demotion
         if demotion is not None:
             demotion.needs_capture = state is not None and not self.speculator.plan_pass(
-                PlainSteps.read_mrv2_ahead(state, self.req_states.num_computed_tokens_np))
+                PlainSteps.read_mrv2_ahead(state, self.req_states.num_computed_tokens_np),
+                state.idx_mapping_np)
         return state, uniform
 
     def execute_model(self, scheduler_output, *args, **kwargs):
