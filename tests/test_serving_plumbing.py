@@ -339,7 +339,9 @@ TP_PROMPTS = ["The model " * 60, "Green river under the bright stone, " * 14,
               "North wind over old hills " * 16]
 TP_SAMPLING = dict(max_tokens=16, temperature=0, ignore_eos=True)
 TP_SCRIPT = """
-import json, sys
+import json, os, sys
+def rank_stats(worker):
+    return worker.model_runner.drafter.stats.snapshot()
 def main():
     from vllm import LLM, SamplingParams
     model, engine_kwargs, prompts, sampling = sys.argv[1], *map(json.loads, sys.argv[2:])
@@ -349,6 +351,8 @@ def main():
     spec = {m.name: m.value for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode")
             and hasattr(m, "value")}
     print("SPEC_METRICS " + json.dumps(spec), flush=True)
+    if os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION") == "1":  # each rank's counters
+        print("RANK_STATS " + json.dumps(llm.collective_rpc(rank_stats)), flush=True)
     # shut down while Ray is up: left to the interpreter's exit, Ray's own exit hook may run
     # first, and vLLM's executor then kills its actors in a new Ray session (a crash, -11)
     llm.llm_engine.engine_core.shutdown()
@@ -357,17 +361,22 @@ if __name__ == "__main__":  # the mp executor spawns workers that re-import this
 """
 
 
-def run_tp2(tmp_path: Path, model: Path, backend: str) -> tuple[list[list[int]], str, dict]:
+def run_tp2(tmp_path: Path, model: Path, backend: str, spec: dict = TRIFORCE_SPEC,
+            rank_stats: bool = False) -> tuple[list[list[int]], str, dict]:
     """(greedy tokens of TP_PROMPTS, log, vLLM's spec-decode counters) with TP=2 over
     `backend`, in a subprocess. Stats logging is on so that the counters exist; TriForce's
-    own counters live in the workers, vLLM's in this engine's front end."""
+    own counters live in the workers, vLLM's in this engine's front end (`rank_stats`:
+    each rank's TriForce counters too, read through vLLM's `collective_rpc`, in the log's
+    RANK_STATS line)."""
     script = tmp_path / "tp_run.py"
     script.write_text(TP_SCRIPT)
     engine_kwargs = dict(TP_ENGINE_KWARGS, tensor_parallel_size=2,
-                         distributed_executor_backend=backend, speculative_config=TRIFORCE_SPEC,
+                         distributed_executor_backend=backend, speculative_config=spec,
                          disable_log_stats=False)
     # One core per rank; without it the CPU worker refuses ("Not enough allowed NUMA nodes").
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1", RAY_USAGE_STATS_ENABLED="0")
+    if rank_stats:  # collective_rpc sends the script's function to the ranks by value
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     log = tmp_path / f"tp2_{backend}.log"
     cmd = [sys.executable, str(script), str(model), *map(json.dumps, (
         engine_kwargs, TP_PROMPTS, TP_SAMPLING))]
@@ -421,6 +430,29 @@ def test_tp2_ray_matches_tp1(tiny_llama, tp1_tokens, tmp_path):
     assert "TriForce: 2 levels" in log
     assert tokens == tp1_tokens
     assert_vllm_drafted(spec_metrics)
+
+
+@pytest.mark.engine
+def test_tp2_middle_passes_over_persistent_buffers_match_tp1(tiny_llama, tp1_tokens,
+                                                             tmp_path):
+    """`round_graphs` with tensor parallelism, the path a multi-GPU server takes until its
+    all-reduce is captured (engine/device/round_graph.py `RoundGraphs.path`): every rank
+    runs the middle passes over its persistent buffers, eagerly; plain vLLM's tokens,
+    drafts verified, and on both ranks the passes went through the buffers."""
+    spec = {**TRIFORCE_SPEC, "round_graphs": True}
+    tokens, log, spec_metrics = run_tp2(tmp_path, tiny_llama, "mp", spec=spec,
+                                        rank_stats=True)
+    assert "Worker_TP1" in log and "TriForce middle passes: eager" in log
+    assert tokens == tp1_tokens
+    assert_vllm_drafted(spec_metrics)
+    line = [ln for ln in log.splitlines() if ln.startswith("RANK_STATS ")]
+    ranks = json.loads(line[-1][len("RANK_STATS "):])
+    assert len(ranks) == 2
+    for stats in ranks:
+        assert stats["middle_rounds"] > 0 and stats["round_graph_passes"] > 0, stats
+        assert stats["round_graph_misses"] == 0, stats
+    # the ranks ran the same passes (rank 0's plan, shared)
+    assert ranks[0]["round_graph_passes"] == ranks[1]["round_graph_passes"]
 
 
 def test_ray_cpu_patch_took_effect():
