@@ -43,8 +43,8 @@ def mrv2_requested() -> bool:
 
 
 def _mrv2_asked_by() -> str:
-    """The setting that asked for Model Runner V2, as the user wrote it."""
-    return f"{MRV2_SWITCH_ENV if _env_on(MRV2_SWITCH_ENV) else V2_RUNNER_ENV}=1"
+    """The variable that asked for Model Runner V2 (set to 1): TriForce's switch first."""
+    return MRV2_SWITCH_ENV if _env_on(MRV2_SWITCH_ENV) else V2_RUNNER_ENV
 
 
 def _env_on(name: str) -> bool:
@@ -115,7 +115,7 @@ def describe(vllm_config, backend_name: str, forced: list[str]) -> str:
     mode = vllm_config.compilation_config.cudagraph_mode
     why = " (enforce_eager)" if vllm_config.model_config.enforce_eager else tag("cudagraph_mode")
     async_on = vllm_config.scheduler_config.async_scheduling
-    runner = (f"Model Runner V2 ({_mrv2_asked_by()}, experimental)" if mrv2_requested()
+    runner = (f"Model Runner V2 ({_mrv2_asked_by()}=1, experimental)" if mrv2_requested()
               else f"V1 model runner{tag('model_runner')}")
     return (f"TriForce: cudagraph_mode={getattr(mode, 'name', mode)}{why}, async scheduling "
             f"{'on' if async_on else 'off'}{tag('async_scheduling')}, {runner}, "
@@ -171,16 +171,16 @@ def _check_mrv2_switch(engine_args) -> None:
 
     asked = _mrv2_asked_by()
     if not current_platform.is_cuda():
-        raise _fix(f"{asked} on {current_platform.device_name}",
+        raise _fix(f"{asked}=1 on {current_platform.device_name}",
                    "Model Runner V2 runs Triton kernels every step, and this platform has no "
                    "Triton backend (vLLM itself uses the V1 runner here)",
-                   f"unset {asked.split('=')[0]}: TriForce runs in the V1 runner")
+                   f"unset {asked}: TriForce runs in the V1 runner")
     if os.environ.get(V2_RUNNER_ENV, "").strip().lower() in ("0", "false"):
         raise _fix(f"{MRV2_SWITCH_ENV}=1 with {V2_RUNNER_ENV}=0",
                    "the one asks for Model Runner V2, the other for the V1 runner",
                    "unset one of them")
     if engine_args.worker_cls not in ("auto", MRV2_WORKER):
-        raise _fix(f"{asked} with worker_cls={engine_args.worker_cls}",
+        raise _fix(f"{asked}=1 with worker_cls={engine_args.worker_cls}",
                    "TriForce's Model Runner V2 binding is its own worker class",
                    "leave worker_cls unset")
 
