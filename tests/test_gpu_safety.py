@@ -36,6 +36,16 @@ def _engine_args(model, **kw):
 
 
 # ---- 1. refusals and safe defaults ----------------------------------------------------
+def _settings_args(cudagraph_mode, async_scheduling):
+    """What `engine_settings.decide` reads of the engine's arguments and of its parallel
+    config, as a user left them (worker class "auto", no attention backend named)."""
+    args = types.SimpleNamespace(
+        compilation_config=types.SimpleNamespace(cudagraph_mode=cudagraph_mode),
+        async_scheduling=async_scheduling, worker_cls="auto", attention_backend=None,
+        attention_config=None)
+    return args, types.SimpleNamespace(data_parallel_size=1, worker_cls="auto")
+
+
 @pytest.mark.parametrize("mode", ["FULL", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"])
 def test_full_cuda_graphs_refused(tiny_llama, mode):
     with pytest.raises(TriForceConfigError,
@@ -60,7 +70,7 @@ def test_v2_model_runner_is_refused_on_cpu_naming_the_setting(tiny_llama, monkey
         _engine_args(tiny_llama).create_engine_config()
 
 
-def test_v2_model_runner_alone_picks_tri_forces_binding(monkeypatch):
+def test_v2_model_runner_alone_picks_triforces_binding(monkeypatch):
     """On a GPU (the platform check stood in for) an explicit VLLM_USE_V2_MODEL_RUNNER=1 is
     taken as asking for TriForce on Model Runner V2, as VLLM_TRIFORCE_MRV2=1 is: TriForce's
     worker, the draft logits MRV2's verifier reads, FULL_AND_PIECEWISE and async scheduling
@@ -71,11 +81,7 @@ def test_v2_model_runner_alone_picks_tri_forces_binding(monkeypatch):
     monkeypatch.setattr(engine_settings, "_check_mrv2_switch", checked.append)
     monkeypatch.delenv("VLLM_TRIFORCE_MRV2", raising=False)
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
-    args = types.SimpleNamespace(
-        compilation_config=types.SimpleNamespace(cudagraph_mode="FULL_AND_PIECEWISE"),
-        async_scheduling=True, worker_cls="auto", attention_backend=None,
-        attention_config=None)
-    parallel = types.SimpleNamespace(data_parallel_size=1, worker_cls="auto")
+    args, parallel = _settings_args("FULL_AND_PIECEWISE", True)
     assert engine_settings.decide(args, parallel) == ["model_runner"]
     assert checked == [args] and parallel.worker_cls == engine_settings.MRV2_WORKER
     assert engine_settings.mrv2_keys({})["draft_sample_method"] == "probabilistic"
@@ -110,11 +116,7 @@ def test_the_mrv2_switch_picks_v2_and_triforces_worker(monkeypatch):
     monkeypatch.setattr(engine_settings, "_check_mrv2_switch", lambda args: None)
     monkeypatch.setenv("VLLM_TRIFORCE_MRV2", "1")
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "")  # restored after the test
-    args = types.SimpleNamespace(
-        compilation_config=types.SimpleNamespace(cudagraph_mode="PIECEWISE"),
-        async_scheduling=False, worker_cls="auto", attention_backend=None,
-        attention_config=None)
-    parallel = types.SimpleNamespace(data_parallel_size=1, worker_cls="auto")
+    args, parallel = _settings_args("PIECEWISE", False)
     assert engine_settings.decide(args, parallel) == ["model_runner"]
     import os
     assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"
@@ -139,11 +141,7 @@ def test_an_explicit_async_scheduling_is_taken_only_on_model_runner_v2(monkeypat
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "")  # restored after the test
 
     def decided(async_scheduling):
-        args = types.SimpleNamespace(
-            compilation_config=types.SimpleNamespace(cudagraph_mode="PIECEWISE"),
-            async_scheduling=async_scheduling, worker_cls="auto", attention_backend=None,
-            attention_config=None)
-        parallel = types.SimpleNamespace(data_parallel_size=1, worker_cls="auto")
+        args, parallel = _settings_args("PIECEWISE", async_scheduling)
         return engine_settings.decide(args, parallel), args.async_scheduling
 
     monkeypatch.setenv("VLLM_TRIFORCE_MRV2", "1")
@@ -166,10 +164,7 @@ def test_model_runner_v2_takes_full_and_piecewise_graphs_and_no_other_full_mode(
 
     monkeypatch.setattr(engine_settings, "_check_mrv2_switch", lambda args: None)
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "")  # restored after the test
-    args = types.SimpleNamespace(
-        compilation_config=types.SimpleNamespace(cudagraph_mode=mode), async_scheduling=None,
-        worker_cls="auto", attention_backend=None, attention_config=None)
-    parallel = types.SimpleNamespace(data_parallel_size=1, worker_cls="auto")
+    args, parallel = _settings_args(mode, None)
     monkeypatch.setenv("VLLM_TRIFORCE_MRV2", "1")
     if mode == "FULL_AND_PIECEWISE":
         assert "cudagraph_mode" not in engine_settings.decide(args, parallel)
