@@ -27,6 +27,7 @@ def run_child(job: dict) -> dict:
 
     from vllm_triforce.engine.drafting import host_of
     from vllm_triforce.offline import free_llm, in_process_llm, runner_of
+    from vllm_triforce.tools.bench.worker import spec_metrics
 
     llm = in_process_llm(job["model"], job["spec"], seed=0, max_model_len=job["max_model_len"],
                          disable_log_stats=False, enable_prefix_caching=True,
@@ -45,7 +46,7 @@ def run_child(job: dict) -> dict:
     stats = host.stats if host is not None else None
     result = {"tokens": tokens, "prefill_s": prefill_s,
               "tok_s": sum(map(len, tokens)) / decode_s, "logprobs": _top_logprobs(outs),
-              "engine": describe_engine(llm), "vllm_spec": _spec_metrics(llm),
+              "engine": describe_engine(llm), "vllm_spec": spec_metrics(llm),
               "triforce": stats.snapshot() if stats is not None else None}
     free_llm(llm)
     return result
@@ -127,11 +128,6 @@ def _top_logprobs(outs) -> list[list[dict]] | None:
         return None
     return [[{str(tok): lp.logprob for tok, lp in step.items()}
              for step in o.outputs[0].logprobs] for o in outs]
-
-
-def _spec_metrics(llm) -> dict:
-    return {m.name: getattr(m, "value", None) for m in llm.get_metrics()
-            if m.name.startswith("vllm:spec_decode_num_")}
 
 
 def main(argv: list[str]) -> int:

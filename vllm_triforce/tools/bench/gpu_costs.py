@@ -12,6 +12,7 @@ from pathlib import Path
 from vllm_triforce.tools.bench.gpu_engine import (build_llm, count_steps, drafter_or_none,
                                                    engine_facts, random_prompts, token_prompts)
 from vllm_triforce.tools.bench.step_timing import decode_step
+from vllm_triforce.tools.bench.worker import counter_delta, spec_metrics
 
 
 def run_costs(job: dict) -> dict:
@@ -110,7 +111,7 @@ def _spec_engine_steps(llm, prompts, job: dict) -> dict:
     request, and how many were accepted."""
     short, long = job["decode_tokens"]
     steps = count_steps(llm)
-    before = spec_counters(llm)
+    before = spec_metrics(llm)
 
     def timed(m: int) -> tuple[float, int]:
         start = steps["steps"]
@@ -118,8 +119,7 @@ def _spec_engine_steps(llm, prompts, job: dict) -> dict:
         return wall, steps["steps"] - start
 
     measured = decode_step(timed, short, long, repeats=job.get("repeats", 2))
-    after = spec_counters(llm)
-    d = {key: after.get(key, 0) - before.get(key, 0) for key in after}
+    d = counter_delta(spec_metrics(llm), before)
     drafts = d.get("vllm:spec_decode_num_drafts", 0)
     return {"step_ms": _ms(measured["step_s"]), "timing": measured,
             "spec_counters": d,
@@ -128,13 +128,6 @@ def _spec_engine_steps(llm, prompts, job: dict) -> dict:
             "acceptance": (d.get("vllm:spec_decode_num_accepted_tokens", 0)
                            / d["vllm:spec_decode_num_draft_tokens"]
                            if d.get("vllm:spec_decode_num_draft_tokens") else None)}
-
-
-def spec_counters(llm) -> dict:
-    """vLLM's `vllm:spec_decode_*` counters now (those with one value)."""
-    return {m.name: m.value for m in llm.get_metrics()
-            if m.name.startswith("vllm:spec_decode") and isinstance(
-                getattr(m, "value", None), (int, float))}
 
 
 def _ms(seconds: float | None) -> float | None:

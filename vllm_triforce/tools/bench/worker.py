@@ -121,7 +121,7 @@ def _timed(llm, drafter, prompts, params, repeats: int) -> dict:
     """Median-able decode times, the last repeat's tokens, and the counters of these
     generations only (vLLM's spec-decode ones and, for TriForce, the drafter's)."""
     before = drafter.stats.snapshot() if drafter else None
-    spec_before = _spec_metrics(llm)
+    spec_before = spec_metrics(llm)
     decode_s, tokens = [], None
     for _ in range(repeats):
         start = time.perf_counter()
@@ -129,7 +129,7 @@ def _timed(llm, drafter, prompts, params, repeats: int) -> dict:
         decode_s.append(time.perf_counter() - start)
         tokens = [list(o.outputs[0].token_ids) for o in outs]
     out = {"tokens": tokens, "decode_s": decode_s,
-           "vllm_spec": _delta(_spec_metrics(llm), spec_before)}
+           "vllm_spec": counter_delta(spec_metrics(llm), spec_before)}
     if drafter is not None:
         after = drafter.stats.snapshot()
         out["triforce"] = {k: _stat_delta(k, after[k], before[k]) for k in after}
@@ -208,15 +208,13 @@ def _stat_delta(name: str, after, before):
     return after - before
 
 
-def _spec_metrics(llm) -> dict:
-    out = {}
-    for m in llm.get_metrics():
-        if m.name.startswith("vllm:spec_decode_num_"):
-            out[m.name] = getattr(m, "value", None)
-    return out
+def spec_metrics(llm) -> dict:
+    """vLLM's own spec-decode counters now (`vllm:spec_decode_num_*`; stats logging on)."""
+    return {m.name: getattr(m, "value", None) for m in llm.get_metrics()
+            if m.name.startswith("vllm:spec_decode_num_")}
 
 
-def _delta(after: dict, before: dict) -> dict:
+def counter_delta(after: dict, before: dict) -> dict:
     """Counters of the timed runs only (not prefill or warm-up)."""
     return {k: (v or 0) - (before.get(k) or 0) for k, v in after.items()}
 
