@@ -408,7 +408,7 @@ def test_the_tax_split_changes_one_of_triforces_settings_at_a_time():
     jobs = plan(True, models)
     names = [j["name"] for j in jobs]
     tax = [j for j in jobs if j["name"].startswith("tax-")]
-    assert names[-len(tax):] == [j["name"] for j in tax] and len(tax) == 4, names
+    assert names[-len(tax):] == [j["name"] for j in tax] and len(tax) == 6, names
     defaults = next(j for j in jobs if j["name"] == "costs-plain-defaults")
     forced = next(j for j in jobs if j["name"] == "costs-plain-forced")
 
@@ -426,15 +426,17 @@ def test_the_tax_split_changes_one_of_triforces_settings_at_a_time():
         assert all(settings(job)[i] == target[i] for i in diff), job["name"]
         return diff
 
-    sync, piecewise, v1 = tax[:3]
+    # both ends again, in the same lease (the cost jobs' may be another card's)
+    again_defaults, sync, piecewise, v1, again_forced = tax[:5]
+    assert settings(again_defaults) == base and settings(again_forced) == target
     assert changed(sync, defaults) == {2}  # async scheduling off
     assert changed(piecewise, sync) == {1}  # and PIECEWISE graphs
     assert changed(v1, defaults) == {0}  # the V1 runner alone
-    for job in tax[:3]:
+    for job in tax[:5]:
         assert [c["name"] for c in job["cases"]] == ["8x32K", "1x128K"]
         assert job["llm"]["compilation_config"]["cudagraph_capture_sizes"] == [1, 8]
         assert job["llm"]["load_format"] == "dummy" and "spec" not in job
-    spec = tax[3]
+    spec = tax[5]
     assert spec["spec"] == TAX_SPEC and spec["spec"]["method"] == "ngram_gpu"
     assert settings(spec) == base and [c["name"] for c in spec["cases"]] == ["8x32K"]
     k = TAX_SPEC["num_speculative_tokens"]
@@ -463,8 +465,16 @@ def test_the_tax_split_is_read_against_vllms_defaults():
     page = gpu_render.render({"runs": [{"date": "2026-12-02", "gpu": "X"}], **results})
     assert "## Where the tax goes" in page
     assert "| 8x32K | V2, FULL_AND_PIECEWISE, sync | 13.8 | 1.10x |" in page, page
+    assert "(V2, FULL_AND_PIECEWISE, async; costs-plain-defaults) | 12.5 | 1 |" in page, page
     assert "6 draft tokens a request-step, acceptance 0" in page, page
     assert gpu_summary.summarise({"jobs": {"costs-plain-defaults": costs(12.5)}})["tax"] == []
+    # the split's own ends, run in the same lease, are preferred to the cost jobs'
+    results["jobs"].update({"tax-defaults": costs(10.0), "tax-forced": costs(13.0)})
+    [row] = gpu_summary.summarise(results)["tax"]
+    assert row["reference"] == "tax-defaults" and row["defaults_ms"] == 10.0
+    ratios = {e["job"]: e["of_defaults"] for e in row["settings"]}
+    assert "costs-plain-forced" not in ratios and ratios["tax-forced"] == pytest.approx(1.3)
+    assert ratios["tax-v2-full-sync"] == pytest.approx(1.375)
 
 
 @pytest.mark.engine

@@ -26,9 +26,9 @@ first, so that a run cut short still answers the first questions:
    2-4 against plain vLLM's by a chi-square test (bench/gpu_summary.py), on V1 and on
    Model Runner V2 (synchronous and async), each beside a negative control whose hand-off
    is wrong and must be caught.
-5. where the tax goes (`tax-*`, `_tax_jobs`, GPU only): plain vLLM moved from its
-   defaults toward TriForce's settings one setting at a time, and a spec-decode engine's
-   (1 + K)-token FULL step.
+5. where the tax goes (`tax-*`, `_tax_jobs`, GPU only): plain vLLM with its defaults,
+   moved toward TriForce's settings one setting at a time, and with TriForce's, then a
+   spec-decode engine's (1 + K)-token FULL step.
 
 Estimates are the H100 run's (benchmarks/gpu/jobs.log): an eager tiny engine starts in
 20-45 s; a compiled 8B engine (torch.compile, JIT warm-up, ~60 CUDA-graph sizes) in 60-120 s
@@ -65,14 +65,17 @@ CPU_CASES = (("2x1K", 2, 1024), ("1x2K", 1, 2048))
 # reservation, at the 1 x 128K case (every prefill chunk at its longest) with drafting.
 KV_KEPT_SPEC = {"prefill_from_cache": True}  # the GPU's default too, as the coded summaries
 # Where the tax goes (GPU only, jobs `tax-*`, run by `gpu_session.sh tax`): plain vLLM at
-# the 8B shape, from vLLM's defaults (Model Runner V2, FULL_AND_PIECEWISE, async;
-# costs-plain-defaults) toward TriForce's settings (V1, PIECEWISE, synchronous;
-# costs-plain-forced) one setting at a time: async off, then PIECEWISE too; the V1 runner
-# alone. (name, V2 runner, mode, async). Their CUDA graphs are cut to the decode batches (shorter starts; a step replays
-# the graph of its own size either way).
-TAX_SETTINGS = (("tax-v2-full-sync", "1", "FULL_AND_PIECEWISE", False),
+# the 8B shape, from vLLM's defaults (Model Runner V2, FULL_AND_PIECEWISE, async) toward
+# TriForce's settings (V1, PIECEWISE, synchronous) one setting at a time: async off, then
+# PIECEWISE too; the V1 runner alone. Both ends run again in the same lease (`tax-defaults`,
+# `tax-forced`: costs-plain-defaults and costs-plain-forced may be another card's), with
+# the same CUDA graphs, cut to the decode batches (shorter starts; a step replays the graph
+# of its own size either way). (name, V2 runner, mode, async), in the order they run.
+TAX_SETTINGS = (("tax-defaults", "1", "FULL_AND_PIECEWISE", True),
+                ("tax-v2-full-sync", "1", "FULL_AND_PIECEWISE", False),
                 ("tax-v2-piecewise-sync", "1", "PIECEWISE", False),
-                ("tax-v1-full-async", "0", "FULL_AND_PIECEWISE", True))
+                ("tax-v1-full-async", "0", "FULL_AND_PIECEWISE", True),
+                ("tax-forced", "0", "PIECEWISE", False))
 # ... and a spec-decode engine's step on vLLM's defaults: Model Runner V2's GPU n-gram
 # drafter fills a slot it finds no match for with the last token and verifies it as a
 # draft, so every step verifies 1 + K tokens per request on a FULL graph captured for

@@ -104,8 +104,8 @@ def _tax_lines(rows: list[dict]) -> list[str]:
              "defaults toward TriForce's settings)", "",
              "| case | setting | ms per step | over vLLM's defaults |", "|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['case']} | vLLM's defaults (V2, FULL_AND_PIECEWISE, async) | "
-                     f"{_f(r['defaults_ms'])} | 1 |")
+        lines.append(f"| {r['case']} | vLLM's defaults (V2, FULL_AND_PIECEWISE, async; "
+                     f"{r['reference'] or '-'}) | {_f(r['defaults_ms'])} | 1 |")
         for e in r["settings"]:
             what = e["label"]
             if "draft_tokens_per_draft" in e:

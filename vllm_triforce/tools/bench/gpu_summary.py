@@ -292,11 +292,14 @@ def _costs(jobs: dict, acceptance: dict | None = None) -> list[dict]:
 
 # issue 60's tax split (bench/gpu_plan.py TAX_SETTINGS, TAX_SPEC), from vLLM's defaults
 # toward TriForce's settings one setting at a time, then all three (TriForce's), then a
-# spec-decode engine's (1 + K)-token FULL step
+# spec-decode engine's (1 + K)-token FULL step. Each end is taken from the split's own run
+# (same card, same graphs) where it has one, else from the cost jobs.
+TAX_ENDS = {"defaults": ("tax-defaults", "costs-plain-defaults"),
+            "forced": ("tax-forced", "costs-plain-forced")}
 TAX_ROWS = (("tax-v2-full-sync", "V2, FULL_AND_PIECEWISE, sync"),
             ("tax-v2-piecewise-sync", "V2, PIECEWISE, sync"),
             ("tax-v1-full-async", "V1, FULL_AND_PIECEWISE, async"),
-            ("costs-plain-forced", "V1, PIECEWISE, sync (TriForce's settings)"),
+            ("forced", "V1, PIECEWISE, sync (TriForce's settings)"),
             ("tax-spec-filler", "n-gram spec decode, 1 + K tokens a step, FULL"))
 
 
@@ -304,25 +307,27 @@ def _tax(jobs: dict) -> list[dict]:
     """Per case, plain vLLM's ms per step with vLLM's defaults and with each setting of
     TAX_ROWS, each over the defaults' step where both ran compiled (or both eager); the
     spec-decode engine's draft tokens per request-step and acceptance, and TriForce's
-    depth 0 on Model Runner V2 beside them."""
-    defaults = _cost_result(jobs, "costs-plain-defaults") or {}
-    found = {name: _cost_result(jobs, name) for name, _ in TAX_ROWS}
-    if not any(found[name] for name, _ in TAX_ROWS if name.startswith("tax-")):
+    depth 0 on Model Runner V2 beside them. `reference`: the job the defaults came from."""
+    if not any(name.startswith("tax-") and _cost_result(jobs, name) for name in jobs):
         return []
     mrv2 = _cost_result(jobs, "costs-triforce-mrv2") or {}
+    found = {name: _cost_result(jobs, name) for name, _ in TAX_ROWS if name not in TAX_ENDS}
     names = []
     for res in found.values():
         names += [c for c in (res or {}).get("cases", {}) if c not in names]
     rows = []
     for case in names:
-        ref = defaults.get("cases", {}).get(case) or {}
-        row = {"case": case, "defaults_ms": ref.get("step_ms"), "settings": []}
+        ends = {end: _tax_end(jobs, case, candidates) for end, candidates in TAX_ENDS.items()}
+        ref_job, ref = ends["defaults"]
+        row = {"case": case, "defaults_ms": ref.get("step_ms"), "reference": ref_job,
+               "settings": []}
         for name, label in TAX_ROWS:
-            got = ((found[name] or {}).get("cases", {}).get(case)) or {}
+            job, got = ends[name] if name in ends else (
+                name, ((found.get(name) or {}).get("cases", {}).get(case)) or {})
             if got.get("step_ms") is None:
                 continue
             like = _graphs(got.get("engine")) == _graphs(ref.get("engine"))
-            entry = {"job": name, "label": label, "step_ms": got["step_ms"],
+            entry = {"job": job, "label": label, "step_ms": got["step_ms"],
                      "of_defaults": (got["step_ms"] / ref["step_ms"]
                                      if like and ref.get("step_ms") else None)}
             if "draft_tokens_per_draft" in got:
@@ -334,6 +339,15 @@ def _tax(jobs: dict) -> list[dict]:
         row["mrv2_depth0_ms"] = depth0
         rows.append(row)
     return rows
+
+
+def _tax_end(jobs: dict, case: str, candidates: tuple[str, ...]) -> tuple[str | None, dict]:
+    """(job, its row of `case`) of the first of `candidates` that measured the case."""
+    for name in candidates:
+        got = ((_cost_result(jobs, name) or {}).get("cases", {}).get(case)) or {}
+        if got.get("step_ms") is not None:
+            return name, got
+    return None, {}
 
 
 def _graphs(mode: str | None) -> bool | None:
