@@ -42,9 +42,10 @@
 #                                                # the 8B step at depths 0 and 6
 #   bash scripts/gpu_session.sh tax [SECONDS]     # carry .bundle: where the tax of
 #                                                # TriForce's settings goes: plain vLLM at
-#                                                # the 8B shape, one setting changed at a
-#                                                # time (V2+FULL+sync, V2+PIECEWISE+sync,
-#                                                # V1+FULL+async), then a spec-decode
+#                                                # the 8B shape with vLLM's defaults, one
+#                                                # setting changed at a time (V2+FULL+sync,
+#                                                # V2+PIECEWISE+sync, V1+FULL+async), and
+#                                                # TriForce's settings; then a spec-decode
 #                                                # engine's 1+K-token FULL step (tax-*)
 #   bash scripts/gpu_session.sh round-graphs [SECONDS] [PARTS]  # carry .bundle: the middle
 #                                                # passes' CUDA graphs against today's path
