@@ -1,17 +1,22 @@
 """engine/depth.py: the glue between the proposer's clocks and core/controller.py."""
 
+import numpy as np
 import pytest
 
 from engine_helpers import schedule_depths
-from vllm_triforce.engine.depth import DepthChooser
+from vllm_triforce.engine.depth import DepthChooser, Verified
 from vllm_triforce.engine.stats import TriForceStats
 
 
 def step_of(chooser: DepthChooser, start: float = 0.0, req_ids=(), pure_decode=False,
             num_tokens=0, emitted=0, verified=()):
-    """`chooser.begin` for a step after vLLM's pass over `req_ids`."""
+    """`chooser.begin` for a step after vLLM's pass over `req_ids`; `verified`: (req_id,
+    drafts verified, accepted) per request."""
+    ids, num_verified, num_accepted = zip(*verified) if verified else ((), (), ())
     return chooser.begin(start, list(req_ids), num_tokens=num_tokens, emitted=emitted,
-                         pure_decode=pure_decode, verified=list(verified),
+                         pure_decode=pure_decode,
+                         verified=Verified(list(ids), np.array(num_verified, np.int64),
+                                           np.array(num_accepted, np.int64)),
                          live_req_ids=list(req_ids))
 
 

@@ -14,6 +14,7 @@ from vllm_triforce.core.refresh import RefreshPolicy
 from vllm_triforce.core.scoring import SelectionState
 from vllm_triforce.core.selection import Selector
 from vllm_triforce.core.summaries import BlockSummaries
+from vllm_triforce.engine.depth import Verified
 from vllm_triforce.engine.device.capture import LayerCapture
 from vllm_triforce.engine.middle import RequestDrafts
 from vllm_triforce.engine.retrieval_level import RetrievalLevel, RetrievalStep
@@ -82,7 +83,7 @@ def decode_step(level, table):
                             last_committed_rows=np.arange(NUM_REQS))  # its one token's row
     states = [RequestState(refresh=level.refresh.new_state(), policy_state=SelectionState())
               for _ in range(NUM_REQS)]
-    return RetrievalStep(level, batch, states, verified=[], prefills=[],
+    return RetrievalStep(level, batch, states, verified=Verified.none(), prefills=[],
                          refresh_rows=np.array([st.refresh for st in states]))
 
 

@@ -123,3 +123,53 @@ def test_a_pass_folds_to_the_same_summaries_whatever_the_read_chunk():
             if coded:
                 x, y = x.blocks(slice(None)), y.blocks(slice(None))
             assert torch.equal(x, y), (coded, store, (x - y).abs().max())
+
+
+class _Recorded:
+    """A SummaryKeeper's summaries and reads as far as `set_full_blocks` uses them: the
+    physical ids of the blocks it sets, in order, and the requests whose tokens it read."""
+
+    num_layers, num_kv_heads, head_dim, chunk_bytes = 1, 1, 1, None
+
+    def __init__(self):
+        self.set_ids, self.tokens_read = [], []
+
+    def write_blocks(self, ids, _reads):
+        self.set_ids += ids.tolist()
+
+
+def test_lazy_summaries_read_only_the_blocks_new_to_a_request():
+    """`set_full_blocks` over one request, block size 4: it sets its full blocks once;
+    a step with no new full block reads nothing of it; a new block is set alone; after a
+    resume from preemption (vLLM gives the request a new list of blocks) every full block
+    is set again, at its new physical ids, though the count did not change."""
+    from vllm_triforce.engine.state import RequestState
+
+    recorded = _Recorded()
+    keeper = _keeper(4, 10**6)
+    keeper._summarised, keeper.summaries = {}, recorded
+    keeper.selector = types.SimpleNamespace(keys=None)  # the cache reader
+    keeper.block_reads = lambda _reader, ids: None
+    keeper.stats = types.SimpleNamespace(add=lambda **_: None)
+    state = RequestState()
+    request = types.SimpleNamespace(block_ids=([10, 11, 12],))
+
+    def step(committed: int):
+        def tokens(row, start, end):  # prompt embeddings: content keys unknown
+            recorded.tokens_read.append((start, end))
+            return None
+        batch = types.SimpleNamespace(
+            committed=[committed], requests=[request], committed_block_tokens=tokens,
+            block_table=torch.tensor([request.block_ids[0] + [-1]], dtype=torch.int32))
+        before = len(recorded.set_ids)
+        keeper.set_full_blocks(batch, [state], [0])
+        return recorded.set_ids[before:]
+
+    assert step(9) == [10, 11]
+    reads = len(recorded.tokens_read)
+    assert step(11) == [] and len(recorded.tokens_read) == reads  # passed over unread
+    request.block_ids[0].append(13)  # vLLM appends a running request's new blocks
+    assert step(12) == [12]
+    assert step(13) == []
+    request.block_ids = ([20, 21, 22, 23],)  # resumed: recomputed into new blocks
+    assert step(13) == [20, 21, 22]

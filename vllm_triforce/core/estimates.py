@@ -4,6 +4,7 @@ one-off can spoil, and per-position acceptance counts."""
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections import deque
 
@@ -159,8 +160,7 @@ class RequestAcceptance:
                 num_accepted: np.ndarray) -> None:
         """Request req_ids[i] verified num_verified[i] drafts and accepted the first
         num_accepted[i] (distinct requests)."""
-        get = self.row_of.get
-        rows = np.array([get(r, -1) for r in req_ids], dtype=np.int64)
+        rows = self._rows_of(req_ids)
         for i in np.flatnonzero(rows < 0).tolist():  # requests verified for the first time
             rows[i] = self._row(req_ids[i])
         reached, hit = _reached(num_verified, num_accepted, self.tried.shape[1])
@@ -170,7 +170,7 @@ class RequestAcceptance:
 
     def alphas(self, req_ids: list[str], prior: np.ndarray, strength: float) -> np.ndarray:
         """[R, max_depth]: each request's posterior means; `prior` for one never verified."""
-        rows = np.array([self.row_of.get(r, -1) for r in req_ids], dtype=np.int64)
+        rows = self._rows_of(req_ids)
         seen = rows >= 0
         out = np.broadcast_to(prior, (len(req_ids), len(prior))).copy()
         if seen.any():
@@ -182,6 +182,12 @@ class RequestAcceptance:
         """Forget every request not in `req_ids`."""
         for req_id in self.row_of.keys() - key_set(req_ids):
             self._free.append(self.row_of.pop(req_id))
+
+    def _rows_of(self, req_ids: list[str]) -> np.ndarray:
+        """[R] each request's row, -1 for one never verified (looked up by `map`, no Python
+        line per request)."""
+        return np.fromiter(map(self.row_of.get, req_ids, itertools.repeat(-1)),
+                           dtype=np.int64, count=len(req_ids))
 
     def _row(self, req_id: str) -> int:
         row = self.row_of.get(req_id)

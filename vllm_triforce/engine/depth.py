@@ -56,7 +56,9 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
+import numpy as np
 from vllm.logger import init_logger
 
 from vllm_triforce.core.controller import SpeculationController, middle_level_is_the_target
@@ -97,6 +99,20 @@ def seeded_depth(fits_budget: bool, max_depth: int) -> int:
     (see the module docstring). Example, gamma2 6: 0 while its context fits the retrieval
     budget, 6 at every step after it outgrows it."""
     return 0 if fits_budget else max_depth
+
+
+class Verified(NamedTuple):
+    """What vLLM's pass verified: request req_ids[i] verified num_verified[i] drafts and
+    accepted the first num_accepted[i] ([n] int64 arrays; distinct requests). Arrays, not
+    a tuple per request, so that no step walks its requests one by one in Python."""
+    req_ids: list[str]
+    num_verified: np.ndarray
+    num_accepted: np.ndarray
+
+    @classmethod
+    def none(cls) -> "Verified":
+        """A pass that verified no drafts (a plain step's)."""
+        return cls([], np.zeros(0, np.int64), np.zeros(0, np.int64))
 
 
 @dataclass(frozen=True)
@@ -144,16 +160,14 @@ class DepthChooser:
         self.fixed_depth = self.configured_depth if depth is None else depth
 
     def begin(self, start: float, req_ids: list[str], num_tokens: int, emitted: int,
-              pure_decode: bool, verified: list[tuple[str, int, int]],
+              pure_decode: bool, verified: Verified,
               live_req_ids) -> "DepthStep":
         """The step that starts at `start`, after vLLM's pass over `req_ids` (`num_tokens`
-        query tokens, `emitted` of them committed; `verified`: (req_id, drafts verified,
-        accepted) per request; `pure_decode`: no prefill chunk in it). Feeds the controller
-        what that pass measured."""
+        query tokens, `emitted` of them committed; `verified`: the drafts it verified;
+        `pure_decode`: no prefill chunk in it). Feeds the controller what that pass
+        measured."""
         self.controller.retain(live_req_ids)
-        if verified:
-            ids, num_verified, num_accepted = zip(*verified)
-            self.controller.observe_verifications(list(ids), num_verified, num_accepted)
+        self.controller.observe_verifications(*verified)
         last = self._last
         if (last is not None and pure_decode and last.pure_decode
                 and set(req_ids) <= last.req_ids):

@@ -492,7 +492,7 @@ class Drafting:
         return self.depth.begin(start, batch.req_ids, num_tokens=num_tokens,
                                 emitted=num_tokens - sum(batch.num_rejected),
                                 pure_decode=all(batch.decoding) and not step.prefills,
-                                verified=[(batch.req_ids[r], n, a) for r, n, a in step.verified],
+                                verified=step.verified,
                                 live_req_ids=self._live_requests())
 
     def _step(self, step, depth, max_depth: int):

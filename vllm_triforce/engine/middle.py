@@ -27,6 +27,7 @@ sizes), never a Python loop per token row of the vocabulary work.
 from __future__ import annotations
 
 import functools
+import operator
 import time
 
 import numpy as np
@@ -509,7 +510,8 @@ def hand_off(batch, drafts: MiddleDrafts, depths: list[int], probs_buffer: HandO
     if drafting.size and probs_buffer.rows is not None and not batch.all_greedy(drafting):
         probs = probs_buffer.rows[:drafting.size, :int(k.max())]
         req_ids = [batch.req_ids[r] for r in drafting.tolist()]
-    tokens = [row[:n] for row, n in zip(drafts.tokens.tolist(), depths)]
+    # row[:n] of each row, by `map` (no Python line per request)
+    tokens = list(map(operator.getitem, drafts.tokens.tolist(), map(slice, depths)))
     if len(tokens) == batch.num_reqs:  # every request decodes: its rows are 0, 1, ...
         out = tokens
     else:

@@ -63,7 +63,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from vllm_triforce.core.controller import middle_level_is_the_target
-from vllm_triforce.engine.depth import decodes_plainly
+from vllm_triforce.engine.depth import Verified, decodes_plainly
 
 
 def never_drafts(request, block_size: int, budget_blocks: int) -> bool:
@@ -174,7 +174,7 @@ class PlainSteps:
         step = self.depth.begin(start, facts.req_ids, num_tokens=num_tokens,
                                 emitted=num_tokens,
                                 pure_decode=bool(decoding.all()) and not facts.prefill.any(),
-                                verified=[], live_req_ids=requests)
+                                verified=Verified.none(), live_req_ids=requests)
         if self.depth.planned_ahead:  # the controller chose it (`plan_ahead`)
             step.take_plan_ahead([facts.req_ids[r] for r in np.flatnonzero(decoding)])
         self.stats.record_plain(int(decoding.sum()))

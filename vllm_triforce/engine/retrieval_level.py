@@ -33,6 +33,7 @@ from vllm_triforce.core import reads
 from vllm_triforce.core.blocks import selection_sizes
 from vllm_triforce.core.tables import TableLayout, laid_out_tables
 from vllm_triforce.engine.buffers import STACKED_QUERIES_BYTES
+from vllm_triforce.engine.depth import Verified
 from vllm_triforce.engine.device.capture import LayerRows
 from vllm_triforce.engine.device.forward import TIME_FORWARDS_ENV, Runs, build_pass, run_pass
 from vllm_triforce.engine.device.transfer import to_device
@@ -89,9 +90,10 @@ class RetrievalLevel:
         """A new step: count what vLLM's verification accepted of last step's drafts and
         fold the keys that became final into the block summaries. `judged_alone`: the
         drafts were this level's own (no small draft), so they also count toward its
-        refresh acceptance. The step's `verified`: (row, drafts verified, accepted) for
-        every request whose drafts were judged; its `prefills`: the rows whose pass was a
-        prefill chunk (a prompt's, or a recompute's), not a decode or a verification."""
+        refresh acceptance. The step's `verified`: the drafts verified of every request
+        whose drafts were judged (engine/depth.Verified); its `prefills`: the rows whose
+        pass was a prefill chunk (a prompt's, or a recompute's), not a decode or a
+        verification."""
         # vLLM's pass ran the newest token, then at most the drafts handed to it last step
         # (the scheduler may trim them) when it verified them; more is a prefill
         num_verified = np.asarray(batch.q_lens, dtype=np.int64) - 1  # [R]
@@ -106,9 +108,12 @@ class RetrievalLevel:
         rows = np.flatnonzero(~prefill & (num_verified > 0))
         num_verified = num_verified[rows]
         num_accepted = num_verified - np.asarray(batch.num_rejected, dtype=np.int64)[rows]
-        verified = list(zip(rows.tolist(), num_verified.tolist(), num_accepted.tolist()))
+        # every row, mostly (each decoding request verified what it was handed)
+        req_ids = (batch.req_ids if rows.size == batch.num_reqs
+                   else list(map(batch.req_ids.__getitem__, rows.tolist())))
+        verified = Verified(req_ids, num_verified, num_accepted)
         prefills = np.flatnonzero(prefill).tolist()
-        if verified:
+        if rows.size:
             if judged_alone:
                 self.refresh.record_rounds(refresh_rows[rows], num_verified, num_accepted)
             self.stats.record_verification(int(num_verified.sum()), int(num_accepted.sum()))
@@ -133,7 +138,7 @@ class RetrievalStep:
         # [R] each request's row of the refresh policy, and of the level's selections
         self.refresh_rows = refresh_rows
         self.number = number
-        self.verified: list[tuple[int, int, int]] = verified
+        self.verified: Verified = verified
         self.prefills: list[int] = prefills
         # this step's time setting lazy summaries: the blocks a request completed since it
         # last selected (after a plain stretch, all of that stretch's at once), so the

@@ -24,6 +24,9 @@ class RequestState:
     # the content key of each full block (a hash chained over its tokens and every earlier
     # block's).
     lazily_set_block_ids: list[int] = field(default_factory=list)
+    # the list of block ids (vLLM's, one KV group) those were read from: while it is the
+    # request's list and as long, nothing changed (`set_full_blocks`)
+    lazily_set_from: list[int] | None = None
     block_contents: list[int] = field(default_factory=list)
     # positions [eager_start, eager_end) whose keys the request's last prefill passes, one
     # after the other, folded into the summaries (-1: none yet)

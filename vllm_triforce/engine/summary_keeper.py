@@ -254,18 +254,24 @@ class SummaryKeeper:
         when the summaries set at its physical id were set for the same content (same
         tokens after the same prefix: a prefix-cache hit on a block another request
         summarised). Reads at most one read chunk of keys at a time (`reads.read_limit`:
-        SCORE_CHUNK_BYTES, or the memory plan's smaller one)."""
+        SCORE_CHUNK_BYTES, or the memory plan's smaller one).
+
+        Most requests completed no block since they last selected: each is passed over in
+        one line, without reading its blocks, where its list of block ids (vLLM's host
+        copy, one KV group) is the very list it last read and its count of full blocks the
+        same. Both runners only append to that list while the request runs and give a
+        request resumed after preemption a new one (V1's `_update_states`, MRV2's
+        records: engine/mrv2/requests.py)."""
         bs = self.block_size
         owners, logical = [], []
         committed, requests = batch.committed, batch.requests
-        # vLLM's host copy of each one's full blocks (one KV group); most requests completed
-        # no block since they last selected, and are passed over in one comparison
-        full_ids = [requests[r].block_ids[0][:committed[r] // bs] for r in rows]
-        todo = [(r, ids) for r, ids in zip(rows, full_ids)
-                if ids != states[r].lazily_set_block_ids]
-        for r, ids in todo:
-            full = len(ids)
+        todo = [r for r in rows if states[r].lazily_set_from is not requests[r].block_ids[0]
+                or len(states[r].lazily_set_block_ids) != committed[r] // bs]
+        for r in todo:
             state = states[r]
+            state.lazily_set_from = requests[r].block_ids[0]
+            ids = state.lazily_set_from[:committed[r] // bs]
+            full = len(ids)
             done = common_prefix(state.lazily_set_block_ids, ids)
             contents = block_contents(batch, r, state, full, bs) if done < full else None
             for i in range(done, full):
