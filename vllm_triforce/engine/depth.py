@@ -115,6 +115,15 @@ class Verified(NamedTuple):
         return cls([], np.zeros(0, np.int64), np.zeros(0, np.int64))
 
 
+class _Ahead(NamedTuple):
+    """A plan made during vLLM's pass, before its step begins (`DepthChooser.plan_ahead`),
+    for the step that then takes it."""
+    req_ids: list[str]            # the decoding requests it is for
+    depths: list[int]             # each one's depth
+    use_draft: bool               # whether the small draft runs
+    controller_plan: Plan | None  # the controller's, when it decided
+
+
 @dataclass(frozen=True)
 class _Ended:
     """What the next step's timing reads of the step before it (`DepthStep.end`)."""
@@ -150,9 +159,9 @@ class DepthChooser:
         self.achieved_seconds = DecayedMean(decay=0.9)  # ... and its seconds
         self.predicted = DecayedMean(decay=0.9)
         self._last: _Ended | None = None  # the step that ended last
-        # a plan made during vLLM's pass, before its step begins (`plan_ahead`): the
-        # decoding requests' ids, then the plan, which that step's `DepthStep` takes
-        self._ahead: tuple | None = None
+        # a plan made during vLLM's pass, before its step begins (`plan_ahead`), which
+        # that step's `DepthStep` takes
+        self._ahead: _Ahead | None = None
 
     def fix(self, depth: int | None) -> None:
         """From the next step on, every decoding request drafts `depth` tokens (module
@@ -197,9 +206,9 @@ class DepthChooser:
         plainly (`decodes_plainly`; None: none must). A plan made ahead for these requests
         (`plan_ahead`) is taken instead, cut to `max_depth`."""
         ahead, self._ahead = self._ahead, None
-        if ahead is not None and ahead[0] == req_ids:
-            depths, use_draft, step.controller_plan = ahead[1]
-            depths = [min(k, max_depth) for k in depths]
+        if ahead is not None and ahead.req_ids == req_ids:
+            depths = [min(k, max_depth) for k in ahead.depths]
+            use_draft, step.controller_plan = ahead.use_draft, ahead.controller_plan
         else:
             depths, use_draft, step.controller_plan = self._plan(req_ids, max_depth,
                                                                  num_committed, seeded, plain)
@@ -215,9 +224,9 @@ class DepthChooser:
         `take_plan_ahead` for one that does not). Returns whether it drafts. The
         controller plans before it hears how long the cycle that ends at this step's start
         took (`begin`): its estimates are one step older than `plan`'s."""
-        planned = self._plan(req_ids, max_depth, num_committed, None, plain)
-        self._ahead = (list(req_ids), planned)
-        return any(planned[0])
+        self._ahead = _Ahead(list(req_ids), *self._plan(req_ids, max_depth, num_committed,
+                                                        None, plain))
+        return any(self._ahead.depths)
 
     @property
     def planned_ahead(self) -> bool:
@@ -305,8 +314,8 @@ class DepthStep:
         controller decided."""
         chooser = self.chooser
         ahead, chooser._ahead = chooser._ahead, None
-        if ahead is not None and ahead[0] == req_ids:
-            self.controller_plan = ahead[1][2]
+        if ahead is not None and ahead.req_ids == req_ids:
+            self.controller_plan = ahead.controller_plan
 
     def plan(self, req_ids: list[str], max_depth: int, num_committed: list[int] | None = None,
              seeded: list[bool] | None = None,
