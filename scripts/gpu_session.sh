@@ -50,7 +50,8 @@
 #   bash scripts/gpu_session.sh round-graphs [SECONDS] [PARTS]  # carry .bundle: the middle
 #                                                # passes' CUDA graphs against today's path
 #                                                # (a), their cost at the 8B width (b) and at
-#                                                # SmolLM2's shape (c); PARTS a,b by default
+#                                                # SmolLM2's shape (c), (a)'s two levels on
+#                                                # TRITON_ATTN fp32 (t); PARTS a,b by default
 #                                                # (benchmarks/explore/gpu_round_graph.py)
 #   bash scripts/gpu_session.sh hot-path [SECONDS]  # carry .bundle: the hot path's device
 #                                                # work at Llama-3.1-8B's shape (8 x 32K,

@@ -34,6 +34,10 @@ only a GPU can show, in three parts, most valuable first:
     each `propose`'s entry) against its reservation (`drafter.reserved_bytes`).
 (c) Cost at SmolLM2-135M's shape (dummy weights), 32 x 7,808 tokens: ms per middle round and
     per step at depths 6 (the four modes) and 0 (graphs and per pass) in one engine.
+(t) (a)'s two levels on TRITON_ATTN in float32, the issue's other graphed backend: every
+    round against today's path, and the graphs' tokens against the same engine's with
+    them off, which in float32 must be identical (plain vLLM's tokens on TRITON_ATTN are
+    gpu_plan's `exact-triton-fp32-*` rows). Last, as it repeats (a) on another backend.
 Parts (a), (b) and (c) compile the selection (`compiled_selection`: block scores, re-ranking,
 a pass's tables and slots, the lazy summaries' read of the KV cache; whether each compiled,
 and in how long, is in each report) and run a round's re-selection and load as one graph
@@ -49,7 +53,7 @@ figures the issue asks for under "checks"); the engines' logs go to `--out`/jobs
 On a lent GPU, from the bundle (benchmarks/gpu/README.md; carry `.bundle`):
 
     bash scripts/gpu_session.sh round-graphs 420 a,b     # then, within 30 s:
-    bash scripts/gpu_session.sh round-graphs 240 c
+    bash scripts/gpu_session.sh round-graphs 300 c,t
 
 On a CPU, a smoke test of this script (tiny sizes, CPU_ATTN float32, eager):
 
@@ -106,16 +110,21 @@ SIZES = {
                   "budget": 256, "over": {"num_hidden_layers": 2},
                   "llm": {"max_model_len": 2048}}},
 }
+# (t): (a)'s sizes, TRITON_ATTN in float32 on a GPU (CPU_ATTN on a CPU, as (a))
+SIZES["cuda"]["t"] = {**SIZES["cuda"]["a"],
+                      "llm": {**SIZES["cuda"]["a"]["llm"], "dtype": "float32"}}
+SIZES["cpu"]["t"] = SIZES["cpu"]["a"]
 # (engine, part), in the order they run, most telling first: two levels against today's
 # path, the 8B width's cost, three levels, then plain vLLM's tokens (the engines' own
 # graphs-off generations already hold the graphs to today's path), SmolLM2's shape.
-JOBS = (("a-2L", "a"), ("b", "b"), ("a-3L", "a"), ("a-plain", "a"), ("c", "c"))
+JOBS = (("a-2L", "a"), ("b", "b"), ("a-3L", "a"), ("a-plain", "a"), ("c", "c"), ("t-2L", "t"))
 # Seconds an engine takes to its first saved result (start, prefill, first generation or
 # row), from the H200 start-up times in benchmarks/gpu/README.md (a compiled engine in
 # 70-110 s) and, on a CPU, this machine's: an engine is started only when that much of the
 # budget is left; one cut short at the budget's end keeps what it saved.
-FIRST_RESULT_S = {"cuda": {"a-2L": 80, "b": 110, "a-3L": 90, "a-plain": 80, "c": 110},
-                  "cpu": {"a-2L": 30, "b": 30, "a-3L": 40, "a-plain": 40, "c": 30}}
+FIRST_RESULT_S = {"cuda": {"a-2L": 80, "b": 110, "a-3L": 90, "a-plain": 80, "c": 110,
+                           "t-2L": 80},
+                  "cpu": {"a-2L": 30, "b": 30, "a-3L": 40, "a-plain": 40, "c": 30, "t-2L": 30}}
 COUNTERS = ("top_proposed", "top_accepted", "middle_proposed", "middle_accepted",
             "middle_rounds", "middle_seconds", "forward_seconds", "round_graph_passes",
             "round_graph_misses", "round_graph_ahead", "round_graph_selections",
@@ -243,6 +252,8 @@ def checks(jobs: dict) -> dict:
     for name in ("a-2L", "a-3L"):
         if name in saved:
             out[name] = levels_check(saved[name], saved.get("a-plain"))
+    if "t-2L" in saved:  # a-plain's tokens are FLASH_ATTN bf16's: no reference for float32
+        out["t-2L"] = levels_check(saved["t-2L"], None)
     for name in ("b", "c"):
         if saved.get(name, {}).get("rows"):
             out[name] = summarise_rows(saved[name]["rows"], saved[name].get("memory"))
@@ -316,7 +327,8 @@ def run_child(args) -> int:
     report["device_name"] = device_name(args.device)
     run = {"a-2L": lambda: job_levels(args, report, 2), "a-3L": lambda: job_levels(args, report, 3),
            "a-plain": lambda: job_plain(args, report), "b": lambda: job_width(args, report),
-           "c": lambda: job_smollm2(args, report)}[args.job]
+           "c": lambda: job_smollm2(args, report),
+           "t-2L": lambda: job_levels(args, report, 2, part="t")}[args.job]
     try:
         run()
     except BaseException:  # the finding: kept with whatever the job measured before
@@ -338,8 +350,9 @@ def device_name(device: str) -> str:
 
 
 def engine_llm(args, part: str, **over) -> dict:
-    """LLM keywords of a part's engine: FLASH_ATTN bf16 compiled on a GPU without vLLM's JIT
-    kernel warm-up (dummy weights for b and c), CPU_ATTN float32 eager on a CPU."""
+    """LLM keywords of a part's engine: FLASH_ATTN bf16 (t: TRITON_ATTN float32) compiled on
+    a GPU without vLLM's JIT kernel warm-up (dummy weights for b and c), CPU_ATTN float32
+    eager on a CPU."""
     if args.device == "cpu":
         base = {"dtype": "float32", "enforce_eager": True, "block_size": 32,
                 "attention_config": {"backend": "CPU_ATTN"}}
@@ -348,7 +361,9 @@ def engine_llm(args, part: str, **over) -> dict:
         base = {"dtype": "bfloat16", "gpu_memory_utilization": 0.85,
                 "attention_config": {"backend": "FLASH_ATTN"},
                 "kernel_config": {"enable_jit_warmup": False}}
-    if part != "a":
+    if part == "t" and args.device == "cuda":  # in float32 (SIZES)
+        base["attention_config"] = {"backend": "TRITON_ATTN"}
+    if part not in ("a", "t"):
         base["load_format"] = "dummy"
     return {**base, "seed": 0, **SIZES[args.device][part]["llm"], **over}
 
@@ -410,19 +425,20 @@ def job_plain(args, report: Report) -> None:
     report["margins"] = [top2_margins(o.outputs[0]) for o in outputs]
 
 
-def job_levels(args, report: Report, levels: int) -> None:
-    """TriForce with round graphs, two or three levels, fixed depth: three generations of
-    the same prompts, each saved as it completes: every round against today's path
-    (`compared`), syncs counted (`synced`), round graphs off (`per_pass`)."""
+def job_levels(args, report: Report, levels: int, part: str = "a") -> None:
+    """TriForce with round graphs, two or three levels, fixed depth, on part `part`'s
+    engine (a: FLASH_ATTN bf16, t: TRITON_ATTN float32): three generations of the same
+    prompts, each saved as it completes: every round against today's path (`compared`),
+    syncs counted (`synced`), round graphs off (`per_pass`)."""
     from vllm_triforce.tools.bench.gpu_engine import drafter_or_none
 
     target, draft = tiny_models(args)
     spec = {**TINY_SPEC, "round_graphs": True, "compiled_selection": True,
             "selection_graphs": True,
             **({"model": str(draft), **THREE_LEVELS} if levels == 3 else {})}
-    llm = build(args, report, target, spec, "a")
+    llm = build(args, report, target, spec, part)
     drafter = drafter_or_none(llm)
-    drafter.set_fixed_depth(SIZES[args.device]["a"]["depth"])
+    drafter.set_fixed_depth(SIZES[args.device][part]["depth"])
     graphs = drafter.retrieval.round_graphs
     captures = watch_captures(graphs) if graphs is not None else []
     prompts, params = tiny_prompts(args), greedy(args)
