@@ -9,8 +9,10 @@ later still draft, and every output stays plain vLLM's.
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
+from vllm_triforce.engine.batch import of_rows
 from vllm_triforce.engine.plain_steps import never_drafts
 
 SPEC = {"method": "triforce", "num_speculative_tokens": 4, "retrieval_budget": 160,
@@ -187,3 +189,11 @@ def test_plain_propose_returns_a_plain_steps_drafts_before_vllms_preparation():
     calls.clear()  # another drafter (vLLM's own): untouched
     assert wrapped(SimpleNamespace(drafter=object(), use_async_scheduling=False), 1) == "vllm"
     assert calls == [(1,)]
+
+
+def test_of_rows_takes_the_rows_values_and_all_of_them_as_they_are():
+    ids = ["a", "b", "c"]
+    assert of_rows(ids, np.array([0, 2])) == ["a", "c"]
+    assert of_rows(ids, [1]) == ["b"]
+    assert of_rows(ids, np.array([], dtype=np.int64)) == []
+    assert of_rows(ids, np.arange(3)) is ids  # every request decodes: no copy

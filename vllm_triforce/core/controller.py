@@ -83,8 +83,9 @@ from vllm_triforce.core.plans import (DRAFT, RETRIEVAL, ModeCosts, Plan, StepCos
 REALISED_ENOUGH = 0.9
 
 
-def middle_level_is_the_target(num_committed: int, block_size: int, budget_blocks: int) -> bool:
-    """Whether a request of `num_committed` tokens with exact KV fits the retrieval cache:
+def middle_level_is_the_target(num_committed, block_size: int, budget_blocks: int):
+    """Whether a request of `num_committed` tokens with exact KV fits the retrieval cache
+    (an int, or an int array for many requests at once: a bool array):
     its blocks (the partial one included) are at most the budget's, so the selection keeps
     every block (core/blocks.selection_sizes, the dense case) and the middle level attends
     over the whole context: it is the target itself. Drafting then buys at most k + 1 tokens
@@ -208,7 +209,7 @@ class SpeculationController:
                          self.plain_step.predict(num_reqs))
 
     def alphas(self, req_ids: list[str], max_depth: int,
-               limits: list[int] | None = None) -> torch.Tensor:
+               limits: np.ndarray | list[int] | None = None) -> torch.Tensor:
         """[R, max_depth] per-request acceptance profile, shrunk towards the batch's; zero
         past each request's `limits` entry (a draft it may not make gains nothing)."""
         prior = self.batch_acceptance.alphas(np.full(self.max_depth, self.prior_alpha), 1.0)
@@ -216,15 +217,17 @@ class SpeculationController:
         return alphas[:, :max_depth] * _allowed(limits, len(req_ids), max_depth)
 
     def plan(self, req_ids: list[str], max_depth: int,
-             limits: list[int] | None = None) -> Plan:
+             limits: np.ndarray | list[int] | None = None) -> Plan:
         """Depths for the decoding requests `req_ids` (max_depth: this step's upper bound).
-        `limits` [R]: the most each request may draft (default max_depth). Decisions and
-        probes stay within them, and a step where every limit is 0 is plain without a probe
-        spent: the requests still count in the step's cost model, as plain ones."""
+        `limits` [R] (a list or an int array): the most each request may draft (default
+        max_depth). Decisions and probes stay within them, and a step where every limit is 0
+        is plain without a probe spent: the requests still count in the step's cost model,
+        as plain ones."""
         max_depth = min(max_depth, self.max_depth)
-        limits = [min(n, max_depth) for n in limits or [max_depth] * len(req_ids)]
+        limits = (np.full(len(req_ids), max_depth, dtype=np.int64) if limits is None
+                  else np.minimum(np.asarray(limits, dtype=np.int64), max_depth))
         self._expected = None
-        if not any(limits):
+        if not limits.any():
             plan = Plan((0,) * len(req_ids), None, math.nan)
         else:
             plan = (self._probe(req_ids, max_depth, limits)
@@ -233,7 +236,7 @@ class SpeculationController:
         self._count(plan)
         return plan
 
-    def _decide(self, req_ids: list[str], max_depth: int, limits: list[int]) -> Plan:
+    def _decide(self, req_ids: list[str], max_depth: int, limits: np.ndarray) -> Plan:
         """The best plan at realised rates (`_realised`), unless the settled one is within
         `hysteresis` of it."""
         alphas, costs = self.alphas(req_ids, max_depth, limits), self.costs(len(req_ids))
@@ -261,7 +264,7 @@ class SpeculationController:
             return Plan((0,) * len(plan.depths), None, plain)
         return plan
 
-    def _probe(self, req_ids: list[str], max_depth: int, limits: list[int]) -> Plan | None:
+    def _probe(self, req_ids: list[str], max_depth: int, limits: np.ndarray) -> Plan | None:
         """A measuring step when an estimate is missing or stale, else None. Start-up: plain
         steps until one is timed (the engine times no step after a prefill or a change of
         requests), then one step at full depth in every mode, which is then timed too: it
@@ -297,7 +300,7 @@ class SpeculationController:
         return None
 
     def _best_drafting(self, req_ids: list[str], costs: StepCosts, max_depth: int,
-                       limits: list[int] | None = None):
+                       limits: np.ndarray | None = None):
         """The best plan that drafts (any mode) within `limits`, or None."""
         alphas = self.alphas(req_ids, max_depth, limits)
         plans = [best_in_mode(gains(alphas.double()), costs, m, costs.modes[m], max_depth)
@@ -305,7 +308,7 @@ class SpeculationController:
         return max((p for p in plans if p is not None), key=lambda p: p.tokens_per_s,
                    default=None)
 
-    def _drafting_probe_interval(self, costs: StepCosts, limits: list[int], max_depth: int,
+    def _drafting_probe_interval(self, costs: StepCosts, limits: np.ndarray, max_depth: int,
                                  best: Plan | None) -> tuple[int, bool]:
         """(plain steps between drafting probes, whether drafting is hopeless): `quick_interval`
         while fewer than three verification steps are timed (a line through one or two
@@ -339,7 +342,8 @@ class SpeculationController:
             self._since_mode[m] = 0 if plan.mode == m else self._since_mode[m] + drafting
 
 
-def _allowed(limits: list[int] | None, num_reqs: int, max_depth: int) -> torch.Tensor:
+def _allowed(limits: np.ndarray | list[int] | None, num_reqs: int,
+             max_depth: int) -> torch.Tensor:
     """[R, max_depth] float64: 1 where draft j (0-based) is within request r's limit."""
     if limits is None:
         return torch.ones(num_reqs, max_depth, dtype=torch.float64)
@@ -347,10 +351,12 @@ def _allowed(limits: list[int] | None, num_reqs: int, max_depth: int) -> torch.T
     return (positions < torch.tensor(limits, dtype=torch.long)[:, None]).double()
 
 
-def _within(plan: Plan, limits: list[int]) -> Plan:
-    """`plan` with every depth cut to its request's limit (probes ask for one depth for
+def _within(plan: Plan, limits: np.ndarray) -> Plan:
+    """`plan` with every depth cut to its request's limit [R] (probes ask for one depth for
     every request)."""
-    depths = tuple(min(k, n) for k, n in zip(plan.depths, limits))
+    if plan.max_depth <= limits.min(initial=plan.max_depth):  # a plain plan, mostly
+        return plan
+    depths = tuple(np.minimum(plan.depths, limits).tolist())
     if depths == plan.depths:
         return plan
     return Plan(depths, plan.mode if max(depths, default=0) else None, plan.tokens_per_s)

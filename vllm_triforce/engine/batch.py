@@ -263,6 +263,15 @@ class StepBatch:
         )
 
 
+def of_rows(values: list, rows) -> list:
+    """values[r] for each of `rows` (sorted and distinct: a list or an int array), as a
+    list, looked up by `map`; `values` itself when the rows are all of them (every request
+    decodes, mostly). Example: of_rows(["a", "b", "c"], np.array([0, 2])) -> ["a", "c"]."""
+    if len(rows) == len(values):
+        return values
+    return list(map(values.__getitem__, rows.tolist() if isinstance(rows, np.ndarray) else rows))
+
+
 def _table_width(block_table: torch.Tensor, max_seq_len: int, max_lookahead: int,
                  block_size: int) -> int:
     """Columns of the block table a step can reach: its longest sequence plus the

@@ -251,11 +251,13 @@ class DepthChooser:
             use_draft = self.has_draft
         else:
             fits = self._fits_budget(num_committed, len(req_ids))
+            seeded_rows, plain_rows = np.asarray(seeded, dtype=bool), np.asarray(plain, dtype=bool)
             # the controller decides for the unseeded requests whose context outgrew the
             # budget and that may draft; the others have their depth by rule
-            limits = [0 if f or s or p else max_depth for f, s, p in zip(fits, seeded, plain)]
+            limits = np.where(fits | seeded_rows | plain_rows, 0, max_depth)
             controller_plan = self.controller.plan(req_ids, max_depth, limits)
-            depths, use_draft = self._by_rule(controller_plan, max_depth, fits, seeded, plain)
+            depths, use_draft = self._by_rule(controller_plan, max_depth, fits, seeded_rows,
+                                              plain_rows)
             if self.share is not None:
                 depths, use_draft = self.share((depths, use_draft))
         if self.max_drafting is not None:
@@ -263,24 +265,26 @@ class DepthChooser:
             depths = cap_drafting(depths, self.max_drafting, first=seeded)
         return depths, use_draft, controller_plan
 
-    def _by_rule(self, plan: Plan, max_depth: int, fits: list[bool], seeded: list[bool],
-                 plain: list[bool]) -> tuple[list[int], bool]:
-        """The controller's `plan`, with the depths the rules give (module docstring)."""
-        depths, use_draft = list(plan.depths), plan.mode == DRAFT
-        for r in range(len(depths)):
-            if plain[r]:
-                depths[r] = 0
-            elif seeded[r]:
-                depths[r] = seeded_depth(fits[r], max_depth)
-        if any(s and k for s, k in zip(seeded, depths)):
+    def _by_rule(self, plan: Plan, max_depth: int, fits: np.ndarray, seeded: np.ndarray,
+                 plain: np.ndarray) -> tuple[list[int], bool]:
+        """The controller's `plan`, with the depths the rules give (module docstring):
+        [R] bool arrays `fits` (the budget holds its context), `seeded`, `plain`."""
+        use_draft = plan.mode == DRAFT
+        if not (seeded.any() or plain.any()):  # the usual case: the controller's depths
+            return list(plan.depths), use_draft
+        by_seed = np.where(fits, seeded_depth(True, max_depth), seeded_depth(False, max_depth))
+        depths = np.where(plain, 0, np.where(seeded, by_seed, plan.depths))
+        if (seeded & (depths > 0)).any():
             use_draft = self.has_draft  # a seeded request drafts with every level, always
-        return depths, use_draft
+        return depths.tolist(), use_draft
 
-    def _fits_budget(self, num_committed: list[int] | None, num_reqs: int) -> list[bool]:
+    def _fits_budget(self, num_committed: list[int] | None, num_reqs: int) -> np.ndarray:
+        """[R] bool: each request's context fits the retrieval budget (none without the
+        counts)."""
         if self.blocks is None or num_committed is None:
-            return [False] * num_reqs
-        return [middle_level_is_the_target(n, self.blocks.block_size, self.blocks.budget_blocks)
-                for n in num_committed]
+            return np.zeros(num_reqs, dtype=bool)
+        return middle_level_is_the_target(np.asarray(num_committed, dtype=np.int64),
+                                          self.blocks.block_size, self.blocks.budget_blocks)
 
     @staticmethod
     def _warn_if_seeded_over_cap(depths: list[int], seeded: list[bool], cap: int) -> None:

@@ -47,7 +47,7 @@ from vllm_triforce.core.refresh import RefreshPolicy
 from vllm_triforce.core.scoring import SelectionState
 from vllm_triforce.core.selection import Selector
 from vllm_triforce.core.summaries import BlockSummaries
-from vllm_triforce.engine.batch import StepBatch
+from vllm_triforce.engine.batch import StepBatch, of_rows
 from vllm_triforce.engine.depth import DepthChooser
 from vllm_triforce.engine.device import capture
 from vllm_triforce.engine.device.forward import metadata_path
@@ -501,12 +501,10 @@ class Drafting:
         batch = step.batch
         rows = batch.decoding_rows()
 
-        def of_rows(values: list) -> list:  # the decoding rows' values (all, mostly)
-            return values if len(rows) == batch.num_reqs else [values[r] for r in rows]
-
-        depths, use_draft = depth.plan(of_rows(batch.req_ids), max_depth,
-                                       num_committed=of_rows(batch.committed),
-                                       seeded=of_rows(batch.seeded), plain=of_rows(batch.plain))
+        depths, use_draft = depth.plan(of_rows(batch.req_ids, rows), max_depth,
+                                       num_committed=of_rows(batch.committed, rows),
+                                       seeded=of_rows(batch.seeded, rows),
+                                       plain=of_rows(batch.plain, rows))
         depths_array = np.asarray(depths, dtype=np.int64)
         drafting = np.asarray(rows, dtype=np.int64)[depths_array > 0]
         if not drafting.size:

@@ -35,6 +35,7 @@ import torch
 
 from vllm_triforce.core.verify import (GREEDY_TEMPERATURE, draw_uniforms, sample_tokens, verify,
                                        verify_greedy)
+from vllm_triforce.engine.batch import of_rows
 from vllm_triforce.engine.buffers import middle_chunk_requests
 from vllm_triforce.engine.device.forward import Runs
 from vllm_triforce.engine.device.transfer import to_device
@@ -509,7 +510,7 @@ def hand_off(batch, drafts: MiddleDrafts, depths: list[int], probs_buffer: HandO
     probs, req_ids = None, None
     if drafting.size and probs_buffer.rows is not None and not batch.all_greedy(drafting):
         probs = probs_buffer.rows[:drafting.size, :int(k.max())]
-        req_ids = [batch.req_ids[r] for r in drafting.tolist()]
+        req_ids = of_rows(batch.req_ids, drafting)
     # row[:n] of each row, by `map` (no Python line per request)
     tokens = list(map(operator.getitem, drafts.tokens.tolist(), map(slice, depths)))
     if len(tokens) == batch.num_reqs:  # every request decodes: its rows are 0, 1, ...

@@ -63,6 +63,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from vllm_triforce.core.controller import middle_level_is_the_target
+from vllm_triforce.engine.batch import of_rows
 from vllm_triforce.engine.depth import Verified, decodes_plainly
 
 
@@ -107,20 +108,28 @@ class PlainSteps:
         self.keeper = keeper
         self.depth = depth
         self.stats = stats
-        self._never: tuple[list[str], np.ndarray] | None = None  # the last batch's
+        # the last batch's request ids, and each one's `never_drafts` and `decodes_plainly`
+        self._known: tuple[list[str], np.ndarray, np.ndarray] | None = None
 
     def never(self, req_ids: list[str], requests) -> np.ndarray:
         """[R] `never_drafts` of each request (`requests`: req_id -> CachedRequestState);
-        all False while the depth is fixed (every request drafts then). Taken again while
-        the batch's requests are the last one's."""
+        all False while the depth is fixed (every request drafts then)."""
         if self.depth.fixed_depth is not None:
             return np.zeros(len(req_ids), dtype=bool)
-        if self._never is None or self._never[0] != req_ids:
+        return self._request_facts(req_ids, requests)[0]
+
+    def _request_facts(self, req_ids: list[str], requests) -> tuple[np.ndarray, np.ndarray]:
+        """([R] `never_drafts`, [R] `decodes_plainly`) of each request. Neither changes
+        during a request: taken again while the batch's requests are the last one's."""
+        if self._known is None or self._known[0] != req_ids:
             bs, budget = self.blocks.block_size, self.blocks.budget_blocks
-            never = np.fromiter((never_drafts(requests[r], bs, budget) for r in req_ids),
-                                dtype=bool, count=len(req_ids))
-            self._never = (list(req_ids), never)
-        return self._never[1]
+            records = [requests[r] for r in req_ids]
+            never = np.fromiter((never_drafts(r, bs, budget) for r in records), dtype=bool,
+                                count=len(records))
+            plain = np.fromiter((decodes_plainly(getattr(r, "sampling_params", None))
+                                 for r in records), dtype=bool, count=len(records))
+            self._known = (list(req_ids), never, plain)
+        return self._known[1], self._known[2]
 
     def is_plain(self, facts: PassFacts | None, requests, handed_last: bool) -> bool:
         """Whether every request of the pass decodes plainly, with nothing for TriForce to
@@ -158,14 +167,12 @@ class PlainSteps:
         if (handed_last or facts is None or seeded or depth.fixed_depth is not None
                 or depth.share is not None or not self.keeper.lazy):
             return False
-        never = self.never(facts.req_ids, requests)
+        never, plain = self._request_facts(facts.req_ids, requests)
         if (facts.prefill & ~never).any():
             return False
         rows = np.flatnonzero(facts.decoding)
-        req_ids = [facts.req_ids[r] for r in rows]
-        plain = [decodes_plainly(getattr(requests[r], "sampling_params", None))
-                 for r in req_ids]
-        return not depth.plan_ahead(req_ids, max_depth, facts.seq_lens[rows].tolist(), plain)
+        return not depth.plan_ahead(of_rows(facts.req_ids, rows), max_depth,
+                                    facts.seq_lens[rows].tolist(), plain[rows].tolist())
 
     def record(self, facts: PassFacts, requests, start: float) -> None:
         """A plain step's timing for the depth chooser, and its counters."""
@@ -176,7 +183,7 @@ class PlainSteps:
                                 pure_decode=bool(decoding.all()) and not facts.prefill.any(),
                                 verified=Verified.none(), live_req_ids=requests)
         if self.depth.planned_ahead:  # the controller chose it (`plan_ahead`)
-            step.take_plan_ahead([facts.req_ids[r] for r in np.flatnonzero(decoding)])
+            step.take_plan_ahead(of_rows(facts.req_ids, np.flatnonzero(decoding)))
         self.stats.record_plain(int(decoding.sum()))
         step.end(drafting=False)
         self.stats.add(host_plain_steps=1)

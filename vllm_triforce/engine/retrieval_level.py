@@ -32,6 +32,7 @@ import torch
 from vllm_triforce.core import reads
 from vllm_triforce.core.blocks import selection_sizes
 from vllm_triforce.core.tables import TableLayout, laid_out_tables
+from vllm_triforce.engine.batch import of_rows
 from vllm_triforce.engine.buffers import STACKED_QUERIES_BYTES
 from vllm_triforce.engine.depth import Verified
 from vllm_triforce.engine.device.capture import LayerRows
@@ -108,10 +109,7 @@ class RetrievalLevel:
         rows = np.flatnonzero(~prefill & (num_verified > 0))
         num_verified = num_verified[rows]
         num_accepted = num_verified - np.asarray(batch.num_rejected, dtype=np.int64)[rows]
-        # every row, mostly (each decoding request verified what it was handed)
-        req_ids = (batch.req_ids if rows.size == batch.num_reqs
-                   else list(map(batch.req_ids.__getitem__, rows.tolist())))
-        verified = Verified(req_ids, num_verified, num_accepted)
+        verified = Verified(of_rows(batch.req_ids, rows), num_verified, num_accepted)
         prefills = np.flatnonzero(prefill).tolist()
         if rows.size:
             if judged_alone:
