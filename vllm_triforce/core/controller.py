@@ -354,7 +354,7 @@ def _allowed(limits: np.ndarray | list[int] | None, num_reqs: int,
 def _within(plan: Plan, limits: np.ndarray) -> Plan:
     """`plan` with every depth cut to its request's limit [R] (probes ask for one depth for
     every request)."""
-    if plan.max_depth <= limits.min(initial=plan.max_depth):  # a plain plan, mostly
+    if not plan.max_depth:  # a plain plan (most plans): nothing to cut
         return plan
     depths = tuple(np.minimum(plan.depths, limits).tolist())
     if depths == plan.depths:

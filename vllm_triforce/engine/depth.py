@@ -105,14 +105,17 @@ class Verified(NamedTuple):
     """What vLLM's pass verified: request req_ids[i] verified num_verified[i] drafts and
     accepted the first num_accepted[i] ([n] int64 arrays; distinct requests). Arrays, not
     a tuple per request, so that no step walks its requests one by one in Python."""
-    req_ids: list[str]
+    req_ids: list[str] | tuple
     num_verified: np.ndarray
     num_accepted: np.ndarray
 
-    @classmethod
-    def none(cls) -> "Verified":
-        """A pass that verified no drafts (a plain step's)."""
-        return cls([], np.zeros(0, np.int64), np.zeros(0, np.int64))
+    @staticmethod
+    def none() -> "Verified":
+        """A pass that verified no drafts (a plain step's; one record, never changed)."""
+        return _NONE_VERIFIED
+
+
+_NONE_VERIFIED = Verified((), np.zeros(0, np.int64), np.zeros(0, np.int64))
 
 
 class _Ahead(NamedTuple):
