@@ -254,13 +254,15 @@ class DepthChooser:
             use_draft = self.has_draft
         else:
             fits = self._fits_budget(num_committed, len(req_ids))
-            seeded_rows, plain_rows = np.asarray(seeded, dtype=bool), np.asarray(plain, dtype=bool)
             # the controller decides for the unseeded requests whose context outgrew the
             # budget and that may draft; the others have their depth by rule
-            limits = np.where(fits | seeded_rows | plain_rows, 0, max_depth)
-            controller_plan = self.controller.plan(req_ids, max_depth, limits)
-            depths, use_draft = self._by_rule(controller_plan, max_depth, fits, seeded_rows,
-                                              plain_rows)
+            ruled = fits
+            for flags in (seeded, plain):
+                if any(flags):  # mostly neither is: no array made
+                    ruled = ruled | np.asarray(flags, dtype=bool)
+            controller_plan = self.controller.plan(req_ids, max_depth,
+                                                   np.where(ruled, 0, max_depth))
+            depths, use_draft = self._by_rule(controller_plan, max_depth, fits, seeded, plain)
             if self.share is not None:
                 depths, use_draft = self.share((depths, use_draft))
         if self.max_drafting is not None:
@@ -268,13 +270,14 @@ class DepthChooser:
             depths = cap_drafting(depths, self.max_drafting, first=seeded)
         return depths, use_draft, controller_plan
 
-    def _by_rule(self, plan: Plan, max_depth: int, fits: np.ndarray, seeded: np.ndarray,
-                 plain: np.ndarray) -> tuple[list[int], bool]:
-        """The controller's `plan`, with the depths the rules give (module docstring):
-        [R] bool arrays `fits` (the budget holds its context), `seeded`, `plain`."""
+    def _by_rule(self, plan: Plan, max_depth: int, fits: np.ndarray, seeded: list[bool],
+                 plain: list[bool]) -> tuple[list[int], bool]:
+        """The controller's `plan`, with the depths the rules give (module docstring); `fits`
+        [R] bool: the budget holds its context."""
         use_draft = plan.mode == DRAFT
-        if not (seeded.any() or plain.any()):  # the usual case: the controller's depths
+        if not (any(seeded) or any(plain)):  # the usual case: the controller's depths
             return list(plan.depths), use_draft
+        seeded, plain = np.asarray(seeded, dtype=bool), np.asarray(plain, dtype=bool)
         by_seed = np.where(fits, seeded_depth(True, max_depth), seeded_depth(False, max_depth))
         depths = np.where(plain, 0, np.where(seeded, by_seed, plan.depths))
         if (seeded & (depths > 0)).any():
