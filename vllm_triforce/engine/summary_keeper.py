@@ -31,6 +31,8 @@ accepted).
 from __future__ import annotations
 
 import time
+from itertools import compress, repeat
+from operator import attrgetter, floordiv, is_not, itemgetter, ne, or_
 
 import numpy as np
 import torch
@@ -256,32 +258,37 @@ class SummaryKeeper:
         summarised). Reads at most one read chunk of keys at a time (`reads.read_limit`:
         SCORE_CHUNK_BYTES, or the memory plan's smaller one).
 
-        Most requests completed no block since they last selected: each is passed over in
-        one line, without reading its blocks, where its list of block ids (vLLM's host
-        copy, one KV group) is the very list it last read and its count of full blocks the
-        same. Both runners only append to that list while the request runs and give a
-        request resumed after preemption a new one (V1's `_update_states`, MRV2's
-        records: engine/mrv2/requests.py)."""
+        Most requests completed no block since they last selected: each is passed over
+        without reading its blocks, and without a Python line of its own (`_changed`),
+        where its list of block ids (vLLM's host copy, one KV group) is the very list it
+        last read and its count of full blocks the same. Both runners only append to that
+        list while the request runs and give a request resumed after preemption a new one
+        (V1's `_update_states`, MRV2's records: engine/mrv2/requests.py)."""
         bs = self.block_size
         owners, logical = [], []
         committed, requests = batch.committed, batch.requests
-        todo = [r for r in rows if states[r].lazily_set_from is not requests[r].block_ids[0]
-                or len(states[r].lazily_set_block_ids) != committed[r] // bs]
-        for r in todo:
+        changed = _changed(list(map(states.__getitem__, rows)), map(requests.__getitem__, rows),
+                           map(committed.__getitem__, rows), bs)
+        for r in list(compress(rows, changed)):
             state = states[r]
             state.lazily_set_from = requests[r].block_ids[0]
             ids = state.lazily_set_from[:committed[r] // bs]
             full = len(ids)
             done = common_prefix(state.lazily_set_block_ids, ids)
-            contents = block_contents(batch, r, state, full, bs) if done < full else None
-            for i in range(done, full):
-                content = None if contents is None else contents[i]
-                if content is not None and self._summarised.get(ids[i]) == content:
-                    continue  # set already, for this very content
-                owners.append(r)
-                logical.append(i)
-                self._summarised[ids[i]] = content
             state.lazily_set_block_ids = ids
+            if done == full:
+                continue
+            new_ids, contents = ids[done:], block_contents(batch, r, state, full, bs)
+            if contents is None:  # always set
+                to_set = range(done, full)
+                self._summarised.update(dict.fromkeys(new_ids))
+            else:  # except where set already, for this very content
+                contents = contents[done:full]
+                set_for = map(self._summarised.get, new_ids)
+                to_set = list(compress(range(done, full), map(ne, set_for, contents)))
+                self._summarised.update(zip(new_ids, contents))
+            owners.extend(repeat(r, len(to_set)))
+            logical.extend(to_set)
         if not owners:
             return
         owners, logical = to_device(self.device, owners, logical)
@@ -294,6 +301,23 @@ class SummaryKeeper:
             ids = block_ids[start:start + per_chunk]
             s.write_blocks(ids, self.block_reads(self.reader, ids))
         self.stats.add(summarised_blocks=block_ids.numel())
+
+
+def _changed(states: list, requests, committed, block_size: int):
+    """Per request, True where its lazy summaries may be behind: its list of block ids is
+    not the one it last read (`lazily_set_from`), or it has a different count of full
+    blocks than it last set. By `map`: no Python line a request, where most requests of a
+    step completed no block."""
+    moved = map(is_not, map(_SET_FROM, states), map(_FIRST_GROUP, map(_BLOCK_IDS, requests)))
+    counts = map(len, map(_SET_BLOCK_IDS, states))
+    grew = map(ne, counts, map(floordiv, committed, repeat(block_size)))
+    return map(or_, moved, grew)
+
+
+_SET_FROM = attrgetter("lazily_set_from")
+_SET_BLOCK_IDS = attrgetter("lazily_set_block_ids")
+_BLOCK_IDS = attrgetter("block_ids")
+_FIRST_GROUP = itemgetter(0)
 
 
 def fold_committed(summaries, layer_keys, committed) -> None:
