@@ -100,8 +100,9 @@ def main() -> None:
                         help="also print the N Python lines and the N aten operations whose "
                              "count per round grows most from the smallest batch to the "
                              "largest (what scales with the batch)")
-    parser.add_argument("--out", type=Path,
-                        default=REPO / "benchmarks" / "host_per_round_2026-11-28")
+    parser.add_argument("--out", type=Path, required=True,
+                        help="folder for results.json and results.md (the committed run "
+                             "is benchmarks/host_per_round_2026-11-28/)")
     args = parser.parse_args()
     if args.dtype is None:
         import torch
