@@ -425,7 +425,8 @@ def write(out: Path, results: dict) -> None:
              f"--depth {config['depth']}"
              + (" --round-graphs" if config.get("round_graphs") else "")
              + (" --compiled-selection" if config.get("compiled_selection") else "")
-             + (" --selection-graphs" if config.get("selection_graphs") else "")]
+             + (" --selection-graphs" if config.get("selection_graphs") else "")
+             + f" --out {config['out']}"]
     for table in results["tables"]:
         rows = table["rows"]
         smallest = rows[0]["host_ms_per_round"]
