@@ -183,6 +183,26 @@ def test_data_parallel_refused(tiny_llama):
         _engine_args(tiny_llama, data_parallel_size=2).create_engine_config()
 
 
+def test_lora_refused_before_weights_load(tiny_llama):
+    """Without the refusal an engine starts and its first middle pass fails in vLLM's LoRA
+    layers (einsum: the punica wrapper's per-token adapters are sized for vLLM's batch)."""
+    with pytest.raises(TriForceConfigError, match=r"TriForce cannot run with enable_lora=True.*"
+                                                  r"Fix: serve the LoRA adapter without"):
+        _engine_args(tiny_llama, enable_lora=True, max_lora_rank=8).create_engine_config()
+
+
+def test_lora_in_a_built_config_refused():
+    from vllm_triforce import engine_settings
+
+    config = types.SimpleNamespace(
+        compilation_config=types.SimpleNamespace(cudagraph_mode=None),
+        scheduler_config=types.SimpleNamespace(async_scheduling=False),
+        parallel_config=types.SimpleNamespace(data_parallel_size=1), lora_config=object())
+    with pytest.raises(TriForceConfigError, match=r"enable_lora=True"):
+        engine_settings.check_effective(config)
+    engine_settings.check_effective(types.SimpleNamespace(**{**vars(config), "lora_config": None}))
+
+
 @pytest.mark.parametrize("setting,kw", [
     # vLLM needs tensor_parallel_size divisible by the DCP size (vllm/config/parallel.py).
     ("decode_context_parallel_size", {"tensor_parallel_size": 2}),

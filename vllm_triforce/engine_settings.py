@@ -10,6 +10,7 @@ source; CPU forces most of them off, which is why CPU tests never saw them):
 | model runner | V2 unless `VLLM_USE_V2_MODEL_RUNNER=0` | the TriForce proposer lives in the V1 runner; V2 would silently run its own draft-model speculator | set 0; refuse the features that force V2 (watermarking, HiSparse); with `VLLM_TRIFORCE_MRV2=1` or an explicit `VLLM_USE_V2_MODEL_RUNNER=1` (experimental, GPUs only; refused on CPU) set 1 and TriForce's own MRV2 worker (engine/mrv2/) |
 | data parallelism | 1 | ranks run different numbers of middle passes; MoE DP collectives then hang (vllm/forward_context.py ~299) | refuse `data_parallel_size > 1` |
 | attention backend | FLASH_ATTN (Hopper), FLASHINFER (Blackwell) | per-layer metadata must not share builder state | refuse backends outside `SUPPORTED_ATTENTION_BACKENDS` |
+| LoRA | off | vLLM's LoRA layers map adapters to the tokens of vLLM's own batch (the punica wrapper's metadata, set per step by the runner); TriForce's passes have other tokens, and the first one fails with a shape error mid-generation | refuse `enable_lora` |
 
 `decide(engine_args, parallel_config)` runs inside `EngineArgs.create_speculative_config`
 (patches/spec_config.py), i.e. before `VllmConfig` is built and before any weights load; it
@@ -58,6 +59,7 @@ def decide(engine_args, parallel_config) -> list[str]:
     _check_async_scheduling(engine_args.async_scheduling)
     _check_v2_runner(engine_args)
     _check_data_parallel(parallel_config.data_parallel_size)
+    _check_lora(bool(getattr(engine_args, "enable_lora", False)))
     check_attention_backend(_requested_backend(engine_args))
     forced = []
     if engine_args.compilation_config.cudagraph_mode is None:
@@ -105,6 +107,7 @@ def check_effective(vllm_config) -> None:
                           "vLLM resolved cudagraph_mode to {mode} for this model")
     _check_async_scheduling(vllm_config.scheduler_config.async_scheduling)
     _check_data_parallel(vllm_config.parallel_config.data_parallel_size)
+    _check_lora(vllm_config.lora_config is not None)
 
 
 def describe(vllm_config, backend_name: str, forced: list[str]) -> str:
@@ -192,6 +195,16 @@ def _check_data_parallel(data_parallel_size: int) -> None:
                    "and vLLM's cross-rank batch coordination would hang",
                    "run one server per replica behind a load balancer, with "
                    "data_parallel_size=1 (tensor parallelism is supported)")
+
+
+def _check_lora(enabled: bool) -> None:
+    if enabled:
+        raise _fix("enable_lora=True",
+                   "vLLM's LoRA layers map adapters to the tokens of vLLM's own batch, and "
+                   "TriForce's middle level runs the target's layers on other tokens (its "
+                   "first pass would fail mid-generation)",
+                   "serve the LoRA adapter without --speculative-config, or merge it into the "
+                   "model's weights and serve that with TriForce")
 
 
 def _requested_backend(engine_args) -> str | None:
