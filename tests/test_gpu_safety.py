@@ -191,16 +191,30 @@ def test_lora_refused_before_weights_load(tiny_llama):
         _engine_args(tiny_llama, enable_lora=True, max_lora_rank=8).create_engine_config()
 
 
-def test_lora_in_a_built_config_refused():
+def test_prompt_embeds_refused_before_weights_load(tiny_llama):
+    """Without the refusal the step that ends a prompt-embeds request's prefill fails in
+    vLLM's `prepare_next_token_ids_padded` (its last prompt token has no id), with TriForce
+    as with vLLM's own draft_model method."""
+    with pytest.raises(TriForceConfigError, match=r"TriForce cannot run with "
+                                                  r"enable_prompt_embeds=True.*Fix: send prompts"):
+        _engine_args(tiny_llama, enable_prompt_embeds=True).create_engine_config()
+
+
+@pytest.mark.parametrize("lora, embeds, refused", [
+    (object(), False, "enable_lora=True"), (None, True, "enable_prompt_embeds=True")])
+def test_lora_or_prompt_embeds_in_a_built_config_refused(lora, embeds, refused):
     from vllm_triforce import engine_settings
 
     config = types.SimpleNamespace(
         compilation_config=types.SimpleNamespace(cudagraph_mode=None),
         scheduler_config=types.SimpleNamespace(async_scheduling=False),
-        parallel_config=types.SimpleNamespace(data_parallel_size=1), lora_config=object())
-    with pytest.raises(TriForceConfigError, match=r"enable_lora=True"):
+        parallel_config=types.SimpleNamespace(data_parallel_size=1), lora_config=lora,
+        model_config=types.SimpleNamespace(enable_prompt_embeds=embeds))
+    with pytest.raises(TriForceConfigError, match=refused):
         engine_settings.check_effective(config)
-    engine_settings.check_effective(types.SimpleNamespace(**{**vars(config), "lora_config": None}))
+    engine_settings.check_effective(types.SimpleNamespace(
+        **{**vars(config), "lora_config": None,
+           "model_config": types.SimpleNamespace(enable_prompt_embeds=False)}))
 
 
 @pytest.mark.parametrize("setting,kw", [

@@ -10,6 +10,7 @@ source; CPU forces most of them off, which is why CPU tests never saw them):
 | model runner | V2 unless `VLLM_USE_V2_MODEL_RUNNER=0` | the TriForce proposer lives in the V1 runner; V2 would silently run its own draft-model speculator | set 0; refuse the features that force V2 (watermarking, HiSparse); with `VLLM_TRIFORCE_MRV2=1` or an explicit `VLLM_USE_V2_MODEL_RUNNER=1` (experimental, GPUs only; refused on CPU) set 1 and TriForce's own MRV2 worker (engine/mrv2/) |
 | data parallelism | 1 | ranks run different numbers of middle passes; MoE DP collectives then hang (vllm/forward_context.py ~299) | refuse `data_parallel_size > 1` |
 | attention backend | FLASH_ATTN (Hopper), FLASHINFER (Blackwell) | per-layer metadata must not share builder state | refuse backends outside `SUPPORTED_ATTENTION_BACKENDS` |
+| prompt embeddings | off | vLLM's draft-model path reads the id of a request's last prompt token when its prefill ends (vllm/v1/spec_decode/llm_base_proposer.py `prepare_next_token_ids_padded`); a prompt given as embeddings has none, and the step fails (vLLM's own `draft_model` too) | refuse `enable_prompt_embeds` |
 | LoRA | off | vLLM's LoRA layers map adapters to the tokens of vLLM's own batch (the punica wrapper's metadata, set per step by the runner); TriForce's passes have other tokens, and the first one fails with a shape error mid-generation | refuse `enable_lora` |
 
 `decide(engine_args, parallel_config)` runs inside `EngineArgs.create_speculative_config`
@@ -60,6 +61,7 @@ def decide(engine_args, parallel_config) -> list[str]:
     _check_v2_runner(engine_args)
     _check_data_parallel(parallel_config.data_parallel_size)
     _check_lora(bool(getattr(engine_args, "enable_lora", False)))
+    _check_prompt_embeds(bool(getattr(engine_args, "enable_prompt_embeds", False)))
     check_attention_backend(_requested_backend(engine_args))
     forced = []
     if engine_args.compilation_config.cudagraph_mode is None:
@@ -108,6 +110,7 @@ def check_effective(vllm_config) -> None:
     _check_async_scheduling(vllm_config.scheduler_config.async_scheduling)
     _check_data_parallel(vllm_config.parallel_config.data_parallel_size)
     _check_lora(vllm_config.lora_config is not None)
+    _check_prompt_embeds(bool(vllm_config.model_config.enable_prompt_embeds))
 
 
 def describe(vllm_config, backend_name: str, forced: list[str]) -> str:
@@ -205,6 +208,17 @@ def _check_lora(enabled: bool) -> None:
                    "first pass would fail mid-generation)",
                    "serve the LoRA adapter without --speculative-config, or merge it into the "
                    "model's weights and serve that with TriForce")
+
+
+def _check_prompt_embeds(enabled: bool) -> None:
+    if enabled:
+        raise _fix("enable_prompt_embeds=True",
+                   "vLLM's draft-model path, which TriForce runs in, reads the id of each "
+                   "request's last prompt token, and a prompt given as embeddings has none "
+                   "(the step fails in prepare_next_token_ids_padded, as it does for vLLM's "
+                   "own draft_model method)",
+                   "send prompts as text or token ids, or serve prompt embeddings without "
+                   "--speculative-config")
 
 
 def _requested_backend(engine_args) -> str | None:
