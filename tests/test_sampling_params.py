@@ -2,7 +2,8 @@
 bad words, min_tokens with stop tokens, logprobs, prompt logprobs, structured outputs and
 n > 1, mixed in one batch. vLLM applies each of them to the target's logits when it verifies
 (its rejection sampler) or to what it returns; TriForce's drafts only have to reach that
-verification. Greedy requests must equal plain vLLM's token for token, with drafts verified.
+verification. Greedy requests must equal plain vLLM's token for token, with drafts verified,
+for two and three levels.
 """
 
 import pytest
@@ -17,10 +18,14 @@ STOP_TOKENS = [3, 9, 12, 21, 33, 40, 41, 42, 43, 44, 45, 46, 47, 48]
 LOGPROB_TOLERANCE = 1e-4  # float32: a verification pass against a decode step
 
 
-def triforce_spec() -> dict:
-    return {"method": "triforce", "num_speculative_tokens": 4, "retrieval_budget": 160,
+def triforce_spec(draft=None) -> dict:
+    """Two levels, fixed depth 4; with `draft`, three (the small draft proposing 2 a round)."""
+    spec = {"method": "triforce", "num_speculative_tokens": 4, "retrieval_budget": 160,
             "retrieval_sink_tokens": 16, "retrieval_recent_tokens": 32,
             "refresh_interval": 16, "adaptive": False}
+    if draft is not None:
+        spec.update(model=str(draft), draft_window_tokens=96, draft_tokens_per_round=2)
+    return spec
 
 
 def batches() -> list[list]:
@@ -58,15 +63,20 @@ def generate(model, spec):
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_llama):
-    plain, _ = generate(tiny_llama, None)
-    triforce, stats = generate(tiny_llama, triforce_spec())
-    return plain, triforce, stats
+def plain_runs(tiny_llama):
+    return generate(tiny_llama, None)[0]
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["two levels", "three levels"])
+def runs(request, tiny_llama, tiny_draft, plain_runs):
+    draft = tiny_draft if request.param == 3 else None
+    triforce, stats = generate(tiny_llama, triforce_spec(draft))
+    return plain_runs, triforce, (stats, request.param)
 
 
 def test_greedy_requests_equal_plain_vllm_under_every_parameter(runs):
-    plain, triforce, stats = runs
-    assert_drafted(stats)
+    plain, triforce, (stats, levels) = runs
+    assert_drafted(stats, levels)
     for batch, params in enumerate(batches()):
         for request, (p, t, sp) in enumerate(zip(plain[batch], triforce[batch], params)):
             if sp.temperature > 0:
