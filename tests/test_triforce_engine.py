@@ -611,6 +611,36 @@ def test_three_level_steps_without_the_small_draft_stay_identical(tiny_qwen2, ti
     assert small_draft_ran.count(True) > 0
 
 
+def test_requests_that_reach_max_model_len_stay_identical(tiny_llama):
+    """Requests decode until max_model_len (no max_tokens) while drafting 6 a step: the last
+    steps' drafts would run past the model's length, and vLLM's scheduler cuts them. Prompts
+    1, 2, 5 and 40 tokens short of the limit, and one far from it."""
+    import random
+
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    limit, rng = 512, random.Random(0)
+    prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(3, 500) for _ in range(n)])
+               for n in (limit - 1, limit - 2, limit - 5, limit - 40, 300)]
+    params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+    outputs = {}
+    for name, spec in (("plain", None), ("triforce", two_level(num_speculative_tokens=6,
+                                                                retrieval_budget=128))):
+        llm = in_process_llm(tiny_llama, spec, disable_log_stats=spec is None,
+                             **make_engine_kwargs(max_model_len=limit))
+        try:
+            outputs[name] = [list(o.outputs[0].token_ids)
+                             for o in llm.generate(prompts, params, use_tqdm=False)]
+            stats = drafter_of(llm).stats.snapshot() if spec else None
+        finally:
+            free_llm(llm)
+    assert [len(p["prompt_token_ids"]) + len(t) for p, t in zip(prompts, outputs["plain"])] \
+        == [limit] * len(prompts)
+    assert outputs["triforce"] == outputs["plain"]
+    assert_drafted(stats)
+
+
 def test_depth_zero_runs_no_middle_pass(tiny_llama):
     """Forced plain: no middle pass, and no step runs vLLM's rejection sampler (without
     patches/zero_draft.py every step did, with zero drafts)."""
