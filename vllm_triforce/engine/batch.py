@@ -56,6 +56,10 @@ class StepBatch:
     # [R] never drafts (engine/plain_steps.never_drafts): the proposer sets it after
     # building the batch; None: every request may
     never_drafts: np.ndarray | None = None
+    # [R] int64: where the target rotates with M-RoPE (Qwen2-VL and its kind), each
+    # request's `mrope_position_delta`: a generated token at position p rotates at p + delta
+    # in all three sections, as vLLM's runner places it; None: 1-D RoPE, or every delta 0
+    rope_shift: np.ndarray | None = None
     # device [R] int64: each row's request-state slot in Model Runner V2 (where its draft
     # logits go, engine/mrv2/draft_logits.py); None on the V1 runner
     slots: torch.Tensor | None = None
@@ -193,6 +197,7 @@ class StepBatch:
             top_k=None if top_k is None else top_k[:num_reqs],
             top_p=None if top_p is None else top_p[:num_reqs],
             requests=requests, seeded=seeded, plain=plain,
+            rope_shift=_rope_shift(requests) if getattr(runner, "uses_mrope", False) else None,
         )
 
     @classmethod
@@ -261,6 +266,16 @@ class StepBatch:
             seeded=seeded.tolist() if seeded.any() else None, plain=plain,
             slots=slots.long(),
         )
+
+
+def _rope_shift(requests: list) -> np.ndarray | None:
+    """[R] each request's M-RoPE position delta (vLLM's `CachedRequestState.
+    mrope_position_delta`, set at its prefill: the positions its images or videos took
+    beyond their token count, negative where they took fewer); None where every one is 0
+    (text only), where M-RoPE rotates a generated token as 1-D RoPE does."""
+    shift = np.fromiter((r.mrope_position_delta or 0 for r in requests), dtype=np.int64,
+                        count=len(requests))
+    return shift if shift.any() else None
 
 
 def of_rows(values: list, rows) -> list:

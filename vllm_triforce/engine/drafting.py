@@ -369,6 +369,8 @@ class Drafting:
                                      groups[0].kernel_block_size)
         if len(groups) != 1:
             path, why = "per pass", f"{level} layers in {len(groups)} attention groups"
+        if getattr(model, "supports_mrope", False):  # forward.rotary_positions
+            path, why = "per pass", "the model rotates with M-RoPE: its buffers hold 1-D positions"
         if path == "per pass":
             logger.info("TriForce %s passes: built per pass (%s)", level, why)
             return None

@@ -55,6 +55,7 @@ and identically seeded generators.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 from vllm.config import get_layers_from_vllm_config
@@ -99,7 +100,8 @@ class TriForceProposer(Drafting, DraftModelProposer):
     def load_model(self, target_model) -> None:
         target_names = set(get_layers_from_vllm_config(self.vllm_config, Attention))
         if self.shape.has_draft:
-            super().load_model(target_model)
+            with _image_token_index(target_model):
+                super().load_model(target_model)
         else:  # two levels: the target drafts for itself; load nothing twice
             self.model = None
             self._draft_attn_layer_names = set()
@@ -187,3 +189,25 @@ class TriForceProposer(Drafting, DraftModelProposer):
         # one list per request, [] allowed (vLLM's variable-length path), also at a fixed
         # depth: a request over the drafting cap, or prefilling, gets no draft
         return drafts
+
+
+@contextlib.contextmanager
+def _image_token_index(target_model):
+    """vLLM's draft-model loader (`SpecDecodeBaseProposer.load_model`, 0.32.0 and 0.33.0)
+    copies a multimodal target's image token onto the draft's config: by name for the
+    models it lists, else from `config.image_token_index`, which PaddleOCR-VL's and
+    Qwen2-VL's configs do not have (they name it `image_token_id`), so loading a small
+    draft for them failed with AttributeError. TriForce's small draft reads no image
+    embeddings (it drafts from text); during the load, such a config gets
+    `image_token_index` from its `image_token_id`, and loses it afterwards."""
+    config = getattr(target_model, "config", None)
+    lend = (config is not None and not hasattr(config, "image_token_index")
+            and getattr(config, "image_token_id", None) is not None)
+    if lend:
+        config.image_token_index = config.image_token_id
+    try:
+        yield
+    finally:
+        if lend:
+            del config.image_token_index
+

@@ -395,7 +395,8 @@ class RetrievalStep:
                 level.device, layout.num_selected, layout.tail_start, layout.num_tails)
             tables = laid_out_tables(selected, block_table, num_selected, tail_start,
                                      num_tails, layout.width)
-            inputs = build_pass(token_ids, positions, block_table, bs, layout.compact_lens)
+            inputs = build_pass(token_ids, positions, block_table, bs, layout.compact_lens,
+                                model_positions=self._rotated(rows, positions))
             per_layer = dict(zip(level.layer_names, tables.unbind(0)))  # one op, not per layer
             with level.capture.recording(into=level.middle_queries):
                 logits = run_pass(level.model, level.vllm_config, level.attn_groups, inputs,
@@ -403,6 +404,16 @@ class RetrievalStep:
         queries = level.capture.queries  # a list, or a replay's LayerRows (not rewritten)
         self._pass_queries = queries if isinstance(queries, LayerRows) else list(queries)
         return logits
+
+    def _rotated(self, rows, positions: Runs) -> Runs | None:
+        """The positions requests `rows` rotate with where the target uses M-RoPE and one
+        of them holds images or videos: each shifted by its request's delta
+        (`StepBatch.rope_shift`), as vLLM's runner places a generated token; None (the KV
+        positions) everywhere else."""
+        shift = self.batch.rope_shift
+        if shift is None:
+            return None
+        return Runs(positions.starts + shift[rows], positions.lens)
 
     def load_ahead(self, rows, tokens: torch.Tensor, picked, positions: Runs) -> None:
         """Load the next round's pass into the round buffers now, before this round's copy
@@ -516,7 +527,9 @@ class RetrievalStep:
         idx = batch.rows_on_device(rows)
         block_table = batch.block_table[idx]
         inputs = build_pass([[t] for t in token_ids], [[p] for p in positions], block_table,
-                            level.blocks.block_size, [p + 1 for p in positions])
+                            level.blocks.block_size, [p + 1 for p in positions],
+                            model_positions=self._rotated(rows, Runs(
+                                np.asarray(positions), np.ones(len(rows), dtype=np.int64))))
         per_layer = dict.fromkeys(level.layer_names, block_table)
         logits = run_pass(level.model, level.vllm_config, level.attn_groups, inputs,
                           per_layer, level.stats, level.pass_limits)

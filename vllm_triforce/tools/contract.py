@@ -51,6 +51,8 @@ PATCH_TARGETS = (
     ("vllm.v1.worker.gpu_model_runner", "build_logitsprocs"),                # plain_params
     ("vllm.v1.worker.gpu_worker", "Worker.determine_available_memory"),      # kv_reservation
     ("vllm.v1.worker.cpu_worker", "CPUWorker.determine_available_memory"),   # kv_reservation
+    ("vllm.v1.spec_decode.llm_base_proposer", "SpecDecodeBaseProposer._raise_if_mrope"),
+    # mrope_draft
 )
 # Every attribute the plugin reads or calls on vLLM's objects that no import names, with
 # the file of ours that reads it: the middle passes over persistent buffers
@@ -70,6 +72,11 @@ READ_ATTRIBUTES = (
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.discard_request_mask"),
     ("vllm.v1.worker.gpu_input_batch", "InputBatch.num_reqs"),
     ("vllm.v1.worker.gpu_input_batch", "InputBatch.req_ids"),
+    # M-RoPE targets: each generated token's shift (engine/batch.py `rope_shift`), and
+    # which models take [3, T] positions (engine/device/forward.py `rotary_positions`)
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.uses_mrope"),
+    ("vllm.v1.worker.gpu_input_batch", "CachedRequestState.mrope_position_delta"),
+    ("vllm.model_executor.models.interfaces", "SupportsMRoPE.supports_mrope"),
     # what patches/plain_propose.py reads and sets on the runner
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.use_async_scheduling"),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._draft_probs"),

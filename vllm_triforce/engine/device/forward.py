@@ -112,7 +112,7 @@ def kv_slots(block_table: torch.Tensor, owner: torch.Tensor, positions: torch.Te
 def build_pass(token_ids: list | torch.Tensor, positions: list[list[int]] | Runs,
                block_table: torch.Tensor, block_size: int, seq_lens: list[int],
                sample_last: bool = False,
-               model_positions: list[list[int]] | None = None) -> PassInputs:
+               model_positions: list[list[int]] | Runs | None = None) -> PassInputs:
     """One pass over n requests: request i runs `token_ids[i]` at absolute `positions[i]`.
 
     token_ids: a list per request, or the flat ids [T] (a host list with `Runs`
@@ -126,7 +126,7 @@ def build_pass(token_ids: list | torch.Tensor, positions: list[list[int]] | Runs
     [[10, 11], [20, 21]]: input_ids [7, 8, 9], slots [45, 46, 82], query_start_loc
     [0, 2, 3], sample_rows [0, 1, 2] (sample_last: [1, 2]). The model rotates with
     `positions`, or with `model_positions` where a level sees other positions (the small
-    draft, core/streaming.py).
+    draft, core/streaming.py; a target with M-RoPE, its requests' position deltas).
     """
     if isinstance(positions, Runs):
         lens, flat = positions.lens.tolist(), positions.flat().tolist()
@@ -139,7 +139,9 @@ def build_pass(token_ids: list | torch.Tensor, positions: list[list[int]] | Runs
     qsl = [0, *itertools.accumulate(lens)]  # [n + 1]
     every = not sample_last  # every token sampled: its rows are 0 .. T-1, made on the device
     sample_rows = list(range(qsl[-1])) if every else [end - 1 for end in qsl[1:]]
-    rotated = None if model_positions is None else [p for ps in model_positions for p in ps]
+    rotated = (model_positions.flat().tolist() if isinstance(model_positions, Runs)
+               else None if model_positions is None
+               else [p for ps in model_positions for p in ps])
     pos, qsl_dev, lens_dev, rows_dev, ids, rot = to_device(
         block_table.device, flat, qsl, seq_lens, [] if every else sample_rows,
         host_ids or [], rotated or [])
@@ -348,6 +350,17 @@ def _share_workspace(source, builder) -> None:
         builder.set_workspace_buffer(source._get_workspace_buffer())
 
 
+def rotary_positions(model, inputs: PassInputs) -> torch.Tensor:
+    """The positions `model` takes: [T], or [3, T] for a model with M-RoPE (vLLM's
+    `SupportsMRoPE`, e.g. Qwen2-VL), whose compiled graphs take its three sections'
+    positions. A generated token sits at the same position in all three (vLLM's
+    `MRotaryEmbedding.get_next_input_positions_tensor`), the shift of its request's images
+    already in `inputs.positions` (`build_pass`'s `model_positions`)."""
+    if getattr(model, "supports_mrope", False):
+        return inputs.positions.expand(3, -1).contiguous()
+    return inputs.positions
+
+
 def run(model, vllm_config, metas: dict, inputs: PassInputs) -> torch.Tensor:
     """Forward `model` over `inputs` with per-layer `metas`; returns logits of sample_rows.
 
@@ -359,7 +372,7 @@ def run(model, vllm_config, metas: dict, inputs: PassInputs) -> torch.Tensor:
         f"TriForce pass of {inputs.num_tokens} tokens exceeds max_num_batched_tokens={limit}")
     with set_forward_context(metas, vllm_config, num_tokens=inputs.num_tokens,
                              slot_mapping={name: inputs.slot_mapping for name in metas}):
-        hidden = model(input_ids=inputs.input_ids, positions=inputs.positions,
+        hidden = model(input_ids=inputs.input_ids, positions=rotary_positions(model, inputs),
                        intermediate_tensors=None, inputs_embeds=None)
     if isinstance(hidden, tuple):
         hidden = hidden[0]
