@@ -13,8 +13,8 @@ What the wrapper does for a triforce config, before any weights load:
 3. hands vLLM a plain `draft_model` config (the draft, or the target itself for two-level
    TriForce: its weights are then never loaded twice, see engine/proposer.py) and carries the
    TriForce settings to the workers in `additional_config["triforce"]`,
-4. checks the draft's vocabulary against the target's, and refuses a small draft with
-   M-RoPE (engine_settings.check_mrope),
+4. checks the draft's vocabulary against the target's, and refuses models whose layers
+   are not all full attention and a small draft with M-RoPE (engine_settings.check_models),
 5. lifts the draft's `max_model_len` to the target's: the small draft only ever sees
    StreamingLLM-rebased positions (core/streaming.py), so its short trained context must
    not cap the target's context nor stop drafting past it.
@@ -59,8 +59,8 @@ def _make_wrapper(original):
         finally:
             self.speculative_config = spec
         _check_vocab(cfg, result.draft_model_config.get_vocab_size(), target_model_config)
-        engine_settings.check_mrope(target_model_config, result.draft_model_config,
-                                    has_draft=cfg.model is not None)
+        engine_settings.check_models(target_model_config, result.draft_model_config,
+                                     has_draft=cfg.model is not None)
         result.draft_model_config.max_model_len = target_model_config.max_model_len
         return result
 

@@ -14,6 +14,7 @@ import types
 import pytest
 import torch
 
+import tiny_models
 import vllm_triforce
 from engine_helpers import (assert_drafted, drafter_of, free_llm, in_process_llm,
                             make_engine_kwargs, runner_of)
@@ -200,6 +201,45 @@ def test_prompt_embeds_refused_before_weights_load(tiny_llama):
         _engine_args(tiny_llama, enable_prompt_embeds=True).create_engine_config()
 
 
+def test_models_with_layers_of_other_kinds_refused_before_weights_load(tiny_llama,
+                                                                       tmp_path):
+    """A model with sliding-window layers beside its full-attention ones (Gemma 2 and 3,
+    gpt-oss): vLLM gives each kind a KV-cache group, and TriForce selects blocks in one.
+    Refused when vLLM builds the config, as target and as small draft; before, the engine
+    loaded its weights and stopped when vLLM built the KV cache."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    hybrid = tiny_models.build_tiny_llama(
+        tmp_path / "hybrid", num_layers=4, sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * 2)
+    with pytest.raises(TriForceConfigError, match=r"the target .*hybrid: its layers are of "
+                                                  r"several kinds \(2 full_attention, 2 "
+                                                  r"sliding_attention\).*Fix: serve this"):
+        _engine_args(hybrid).create_engine_config()
+    with pytest.raises(TriForceConfigError, match=r"the small draft .*Fix: draft with a model "
+                                                  r"that has full attention"):
+        EngineArgs(model=str(tiny_llama), max_model_len=1024,
+                   speculative_config={**SPEC, "model": str(hybrid)}).create_engine_config()
+
+
+@pytest.mark.parametrize("text, flags, named", [
+    ({"attention_chunk_size": 8192}, {}, "attends in chunks of 8192 tokens"),
+    ({}, {"is_hybrid": True}, "Mamba or linear-attention layers"),
+    ({}, {"use_mla": True}, "multi-head latent attention"),
+    ({"layer_types": ["full_attention", "linear_attention"]}, {},
+     r"1 full_attention, 1 linear_attention"),
+])
+def test_what_a_config_says_of_its_attention_refused(text, flags, named):
+    from vllm_triforce import engine_settings
+
+    with pytest.raises(TriForceConfigError, match=named):
+        engine_settings.check_attention(
+            _plain_model(hf_text_config=types.SimpleNamespace(**text),
+                         **{"is_hybrid": False, "use_mla": False, **flags}), "the target")
+    engine_settings.check_attention(_plain_model(hf_text_config=types.SimpleNamespace(
+        layer_types=["full_attention"] * 2)), "the target")
+
+
 @pytest.mark.parametrize("lora, embeds, refused", [
     (object(), False, "enable_lora=True"), (None, True, "enable_prompt_embeds=True")])
 def test_lora_or_prompt_embeds_in_a_built_config_refused(lora, embeds, refused):
@@ -209,15 +249,21 @@ def test_lora_or_prompt_embeds_in_a_built_config_refused(lora, embeds, refused):
         compilation_config=types.SimpleNamespace(cudagraph_mode=None),
         scheduler_config=types.SimpleNamespace(async_scheduling=False),
         parallel_config=types.SimpleNamespace(data_parallel_size=1), lora_config=lora,
-        model_config=types.SimpleNamespace(enable_prompt_embeds=embeds, uses_mrope=False),
+        model_config=_plain_model(enable_prompt_embeds=embeds),
         speculative_config=types.SimpleNamespace(draft_model_config=None),
         additional_config=None)
     with pytest.raises(TriForceConfigError, match=refused):
         engine_settings.check_effective(config)
     engine_settings.check_effective(types.SimpleNamespace(
         **{**vars(config), "lora_config": None,
-           "model_config": types.SimpleNamespace(enable_prompt_embeds=False,
-                                                 uses_mrope=False)}))
+           "model_config": _plain_model(enable_prompt_embeds=False)}))
+
+
+def _plain_model(**kw):
+    """What `check_effective` reads of a model's config: one of full attention, 1-D RoPE."""
+    fields = dict(model="m", uses_mrope=False, is_hybrid=False, use_mla=False,
+                  hf_text_config=types.SimpleNamespace())
+    return types.SimpleNamespace(**{**fields, **kw})
 
 
 @pytest.mark.parametrize("setting,kw", [

@@ -107,10 +107,15 @@ def _special_ids(tokenizer) -> dict:
 def build_tiny_llama(path, *, num_layers: int = 2, hidden: int = 128, heads: int = 4,
                      kv_heads: int = 4, max_position_embeddings: int = 4096,
                      seed: int = 0, init_scale: float = INIT_SCALE,
-                     vocab_size: int | None = None) -> Path:
+                     vocab_size: int | None = None, layer_types: list[str] | None = None,
+                     sliding_window: int | None = None) -> Path:
     """Random Llama (MHA by default, head_dim = hidden // heads). `vocab_size`: a model
     vocabulary larger than the tokenizer's (the extra ids are never tokenised, only
-    sampled), to give vocabulary-wide work a realistic size."""
+    sampled), to give vocabulary-wide work a realistic size. `layer_types` (one per
+    layer, "full_attention" or "sliding_attention") with `sliding_window`: a hybrid model,
+    which vLLM gives a KV-cache group per kind."""
+    hybrid = {} if layer_types is None else dict(layer_types=layer_types,
+                                                  sliding_window=sliding_window)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = _train_tokenizer()
@@ -120,7 +125,7 @@ def build_tiny_llama(path, *, num_layers: int = 2, hidden: int = 128, heads: int
         num_attention_heads=heads, num_key_value_heads=kv_heads,
         max_position_embeddings=max_position_embeddings,
         initializer_range=init_scale, tie_word_embeddings=False,
-        dtype="float32", **_special_ids(tokenizer))
+        dtype="float32", **hybrid, **_special_ids(tokenizer))
     return _save(LlamaForCausalLM, config, tokenizer, path, seed)
 
 

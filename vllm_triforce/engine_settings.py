@@ -12,10 +12,13 @@ source; CPU forces most of them off, which is why CPU tests never saw them):
 | attention backend | FLASH_ATTN (Hopper), FLASHINFER (Blackwell) | per-layer metadata must not share builder state | refuse backends outside `SUPPORTED_ATTENTION_BACKENDS` |
 | prompt embeddings | off | vLLM's draft-model path reads the id of a request's last prompt token when its prefill ends (vllm/v1/spec_decode/llm_base_proposer.py `prepare_next_token_ids_padded`); a prompt given as embeddings has none, and the step fails (vLLM's own `draft_model` too) | refuse `enable_prompt_embeds` |
 | LoRA | off | vLLM's LoRA layers map adapters to the tokens of vLLM's own batch (the punica wrapper's metadata, set per step by the runner); TriForce's passes have other tokens, and the first one fails with a shape error mid-generation | refuse `enable_lora` |
+| attention kinds | the model's | sliding-window, chunked, linear or Mamba layers sit in KV-cache groups of their own, and MLA caches a latent per token; TriForce selects blocks of per-head keys in one group | refuse from the model's config (`check_models`), before weights load |
+| M-RoPE | the model's | vLLM refuses a draft model with M-RoPE, and with two levels TriForce's draft model is the target | take it (patches/mrope_draft.py): TriForce's passes give the target its positions; refuse a small draft with M-RoPE, and M-RoPE on Model Runner V2 |
 
 `decide(engine_args, parallel_config)` runs inside `EngineArgs.create_speculative_config`
 (patches/spec_config.py), i.e. before `VllmConfig` is built and before any weights load; it
-changes only settings the user left at vLLM's default. `check_effective(vllm_config)` runs
+changes only settings the user left at vLLM's default; `check_models` reads the target's and
+the draft's configs once vLLM has built them. `check_effective(vllm_config)` runs
 when the proposer is built (still before weights load) and refuses a config in which vLLM
 itself re-enabled something unsafe; `describe(vllm_config)` is the start-up log line.
 """
@@ -113,8 +116,8 @@ def check_effective(vllm_config) -> None:
     _check_lora(vllm_config.lora_config is not None)
     _check_prompt_embeds(bool(vllm_config.model_config.enable_prompt_embeds))
     settings = triforce_settings(vllm_config) or {}
-    check_mrope(vllm_config.model_config, vllm_config.speculative_config.draft_model_config,
-                has_draft=settings.get("model") is not None)
+    check_models(vllm_config.model_config, vllm_config.speculative_config.draft_model_config,
+                 has_draft=settings.get("model") is not None)
 
 
 def describe(vllm_config, backend_name: str, forced: list[str]) -> str:
@@ -225,14 +228,57 @@ def _check_prompt_embeds(enabled: bool) -> None:
                    "--speculative-config")
 
 
+def check_models(target, draft, has_draft: bool) -> None:
+    """The target's and the small draft's (`has_draft`: three levels) attention, from their
+    configs: `check_attention` for each, then `check_mrope`. `target`, `draft`: vLLM's
+    `ModelConfig`s (draft: the speculative config's `draft_model_config`, the target's own
+    with two levels). Called when vLLM builds the speculative config
+    (patches/spec_config.py), before any weights load, and again by `check_effective`."""
+    check_attention(target, "the target")
+    if has_draft and draft is not None:
+        check_attention(draft, "the small draft")
+    check_mrope(target, draft, has_draft)
+
+
+# `layer_types` entries of a layer with full attention over every cached token
+FULL_ATTENTION_LAYER_TYPES = ("full_attention", "attention")
+
+
+def check_attention(model_config, which: str) -> None:
+    """Every layer of `model_config`'s model attends over its whole context with standard
+    per-head keys, in the one KV-cache group TriForce selects blocks in (engine/drafting.py
+    checks the groups vLLM made). What a config says before any weights load: layers of
+    other kinds (`layer_types`: sliding-window, chunked, linear; Gemma 2 and 3, gpt-oss),
+    chunked local attention (Llama 4), Mamba or linear-attention layers, latent attention
+    (MLA: DeepSeek and its kind)."""
+    text = model_config.hf_text_config
+    kinds = list(getattr(text, "layer_types", None) or [])
+    other = sorted({k for k in kinds if k not in FULL_ATTENTION_LAYER_TYPES})
+    why = None
+    if other:
+        counts = ", ".join(f"{kinds.count(k)} {k}" for k in sorted(set(kinds)))
+        why = f"its layers are of several kinds ({counts})"
+    elif getattr(text, "attention_chunk_size", None):
+        why = f"it attends in chunks of {text.attention_chunk_size} tokens in some layers"
+    elif model_config.is_hybrid:
+        why = "it has Mamba or linear-attention layers beside its attention layers"
+    elif model_config.use_mla:
+        why = ("its attention is multi-head latent attention (MLA), whose cache holds a "
+               "latent per token, not the per-head keys TriForce summarises")
+    if why is not None:
+        raise _fix(f"{which} {model_config.model}",
+                   f"{why}; TriForce selects KV blocks for layers that each attend over the "
+                   "whole context with per-head keys, in one KV-cache group",
+                   "serve this model without --speculative-config" if which == "the target"
+                   else "draft with a model that has full attention in every layer, or leave "
+                   "speculative_config's 'model' unset (two levels)")
+
+
 def check_mrope(target, draft, has_draft: bool) -> None:
     """M-RoPE (Qwen2-VL, Qwen2.5-VL, PaddleOCR-VL and their kind): the target's middle
     passes get its positions in the V1 runner (engine/device/forward.rotary_positions); a
     small draft (`has_draft`: three levels) with M-RoPE, or the target's in Model Runner
-    V2, would rotate with 1-D positions. `target`, `draft`: vLLM's `ModelConfig`s (draft:
-    the speculative config's `draft_model_config`, the target's own with two levels).
-    Called when vLLM builds the speculative config (patches/spec_config.py) and again by
-    `check_effective`."""
+    V2, would rotate with 1-D positions (`check_models`' arguments)."""
     if has_draft and draft is not None and draft.uses_mrope:
         raise _fix(f"a small draft model with M-RoPE ({draft.model})",
                    "its StreamingLLM passes rotate generated tokens with 1-D positions, "
