@@ -134,7 +134,7 @@ PR, and when to remove it. Each module's docstring has the details.
             failed at start-up, in the proposer vLLM builds before TriForce's replaces it.
     How:    for a TriForce engine the check returns; TriForce's middle passes give the
             target M-RoPE positions, and refuse a small draft with M-RoPE
-            (engine_settings.py `_check_mrope`) before weights load.
+            (engine_settings.py `check_models`) before weights load.
     Gate:   TriForce settings in `additional_config`. Upstream: none known.
     Remove: when vLLM's draft-model path supports M-RoPE, or a plugin can register a
             proposer (RFC vllm#36219).

@@ -12,8 +12,8 @@ How: wrap `_raise_if_mrope`; for a TriForce engine it returns. TriForce's middle
 give an M-RoPE target its positions (engine/device/forward.py `rotary_positions`, each
 generated token shifted by its request's `mrope_position_delta`), and a small draft with
 M-RoPE, which TriForce's StreamingLLM passes would rotate with 1-D positions, is refused
-with the fix when TriForce's proposer is built, right after (engine_settings.py
-`_check_mrope`), before any weights load. Any other engine: vLLM's check, unchanged.
+with the fix when vLLM builds the speculative config (engine_settings.py `check_models`),
+before any weights load. Any other engine: vLLM's check, unchanged.
 
 Gate: TriForce settings in `additional_config`. Upstream: none known. Remove: when vLLM's
 draft-model path gives M-RoPE drafts their positions, or a plugin can register a proposer

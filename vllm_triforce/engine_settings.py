@@ -253,11 +253,10 @@ def check_attention(model_config, which: str) -> None:
     (MLA: DeepSeek and its kind)."""
     text = model_config.hf_text_config
     kinds = list(getattr(text, "layer_types", None) or [])
-    other = sorted({k for k in kinds if k not in FULL_ATTENTION_LAYER_TYPES})
     why = None
-    if other:
+    if any(kind not in FULL_ATTENTION_LAYER_TYPES for kind in kinds):
         counts = ", ".join(f"{kinds.count(k)} {k}" for k in sorted(set(kinds)))
-        why = f"its layers are of several kinds ({counts})"
+        why = f"not all its layers have full attention ({counts})"
     elif getattr(text, "attention_chunk_size", None):
         why = f"it attends in chunks of {text.attention_chunk_size} tokens in some layers"
     elif model_config.is_hybrid:

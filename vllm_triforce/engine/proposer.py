@@ -210,4 +210,3 @@ def _image_token_index(target_model):
     finally:
         if lend:
             del config.image_token_index
-
