@@ -222,6 +222,21 @@ def test_models_with_layers_of_other_kinds_refused_before_weights_load(tiny_llam
                    speculative_config={**SPEC, "model": str(hybrid)}).create_engine_config()
 
 
+def test_a_sliding_window_in_every_layer_refused_where_it_is_shorter_than_the_context(
+        tmp_path):
+    """vLLM gives every layer of a model with a `sliding_window` (and no `layer_types`) that
+    window, and frees the blocks behind it (Mistral 7B v0.1): refused where the window is
+    shorter than max_model_len; a window that holds the whole context is full attention."""
+    sliding = tiny_models.build_tiny_llama(tmp_path / "sliding", sliding_window=256)
+    with pytest.raises(TriForceConfigError, match=r"every layer attends to the last 256 "
+                                                  r"tokens of a context of up to 1024"):
+        _engine_args(sliding).create_engine_config()
+    from vllm.engine.arg_utils import EngineArgs
+
+    EngineArgs(model=str(sliding), speculative_config=dict(SPEC, retrieval_budget=128),
+               max_model_len=256, block_size=16).create_engine_config()
+
+
 @pytest.mark.parametrize("text, flags, named", [
     ({"attention_chunk_size": 8192}, {}, "attends in chunks of 8192 tokens"),
     ({}, {"is_hybrid": True}, "Mamba or linear-attention layers"),
@@ -235,9 +250,10 @@ def test_what_a_config_says_of_its_attention_refused(text, flags, named):
     with pytest.raises(TriForceConfigError, match=named):
         engine_settings.check_attention(
             _plain_model(hf_text_config=types.SimpleNamespace(**text),
-                         **{"is_hybrid": False, "use_mla": False, **flags}), "the target")
+                         **{"is_hybrid": False, "use_mla": False, **flags}), "the target",
+            4096)
     engine_settings.check_attention(_plain_model(hf_text_config=types.SimpleNamespace(
-        layer_types=["full_attention"] * 2)), "the target")
+        layer_types=["full_attention"] * 2)), "the target", 4096)
 
 
 @pytest.mark.parametrize("lora, embeds, refused", [
@@ -262,7 +278,8 @@ def test_lora_or_prompt_embeds_in_a_built_config_refused(lora, embeds, refused):
 def _plain_model(**kw):
     """What `check_effective` reads of a model's config: one of full attention, 1-D RoPE."""
     fields = dict(model="m", uses_mrope=False, is_hybrid=False, use_mla=False,
-                  hf_text_config=types.SimpleNamespace())
+                  hf_text_config=types.SimpleNamespace(), max_model_len=4096,
+                  get_sliding_window=lambda: None)
     return types.SimpleNamespace(**{**fields, **kw})
 
 

@@ -111,11 +111,13 @@ def build_tiny_llama(path, *, num_layers: int = 2, hidden: int = 128, heads: int
                      sliding_window: int | None = None) -> Path:
     """Random Llama (MHA by default, head_dim = hidden // heads). `vocab_size`: a model
     vocabulary larger than the tokenizer's (the extra ids are never tokenised, only
-    sampled), to give vocabulary-wide work a realistic size. `layer_types` (one per
-    layer, "full_attention" or "sliding_attention") with `sliding_window`: a hybrid model,
-    which vLLM gives a KV-cache group per kind."""
-    hybrid = {} if layer_types is None else dict(layer_types=layer_types,
-                                                  sliding_window=sliding_window)
+    sampled), to give vocabulary-wide work a realistic size. `sliding_window` alone: every
+    layer attends to that window (vLLM's CacheConfig.sliding_window); with `layer_types`
+    (one per layer, "full_attention" or "sliding_attention"), only the sliding ones: a
+    hybrid model, which vLLM gives a KV-cache group per kind."""
+    hybrid = {key: value for key, value in (("layer_types", layer_types),
+                                            ("sliding_window", sliding_window))
+              if value is not None}
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = _train_tokenizer()

@@ -12,7 +12,7 @@ source; CPU forces most of them off, which is why CPU tests never saw them):
 | attention backend | FLASH_ATTN (Hopper), FLASHINFER (Blackwell) | per-layer metadata must not share builder state | refuse backends outside `SUPPORTED_ATTENTION_BACKENDS` |
 | prompt embeddings | off | vLLM's draft-model path reads the id of a request's last prompt token when its prefill ends (vllm/v1/spec_decode/llm_base_proposer.py `prepare_next_token_ids_padded`); a prompt given as embeddings has none, and the step fails (vLLM's own `draft_model` too) | refuse `enable_prompt_embeds` |
 | LoRA | off | vLLM's LoRA layers map adapters to the tokens of vLLM's own batch (the punica wrapper's metadata, set per step by the runner); TriForce's passes have other tokens, and the first one fails with a shape error mid-generation | refuse `enable_lora` |
-| attention kinds | the model's | sliding-window, chunked, linear or Mamba layers sit in KV-cache groups of their own, and MLA caches a latent per token; TriForce selects blocks of per-head keys in one group | refuse from the model's config (`check_models`), before weights load |
+| attention kinds | the model's | sliding-window, chunked, linear or Mamba layers sit in KV-cache groups of their own, a sliding window in every layer frees the blocks behind it, and MLA caches a latent per token; TriForce selects blocks of per-head keys in one group | refuse from the model's config (`check_models`), before weights load |
 | M-RoPE | the model's | vLLM refuses a draft model with M-RoPE, and with two levels TriForce's draft model is the target | take it (patches/mrope_draft.py): TriForce's passes give the target its positions; refuse a small draft with M-RoPE, and M-RoPE on Model Runner V2 |
 
 `decide(engine_args, parallel_config)` runs inside `EngineArgs.create_speculative_config`
@@ -234,9 +234,9 @@ def check_models(target, draft, has_draft: bool) -> None:
     `ModelConfig`s (draft: the speculative config's `draft_model_config`, the target's own
     with two levels). Called when vLLM builds the speculative config
     (patches/spec_config.py), before any weights load, and again by `check_effective`."""
-    check_attention(target, "the target")
+    check_attention(target, "the target", target.max_model_len)
     if has_draft and draft is not None:
-        check_attention(draft, "the small draft")
+        check_attention(draft, "the small draft", target.max_model_len)
     check_mrope(target, draft, has_draft)
 
 
@@ -244,19 +244,25 @@ def check_models(target, draft, has_draft: bool) -> None:
 FULL_ATTENTION_LAYER_TYPES = ("full_attention", "attention")
 
 
-def check_attention(model_config, which: str) -> None:
-    """Every layer of `model_config`'s model attends over its whole context with standard
-    per-head keys, in the one KV-cache group TriForce selects blocks in (engine/drafting.py
-    checks the groups vLLM made). What a config says before any weights load: layers of
-    other kinds (`layer_types`: sliding-window, chunked, linear; Gemma 2 and 3, gpt-oss),
-    chunked local attention (Llama 4), Mamba or linear-attention layers, latent attention
-    (MLA: DeepSeek and its kind)."""
+def check_attention(model_config, which: str, max_model_len: int) -> None:
+    """Every layer of `model_config`'s model attends over its whole context (of up to
+    `max_model_len` tokens) with standard per-head keys, in the one KV-cache group TriForce
+    selects blocks in (engine/drafting.py checks the groups vLLM made). What a config says
+    before any weights load: layers of other kinds (`layer_types`: sliding-window, chunked,
+    linear; Gemma 2 and 3, gpt-oss), a sliding window shorter than the context in every
+    layer (vLLM's rule for `CacheConfig.sliding_window`: a `sliding_window` without
+    `layer_types`; Mistral 7B v0.1, Phi-3 mini 4K), chunked local attention (Llama 4),
+    Mamba or linear-attention layers, latent attention (MLA: DeepSeek and its kind)."""
     text = model_config.hf_text_config
     kinds = list(getattr(text, "layer_types", None) or [])
     why = None
     if any(kind not in FULL_ATTENTION_LAYER_TYPES for kind in kinds):
         counts = ", ".join(f"{kinds.count(k)} {k}" for k in sorted(set(kinds)))
         why = f"not all its layers have full attention ({counts})"
+    elif (model_config.get_sliding_window() or max_model_len) < max_model_len:
+        why = (f"every layer attends to the last {model_config.get_sliding_window()} tokens "
+               f"of a context of up to {max_model_len}, and vLLM frees the blocks behind "
+               "that window")
     elif getattr(text, "attention_chunk_size", None):
         why = f"it attends in chunks of {text.attention_chunk_size} tokens in some layers"
     elif model_config.is_hybrid:
