@@ -251,16 +251,17 @@ def check_attention(model_config, which: str, max_model_len: int) -> None:
     before any weights load: layers of other kinds (`layer_types`: sliding-window, chunked,
     linear; Gemma 2 and 3, gpt-oss), a sliding window shorter than the context in every
     layer (vLLM's rule for `CacheConfig.sliding_window`: a `sliding_window` without
-    `layer_types`; Mistral 7B v0.1, Phi-3 mini 4K), chunked local attention (Llama 4),
+    `layer_types`; Mistral 7B v0.1), chunked local attention (Llama 4),
     Mamba or linear-attention layers, latent attention (MLA: DeepSeek and its kind)."""
     text = model_config.hf_text_config
     kinds = list(getattr(text, "layer_types", None) or [])
+    window = model_config.get_sliding_window()
     why = None
     if any(kind not in FULL_ATTENTION_LAYER_TYPES for kind in kinds):
         counts = ", ".join(f"{kinds.count(k)} {k}" for k in sorted(set(kinds)))
         why = f"not all its layers have full attention ({counts})"
-    elif (model_config.get_sliding_window() or max_model_len) < max_model_len:
-        why = (f"every layer attends to the last {model_config.get_sliding_window()} tokens "
+    elif window is not None and window < max_model_len:
+        why = (f"every layer attends to the last {window} tokens "
                f"of a context of up to {max_model_len}, and vLLM frees the blocks behind "
                "that window")
     elif getattr(text, "attention_chunk_size", None):
