@@ -137,10 +137,10 @@ def test_mrope_target_refused_on_model_runner_v2(monkeypatch):
     from vllm_triforce import engine_settings
 
     target = types.SimpleNamespace(model="vl", uses_mrope=True)
-    engine_settings.check_mrope(target, target, has_draft=False)  # the V1 runner: taken
+    engine_settings.check_mrope(target, None)  # the V1 runner, two levels: taken
     monkeypatch.setenv(engine_settings.MRV2_SWITCH_ENV, "1")
     with pytest.raises(TriForceConfigError, match=r"M-RoPE.*Fix: unset VLLM_TRIFORCE_MRV2"):
-        engine_settings.check_mrope(target, target, has_draft=False)
+        engine_settings.check_mrope(target, None)
 
 
 def test_mrope_draft_patch_lifts_vllms_refusal_for_triforce_only():

@@ -234,10 +234,11 @@ def check_models(target, draft, has_draft: bool) -> None:
     `ModelConfig`s (draft: the speculative config's `draft_model_config`, the target's own
     with two levels). Called when vLLM builds the speculative config
     (patches/spec_config.py), before any weights load, and again by `check_effective`."""
+    small_draft = draft if has_draft else None
     check_attention(target, "the target", target.max_model_len)
-    if has_draft and draft is not None:
-        check_attention(draft, "the small draft", target.max_model_len)
-    check_mrope(target, draft, has_draft)
+    if small_draft is not None:
+        check_attention(small_draft, "the small draft", target.max_model_len)
+    check_mrope(target, small_draft)
 
 
 # `layer_types` entries of a layer with full attention over every cached token
@@ -280,13 +281,13 @@ def check_attention(model_config, which: str, max_model_len: int) -> None:
                    "speculative_config's 'model' unset (two levels)")
 
 
-def check_mrope(target, draft, has_draft: bool) -> None:
+def check_mrope(target, small_draft) -> None:
     """M-RoPE (Qwen2-VL, Qwen2.5-VL, PaddleOCR-VL and their kind): the target's middle
     passes get its positions in the V1 runner (engine/device/forward.rotary_positions); a
-    small draft (`has_draft`: three levels) with M-RoPE, or the target's in Model Runner
-    V2, would rotate with 1-D positions (`check_models`' arguments)."""
-    if has_draft and draft is not None and draft.uses_mrope:
-        raise _fix(f"a small draft model with M-RoPE ({draft.model})",
+    small draft (three levels; None with two) with M-RoPE, or the target's in Model Runner
+    V2, would rotate with 1-D positions. Both are vLLM's `ModelConfig`s."""
+    if small_draft is not None and small_draft.uses_mrope:
+        raise _fix(f"a small draft model with M-RoPE ({small_draft.model})",
                    "its StreamingLLM passes rotate generated tokens with 1-D positions, "
                    "rebased to its window",
                    "draft with a text-only model of the target's vocabulary, or leave "

@@ -50,7 +50,7 @@ from vllm_triforce.core.summaries import BlockSummaries
 from vllm_triforce.engine.batch import StepBatch, of_rows
 from vllm_triforce.engine.depth import DepthChooser
 from vllm_triforce.engine.device import capture
-from vllm_triforce.engine.device.forward import metadata_path
+from vllm_triforce.engine.device.forward import metadata_path, takes_mrope
 from vllm_triforce.engine.device.round_graph import RoundGraphs
 from vllm_triforce.engine.device.selection_graph import SelectionGraphs
 from vllm_triforce.engine.draft_level import DraftLevel, draft_window
@@ -369,7 +369,7 @@ class Drafting:
                                      groups[0].kernel_block_size)
         if len(groups) != 1:
             path, why = "per pass", f"{level} layers in {len(groups)} attention groups"
-        if getattr(model, "supports_mrope", False):  # forward.rotary_positions
+        if takes_mrope(model):
             path, why = "per pass", "the model rotates with M-RoPE: its buffers hold 1-D positions"
         if path == "per pass":
             logger.info("TriForce %s passes: built per pass (%s)", level, why)

@@ -350,13 +350,18 @@ def _share_workspace(source, builder) -> None:
         builder.set_workspace_buffer(source._get_workspace_buffer())
 
 
+def takes_mrope(model) -> bool:
+    """Whether `model` rotates with M-RoPE (vLLM's `SupportsMRoPE`, e.g. Qwen2-VL): its
+    passes take [3, T] positions (`rotary_positions`)."""
+    return getattr(model, "supports_mrope", False)
+
+
 def rotary_positions(model, inputs: PassInputs) -> torch.Tensor:
-    """The positions `model` takes: [T], or [3, T] for a model with M-RoPE (vLLM's
-    `SupportsMRoPE`, e.g. Qwen2-VL), whose compiled graphs take its three sections'
-    positions. A generated token sits at the same position in all three (vLLM's
-    `MRotaryEmbedding.get_next_input_positions_tensor`), the shift of its request's images
-    already in `inputs.positions` (`build_pass`'s `model_positions`)."""
-    if getattr(model, "supports_mrope", False):
+    """The positions `model` takes: [T], or [3, T] for a model with M-RoPE, whose compiled
+    graphs take its three sections' positions. A generated token sits at the same position
+    in all three (vLLM's `MRotaryEmbedding.get_next_input_positions_tensor`), the shift of
+    its request's images already in `inputs.positions` (`build_pass`'s `model_positions`)."""
+    if takes_mrope(model):
         return inputs.positions.expand(3, -1).contiguous()
     return inputs.positions
 
