@@ -201,25 +201,30 @@ def test_prompt_embeds_refused_before_weights_load(tiny_llama):
         _engine_args(tiny_llama, enable_prompt_embeds=True).create_engine_config()
 
 
-def test_models_with_layers_of_other_kinds_refused_before_weights_load(tiny_llama,
-                                                                       tmp_path):
+def test_sliding_window_layers_taken_in_the_target_refused_in_a_small_draft(tiny_llama,
+                                                                           tmp_path):
     """A model with sliding-window layers beside its full-attention ones (Gemma 2 and 3,
-    gpt-oss): vLLM gives each kind a KV-cache group, and TriForce selects blocks in one.
-    Refused when vLLM builds the config, as target and as small draft; before, the engine
-    loaded its weights and stopped when vLLM built the KV cache."""
+    gpt-oss) is taken as a two-level target (tests/test_window_layers.py runs one); as a
+    small draft, or with no full-attention layer, it is refused when vLLM builds the
+    config, before weights load."""
     from vllm.engine.arg_utils import EngineArgs
 
     hybrid = tiny_models.build_tiny_llama(
         tmp_path / "hybrid", num_layers=4, sliding_window=128,
         layer_types=["sliding_attention", "full_attention"] * 2)
-    with pytest.raises(TriForceConfigError, match=r"the target .*hybrid: not all its layers "
-                                                  r"have full attention \(2 full_attention, 2 "
-                                                  r"sliding_attention\).*Fix: serve this"):
-        _engine_args(hybrid).create_engine_config()
-    with pytest.raises(TriForceConfigError, match=r"the small draft .*Fix: draft with a model "
-                                                  r"that has full attention"):
+    _engine_args(hybrid).create_engine_config()
+    with pytest.raises(TriForceConfigError, match=r"the small draft .*hybrid: not all its "
+                                                  r"layers have full attention \(2 "
+                                                  r"full_attention, 2 sliding_attention\).*"
+                                                  r"Fix: draft with a model that has full"):
         EngineArgs(model=str(tiny_llama), max_model_len=1024,
                    speculative_config={**SPEC, "model": str(hybrid)}).create_engine_config()
+    sliding = tiny_models.build_tiny_llama(
+        tmp_path / "sliding", num_layers=2, sliding_window=128,
+        layer_types=["sliding_attention"] * 2)
+    with pytest.raises(TriForceConfigError, match=r"the target .*sliding: none of its layers "
+                                                  r"has full attention.*Fix: serve this"):
+        _engine_args(sliding).create_engine_config()
 
 
 def test_a_sliding_window_in_every_layer_refused_where_it_is_shorter_than_the_context(
@@ -251,9 +256,9 @@ def test_what_a_config_says_of_its_attention_refused(text, flags, named):
         engine_settings.check_attention(
             _plain_model(hf_text_config=types.SimpleNamespace(**text),
                          **{"is_hybrid": False, "use_mla": False, **flags}), "the target",
-            4096)
+            4096, windows=True)
     engine_settings.check_attention(_plain_model(hf_text_config=types.SimpleNamespace(
-        layer_types=["full_attention"] * 2)), "the target", 4096)
+        layer_types=["full_attention"] * 2)), "the target", 4096, windows=False)
 
 
 @pytest.mark.parametrize("lora, embeds, refused", [

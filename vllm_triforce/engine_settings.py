@@ -12,7 +12,7 @@ source; CPU forces most of them off, which is why CPU tests never saw them):
 | attention backend | FLASH_ATTN (Hopper), FLASHINFER (Blackwell) | per-layer metadata must not share builder state | refuse backends outside `SUPPORTED_ATTENTION_BACKENDS` |
 | prompt embeddings | off | vLLM's draft-model path reads the id of a request's last prompt token when its prefill ends (vllm/v1/spec_decode/llm_base_proposer.py `prepare_next_token_ids_padded`); a prompt given as embeddings has none, and the step fails (vLLM's own `draft_model` too) | refuse `enable_prompt_embeds` |
 | LoRA | off | vLLM's LoRA layers map adapters to the tokens of vLLM's own batch (the punica wrapper's metadata, set per step by the runner); TriForce's passes have other tokens, and the first one fails with a shape error mid-generation | refuse `enable_lora` |
-| attention kinds | the model's | sliding-window, chunked, linear or Mamba layers sit in KV-cache groups of their own, a sliding window in every layer frees the blocks behind it, and MLA caches a latent per token; TriForce selects blocks of per-head keys in one group | refuse from the model's config (`check_models`), before weights load |
+| attention kinds | the model's | chunked, linear or Mamba layers sit in KV-cache groups of their own, a sliding window in every layer frees the blocks behind it, and MLA caches a latent per token; TriForce selects blocks of per-head keys for full-attention layers | take sliding-window layers beside full ones in the target (two levels, V1 runner: each pass runs them over their own group, engine/device/forward.py `WindowLayers`); refuse the rest from the model's config (`check_models`), before weights load |
 | M-RoPE | the model's | vLLM refuses a draft model with M-RoPE, and with two levels TriForce's draft model is the target | take it (patches/mrope_draft.py): TriForce's passes give the target its positions; refuse a small draft with M-RoPE, and M-RoPE on Model Runner V2 |
 
 `decide(engine_args, parallel_config)` runs inside `EngineArgs.create_speculative_config`
@@ -230,38 +230,68 @@ def _check_prompt_embeds(enabled: bool) -> None:
 
 def check_models(target, draft, has_draft: bool) -> None:
     """The target's and the small draft's (`has_draft`: three levels) attention, from their
-    configs: `check_attention` for each, then `check_mrope`. `target`, `draft`: vLLM's
-    `ModelConfig`s (draft: the speculative config's `draft_model_config`, the target's own
-    with two levels). Called when vLLM builds the speculative config
+    configs: `check_attention` for each, then `check_windows` and `check_mrope`. `target`,
+    `draft`: vLLM's `ModelConfig`s (draft: the speculative config's `draft_model_config`,
+    the target's own with two levels). Called when vLLM builds the speculative config
     (patches/spec_config.py), before any weights load, and again by `check_effective`."""
     small_draft = draft if has_draft else None
-    check_attention(target, "the target", target.max_model_len)
+    check_attention(target, "the target", target.max_model_len, windows=True)
     if small_draft is not None:
-        check_attention(small_draft, "the small draft", target.max_model_len)
+        check_attention(small_draft, "the small draft", target.max_model_len, windows=False)
+    check_windows(target, small_draft)
     check_mrope(target, small_draft)
 
 
 # `layer_types` entries of a layer with full attention over every cached token
 FULL_ATTENTION_LAYER_TYPES = ("full_attention", "attention")
+# ... of a layer attending to a sliding window of the newest tokens (Gemma 2 and 3, gpt-oss)
+SLIDING_LAYER_TYPES = ("sliding_attention",)
 
 
-def check_attention(model_config, which: str, max_model_len: int) -> None:
+def layer_kinds(model_config) -> list[str]:
+    """The model's `layer_types` (one entry per layer), [] where its config has none."""
+    return list(getattr(model_config.hf_text_config, "layer_types", None) or [])
+
+
+def has_window_layers(model_config) -> bool:
+    """Some layers attend to a sliding window beside full-attention ones (`layer_types`)."""
+    return any(kind in SLIDING_LAYER_TYPES for kind in layer_kinds(model_config))
+
+
+def full_attention_layers(model_config, num_layers: int) -> int:
+    """How many of the model's `num_layers` layers attend over the whole context: the
+    layers TriForce selects blocks for (the others, sliding-window layers, run over their
+    own window in every pass, engine/device/forward.py `WindowLayers`)."""
+    kinds = layer_kinds(model_config)
+    if len(kinds) != num_layers:
+        return num_layers
+    return sum(kind in FULL_ATTENTION_LAYER_TYPES for kind in kinds)
+
+
+def check_attention(model_config, which: str, max_model_len: int, windows: bool) -> None:
     """Every layer of `model_config`'s model attends over its whole context (of up to
-    `max_model_len` tokens) with standard per-head keys, in the one KV-cache group TriForce
-    selects blocks in (engine/drafting.py checks the groups vLLM made). What a config says
-    before any weights load: layers of other kinds (`layer_types`: sliding-window, chunked,
-    linear; Gemma 2 and 3, gpt-oss), a sliding window shorter than the context in every
-    layer (vLLM's rule for `CacheConfig.sliding_window`: a `sliding_window` without
-    `layer_types`; Mistral 7B v0.1), chunked local attention (Llama 4),
-    Mamba or linear-attention layers, latent attention (MLA: DeepSeek and its kind)."""
+    `max_model_len` tokens) with standard per-head keys, or, where `windows` (the target),
+    over a sliding window beside layers that do (Gemma 2 and 3, gpt-oss): TriForce selects
+    blocks for the full-attention layers (engine/drafting.py checks the KV-cache groups
+    vLLM made). What a config says before any weights load: layers of other kinds
+    (`layer_types`: chunked, linear; sliding ones in a small draft, or with no full layer
+    beside them), a sliding window shorter than the context in every layer (vLLM's rule
+    for `CacheConfig.sliding_window`: a `sliding_window` without `layer_types`; Mistral 7B
+    v0.1), chunked local attention (Llama 4), Mamba or linear-attention layers, latent
+    attention (MLA: DeepSeek and its kind)."""
     text = model_config.hf_text_config
-    kinds = list(getattr(text, "layer_types", None) or [])
+    kinds = layer_kinds(model_config)
+    taken = FULL_ATTENTION_LAYER_TYPES + (SLIDING_LAYER_TYPES if windows else ())
+    full = [kind for kind in kinds if kind in FULL_ATTENTION_LAYER_TYPES]
     window = model_config.get_sliding_window()
     why = None
-    if any(kind not in FULL_ATTENTION_LAYER_TYPES for kind in kinds):
+    if any(kind not in taken for kind in kinds) or (kinds and not full):
         counts = ", ".join(f"{kinds.count(k)} {k}" for k in sorted(set(kinds)))
-        why = f"not all its layers have full attention ({counts})"
-    elif window is not None and window < max_model_len:
+        why = (f"not all its layers have full attention ({counts})" if not windows
+               else f"it has layers of a kind TriForce cannot select blocks for ({counts})"
+               if any(kind not in taken for kind in kinds)
+               else f"none of its layers has full attention ({counts})")
+    elif not kinds and window is not None and window < max_model_len:
         why = (f"every layer attends to the last {window} tokens "
                f"of a context of up to {max_model_len}, and vLLM frees the blocks behind "
                "that window")
@@ -275,10 +305,35 @@ def check_attention(model_config, which: str, max_model_len: int) -> None:
     if why is not None:
         raise _fix(f"{which} {model_config.model}",
                    f"{why}; TriForce selects KV blocks for layers that each attend over the "
-                   "whole context with per-head keys, in one KV-cache group",
+                   "whole context with per-head keys"
+                   + (", beside which a target may have sliding-window layers" if windows
+                      else ""),
                    "serve this model without --speculative-config" if which == "the target"
                    else "draft with a model that has full attention in every layer, or leave "
                    "speculative_config's 'model' unset (two levels)")
+
+
+def check_windows(target, small_draft) -> None:
+    """A target with sliding-window layers (Gemma 2 and 3, gpt-oss) runs with two levels
+    in the V1 runner: its middle passes run those layers over their own KV-cache group
+    (engine/device/forward.py `WindowLayers`). A small draft beside it (three levels),
+    whose layers vLLM would group with the target's, and the Model Runner V2 binding,
+    which builds one table for every layer, are refused. Both are vLLM's `ModelConfig`s."""
+    if not has_window_layers(target):
+        return
+    if small_draft is not None:
+        raise _fix(f"a small draft model ({small_draft.model}) beside a target with "
+                   f"sliding-window layers ({target.model})",
+                   "TriForce runs such a target with two levels: its three-level engine "
+                   "expects the target's and the draft's layers in one KV-cache group, and "
+                   "vLLM gives sliding-window layers groups of their own",
+                   "leave speculative_config's 'model' unset (two levels: the target drafts "
+                   "for itself over its retrieval cache)")
+    if mrv2_requested():
+        asked = _mrv2_asked_by()
+        raise _fix(f"{asked}=1 for a model with sliding-window layers ({target.model})",
+                   "TriForce's Model Runner V2 binding gives every layer one block table",
+                   f"unset {asked}: TriForce runs such models in the V1 runner")
 
 
 def check_mrope(target, small_draft) -> None:

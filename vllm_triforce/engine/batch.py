@@ -63,6 +63,10 @@ class StepBatch:
     # device [R] int64: each row's request-state slot in Model Runner V2 (where its draft
     # logits go, engine/mrv2/draft_logits.py); None on the V1 runner
     slots: torch.Tensor | None = None
+    # KV-cache group id -> device [R, width] int32: the block tables of the groups the
+    # target's sliding-window layers sit in (engine/device/forward.py `WindowLayers`),
+    # other than `block_table`'s; None: no such group
+    window_tables: dict[int, torch.Tensor] | None = None
 
     def __post_init__(self):
         if self.seeded is None:
@@ -158,17 +162,23 @@ class StepBatch:
     @classmethod
     def from_runner(cls, runner, cad, target_token_ids, next_token_ids, num_rejected_tokens_gpu,
                     sampling_metadata, block_size: int, max_lookahead: int,
-                    previous: "StepBatch | None" = None) -> "StepBatch":
+                    previous: "StepBatch | None" = None, table_group: int = 0,
+                    window_groups: dict[int, int] | None = None) -> "StepBatch":
         """`max_lookahead`: positions past seq_len this step may touch (gamma2); the block
         table is kept (on the device) only as wide as that needs, not max_model_len /
         block_size. What the host needs comes in ONE copy (`to_host`): on a GPU each separate
         `.tolist()` would be a sync. `previous`: the last step's batch; where its requests
         are this one's, in the same rows, what never changes during a request (its
         `CachedRequestState`, whether it is seeded, whether it decodes plainly) is taken
-        from it instead of read per request."""
+        from it instead of read per request. `table_group`: the KV-cache group of the
+        target's full-attention layers (`cad` holds group 0's table: vLLM hands a draft
+        model's proposer the first group's metadata); `window_groups`: KV-cache group id ->
+        block size of the groups of its sliding-window layers, whose tables the batch
+        keeps too (`window_tables`)."""
         num_reqs = cad.num_reqs
         device = next_token_ids.device
-        width = _table_width(cad.block_table_tensor, cad.max_seq_len, max_lookahead, block_size)
+        table = _group_table(runner, cad, table_group)
+        width = _table_width(table, cad.max_seq_len, max_lookahead, block_size)
         req_ids = list(runner.input_batch.req_ids[:num_reqs])
         rejected = (torch.zeros(num_reqs, dtype=torch.long, device=device)
                     if num_rejected_tokens_gpu is None else num_rejected_tokens_gpu[:num_reqs])
@@ -192,7 +202,8 @@ class StepBatch:
             req_ids=req_ids, seq_lens=seq_lens, query_start_loc=qsl, num_rejected=rejected,
             decoding=(~discard).tolist(), next_tokens=next_tokens, verify_ids=verify_ids,
             greedy=(np.asarray(greedy) == 1).tolist(),
-            block_table=cad.block_table_tensor[:num_reqs, :width].to(torch.int32).clone(),
+            block_table=table[:num_reqs, :width].to(torch.int32).clone(),
+            window_tables=_window_tables(runner, cad, window_groups, max_lookahead),
             temperature=temperature,
             top_k=None if top_k is None else top_k[:num_reqs],
             top_p=None if top_p is None else top_p[:num_reqs],
@@ -276,6 +287,29 @@ def _rope_shift(requests: list) -> np.ndarray | None:
     shift = np.fromiter((r.mrope_position_delta or 0 for r in requests), dtype=np.int64,
                         count=len(requests))
     return shift if shift.any() else None
+
+
+def _group_table(runner, cad, gid: int) -> torch.Tensor:
+    """KV-cache group `gid`'s block table of the step's batch (device, batch rows): the
+    one `cad` holds for group 0, else the runner's (`input_batch.block_table[gid]`, where
+    vLLM's pass read it, vllm/v1/worker/gpu_model_runner.py `_get_block_table`)."""
+    if gid == 0:
+        return cad.block_table_tensor
+    return runner.input_batch.block_table[gid].get_device_tensor(cad.num_reqs)
+
+
+def _window_tables(runner, cad, groups: dict[int, int] | None,
+                   max_lookahead: int) -> dict[int, torch.Tensor] | None:
+    """`StepBatch.window_tables`: each of `groups`' (gid -> block size) tables, as wide
+    as the step's positions need."""
+    if not groups:
+        return None
+    tables = {}
+    for gid, block_size in groups.items():
+        table = _group_table(runner, cad, gid)
+        width = _table_width(table, cad.max_seq_len, max_lookahead, block_size)
+        tables[gid] = table[:cad.num_reqs, :width].to(torch.int32).clone()
+    return tables
 
 
 def of_rows(values: list, rows) -> list:

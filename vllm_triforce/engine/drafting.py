@@ -50,7 +50,8 @@ from vllm_triforce.core.summaries import BlockSummaries
 from vllm_triforce.engine.batch import StepBatch, of_rows
 from vllm_triforce.engine.depth import DepthChooser
 from vllm_triforce.engine.device import capture
-from vllm_triforce.engine.device.forward import metadata_path, takes_mrope
+from vllm_triforce.engine.device.forward import (BUILDER_PER_LAYER, WindowLayers, metadata_path,
+                                                 takes_mrope)
 from vllm_triforce.engine.device.round_graph import RoundGraphs
 from vllm_triforce.engine.device.selection_graph import SelectionGraphs
 from vllm_triforce.engine.draft_level import DraftLevel, draft_window
@@ -113,6 +114,10 @@ class Drafting:
         self.summaries: BlockSummaries | None = None
         self.layer_capture: capture.LayerCapture | None = None
         self.block_size: int | None = None
+        # the KV-cache group TriForce selects blocks in, and the target's sliding-window
+        # layers by group (engine/device/forward.py `WindowLayers`; None: it has none)
+        self.table_group = 0
+        self.windows: WindowLayers | None = None
         # The levels, built in _build_drafting (engine/retrieval_level.py,
         # engine/draft_level.py, engine/middle.py).
         self.retrieval: RetrievalLevel | None = None
@@ -131,10 +136,17 @@ class Drafting:
 
     def _attach_target(self, target_model, target_names) -> None:
         """The target's attention layers (`target_names`: their names, the draft's left
-        out), in order, and the query/key capture on them."""
+        out), in order, and the query/key capture on those TriForce selects blocks for:
+        all of them, or, beside sliding-window layers (Gemma 2 and 3, gpt-oss; kept in
+        `window_layer_names`), the full-attention ones."""
         self.target_model = target_model
         layers = get_layers_from_vllm_config(self.vllm_config, Attention)
-        self.target_layer_names = sorted(target_names, key=extract_layer_index)
+        names = sorted(target_names, key=extract_layer_index)
+        windowed = [n for n in names if layers[n].sliding_window is not None]
+        if len(windowed) == len(names):  # one window in every layer, holding the context
+            windowed = []  # (engine_settings.check_attention): they attend as full ones
+        self.window_layer_names = windowed
+        self.target_layer_names = [n for n in names if n not in set(windowed)]
         self.target_layers = [layers[n] for n in self.target_layer_names]
         compilation = self.vllm_config.compilation_config
         why = capture.references_outlive_passes(compilation,
@@ -150,11 +162,9 @@ class Drafting:
     def _build_drafting(self, kv_cache_config, target_groups: list) -> None:
         """The summaries, the hand-off buffer and the levels, over the KV cache vLLM made
         (`kv_cache_config`), whose attention groups are `target_groups` (flat)."""
-        if len(kv_cache_config.kv_cache_groups) != 1:
-            raise TriForceConfigError(
-                "TriForce needs one KV-cache group (full attention in every layer of target and "
-                f"draft); this model has {len(kv_cache_config.kv_cache_groups)} groups.")
-        self.block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+        self.table_group, self.windows = self._kv_groups(kv_cache_config, target_groups)
+        self.block_size = kv_cache_config.kv_cache_groups[
+            self.table_group].kv_cache_spec.block_size
         shape = self.shape
         if self.block_size != shape.block_size or len(self.target_layers) != shape.num_layers:
             raise TriForceConfigError(
@@ -201,6 +211,47 @@ class Drafting:
                     "coded in one byte a value" if self.summaries.coded else self.summaries.dtype,
                     self._probs_buffer.nbytes / 2**20,
                     self.sizing.drafting, self.sizing.chunk_bytes / 2**20)
+
+    def _kv_groups(self, kv_cache_config, target_groups: list) -> tuple:
+        """(the KV-cache group of the layers TriForce selects blocks for, the target's
+        sliding-window layers by group: `WindowLayers`, or None without any). Refuses
+        groups TriForce cannot run over: its layers in more than one, another group
+        holding a layer that is not sliding-window, or sliding-window layers sharing its
+        group (vLLM's hybrid KV-cache manager off) on a backend whose metadata builders
+        keep state (one builder would serve both)."""
+        groups = kv_cache_config.kv_cache_groups
+        gid_of = {name: gid for gid, group in enumerate(groups) for name in group.layer_names}
+        own = {gid_of[name] for name in self.target_layer_names}
+        strays = [name for gid, group in enumerate(groups) if gid not in own
+                  for name in group.layer_names if name not in set(self.window_layer_names)]
+        if len(own) != 1 or strays:
+            raise TriForceConfigError(
+                "TriForce selects blocks in one KV-cache group (its layers with full "
+                "attention, beside which only sliding-window layers may have groups of "
+                f"their own); vLLM made {len(groups)} groups for this model "
+                f"({', '.join(type(g.kv_cache_spec).__name__ for g in groups)}). "
+                "Please report this with your model.")
+        table_gid = own.pop()
+        if not self.window_layer_names:
+            return table_gid, None
+        names: dict[int, list[str]] = {}
+        for name in self.window_layer_names:
+            names.setdefault(gid_of[name], []).append(name)
+        backend = target_groups[0].backend.get_name()
+        if table_gid in names and metadata_path(backend) == BUILDER_PER_LAYER:
+            raise TriForceConfigError(
+                f"TriForce on {backend} runs sliding-window layers beside full-attention "
+                "ones only in KV-cache groups of their own; vLLM's hybrid KV-cache manager "
+                "is off here, which puts them in one group. Fix: leave "
+                "--disable-hybrid-kv-cache-manager unset (and use a KV connector that "
+                "supports it), or choose FLASH_ATTN or TRITON_ATTN with --attention-backend.")
+        windows = WindowLayers(names, {gid: groups[gid].kv_cache_spec.block_size
+                                       for gid in names})
+        logger.info("TriForce: %d sliding-window layers run over their own window in every "
+                    "pass (KV-cache groups %s); blocks are selected for the %d full-attention "
+                    "layers (group %d)", len(self.window_layer_names), sorted(names),
+                    len(self.target_layer_names), table_gid)
+        return table_gid, windows
 
     def _compile_scoring(self) -> None:
         """`compiled_selection`: the policy's block scores of each step's selection as one
@@ -337,7 +388,8 @@ class Drafting:
             layer.num_heads, layer.head_size, self.layer_capture, keeper, selector,
             self.refresh, self.stats, self.device, pass_limits=shape.pass_limits,
             round_graphs=self._round_graphs("middle", self.target_model,
-                                            self.target_layer_names, target_groups))
+                                            self.target_layer_names, target_groups),
+            windows=self.windows)
         self.draft = None
         if self.shape.has_draft:
             model, groups, names = self._draft_parts()
@@ -371,6 +423,8 @@ class Drafting:
             path, why = "per pass", f"{level} layers in {len(groups)} attention groups"
         if takes_mrope(model):
             path, why = "per pass", "the model rotates with M-RoPE: its buffers hold 1-D positions"
+        if level == "middle" and self.windows is not None:
+            path, why = "per pass", "sliding-window layers: its buffers hold one group's tables"
         if path == "per pass":
             logger.info("TriForce %s passes: built per pass (%s)", level, why)
             return None
@@ -398,8 +452,8 @@ class Drafting:
         """What this engine will allocate beside the KV cache (engine/memory.py): the
         engine shape's plan (the one the CPU KV sizing makes, patches/cpu_defaults.py), with
         this runner's KV bytes per block and attention backend."""
-        specs = self._kv_cache_specs()
-        return self.shape.memory_plan(sum(s.page_size_bytes for s in specs.values()),
+        return self.shape.memory_plan(kv_bytes_per_block(self.vllm_config,
+                                                         self._kv_cache_specs()),
                                       self.target_layers[0].attn_backend.get_name())
 
     def reserve_memory(self, available: int) -> int:
@@ -547,6 +601,19 @@ def host_of(runner) -> Drafting | None:
         if isinstance(host, Drafting):
             return host
     return None
+
+
+def kv_bytes_per_block(vllm_config, specs: dict) -> int:
+    """The bytes one KV block id takes, as vLLM sizes its cache from `specs` (layer name
+    -> KV-cache spec): its largest KV-cache group's pages (vllm/v1/core/kv_cache_utils.py
+    `get_kv_cache_config_from_groups`). Every layer's with one group; with sliding-window
+    layers in groups of their own, the groups share each block id's bytes (Gemma 3's
+    five sliding groups and one full group: a sixth of the layers' pages)."""
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
+
+    groups = get_kv_cache_groups(vllm_config, dict(specs))  # it may rewrite the dict
+    return max(sum(specs[name].page_size_bytes for name in group.layer_names)
+               for group in groups)
 
 
 def _tp_min(value: int) -> int:

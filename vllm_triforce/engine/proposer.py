@@ -183,7 +183,9 @@ class TriForceProposer(Drafting, DraftModelProposer):
         batch = StepBatch.from_runner(self.runner, common_attn_metadata, target_token_ids,
                                       next_token_ids, num_rejected_tokens_gpu,
                                       sampling_metadata, self.block_size,
-                                      num_speculative_tokens, previous=self._last_batch)
+                                      num_speculative_tokens, previous=self._last_batch,
+                                      table_group=self.table_group,
+                                      window_groups=self.windows and self.windows.block_sizes)
         drafts, probs, prob_req_ids = self._run_step(batch, start, num_speculative_tokens)
         self._last_draft_probs, self._last_draft_prob_req_ids = probs, prob_req_ids
         # one list per request, [] allowed (vLLM's variable-length path), also at a fixed

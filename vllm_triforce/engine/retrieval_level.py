@@ -52,7 +52,7 @@ class RetrievalLevel:
 
     def __init__(self, model, vllm_config, attn_groups, layer_names: list[str], num_heads: int,
                  head_size: int, capture, keeper, selector, refresh, stats, device,
-                 pass_limits=None, round_graphs=None):
+                 pass_limits=None, round_graphs=None, windows=None):
         self.model = model
         self.vllm_config = vllm_config
         self.attn_groups = attn_groups
@@ -81,6 +81,9 @@ class RetrievalLevel:
         # (engine/device/selection_graph.py), with `selection_graphs`: set once the
         # selection is compiled; None: `select_in_middle`, then `load_ahead`
         self.selection_graphs = None
+        # the target's sliding-window layers (engine/device/forward.py `WindowLayers`),
+        # which every pass runs over their own group's table; None: it has none
+        self.windows = windows
 
     @property
     def summaries(self):
@@ -398,12 +401,28 @@ class RetrievalStep:
             inputs = build_pass(token_ids, positions, block_table, bs, layout.compact_lens,
                                 model_positions=self._rotated(rows, positions))
             per_layer = dict(zip(level.layer_names, tables.unbind(0)))  # one op, not per layer
+            windows = self._window_passes(rows, inputs, block_table,
+                                          (positions.starts + positions.lens).tolist())
             with level.capture.recording(into=level.middle_queries):
                 logits = run_pass(level.model, level.vllm_config, level.attn_groups, inputs,
-                                  per_layer, level.stats, level.pass_limits)
+                                  per_layer, level.stats, level.pass_limits, windows)
         queries = level.capture.queries  # a list, or a replay's LayerRows (not rewritten)
         self._pass_queries = queries if isinstance(queries, LayerRows) else list(queries)
         return logits
+
+    def _window_passes(self, rows, inputs, block_table: torch.Tensor,
+                       true_lens: list[int]) -> list:
+        """The passes of the target's sliding-window layers beside TriForce's pass `inputs`
+        of requests `rows` (`block_table`: their rows of TriForce's group's table), at
+        `true_lens` (engine/device/forward.py `WindowLayers.passes`); [] without any."""
+        windows = self.level.windows
+        if windows is None:
+            return []
+        own = self.batch.window_tables or {}
+        idx = None if not own else self.batch.rows_on_device(rows)
+        tables = {gid: block_table if gid not in own else own[gid][idx]
+                  for gid in windows.names}
+        return windows.passes(inputs, tables, true_lens)
 
     def _rotated(self, rows, positions: Runs) -> Runs | None:
         """The positions requests `rows` rotate with where the target uses M-RoPE and one
@@ -532,7 +551,9 @@ class RetrievalStep:
                                 np.asarray(positions), np.ones(len(rows), dtype=np.int64))))
         per_layer = dict.fromkeys(level.layer_names, block_table)
         logits = run_pass(level.model, level.vllm_config, level.attn_groups, inputs,
-                          per_layer, level.stats, level.pass_limits)
+                          per_layer, level.stats, level.pass_limits,
+                          self._window_passes(rows, inputs, block_table,
+                                              [p + 1 for p in positions]))
         return batch.probs(logits, rows, idx)
 
 

@@ -28,6 +28,7 @@ from vllm_triforce.core.selection import selection_chunk_requests
 from vllm_triforce.engine.device.bounds import GRAPH_BACKENDS, RoundBounds
 from vllm_triforce.engine.device.capture import DEFAULT_COPY_TOKENS
 from vllm_triforce.engine.memory import MemoryPlan, summary_dtype
+from vllm_triforce.engine_settings import full_attention_layers
 
 # FlashInfer's prefill and decode wrappers each keep an 8 MiB int workspace of their own
 # (the float workspace is shared, engine/device/forward.py `_share_workspace`); an allowance read
@@ -73,7 +74,7 @@ class EngineShape:
     pass_limits: PassLimits
     max_model_len: int
     max_batched_tokens: int  # vLLM's max_num_batched_tokens
-    num_layers: int          # the target's, one rank
+    num_layers: int          # the target's with full attention (blocks selected), one rank
     num_kv_heads: int        # per rank
     num_q_heads: int         # per rank
     head_dim: int
@@ -144,7 +145,7 @@ class EngineShape:
             cfg=cfg, block_size=vllm_config.cache_config.block_size,
             max_num_seqs=sched.max_num_seqs, max_model_len=model.max_model_len,
             max_batched_tokens=sched.max_num_batched_tokens,
-            num_layers=model.get_num_layers(parallel),
+            num_layers=full_attention_layers(model, model.get_num_layers(parallel)),
             num_kv_heads=model.get_num_kv_heads(parallel),
             num_q_heads=model.get_num_attention_heads(parallel),
             head_dim=model.get_head_size(), vocab_size=model.get_vocab_size(),

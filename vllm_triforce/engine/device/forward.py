@@ -12,6 +12,7 @@ tokens are always the last tokens of each row.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import os
 import time
@@ -41,6 +42,9 @@ class PassInputs:
     query_start_loc_dev: torch.Tensor  # device [num_reqs + 1] int32
     seq_lens_dev: torch.Tensor     # device [num_reqs] int32
     sample_rows_dev: torch.Tensor  # device [num_samples] int64
+    # device [num_tokens] int64: the positions the tokens' KV sits at, where the model
+    # rotates with others (`build_pass`'s `model_positions`); None: `positions`
+    kv_positions: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -155,7 +159,42 @@ def build_pass(token_ids: list | torch.Tensor, positions: list[list[int]] | Runs
                       input_ids=(ids if host_ids is not None else token_ids).to(torch.int32),
                       positions=pos if rotated is None else rot, slot_mapping=slots,
                       query_start_loc_dev=qsl_dev.to(torch.int32),
-                      seq_lens_dev=lens_dev.to(torch.int32), sample_rows_dev=rows_dev)
+                      seq_lens_dev=lens_dev.to(torch.int32), sample_rows_dev=rows_dev,
+                      kv_positions=None if rotated is None else pos)
+
+
+@dataclass(frozen=True)
+class WindowLayers:
+    """The target's sliding-window layers (Gemma 2 and 3, gpt-oss: beside its
+    full-attention ones), by the KV-cache group each sits in. Every TriForce pass runs
+    them as vLLM's own pass does: over their group's block table, at the tokens' true
+    sequence lengths, writing their group's slots (the attention kernel applies the
+    window; vLLM has freed the blocks behind it); only the full-attention layers read
+    TriForce's tables. Example: layers 0 and 2 sliding in group 0, layers 1 and 3 full in
+    group 1 (TriForce's): names {0: [layer 0, layer 2]}, a pass of request i at positions
+    [p, p + 1] runs layers 0 and 2 over group 0's row i with seq_len p + 2."""
+    names: dict[int, list[str]]    # KV-cache group id -> its sliding-window layers
+    block_sizes: dict[int, int]    # KV-cache group id -> its block size
+
+    def passes(self, inputs: PassInputs, tables: dict[int, torch.Tensor],
+               true_lens: list[int]) -> list[tuple[PassInputs, dict]]:
+        """[(the pass of a group's window layers, layer name -> its table)], one a group:
+        `inputs` (TriForce's pass) at `true_lens` [n] (each request's newest position + 1),
+        with its group's slots from `tables` [gid] [n, width] (device: the requests' rows
+        of that group's block table)."""
+        out = []
+        positions = inputs.positions if inputs.kv_positions is None else inputs.kv_positions
+        lens_dev = to_device(positions.device, true_lens)[0].to(torch.int32)
+        rows = torch.arange(inputs.num_tokens, device=positions.device)
+        who = torch.searchsorted(inputs.query_start_loc_dev[1:], rows.to(torch.int32),
+                                 right=True)  # [T] each token's request
+        for gid, names in self.names.items():
+            table = tables[gid]
+            own = dataclasses.replace(
+                inputs, seq_lens=list(true_lens), seq_lens_dev=lens_dev,
+                slot_mapping=kv_slots(table, who, positions, self.block_sizes[gid]))
+            out.append((own, dict.fromkeys(names, table)))
+        return out
 
 
 def build_common(inputs: PassInputs, block_table: torch.Tensor) -> CommonAttentionMetadata:
@@ -366,8 +405,11 @@ def rotary_positions(model, inputs: PassInputs) -> torch.Tensor:
     return inputs.positions
 
 
-def run(model, vllm_config, metas: dict, inputs: PassInputs) -> torch.Tensor:
+def run(model, vllm_config, metas: dict, inputs: PassInputs,
+        slots: dict | None = None) -> torch.Tensor:
     """Forward `model` over `inputs` with per-layer `metas`; returns logits of sample_rows.
+    `slots`: layer name -> the KV slots it writes (sliding-window layers write their own
+    group's, `WindowLayers`); None: `inputs.slot_mapping` for every layer.
 
     The compiled model on CUDA asserts `num_tokens <= max_num_batched_tokens`
     (vllm/compilation/piecewise_backend.py, 0.32.0); CPU has no such check, so we assert it
@@ -376,7 +418,7 @@ def run(model, vllm_config, metas: dict, inputs: PassInputs) -> torch.Tensor:
     assert inputs.num_tokens <= limit, (
         f"TriForce pass of {inputs.num_tokens} tokens exceeds max_num_batched_tokens={limit}")
     with set_forward_context(metas, vllm_config, num_tokens=inputs.num_tokens,
-                             slot_mapping={name: inputs.slot_mapping for name in metas}):
+                             slot_mapping=slots or dict.fromkeys(metas, inputs.slot_mapping)):
         hidden = model(input_ids=inputs.input_ids, positions=rotary_positions(model, inputs),
                        intermediate_tensors=None, inputs_embeds=None)
     if isinstance(hidden, tuple):
@@ -390,12 +432,13 @@ TIME_FORWARDS_ENV = "VLLM_TRIFORCE_TIME_FORWARDS"
 
 
 def run_pass(model, vllm_config, groups, inputs: PassInputs, tables,
-             stats=None, limits=None) -> torch.Tensor:
+             stats=None, limits=None, windows=()) -> torch.Tensor:
     """Build metadata and forward, in chunks of at most max_num_batched_tokens tokens.
 
     `tables`: one [num_reqs, width] table for every layer, or layer_name -> table; with
     per-layer tables on a stateful backend, `limits` (engine/shape.py `PassLimits`, the
-    engine's `EngineShape.pass_limits`) bounds each chunk too.
+    engine's `EngineShape.pass_limits`) bounds each chunk too. `windows`: the passes of
+    the target's sliding-window layers (`WindowLayers.passes`), chunked alike.
     Returns the logits of `inputs.sample_rows`, in order. With `stats`, the time of the
     model forwards goes to `stats.forward_seconds`; everything else the proposer does
     (metadata included) is host work. On a GPU that time is the device's only where
@@ -406,12 +449,23 @@ def run_pass(model, vllm_config, groups, inputs: PassInputs, tables,
         assert limits is not None, "per-layer tables on a stateful backend need PassLimits"
         max_reqs, limit = limits.requests, min(limit, limits.tokens)
     chunks = list(split_pass(inputs, limit, max_reqs))
+    # the same pieces: each window pass has `inputs`' rows and query_start_loc
+    window_chunks = [list(split_pass(own, limit, max_reqs)) for own, _ in windows]
     logits = []
-    for chunk, rows in chunks:
+    for i, (chunk, rows) in enumerate(chunks):
         chunk_tables = tables if len(chunks) == 1 else _rows_of(tables, rows)
         metas = layer_metadata(groups, chunk, chunk_tables, limits)
+        slots = None
+        if windows:
+            slots = dict.fromkeys(metas, chunk.slot_mapping)
+            for (_, own_tables), pieces in zip(windows, window_chunks):
+                own = pieces[i][0]
+                own_metas = layer_metadata(groups, own, own_tables if len(chunks) == 1
+                                           else _rows_of(own_tables, rows), limits)
+                metas.update(own_metas)
+                slots.update(dict.fromkeys(own_metas, own.slot_mapping))
         start = time.perf_counter()
-        logits.append(run(model, vllm_config, metas, chunk))
+        logits.append(run(model, vllm_config, metas, chunk, slots))
         if stats is not None:
             if logits[-1].is_cuda and os.environ.get(TIME_FORWARDS_ENV) == "1":
                 torch.cuda.synchronize(logits[-1].device)
@@ -479,4 +533,6 @@ def _chunk(inputs: PassInputs, pieces) -> tuple[PassInputs, range]:
                             input_ids=inputs.input_ids[first:end],
                             positions=inputs.positions[first:end],
                             slot_mapping=inputs.slot_mapping[first:end])
+    if inputs.kv_positions is not None:
+        chunk.kv_positions = inputs.kv_positions[first:end]
     return chunk, range(pieces[0][0], pieces[-1][0] + 1)

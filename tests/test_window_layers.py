@@ -1,0 +1,132 @@
+"""Targets with sliding-window layers beside full-attention ones (Gemma 2 and 3, gpt-oss),
+here a tiny Llama whose layers 0 and 2 attend to the last 64 tokens and layers 1 and 3
+over the whole context. vLLM gives each kind a KV-cache group of its own (its hybrid
+KV-cache manager), frees the blocks behind the window and gives the two groups different
+block ids. TriForce selects blocks for the full-attention layers only; every pass runs
+the sliding-window layers over their own group's table at the tokens' true lengths,
+writing their own group's slots (engine/device/forward.py `WindowLayers`). Greedy outputs
+must equal plain vLLM's with drafts verified; the memory plan must count a block id's
+bytes as vLLM does (the groups share them).
+"""
+
+import pytest
+
+import tiny_models
+from engine_helpers import assert_drafted, drafter_of, free_llm, in_process_llm, make_engine_kwargs
+from vllm_triforce.config import TriForceConfigError
+
+pytestmark = pytest.mark.engine
+
+MAX_TOKENS = 40
+WINDOW = 64
+PROMPT_WORDS = (900, 700, 1100, 500)  # about 1,000 to 2,000 tokens
+
+
+def triforce_spec(budget: int, **over) -> dict:
+    """Two levels at a fixed depth of 4, re-selecting every round."""
+    return {"method": "triforce", "num_speculative_tokens": 4, "retrieval_budget": budget,
+            "retrieval_sink_tokens": 32, "retrieval_recent_tokens": 64,
+            "refresh_interval": 1, "adaptive": False, **over}
+
+
+def generate(model, spec, read=None, **engine):
+    """(greedy tokens, TriForce's counters, `read(drafter)` taken before the engine goes)."""
+    from vllm import SamplingParams
+
+    llm = in_process_llm(model, spec, **make_engine_kwargs(max_model_len=2048, **engine))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompts = [tiny_models.make_text(n, seed=i) for i, n in enumerate(PROMPT_WORDS)]
+    stats = facts = None
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        if spec:
+            drafter = drafter_of(llm)
+            stats, facts = drafter.stats.snapshot(), read and read(drafter)
+    finally:
+        free_llm(llm)
+    return [list(o.outputs[0].token_ids) for o in outputs], stats, facts
+
+
+@pytest.fixture(scope="module")
+def windowed(tmp_path_factory):
+    return tiny_models.build_tiny_llama(
+        tmp_path_factory.mktemp("windowed"), num_layers=4, sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"] * 2)
+
+
+@pytest.fixture(scope="module")
+def plain_tokens(windowed):
+    return generate(windowed, None)[0]
+
+
+@pytest.mark.parametrize("hybrid_manager", [True, False])
+def test_middle_level_equals_the_target_where_it_holds_every_block(windowed, plain_tokens,
+                                                                   hybrid_manager):
+    """A retrieval budget past every context: the middle level reads every block, so its
+    drafts are the target's own greedy tokens, and every one is accepted, only if the
+    sliding-window layers read their own group's blocks. Giving them TriForce's group's
+    table instead: 0 of 624 accepted. With vLLM's hybrid KV-cache manager off, the two
+    kinds share one group (every block kept), and the window layers still run at true
+    lengths."""
+    tokens, stats, groups = generate(
+        windowed, triforce_spec(budget=2048),
+        read=lambda d: (d.table_group, {gid: len(n) for gid, n in d.windows.names.items()},
+                        len(d.target_layer_names), d.summaries.num_layers),
+        disable_hybrid_kv_cache_manager=not hybrid_manager)
+    assert tokens == plain_tokens
+    assert_drafted(stats)
+    assert stats["top_accepted"] == stats["top_proposed"], stats
+    # with the manager, group 0 holds the sliding layers, group 1 TriForce's; without, one
+    assert groups == ((1, {0: 2}, 2, 2) if hybrid_manager else (0, {0: 2}, 2, 2)), groups
+
+
+@pytest.mark.parametrize("round_graphs", [False, True])
+def test_retrieval_with_sliding_window_layers_is_lossless(windowed, plain_tokens,
+                                                          round_graphs):
+    """A budget of 256 tokens against contexts of about 1,000 to 2,000: the full-attention
+    layers read a selection of each request's blocks. Asked for round graphs, whose
+    buffers hold one group's tables, the middle passes are built per pass instead."""
+    tokens, stats, _ = generate(windowed, triforce_spec(budget=256, round_graphs=round_graphs))
+    assert tokens == plain_tokens
+    assert_drafted(stats)
+    assert stats["round_graph_passes"] == 0, stats
+
+
+def test_the_memory_plan_counts_a_block_as_vllm_does(windowed, monkeypatch):
+    """vLLM sizes a hybrid model's KV cache by its largest group's pages: here two of the
+    four layers' (`drafting.kv_bytes_per_block`). The engine then has exactly the blocks
+    TriForce planned, and its summaries are for the two full-attention layers; counting
+    all four layers' pages planned half the blocks vLLM made."""
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    cache = 64 * 2**20
+    _, stats, (plan, pages, num_blocks, reserved) = generate(
+        windowed, triforce_spec(budget=256), kv_cache_memory_bytes=cache,
+        read=lambda d: (d.memory_plan(),
+                        sum(s.page_size_bytes for s in d._kv_cache_specs().values()),
+                        d.summaries.num_blocks, d.reserved_bytes))
+    assert_drafted(stats)
+    assert num_blocks == plan.blocks_for(cache)
+    assert reserved == cache - num_blocks * plan.kv_bytes_per_block
+    assert plan.kv_bytes_per_block * 2 == pages
+
+
+def test_three_levels_or_model_runner_v2_with_window_layers_refused(windowed, tmp_path,
+                                                                   monkeypatch):
+    """Refused when vLLM builds the config, with the fix: a small draft beside a target
+    with sliding-window layers (vLLM would group the draft's layers with the target's),
+    and the Model Runner V2 binding (one table for every layer)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    draft = tiny_models.build_tiny_llama_draft(tmp_path / "draft")
+    with pytest.raises(TriForceConfigError, match=r"a small draft model .* beside a target "
+                                                  r"with sliding-window layers.*Fix: leave "):
+        EngineArgs(model=str(windowed), max_model_len=1024,
+                   speculative_config={**triforce_spec(256), "model": str(draft)}
+                   ).create_engine_config()
+    monkeypatch.setenv("VLLM_TRIFORCE_MRV2", "1")
+    from vllm_triforce import engine_settings
+
+    with pytest.raises(TriForceConfigError, match=r"VLLM_TRIFORCE_MRV2=1 for a model with "
+                                                  r"sliding-window layers"):
+        engine_settings.check_windows(
+            EngineArgs(model=str(windowed), max_model_len=1024).create_model_config(), None)
