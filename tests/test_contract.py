@@ -49,6 +49,9 @@ def _renamed(root: Path, path: str, old: str, new: str):
      "def layer_index_of(", "vllm.model_executor.models.utils.extract_layer_index: missing"),
     (RUNNER, "token_indices_to_sample=token_indices_to_sample",
      "sample_indices=token_indices_to_sample", "passes propose(sample_indices=...)"),
+    # a moved symbol (compat.py MOVED) that moved again
+    ("vllm/v1/core/kv_cache_utils.py", "def get_kv_cache_groups(",
+     "def kv_cache_groups_of(", "get_kv_cache_groups: bound in none of"),
 ])
 def test_contract_names_a_renamed_symbol(vllm_copy, path, old, new, named):
     assert contract.check(vllm_copy) == []

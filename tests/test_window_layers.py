@@ -5,8 +5,9 @@ KV-cache manager), frees the blocks behind the window and gives the two groups d
 block ids. TriForce selects blocks for the full-attention layers only; every pass runs
 the sliding-window layers over their own group's table at the tokens' true lengths,
 writing their own group's slots (engine/device/forward.py `WindowLayers`). Greedy outputs
-must equal plain vLLM's with drafts verified; the memory plan must count a block id's
-bytes as vLLM does (the groups share them).
+must equal plain vLLM's with drafts verified, for that Llama and for tiny Gemma 3 and
+gpt-oss models; the memory plan must count a block id's bytes as vLLM does (the groups
+share them).
 """
 
 import pytest
@@ -57,6 +58,33 @@ def windowed(tmp_path_factory):
 @pytest.fixture(scope="module")
 def plain_tokens(windowed):
     return generate(windowed, None)[0]
+
+
+ARCHITECTURES = {  # name -> (builder, KV-cache groups of sliding layers, TriForce's group)
+    "gemma3": (tiny_models.build_tiny_gemma3, {0: 1, 1: 1, 2: 1, 3: 1, 4: 1}, 5),
+    "gpt_oss": (tiny_models.build_tiny_gpt_oss, {0: 2}, 1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_models_of_that_kind_draft_exactly(name, tmp_path):
+    """Gemma 3's pattern (five sliding layers to one full: six KV-cache groups; query-key
+    norms, a RoPE base of its own in the local layers) and gpt-oss's (alternating, with
+    learned attention sinks and experts): with a budget past every context all drafts are
+    accepted, and with 256 tokens the output is still plain vLLM's."""
+    build, window_groups, table_group = ARCHITECTURES[name]
+    model = build(tmp_path / name, sliding_window=WINDOW)
+    plain = generate(model, None)[0]
+    tokens, stats, groups = generate(
+        model, triforce_spec(budget=2048),
+        read=lambda d: (d.table_group, {gid: len(n) for gid, n in d.windows.names.items()}))
+    assert tokens == plain
+    assert_drafted(stats)
+    assert stats["top_accepted"] == stats["top_proposed"], stats
+    assert groups == (table_group, window_groups), groups
+    tokens, stats, _ = generate(model, triforce_spec(budget=256))
+    assert tokens == plain
+    assert_drafted(stats)
 
 
 @pytest.mark.parametrize("hybrid_manager", [True, False])

@@ -131,6 +131,40 @@ def build_tiny_llama(path, *, num_layers: int = 2, hidden: int = 128, heads: int
     return _save(LlamaForCausalLM, config, tokenizer, path, seed)
 
 
+def build_tiny_gemma3(path, *, num_layers: int = 6, sliding_window: int = 64,
+                      seed: int = 0, init_scale: float = INIT_SCALE) -> Path:
+    """Random Gemma 3 text model: five sliding-window layers to one full-attention layer
+    (Gemma 3's pattern: vLLM makes a KV-cache group of each), GQA, query-key norms, the
+    local layers rotating with their own RoPE base."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    tokenizer = _train_tokenizer()
+    config = Gemma3TextConfig(
+        vocab_size=_padded_vocab_size(tokenizer), hidden_size=128, intermediate_size=256,
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, sliding_window=sliding_window, max_position_embeddings=4096,
+        layer_types=[("full_attention" if (i + 1) % 6 == 0 else "sliding_attention")
+                     for i in range(num_layers)],
+        initializer_range=init_scale, dtype="float32", **_special_ids(tokenizer))
+    return _save(Gemma3ForCausalLM, config, tokenizer, path, seed)
+
+
+def build_tiny_gpt_oss(path, *, num_layers: int = 4, sliding_window: int = 64,
+                       seed: int = 0, init_scale: float = INIT_SCALE) -> Path:
+    """Random gpt-oss: sliding-window and full-attention layers alternating, learned
+    attention sinks, a mixture of four experts (two a token)."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    tokenizer = _train_tokenizer()
+    config = GptOssConfig(
+        vocab_size=_padded_vocab_size(tokenizer), hidden_size=128, intermediate_size=128,
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, sliding_window=sliding_window, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=4096, initializer_range=init_scale,
+        dtype="float32", **_special_ids(tokenizer))
+    return _save(GptOssForCausalLM, config, tokenizer, path, seed)
+
+
 def build_tiny_llama_draft(path, *, num_layers: int = 1, hidden: int = 64, heads: int = 2,
                            kv_heads: int = 2, max_position_embeddings: int = 256,
                            seed: int = 1, init_scale: float = INIT_SCALE,

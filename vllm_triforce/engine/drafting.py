@@ -38,6 +38,7 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.models.utils import extract_layer_index
 
 from vllm_triforce import engine_settings, metrics
+from vllm_triforce.compat import moved
 from vllm_triforce.config import TriForceConfigError, forced_settings
 from vllm_triforce.core.compiled import first_line
 from vllm_triforce.core.compiled_sampling import CompiledSampling
@@ -247,10 +248,12 @@ class Drafting:
                 "supports it), or choose FLASH_ATTN or TRITON_ATTN with --attention-backend.")
         windows = WindowLayers(names, {gid: groups[gid].kv_cache_spec.block_size
                                        for gid in names})
-        logger.info("TriForce: %d sliding-window layers run over their own window in every "
-                    "pass (KV-cache groups %s); blocks are selected for the %d full-attention "
-                    "layers (group %d)", len(self.window_layer_names), sorted(names),
-                    len(self.target_layer_names), table_gid)
+        logger.info("TriForce selects blocks for %d of the target's %d layers (full "
+                    "attention, KV-cache group %d); its sliding-window layers run over their "
+                    "own window in every pass (KV-cache groups %s)",
+                    len(self.target_layer_names),
+                    len(self.target_layer_names) + len(self.window_layer_names), table_gid,
+                    ", ".join(map(str, sorted(names))))
         return table_gid, windows
 
     def _compile_scoring(self) -> None:
@@ -609,8 +612,7 @@ def kv_bytes_per_block(vllm_config, specs: dict) -> int:
     `get_kv_cache_config_from_groups`). Every layer's with one group; with sliding-window
     layers in groups of their own, the groups share each block id's bytes (Gemma 3's
     five sliding groups and one full group: a sixth of the layers' pages)."""
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
-
+    get_kv_cache_groups = moved("get_kv_cache_groups")
     groups = get_kv_cache_groups(vllm_config, dict(specs))  # it may rewrite the dict
     return max(sum(specs[name].page_size_bytes for name in group.layer_names)
                for group in groups)

@@ -18,7 +18,8 @@ What is checked, each failure naming the symbol:
    all parameters of `TriForceProposer.propose`; and every `self.speculator.propose(...)`
    of Model Runner V2's `GPUModelRunner` passes no more positional arguments than
    `TriForceSpeculator.propose` (engine/mrv2/speculator.py) takes, and only keywords it
-   takes.
+   takes;
+4. moved symbols (compat.py `MOVED`): one of the modules the plugin looks in binds each.
 """
 
 from __future__ import annotations
@@ -77,6 +78,12 @@ READ_ATTRIBUTES = (
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.uses_mrope"),
     ("vllm.v1.worker.gpu_input_batch", "CachedRequestState.mrope_position_delta"),
     ("vllm.model_executor.models.interfaces", "SupportsMRoPE.supports_mrope"),
+    # targets with sliding-window layers (engine/drafting.py `_attach_target`, the other
+    # KV-cache groups' tables: engine/batch.py `_group_table`)
+    ("vllm.model_executor.layers.attention.attention", "Attention.sliding_window"),
+    ("vllm.v1.worker.gpu_input_batch", "InputBatch.block_table"),
+    ("vllm.v1.worker.block_table", "MultiGroupBlockTable.__getitem__"),
+    ("vllm.v1.worker.block_table", "BlockTable.get_device_tensor"),
     # what patches/plain_propose.py reads and sets on the runner
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.use_async_scheduling"),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._draft_probs"),
@@ -189,6 +196,7 @@ def add_contract_parser(subparsers) -> None:
 
 def _run(args) -> int:
     from vllm_triforce import assets
+    from vllm_triforce.compat import MOVED
 
     root = (wheel_root(args.wheel, assets.cache_root() / "vllm-wheels") if args.wheel
             else installed_root())
@@ -198,7 +206,7 @@ def _run(args) -> int:
         print(f"contract: {problem}")
     print(f"contract: {'broken' if problems else 'holds'} for {what}: "
           f"{len(plugin_imports())} imports, {len(PATCH_TARGETS)} patch targets, "
-          f"{len(READ_ATTRIBUTES)} attributes read, "
+          f"{len(READ_ATTRIBUTES)} attributes read, {len(MOVED)} moved, "
           f"the proposer's and the MRV2 speculator's calls")
     return 1 if problems else 0
 
@@ -212,7 +220,18 @@ def check(vllm_root: Path) -> list[str]:
                  for p in source.defines(module, qualname)]
     problems += propose_keywords_problems(source)
     problems += speculator_call_problems(source)
+    problems += moved_problems(source)
     return problems
+
+
+def moved_problems(source: "Sources") -> list[str]:
+    """Each symbol vLLM moved between releases (compat.py `MOVED`) is bound by one of the
+    modules the plugin looks in."""
+    from vllm_triforce.compat import MOVED
+
+    return [f"{name}: bound in none of {', '.join(modules)} (compat.py MOVED)"
+            for name, modules in MOVED.items()
+            if all(source.binds(module, name) for module in modules)]
 
 
 def installed_root() -> Path:
