@@ -711,7 +711,7 @@ def flashinfer_worker_plan(tiny_llama):
                              head_size=model.get_head_size(), dtype=model.dtype)
     backend = SimpleNamespace(get_name=lambda: "FLASHINFER")
     worker = SimpleNamespace(
-        shape=EngineShape.of(config),
+        shape=EngineShape.of(config), vllm_config=config,
         _kv_cache_specs=lambda: {f"layers.{i}": spec for i in range(layers)},
         target_layers=[SimpleNamespace(attn_backend=backend)])
     return config, TriForceProposer.memory_plan(worker)
