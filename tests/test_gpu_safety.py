@@ -184,12 +184,17 @@ def test_data_parallel_refused(tiny_llama):
         _engine_args(tiny_llama, data_parallel_size=2).create_engine_config()
 
 
-def test_lora_refused_before_weights_load(tiny_llama):
-    """Without the refusal an engine starts and its first middle pass fails in vLLM's LoRA
-    layers (einsum: the punica wrapper's per-token adapters are sized for vLLM's batch)."""
-    with pytest.raises(TriForceConfigError, match=r"TriForce cannot run with enable_lora=True.*"
-                                                  r"Fix: serve the LoRA adapter without"):
-        _engine_args(tiny_llama, enable_lora=True, max_lora_rank=8).create_engine_config()
+def test_lora_taken_in_the_v1_runner_refused_on_model_runner_v2(tiny_llama, monkeypatch):
+    """TriForce maps its passes' tokens to their adapters in the V1 runner
+    (tests/test_lora.py runs them); its Model Runner V2 binding does not."""
+    from vllm_triforce import engine_settings
+
+    _engine_args(tiny_llama, enable_lora=True, max_lora_rank=8).create_engine_config()
+    monkeypatch.setenv("VLLM_TRIFORCE_MRV2", "1")
+    with pytest.raises(TriForceConfigError, match=r"TriForce cannot run with enable_lora=True "
+                                                  r"with VLLM_TRIFORCE_MRV2=1.*Fix: unset "
+                                                  r"VLLM_TRIFORCE_MRV2"):
+        engine_settings._check_lora(True)
 
 
 def test_prompt_embeds_refused_before_weights_load(tiny_llama):
@@ -262,10 +267,14 @@ def test_what_a_config_says_of_its_attention_refused(text, flags, named):
 
 
 @pytest.mark.parametrize("lora, embeds, refused", [
-    (object(), False, "enable_lora=True"), (None, True, "enable_prompt_embeds=True")])
-def test_lora_or_prompt_embeds_in_a_built_config_refused(lora, embeds, refused):
+    (object(), False, "enable_lora=True with VLLM_TRIFORCE_MRV2=1"),
+    (None, True, "enable_prompt_embeds=True")])
+def test_lora_on_mrv2_or_prompt_embeds_in_a_built_config_refused(lora, embeds, refused,
+                                                                 monkeypatch):
     from vllm_triforce import engine_settings
 
+    if lora is not None:
+        monkeypatch.setenv("VLLM_TRIFORCE_MRV2", "1")
     config = types.SimpleNamespace(
         compilation_config=types.SimpleNamespace(cudagraph_mode=None),
         scheduler_config=types.SimpleNamespace(async_scheduling=False),

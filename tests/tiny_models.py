@@ -165,6 +165,36 @@ def build_tiny_gpt_oss(path, *, num_layers: int = 4, sliding_window: int = 64,
     return _save(GptOssForCausalLM, config, tokenizer, path, seed)
 
 
+def build_tiny_lora(path, base, *, seed: int, rank: int = 8, scale: float = 0.3) -> Path:
+    """A random LoRA adapter for `base` (a `build_tiny_llama` model) in PEFT's layout, as
+    vLLM loads it: rank `rank` on every layer's q, v and o projections, weights N(0,
+    scale^2), alpha 2 x rank; strong enough to change the greedy tokens."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(base)
+    hidden, modules = config.hidden_size, ("q_proj", "v_proj", "o_proj")
+    generator = torch.Generator().manual_seed(seed)
+    weights = {}
+    for layer in range(config.num_hidden_layers):
+        for module in modules:
+            name = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            weights[f"{name}.lora_A.weight"] = torch.randn(rank, hidden,
+                                                           generator=generator) * scale
+            weights[f"{name}.lora_B.weight"] = torch.randn(hidden, rank,
+                                                           generator=generator) * scale
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
+        "target_modules": list(modules), "lora_dropout": 0.0, "bias": "none",
+        "fan_in_fan_out": False, "base_model_name_or_path": str(base)}))
+    return path
+
+
 def build_tiny_llama_draft(path, *, num_layers: int = 1, hidden: int = 64, heads: int = 2,
                            kv_heads: int = 2, max_position_embeddings: int = 256,
                            seed: int = 1, init_scale: float = INIT_SCALE,

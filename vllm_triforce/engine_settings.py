@@ -11,7 +11,7 @@ source; CPU forces most of them off, which is why CPU tests never saw them):
 | data parallelism | 1 | ranks run different numbers of middle passes; MoE DP collectives then hang (vllm/forward_context.py ~299) | refuse `data_parallel_size > 1` |
 | attention backend | FLASH_ATTN (Hopper), FLASHINFER (Blackwell) | per-layer metadata must not share builder state | refuse backends outside `SUPPORTED_ATTENTION_BACKENDS` |
 | prompt embeddings | off | vLLM's draft-model path reads the id of a request's last prompt token when its prefill ends (vllm/v1/spec_decode/llm_base_proposer.py `prepare_next_token_ids_padded`); a prompt given as embeddings has none, and the step fails (vLLM's own `draft_model` too) | refuse `enable_prompt_embeds` |
-| LoRA | off | vLLM's LoRA layers map adapters to the tokens of vLLM's own batch (the punica wrapper's metadata, set per step by the runner); TriForce's passes have other tokens, and the first one fails with a shape error mid-generation | refuse `enable_lora` |
+| LoRA | off | vLLM's LoRA layers map adapters to the tokens of vLLM's own batch (the punica wrapper's metadata, set per step by the runner); TriForce's passes have other tokens, and without their own mapping the first one fails with a shape error mid-generation | map each pass's tokens to their requests' adapters (engine/adapters.py, V1 runner); refuse `enable_lora` on Model Runner V2 |
 | attention kinds | the model's | chunked, linear or Mamba layers sit in KV-cache groups of their own, a sliding window in every layer frees the blocks behind it, and MLA caches a latent per token; TriForce selects blocks of per-head keys for full-attention layers | take sliding-window layers beside full ones in the target (two levels, V1 runner: each pass runs them over their own group, engine/device/forward.py `WindowLayers`); refuse the rest from the model's config (`check_models`), before weights load |
 | M-RoPE | the model's | vLLM refuses a draft model with M-RoPE, and with two levels TriForce's draft model is the target | take it (patches/mrope_draft.py): TriForce's passes give the target its positions; refuse a small draft with M-RoPE, and M-RoPE on Model Runner V2 |
 
@@ -208,13 +208,14 @@ def _check_data_parallel(data_parallel_size: int) -> None:
 
 
 def _check_lora(enabled: bool) -> None:
-    if enabled:
-        raise _fix("enable_lora=True",
-                   "vLLM's LoRA layers map adapters to the tokens of vLLM's own batch, and "
-                   "TriForce's middle level runs the target's layers on other tokens (its "
-                   "first pass would fail mid-generation)",
-                   "serve the LoRA adapter without --speculative-config, or merge it into the "
-                   "model's weights and serve that with TriForce")
+    """LoRA adapters run on TriForce's passes in the V1 runner (engine/adapters.py); the
+    Model Runner V2 binding does not map them."""
+    if enabled and mrv2_requested():
+        asked = _mrv2_asked_by()
+        raise _fix(f"enable_lora=True with {asked}=1",
+                   "TriForce's Model Runner V2 binding does not map LoRA adapters to its "
+                   "passes' tokens",
+                   f"unset {asked}: TriForce runs LoRA adapters in the V1 runner")
 
 
 def _check_prompt_embeds(enabled: bool) -> None:

@@ -17,7 +17,9 @@ step; it provides `self.vllm_config`, `self.device` and three reads of its runne
   `CachedRequestState`, MRV2's `RequestRecord`), for every request the runner holds;
 - `_kv_cache_specs()`: the runner's KV-cache specs (`get_kv_cache_spec()`);
 - `_draft_parts()`: the small draft's (model, attention groups, layer names), or None
-  with two levels.
+  with two levels;
+
+and, where it takes LoRA adapters, `_pass_adapters()` (engine/adapters.py).
 
 No attribute or method here shares a name with vLLM's V1 proposer or MRV2 speculator
 classes (both have `capture`: this keeps the query/key capture as `layer_capture`).
@@ -82,6 +84,11 @@ class Drafting:
 
     def _draft_parts(self):
         raise NotImplementedError
+
+    def _pass_adapters(self):
+        """What maps TriForce's passes to vLLM's LoRA adapters (engine/adapters.py), or
+        None: LoRA off, or a host without it."""
+        return None
 
     # ---- set-up ---------------------------------------------------------------------
     def _init_drafting(self, vllm_config, device, hands_off_probs: bool = True) -> None:
@@ -392,7 +399,7 @@ class Drafting:
             self.refresh, self.stats, self.device, pass_limits=shape.pass_limits,
             round_graphs=self._round_graphs("middle", self.target_model,
                                             self.target_layer_names, target_groups),
-            windows=self.windows)
+            windows=self.windows, adapters=self._pass_adapters())
         self.draft = None
         if self.shape.has_draft:
             model, groups, names = self._draft_parts()
@@ -428,6 +435,8 @@ class Drafting:
             path, why = "per pass", "the model rotates with M-RoPE: its buffers hold 1-D positions"
         if level == "middle" and self.windows is not None:
             path, why = "per pass", "sliding-window layers: its buffers hold one group's tables"
+        if level == "middle" and self.vllm_config.lora_config is not None:
+            path, why = "per pass", "LoRA adapters are mapped to each pass's tokens"
         if path == "per pass":
             logger.info("TriForce %s passes: built per pass (%s)", level, why)
             return None

@@ -63,6 +63,7 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
 from vllm_triforce import engine_settings
+from vllm_triforce.engine.adapters import PassAdapters
 from vllm_triforce.engine.batch import StepBatch
 from vllm_triforce.engine.drafting import Drafting
 
@@ -95,6 +96,9 @@ class TriForceProposer(Drafting, DraftModelProposer):
 
     def _draft_parts(self):
         return self.model, self.draft_attn_groups, self._draft_attn_layer_names
+
+    def _pass_adapters(self):
+        return None if self.vllm_config.lora_config is None else PassAdapters(self.runner)
 
     # ---- vLLM lifecycle ------------------------------------------------------------
     def load_model(self, target_model) -> None:

@@ -52,7 +52,7 @@ class RetrievalLevel:
 
     def __init__(self, model, vllm_config, attn_groups, layer_names: list[str], num_heads: int,
                  head_size: int, capture, keeper, selector, refresh, stats, device,
-                 pass_limits=None, round_graphs=None, windows=None):
+                 pass_limits=None, round_graphs=None, windows=None, adapters=None):
         self.model = model
         self.vllm_config = vllm_config
         self.attn_groups = attn_groups
@@ -84,6 +84,9 @@ class RetrievalLevel:
         # the target's sliding-window layers (engine/device/forward.py `WindowLayers`),
         # which every pass runs over their own group's table; None: it has none
         self.windows = windows
+        # vLLM's LoRA adapters, mapped to each pass's tokens (engine/adapters.py); None:
+        # LoRA off
+        self.adapters = adapters
 
     @property
     def summaries(self):
@@ -405,10 +408,24 @@ class RetrievalStep:
                                           (positions.starts + positions.lens).tolist())
             with level.capture.recording(into=level.middle_queries):
                 logits = run_pass(level.model, level.vllm_config, level.attn_groups, inputs,
-                                  per_layer, level.stats, level.pass_limits, windows)
+                                  per_layer, level.stats, level.pass_limits, windows,
+                                  self._adapters_for(rows))
         queries = level.capture.queries  # a list, or a replay's LayerRows (not rewritten)
         self._pass_queries = queries if isinstance(queries, LayerRows) else list(queries)
         return logits
+
+    def _adapters_for(self, rows):
+        """What maps each chunk of a pass of requests `rows` to their LoRA adapters before
+        it runs (`run_pass`'s `before`); None with LoRA off."""
+        adapters = self.level.adapters
+        if adapters is None:
+            return None
+        rows = np.asarray(rows, dtype=np.int64)
+
+        def before(chunk, requests: range) -> None:
+            adapters.set_for(rows[requests.start:requests.stop], chunk.query_start_loc,
+                             chunk.sample_rows)
+        return before
 
     def _window_passes(self, rows, inputs, block_table: torch.Tensor,
                        true_lens: list[int]) -> list:
@@ -553,7 +570,8 @@ class RetrievalStep:
         logits = run_pass(level.model, level.vllm_config, level.attn_groups, inputs,
                           per_layer, level.stats, level.pass_limits,
                           self._window_passes(rows, inputs, block_table,
-                                              [p + 1 for p in positions]))
+                                              [p + 1 for p in positions]),
+                          self._adapters_for(rows))
         return batch.probs(logits, rows, idx)
 
 

@@ -84,6 +84,10 @@ READ_ATTRIBUTES = (
     ("vllm.v1.worker.gpu_input_batch", "InputBatch.block_table"),
     ("vllm.v1.worker.block_table", "MultiGroupBlockTable.__getitem__"),
     ("vllm.v1.worker.block_table", "BlockTable.get_device_tensor"),
+    # LoRA adapters on TriForce's passes (engine/adapters.py)
+    ("vllm.v1.worker.lora_model_runner_mixin", "LoRAModelRunnerMixin._set_active_loras"),
+    ("vllm.v1.worker.gpu_input_batch", "InputBatch.request_lora_mapping"),
+    ("vllm.v1.worker.gpu_input_batch", "InputBatch.lora_id_to_lora_request"),
     # what patches/plain_propose.py reads and sets on the runner
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.use_async_scheduling"),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._draft_probs"),

@@ -432,13 +432,15 @@ TIME_FORWARDS_ENV = "VLLM_TRIFORCE_TIME_FORWARDS"
 
 
 def run_pass(model, vllm_config, groups, inputs: PassInputs, tables,
-             stats=None, limits=None, windows=()) -> torch.Tensor:
+             stats=None, limits=None, windows=(), before=None) -> torch.Tensor:
     """Build metadata and forward, in chunks of at most max_num_batched_tokens tokens.
 
     `tables`: one [num_reqs, width] table for every layer, or layer_name -> table; with
     per-layer tables on a stateful backend, `limits` (engine/shape.py `PassLimits`, the
     engine's `EngineShape.pass_limits`) bounds each chunk too. `windows`: the passes of
-    the target's sliding-window layers (`WindowLayers.passes`), chunked alike.
+    the target's sliding-window layers (`WindowLayers.passes`), chunked alike. `before`:
+    called with each chunk and its requests (a range of the pass's) before it runs (LoRA
+    adapters' mapping: engine/adapters.py).
     Returns the logits of `inputs.sample_rows`, in order. With `stats`, the time of the
     model forwards goes to `stats.forward_seconds`; everything else the proposer does
     (metadata included) is host work. On a GPU that time is the device's only where
@@ -464,6 +466,8 @@ def run_pass(model, vllm_config, groups, inputs: PassInputs, tables,
                                            else _rows_of(own_tables, rows), limits)
                 metas.update(own_metas)
                 slots.update(dict.fromkeys(own_metas, own.slot_mapping))
+        if before is not None:
+            before(chunk, rows)
         start = time.perf_counter()
         logits.append(run(model, vllm_config, metas, chunk, slots))
         if stats is not None:
