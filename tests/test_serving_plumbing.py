@@ -472,3 +472,26 @@ def test_ray_cpu_patch_took_effect():
     assert ray_executor_v2.RayExecutorV2._get_actor_resource_kwargs() == {"num_gpus": 0}
     # Ray actors must import the subclass by name, not receive a by-value copy.
     assert len(cloudpickle.dumps(ray_cpu.CpuAwareRayWorkerProc)) < 200
+
+
+@pytest.mark.engine
+def test_tp2_with_sliding_window_layers_matches_tp1(tmp_path):
+    """A target with sliding-window layers (a tiny gpt-oss: alternating 64-token windows
+    and full attention, attention sinks, experts), TP=2 with the mp executor: each rank runs
+    its heads of the window layers over their own KV-cache group (engine/device/forward.py
+    `WindowLayers`); plain vLLM's TP=1 tokens, drafts verified."""
+    import tiny_models
+    from engine_helpers import free_llm, in_process_llm
+    from vllm import SamplingParams
+
+    model = tiny_models.build_tiny_gpt_oss(tmp_path / "gpt_oss", sliding_window=64)
+    llm = in_process_llm(model, **TP_ENGINE_KWARGS)
+    try:
+        outs = llm.generate(TP_PROMPTS, SamplingParams(**TP_SAMPLING), use_tqdm=False)
+    finally:
+        free_llm(llm)
+    tp1 = [list(o.outputs[0].token_ids) for o in outs]
+    tokens, log, spec_metrics = run_tp2(tmp_path, model, "mp")
+    assert "Worker_TP1" in log and "its sliding-window layers run over their own" in log
+    assert tokens == tp1
+    assert_vllm_drafted(spec_metrics)
