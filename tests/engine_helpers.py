@@ -15,6 +15,39 @@ def make_engine_kwargs(**over) -> dict:
     return kwargs
 
 
+def fixed_depth_spec(budget: int, draft=None, **over) -> dict:
+    """TriForce at a fixed depth of 4, re-selecting every round, with a retrieval budget of
+    `budget` tokens (32 sink tokens, 64 recent): two levels, or with `draft` (a model
+    folder) three, its window 96 tokens and 2 tokens a round; `over` wins."""
+    spec = {"method": "triforce", "num_speculative_tokens": 4, "retrieval_budget": budget,
+            "retrieval_sink_tokens": 32, "retrieval_recent_tokens": 64,
+            "refresh_interval": 1, "adaptive": False}
+    if draft is not None:
+        spec.update(model=str(draft), draft_window_tokens=96, draft_tokens_per_round=2)
+    return {**spec, **over}
+
+
+def greedy_run(model, spec, prompts: list, max_tokens: int, engine: dict, read=None,
+               **generate) -> tuple:
+    """(greedy tokens of `prompts`, `max_tokens` each, TriForce's counters (None without
+    `spec`: plain vLLM), `read(drafter)` taken before the engine goes) of an in-process
+    engine over `model` with the `engine` keywords; `generate`: more of `LLM.generate`'s
+    (e.g. `lora_request`)."""
+    from vllm import SamplingParams
+
+    llm = in_process_llm(model, spec, **engine)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    stats = facts = None
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False, **generate)
+        if spec:
+            drafter = drafter_of(llm)
+            stats, facts = drafter.stats.snapshot(), read and read(drafter)
+    finally:
+        free_llm(llm)
+    return [list(o.outputs[0].token_ids) for o in outputs], stats, facts
+
+
 def assert_drafted(stats: dict, levels: int = 2) -> None:
     """TriForce drafted: vLLM's full-cache verification saw middle-level drafts
     (`top_proposed`) and, with three levels, the small draft proposed to the middle level

@@ -10,23 +10,13 @@ verifies its drafts).
 import pytest
 
 import tiny_models
-from engine_helpers import assert_drafted, drafter_of, free_llm, in_process_llm, make_engine_kwargs
+from engine_helpers import assert_drafted, fixed_depth_spec, greedy_run, make_engine_kwargs
 
 pytestmark = pytest.mark.engine
 
 MAX_TOKENS = 40
 PROMPT_WORDS = (900, 700, 1100, 500)
 ADAPTERS = ("a1", None, "a2", "a1")  # each prompt's adapter
-
-
-def triforce_spec(budget: int, draft=None) -> dict:
-    """Two levels at a fixed depth of 4, re-selecting every round; with `draft`, three."""
-    spec = {"method": "triforce", "num_speculative_tokens": 4, "retrieval_budget": budget,
-            "retrieval_sink_tokens": 32, "retrieval_recent_tokens": 64,
-            "refresh_interval": 1, "adaptive": False}
-    if draft is not None:
-        spec.update(model=str(draft), draft_window_tokens=96, draft_tokens_per_round=2)
-    return spec
 
 
 @pytest.fixture(scope="module")
@@ -40,23 +30,17 @@ def models(tmp_path_factory):
 
 
 def generate(models, spec, adapters: bool = True):
-    from vllm import SamplingParams
+    """(greedy tokens, TriForce's counters), each prompt with its adapter (`adapters`)."""
     from vllm.lora.request import LoRARequest
 
     base, folders, _ = models
     ids = {name: i for i, name in enumerate(sorted(folders), start=1)}
     requests = [None if name is None or not adapters
                 else LoRARequest(name, ids[name], str(folders[name])) for name in ADAPTERS]
-    llm = in_process_llm(base, spec, **make_engine_kwargs(
-        max_model_len=2048, enable_lora=True, max_lora_rank=8, max_loras=2))
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     prompts = [tiny_models.make_text(n, seed=i) for i, n in enumerate(PROMPT_WORDS)]
-    try:
-        outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=requests)
-        stats = drafter_of(llm).stats.snapshot() if spec else None
-    finally:
-        free_llm(llm)
-    return [list(o.outputs[0].token_ids) for o in outputs], stats
+    engine = make_engine_kwargs(max_model_len=2048, enable_lora=True, max_lora_rank=8,
+                                max_loras=2)
+    return greedy_run(base, spec, prompts, MAX_TOKENS, engine, lora_request=requests)[:2]
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +56,7 @@ def test_middle_level_equals_the_target_where_it_holds_every_block(models, plain
     request's adapter, so every draft is accepted, only if each pass maps its tokens to
     their requests' adapters. Mapping every pass to no adapter: 0 of 624 accepted; leaving
     vLLM's own batch mapping: the first pass fails in the LoRA layers."""
-    tokens, stats = generate(models, triforce_spec(budget=2048))
+    tokens, stats = generate(models, fixed_depth_spec(budget=2048))
     assert tokens == plain_tokens
     assert_drafted(stats)
     assert stats["top_accepted"] == stats["top_proposed"], stats
@@ -82,6 +66,6 @@ def test_middle_level_equals_the_target_where_it_holds_every_block(models, plain
 def test_retrieval_with_adapters_is_lossless(models, plain_tokens, levels):
     """A budget of 1,024 tokens against contexts of about 1,000 to 2,000."""
     draft = models[2] if levels == 3 else None
-    tokens, stats = generate(models, triforce_spec(budget=1024, draft=draft))
+    tokens, stats = generate(models, fixed_depth_spec(budget=1024, draft=draft))
     assert tokens == plain_tokens
     assert_drafted(stats, levels=levels)

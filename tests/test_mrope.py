@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import tiny_models
-from engine_helpers import assert_drafted, drafter_of, free_llm, in_process_llm, make_engine_kwargs
+from engine_helpers import assert_drafted, fixed_depth_spec, greedy_run, make_engine_kwargs
 from vllm_triforce.config import TriForceConfigError
 
 pytestmark = pytest.mark.engine
@@ -47,27 +47,8 @@ def prompts() -> list:
     return out
 
 
-def triforce_spec(budget: int, draft=None) -> dict:
-    """Two levels at a fixed depth of 4, re-selecting every round; with `draft`, three."""
-    spec = {"method": "triforce", "num_speculative_tokens": 4, "retrieval_budget": budget,
-            "retrieval_sink_tokens": 32, "retrieval_recent_tokens": 64,
-            "refresh_interval": 1, "adaptive": False}
-    if draft is not None:
-        spec.update(model=str(draft), draft_window_tokens=96, draft_tokens_per_round=2)
-    return spec
-
-
 def generate(model, spec):
-    from vllm import SamplingParams
-
-    llm = in_process_llm(model, spec, **engine_kwargs())
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    try:
-        outputs = llm.generate(prompts(), params, use_tqdm=False)
-        stats = drafter_of(llm).stats.snapshot() if spec else None
-    finally:
-        free_llm(llm)
-    return [list(o.outputs[0].token_ids) for o in outputs], stats
+    return greedy_run(model, spec, prompts(), MAX_TOKENS, engine_kwargs())[:2]
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +84,7 @@ def test_middle_level_equals_the_target_where_it_holds_every_block(vl_model, pla
         return shift
 
     monkeypatch.setattr(batch, "_rope_shift", recorded)
-    tokens, stats = generate(vl_model, triforce_spec(budget=2048))
+    tokens, stats = generate(vl_model, fixed_depth_spec(budget=2048))
     assert tokens == plain_tokens
     assert_drafted(stats)
     assert stats["top_accepted"] == stats["top_proposed"], stats
@@ -116,7 +97,7 @@ def test_retrieval_over_prompts_with_images_is_lossless(vl_model, text_draft, pl
     """A budget of 640 tokens against contexts of about 1,450: the middle level reads a
     selection of each request's blocks, images' among them."""
     draft = text_draft if levels == 3 else None
-    tokens, stats = generate(vl_model, triforce_spec(budget=640, draft=draft))
+    tokens, stats = generate(vl_model, fixed_depth_spec(budget=640, draft=draft))
     assert tokens == plain_tokens
     assert_drafted(stats, levels)
 
@@ -127,7 +108,7 @@ def test_small_draft_with_mrope_refused_before_weights_load(vl_model):
 
     vllm_triforce.register()
     args = EngineArgs(model=str(vl_model), max_model_len=1024,
-                      speculative_config=triforce_spec(budget=640, draft=vl_model))
+                      speculative_config=fixed_depth_spec(budget=640, draft=vl_model))
     with pytest.raises(TriForceConfigError, match=r"a small draft model with M-RoPE .*Fix: "
                                                   r"draft with a text-only model"):
         args.create_engine_config()

@@ -398,13 +398,13 @@ def run_tp2(tmp_path: Path, model: Path, backend: str, spec: dict = TRIFORCE_SPE
     return json.loads(lines[-1][len("TOKENS "):]), text, json.loads(spec[-1][len("SPEC_METRICS "):])
 
 
-@pytest.fixture(scope="module")
-def tp1_tokens(tiny_llama) -> list[list[int]]:
-    """The reference: TP=1, in this process (uniproc executor)."""
+def plain_tp1_tokens(model) -> list[list[int]]:
+    """Plain vLLM's greedy tokens of TP_PROMPTS with TP=1, in this process (uniproc
+    executor): the reference of the TP=2 runs."""
     from engine_helpers import free_llm, in_process_llm
     from vllm import SamplingParams
 
-    llm = in_process_llm(tiny_llama, **TP_ENGINE_KWARGS)
+    llm = in_process_llm(model, **TP_ENGINE_KWARGS)
     try:
         outs = llm.generate(TP_PROMPTS, SamplingParams(**TP_SAMPLING), use_tqdm=False)
     finally:
@@ -412,6 +412,11 @@ def tp1_tokens(tiny_llama) -> list[list[int]]:
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     assert all(len(set(t)) > 3 for t in tokens)  # varied output, not one repeated token
     return tokens
+
+
+@pytest.fixture(scope="module")
+def tp1_tokens(tiny_llama) -> list[list[int]]:
+    return plain_tp1_tokens(tiny_llama)
 
 
 @pytest.mark.engine
@@ -481,17 +486,9 @@ def test_tp2_with_sliding_window_layers_matches_tp1(tmp_path):
     its heads of the window layers over their own KV-cache group (engine/device/forward.py
     `WindowLayers`); plain vLLM's TP=1 tokens, drafts verified."""
     import tiny_models
-    from engine_helpers import free_llm, in_process_llm
-    from vllm import SamplingParams
 
     model = tiny_models.build_tiny_gpt_oss(tmp_path / "gpt_oss", sliding_window=64)
-    llm = in_process_llm(model, **TP_ENGINE_KWARGS)
-    try:
-        outs = llm.generate(TP_PROMPTS, SamplingParams(**TP_SAMPLING), use_tqdm=False)
-    finally:
-        free_llm(llm)
-    tp1 = [list(o.outputs[0].token_ids) for o in outs]
     tokens, log, spec_metrics = run_tp2(tmp_path, model, "mp")
     assert "Worker_TP1" in log and "its sliding-window layers run over their own" in log
-    assert tokens == tp1
+    assert tokens == plain_tp1_tokens(model)
     assert_vllm_drafted(spec_metrics)

@@ -13,7 +13,7 @@ share them).
 import pytest
 
 import tiny_models
-from engine_helpers import assert_drafted, drafter_of, free_llm, in_process_llm, make_engine_kwargs
+from engine_helpers import assert_drafted, fixed_depth_spec, greedy_run, make_engine_kwargs
 from vllm_triforce.config import TriForceConfigError
 
 pytestmark = pytest.mark.engine
@@ -23,29 +23,11 @@ WINDOW = 64
 PROMPT_WORDS = (900, 700, 1100, 500)  # about 1,000 to 2,000 tokens
 
 
-def triforce_spec(budget: int, **over) -> dict:
-    """Two levels at a fixed depth of 4, re-selecting every round."""
-    return {"method": "triforce", "num_speculative_tokens": 4, "retrieval_budget": budget,
-            "retrieval_sink_tokens": 32, "retrieval_recent_tokens": 64,
-            "refresh_interval": 1, "adaptive": False, **over}
-
-
 def generate(model, spec, read=None, **engine):
     """(greedy tokens, TriForce's counters, `read(drafter)` taken before the engine goes)."""
-    from vllm import SamplingParams
-
-    llm = in_process_llm(model, spec, **make_engine_kwargs(max_model_len=2048, **engine))
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     prompts = [tiny_models.make_text(n, seed=i) for i, n in enumerate(PROMPT_WORDS)]
-    stats = facts = None
-    try:
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        if spec:
-            drafter = drafter_of(llm)
-            stats, facts = drafter.stats.snapshot(), read and read(drafter)
-    finally:
-        free_llm(llm)
-    return [list(o.outputs[0].token_ids) for o in outputs], stats, facts
+    return greedy_run(model, spec, prompts, MAX_TOKENS,
+                      make_engine_kwargs(max_model_len=2048, **engine), read)
 
 
 @pytest.fixture(scope="module")
@@ -76,13 +58,13 @@ def test_models_of_that_kind_draft_exactly(name, tmp_path):
     model = build(tmp_path / name, sliding_window=WINDOW)
     plain = generate(model, None)[0]
     tokens, stats, groups = generate(
-        model, triforce_spec(budget=2048),
+        model, fixed_depth_spec(budget=2048),
         read=lambda d: (d.table_group, {gid: len(n) for gid, n in d.windows.names.items()}))
     assert tokens == plain
     assert_drafted(stats)
     assert stats["top_accepted"] == stats["top_proposed"], stats
     assert groups == (table_group, window_groups), groups
-    tokens, stats, _ = generate(model, triforce_spec(budget=256))
+    tokens, stats, _ = generate(model, fixed_depth_spec(budget=256))
     assert tokens == plain
     assert_drafted(stats)
 
@@ -97,7 +79,7 @@ def test_middle_level_equals_the_target_where_it_holds_every_block(windowed, pla
     kinds share one group (every block kept), and the window layers still run at true
     lengths."""
     tokens, stats, groups = generate(
-        windowed, triforce_spec(budget=2048),
+        windowed, fixed_depth_spec(budget=2048),
         read=lambda d: (d.table_group, {gid: len(n) for gid, n in d.windows.names.items()},
                         len(d.target_layer_names), d.summaries.num_layers),
         disable_hybrid_kv_cache_manager=not hybrid_manager)
@@ -114,7 +96,7 @@ def test_retrieval_with_sliding_window_layers_is_lossless(windowed, plain_tokens
     """A budget of 256 tokens against contexts of about 1,000 to 2,000: the full-attention
     layers read a selection of each request's blocks. Asked for round graphs, whose
     buffers hold one group's tables, the middle passes are built per pass instead."""
-    tokens, stats, _ = generate(windowed, triforce_spec(budget=256, round_graphs=round_graphs))
+    tokens, stats, _ = generate(windowed, fixed_depth_spec(budget=256, round_graphs=round_graphs))
     assert tokens == plain_tokens
     assert_drafted(stats)
     assert stats["round_graph_passes"] == 0, stats
@@ -128,7 +110,7 @@ def test_the_memory_plan_counts_a_block_as_vllm_does(windowed, monkeypatch):
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     cache = 64 * 2**20
     _, stats, (plan, pages, num_blocks, reserved) = generate(
-        windowed, triforce_spec(budget=256), kv_cache_memory_bytes=cache,
+        windowed, fixed_depth_spec(budget=256), kv_cache_memory_bytes=cache,
         read=lambda d: (d.memory_plan(),
                         sum(s.page_size_bytes for s in d._kv_cache_specs().values()),
                         d.summaries.num_blocks, d.reserved_bytes))
@@ -149,7 +131,7 @@ def test_three_levels_or_model_runner_v2_with_window_layers_refused(windowed, tm
     with pytest.raises(TriForceConfigError, match=r"a small draft model .* beside a target "
                                                   r"with sliding-window layers.*Fix: leave "):
         EngineArgs(model=str(windowed), max_model_len=1024,
-                   speculative_config={**triforce_spec(256), "model": str(draft)}
+                   speculative_config={**fixed_depth_spec(256), "model": str(draft)}
                    ).create_engine_config()
     monkeypatch.setenv("VLLM_TRIFORCE_MRV2", "1")
     from vllm_triforce import engine_settings
