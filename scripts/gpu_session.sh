@@ -40,6 +40,10 @@
 #                                                # defaults (MRV2, FULL_AND_PIECEWISE, async):
 #                                                # tokens against plain vLLM's defaults, then
 #                                                # the 8B step at depths 0 and 6
+#   bash scripts/gpu_session.sh windows [SECONDS] # carry .bundle: a target with sliding-
+#                                                # window layers beside full ones (Gemma 2's
+#                                                # and gpt-oss's pattern), two levels against
+#                                                # plain vLLM, FLASH_ATTN bf16, TRITON_ATTN fp32
 #   bash scripts/gpu_session.sh tax [SECONDS]     # carry .bundle: where the tax of
 #                                                # TriForce's settings goes: plain vLLM at
 #                                                # the 8B shape with vLLM's defaults, one
@@ -67,7 +71,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-session-out}
 mkdir -p "$OUT"
 export VLLM_TRIFORCE_CACHE=/tmp/vt-cache
-step=${1:?costs, kv-kept, mrv2-first, mrv2, sampled, mrv2-full, tax, model-a, real, host-rounds, round-graphs or hot-path}
+step=${1:?costs, kv-kept, mrv2-first, mrv2, sampled, mrv2-full, windows, tax, model-a, real, host-rounds, round-graphs or hot-path}
 budget=${2:-270}
 case "$step" in
   costs)
@@ -85,6 +89,12 @@ case "$step" in
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     bash scripts/gpu_run.sh --budget-s "$budget" --only \
       kernels,exact-flash-bf16-plain,exact-flash-bf16-2L-mrv2,exact-flash-bf16-3L-mrv2,exact-triton-fp32-plain,exact-triton-fp32-2L-mrv2,exact-triton-fp32-3L-mrv2,exact-triton-fp32-grow-plain,exact-triton-fp32-grow-2L-mrv2,exact-triton-fp32-grow-2L \
+      2>&1 | grep -v " INFO \| DEBUG "
+    ;;
+  windows)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    bash scripts/gpu_run.sh --budget-s "$budget" --only \
+      kernels,exact-flash-bf16-window-plain,exact-flash-bf16-window-2L,exact-triton-fp32-window-plain,exact-triton-fp32-window-2L \
       2>&1 | grep -v " INFO \| DEBUG "
     ;;
   mrv2-first)

@@ -246,7 +246,7 @@ def test_the_gpu_plan_times_costs_first_and_vllm_defaults_before_forced_settings
     from vllm_triforce.tools.bench.gpu_plan import plan
 
     models = {"target": "t", "draft": "d", "shape": "s", "tag": "x", "vocab": 1000,
-              "sampling": "m"}
+              "sampling": "m", "windowed": "w"}
     names = [job["name"] for job in plan(True, models)]
     assert names[:7] == ["kernels", "costs-plain-defaults", "costs-triforce",
                          "costs-plain-forced", "kv-kept", "kv-plain",
@@ -282,7 +282,7 @@ def test_the_lease_calls_name_planned_jobs_and_each_exact_row_finds_its_referenc
     from vllm_triforce.tools.bench.gpu_plan import plan
 
     models = {"target": "t", "draft": "d", "shape": "s", "tag": "x", "vocab": 1000,
-              "sampling": "m"}
+              "sampling": "m", "windowed": "w"}
     jobs = {job["name"]: job for job in plan(True, models)}
     script = (REPO / "scripts" / "gpu_session.sh").read_text()
     selected = [w for only in re.findall(r"--only\s+(?:\\\n\s*)?([\w,.-]+)", script)
@@ -304,6 +304,11 @@ def test_the_lease_calls_name_planned_jobs_and_each_exact_row_finds_its_referenc
     assert "env" not in jobs[full["reference"]] and not jobs[full["reference"]]["llm"][
         "enforce_eager"]
     assert jobs["costs-triforce-mrv2"]["env"]["VLLM_TRIFORCE_MRV2"] == "1"
+    # a target with sliding-window layers, against its own plain run
+    window = jobs["exact-flash-bf16-window-2L"]
+    assert window["model"] == jobs[window["reference"]]["model"] == "w"
+    assert window["model_tag"] == jobs[window["reference"]]["model_tag"] != jobs[
+        "exact-flash-bf16-plain"]["model_tag"]
     assert max(len(p) for p in grow["prompts"]) <= grow["spec"]["retrieval_budget"]
     # the sampled jobs: every TriForce one against the plain one, on both runners, each
     # binding beside its negative control
@@ -404,7 +409,7 @@ def test_the_tax_split_changes_one_of_triforces_settings_at_a_time():
     from vllm_triforce.tools.bench.gpu_plan import TAX_SPEC, plan
 
     models = {"target": "t", "draft": "d", "shape": "s", "tag": "x", "vocab": 1000,
-              "sampling": "m"}
+              "sampling": "m", "windowed": "w"}
     jobs = plan(True, models)
     names = [j["name"] for j in jobs]
     tax = [j for j in jobs if j["name"].startswith("tax-")]

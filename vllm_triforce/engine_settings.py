@@ -286,13 +286,13 @@ def check_attention(model_config, which: str, max_model_len: int, windows: bool)
     full = [kind for kind in kinds if kind in FULL_ATTENTION_LAYER_TYPES]
     window = model_config.get_sliding_window()
     why = None
-    if any(kind not in taken for kind in kinds) or (kinds and not full):
+    others = [kind for kind in kinds if kind not in taken]
+    if others or (kinds and not full):
         counts = ", ".join(f"{kinds.count(k)} {k}" for k in sorted(set(kinds)))
-        why = (f"not all its layers have full attention ({counts})" if not windows
+        why = (f"none of its layers has full attention ({counts})" if not others
                else f"it has layers of a kind TriForce cannot select blocks for ({counts})"
-               if any(kind not in taken for kind in kinds)
-               else f"none of its layers has full attention ({counts})")
-    elif not kinds and window is not None and window < max_model_len:
+               if windows else f"not all its layers have full attention ({counts})")
+    elif len(full) == len(kinds) and window is not None and window < max_model_len:
         why = (f"every layer attends to the last {window} tokens "
                f"of a context of up to {max_model_len}, and vLLM frees the blocks behind "
                "that window")

@@ -154,7 +154,7 @@ class Drafting:
         if len(windowed) == len(names):  # one window in every layer, holding the context
             windowed = []  # (engine_settings.check_attention): they attend as full ones
         self.window_layer_names = windowed
-        self.target_layer_names = [n for n in names if n not in set(windowed)]
+        self.target_layer_names = [n for n in names if n not in windowed]
         self.target_layers = [layers[n] for n in self.target_layer_names]
         compilation = self.vllm_config.compilation_config
         why = capture.references_outlive_passes(compilation,
@@ -230,8 +230,9 @@ class Drafting:
         groups = kv_cache_config.kv_cache_groups
         gid_of = {name: gid for gid, group in enumerate(groups) for name in group.layer_names}
         own = {gid_of[name] for name in self.target_layer_names}
+        windowed = set(self.window_layer_names)
         strays = [name for gid, group in enumerate(groups) if gid not in own
-                  for name in group.layer_names if name not in set(self.window_layer_names)]
+                  for name in group.layer_names if name not in windowed]
         if len(own) != 1 or strays:
             raise TriForceConfigError(
                 "TriForce selects blocks in one KV-cache group (its layers with full "

@@ -226,6 +226,8 @@ def _models(args, on_gpu: bool) -> dict:
              if on_gpu else target)
     return {"target": target, "draft": draft, "shape": shape, "tag": gpu_models.TINY_TAG,
             "sampling": gpu_models.build_sampling_model(root, Path(tokenizer)),
+            "windowed": (gpu_models.build_windowed_model(root, Path(tokenizer))
+                         if on_gpu else None),
             "vocab": gpu_models.tokenizer_vocab_size(Path(tokenizer))}
 
 

@@ -67,10 +67,13 @@ def tokenizer_vocab_size(tokenizer_dir: Path) -> int:
 def build_llama(dest: Path, tokenizer_dir: Path, *, layers: int, hidden: int, heads: int,
                 kv_heads: int, head_dim: int, seed: int, max_positions: int = 32768,
                 vocab: int | None = None, init_std: float = TINY_INIT_STD,
-                attention_scale: float = ATTENTION_SCALE, tag: str = TINY_TAG) -> Path:
+                attention_scale: float = ATTENTION_SCALE, tag: str = TINY_TAG,
+                layer_types: list[str] | None = None, sliding_window: int | None = None
+                ) -> Path:
     """A random Llama saved as float32 safetensors with the tokenizer; reused if built
     by the same recipe (`tag`, written beside it). `vocab`: the model's vocabulary, the
-    tokenizer's by default (a smaller one samples only ids the tokenizer also has)."""
+    tokenizer's by default (a smaller one samples only ids the tokenizer also has).
+    `layer_types` and `sliding_window`: sliding-window layers beside full ones."""
     recipe = dest / "recipe.txt"
     if recipe.exists() and recipe.read_text() == tag:
         return dest
@@ -83,7 +86,9 @@ def build_llama(dest: Path, tokenizer_dir: Path, *, layers: int, hidden: int, he
                          num_key_value_heads=kv_heads, head_dim=head_dim,
                          max_position_embeddings=max_positions, rope_theta=10000.0,
                          initializer_range=init_std, tie_word_embeddings=False,
-                         bos_token_id=1, eos_token_id=2, torch_dtype="float32")
+                         bos_token_id=1, eos_token_id=2, torch_dtype="float32",
+                         **({} if layer_types is None else
+                            {"layer_types": layer_types, "sliding_window": sliding_window}))
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.float32)
     with torch.no_grad():  # attention adds a little to the residual stream: see ATTENTION_SCALE
@@ -103,6 +108,20 @@ def build_tiny_pair(root: Path, tokenizer_dir: Path) -> tuple[Path, Path]:
     draft = build_llama(root / "tiny-llama-draft", tokenizer_dir, layers=2, hidden=128,
                         heads=2, kv_heads=1, head_dim=64, seed=1)
     return target, draft
+
+
+# The windowed jobs' target (bench/gpu_plan.py, `exact-*-window-*`): the tiny pair's target
+# with 128-token sliding windows in layers 0 and 2 (Gemma 2's and gpt-oss's alternation).
+WINDOW = 128
+WINDOW_TAG = f"{TINY_TAG} window {WINDOW} alternating"
+
+
+def build_windowed_model(root: Path, tokenizer_dir: Path) -> Path:
+    """The tiny pair's target with sliding-window layers 0 and 2, full layers 1 and 3."""
+    return build_llama(root / "tiny-llama-window", tokenizer_dir, layers=4, hidden=256,
+                       heads=4, kv_heads=2, head_dim=64, seed=0, tag=WINDOW_TAG,
+                       layer_types=["sliding_attention", "full_attention"] * 2,
+                       sliding_window=WINDOW)
 
 
 def build_sampling_model(root: Path, tokenizer_dir: Path) -> Path:

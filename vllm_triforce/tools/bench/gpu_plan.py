@@ -99,7 +99,7 @@ WRONG_TEMPERATURE = 0.5
 
 def plan(on_gpu: bool, models: dict, kernels_ok: bool = True) -> list[dict]:
     """The jobs, in the order they run. `models`: paths of "target", "draft", "shape",
-    "sampling"."""
+    "sampling", "windowed" (a GPU's only)."""
     jobs = [{"name": "kernels", "kind": "kernels", "estimate_s": 20, "timeout_s": 120}]
     jobs.extend(_cost_jobs(on_gpu, models, kernels_ok))
     # eager engines: seconds to start (the cost jobs run the compiled default path)
@@ -129,6 +129,7 @@ def plan(on_gpu: bool, models: dict, kernels_ok: bool = True) -> list[dict]:
             jobs.append({**base, "name": f"exact-{tag}-fromcache",
                          "spec": {**TINY_SPEC, "prefill_from_cache": True}, "llm": llm,
                          "levels": 2, "reference": f"exact-{tag}-plain"})
+            jobs.extend(_window_jobs(tag, base, llm, models))
             # the experimental Model Runner V2 binding (engine/mrv2/): the same engines
             # in vLLM's V2 runner, against the same plain V1 reference
             for n in levels:
@@ -142,6 +143,21 @@ def plan(on_gpu: bool, models: dict, kernels_ok: bool = True) -> list[dict]:
     if on_gpu:  # last: asked for by name (`gpu_session.sh tax`)
         jobs.extend(_tax_jobs(next(j for j in jobs if j["name"] == "costs-plain-defaults")))
     return jobs
+
+
+def _window_jobs(tag: str, base: dict, llm: dict, models: dict) -> list[dict]:
+    """A target with sliding-window layers beside full ones (`models["windowed"]`,
+    bench/gpu_models.py `build_windowed_model`; vLLM gives each kind a KV-cache group):
+    plain vLLM with TriForce's settings, then TriForce's two levels against it, whose
+    passes run the window layers over their own group (engine/device/forward.py
+    `WindowLayers`)."""
+    from vllm_triforce.tools.bench.gpu_models import WINDOW_TAG
+
+    window = {**base, "model": str(models["windowed"]), "model_tag": WINDOW_TAG}
+    return [{**window, "name": f"exact-{tag}-window-plain", "logprobs": 2,
+             "env": FORCED_SETTINGS["env"], "llm": {**llm, "async_scheduling": False}},
+            {**window, "name": f"exact-{tag}-window-2L", "spec": TINY_SPEC, "llm": llm,
+             "levels": 2, "reference": f"exact-{tag}-window-plain"}]
 
 
 def _sample_jobs(tag: str, llm: dict, models: dict, on_gpu: bool) -> list[dict]:
