@@ -14,7 +14,7 @@ What the wrapper does for a triforce config, before any weights load:
    TriForce: its weights are then never loaded twice, see engine/proposer.py) and carries the
    TriForce settings to the workers in `additional_config["triforce"]`,
 4. checks the draft's vocabulary against the target's, and refuses models with attention
-   TriForce cannot select blocks for (sliding-window layers are taken beside full ones in
+   TriForce cannot select blocks for (local layers are taken beside full ones in
    a two-level target) and a small draft with M-RoPE (engine_settings.check_models),
 5. lifts the draft's `max_model_len` to the target's: the small draft only ever sees
    StreamingLLM-rebased positions (core/streaming.py), so its short trained context must

@@ -24,7 +24,7 @@ engine/batch.py reads them as zero rejections).
 Why not for recurrent models: vLLM keeps zero-draft decode rows on the speculative path for
 their state offsets (the `zero_draft_decode_mask` comment there); TriForce refuses Mamba
 and linear-attention layers (engine_settings.check_attention), so every model it runs
-keeps a KV cache only, of full-attention layers and, beside them, sliding-window ones.
+keeps a KV cache only, of full-attention layers and, beside them, local ones.
 
 Gate: the drafter's `PLAIN_STEPS_WITHOUT_DRAFTS` and an empty `scheduled_spec_decode_tokens`
 (with async scheduling the scheduler schedules placeholder drafts, so nothing changes there).

@@ -1,13 +1,13 @@
-"""Targets with sliding-window layers beside full-attention ones (Gemma 2 and 3, gpt-oss),
-here a tiny Llama whose layers 0 and 2 attend to the last 64 tokens and layers 1 and 3
-over the whole context. vLLM gives each kind a KV-cache group of its own (its hybrid
-KV-cache manager), frees the blocks behind the window and gives the two groups different
-block ids. TriForce selects blocks for the full-attention layers only; every pass runs
-the sliding-window layers over their own group's table at the tokens' true lengths,
-writing their own group's slots (engine/device/forward.py `WindowLayers`). Greedy outputs
-must equal plain vLLM's with drafts verified, for that Llama and for tiny Gemma 3 and
-gpt-oss models; the memory plan must count a block id's bytes as vLLM does (the groups
-share them).
+"""Targets with local layers beside full-attention ones: sliding-window layers (Gemma 2 and
+3, gpt-oss) and chunked ones (Llama 4). Most tests use a tiny Llama whose layers 0 and 2
+attend to the last 64 tokens and layers 1 and 3 over the whole context. vLLM gives each
+kind a KV-cache group of its own (its hybrid KV-cache manager), frees the blocks behind
+the window and gives the two groups different block ids. TriForce selects blocks for the
+full-attention layers only; every pass runs the local layers over their own group's table
+at the tokens' true lengths, writing their own group's slots (engine/device/forward.py
+`WindowLayers`). Greedy outputs must equal plain vLLM's with drafts verified, for that
+Llama and for tiny Gemma 3, gpt-oss and Llama 4 models; the memory plan must count a
+block id's bytes as vLLM does (the groups share them).
 """
 
 import pytest
@@ -42,20 +42,26 @@ def plain_tokens(windowed):
     return generate(windowed, None)[0]
 
 
-ARCHITECTURES = {  # name -> (builder, KV-cache groups of sliding layers, TriForce's group)
-    "gemma3": (tiny_models.build_tiny_gemma3, {0: 1, 1: 1, 2: 1, 3: 1, 4: 1}, 5),
-    "gpt_oss": (tiny_models.build_tiny_gpt_oss, {0: 2}, 1),
+ARCHITECTURES = {  # name -> (builder, KV-cache groups of local layers, TriForce's group)
+    "gemma3": (lambda path: tiny_models.build_tiny_gemma3(path, sliding_window=WINDOW),
+               {0: 1, 1: 1, 2: 1, 3: 1, 4: 1}, 5),
+    "gpt_oss": (lambda path: tiny_models.build_tiny_gpt_oss(path, sliding_window=WINDOW),
+                {0: 2}, 1),
+    "llama4": (lambda path: tiny_models.build_tiny_llama4(path, chunk=WINDOW),
+               {0: 1, 1: 1, 2: 1}, 3),
 }
 
 
 @pytest.mark.parametrize("name", sorted(ARCHITECTURES))
 def test_models_of_that_kind_draft_exactly(name, tmp_path):
     """Gemma 3's pattern (five sliding layers to one full: six KV-cache groups; query-key
-    norms, a RoPE base of its own in the local layers) and gpt-oss's (alternating, with
-    learned attention sinks and experts): with a budget past every context all drafts are
-    accepted, and with 256 tokens the output is still plain vLLM's."""
+    norms, a RoPE base of its own in the local layers), gpt-oss's (alternating, with
+    learned attention sinks and experts) and Llama 4's (three layers attending within
+    chunks of the context to one over all of it, without RoPE; vLLM's chunked-local
+    builder splits each request into virtual ones): with a budget past every context all
+    drafts are accepted, and with 256 tokens the output is still plain vLLM's."""
     build, window_groups, table_group = ARCHITECTURES[name]
-    model = build(tmp_path / name, sliding_window=WINDOW)
+    model = build(tmp_path / name)
     plain = generate(model, None)[0]
     tokens, stats, groups = generate(
         model, fixed_depth_spec(budget=2048),
@@ -123,13 +129,13 @@ def test_the_memory_plan_counts_a_block_as_vllm_does(windowed, monkeypatch):
 def test_three_levels_or_model_runner_v2_with_window_layers_refused(windowed, tmp_path,
                                                                    monkeypatch):
     """Refused when vLLM builds the config, with the fix: a small draft beside a target
-    with sliding-window layers (vLLM would group the draft's layers with the target's),
+    with local layers (vLLM would group the draft's layers with the target's),
     and the Model Runner V2 binding (one table for every layer)."""
     from vllm.engine.arg_utils import EngineArgs
 
     draft = tiny_models.build_tiny_llama_draft(tmp_path / "draft")
     with pytest.raises(TriForceConfigError, match=r"a small draft model .* beside a target "
-                                                  r"with sliding-window layers.*Fix: leave "):
+                                                  r"with local layers.*Fix: leave "):
         EngineArgs(model=str(windowed), max_model_len=1024,
                    speculative_config={**fixed_depth_spec(256), "model": str(draft)}
                    ).create_engine_config()
@@ -137,6 +143,6 @@ def test_three_levels_or_model_runner_v2_with_window_layers_refused(windowed, tm
     from vllm_triforce import engine_settings
 
     with pytest.raises(TriForceConfigError, match=r"VLLM_TRIFORCE_MRV2=1 for a model with "
-                                                  r"sliding-window layers"):
+                                                  r"local layers"):
         engine_settings.check_windows(
             EngineArgs(model=str(windowed), max_model_len=1024).create_model_config(), None)

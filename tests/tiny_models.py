@@ -165,6 +165,25 @@ def build_tiny_gpt_oss(path, *, num_layers: int = 4, sliding_window: int = 64,
     return _save(GptOssForCausalLM, config, tokenizer, path, seed)
 
 
+def build_tiny_llama4(path, *, num_layers: int = 4, chunk: int = 64, seed: int = 0,
+                      init_scale: float = INIT_SCALE) -> Path:
+    """Random Llama 4 text model: three layers in four attend within chunks of `chunk`
+    tokens (with RoPE), the fourth over the whole context (without), a mixture of two
+    experts in every layer."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    tokenizer = _train_tokenizer()
+    config = Llama4TextConfig(
+        vocab_size=_padded_vocab_size(tokenizer), hidden_size=128, intermediate_size=256,
+        intermediate_size_mlp=256, num_hidden_layers=num_layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, num_local_experts=2, num_experts_per_tok=1,
+        interleave_moe_layer_step=1, attention_chunk_size=chunk,
+        no_rope_layers=[int((i + 1) % 4 != 0) for i in range(num_layers)],
+        max_position_embeddings=4096, initializer_range=init_scale, dtype="float32",
+        **_special_ids(tokenizer))
+    return _save(Llama4ForCausalLM, config, tokenizer, path, seed)
+
+
 def build_tiny_lora(path, base, *, seed: int, rank: int = 8, scale: float = 0.3) -> Path:
     """A random LoRA adapter for `base` (a `build_tiny_llama` model) in PEFT's layout, as
     vLLM loads it: rank `rank` on every layer's q, v and o projections, weights N(0,

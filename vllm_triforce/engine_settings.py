@@ -12,7 +12,7 @@ source; CPU forces most of them off, which is why CPU tests never saw them):
 | attention backend | FLASH_ATTN (Hopper), FLASHINFER (Blackwell) | per-layer metadata must not share builder state | refuse backends outside `SUPPORTED_ATTENTION_BACKENDS` |
 | prompt embeddings | off | vLLM's draft-model path reads the id of a request's last prompt token when its prefill ends (vllm/v1/spec_decode/llm_base_proposer.py `prepare_next_token_ids_padded`); a prompt given as embeddings has none, and the step fails (vLLM's own `draft_model` too) | refuse `enable_prompt_embeds` |
 | LoRA | off | vLLM's LoRA layers map adapters to the tokens of vLLM's own batch (the punica wrapper's metadata, set per step by the runner); TriForce's passes have other tokens, and without their own mapping the first one fails with a shape error mid-generation | map each pass's tokens to their requests' adapters (engine/adapters.py, V1 runner); refuse `enable_lora` on Model Runner V2 |
-| attention kinds | the model's | chunked, linear or Mamba layers sit in KV-cache groups of their own, a sliding window in every layer frees the blocks behind it, and MLA caches a latent per token; TriForce selects blocks of per-head keys for full-attention layers | take sliding-window layers beside full ones in the target (two levels, V1 runner: each pass runs them over their own group, engine/device/forward.py `WindowLayers`); refuse the rest from the model's config (`check_models`), before weights load |
+| attention kinds | the model's | chunked, linear or Mamba layers sit in KV-cache groups of their own, a sliding window in every layer frees the blocks behind it, and MLA caches a latent per token; TriForce selects blocks of per-head keys for full-attention layers | take local layers beside full ones in the target (two levels, V1 runner: each pass runs them over their own group, engine/device/forward.py `WindowLayers`); refuse the rest from the model's config (`check_models`), before weights load |
 | M-RoPE | the model's | vLLM refuses a draft model with M-RoPE, and with two levels TriForce's draft model is the target | take it (patches/mrope_draft.py): TriForce's passes give the target its positions; refuse a small draft with M-RoPE, and M-RoPE on Model Runner V2 |
 
 `decide(engine_args, parallel_config)` runs inside `EngineArgs.create_speculative_config`
@@ -245,8 +245,9 @@ def check_models(target, draft, has_draft: bool) -> None:
 
 # `layer_types` entries of a layer with full attention over every cached token
 FULL_ATTENTION_LAYER_TYPES = ("full_attention", "attention")
-# ... of a layer attending to a sliding window of the newest tokens (Gemma 2 and 3, gpt-oss)
-SLIDING_LAYER_TYPES = ("sliding_attention",)
+# ... of a layer attending locally: to a sliding window of the newest tokens (Gemma 2 and 3,
+# gpt-oss), or within its chunk of the context (Llama 4)
+LOCAL_LAYER_TYPES = ("sliding_attention", "chunked_attention")
 
 
 def layer_kinds(model_config) -> list[str]:
@@ -255,13 +256,14 @@ def layer_kinds(model_config) -> list[str]:
 
 
 def has_window_layers(model_config) -> bool:
-    """Some layers attend to a sliding window beside full-attention ones (`layer_types`)."""
-    return any(kind in SLIDING_LAYER_TYPES for kind in layer_kinds(model_config))
+    """Some layers attend locally (a sliding window, a chunk) beside full-attention ones
+    (`layer_types`)."""
+    return any(kind in LOCAL_LAYER_TYPES for kind in layer_kinds(model_config))
 
 
 def full_attention_layers(model_config, num_layers: int) -> int:
     """How many of the model's `num_layers` layers attend over the whole context: the
-    layers TriForce selects blocks for (the others, sliding-window layers, run over their
+    layers TriForce selects blocks for (the others, local layers, run over their
     own window in every pass, engine/device/forward.py `WindowLayers`)."""
     kinds = layer_kinds(model_config)
     if len(kinds) != num_layers:
@@ -272,17 +274,18 @@ def full_attention_layers(model_config, num_layers: int) -> int:
 def check_attention(model_config, which: str, max_model_len: int, windows: bool) -> None:
     """Every layer of `model_config`'s model attends over its whole context (of up to
     `max_model_len` tokens) with standard per-head keys, or, where `windows` (the target),
-    over a sliding window beside layers that do (Gemma 2 and 3, gpt-oss): TriForce selects
+    locally beside layers that do (a sliding window: Gemma 2 and 3, gpt-oss; chunks: Llama
+    4): TriForce selects
     blocks for the full-attention layers (engine/drafting.py checks the KV-cache groups
     vLLM made). What a config says before any weights load: layers of other kinds
-    (`layer_types`: chunked, linear; sliding ones in a small draft, or with no full layer
-    beside them), a sliding window shorter than the context in every layer (vLLM's rule
-    for `CacheConfig.sliding_window`: a `sliding_window` without `layer_types`; Mistral 7B
-    v0.1), chunked local attention (Llama 4), Mamba or linear-attention layers, latent
-    attention (MLA: DeepSeek and its kind)."""
+    (`layer_types`: linear; local ones in a small draft, or with no full layer beside
+    them), a sliding window shorter than the context in every layer (vLLM's rule for
+    `CacheConfig.sliding_window`: a `sliding_window` without `layer_types`; Mistral 7B
+    v0.1), chunked attention with no `layer_types` to say which layers, Mamba or
+    linear-attention layers, latent attention (MLA: DeepSeek and its kind)."""
     text = model_config.hf_text_config
     kinds = layer_kinds(model_config)
-    taken = FULL_ATTENTION_LAYER_TYPES + (SLIDING_LAYER_TYPES if windows else ())
+    taken = FULL_ATTENTION_LAYER_TYPES + (LOCAL_LAYER_TYPES if windows else ())
     full = [kind for kind in kinds if kind in FULL_ATTENTION_LAYER_TYPES]
     window = model_config.get_sliding_window()
     why = None
@@ -296,7 +299,7 @@ def check_attention(model_config, which: str, max_model_len: int, windows: bool)
         why = (f"every layer attends to the last {window} tokens "
                f"of a context of up to {max_model_len}, and vLLM frees the blocks behind "
                "that window")
-    elif getattr(text, "attention_chunk_size", None):
+    elif len(full) == len(kinds) and getattr(text, "attention_chunk_size", None):
         why = f"it attends in chunks of {text.attention_chunk_size} tokens in some layers"
     elif model_config.is_hybrid:
         why = "it has Mamba or linear-attention layers beside its attention layers"
@@ -307,7 +310,7 @@ def check_attention(model_config, which: str, max_model_len: int, windows: bool)
         raise _fix(f"{which} {model_config.model}",
                    f"{why}; TriForce selects KV blocks for layers that each attend over the "
                    "whole context with per-head keys"
-                   + (", beside which a target may have sliding-window layers" if windows
+                   + (", beside which a target may have local layers" if windows
                       else ""),
                    "serve this model without --speculative-config" if which == "the target"
                    else "draft with a model that has full attention in every layer, or leave "
@@ -315,7 +318,8 @@ def check_attention(model_config, which: str, max_model_len: int, windows: bool)
 
 
 def check_windows(target, small_draft) -> None:
-    """A target with sliding-window layers (Gemma 2 and 3, gpt-oss) runs with two levels
+    """A target with local layers (sliding-window or chunked: Gemma 2 and 3, gpt-oss,
+    Llama 4) runs with two levels
     in the V1 runner: its middle passes run those layers over their own KV-cache group
     (engine/device/forward.py `WindowLayers`). A small draft beside it (three levels),
     whose layers vLLM would group with the target's, and the Model Runner V2 binding,
@@ -324,15 +328,15 @@ def check_windows(target, small_draft) -> None:
         return
     if small_draft is not None:
         raise _fix(f"a small draft model ({small_draft.model}) beside a target with "
-                   f"sliding-window layers ({target.model})",
+                   f"local layers ({target.model})",
                    "TriForce runs such a target with two levels: its three-level engine "
                    "expects the target's and the draft's layers in one KV-cache group, and "
-                   "vLLM gives sliding-window layers groups of their own",
+                   "vLLM gives local (sliding-window or chunked) layers groups of their own",
                    "leave speculative_config's 'model' unset (two levels: the target drafts "
                    "for itself over its retrieval cache)")
     if mrv2_requested():
         asked = _mrv2_asked_by()
-        raise _fix(f"{asked}=1 for a model with sliding-window layers ({target.model})",
+        raise _fix(f"{asked}=1 for a model with local layers ({target.model})",
                    "TriForce's Model Runner V2 binding gives every layer one block table",
                    f"unset {asked}: TriForce runs such models in the V1 runner")
 

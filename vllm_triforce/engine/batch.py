@@ -64,7 +64,7 @@ class StepBatch:
     # logits go, engine/mrv2/draft_logits.py); None on the V1 runner
     slots: torch.Tensor | None = None
     # KV-cache group id -> device [R, width] int32: the block tables of the groups the
-    # target's sliding-window layers sit in (engine/device/forward.py `WindowLayers`),
+    # target's local layers sit in (engine/device/forward.py `WindowLayers`),
     # other than `block_table`'s; None: no such group
     window_tables: dict[int, torch.Tensor] | None = None
 
@@ -173,7 +173,7 @@ class StepBatch:
         from it instead of read per request. `table_group`: the KV-cache group of the
         target's full-attention layers (`cad` holds group 0's table: vLLM hands a draft
         model's proposer the first group's metadata); `window_groups`: KV-cache group id ->
-        block size of the groups of its sliding-window layers, whose tables the batch
+        block size of the groups of its local layers, whose tables the batch
         keeps too (`window_tables`)."""
         num_reqs = cad.num_reqs
         device = next_token_ids.device

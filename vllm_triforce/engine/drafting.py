@@ -145,12 +145,13 @@ class Drafting:
     def _attach_target(self, target_model, target_names) -> None:
         """The target's attention layers (`target_names`: their names, the draft's left
         out), in order, and the query/key capture on those TriForce selects blocks for:
-        all of them, or, beside sliding-window layers (Gemma 2 and 3, gpt-oss; kept in
-        `window_layer_names`), the full-attention ones."""
+        all of them, or, beside local layers (sliding-window: Gemma 2 and 3, gpt-oss;
+        chunked: Llama 4; kept in `window_layer_names`), the full-attention ones."""
         self.target_model = target_model
         layers = get_layers_from_vllm_config(self.vllm_config, Attention)
         names = sorted(target_names, key=extract_layer_index)
-        windowed = [n for n in names if layers[n].sliding_window is not None]
+        windowed = [n for n in names if layers[n].sliding_window is not None
+                    or getattr(layers[n], "attention_chunk_size", None)]  # Llama 4's
         if len(windowed) == len(names):  # one window in every layer, holding the context
             windowed = []  # (engine_settings.check_attention): they attend as full ones
         self.window_layer_names = windowed
@@ -222,9 +223,9 @@ class Drafting:
 
     def _kv_groups(self, kv_cache_config, target_groups: list) -> tuple:
         """(the KV-cache group of the layers TriForce selects blocks for, the target's
-        sliding-window layers by group: `WindowLayers`, or None without any). Refuses
+        local layers by group: `WindowLayers`, or None without any). Refuses
         groups TriForce cannot run over: its layers in more than one, another group
-        holding a layer that is not sliding-window, or sliding-window layers sharing its
+        holding a layer that is not local, or local layers sharing its
         group (vLLM's hybrid KV-cache manager off) on a backend whose metadata builders
         keep state (one builder would serve both)."""
         groups = kv_cache_config.kv_cache_groups
@@ -236,7 +237,7 @@ class Drafting:
         if len(own) != 1 or strays:
             raise TriForceConfigError(
                 "TriForce selects blocks in one KV-cache group (its layers with full "
-                "attention, beside which only sliding-window layers may have groups of "
+                "attention, beside which only local layers may have groups of "
                 f"their own); vLLM made {len(groups)} groups for this model "
                 f"({', '.join(type(g.kv_cache_spec).__name__ for g in groups)}). "
                 "Please report this with your model.")
@@ -249,7 +250,7 @@ class Drafting:
         backend = target_groups[0].backend.get_name()
         if table_gid in names and metadata_path(backend) == BUILDER_PER_LAYER:
             raise TriForceConfigError(
-                f"TriForce on {backend} runs sliding-window layers beside full-attention "
+                f"TriForce on {backend} runs local layers beside full-attention "
                 "ones only in KV-cache groups of their own; vLLM's hybrid KV-cache manager "
                 "is off here, which puts them in one group. Fix: leave "
                 "--disable-hybrid-kv-cache-manager unset (and use a KV connector that "
@@ -257,8 +258,8 @@ class Drafting:
         windows = WindowLayers(names, {gid: groups[gid].kv_cache_spec.block_size
                                        for gid in names})
         logger.info("TriForce selects blocks for %d of the target's %d layers (full "
-                    "attention, KV-cache group %d); its sliding-window layers run over their "
-                    "own window in every pass (KV-cache groups %s)",
+                    "attention, KV-cache group %d); its local layers (sliding-window or "
+                    "chunked) run over their own window in every pass (KV-cache groups %s)",
                     len(self.target_layer_names),
                     len(self.target_layer_names) + len(self.window_layer_names), table_gid,
                     ", ".join(map(str, sorted(names))))
@@ -435,7 +436,7 @@ class Drafting:
         if takes_mrope(model):
             path, why = "per pass", "the model rotates with M-RoPE: its buffers hold 1-D positions"
         if level == "middle" and self.windows is not None:
-            path, why = "per pass", "sliding-window layers: its buffers hold one group's tables"
+            path, why = "per pass", "local layers: its buffers hold one group's tables"
         if level == "middle" and self.vllm_config.lora_config is not None:
             path, why = "per pass", "LoRA adapters are mapped to each pass's tokens"
         if path == "per pass":

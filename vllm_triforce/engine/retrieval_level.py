@@ -81,7 +81,7 @@ class RetrievalLevel:
         # (engine/device/selection_graph.py), with `selection_graphs`: set once the
         # selection is compiled; None: `select_in_middle`, then `load_ahead`
         self.selection_graphs = None
-        # the target's sliding-window layers (engine/device/forward.py `WindowLayers`),
+        # the target's local layers (engine/device/forward.py `WindowLayers`),
         # which every pass runs over their own group's table; None: it has none
         self.windows = windows
         # vLLM's LoRA adapters, mapped to each pass's tokens (engine/adapters.py); None:
@@ -429,7 +429,7 @@ class RetrievalStep:
 
     def _window_passes(self, rows, inputs, block_table: torch.Tensor,
                        true_lens: list[int]) -> list:
-        """The passes of the target's sliding-window layers beside TriForce's pass `inputs`
+        """The passes of the target's local layers beside TriForce's pass `inputs`
         of requests `rows` (`block_table`: their rows of TriForce's group's table), at
         `true_lens` (engine/device/forward.py `WindowLayers.passes`); [] without any."""
         windows = self.level.windows

@@ -78,9 +78,11 @@ READ_ATTRIBUTES = (
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.uses_mrope"),
     ("vllm.v1.worker.gpu_input_batch", "CachedRequestState.mrope_position_delta"),
     ("vllm.model_executor.models.interfaces", "SupportsMRoPE.supports_mrope"),
-    # targets with sliding-window layers (engine/drafting.py `_attach_target`, the other
+    # targets with local layers (engine/drafting.py `_attach_target`, the other
     # KV-cache groups' tables: engine/batch.py `_group_table`)
     ("vllm.model_executor.layers.attention.attention", "Attention.sliding_window"),
+    ("vllm.model_executor.layers.attention.chunked_local_attention",
+     "ChunkedLocalAttention.attention_chunk_size"),
     ("vllm.v1.worker.gpu_input_batch", "InputBatch.block_table"),
     ("vllm.v1.worker.block_table", "MultiGroupBlockTable.__getitem__"),
     ("vllm.v1.worker.block_table", "BlockTable.get_device_tensor"),

@@ -165,15 +165,17 @@ def build_pass(token_ids: list | torch.Tensor, positions: list[list[int]] | Runs
 
 @dataclass(frozen=True)
 class WindowLayers:
-    """The target's sliding-window layers (Gemma 2 and 3, gpt-oss: beside its
-    full-attention ones), by the KV-cache group each sits in. Every TriForce pass runs
+    """The target's local layers, beside its full-attention ones: sliding-window layers
+    (Gemma 2 and 3, gpt-oss) and chunked ones (Llama 4, whose builder splits each request
+    into virtual ones, a chunk each), by the KV-cache group each sits in. Every TriForce
+    pass runs
     them as vLLM's own pass does: over their group's block table, at the tokens' true
-    sequence lengths, writing their group's slots (the attention kernel applies the
-    window; vLLM has freed the blocks behind it); only the full-attention layers read
+    sequence lengths, writing their group's slots (their attention applies the window or
+    the chunk; vLLM has freed the blocks behind it); only the full-attention layers read
     TriForce's tables. Example: layers 0 and 2 sliding in group 0, layers 1 and 3 full in
     group 1 (TriForce's): names {0: [layer 0, layer 2]}, a pass of request i at positions
     [p, p + 1] runs layers 0 and 2 over group 0's row i with seq_len p + 2."""
-    names: dict[int, list[str]]    # KV-cache group id -> its sliding-window layers
+    names: dict[int, list[str]]    # KV-cache group id -> its local layers
     block_sizes: dict[int, int]    # KV-cache group id -> its block size
 
     def passes(self, inputs: PassInputs, tables: dict[int, torch.Tensor],
@@ -408,7 +410,7 @@ def rotary_positions(model, inputs: PassInputs) -> torch.Tensor:
 def run(model, vllm_config, metas: dict, inputs: PassInputs,
         slots: dict | None = None) -> torch.Tensor:
     """Forward `model` over `inputs` with per-layer `metas`; returns logits of sample_rows.
-    `slots`: layer name -> the KV slots it writes (sliding-window layers write their own
+    `slots`: layer name -> the KV slots it writes (local layers write their own
     group's, `WindowLayers`); None: `inputs.slot_mapping` for every layer.
 
     The compiled model on CUDA asserts `num_tokens <= max_num_batched_tokens`
@@ -438,7 +440,7 @@ def run_pass(model, vllm_config, groups, inputs: PassInputs, tables,
     `tables`: one [num_reqs, width] table for every layer, or layer_name -> table; with
     per-layer tables on a stateful backend, `limits` (engine/shape.py `PassLimits`, the
     engine's `EngineShape.pass_limits`) bounds each chunk too. `windows`: the passes of
-    the target's sliding-window layers (`WindowLayers.passes`), chunked alike. `before`:
+    the target's local layers (`WindowLayers.passes`), chunked alike. `before`:
     called with each chunk and its requests (a range of the pass's) before it runs (LoRA
     adapters' mapping: engine/adapters.py).
     Returns the logits of `inputs.sample_rows`, in order. With `stats`, the time of the
