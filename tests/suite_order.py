@@ -12,9 +12,9 @@ LONGEST_FIRST = (
     "tests/test_triforce_engine.py",  # 346
     "tests/test_readme_serve.py",  # 293
     "tests/test_serving_plumbing.py",  # 189
+    "tests/test_window_layers.py",  # 150 (added after that run: its own run)
     "tests/test_bench.py",  # 137
     "tests/test_gpu_check.py",  # 130
-    "tests/test_window_layers.py",  # 150 (added after that run: its own run)
     "tests/test_bench_serve.py",  # 129
     "tests/test_memory_plan.py",  # 122
     "tests/test_triforce_sampling.py",  # 104
