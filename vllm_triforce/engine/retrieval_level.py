@@ -405,7 +405,7 @@ class RetrievalStep:
                                 model_positions=self._rotated(rows, positions))
             per_layer = dict(zip(level.layer_names, tables.unbind(0)))  # one op, not per layer
             windows = self._window_passes(rows, inputs, block_table,
-                                          (positions.starts + positions.lens).tolist())
+                                          positions.starts + positions.lens)
             with level.capture.recording(into=level.middle_queries):
                 logits = run_pass(level.model, level.vllm_config, level.attn_groups, inputs,
                                   per_layer, level.stats, level.pass_limits, windows,
@@ -427,8 +427,7 @@ class RetrievalStep:
                              chunk.sample_rows)
         return before
 
-    def _window_passes(self, rows, inputs, block_table: torch.Tensor,
-                       true_lens: list[int]) -> list:
+    def _window_passes(self, rows, inputs, block_table: torch.Tensor, true_lens) -> list:
         """The passes of the target's local layers beside TriForce's pass `inputs`
         of requests `rows` (`block_table`: their rows of TriForce's group's table), at
         `true_lens` (engine/device/forward.py `WindowLayers.passes`); [] without any."""

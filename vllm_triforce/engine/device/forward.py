@@ -179,12 +179,12 @@ class WindowLayers:
     block_sizes: dict[int, int]    # KV-cache group id -> its block size
 
     def passes(self, inputs: PassInputs, tables: dict[int, torch.Tensor],
-               true_lens: list[int]) -> list[tuple[PassInputs, dict]]:
+               true_lens) -> list[tuple[PassInputs, dict]]:
         """[(the pass of a group's window layers, layer name -> its table)], one a group:
         `inputs` (TriForce's pass) at `true_lens` [n] (each request's newest position + 1),
         with its group's slots from `tables` [gid] [n, width] (device: the requests' rows
         of that group's block table)."""
-        out = []
+        out, true_lens = [], [int(n) for n in true_lens]  # a list, or a host array
         positions = inputs.positions if inputs.kv_positions is None else inputs.kv_positions
         lens_dev = to_device(positions.device, true_lens)[0].to(torch.int32)
         rows = torch.arange(inputs.num_tokens, device=positions.device)
@@ -193,7 +193,7 @@ class WindowLayers:
         for gid, names in self.names.items():
             table = tables[gid]
             own = dataclasses.replace(
-                inputs, seq_lens=list(true_lens), seq_lens_dev=lens_dev,
+                inputs, seq_lens=true_lens, seq_lens_dev=lens_dev,
                 slot_mapping=kv_slots(table, who, positions, self.block_sizes[gid]))
             out.append((own, dict.fromkeys(names, table)))
         return out
