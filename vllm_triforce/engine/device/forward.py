@@ -171,9 +171,10 @@ class WindowLayers:
     pass runs them as vLLM's own pass does: over their group's block table, at the
     tokens' true sequence lengths, writing their group's slots (their attention applies
     the window or the chunk; vLLM has freed the blocks behind it); only the
-    full-attention layers read TriForce's tables. Example: layers 0 and 2 sliding in group 0, layers 1 and 3 full in
-    group 1 (TriForce's): names {0: [layer 0, layer 2]}, a pass of request i at positions
-    [p, p + 1] runs layers 0 and 2 over group 0's row i with seq_len p + 2."""
+    full-attention layers read TriForce's tables. Example: layers 0 and 2 sliding in
+    group 0, layers 1 and 3 full in group 1 (TriForce's): names {0: [layer 0, layer 2]},
+    a pass of request i at positions [p, p + 1] runs layers 0 and 2 over group 0's row i
+    with seq_len p + 2."""
     names: dict[int, list[str]]    # KV-cache group id -> its local layers
     block_sizes: dict[int, int]    # KV-cache group id -> its block size
 
