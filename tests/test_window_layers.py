@@ -96,16 +96,85 @@ def test_middle_level_equals_the_target_where_it_holds_every_block(windowed, pla
     assert groups == ((1, {0: 2}, 2, 2) if hybrid_manager else (0, {0: 2}, 2, 2)), groups
 
 
-@pytest.mark.parametrize("round_graphs", [False, True])
-def test_retrieval_with_sliding_window_layers_is_lossless(windowed, plain_tokens,
-                                                          round_graphs):
+def test_retrieval_with_sliding_window_layers_is_lossless(windowed, plain_tokens):
     """A budget of 256 tokens against contexts of about 1,000 to 2,000: the full-attention
-    layers read a selection of each request's blocks. Asked for round graphs, whose
-    buffers hold one group's tables, the middle passes are built per pass instead."""
-    tokens, stats, _ = generate(windowed, fixed_depth_spec(budget=256, round_graphs=round_graphs))
+    layers read a selection of each request's blocks. With round graphs every middle pass
+    runs over the persistent buffers, the sliding-window layers' tables and slots among
+    them (engine/device/round_graph.py `WindowGroup`), and drafts and accepts exactly as
+    the passes built per pass do."""
+    accepted = {}
+    for round_graphs in (False, True):
+        tokens, stats, _ = generate(windowed, fixed_depth_spec(budget=256,
+                                                               round_graphs=round_graphs))
+        assert tokens == plain_tokens
+        assert_drafted(stats)
+        accepted[round_graphs] = (stats["top_proposed"], stats["top_accepted"])
+        graphed = stats["middle_rounds"] if round_graphs else 0
+        assert stats["round_graph_passes"] == graphed, stats
+        assert stats["round_graph_misses"] == 0, stats
+    assert accepted[True] == accepted[False], accepted
+
+
+@pytest.mark.parametrize("hybrid_manager", [True, False])
+def test_round_graphs_run_the_window_layers_over_their_own_buffers(windowed, plain_tokens,
+                                                                   hybrid_manager,
+                                                                   monkeypatch):
+    """Round graphs over a budget past every context: every draft is accepted only if the
+    sliding-window layers read their own group's blocks from the buffers, at true
+    lengths. The replay guard watches those layers too (a table or length allocated per
+    round fails it), the buffers stay inside the memory plan's reservation, and loading
+    TriForce's group's rows as the window layers' table is caught (hybrid manager on:
+    off, the two are one group)."""
+    from vllm import SamplingParams
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+
+    from engine_helpers import drafter_of, free_llm, in_process_llm
+    from vllm_triforce.engine.device.round_graph import PassBuffers, ReplayGuard
+
+    def run():
+        llm = in_process_llm(windowed, fixed_depth_spec(budget=2048, round_graphs=True),
+                             **make_engine_kwargs(max_model_len=2048,
+                                                  disable_hybrid_kv_cache_manager=not
+                                                  hybrid_manager))
+        try:
+            drafter = drafter_of(llm)
+            graphs = drafter.retrieval.round_graphs
+            local = get_layers_from_vllm_config(drafter.vllm_config, Attention,
+                                                drafter.window_layer_names)
+            guard = graphs.guard = ReplayGuard().install(
+                drafter.target_layers + list(local.values()))
+            prompts = [tiny_models.make_text(n, seed=i) for i, n in enumerate(PROMPT_WORDS)]
+            outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                                        ignore_eos=True), use_tqdm=False)
+            guard.remove()
+            allocated = graphs.nbytes + drafter.layer_capture.step_buffers.nbytes
+            return ([list(o.outputs[0].token_ids) for o in outs], drafter.stats.snapshot(),
+                    guard.replays_checked, len(graphs.windows),
+                    (allocated, drafter.sizing.round_bytes))
+        finally:
+            free_llm(llm)
+
+    tokens, stats, checked, groups, (allocated, reserved) = run()
     assert tokens == plain_tokens
     assert_drafted(stats)
-    assert stats["round_graph_passes"] == 0, stats
+    assert stats["top_accepted"] == stats["top_proposed"], stats
+    assert stats["round_graph_passes"] == stats["middle_rounds"], stats
+    assert checked > 0 and groups == 1
+    assert 0 < allocated <= reserved
+    if not hybrid_manager:
+        return
+    write_windows = PassBuffers._write_windows
+
+    def triforce_rows(buffers, tables, *args):  # the full layers' rows, not their own
+        own = {gid: buffers.tables[0, :table.shape[0], :table.shape[1]]
+               for gid, table in tables.items()}
+        return write_windows(buffers, own, *args)
+
+    monkeypatch.setattr(PassBuffers, "_write_windows", triforce_rows)
+    _, stats, *_ = run()
+    assert_drafted(stats)
+    assert stats["top_accepted"] < stats["top_proposed"], stats
 
 
 def test_the_memory_plan_counts_a_block_as_vllm_does(windowed, monkeypatch):

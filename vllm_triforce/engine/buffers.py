@@ -201,7 +201,8 @@ GRAPH_OVERHEAD_BYTES = 2**20
 
 def round_graph_bytes(bounds, num_layers: int, num_q_heads: int, num_kv_heads: int,
                       head_dim: int, vocab_size: int, element: int, capture_tokens: int,
-                      cuda_graphs: bool, draft_bounds=None) -> int:
+                      cuda_graphs: bool, draft_bounds=None, window_groups: int = 0,
+                      window_width: int = 0) -> int:
     """What `round_graphs` allocates beside the KV cache (engine/device/): the middle
     pass's input buffers at `bounds` (engine/device/bounds.RoundBounds: ids, positions,
     slots, query starts, lengths, per-layer tables [L, R, W], their column numbers), its
@@ -215,12 +216,17 @@ def round_graph_bytes(bounds, num_layers: int, num_q_heads: int, num_kv_heads: i
     rows of 258 blocks, 512 capture tokens: inputs 0.5 MiB, queries 3.8 MiB, vLLM's copies
     160 MiB, pool 14.2 MiB (logits 7.3, activations 1.9, 5 graphs): 178.4 MiB.
     `draft_bounds` (three levels): the small draft's inputs (one table) and, with CUDA
-    graphs, its pool, sized with the target's hidden size (the draft's is smaller)."""
+    graphs, its pool, sized with the target's hidden size (the draft's is smaller).
+    `window_groups` (a target with sliding-window layers): each one's table of
+    `window_width` blocks a request and its slots, and the true lengths
+    (round_graph.PassBuffers)."""
     tokens, requests, width = bounds.max_tokens, bounds.max_requests, bounds.max_width
     hidden = num_q_heads * head_dim
     # ids int32, positions and slots int64; query starts and lengths; tables; columns int64
     inputs = (tokens * (4 + 8 + 8) + (2 * requests + 1) * 4 + num_layers * requests * width * 4
               + width * 8)
+    if window_groups:  # tables [R, W_g] int32, slots [T] int64 a group; true lengths [R]
+        inputs += window_groups * (requests * window_width * 4 + tokens * 8) + requests * 4
     queries = num_layers * tokens * hidden * element
     step_copies = num_layers * capture_tokens * (num_q_heads + num_kv_heads) * head_dim * element
     pool = _pool_bytes(bounds, tokens, hidden, vocab_size, element) if cuda_graphs else 0

@@ -55,7 +55,7 @@ from vllm_triforce.engine.depth import DepthChooser
 from vllm_triforce.engine.device import capture
 from vllm_triforce.engine.device.forward import (BUILDER_PER_LAYER, WindowLayers, metadata_path,
                                                  takes_mrope)
-from vllm_triforce.engine.device.round_graph import RoundGraphs
+from vllm_triforce.engine.device.round_graph import RoundGraphs, WindowGroup
 from vllm_triforce.engine.device.selection_graph import SelectionGraphs
 from vllm_triforce.engine.draft_level import DraftLevel, draft_window
 from vllm_triforce.engine.memory import (MemoryPlan, Sizing, allocate_summaries,
@@ -346,6 +346,8 @@ class Drafting:
                # banded variance shares are made again after a fold: a graph would keep
                # the old ones (compiled_selection refuses banded variances anyway)
                else "the key variance is banded" if self.summaries.channel_profile is not None
+               # a graph would write TriForce's tables and slots, not the local layers'
+               else "the target has local layers" if graphs.windows
                else None)
         if why is not None:
             logger.warning("TriForce selection_graphs: off (%s); rounds re-select the "
@@ -427,7 +429,7 @@ class Drafting:
             logger.info("TriForce %s passes: built per pass (round_graphs off)", level)
             return None
         shape, names = self.shape, set(layer_names)
-        groups = [g for g in groups if set(g.layer_names) & names]
+        groups_of_target, groups = groups, [g for g in groups if set(g.layer_names) & names]
         tp = self.vllm_config.parallel_config.tensor_parallel_size
         path, why = RoundGraphs.path(groups[0].backend.get_name(), self.device, tp,
                                      groups[0].kernel_block_size)
@@ -435,8 +437,11 @@ class Drafting:
             path, why = "per pass", f"{level} layers in {len(groups)} attention groups"
         if takes_mrope(model):
             path, why = "per pass", "the model rotates with M-RoPE: its buffers hold 1-D positions"
+        windows = ()
         if level == "middle" and self.windows is not None:
-            path, why = "per pass", "local layers: its buffers hold one group's tables"
+            windows, local_why = self._round_windows(groups_of_target)
+            if windows is None:
+                path, why = "per pass", local_why
         if level == "middle" and self.vllm_config.lora_config is not None:
             path, why = "per pass", "LoRA adapters are mapped to each pass's tokens"
         if path == "per pass":
@@ -449,13 +454,36 @@ class Drafting:
         graphs = RoundGraphs(model, self.vllm_config, groups[0], list(layer_names), bounds,
                              None if draft else self.layer_capture, self.device,
                              use_cuda_graphs=path == "cuda graphs", shared_table=draft,
-                             sample_last=draft)
+                             sample_last=draft, windows=windows)
         graphs.planned_bytes = self.sizing.round_bytes
         logger.info("TriForce %s passes: %s (%s), %d token buckets up to %d tokens x %d "
-                    "requests x %d blocks; input buffers %.1f MiB", level, path, why,
+                    "requests x %d blocks%s; input buffers %.1f MiB", level, path, why,
                     len(bounds.buckets), bounds.max_tokens, bounds.max_requests,
-                    bounds.max_width, graphs.buffers.nbytes / 2**20)
+                    bounds.max_width,
+                    f", sliding-window layers in {len(windows)} KV-cache group(s) beside"
+                    if windows else "", graphs.buffers.nbytes / 2**20)
         return graphs
+
+    def _round_windows(self, groups) -> tuple:
+        """(the target's local layers as the middle level's buffers serve them: a
+        `WindowGroup` per KV-cache group, None) or (None, why they cannot), `groups`
+        being the target's attention groups. Chunked layers (Llama 4) cannot: vLLM's
+        builder splits each request into chunks as it builds, a shape per pass."""
+        layers = get_layers_from_vllm_config(self.vllm_config, Attention)
+        max_model_len = self.vllm_config.model_config.max_model_len
+        windows = []
+        for gid, names in sorted(self.windows.names.items()):
+            if any(getattr(layers[n], "attention_chunk_size", None) for n in names):
+                return None, ("chunked local layers: vLLM's builder splits each request "
+                              "into chunks as it builds")
+            owners = [g for g in groups if set(g.layer_names) & set(names)]
+            if len(owners) != 1:
+                return None, (f"the local layers of KV-cache group {gid} in {len(owners)} "
+                              "attention groups")
+            block_size = self.windows.block_sizes[gid]
+            windows.append(WindowGroup(gid, tuple(names), owners[0], block_size,
+                                       -(-max_model_len // block_size) + 1))
+        return tuple(windows), None
 
     def _draft_window(self):
         hf = self.vllm_config.speculative_config.draft_model_config.hf_config

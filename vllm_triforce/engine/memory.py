@@ -315,7 +315,8 @@ class MemoryPlan:
         return selection + round_graph_bytes(bounds, shape.num_layers, shape.num_q_heads,
                                              shape.num_kv_heads, shape.head_dim,
                                              shape.vocab_size, shape.summary_dtype.itemsize,
-                                             shape.capture_tokens, self.cuda_graphs, draft)
+                                             shape.capture_tokens, self.cuda_graphs, draft,
+                                             shape.window_groups, shape.max_blocks + 1)
 
     @property
     def fixed_bytes(self) -> int:

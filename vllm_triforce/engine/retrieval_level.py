@@ -434,11 +434,16 @@ class RetrievalStep:
         windows = self.level.windows
         if windows is None:
             return []
+        return windows.passes(inputs, self._window_tables(rows, block_table), true_lens)
+
+    def _window_tables(self, rows, block_table: torch.Tensor) -> dict:
+        """gid -> requests `rows`' rows of each local group's block table (`block_table`,
+        theirs of TriForce's group, where the local layers share it: vLLM's hybrid
+        KV-cache manager off)."""
         own = self.batch.window_tables or {}
         idx = None if not own else self.batch.rows_on_device(rows)
-        tables = {gid: block_table if gid not in own else own[gid][idx]
-                  for gid in windows.names}
-        return windows.passes(inputs, tables, true_lens)
+        return {gid: block_table if gid not in own else own[gid][idx]
+                for gid in self.level.windows.names}
 
     def _rotated(self, rows, positions: Runs) -> Runs | None:
         """The positions requests `rows` rotate with where the target uses M-RoPE and one
@@ -487,8 +492,11 @@ class RetrievalStep:
             return loaded
         layout = TableLayout.of(*sizes, positions.starts + positions.lens,
                                 level.blocks.block_size)
+        window_tables = None
+        if level.round_graphs.windows:
+            window_tables = self._window_tables(rows, block_table)
         loaded = level.round_graphs.load_runs(token_ids, positions, block_table, layout,
-                                              selected)
+                                              selected, window_tables)
         if loaded is None and count_miss:
             level.stats.add(round_graph_misses=1)
         return loaded

@@ -84,6 +84,8 @@ class EngineShape:
     # vLLM's max_cudagraph_capture_size: vLLM's passes of at most this many tokens are kept
     # as copies by the capture (engine/device/capture.py)
     capture_tokens: int = DEFAULT_COPY_TOKENS
+    # the target's local layers (sliding-window or chunked) beside its full ones, one rank
+    local_layers: int = 0
     # the draft probabilities go to vLLM as [drafting, gamma2, V] float32 rows (the V1
     # runner); Model Runner V2 reads the middle level's logits from its own buffer instead
     # (engine/mrv2/draft_logits.py), so its host keeps no such rows
@@ -105,6 +107,16 @@ class EngineShape:
         """Requests that select blocks at once (core/selection.py), for tables of a
         max_model_len request."""
         return selection_chunk_requests(self.max_blocks)
+
+    @property
+    def window_groups(self) -> int:
+        """KV-cache groups the target's local layers take at most: vLLM's hybrid manager
+        groups layers of one kind in groups of as many layers as the scarcer kind has
+        (Gemma 3's 52 sliding layers beside 10 full: 6 groups; gpt-oss's 18 beside 18:
+        1); with it off they share TriForce's group, whose rows they still need (1)."""
+        if not self.local_layers:
+            return 0
+        return -(-self.local_layers // max(min(self.num_layers, self.local_layers), 1))
 
     @property
     def block_size(self) -> int:
@@ -146,6 +158,8 @@ class EngineShape:
             max_num_seqs=sched.max_num_seqs, max_model_len=model.max_model_len,
             max_batched_tokens=sched.max_num_batched_tokens,
             num_layers=full_attention_layers(model, model.get_num_layers(parallel)),
+            local_layers=(model.get_num_layers(parallel)
+                          - full_attention_layers(model, model.get_num_layers(parallel))),
             num_kv_heads=model.get_num_kv_heads(parallel),
             num_q_heads=model.get_num_attention_heads(parallel),
             head_dim=model.get_head_size(), vocab_size=model.get_vocab_size(),
@@ -160,7 +174,8 @@ class EngineShape:
                    max_batched_tokens: int = 0, num_q_heads: int | None = None,
                    summary_dtype: torch.dtype = torch.float32,
                    kinds: SummaryKinds | None = None, flex_q_block: int = 0,
-                   capture_tokens: int = DEFAULT_COPY_TOKENS) -> "EngineShape":
+                   capture_tokens: int = DEFAULT_COPY_TOKENS,
+                   local_layers: int = 0) -> "EngineShape":
         """The shape from its sizes: `cfg` (None: the defaults) gives the block counts,
         gamma2 and the summary kinds (`kinds` overrides them), gamma1 its tokens per round
         with a small draft (`gamma1` overrides it); `num_q_heads` defaults to the KV heads'
@@ -177,7 +192,7 @@ class EngineShape:
             num_layers=num_layers, num_kv_heads=num_kv_heads,
             num_q_heads=num_q_heads or num_kv_heads, head_dim=head_dim, vocab_size=vocab_size,
             summary_dtype=summary_dtype, flex_q_block=max(128, flex_q_block),
-            capture_tokens=capture_tokens)
+            capture_tokens=capture_tokens, local_layers=local_layers)
 
     def memory_plan(self, kv_bytes_per_block: int, backend: str | None) -> MemoryPlan:
         """What the engine allocates beside a KV cache of `kv_bytes_per_block` (every KV

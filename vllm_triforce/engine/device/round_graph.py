@@ -23,6 +23,13 @@ widest row's tokens), the same at every round, as a CUDA graph freezes them. A p
 than the largest bucket, wider than `RoundBounds.max_width` or with a longer query than
 `max_query_len` takes today's path (`RoundGraphs.run` returns None).
 
+Sliding-window layers (Gemma 2 and 3, gpt-oss) beside the full-attention ones run in the
+same pass as `WindowLayers.passes` runs them: each of their KV-cache groups has its own
+table [R, a max_model_len request's blocks] and slots [T] in the buffers, beside the
+tokens' true lengths [R] (`WindowGroup`); its metadata is built once per bucket over them,
+its host lengths a max_model_len request's on a GPU. Chunked layers (Llama 4) keep today's
+path: vLLM's builder splits each request into chunks as it builds.
+
 Per round, what cannot be frozen is refreshed in place (`BucketPass.refresh`), as the
 pass is loaded: the scheduler metadata that CPU_ATTN and FA3 compute from the lengths
 (vLLM's builders make it in `build()`; vllm/v1/attention/backends/cpu_attn.py and
@@ -82,12 +89,28 @@ PADDING_SLOT = PADDING_SLOT_ID  # -1: every KV-cache write skips the token
 REFRESHED_FIELDS = ("scheduler_metadata",)
 
 
+@dataclass(frozen=True)
+class WindowGroup:
+    """A KV-cache group of the target's sliding-window layers, as the middle level's
+    buffers serve it (forward.py `WindowLayers`: every pass runs them over their group's
+    table at the tokens' true lengths, writing their group's slots): its id, its layers,
+    their attention group, its block size, and the columns of its table a pass can reach
+    (a max_model_len request's)."""
+    gid: int
+    names: tuple[str, ...]
+    group: object  # vLLM's AttentionGroup of these layers
+    block_size: int
+    width: int
+
+
 class PassBuffers:
     """The persistent inputs of a level's passes, at the bounds' largest shape (device)."""
 
-    def __init__(self, bounds: RoundBounds, num_tables: int, device):
+    def __init__(self, bounds: RoundBounds, num_tables: int, device,
+                 windows: tuple[WindowGroup, ...] = ()):
         """`num_tables`: one per layer (the middle level), or 1 shared by every layer (the
-        small draft)."""
+        small draft). `windows`: the target's sliding-window groups, each with a table
+        [R, its width] and slots [T] of its own, and the tokens' true lengths [R] shared."""
         tokens, reqs, width = bounds.max_tokens, bounds.max_requests, bounds.max_width
         self.input_ids = torch.zeros(tokens, dtype=torch.int32, device=device)  # [T]
         self.positions = torch.zeros(tokens, dtype=torch.int64, device=device)  # [T]
@@ -101,12 +124,20 @@ class PassBuffers:
             self.columns = torch.arange(width, device=device)  # [W]: a table's column numbers
         self.block_size = bounds.block_size
         self.layout = PassLayout(bounds.block_size)  # `load_runs`' tables and slots
+        self.windows = windows
+        self.true_lens = torch.zeros(reqs if windows else 0, dtype=torch.int32,
+                                     device=device)  # [R] each request's newest position + 1
+        self.window_tables = {w.gid: torch.zeros(reqs, w.width, dtype=torch.int32,
+                                                 device=device) for w in windows}  # [R, W_g]
+        self.window_slots = {w.gid: torch.full((tokens,), PADDING_SLOT, dtype=torch.int64,
+                                               device=device) for w in windows}  # [T]
 
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (self.input_ids, self.positions, self.slot_mapping,
                                       self.query_start_loc, self.seq_lens, self.tables,
-                                      self.columns))
+                                      self.columns, self.true_lens, *self.window_tables.values(),
+                                      *self.window_slots.values()))
 
     def load(self, inputs: PassInputs, tables: torch.Tensor, bucket: int,
              bucket_requests: int) -> None:
@@ -127,7 +158,8 @@ class PassBuffers:
         self.tables[:, :num_reqs, :width].copy_(tables)
 
     def load_runs(self, token_ids, runs: Runs, block_table: torch.Tensor, layout: TableLayout,
-                  selected: torch.Tensor, bucket: int, bucket_requests: int) -> None:
+                  selected: torch.Tensor, bucket: int, bucket_requests: int,
+                  window_tables: dict | None = None) -> None:
         """`load` of a middle round's pass straight from what the host decided, with no
         `PassInputs` and no tables of its own in between: request i runs runs.lens[i]
         tokens from runs.starts[i] with the flat ids `token_ids` (a host list or array, or
@@ -136,20 +168,48 @@ class PassBuffers:
         table buffer). Every host value goes in one non-blocking copy, already padded to
         the bucket (module docstring); the slots are worked out on the device, as
         `forward.build_pass` does. The same values as `build_pass` then `load`: the test
-        of round graphs holds them to today's path."""
+        of round graphs holds them to today's path. With sliding-window groups,
+        `window_tables` (gid -> the requests' rows of that group's block table [n, width],
+        device) go into their tables, their slots worked out alike, and the true lengths
+        (runs.starts + runs.lens) ride in the same copy."""
         lens = runs.lens
         num_reqs, num_tokens = len(lens), int(lens.sum())
         padded = _padded(lens, runs.flat(), layout.compact_lens, token_ids, bucket,
                          bucket_requests)
         owner = np.repeat(np.arange(num_reqs), lens)  # [T] each token's request
-        (*padded_dev, owner_dev, num_selected, tail_start, num_tails) = to_device(
-            block_table.device, *padded, owner, layout.num_selected, layout.tail_start,
-            layout.num_tails)
+        true_lens = []
+        if self.windows:
+            true_lens = [np.zeros(bucket_requests, dtype=np.int64)]
+            true_lens[0][:num_reqs] = runs.starts + lens
+        on_device = to_device(block_table.device, *padded, owner, layout.num_selected,
+                              layout.tail_start, layout.num_tails, *true_lens)
+        padded_dev, true_dev = on_device[:len(padded)], on_device[len(padded) + 4:]
+        owner_dev, num_selected, tail_start, num_tails = on_device[len(padded):len(padded) + 4]
         positions_dev = self._write_padded(token_ids, *padded_dev, num_tokens, bucket,
                                            bucket_requests)
         self.write_tables(selected, block_table, num_selected, tail_start, num_tails,
                           owner_dev, positions_dev[:num_tokens], layout.width)
         self.slot_mapping[num_tokens:bucket].fill_(PADDING_SLOT)
+        if self.windows:
+            self._write_windows(window_tables, true_dev[0], owner_dev,
+                                positions_dev[:num_tokens], bucket, bucket_requests)
+
+    def _write_windows(self, window_tables: dict, true_lens: torch.Tensor,
+                       owner: torch.Tensor, positions: torch.Tensor, bucket: int,
+                       bucket_requests: int) -> None:
+        """The sliding-window groups' part of a load: each group's table rows (its columns
+        past the buffer's width are never read: `RoundGraphs.load_runs` checks the
+        lengths), its tokens' slots (padding -1), and the true lengths [bucket_requests]
+        (padding 0)."""
+        num_tokens = positions.shape[0]
+        self.true_lens[:bucket_requests].copy_(true_lens)
+        for w in self.windows:
+            table = window_tables[w.gid]  # [n, width]
+            num_reqs, columns = table.shape[0], min(table.shape[1], w.width)
+            self.window_tables[w.gid][:num_reqs, :columns].copy_(table[:, :columns])
+            slots = self.window_slots[w.gid]
+            slots[:num_tokens].copy_(kv_slots(table, owner, positions, w.block_size))
+            slots[num_tokens:bucket].fill_(PADDING_SLOT)
 
     def load_host(self, token_ids, host: HostPass, block_table: torch.Tensor, bucket: int,
                   bucket_requests: int) -> None:
@@ -214,6 +274,9 @@ class PassBuffers:
         self.slot_mapping.fill_(PADDING_SLOT)
         self.query_start_loc.zero_()
         self.seq_lens.zero_()
+        self.true_lens.zero_()
+        for slots in self.window_slots.values():
+            slots.fill_(PADDING_SLOT)
 
 
 def _padded(lens: np.ndarray, positions: np.ndarray, seq_lens, token_ids, bucket: int,
@@ -341,25 +404,56 @@ class BucketPass:
                                             self.slot_mapping)
                           for i, name in enumerate(owner.layer_names)}
         self.slots_by_layer = dict.fromkeys(self.metas, self.slot_mapping)
+        # what `refresh` builds again: (metadata over the buffers, its group, its layers)
+        self.commons = [(self.common, self.group, list(owner.layer_names))]
+        for window in owner.windows:
+            self._add_window(window, qsl_bound, on_host)
         # sample_last: each request's last token, its row found in the graph from the
         # query starts (a padded request's is the last real token: read, never used)
         self.query_ends = buffers.query_start_loc[1:reqs + 1] if owner.sample_last else None
 
+    def _add_window(self, window: WindowGroup, qsl_bound: torch.Tensor, on_host: bool) -> None:
+        """A sliding-window group's metadata over its own buffers (its table and slots, the
+        true lengths; the query starts shared), built once, as `WindowLayers.passes`
+        builds it per pass; on a GPU its host lengths are a max_model_len request's."""
+        buffers, reqs, tokens = self.owner.buffers, self.requests, self.tokens
+        longest = window.width * window.block_size
+        true_lens = buffers.true_lens[:reqs]
+        slots = buffers.window_slots[window.gid][:tokens]
+        common = CommonAttentionMetadata(
+            query_start_loc=self.common.query_start_loc,
+            query_start_loc_cpu=self.common.query_start_loc_cpu,
+            seq_lens=true_lens,
+            num_reqs=reqs,
+            num_actual_tokens=tokens,
+            max_query_len=self.common.max_query_len,
+            max_seq_len=longest,
+            block_table_tensor=buffers.window_tables[window.gid][:reqs],
+            slot_mapping=slots,
+            causal=True,
+            seq_lens_cpu_upper_bound=(true_lens if on_host else
+                                      torch.full((reqs,), longest, dtype=torch.int32)),
+        )
+        self.metas.update(dict.fromkeys(window.names, window.group.build_metadata(common)))
+        self.slots_by_layer.update(dict.fromkeys(window.names, slots))
+        self.commons.append((common, window.group, list(window.names)))
+
     def refresh(self, in_place: bool) -> None:
-        """The metadata a builder computes from the lengths, built again over the buffers:
-        handed to the per-layer objects (eager), or copied into the tensors they hold (a
-        captured graph reads those addresses)."""
-        fresh = self.group.build_metadata(self.common)
-        for field in REFRESHED_FIELDS:
-            value = getattr(fresh, field, None)
-            if not isinstance(value, torch.Tensor):
-                continue
-            if in_place:
-                captured = getattr(next(iter(self.metas.values())), field)
-                captured.copy_(value)
-            else:
-                for meta in self.metas.values():
-                    setattr(meta, field, value)
+        """The metadata a builder computes from the lengths, built again over the buffers
+        (for TriForce's layers, and for each sliding-window group's): handed to the
+        per-layer objects (eager), or copied into the tensors they hold (a captured graph
+        reads those addresses)."""
+        for common, group, names in self.commons:
+            fresh = group.build_metadata(common)
+            for field in REFRESHED_FIELDS:
+                value = getattr(fresh, field, None)
+                if not isinstance(value, torch.Tensor):
+                    continue
+                if in_place:  # the group's layers share the captured tensor
+                    getattr(self.metas[names[0]], field).copy_(value)
+                else:
+                    for name in names:
+                        setattr(self.metas[name], field, value)
 
     def closure(self) -> torch.Tensor:
         """[bucket tokens, V] logits of the pass over the buffers (what a graph records)."""
@@ -422,16 +516,20 @@ class RoundGraphs:
 
     def __init__(self, model, vllm_config, group, layer_names: list[str], bounds: RoundBounds,
                  capture, device, use_cuda_graphs: bool, shared_table: bool = False,
-                 sample_last: bool = False):
+                 sample_last: bool = False, windows: tuple[WindowGroup, ...] = ()):
         """`capture` None: the model's layers are not captured (the small draft's);
         `shared_table`: one table for every layer (tables [1, R, W] in `run`);
-        `sample_last`: logits of each request's last token only (else of every token)."""
+        `sample_last`: logits of each request's last token only (else of every token);
+        `windows`: the target's sliding-window groups, run beside `layer_names` in every
+        pass (`load_runs`' `window_tables`)."""
         self.model, self.vllm_config = model, vllm_config
         self.group, self.layer_names = group, layer_names
         self.bounds = bounds
         self.capture = capture
         self.sample_last = sample_last
-        self.buffers = PassBuffers(bounds, 1 if shared_table else len(layer_names), device)
+        self.windows = windows
+        self.buffers = PassBuffers(bounds, 1 if shared_table else len(layer_names), device,
+                                   windows)
         self.query_buffers = CaptureBuffers(len(layer_names), bounds.max_tokens,
                                             keep_keys=False)
         self.use_cuda_graphs = use_cuda_graphs
@@ -486,20 +584,30 @@ class RoundGraphs:
         return self._replay(replay, bucket, host.num_tokens, len(host.lens))
 
     def load_runs(self, token_ids, runs: Runs, block_table: torch.Tensor, layout: TableLayout,
-                  selected: torch.Tensor) -> "LoadedPass | None":
+                  selected: torch.Tensor,
+                  window_tables: dict | None = None) -> "LoadedPass | None":
         """A middle round's pass written into the buffers (`PassBuffers.load_runs`: no
         `PassInputs`, no tables of its own), over the per-layer tables `layout` lays out
-        of `selected`, ready for `replay`; nothing else may load the buffers in between.
-        None: no bucket fits."""
+        of `selected` (and, with sliding-window groups, their `window_tables`: gid -> the
+        requests' rows of its block table), ready for `replay`; nothing else may load the
+        buffers in between. None: no bucket fits, or a request reaches past a window
+        group's table."""
         num_tokens = int(runs.lens.sum())
         bucket = self.bounds.bucket(num_tokens, layout.width, int(runs.lens.max()))
-        if bucket is None:
+        if bucket is None or not self._windows_hold(runs):
             return None
         replay = self.replay_of(bucket)  # before the load
         self.buffers.load_runs(token_ids, runs, block_table, layout, selected, bucket,
-                               self.bounds.requests_of(bucket))
+                               self.bounds.requests_of(bucket), window_tables)
         replay.refresh()  # with the load: a replay launches nothing else
         return LoadedPass(replay, bucket, num_tokens, len(runs.lens))
+
+    def _windows_hold(self, runs: Runs) -> bool:
+        """Every request's newest position lies within each sliding-window group's table."""
+        if not self.windows:
+            return True
+        longest = int((runs.starts + runs.lens).max())
+        return all(-(-longest // w.block_size) <= w.width for w in self.windows)
 
     def replay_of(self, bucket: int):
         """The bucket's replay, prepared now if it is the first (which clears the buffers:
