@@ -43,7 +43,8 @@
 #   bash scripts/gpu_session.sh windows [SECONDS] # carry .bundle: a target with sliding-
 #                                                # window layers beside full ones (Gemma 2's
 #                                                # and gpt-oss's pattern), two levels against
-#                                                # plain vLLM, FLASH_ATTN bf16, TRITON_ATTN fp32
+#                                                # plain vLLM, FLASH_ATTN bf16, TRITON_ATTN fp32,
+#                                                # with round_graphs first, then without
 #   bash scripts/gpu_session.sh tax [SECONDS]     # carry .bundle: where the tax of
 #                                                # TriForce's settings goes: plain vLLM at
 #                                                # the 8B shape with vLLM's defaults, one
@@ -94,7 +95,7 @@ case "$step" in
   windows)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     bash scripts/gpu_run.sh --budget-s "$budget" --only \
-      kernels,exact-flash-bf16-window-plain,exact-flash-bf16-window-2L,exact-triton-fp32-window-plain,exact-triton-fp32-window-2L \
+      kernels,exact-flash-bf16-window-plain,exact-flash-bf16-window-2L-graphs,exact-flash-bf16-window-2L,exact-triton-fp32-window-plain,exact-triton-fp32-window-2L-graphs,exact-triton-fp32-window-2L \
       2>&1 | grep -v " INFO \| DEBUG "
     ;;
   mrv2-first)

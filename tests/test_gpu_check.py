@@ -309,6 +309,9 @@ def test_the_lease_calls_name_planned_jobs_and_each_exact_row_finds_its_referenc
     assert window["model"] == jobs[window["reference"]]["model"] == "w"
     assert window["model_tag"] == jobs[window["reference"]]["model_tag"] != jobs[
         "exact-flash-bf16-plain"]["model_tag"]
+    graphed = jobs["exact-flash-bf16-window-2L-graphs"]  # the same, its passes graphed
+    assert graphed["spec"]["round_graphs"] and graphed["reference"] == window["reference"]
+    assert not window["spec"].get("round_graphs")
     assert max(len(p) for p in grow["prompts"]) <= grow["spec"]["retrieval_budget"]
     # the sampled jobs: every TriForce one against the plain one, on both runners, each
     # binding beside its negative control

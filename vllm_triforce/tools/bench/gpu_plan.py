@@ -150,14 +150,18 @@ def _window_jobs(tag: str, base: dict, llm: dict, models: dict) -> list[dict]:
     bench/gpu_models.py `build_windowed_model`; vLLM gives each kind a KV-cache group):
     plain vLLM with TriForce's settings, then TriForce's two levels against it, whose
     passes run the window layers over their own group (engine/device/forward.py
-    `WindowLayers`)."""
+    `WindowLayers`); then again with `round_graphs`, the window layers' tables, slots and
+    true lengths in the round buffers (engine/device/round_graph.py `WindowGroup`)."""
     from vllm_triforce.tools.bench.gpu_models import WINDOW_TAG
 
     window = {**base, "model": str(models["windowed"]), "model_tag": WINDOW_TAG}
     return [{**window, "name": f"exact-{tag}-window-plain", "logprobs": 2,
              "env": FORCED_SETTINGS["env"], "llm": {**llm, "async_scheduling": False}},
             {**window, "name": f"exact-{tag}-window-2L", "spec": TINY_SPEC, "llm": llm,
-             "levels": 2, "reference": f"exact-{tag}-window-plain"}]
+             "levels": 2, "reference": f"exact-{tag}-window-plain"},
+            {**window, "name": f"exact-{tag}-window-2L-graphs",
+             "spec": {**TINY_SPEC, "round_graphs": True}, "llm": llm, "levels": 2,
+             "reference": f"exact-{tag}-window-plain"}]
 
 
 def _sample_jobs(tag: str, llm: dict, models: dict, on_gpu: bool) -> list[dict]:
