@@ -29,7 +29,9 @@ only a GPU can show, in three parts, most valuable first:
     alternating twice (a drift of the machine shows as a difference between the two passes
     of each mode); the compiled and per-pass modes also with VLLM_TRIFORCE_TIME_FORWARDS=1
     (a sync per pass: the forwards' time as the device finishes them), and the graph
-    replays' device time from CUDA events around their launches (no sync); TriForce's CUDA
+    replays' device time from CUDA events around their launches (no sync), and so the
+    selection graphs' (`round_over_device`: a round over its pass's and its selection
+    graph's device time, the issue's 1.3x with the selection as graphs); TriForce's CUDA
     memory (what `initialize_attn_backend` keeps, what each capture took, the peak above
     each `propose`'s entry) against its reservation (`drafter.reserved_bytes`).
 (c) Cost at SmolLM2-135M's shape (dummy weights), 32 x 7,808 tokens: ms per middle round and
@@ -703,7 +705,7 @@ def cost_job(args, report: Report, model: Path, spec: dict, part: str, plan) -> 
     fused = drafter.retrieval.selection_graphs
     layout = None if graphs is None else graphs.buffers.layout.compiled
     report["captures"] = watch_captures(graphs) if graphs is not None else []
-    peaks, timer = PeakProbe(drafter, cuda), ReplayTimer(graphs, cuda)
+    peaks, timer = PeakProbe(drafter, cuda), ReplayTimer(graphs, cuda, fused)
     prompts = random_prompts(s["batch"], s["context"], tokenizer_vocab(args), seed=s["context"])
     report["prefill_s"] = timed_generate(llm, prompts, 1)
     # after the prefill: without a warm-up (enforce_eager) the lazy reads compile at the
@@ -734,6 +736,7 @@ def cost_job(args, report: Report, model: Path, spec: dict, part: str, plan) -> 
         report.save()
     drafter.retrieval.round_graphs, drafter.policy.compiled = graphs, compiled
     reads.compiled, drafter.retrieval.selection_graphs = reads_fn, fused
+    timer.uninstall_selection()
     if graphs is not None:
         graphs.buffers.layout.compiled = layout
         report["host_ops"] = host_profile(llm, drafter, prompts, s["decode"][0],
@@ -777,6 +780,7 @@ def measure(llm, drafter, graphs, prompts, decode, depth: int, on: bool, synced:
     if on:
         timer.install()
     timer.take()
+    timer.take_selections()
     counted = []
 
     def timed(m: int) -> tuple[float, int]:
@@ -793,10 +797,17 @@ def measure(llm, drafter, graphs, prompts, decode, depth: int, on: bool, synced:
     m, wall, before, after = [c for c in counted if c[0] == timing["long"]][-1]
     row = depth_row(before, after, wall, m - 1, len(prompts))
     replay_ms, replays = timer.take()
+    selection_ms, selections = timer.take_selections()
     row.update(depth=depth, graphs=on, synced_forwards=synced,
                step_ms=None if timing["step_s"] is None else 1000 * timing["step_s"],
                timing=timing, replays=replays,
                replay_ms_per_round=replay_ms / replays if replays else None,
+               # the selection graphs' device time a middle round (a round loads the next
+               # one's pass by one launch; a step's last round launches none)
+               selection_launches=selections,
+               selection_ms_per_round=(selection_ms / (after["middle_rounds"]
+                                                       - before["middle_rounds"])
+                                       if selections else None),
                **{k: after[k] - before[k] for k in ("round_graph_passes", "round_graph_misses",
                                                     "round_graph_selections",
                                                     "round_graph_layouts", "middle_rounds")})
@@ -835,13 +846,20 @@ class ReplayTimer:
     before and after its launch (`EventTimedGraph`), its device time without a sync per
     round (the two events cost the host a few microseconds); the host's work before the
     launch (loading the buffers, refreshing the scheduler metadata) is not in it. An
-    eager replay's (a CPU's): its wall time."""
+    eager replay's (a CPU's): its wall time. The same for each launch of the selection
+    graphs (`selection`: engine/device/selection_graph.py, None: none), kept apart: with
+    them a round's device work is its pass and the next pass's selection and load."""
 
-    def __init__(self, graphs, cuda: bool):
+    def __init__(self, graphs, cuda: bool, selection=None):
         self.graphs, self.cuda, self.marks = graphs, cuda, []
+        self.selection, self.selection_marks = selection, []
 
     def install(self) -> None:
-        """Time every replay prepared so far that is not timed yet."""
+        """Time every replay prepared so far that is not timed yet, and every launch of
+        the selection graphs."""
+        if self.selection is not None and not getattr(self.selection, "timed", False):
+            self.selection.timed = True
+            self.selection.launch = self._timed_launch(self.selection.launch)
         for replay in (self.graphs.replays.values() if self.graphs is not None else ()):
             if getattr(replay, "timed", False):
                 continue
@@ -859,11 +877,42 @@ class ReplayTimer:
             return out
         return timed
 
-    def take(self) -> tuple[float, int]:
-        """(ms of the replays since the last take, their number)."""
+    def uninstall_selection(self) -> None:
+        """The selection graphs' own `launch` again (what a profiler of the class finds)."""
+        if getattr(self.selection, "timed", False):
+            del self.selection.launch
+            self.selection.timed = False
+
+    def _timed_launch(self, launch):
+        """`launch(run)` with its device time (CUDA events around it) or, on a CPU, its
+        wall time appended to `selection_marks`."""
         import torch
 
-        marks, self.marks[:] = list(self.marks), []
+        def timed(run) -> None:
+            if not self.cuda:
+                start = time.perf_counter()
+                launch(run)
+                self.selection_marks.append(time.perf_counter() - start)
+                return
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            launch(run)
+            end.record()
+            self.selection_marks.append((start, end))
+        return timed
+
+    def take(self) -> tuple[float, int]:
+        """(ms of the replays since the last take, their number)."""
+        return self._take(self.marks)
+
+    def take_selections(self) -> tuple[float, int]:
+        """(ms of the selection graphs' launches since the last take, their number)."""
+        return self._take(self.selection_marks)
+
+    def _take(self, kept: list) -> tuple[float, int]:
+        import torch
+
+        marks, kept[:] = list(kept), []
         if self.cuda and marks and not isinstance(marks[0], float):
             torch.cuda.synchronize()
             return sum(a.elapsed_time(b) for a, b in marks), len(marks)
@@ -930,7 +979,9 @@ def summarise_rows(rows: list[dict], memory: dict | None) -> dict:
                     "acceptance": median(r["acceptance"] for r in free),
                     "forward_ms_per_round_synced": median(r["forward_ms_per_round"]
                                                           for r in synced),
-                    "replay_ms_per_round": median(r["replay_ms_per_round"] for r in mine)}
+                    "replay_ms_per_round": median(r["replay_ms_per_round"] for r in mine),
+                    "selection_ms_per_round": median(r.get("selection_ms_per_round")
+                                                     for r in mine)}
             if mode in (FUSED, COMPILED):  # every row's scores came from the kernels
                 cell["compiled_held"] = all(r.get("compiled_held", True) for r in mine)
             if mode == FUSED:  # rounds loaded by a selection graph, of the middle rounds
@@ -939,6 +990,10 @@ def summarise_rows(rows: list[dict], memory: dict | None) -> dict:
                 cell["middle_rounds"] = sum(r.get("middle_rounds", 0) for r in mine)
             if on and cell["middle_round_ms"] and cell["replay_ms_per_round"]:
                 cell["round_over_replay"] = cell["middle_round_ms"] / cell["replay_ms_per_round"]
+                # the round's device work with the selection graph's (where it ran)
+                device = cell["replay_ms_per_round"] + (cell["selection_ms_per_round"] or 0)
+                cell["device_ms_per_round"] = device
+                cell["round_over_device"] = cell["middle_round_ms"] / device
             out[f"depth {depth}, {mode}"] = cell
     if memory is not None:
         out["within_reservation"] = memory["within_reservation"]
