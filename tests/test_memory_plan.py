@@ -730,3 +730,25 @@ def test_flashinfers_plan_adds_one_per_layer_builder_per_target_layer(tiny_llama
     per_block, fixed = shape.one_builder_bytes("FLASHINFER")
     assert per_block == 0 and fixed > 0
     assert flashinfer == dataclasses.replace(stateless, builder_bytes=2 * fixed)
+
+def test_round_graphs_reserve_the_window_layers_tables_of_each_group():
+    """A target with sliding-window layers beside its full ones: `EngineShape.window_groups`
+    counts the KV-cache groups vLLM's hybrid manager makes of them (Gemma 3's 52 beside 10
+    full: 6; gpt-oss's 18 beside 18: 1; none: 0), and `round_graphs` reserves, per group,
+    a table of max_model_len's blocks and one slot a token for every request the buffers
+    hold, and the true lengths once (round_graph.PassBuffers)."""
+    def plan(local: int, full: int = 32):
+        eager = llama_8b_plan(round_graphs=True)
+        shape = dataclasses.replace(eager.shape, local_layers=local, num_layers=full)
+        return shape, shape.memory_plan(KV_8B, backend=None).sized(53_000)
+
+    assert plan(0)[0].window_groups == 0
+    assert plan(52, 10)[0].window_groups == 6
+    assert plan(18, 18)[0].window_groups == 1
+    shape, none = plan(0, 18)
+    _, windowed = plan(18, 18)
+    bounds = shape.round_bounds(none.drafting)
+    width = shape.max_blocks + 1  # 8,193 blocks of 16 tokens for 131,072
+    assert width == 8_193 and none.drafting == windowed.drafting
+    assert windowed.round_bytes - none.round_bytes == (
+        bounds.max_requests * width * 4 + bounds.max_tokens * 8 + bounds.max_requests * 4)

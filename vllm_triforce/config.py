@@ -146,7 +146,8 @@ class TriForceConfig:
     # a lazy read become calls, with no float32 copy of the listed summaries.
     # Needs `compact_summaries` and the "retrieval" policy; compiles at start-up (about
     # 10-20 s on a CPU; the lazy read at the first commit under enforce_eager, where no
-    # warm-up runs after vLLM binds its cache). Off until a GPU has timed it.
+    # warm-up runs after vLLM binds its cache). Timed on an H200 (benchmarks/gpu/
+    # round_graph_2026-12-04/); off until a GPU has run a real model with it.
     compiled_selection: bool = False
     # A middle round's re-selection and the next round's load as one graph per token
     # bucket (engine/device/selection_graph.py): the round's queries gathered, each
@@ -154,7 +155,8 @@ class TriForceConfig:
     # written into the round buffers, captured as one CUDA graph on a GPU and run over the
     # same buffers elsewhere; where a round emits one token a request and every request
     # re-selects from its step's shortlist (refresh_interval 1). Needs `round_graphs` and
-    # `compiled_selection`. Off until a GPU has run it exact.
+    # `compiled_selection`. Exact on an H200 with tiny models (benchmarks/gpu/
+    # round_graph_2026-12-04/); off until a GPU has run a real model with it.
     selection_graphs: bool = False
     # A sampled batch's vocabulary work as compiled functions (core/compiled_sampling.py):
     # each draft step's distributions and draws, and each middle round's distributions,
