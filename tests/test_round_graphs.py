@@ -593,3 +593,38 @@ def test_selection_graphs_give_todays_tokens_selections_and_acceptance(
     assert padded and any(changed for changed, _ in padded), "the padding check is blind"
     for changed, real in padded:
         assert changed <= real, f"padding wrote KV blocks {sorted(changed - real)}"
+
+
+@pytest.mark.engine
+def test_rounds_launched_ahead_give_the_same_tokens_selections_and_acceptance(
+        tiny_llama, llm_factory, monkeypatch):
+    """VLLM_TRIFORCE_LAUNCH_AHEAD=1: each round's next pass, loaded ahead (here by the
+    selection graphs), is replayed before the round's copy to the host is waited for
+    (`RetrievalStep.launch_ahead`), and `forward` takes its logits. At depths that vary
+    (4, 3, 4, 1, 4: rows leave the rounds at different rounds) every pass loaded ahead is
+    launched ahead, and the engine keeps the selections, tokens and drafted/accepted counts
+    of the same engine without it; the replay guard holds."""
+    from engine_helpers import drafter_of, force_depths
+    from vllm_triforce.engine.retrieval_level import LAUNCH_AHEAD_ENV
+
+    prompts = _prompts(3)
+    spec = dict(SPEC, adaptive=True, round_graphs=True, compiled_selection=True,
+                selection_graphs=True)
+    runs = []
+    for ahead in (False, True):
+        if ahead:
+            monkeypatch.setenv(LAUNCH_AHEAD_ENV, "1")
+        llm = llm_factory(tiny_llama, speculative_config=spec, num_gpu_blocks_override=64)
+        force_depths(llm, [4, 3, 4, 1, 4])
+        runs.append(_run(llm, prompts))
+        assert drafter_of(llm).retrieval.selection_graphs is not None
+    waited, launched = runs
+    stats = launched["stats"]
+    assert waited["stats"]["round_graph_launched_ahead"] == 0
+    assert 0 < stats["round_graph_launched_ahead"] == stats["round_graph_ahead"], stats
+    assert stats["round_graph_passes"] == stats["middle_rounds"], stats
+    assert launched["guard"].replays_checked > 0
+    assert len(launched["recorded"]) > stats["drafting_steps"]
+    assert launched["recorded"] == waited["recorded"]
+    assert launched["accepted"] == waited["accepted"]
+    assert launched["tokens"] == waited["tokens"]

@@ -389,6 +389,9 @@ def middle_rounds(dev, device: str, R: int, repeats: int, results: list,
         def load_ahead(self, *args):  # no round graphs here: nothing to load
             pass
 
+        def launch_ahead(self):
+            pass
+
         def select_in_middle(self, *args):
             pass
 

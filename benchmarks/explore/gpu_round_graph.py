@@ -22,7 +22,9 @@ only a GPU can show, in three parts, most valuable first:
 (b) Cost at Llama-3.1-8B's width (`--b-layers`, 8 by default: a pass's device time is about
     a quarter of the 32-layer model's, while the host's work per round is not, so a round's
     cost over its device time is if anything higher here), dummy weights, 8 x 7,680 tokens,
-    depth 6: ms per middle round in four modes (`MODES`: graphs with a round's
+    depth 6: ms per middle round in five modes (`MODES`: the next one with each round's
+    next pass replayed before the round's copy to the host is waited for,
+    VLLM_TRIFORCE_LAUNCH_AHEAD=1; graphs with a round's
     re-selection and the next pass's load as one graph more, `selection_graphs`; graphs
     with the selection compiled, `compiled_selection`; graphs with the eager reads; per
     pass) in ONE engine,
@@ -35,7 +37,7 @@ only a GPU can show, in three parts, most valuable first:
     memory (what `initialize_attn_backend` keeps, what each capture took, the peak above
     each `propose`'s entry) against its reservation (`drafter.reserved_bytes`).
 (c) Cost at SmolLM2-135M's shape (dummy weights), 32 x 7,808 tokens: ms per middle round and
-    per step at depths 6 (the four modes) and 0 (graphs and per pass) in one engine.
+    per step at depths 6 (the five modes) and 0 (graphs and per pass) in one engine.
 (t) (a)'s two levels on TRITON_ATTN in float32, the issue's other graphed backend: every
     round against today's path, and the graphs' tokens against the same engine's with
     them off, which in float32 must be identical (plain vLLM's tokens on TRITON_ATTN are
@@ -130,17 +132,23 @@ FIRST_RESULT_S = {"cuda": {"a-2L": 80, "b": 110, "a-3L": 90, "a-plain": 80, "c":
 COUNTERS = ("top_proposed", "top_accepted", "middle_proposed", "middle_accepted",
             "middle_rounds", "middle_seconds", "forward_seconds", "round_graph_passes",
             "round_graph_misses", "round_graph_ahead", "round_graph_selections",
-            "round_graph_layouts", "refreshes", "plain_steps", "drafting_steps")
+            "round_graph_layouts", "round_graph_launched_ahead", "refreshes", "plain_steps",
+            "drafting_steps")
 PER_ROUND_KEPT = 16  # rounds of (a) kept one by one in the results; all are summarised
 TIME_FORWARDS = "VLLM_TRIFORCE_TIME_FORWARDS"
 # How (b) and (c) run a middle round, in one engine: round graphs with the round's
 # re-selection and the next pass's load as one graph more (`selection_graphs`, engine/
 # device/selection_graph.py), round graphs with the shortlist re-ranked and the pass laid
 # out by compiled functions (`compiled_selection`), round graphs with the eager chunked
-# reads, and each pass built anew with the eager reads (today's default)
-FUSED, COMPILED, GRAPHS, PER_PASS = ("graphs, selection graphs", "graphs, compiled selection",
-                                     "graphs", "per pass")
-MODES = (FUSED, COMPILED, GRAPHS, PER_PASS)
+# reads, and each pass built anew with the eager reads (today's default); first, the
+# selection graphs' mode with each round's next pass replayed before the round's copy to
+# the host is waited for (VLLM_TRIFORCE_LAUNCH_AHEAD=1, engine/retrieval_level.py
+# `RetrievalStep.launch_ahead`)
+AHEAD, FUSED, COMPILED, GRAPHS, PER_PASS = (
+    "graphs, selection graphs, launched ahead", "graphs, selection graphs",
+    "graphs, compiled selection", "graphs", "per pass")
+MODES = (AHEAD, FUSED, COMPILED, GRAPHS, PER_PASS)
+LAUNCH_AHEAD = "VLLM_TRIFORCE_LAUNCH_AHEAD"
 
 
 def main() -> None:
@@ -274,7 +282,7 @@ def levels_check(result: dict, plain: dict | None) -> dict:
     from vllm_triforce.tools.bench.gpu_summary import compare_tokens
 
     out = {"path": result.get("round_graphs", {}).get("path")}
-    for key in ("compared", "synced", "per_pass"):
+    for key in ("compared", "synced", "ahead", "per_pass"):
         run = result.get(key)
         if run and "error" in run:
             out[key] = {"error": run["error"].strip().splitlines()[-1]}
@@ -284,7 +292,8 @@ def levels_check(result: dict, plain: dict | None) -> dict:
                **{k: run["stats"].get(k) for k in ("round_graph_passes", "round_graph_misses",
                                                    "round_graph_ahead",
                                                    "round_graph_selections",
-                                                   "round_graph_layouts")}}
+                                                   "round_graph_layouts",
+                                                   "round_graph_launched_ahead")}}
         if plain is not None and "tokens" in plain:
             row["against_plain"] = compare_tokens(plain["tokens"], run["tokens"],
                                                   plain.get("margins"))
@@ -429,9 +438,11 @@ def job_plain(args, report: Report) -> None:
 
 def job_levels(args, report: Report, levels: int, part: str = "a") -> None:
     """TriForce with round graphs, two or three levels, fixed depth, on part `part`'s
-    engine (a: FLASH_ATTN bf16, t: TRITON_ATTN float32): three generations of the same
+    engine (a: FLASH_ATTN bf16, t: TRITON_ATTN float32): four generations of the same
     prompts, each saved as it completes: every round against today's path (`compared`),
-    syncs counted (`synced`), round graphs off (`per_pass`)."""
+    syncs counted (`synced`), syncs counted with each round's next pass launched before
+    the round's copy is waited for (`ahead`, VLLM_TRIFORCE_LAUNCH_AHEAD=1), round graphs
+    off (`per_pass`)."""
     from vllm_triforce.tools.bench.gpu_engine import drafter_or_none
 
     target, draft = tiny_models(args)
@@ -445,7 +456,7 @@ def job_levels(args, report: Report, levels: int, part: str = "a") -> None:
     captures = watch_captures(graphs) if graphs is not None else []
     prompts, params = tiny_prompts(args), greedy(args)
     for key, generation in (("compared", compared_generation), ("synced", synced_generation),
-                            ("per_pass", per_pass_generation)):
+                            ("ahead", ahead_generation), ("per_pass", per_pass_generation)):
         try:
             report[key] = generation(llm, drafter, prompts, params)
         except Exception:  # kept; the next generation may still run (a CUDA error: not)
@@ -551,6 +562,16 @@ def summarise_rounds(rounds: list[dict]) -> dict:
             "mean_argmax_equal": statistics.fmean(r["argmax_equal"] for r in rounds),
             "max_abs_query": max(r["max_abs_query"] for r in rounds),
             "tokens": sorted({r["tokens"] for r in rounds})}
+
+
+def ahead_generation(llm, drafter, prompts, params) -> dict:
+    """`synced_generation` with each round's next pass replayed before the round's copy to
+    the host is waited for (VLLM_TRIFORCE_LAUNCH_AHEAD=1)."""
+    os.environ[LAUNCH_AHEAD] = "1"
+    try:
+        return synced_generation(llm, drafter, prompts, params)
+    finally:
+        os.environ.pop(LAUNCH_AHEAD, None)
 
 
 def synced_generation(llm, drafter, prompts, params) -> dict:
@@ -715,10 +736,13 @@ def cost_job(args, report: Report, model: Path, spec: dict, part: str, plan) -> 
     reads_fn = reads.compiled
     report["rows"] = []
     for depth, mode, synced in plan:
-        compiled_on = mode in (FUSED, COMPILED)
+        compiled_on = mode in (AHEAD, FUSED, COMPILED)
         drafter.policy.compiled = compiled if compiled_on else None
         reads.compiled = reads_fn if compiled_on else None
-        drafter.retrieval.selection_graphs = fused if mode == FUSED else None
+        drafter.retrieval.selection_graphs = fused if mode in (AHEAD, FUSED) else None
+        os.environ.pop(LAUNCH_AHEAD, None)
+        if mode == AHEAD:
+            os.environ[LAUNCH_AHEAD] = "1"
         if graphs is not None:
             graphs.buffers.layout.compiled = layout if compiled_on else None
         report["rows"].append(measure(llm, drafter, graphs, prompts, s["decode"], depth,
@@ -729,7 +753,8 @@ def cost_job(args, report: Report, model: Path, spec: dict, part: str, plan) -> 
                 compiled is not None and drafter.policy.compiled is compiled
                 and layout is not None and graphs.buffers.layout.compiled is layout
                 and reads.compiled is reads_fn)
-        if mode == FUSED:  # None: no selection graphs; else why they were given up, if
+        os.environ.pop(LAUNCH_AHEAD, None)
+        if mode in (AHEAD, FUSED):  # None: no selection graphs; else why they were given up, if
             report["rows"][-1]["selection_graphs_failed"] = (
                 "none built" if fused is None else fused.failed)
         report["round_graphs"] = graphs_facts(graphs)
@@ -810,7 +835,8 @@ def measure(llm, drafter, graphs, prompts, decode, depth: int, on: bool, synced:
                                        if selections else None),
                **{k: after[k] - before[k] for k in ("round_graph_passes", "round_graph_misses",
                                                     "round_graph_selections",
-                                                    "round_graph_layouts", "middle_rounds")})
+                                                    "round_graph_layouts", "middle_rounds",
+                                                    "round_graph_launched_ahead")})
     return row
 
 
@@ -982,10 +1008,11 @@ def summarise_rows(rows: list[dict], memory: dict | None) -> dict:
                     "replay_ms_per_round": median(r["replay_ms_per_round"] for r in mine),
                     "selection_ms_per_round": median(r.get("selection_ms_per_round")
                                                      for r in mine)}
-            if mode in (FUSED, COMPILED):  # every row's scores came from the kernels
+            if mode in (AHEAD, FUSED, COMPILED):  # every row's scores came from the kernels
                 cell["compiled_held"] = all(r.get("compiled_held", True) for r in mine)
-            if mode == FUSED:  # rounds loaded by a selection graph, of the middle rounds
-                for counter in ("round_graph_selections", "round_graph_layouts"):
+            if mode in (AHEAD, FUSED):  # rounds loaded by a selection graph, of the rounds
+                for counter in ("round_graph_selections", "round_graph_layouts",
+                                "round_graph_launched_ahead"):
                     cell[counter] = sum(r.get(counter, 0) for r in mine)
                 cell["middle_rounds"] = sum(r.get("middle_rounds", 0) for r in mine)
             if on and cell["middle_round_ms"] and cell["replay_ms_per_round"]:

@@ -300,7 +300,8 @@ class MiddleLoop:
         if probs_out is None and proposals is None:  # one token per request: its argmax
             tokens = logits.argmax(-1)
             before_copy(tokens)
-            drafts.advance_one(live, _on_host(tokens))  # the round's one copy
+            # the round's one copy; the next round's pass launched behind it
+            drafts.advance_one(live, _on_host(tokens, step.launch_ahead))
             return len(live)
         if probs_out is None:  # no vocabulary-wide probabilities at all: nobody reads them
             argmax = layout.per_request(logits.argmax(-1, keepdim=True))[..., 0]  # [A, W]
@@ -310,7 +311,8 @@ class MiddleLoop:
             packed = self._emit(step, drafts, live, active, layout, logits, proposals,
                                 proposal_probs, probs_out)
         before_copy(packed[:, 1])  # each request's first emitted token
-        host = _on_host(packed)  # [A, 1 + G + 1]: the round's one device-to-host copy
+        # [A, 1 + G + 1]: the round's one device-to-host copy, the next pass behind it
+        host = _on_host(packed, step.launch_ahead)
         drafts.advance(live, host, layout.first_rows)
         if proposals is not None:  # each proposing request's round, for its own state
             self._after_proposals(states, drafts, live, size_list, host[:, 0].tolist())
@@ -468,9 +470,23 @@ class _RoundLayout:
         return torch.where(self.slot == 0, lasts[self.owner], proposed)
 
 
-def _on_host(t: torch.Tensor) -> np.ndarray:
-    """`t` as a host array, in one blocking copy (none on the CPU, where it is already)."""
-    return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
+def _on_host(t: torch.Tensor, then=None) -> np.ndarray:
+    """`t` as a host array, in one blocking copy (none on the CPU, where it is already).
+    `then()` is called once the copy is asked for and before the host waits for it: on a
+    GPU what it launches queues behind the copy, so the device runs it while the host
+    takes `t` and goes on (the copy lands in pinned memory, and the host waits for an
+    event recorded after it, not for the stream)."""
+    if t.device.type == "cpu" or then is None:
+        if then is not None:
+            then()
+        return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    then()
+    copied.synchronize()
+    return host.numpy()
 
 
 def _packed(num_accepted: torch.Tensor, output_token_ids: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,10 @@ from vllm_triforce.engine.buffers import STACKED_QUERIES_BYTES
 from vllm_triforce.engine.depth import Verified
 from vllm_triforce.engine.device.capture import LayerRows
 from vllm_triforce.engine.device.forward import TIME_FORWARDS_ENV, Runs, build_pass, run_pass
+
+# "1": a middle round's next pass, loaded ahead, is replayed before the round's copy to the
+# host is waited for (`RetrievalStep.launch_ahead`); experimental, for a GPU's timing
+LAUNCH_AHEAD_ENV = "VLLM_TRIFORCE_LAUNCH_AHEAD"
 from vllm_triforce.engine.device.transfer import to_device
 from vllm_triforce.engine.middle import positions_of
 from vllm_triforce.engine.selections import SelectionTable
@@ -156,7 +160,8 @@ class RetrievalStep:
         # re-selections so far this step, and the last `_selections_of` (key, value)
         self._num_reselects = 0
         self._rows_selections: tuple | None = None
-        # (rows, positions, RoundGraphs' LoadedPass): the next round's pass, loaded ahead
+        # (rows, positions, RoundGraphs' LoadedPass[, its logits]): the next round's pass,
+        # loaded ahead (and, with LAUNCH_AHEAD_ENV, replayed ahead)
         self._ahead: tuple | None = None
         # what this step put into the selection graphs' buffers: the Shortlist, and the
         # rows whose block tables (`_hold_tables`)
@@ -390,10 +395,11 @@ class RetrievalStep:
         level, batch = self.level, self.batch
         bs = level.blocks.block_size
         # its queries may re-select the next round's blocks: the capture records them
-        loaded = self._take_loaded(rows, positions)
+        loaded, logits = self._take_loaded(rows, positions)
         if loaded is None and level.round_graphs is not None:
             loaded = self._loaded(rows, token_ids, positions)
-        logits = None if loaded is None else self._replayed(loaded)
+        if logits is None and loaded is not None:
+            logits = self._replayed(loaded)
         if logits is None:
             selected, sizes, block_table = self._selections_of(rows)
             layout = TableLayout.of(*sizes, positions.starts + positions.lens, bs)
@@ -470,15 +476,32 @@ class RetrievalStep:
         loaded = self._loaded(rows, tokens, positions, count_miss=False)  # `forward` will
         self._ahead = None if loaded is None else (list(rows), positions, loaded)
 
+    def launch_ahead(self) -> None:
+        """Replay the pass `load_ahead` (or `reselect_and_load`) loaded now, where
+        LAUNCH_AHEAD_ENV is "1": called by the middle loop once it has asked for this
+        round's copy to the host and before it waits for it (engine/middle.py `_on_host`),
+        so on a GPU the next round's pass runs on the device while the host takes this
+        round's tokens and does its bookkeeping; `forward` returns its logits when asked
+        for the same rows and positions. Its replay reads only what the stream has written
+        before it (the loaded buffers; the graph's logits and captured queries it
+        overwrites were read by this round's argmax and re-selection, queued before it).
+        Off by default until a GPU has run it exact."""
+        if (self._ahead is None or len(self._ahead) > 3
+                or os.environ.get(LAUNCH_AHEAD_ENV) != "1"):
+            return
+        self._ahead = (*self._ahead, self._replayed(self._ahead[2]))
+        self.level.stats.add(round_graph_launched_ahead=1)
+
     def _take_loaded(self, rows, positions: Runs):
-        """The pass `load_ahead` loaded, if it is this one (then forgotten either way)."""
+        """(the pass `load_ahead` loaded, its logits if `launch_ahead` replayed it, else
+        None), if it is this one, else (None, None); forgotten either way."""
         ahead, self._ahead = self._ahead, None
         if (ahead is None or ahead[0] != list(rows)
                 or not np.array_equal(ahead[1].starts, positions.starts)
                 or not np.array_equal(ahead[1].lens, positions.lens)):
-            return None
+            return None, None
         self.level.stats.add(round_graph_ahead=1)
-        return ahead[2]
+        return ahead[2], (ahead[3] if len(ahead) > 3 else None)
 
     def _loaded(self, rows, token_ids, positions: Runs, count_miss: bool = True):
         """Requests `rows`' pass loaded into the round buffers (`RoundGraphs.load_runs`,

@@ -40,6 +40,9 @@ class TriForceStats:
     round_graph_passes: int = 0
     round_graph_misses: int = 0
     round_graph_ahead: int = 0
+    # of those, replayed before that copy was waited for (VLLM_TRIFORCE_LAUNCH_AHEAD=1:
+    # engine/retrieval_level.py `RetrievalStep.launch_ahead`)
+    round_graph_launched_ahead: int = 0
     # of those, loaded with their re-selection as one graph (selection_graphs:
     # engine/device/selection_graph.py)
     round_graph_selections: int = 0

@@ -5,7 +5,7 @@ device holds one the host just built, through a blocking copy): `.item()`, `int(
 `bool(t)`, `float(t)`, `.tolist()`, `.cpu()`, `.numpy()`, ops whose output size depends on
 the data (`nonzero`, `unique`, `masked_select`, boolean-mask indexing, `repeat_interleave`
 without `output_size`), blocking copies between device types, `torch.tensor(host_data,
-device=...)` and an explicit `torch.cuda.synchronize`. On a GPU each one stalls the host until
+device=...)` and an explicit `torch.cuda.synchronize` or a CUDA event's `synchronize`. On a GPU each one stalls the host until
 the device has caught up; a decode step has room for a handful.
 
 How each kind is seen, so that each call counts once:
@@ -213,6 +213,10 @@ class SyncCounter:
         self._wrap(torch, "tensor", self._factory_wrapper)
         self._wrap(torch, "as_tensor", self._factory_wrapper)
         self._wrap(torch.cuda, "synchronize", self._synchronize_wrapper)
+        if hasattr(torch.cuda.Event, "synchronize"):  # a CPU build's is a placeholder
+            self._wrap(torch.cuda.Event, "synchronize",  # a wait for one recorded point
+                       lambda original, _: self._synchronize_wrapper(original,
+                                                                     "Event.synchronize"))
         if self.strict and torch.cuda.is_available():
             self._debug_mode = torch.cuda.get_sync_debug_mode()
             torch.cuda.set_sync_debug_mode("error")
@@ -277,7 +281,7 @@ class SyncCounter:
 
     def _synchronize_wrapper(self, original, name):
         def wrapper(*args, **kwargs):
-            with self._counting("cuda.synchronize", True):
+            with self._counting(f"cuda.{name}", True):
                 return original(*args, **kwargs)
         return wrapper
 
