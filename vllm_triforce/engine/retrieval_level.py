@@ -37,13 +37,13 @@ from vllm_triforce.engine.buffers import STACKED_QUERIES_BYTES
 from vllm_triforce.engine.depth import Verified
 from vllm_triforce.engine.device.capture import LayerRows
 from vllm_triforce.engine.device.forward import TIME_FORWARDS_ENV, Runs, build_pass, run_pass
+from vllm_triforce.engine.device.transfer import to_device
+from vllm_triforce.engine.middle import positions_of
+from vllm_triforce.engine.selections import SelectionTable
 
 # "1": a middle round's next pass, loaded ahead, is replayed before the round's copy to the
 # host is waited for (`RetrievalStep.launch_ahead`); experimental, for a GPU's timing
 LAUNCH_AHEAD_ENV = "VLLM_TRIFORCE_LAUNCH_AHEAD"
-from vllm_triforce.engine.device.transfer import to_device
-from vllm_triforce.engine.middle import positions_of
-from vllm_triforce.engine.selections import SelectionTable
 
 
 class RetrievalLevel:

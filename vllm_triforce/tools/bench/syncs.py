@@ -5,8 +5,9 @@ device holds one the host just built, through a blocking copy): `.item()`, `int(
 `bool(t)`, `float(t)`, `.tolist()`, `.cpu()`, `.numpy()`, ops whose output size depends on
 the data (`nonzero`, `unique`, `masked_select`, boolean-mask indexing, `repeat_interleave`
 without `output_size`), blocking copies between device types, `torch.tensor(host_data,
-device=...)` and an explicit `torch.cuda.synchronize` or a CUDA event's `synchronize`. On a GPU each one stalls the host until
-the device has caught up; a decode step has room for a handful.
+device=...)`, an explicit `torch.cuda.synchronize` and a CUDA event's `synchronize`. On a
+GPU each one stalls the host until the device has caught up; a decode step has room for a
+handful.
 
 How each kind is seen, so that each call counts once:
 - ops that reach the dispatcher (`int(t)` ends in `aten::_local_scalar_dense`, `t[mask]` in
