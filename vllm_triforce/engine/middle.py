@@ -476,10 +476,12 @@ def _on_host(t: torch.Tensor, then=None) -> np.ndarray:
     GPU what it launches queues behind the copy, so the device runs it while the host
     takes `t` and goes on (the copy lands in pinned memory, and the host waits for an
     event recorded after it, not for the stream)."""
-    if t.device.type == "cpu" or then is None:
+    if t.device.type == "cpu":
         if then is not None:
             then()
-        return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
+        return t.numpy()
+    if then is None:
+        return t.cpu().numpy()
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t, non_blocking=True)
     copied = torch.cuda.Event()

@@ -153,13 +153,13 @@ class EngineShape:
         sched = vllm_config.scheduler_config
         kv_dtype = kv_cache_dtype_str_to_dtype(vllm_config.cache_config.cache_dtype, model)
         q_block = getattr(vllm_config.attention_config, "flex_attn_q_block_size", None) or 0
+        layers = model.get_num_layers(parallel)
+        full = full_attention_layers(model, layers)
         return cls.from_sizes(
             cfg=cfg, block_size=vllm_config.cache_config.block_size,
             max_num_seqs=sched.max_num_seqs, max_model_len=model.max_model_len,
             max_batched_tokens=sched.max_num_batched_tokens,
-            num_layers=full_attention_layers(model, model.get_num_layers(parallel)),
-            local_layers=(model.get_num_layers(parallel)
-                          - full_attention_layers(model, model.get_num_layers(parallel))),
+            num_layers=full, local_layers=layers - full,
             num_kv_heads=model.get_num_kv_heads(parallel),
             num_q_heads=model.get_num_attention_heads(parallel),
             head_dim=model.get_head_size(), vocab_size=model.get_vocab_size(),

@@ -183,8 +183,9 @@ class PassBuffers:
             true_lens[0][:num_reqs] = runs.starts + lens
         on_device = to_device(block_table.device, *padded, owner, layout.num_selected,
                               layout.tail_start, layout.num_tails, *true_lens)
-        padded_dev, true_dev = on_device[:len(padded)], on_device[len(padded) + 4:]
-        owner_dev, num_selected, tail_start, num_tails = on_device[len(padded):len(padded) + 4]
+        n = len(padded)
+        padded_dev, true_dev = on_device[:n], on_device[n + 4:]
+        owner_dev, num_selected, tail_start, num_tails = on_device[n:n + 4]
         positions_dev = self._write_padded(token_ids, *padded_dev, num_tokens, bucket,
                                            bucket_requests)
         self.write_tables(selected, block_table, num_selected, tail_start, num_tails,
