@@ -63,7 +63,7 @@ from vllm_triforce.engine.memory import (MemoryPlan, Sizing, allocate_summaries,
 from vllm_triforce.engine.middle import HandOffBuffer, MiddleLoop, hand_off
 from vllm_triforce.engine.paged_keys import paged_keys_for
 from vllm_triforce.engine.plain_steps import PlainSteps
-from vllm_triforce.engine.retrieval_level import RetrievalLevel
+from vllm_triforce.engine.retrieval_level import LAUNCH_AHEAD_ENV, RetrievalLevel
 from vllm_triforce.engine.shape import EngineShape
 from vllm_triforce.engine.state import RequestState, StateTable
 from vllm_triforce.engine.stats import TriForceStats
@@ -462,6 +462,10 @@ class Drafting:
                     bounds.max_width,
                     f", sliding-window layers in {len(windows)} KV-cache group(s) beside"
                     if windows else "", graphs.buffers.nbytes / 2**20)
+        if level == "middle" and os.environ.get(LAUNCH_AHEAD_ENV) == "1":
+            logger.info("TriForce middle passes: each round's next pass launched before the "
+                        "host waits for the round's tokens (%s=1, experimental)",
+                        LAUNCH_AHEAD_ENV)
         return graphs
 
     def _round_windows(self, groups) -> tuple:
