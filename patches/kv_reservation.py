@@ -11,7 +11,11 @@ How: wrap both methods; when the worker's runner holds a TriForce proposer (V1's
 `drafter`, or Model Runner V2's `speculator` under `VLLM_TRIFORCE_MRV2=1`), hand vLLM the
 budget `proposer.reserve_memory(available)` leaves (fewer KV blocks; the proposer logs the
 reservation and its share, and refuses, with TriForce's own error, a budget that then holds
-no `max_model_len` request). Any other engine is untouched.
+no `max_model_len` request). Any other engine is untouched. While the original runs, the
+host's `sizing_kv_cache` is set: on a GPU vLLM's CUDA-graph memory profile
+(`GPUModelRunner.profile_cudagraph_memory`) builds the proposer once over a minimal KV cache
+(`_init_minimal_kv_cache_for_profiling`) before the real one, and the host leaves its
+compilations for the real build (engine/drafting.py `_build_drafting`).
 
 Why a patch: vLLM 0.32 has no hook for a proposer to declare memory it will allocate, and
 its profile run does not call the proposer's allocations (they happen in
@@ -37,10 +41,16 @@ def apply() -> None:
 
 def _make_wrapper(original):
     def determine_available_memory(self, *args, **kwargs):
-        available = original(self, *args, **kwargs)
         from vllm_triforce.engine.drafting import host_of
 
         host = host_of(getattr(self, "model_runner", None))
-        return available if host is None else host.reserve_memory(available)
+        if host is None:
+            return original(self, *args, **kwargs)
+        host.sizing_kv_cache = True  # a build in here is over vLLM's minimal profiling cache
+        try:
+            available = original(self, *args, **kwargs)
+        finally:
+            host.sizing_kv_cache = False
+        return host.reserve_memory(available)
 
     return determine_available_memory

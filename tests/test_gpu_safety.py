@@ -515,6 +515,50 @@ def test_the_reservation_asks_either_runners_triforce_host(host):
     assert wrapped(types.SimpleNamespace(model_runner=types.SimpleNamespace())) == 1000
 
 
+@pytest.mark.engine
+def test_a_build_while_vllm_sizes_the_kv_cache_compiles_nothing(tiny_llama, monkeypatch):
+    """On a GPU, vLLM's CUDA-graph memory profile builds the proposer over a minimal KV
+    cache inside `determine_available_memory`, before the real build: patches/
+    kv_reservation.py marks that time, and a build in it leaves compiled_sampling's and
+    compiled_selection's compilations (tens of seconds each on a GPU) to the real build.
+    The CPU makes no such build, so the test makes it the way vLLM's profile does, through
+    the patch's wrapper: nothing compiles; then the real build compiles everything."""
+    from vllm_triforce.engine.drafting import Drafting
+    from vllm_triforce.engine.summary_keeper import BlockReads
+    from vllm_triforce.patches import kv_reservation
+
+    calls = []
+    for name in ("_compile_sampling", "_compile_scoring", "_build_selection_graphs"):
+        monkeypatch.setattr(Drafting, name, lambda self, name=name: calls.append(name))
+    monkeypatch.setattr(BlockReads, "compile_when_bound",
+                        lambda self, *args: calls.append("compile_when_bound"))
+    spec = dict(SPEC, compiled_sampling=True, compiled_selection=True)
+    llm = in_process_llm(tiny_llama, spec, **make_engine_kwargs(max_num_seqs=4))
+    try:
+        drafter, runner = drafter_of(llm), runner_of(llm)
+        assert "_compile_scoring" in calls  # the engine's own build compiled
+        groups = [g for attn_groups in runner.attn_groups for g in attn_groups]
+
+        def rebuild():
+            drafter._build_drafting(runner.kv_cache_config, groups)
+            drafter._compile_after_binding()  # the warm-up of vLLM's profile captures
+
+        def sizing(worker):  # vLLM's sizing, with its profile's build inside
+            assert drafter.sizing_kv_cache
+            rebuild()
+            return 2**30  # VLLM_CPU_KVCACHE_SPACE=1 in tests/conftest.py
+
+        calls.clear()
+        kv_reservation._make_wrapper(sizing)(types.SimpleNamespace(model_runner=runner))
+        assert calls == []
+        assert not drafter.sizing_kv_cache
+        rebuild()  # the real build, after the sizing
+        assert calls == ["_compile_sampling", "_compile_scoring", "_build_selection_graphs",
+                         "compile_when_bound"]
+    finally:
+        free_llm(llm)
+
+
 def test_plugin_chosen_cpu_kv_size_leaves_room_for_the_reservation():
     """When the plugin sizes the CPU KV cache itself (patches/cpu_defaults.py), it adds what
     TriForce will reserve, so the KV that remains still holds the size it chose."""

@@ -104,6 +104,9 @@ class Drafting:
         self.forced_settings = forced_settings(vllm_config)
         self.reserved_bytes = 0  # set by reserve_memory (patches/kv_reservation.py) ...
         self.sizing: Sizing | None = None  # ... with the limits it reserved for
+        # set while vLLM sizes the KV cache (patches/kv_reservation.py): a build then is over
+        # the minimal cache of vLLM's CUDA-graph memory profile, and compiles nothing
+        self.sizing_kv_cache = False
         self._probs_buffer: HandOffBuffer | None = None
         if self.shape.has_draft:
             self._draft_window()  # refuse a window the draft's context cannot hold
@@ -205,12 +208,20 @@ class Drafting:
                            "(%s); it keeps its first stage only.", self.policy.name,
                            unreadable)
         self._build_levels(paged_keys, unreadable, target_groups)
-        if self.cfg.compiled_sampling:
-            self._compile_sampling()
-        if self.cfg.compiled_selection:
-            self._compile_scoring()
-            self._build_selection_graphs()
+        if self.sizing_kv_cache and (self.cfg.compiled_sampling or self.cfg.compiled_selection):
+            # Nothing drafts over this cache, and what compiles for its shapes would compile
+            # again for the real cache's (tens of seconds each on a GPU).
+            logger.info("TriForce: built over vLLM's minimal KV cache for its CUDA-graph "
+                        "memory profile (%d blocks); compiled_sampling and "
+                        "compiled_selection compile with the real cache",
+                        kv_cache_config.num_blocks)
         else:
+            if self.cfg.compiled_sampling:
+                self._compile_sampling()
+            if self.cfg.compiled_selection:
+                self._compile_scoring()
+                self._build_selection_graphs()
+        if not self.cfg.compiled_selection:
             logger.info("TriForce block scores: eager reads of the summaries, in chunks "
                         "(compiled_selection off)")
         logger.info(engine_settings.describe(self.vllm_config, backend, self.forced_settings))
@@ -367,7 +378,7 @@ class Drafting:
         vLLM has bound the cache to the layers (after `_build_drafting`): the host calls this
         from its warm-up (V1: `dummy_run`, MRV2: `initialize_kv_cache`); where none runs
         after the binding, the keeper compiles it at the first commit."""
-        if self.retrieval is not None:
+        if self.retrieval is not None and not self.sizing_kv_cache:
             keeper = self.retrieval.keeper
             keeper.block_reads.compile_when_bound(keeper.reader, "at start-up")
 
