@@ -2,6 +2,9 @@
 # The GPU check of one lease on an air-gapped GPU machine (benchmarks/gpu/README.md), in
 # three back-to-back calls, each carrying one part (at most 64 MiB a call):
 #
+#   bash scripts/gpu_session.sh unpack           # carry .bundle: vLLM unpacked, nothing run
+#                                                # (about 30 s), for the calls that carry a
+#                                                # model part instead
 #   bash scripts/gpu_session.sh costs [SECONDS]  # carry .bundle: vLLM unpacked, the 8B cost
 #                                                # cases not measured yet (vLLM defaults,
 #                                                # TriForce, TriForce's settings)
@@ -72,7 +75,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-session-out}
 mkdir -p "$OUT"
 export VLLM_TRIFORCE_CACHE=/tmp/vt-cache
-step=${1:?costs, kv-kept, mrv2-first, mrv2, sampled, mrv2-full, windows, tax, model-a, real, host-rounds, round-graphs or hot-path}
+step=${1:?unpack, costs, kv-kept, mrv2-first, mrv2, sampled, mrv2-full, windows, tax, model-a, real, host-rounds, round-graphs or hot-path}
 budget=${2:-270}
 case "$step" in
   costs)
@@ -136,11 +139,22 @@ case "$step" in
       | grep -v " INFO \| DEBUG \|WARNING"
     ;;
   round-graphs)
-    # the script's own budget leaves the bundle's unpack (about 25 s) and a margin
+    # the script's own budget leaves the bundle's unpack (about 25 s) and a margin; the
+    # tokenizer from the carried bundle, or from the unpack of an earlier call
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    tokenizer=$PWD/.bundle/tokenizer
+    [ -d "$tokenizer" ] || tokenizer=/tmp/vllm-bundle/tokenizer
     timeout "$budget" bash scripts/gpu_run.sh -- python3 "$PWD/benchmarks/explore/gpu_round_graph.py" \
-      --parts "${3:-a,b}" --budget-s $((budget - 40)) --tokenizer "$PWD/.bundle/tokenizer" \
+      --parts "${3:-a,b}" --budget-s $((budget - 40)) --tokenizer "$tokenizer" \
       --out "$OUT/round_graph" 2>&1 | grep -v " INFO \| DEBUG \|WARNING"
+    ;;
+  unpack)
+    # vLLM from the carried bundle into /tmp, and its tokenizer beside it, for the calls
+    # after this one on the same machine (model-a, real, round-graphs without .bundle)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    bash scripts/gpu_run.sh -- python3 -c "import torch, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__)" \
+      || exit 1
+    mkdir -p /tmp/vllm-bundle && cp -r .bundle/tokenizer /tmp/vllm-bundle/
     ;;
   model-a)
     python3 scripts/gpu_model_carry.py assemble --carry .carry/a
@@ -148,16 +162,17 @@ case "$step" in
   real)
     start=$SECONDS
     python3 scripts/gpu_model_carry.py assemble --carry .carry/b || exit 1
-    python3 scripts/gpu_model_carry.py convert \
-      || python3 scripts/gpu_model_carry.py convert --allow-file-differences || exit 1
+    # the tensors must equal the CPU conversion's; the tokenizer files differ between the
+    # GPU image's transformers and the CPU's (seen on every lease), so they may
+    python3 scripts/gpu_model_carry.py convert --allow-file-differences || exit 1
     # a third argument "graphs": the demo with TriForce's round graphs on (`--round-graphs`)
     # and its selection compiled (`--compiled-selection`); "fused": and a round's
     # re-selection and load as one graph (`--selection-graphs`)
     fused=""
     [ "$3" = fused ] && fused="--selection-graphs"
     bash scripts/gpu_run.sh -- python3 -m vllm_triforce.tools.cli demo --device cuda \
-      --out "$OUT/demo.json" --eager-check ${3:+--round-graphs --compiled-selection} $fused \
-      > "$OUT/demo.log" 2>&1
+      --out "$OUT/demo.json" --log "$OUT/vllm.log" --eager-check \
+      ${3:+--round-graphs --compiled-selection} $fused > "$OUT/demo.log" 2>&1
     echo "demo: exit $?"
     grep -v " INFO \| DEBUG \|WARNING\|^\s*$\|Loading\|it/s\]" "$OUT/demo.log" | tail -40
     left=$((budget - (SECONDS - start)))
