@@ -95,3 +95,31 @@ def test_the_device_room_imports_no_level():
         if name.startswith("vllm_triforce.engine.device"):
             bad = [d for d in deps if d.removeprefix("vllm_triforce.").startswith(LEVELS)]
             assert not bad, (name, bad)
+
+
+def test_every_import_from_the_package_names_what_it_binds():
+    """Every `from vllm_triforce... import NAME` in the package, patches/, tests/, scripts/
+    and benchmarks/, the imports inside functions too, names a module of the package that
+    binds NAME (read, not imported: tools/contract.Sources). A benchmark that runs once a
+    lease imports its helpers only when it runs, so a renamed helper would surface there."""
+    from vllm_triforce.tools.contract import Sources
+
+    class Ours(Sources):  # patches/ installs as vllm_triforce.patches (setup.cfg)
+        def tree(self, module: str):
+            if module.split(".")[:2] == ["vllm_triforce", "patches"]:
+                module = module.replace("vllm_triforce.patches", "patches", 1)
+            return super().tree(module)
+
+    root = PACKAGE.parent
+    source, problems, seen = Ours(root), [], 0
+    for folder in ("vllm_triforce", "patches", "tests", "scripts", "benchmarks"):
+        for path in (root / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+                        and node.module.split(".")[0] == "vllm_triforce"):
+                    for alias in node.names:
+                        seen += 1
+                        problems += [f"{path.relative_to(root)}: {problem}" for problem in
+                                     source.binds(node.module, alias.name)]
+    assert seen > 500, f"only {seen} imports found: the walk missed the tree"
+    assert not problems, "\n".join(problems)

@@ -170,7 +170,7 @@ def _worker(conn, engine: str, job: dict) -> None:
     from vllm import SamplingParams
 
     from vllm_triforce.offline import drafter_of, in_process_llm
-    from vllm_triforce.tools.bench.worker import _delta, _spec_metrics
+    from vllm_triforce.tools.bench.worker import counter_delta, spec_metrics
 
     spec = job["spec"] if engine == "triforce2" and not job["control"] else None
     start = time.perf_counter()
@@ -185,7 +185,7 @@ def _worker(conn, engine: str, job: dict) -> None:
                  use_tqdm=False)  # prefill: the timed generations hit the prefix cache
     llm.generate(prompts, params, use_tqdm=False)  # warm-up
     forward_seconds = _time_forwards() if job["split"] else None
-    before = _spec_metrics(llm)
+    before = spec_metrics(llm)
     conn.send(f"built and warmed in {time.perf_counter() - start:.0f} s")
     while True:
         command = conn.recv()
@@ -197,7 +197,7 @@ def _worker(conn, engine: str, job: dict) -> None:
             forward = forward_seconds[0] - forward_before if forward_seconds else 0.0
             conn.send((seconds, [list(o.outputs[0].token_ids) for o in outs], forward))
         elif command == "stats":
-            counts = _delta(_spec_metrics(llm), before)
+            counts = counter_delta(spec_metrics(llm), before)
             conn.send({"drafted": int(counts.get("vllm:spec_decode_num_draft_tokens", 0)),
                        "accepted": int(counts.get("vllm:spec_decode_num_accepted_tokens", 0))})
         else:
