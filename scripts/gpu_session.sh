@@ -13,7 +13,9 @@
 #                                                # conversion checked against the CPU's, the
 #                                                # real-model run ("graphs": with round graphs
 #                                                # on; "fused": and selection graphs), then
-#                                                # the cost jobs still missing
+#                                                # the cost jobs still missing; carrying
+#                                                # nothing, it resumes the run a call before
+#                                                # it left (each engine's part kept in /tmp)
 #   bash scripts/gpu_session.sh host-rounds [SECONDS] [graphs]  # carry .bundle: host ms
 #                                                # per middle round at batch 8-128 with the
 #                                                # tiny model, with "graphs" as CUDA graphs,
@@ -161,7 +163,11 @@ case "$step" in
     ;;
   real)
     start=$SECONDS
-    python3 scripts/gpu_model_carry.py assemble --carry .carry/b || exit 1
+    # a call that carries no .carry/b resumes the run of the call before it on this machine
+    # (the conversion and each engine's finished part stay in /tmp: --state-dir)
+    if [ -d .carry/b ]; then
+      python3 scripts/gpu_model_carry.py assemble --carry .carry/b || exit 1
+    fi
     # the tensors must equal the CPU conversion's; the tokenizer files differ between the
     # GPU image's transformers and the CPU's (seen on every lease), so they may
     python3 scripts/gpu_model_carry.py convert --allow-file-differences || exit 1
@@ -170,10 +176,18 @@ case "$step" in
     # re-selection and load as one graph (`--selection-graphs`)
     fused=""
     [ "$3" = fused ] && fused="--selection-graphs"
-    bash scripts/gpu_run.sh -- python3 -m vllm_triforce.tools.cli demo --device cuda \
+    # the engines one after another, each one's results kept in /tmp as its part ends, so
+    # that a call its cap stops leaves the next call (the same command, no carry) to go on
+    # from the engine it stopped in; the demo stops 20 s before the cap, its results and
+    # the logs come back
+    cap=$((budget - (SECONDS - start) - 20))
+    [ "$cap" -gt 60 ] || { echo "real: ${cap} s left of ${budget}, too few for the demo"; exit 1; }
+    timeout "$cap" bash scripts/gpu_run.sh -- \
+      python3 -m vllm_triforce.tools.cli demo --device cuda --state-dir /tmp/vt-demo-state \
       --out "$OUT/demo.json" --log "$OUT/vllm.log" --eager-check \
       ${3:+--round-graphs --compiled-selection} $fused > "$OUT/demo.log" 2>&1
     echo "demo: exit $?"
+    ls -l /tmp/vt-demo-state
     grep -v " INFO \| DEBUG \|WARNING\|^\s*$\|Loading\|it/s\]" "$OUT/demo.log" | tail -40
     left=$((budget - (SECONDS - start)))
     if [ "$left" -gt 100 ]; then

@@ -8,6 +8,10 @@ TriForce engine once more with every request at the full depth, which proves dra
 an engine that never drafted decodes plainly and equals plain vLLM trivially, so the demo
 fails (exit 1) if that run drafted nothing. The terminal gets one line per phase (with
 about how long it takes) and one table; vLLM's own log goes to a file the demo names.
+`--state-dir DIR` runs the engines one after another instead, each engine's results kept in
+DIR as its part ends: the same command again resumes at the first part without results (a
+lent GPU's call cap cut the real-model run on a cold machine), and plain vLLM's part serves
+every TriForce variant of the same requests.
 
 Devices (`--device auto`: a GPU when torch sees one):
 * CPU: SmolLM2-135M in float32 (exact comparison), eager, 8 x 4,096 tokens, 96 new: about
@@ -32,10 +36,12 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 from vllm_triforce.tools.cpu_openmp import named_runtime, with_intel_openmp
 from vllm_triforce.tools.demo_engine import engine_process, sum_counts
-from vllm_triforce.tools.demo_results import acceptance, report, save_results, save_rounds
+from vllm_triforce.tools.demo_results import (acceptance, report, save_results, save_rounds,
+                                                 write_json)
 
 # Each of the two engines gets 2 GiB of KV cache on CPU: 4 x 8K SmolLM2 tokens in fp32
 # need 1.4.
@@ -103,6 +109,11 @@ def add_demo_parser(subparsers) -> None:
                    help="after the rounds, the fixed-depth decode once more on an eager "
                         "TriForce engine: its acceptance must match the compiled engine's "
                         "(within 3 points), or CUDA graphs changed what TriForce reads")
+    p.add_argument("--state-dir", default=None,
+                   help="the engines one after another, not side by side, each engine's "
+                        "results kept in this folder once its rounds are done; the same "
+                        "command again resumes at the first engine without results there "
+                        "(for a run that a time limit may cut, such as a lent GPU's call)")
     p.set_defaults(func=run_demo)
 
 
@@ -154,6 +165,10 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.device == "cpu":
         print(_openmp_line(os.environ.get("LD_PRELOAD", "")), flush=True)
     print(f"vLLM's log: {args.log}; results: {args.out}", flush=True)
+    if args.state_dir:
+        print(f"The engines run one after another, each engine's results kept in "
+              f"{args.state_dir} (--state-dir): its rounds are not interleaved with the "
+              "other's.", flush=True)
     clock = Clock(_first_estimate(target, args))
     plain, tri, fixed = _run(target, spec, prompts, args, clock)
     report(plain, tri, fixed, args)
@@ -231,23 +246,24 @@ def _run(model_dir, spec, prompts, args, clock: Clock):
     in which the two decode in turn, the results saved after each. On a GPU the fixed-depth
     decode runs in every round, right after the controller's, and plain vLLM decodes once
     more, untimed, for its top-2 log-prob margins (a bf16 verdict); on CPU it runs once,
-    after the rounds (float32 outputs must be identical)."""
+    after the rounds (float32 outputs must be identical). With `--state-dir` the engines
+    run one after another instead (`_run_in_turn`)."""
     import multiprocessing
 
     context = multiprocessing.get_context("spawn")
+    if args.state_dir:
+        return _run_in_turn(context, model_dir, spec, prompts, args, clock)
     engines, modes = {}, {}
     rounds = {"plain": [], "triforce": [], "fixed": []}
     every_round = args.device == "cuda"
     estimate = clock.engine_estimate_s
+    margins = None
     try:
         for name, engine_spec in (("plain", None), ("triforce", spec)):
             # one prefill at a time: the two would share the device
-            label = "plain vLLM" if engine_spec is None else "TriForce"
-            began = clock.begin(f"{label}: starting, and prefilling {args.batch} x "
-                                f"{args.prompt_tokens:,} tokens", estimate)
-            proc, conn, modes[name] = _start(context, model_dir, engine_spec, prompts, args)
+            proc, conn, modes[name], estimate = _start_timed(
+                context, model_dir, engine_spec, prompts, args, clock, estimate)
             engines[name] = (proc, conn)
-            estimate = clock.end(began, f"prefill {modes[name]['prefill_s']:.0f} s")
         for i in range(max(args.rounds, 1)):
             began = clock.begin(f"round {i + 1} of {args.rounds}", clock.round_estimate_s)
             for name in (list(engines) if i % 2 == 0 else list(reversed(engines))):
@@ -259,37 +275,159 @@ def _run(model_dir, spec, prompts, args, clock: Clock):
                 began, f"plain {plain_tok_s:.1f} tok/s, TriForce {tri_tok_s:.1f} tok/s: "
                        f"{tri_tok_s / plain_tok_s:.2f}x")
             save_rounds(args, rounds, modes)
-        plain, tri = ({**r[-1], "round_tok_s": [x["tok_s"] for x in r],
-                       "same_each_round": all(x["tokens"] == r[0]["tokens"] for x in r)}
-                      for r in (rounds["plain"], rounds["triforce"]))
-        plain["engine"], tri["engine"] = modes["plain"], modes["triforce"]
         if not every_round:
-            began = clock.begin(f"TriForce at fixed depth {args.gamma}: every request drafting "
-                                "every step", 1.5 * clock.round_estimate_s)
-            rounds["fixed"].append(_ask(engines["triforce"][1], "fixed"))
-            clock.end(began, f"{rounds['fixed'][-1]['tok_s']:.1f} tok/s")
+            rounds["fixed"].append(_fixed_once(engines["triforce"][1], args, clock))
         else:
-            plain["margins"] = _ask(engines["plain"][1], "margins")
-        fixed = {**rounds["fixed"][-1], "round_tok_s": [x["tok_s"] for x in rounds["fixed"]],
-                 "triforce": sum_counts([x["triforce"] for x in rounds["fixed"]])}
-        tri["triforce"] = sum_counts([x["triforce"] for x in rounds["triforce"]])
-        tri["rounds"], fixed["rounds"] = rounds["triforce"], rounds["fixed"]
+            margins = _ask(engines["plain"][1], "margins")
     finally:
         for proc, conn in engines.values():
             _stop(proc, conn)
+    plain, tri, fixed = _combine(rounds, modes, margins)
     if args.eager_check:
         fixed["eager_check"] = _eager_check(context, model_dir, spec, prompts, args, fixed)
     return plain, tri, fixed
 
 
-def _eager_check(context, model_dir, spec, prompts, args, fixed) -> dict:
-    """The fixed-depth decode on an eager TriForce engine, against the compiled engine's
-    (`fixed`, all rounds): acceptance within 3 points, and the same tokens."""
-    proc, conn, _ = _start(context, model_dir, spec, prompts, args, eager_only=True)
+def _run_in_turn(context, model_dir, spec, prompts, args, clock: Clock):
+    """`_run`'s results with the engines one after another (`--state-dir`): plain vLLM
+    alone for its rounds (on a GPU, then its margins), stopped; then TriForce alone for
+    its rounds (the fixed-depth decode as `_run` runs it); then the eager check. Each
+    part's results go to the state folder as it ends, named by what decides them
+    (`_state_keys`), and a part whose results are there is not run again: a run cut by a
+    time limit resumes where it was, and plain vLLM's results serve every TriForce
+    variant of the same requests."""
+    state = Path(args.state_dir)
+    state.mkdir(parents=True, exist_ok=True)
+    keys = _state_keys(model_dir, spec, prompts, args)
+    rounds = {"plain": [], "triforce": [], "fixed": []}
+    modes, margins = {}, None
+    estimate = clock.engine_estimate_s
+    for name, engine_spec in (("plain", None), ("triforce", spec)):
+        path = state / f"{name}-{keys[name]}.json"
+        if path.is_file():
+            part = json.loads(path.read_text())
+            print(f"{'plain vLLM' if engine_spec is None else 'TriForce'}: "
+                  f"{len(part['decode'])} rounds from {path}", flush=True)
+        else:
+            part = _engine_alone(context, model_dir, engine_spec, prompts, args, clock,
+                                 estimate, rounds, modes)
+            write_json(path, part)
+            estimate = part["engine"]["start_s"]
+        modes[name], rounds[name] = part["engine"], part["decode"]
+        if engine_spec is None:
+            margins = part.get("margins")
+        else:
+            rounds["fixed"] = part["fixed"]
+        save_rounds(args, rounds, modes)
+    plain, tri, fixed = _combine(rounds, modes, margins)
+    if args.eager_check:
+        path = state / f"eager-{keys['triforce']}.json"
+        eager = json.loads(path.read_text()) if path.is_file() else None
+        if eager is not None:
+            print(f"eager TriForce: its fixed-depth decode from {path}", flush=True)
+        fixed["eager_check"] = _eager_check(context, model_dir, spec, prompts, args, fixed,
+                                            eager=eager, save_to=path)
+    return plain, tri, fixed
+
+
+def _engine_alone(context, model_dir, spec, prompts, args, clock: Clock, estimate, rounds,
+                  modes) -> dict:
+    """One engine started, its `args.rounds` timed decodes (TriForce's: with the
+    fixed-depth decode as `_run` runs it), on a GPU plain vLLM's margins, then stopped:
+    {"engine", "decode", "fixed", "margins"}. `rounds` and `modes` get each result as it
+    comes (the results file keeps a cut run's rounds)."""
+    name = "plain" if spec is None else "triforce"
+    label = "plain vLLM" if spec is None else "TriForce"
+    began = time.monotonic()
+    proc, conn, mode, _ = _start_timed(context, model_dir, spec, prompts, args, clock, estimate)
+    part = {"engine": {**mode, "start_s": time.monotonic() - began}, "decode": [], "fixed": []}
+    modes[name] = part["engine"]
+    every_round = args.device == "cuda"
     try:
-        eager = _ask(conn, "fixed")
+        for i in range(max(args.rounds, 1)):
+            began = clock.begin(f"{label}: round {i + 1} of {args.rounds}",
+                                clock.round_estimate_s)
+            part["decode"].append(_ask(conn, "decode"))
+            rounds[name].append(part["decode"][-1])
+            if spec is not None and every_round:
+                part["fixed"].append(_ask(conn, "fixed"))
+                rounds["fixed"].append(part["fixed"][-1])
+            clock.round_estimate_s = clock.end(began, f"{part['decode'][-1]['tok_s']:.1f} tok/s")
+            save_rounds(args, rounds, modes)
+        if spec is not None and not every_round:
+            part["fixed"].append(_fixed_once(conn, args, clock))
+        if spec is None and every_round:
+            part["margins"] = _ask(conn, "margins")
     finally:
         _stop(proc, conn)
+    return part
+
+
+def _state_keys(model_dir, spec, prompts, args) -> dict:
+    """{"plain", "triforce"}: a short hash of what decides each engine's results in
+    `--state-dir` (the requests, the sizes, the device, this code's commit; TriForce's
+    also its speculative config)."""
+    import hashlib
+
+    from vllm_triforce.tools.demo_results import source_commit
+
+    common = {"model": Path(model_dir).name, "commit": source_commit(),
+              "prompts": hashlib.sha256(json.dumps(prompts).encode()).hexdigest(),
+              **{key: getattr(args, key) for key in (
+                  "device", "dtype", "prompt_tokens", "batch", "max_tokens", "rounds", "gamma",
+                  "gpu_memory_utilization")}}
+    digest = lambda d: hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]  # noqa: E731
+    return {"plain": digest(common), "triforce": digest({**common, "spec": spec})}
+
+
+def _start_timed(context, model_dir, spec, prompts, args, clock: Clock, estimate):
+    """`_start` with its progress line: (process, connection, how the engine runs, seconds
+    it took)."""
+    label = "plain vLLM" if spec is None else "TriForce"
+    began = clock.begin(f"{label}: starting, and prefilling {args.batch} x "
+                        f"{args.prompt_tokens:,} tokens", estimate)
+    proc, conn, mode = _start(context, model_dir, spec, prompts, args)
+    return proc, conn, mode, clock.end(began, f"prefill {mode['prefill_s']:.0f} s")
+
+
+def _fixed_once(conn, args, clock: Clock) -> dict:
+    """On CPU, after the rounds: TriForce's decode at the full depth, once."""
+    began = clock.begin(f"TriForce at fixed depth {args.gamma}: every request drafting "
+                        "every step", 1.5 * (clock.round_estimate_s or 0) or None)
+    run = _ask(conn, "fixed")
+    clock.end(began, f"{run['tok_s']:.1f} tok/s")
+    return run
+
+
+def _combine(rounds: dict, modes: dict, margins) -> tuple[dict, dict, dict]:
+    """(plain, tri, fixed) from each engine's rounds: the last round's outputs, every
+    round's tok/s, whether each round gave the same tokens, TriForce's counters summed."""
+    plain, tri = ({**r[-1], "round_tok_s": [x["tok_s"] for x in r],
+                   "same_each_round": all(x["tokens"] == r[0]["tokens"] for x in r)}
+                  for r in (rounds["plain"], rounds["triforce"]))
+    plain["engine"], tri["engine"] = modes["plain"], modes["triforce"]
+    if margins is not None:
+        plain["margins"] = margins
+    fixed = {**rounds["fixed"][-1], "round_tok_s": [x["tok_s"] for x in rounds["fixed"]],
+             "triforce": sum_counts([x["triforce"] for x in rounds["fixed"]])}
+    tri["triforce"] = sum_counts([x["triforce"] for x in rounds["triforce"]])
+    tri["rounds"], fixed["rounds"] = rounds["triforce"], rounds["fixed"]
+    return plain, tri, fixed
+
+
+def _eager_check(context, model_dir, spec, prompts, args, fixed, eager: dict | None = None,
+                 save_to: Path | None = None) -> dict:
+    """The fixed-depth decode on an eager TriForce engine, against the compiled engine's
+    (`fixed`, all rounds): acceptance within 3 points, and the same tokens. `eager`: that
+    decode already run (`--state-dir`), else it runs now (and goes to `save_to`)."""
+    if eager is None:
+        proc, conn, _ = _start(context, model_dir, spec, prompts, args, eager_only=True)
+        try:
+            eager = _ask(conn, "fixed")
+        finally:
+            _stop(proc, conn)
+        if save_to is not None:
+            write_json(save_to, eager)
     compiled, eager_rate = acceptance(fixed["triforce"]), acceptance(eager["triforce"])
     agree = (compiled is not None and eager_rate is not None
              and abs(compiled - eager_rate) <= 0.03)

@@ -69,7 +69,7 @@ def _machine() -> dict:
     return {"date": time.strftime("%Y-%m-%d"), "gpu": gpu,
             "cpu": f"{_cpu_model() or platform.machine()}, {os.cpu_count()} cores",
             "vllm": vllm.__version__, "torch": torch.__version__,
-            "commit": os.environ.get("VLLM_TRIFORCE_COMMIT") or _commit()}
+            "commit": source_commit()}
 
 
 def _cpu_model() -> str | None:
@@ -83,8 +83,13 @@ def _cpu_model() -> str | None:
     return None
 
 
-def _commit() -> str | None:
+def source_commit() -> str | None:
+    """The commit this code is from: `VLLM_TRIFORCE_COMMIT` (a lent GPU's copy of the tree
+    has no .git), else git's short hash."""
     import subprocess
+
+    if os.environ.get("VLLM_TRIFORCE_COMMIT"):
+        return os.environ["VLLM_TRIFORCE_COMMIT"]
 
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
