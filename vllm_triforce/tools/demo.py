@@ -338,9 +338,9 @@ def _engine_alone(context, model_dir, spec, prompts, args, clock: Clock, estimat
     comes (the results file keeps a cut run's rounds)."""
     name = "plain" if spec is None else "triforce"
     label = "plain vLLM" if spec is None else "TriForce"
-    began = time.monotonic()
-    proc, conn, mode, _ = _start_timed(context, model_dir, spec, prompts, args, clock, estimate)
-    part = {"engine": {**mode, "start_s": time.monotonic() - began}, "decode": [], "fixed": []}
+    proc, conn, mode, took = _start_timed(context, model_dir, spec, prompts, args, clock,
+                                          estimate)
+    part = {"engine": {**mode, "start_s": took}, "decode": [], "fixed": []}
     modes[name] = part["engine"]
     every_round = args.device == "cuda"
     try:
