@@ -368,7 +368,7 @@ KV_8B = 32 * 2 * 16 * 8 * 128 * 2  # 2 MiB: a block of every layer's keys and va
 H200_AVAILABLE, GPU_80GB_AVAILABLE = 55_604 * KV_8B, 52 * 10**9
 
 
-SUMMARY_SETTINGS = {"coded": {},  # the default: compact_summaries
+SUMMARY_SETTINGS = {"coded": {},  # the default on a GPU: compact_summaries
                     "compact": {"compact_key_variance": True},
                     "float": {"compact_summaries": False}}
 

@@ -78,15 +78,24 @@ def test_config_errors_name_the_key(spec, key):
         TriForceConfig.from_speculative_config({"method": "triforce", **spec})
 
 
-def test_summaries_are_coded_unless_the_banded_variance_is_asked_for():
-    """`compact_summaries` defaults on; `compact_key_variance` alone turns it off (its
-    variance is banded, not coded); the resolved value survives the trip to the workers."""
-    assert TriForceConfig().summary_kinds().coded
+def test_summaries_are_coded_on_a_gpu_unless_the_banded_variance_is_asked_for():
+    """`compact_summaries` left out: coded on a GPU, float on a CPU (where float8 converts
+    one value at a time) unless `compiled_selection`, whose kernels read the codes;
+    `compact_key_variance` alone turns it off everywhere (its variance is banded, not
+    coded); as set otherwise, on any device; the value survives the trip to the workers."""
+    default = TriForceConfig()
+    assert default.summary_kinds("cuda").coded and default.summary_kinds().coded
+    assert not default.summary_kinds("cpu").coded
+    assert TriForceConfig(compiled_selection=True).summary_kinds("cpu").coded
+    assert TriForceConfig(compact_summaries=True).summary_kinds("cpu").coded
     banded = TriForceConfig(compact_key_variance=True)
-    assert banded.compact_summaries is False and not banded.summary_kinds().coded
+    assert banded.compact_summaries is False and not banded.summary_kinds("cuda").coded
     assert banded.summary_kinds().compact_variance
-    assert not TriForceConfig(compact_summaries=False).summary_kinds().coded
-    assert TriForceConfig.from_dict(banded.to_dict()) == banded
+    assert not TriForceConfig(compact_summaries=False).summary_kinds("cuda").coded
+    for cfg in (default, banded):
+        assert TriForceConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(TriForceConfigError, match="compiled_selection"):
+        TriForceConfig(compiled_selection=True, compact_summaries=False)
 
 
 def test_prefills_are_read_back_from_the_cache_by_default_on_a_gpu_only():

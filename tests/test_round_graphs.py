@@ -506,8 +506,9 @@ def test_compiled_selection_gives_todays_tokens_selections_and_acceptance(
 
     prompts = _prompts(3)
     spec = dict(SPEC, round_graphs=True)
-    eager = _run(llm_factory(tiny_llama, speculative_config=spec, num_gpu_blocks_override=64),
-                 prompts)
+    # the same coded summaries read eagerly (a CPU keeps float ones unless asked, or compiled)
+    eager = _run(llm_factory(tiny_llama, speculative_config=dict(spec, compact_summaries=True),
+                             num_gpu_blocks_override=64), prompts)
     llm = llm_factory(tiny_llama, speculative_config=dict(spec, compiled_selection=True),
                       num_gpu_blocks_override=64)
     compiled = drafter_of(llm).policy.compiled

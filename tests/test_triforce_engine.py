@@ -293,6 +293,7 @@ def test_plain_steps_leave_the_summaries_untouched(tiny_llama, monkeypatch, ahea
     never reach the commit; planned after the pass, each one commits, and folds nothing."""
     import torch
 
+    from vllm_triforce.core.reads import block_slice
     from vllm_triforce.engine import summary_keeper
 
     fold = summary_keeper.SummaryKeeper.fold
@@ -301,7 +302,7 @@ def test_plain_steps_leave_the_summaries_untouched(tiny_llama, monkeypatch, ahea
     def fold_and_copy(self, batch, states, prefills):
         fold(self, batch, states, prefills)
         if max(batch.q_lens) > 1:
-            after_prefill[:] = [self.summaries.sums.blocks(slice(None)),  # coded: a copy
+            after_prefill[:] = [block_slice(self.summaries.sums, slice(None)).clone(),
                                 self.summaries.counts.clone()]
             decode_steps.clear()
         else:
@@ -329,7 +330,7 @@ def test_plain_steps_leave_the_summaries_untouched(tiny_llama, monkeypatch, ahea
         assert decode_commits >= min(MAX_TOKENS) - 1 and host_plain == 0
     assert counts.any()
     assert torch.equal(summaries.counts, counts)
-    assert torch.equal(summaries.sums.blocks(slice(None)), sums)
+    assert torch.equal(block_slice(summaries.sums, slice(None)), sums)
 
 
 def test_token_pieces_cut_spans_at_the_limit():
@@ -496,10 +497,10 @@ def test_middle_rounds_rerank_the_step_start_shortlist(tiny_llama, monkeypatch, 
 @pytest.mark.parametrize("variance", ["coded", "per channel", "compact", None])
 def test_key_variance_is_the_default_and_can_be_turned_off(tiny_llama, monkeypatch, variance):
     """By default `retrieval` scores blocks by mean key + key variance (the squared-key
-    sums, one per channel of tiny_llama's 32, are read at every selection), coded in one
-    byte a value (`compact_summaries`); `compact_summaries: false` keeps them in float32;
-    compact_key_variance keeps 8 bands of them; key_variance false reads none. Outputs
-    identical."""
+    sums, one per channel of tiny_llama's 32, are read at every selection), in float32 on a
+    CPU (`compact_summaries` left out) and coded in one byte a value with
+    `compact_summaries: true` (a GPU's default); compact_key_variance keeps 8 bands of
+    them; key_variance false reads none. Outputs identical."""
     from vllm_triforce.core.summaries import BlockSummaries
     from vllm_triforce.core.summary_coding import CodedStore
 
@@ -510,8 +511,8 @@ def test_key_variance_is_the_default_and_can_be_turned_off(tiny_llama, monkeypat
     spec = two_level(refresh_interval=1)
     if variance is None:
         spec["key_variance"] = False
-    if variance == "per channel":
-        spec["compact_summaries"] = False
+    if variance == "coded":
+        spec["compact_summaries"] = True
     if variance == "compact":
         spec["compact_key_variance"] = True
     tokens, stats, _ = generate(tiny_llama, spec)

@@ -119,8 +119,13 @@ class TriForceConfig:
     # At Llama-3.1-8B's shape the summaries take 1/31 of the KV cache instead of 3/32, and
     # TriForce keeps 96% of plain vLLM's KV blocks (engine/memory.py). On the acceptance
     # bench (column `retrieval_var_fp8_log`, benchmarks/RESULTS.md) within a point of the
-    # bf16 sums and float32 variances. Default: on, unless `compact_key_variance` (the
-    # banded variance is not coded); false keeps the float summaries.
+    # bf16 sums and float32 variances. Default (None): on where the device converts float8
+    # natively (a GPU) or `compiled_selection` reads the codes in its kernels; off on a CPU
+    # otherwise, where torch converts float8 one value at a time and a middle round that
+    # re-ranks a shortlist larger than one read chunk decodes it every round (SmolLM2-135M,
+    # 8 x 4,096 tokens: 11 ms of TriForce's own time a round coded, 6.5 float, of about 58;
+    # benchmarks/HISTORY.md), for 2-3% of the KV cache. Off with `compact_key_variance`
+    # (the banded variance is not coded). `compact_summaries_on`.
     compact_summaries: bool | None = None
     # h2o / topk_oracle keep a copy of every committed key (as much memory as the key
     # cache): for benchmarks. Refused unless the user opts in here.
@@ -251,27 +256,28 @@ class TriForceConfig:
                 f"speculative_config['compact_key_variance']={self.compact_key_variance!r} "
                 "must be true (the key variance per band of channels, in the KV cache's dtype) "
                 "or false (per channel, the default).")
-        if self.compact_summaries is None:
-            object.__setattr__(self, "compact_summaries", not self.compact_key_variance)
-        if not isinstance(self.compact_summaries, bool):
+        if self.compact_summaries is None and self.compact_key_variance:
+            object.__setattr__(self, "compact_summaries", False)
+        if self.compact_summaries is not None and not isinstance(self.compact_summaries, bool):
             raise TriForceConfigError(
                 f"speculative_config['compact_summaries']={self.compact_summaries!r} must be "
-                "true (block summaries coded in one byte a value, the default) or false (bf16 "
-                "or float32 key sums and float32 key variances: more memory).")
+                "true (block summaries coded in one byte a value, the default on a GPU) or "
+                "false (bf16 or float32 key sums and float32 key variances: more memory, the "
+                "default on a CPU).")
         if self.compact_summaries and self.compact_key_variance:
             raise TriForceConfigError(
                 "speculative_config sets both 'compact_summaries' and 'compact_key_variance': "
                 "the coded summaries keep the key variance per channel, the compact variance "
                 "per band. Drop 'compact_key_variance' (the coded summaries take as little "
                 "memory and lose less acceptance), or set 'compact_summaries': false.")
-        if self.compiled_selection and not (self.compact_summaries
+        if self.compiled_selection and not (self.compact_summaries is not False
                                             and self.selection_policy == "retrieval"):
             raise TriForceConfigError(
                 "speculative_config['compiled_selection'] reads coded summaries with the "
                 "'retrieval' policy; this config has "
                 f"selection_policy={self.selection_policy!r} and "
                 f"compact_summaries={self.compact_summaries!r}. Drop 'compiled_selection', or "
-                "use selection_policy 'retrieval' with compact_summaries true (the defaults).")
+                "use selection_policy 'retrieval' with compact_summaries true or left out.")
         if not isinstance(self.allow_full_key_copy, bool):
             raise TriForceConfigError(
                 f"speculative_config['allow_full_key_copy']={self.allow_full_key_copy!r} must be "
@@ -321,11 +327,19 @@ class TriForceConfig:
             return {"variance": self.key_variance}
         return {}
 
-    def summary_kinds(self) -> SummaryKinds:
-        """The block state the policy reads: what the memory plan reserves and the proposer
-        allocates (`BlockSummaries(**dataclasses.asdict(kinds))`)."""
+    def summary_kinds(self, device_type: str | None = None) -> SummaryKinds:
+        """The block state the policy reads on a device of `device_type` ("cuda", "cpu",
+        ...; None: a GPU's): what the memory plan reserves and the proposer allocates
+        (`BlockSummaries(**dataclasses.asdict(kinds))`)."""
         return summary_kinds(self.selection_policy, self.key_variance,
-                             self.compact_key_variance, self.compact_summaries)
+                             self.compact_key_variance, self.compact_summaries_on(device_type))
+
+    def compact_summaries_on(self, device_type: str | None = None) -> bool:
+        """`compact_summaries` as set; left out, coded except on a CPU without
+        `compiled_selection` (the field's comment says why); None: a GPU's."""
+        if self.compact_summaries is not None:
+            return self.compact_summaries
+        return device_type != "cpu" or self.compiled_selection
 
     def prefill_from_cache_on(self, device_type: str) -> bool:
         """`prefill_from_cache` as set; left out, whether the device (its type: "cuda",

@@ -164,6 +164,7 @@ class EngineShape:
             num_q_heads=model.get_num_attention_heads(parallel),
             head_dim=model.get_head_size(), vocab_size=model.get_vocab_size(),
             summary_dtype=summary_dtype(kv_dtype, model.dtype), flex_q_block=q_block,
+            kinds=cfg.summary_kinds(vllm_config.device_config.device_type),
             capture_tokens=(vllm_config.compilation_config.max_cudagraph_capture_size
                             or DEFAULT_COPY_TOKENS))
 

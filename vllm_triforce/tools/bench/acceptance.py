@@ -128,8 +128,8 @@ Z95 = 1.96
 
 
 def default_column() -> str:
-    """The column that selects as the engine does with its default config (its summaries
-    coded: `retrieval_var_fp8_log`)."""
+    """The column that selects as the engine does with its default config on a GPU (its
+    summaries coded: `retrieval_var_fp8_log`; a CPU's are float, `retrieval_var`)."""
     cfg = TriForceConfig()
     kinds = cfg.summary_kinds()
     stored = (CODED_COLUMN if kinds.coded and kinds.keep_variance
