@@ -81,6 +81,82 @@ def test_speed_rounds_pair_each_round_with_its_own_plain_run():
 
 
 @pytest.mark.engine
+def test_bench_speed_interleaved(tiny_llama, tmp_path):
+    """--interleave: one live process per method taking turns, each row timed once a round,
+    the same greedy tokens in every turn, each turn at its row's depth."""
+    out = tmp_path / "speed"
+    data = run_bench("speed", out, tiny_llama, "--methods", "plain", "triforce2",
+                     "--dtype", "float32", "--rounds", "2", "--interleave")
+    assert data["config"]["interleave"] is True and data["all_identical"] is True
+    raw = {r["name"]: r for r in data["raw"]}
+    assert list(raw) == ["plain", "triforce2", "triforce2 k=0", "triforce2 k=6"]
+    for r in raw.values():
+        assert len(r["decode_s"]) == 2 and len(r["round_decode_s"]) == 2  # 1 repeat a turn
+        assert r["tokens"] == raw["plain"]["tokens"]
+    # the second round runs k=0 right after k=6 (reversed order): its depth was set
+    assert raw["triforce2 k=0"]["triforce"]["top_proposed"] == 0
+    assert_drafted(raw["triforce2 k=6"]["triforce"])
+    assert raw["triforce2 k=6"]["triforce"]["depth_counts"][6] > 0
+    assert all(len(r["round_speedups"]) == 2 for r in data["rows"])
+    assert "taken in turns by one live process per method" in (out / "results.md").read_text()
+    assert sorted(f.name for f in (out / "logs").glob("*.json")) == ["plain.json",
+                                                                  "triforce2.json"]
+
+
+def test_interleaved_rounds_take_turns_abba(monkeypatch, tmp_path):
+    """Round i times every row once, in order in even rounds and reversed in odd ones; every
+    child is started before the first turn and finished (or killed) at the end."""
+    from vllm_triforce.tools.bench import runner
+
+    log = []
+
+    class FakeChild:
+        def __init__(self, job, out_dir, name):
+            self.name, self.num_rows = name, len(job["runs"][0].get("variants", [])) + 1
+            log.append(("start", name))
+
+        def turn(self, row):
+            log.append(("turn", self.name, row))
+
+        def finish(self):
+            return [{"name": f"{self.name}/{row}"} for row in range(self.num_rows)]
+
+        def kill(self):
+            log.append(("kill", self.name))
+
+    monkeypatch.setattr(runner, "_LiveChild", FakeChild)
+    runs = [{"name": "a"}, {"name": "b", "variants": [{"name": "b1"}]}]
+    results = runner.run_interleaved({}, runs, tmp_path, rounds=3, pause_s=0)
+    assert [r["name"] for r in results] == ["a/0", "b/0", "b/1"]
+    turns = [entry[1:] for entry in log if entry[0] == "turn"]
+    forward = [("a", 0), ("b", 0), ("b", 1)]
+    assert turns == forward + forward[::-1] + forward
+    assert log[:2] == [("start", "a"), ("start", "b")]
+    assert log[-2:] == [("kill", "a"), ("kill", "b")]
+
+
+def test_turns_merge_times_and_counters():
+    """A row's turns as one result: every decode time, each turn's median, counters summed
+    (the depth histogram element-wise, the decayed rate as the last turn left it), tokens
+    None where one turn's differ."""
+    from vllm_triforce.tools.bench.worker import merge_turns
+
+    def turn(times, tokens=((1, 2),), proposed=3, depths=(1, 2), rate=5.0):
+        return {"decode_s": list(times), "tokens": [list(t) for t in tokens],
+                "vllm_spec": {"vllm:spec_decode_num_draft_tokens": proposed},
+                "triforce": {"top_proposed": proposed, "depth_counts": list(depths),
+                             "achieved_tokens_per_s": rate}}
+
+    merged = merge_turns([turn([2, 3]), turn([4, 4], proposed=4, depths=(1, 0, 7), rate=6.0)])
+    assert merged["decode_s"] == [2, 3, 4, 4] and merged["round_decode_s"] == [2.5, 4]
+    assert merged["vllm_spec"] == {"vllm:spec_decode_num_draft_tokens": 7}
+    assert merged["triforce"] == {"top_proposed": 7, "depth_counts": [2, 2, 7],
+                                  "achieved_tokens_per_s": 6.0}
+    assert merged["tokens"] == [[1, 2]]
+    assert merge_turns([turn([1]), turn([1], tokens=((1, 3),))])["tokens"] is None
+
+
+@pytest.mark.engine
 def test_bench_acceptance_quick(tiny_llama, tmp_path):
     """Teacher-forced acceptance end to end; a sweep budget of 1024 tokens covers the whole
     512 + 8-token documents, so there every policy's q must be p exactly: that proves the

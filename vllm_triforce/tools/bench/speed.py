@@ -16,7 +16,7 @@ from pathlib import Path
 from vllm_triforce.config import FULL_KEY_POLICIES, POLICIES
 from vllm_triforce.tools.bench import prompts as bench_prompts
 from vllm_triforce.tools.bench import report
-from vllm_triforce.tools.bench.runner import run_methods
+from vllm_triforce.tools.bench.runner import run_interleaved, run_methods
 
 # The settings TriForce's engine runs under where the user left vLLM's default
 # (engine_settings.decide) that a plain CPU engine can take as `LLM` keywords. On a CPU
@@ -34,9 +34,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--rounds", type=int, default=1,
                    help="run every method's process this many times, alternating methods: "
-                        "separate processes of one configuration differ by up to ~7%% on this "
-                        "kind of host, repeats within a process by ~1%%; the report gives each "
+                        "separate processes of one configuration differ by 7-30%% on 2-vCPU "
+                        "hosts, and the host drifts over a run; the report gives each "
                         "round's speedup and the median")
+    p.add_argument("--interleave", action="store_true",
+                   help="with --rounds: every method's engine lives at once, in a process of "
+                        "its own, and each round times every row once, the processes taking "
+                        "turns (ABBA over rounds): a round's rows are seconds apart, not a "
+                        "process's run, so the host's drift falls on all alike (needs the "
+                        "memory of every engine at once)")
     p.add_argument("--budget", type=int, default=512, help="TriForce retrieval_budget")
     p.add_argument("--gamma", type=int, nargs="+", default=[6],
                    help="num_speculative_tokens: TriForce runs with the depth controller up to "
@@ -100,14 +106,20 @@ def run_speed(args, model: str, draft: str | None, out: Path) -> dict:
     job = {"model": model, "prompts": ids, "max_tokens": args.max_tokens,
            "repeats": args.repeats, "dtype": args.dtype, "temperature": 0.0,
            "max_model_len": args.prompt_tokens + args.max_tokens + 2 * max(args.gamma) + 64}
-    rounds = [run_methods(job, method_runs(args, draft),
-                          out if args.rounds == 1 else out / f"round{i + 1}",
-                          isolate=not args.quick, desc=f"bench speed, round {i + 1}")
-              for i in range(args.rounds)]
-    results = merge_rounds(rounds)
+    if args.interleave:
+        results = run_interleaved(job, method_runs(args, draft), out, args.rounds,
+                                  desc="bench speed")
+        rounds = [results]
+    else:
+        rounds = [run_methods(job, method_runs(args, draft),
+                              out if args.rounds == 1 else out / f"round{i + 1}",
+                              isolate=not args.quick, desc=f"bench speed, round {i + 1}")
+                  for i in range(args.rounds)]
+        results = merge_rounds(rounds)
     rows = summarize(results, args.batch, args.max_tokens)
     data = {"config": {k: getattr(args, k) for k in
-                       ("prompt_tokens", "batch", "max_tokens", "repeats", "rounds", "budget",
+                       ("prompt_tokens", "batch", "max_tokens", "repeats", "rounds",
+                        "interleave", "budget",
                         "gamma", "policies", "dtype")}
             | {"model": model, "draft": draft,
                "openmp": _openmp([r for runs in rounds for r in runs])}, "rows": rows,
@@ -244,6 +256,13 @@ def _openmp(results: list[dict]) -> str | None:
     return ", ".join(sorted({r["openmp"] for r in results if r.get("openmp")})) or None
 
 
+def _round_kind(config: dict) -> str:
+    if config.get("interleave"):
+        return ("taken in turns by one live process per method (ABBA: the rows' order "
+                "reversed every other round)")
+    return "of one process per method"
+
+
 def _write_md(path: Path, data: dict) -> None:
     c = data["config"]
     header = ["method", "prefill s", "decode tok/s", "ms / token (per request)",
@@ -263,7 +282,7 @@ def _write_md(path: Path, data: dict) -> None:
              f"dtype {c['dtype']}; "
              f"{c['batch']} x {c['prompt_tokens']}-token Moby-Dick prompts, {c['max_tokens']} new "
              f"tokens, greedy; medians over {c['repeats']} repeat(s) in each of "
-             f"{c.get('rounds', 1)} round(s) of one process per method; gamma={c['gamma']}, "
+             f"{c.get('rounds', 1)} round(s) {_round_kind(c)}; gamma={c['gamma']}, "
              f"retrieval_budget={c['budget']}; OpenMP: {c.get('openmp') or 'not recorded'}. "
              f"Decode time excludes prefill (prefix-cache hit). "
              f"All greedy outputs identical: **{'yes' if data['all_identical'] else 'NO'}**.")

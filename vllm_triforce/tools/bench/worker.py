@@ -1,6 +1,9 @@
 """One benchmark process: build engines for a list of runs, time them, write JSON.
 
-    python -m vllm_triforce.tools.bench.worker JOB.json RESULT.json
+    python -m vllm_triforce.tools.bench.worker JOB.json RESULT.json [REPLY_FD]
+
+With REPLY_FD the job's one run stays live and takes turns: commands on stdin, replies on
+that file descriptor (`serve_turns`; bench/runner.py `run_interleaved`).
 
 JOB.json: {"model": DIR, "prompts": [[token ids], ...], "max_tokens": M,
 "repeats": R, "temperature": T, "top_p": P, "dtype": "auto", "max_model_len": L,
@@ -8,7 +11,8 @@ JOB.json: {"model": DIR, "prompts": [[token ids], ...], "max_tokens": M,
 optional "temperature", "block_size", "prompts", "variants", "engine" (more `LLM`
 keywords)}, ...]}.
 RESULT.json: a list with one dict per run (same order; a run's variants follow it):
-tokens, prefill_s, decode_s (one per repeat), and for spec runs vLLM's spec-decode
+tokens, prefill_s, decode_s (one per repeat of every turn), round_decode_s (each turn's
+median), and for spec runs vLLM's spec-decode
 counters (timed runs only) and, for TriForce, the drafter's per-level counters
 (`stats.snapshot()`).
 
@@ -39,14 +43,18 @@ ENGINE_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "4", "HF_HU
 
 
 def run_job(job: dict) -> list[dict]:
-    for key, value in ENGINE_ENV.items():
-        os.environ.setdefault(key, value)
+    _engine_env()
     # ngram last: a later engine in this process would fail (module docstring).
     order = sorted(range(len(job["runs"])), key=lambda i: _is_ngram(job["runs"][i]))
     results: list[list[dict] | None] = [None] * len(job["runs"])
     for i in order:
         results[i] = run_one(job, job["runs"][i])
     return [r for group in results for r in group]
+
+
+def _engine_env() -> None:
+    for key, value in ENGINE_ENV.items():
+        os.environ.setdefault(key, value)
 
 
 def _is_ngram(run: dict) -> bool:
@@ -58,49 +66,138 @@ def run_one(job: dict, run: dict) -> list[dict]:
     same TriForce engine timed again at a fixed depth (`forced`: [k], the proposer's
     `set_fixed_depth(k)`), so fixed depths and the controller are compared on one engine,
     one prefill."""
-    from vllm import SamplingParams
+    engine = RunEngine(job, run)
+    for row in range(len(engine.rows)):
+        engine.turn(row)
+    return engine.results()
 
-    from vllm_triforce.tools.cpu_openmp import runtime_in_use
 
-    spec = run.get("spec")
-    llm = in_process_llm(job["model"], spec, dtype=job.get("dtype", "auto"), enforce_eager=True,
-                         block_size=run.get("block_size", job.get("block_size", 32)),
-                         seed=job.get("seed", 0), max_model_len=job["max_model_len"],
-                         disable_log_stats=False, enable_prefix_caching=True,
-                         **run.get("engine", {}))
-    prompts = [{"prompt_token_ids": ids} for ids in run.get("prompts", job["prompts"])]
-    temperature = run.get("temperature", job.get("temperature", 0.0))
-    params = SamplingParams(temperature=temperature, top_p=job.get("top_p", 1.0),
-                            max_tokens=job["max_tokens"], ignore_eos=True, seed=None)
-    first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    # Prefill alone (1 new token); the timed runs then hit the prefix cache.
-    start = time.perf_counter()
-    llm.generate(prompts, first, use_tqdm=False)
-    prefill_s = time.perf_counter() - start
-    # Untimed warm-up decode (first decode steps pay one-off initialisation).
-    warm = SamplingParams(temperature=0.0, max_tokens=min(job["max_tokens"], 8), ignore_eos=True)
-    llm.generate(prompts, warm, use_tqdm=False)
-    drafter = drafter_of(llm) if spec and spec.get("method") == "triforce" else None
-    result = {"name": run["name"], "spec": spec, "prefill_s": prefill_s,
-              "openmp": runtime_in_use(),
-              **_timed(llm, drafter, prompts, params, job.get("repeats", 1))}
-    if drafter is not None:
-        result["syncs"] = _count_syncs(llm, drafter, prompts, params)
-    if run.get("calibrate"):
-        result["calibration"] = calibrate(llm, [p["prompt_token_ids"] for p in prompts],
-                                          result["tokens"], block_size=llm.llm_engine
-                                          .vllm_config.cache_config.block_size,
-                                          **run["calibrate"])
-    results = [result]
-    for variant in run.get("variants", []):
-        depth, = variant["forced"]  # one fixed depth
-        drafter.set_fixed_depth(depth)
-        results.append({"name": variant["name"], "spec": spec, "prefill_s": prefill_s,
-                        "forced": variant["forced"], "openmp": result["openmp"],
-                        **_timed(llm, drafter, prompts, params, job.get("repeats", 1)),
-                        "syncs": _count_syncs(llm, drafter, prompts, params)})
-    free_llm(llm)
-    return results
+def serve_turns(job: dict, commands, replies) -> list[dict]:
+    """The job's one run as a live engine whose rows are timed when the parent says so
+    (bench/runner.py `run_interleaved`): `ready N` (N rows) once the engine is prefilled
+    and warmed up, then for each `turn ROW` read from `commands` one turn of that row and
+    `done`; `end` (or the end of `commands`) finishes with the rows' results."""
+    _engine_env()
+    run, = job["runs"]
+    engine = RunEngine(job, run)
+    replies.write(f"ready {len(engine.rows)}\n")
+    for line in commands:
+        word, *rest = line.split()
+        if word == "end":
+            break
+        engine.turn(int(rest[0]))
+        replies.write("done\n")
+    return engine.results()
+
+
+class RunEngine:
+    """One run's engine, prefilled and given an untimed warm-up decode, and its rows: the
+    run itself, then each of its variants (the same TriForce engine at a fixed depth).
+    `turn(row)` times `repeats` generations of a row; `results()` gives each row's result
+    over its turns (decode times of every turn, `round_decode_s` their medians turn by
+    turn), counts syncs, calibrates where asked, and frees the engine."""
+
+    def __init__(self, job: dict, run: dict):
+        from vllm import SamplingParams
+
+        from vllm_triforce.tools.cpu_openmp import runtime_in_use
+
+        self.job, self.run, self.spec = job, run, run.get("spec")
+        llm = in_process_llm(job["model"], self.spec, dtype=job.get("dtype", "auto"),
+                             enforce_eager=True,
+                             block_size=run.get("block_size", job.get("block_size", 32)),
+                             seed=job.get("seed", 0), max_model_len=job["max_model_len"],
+                             disable_log_stats=False, enable_prefix_caching=True,
+                             **run.get("engine", {}))
+        self.llm = llm
+        self.prompts = [{"prompt_token_ids": ids} for ids in run.get("prompts", job["prompts"])]
+        temperature = run.get("temperature", job.get("temperature", 0.0))
+        self.params = SamplingParams(temperature=temperature, top_p=job.get("top_p", 1.0),
+                                     max_tokens=job["max_tokens"], ignore_eos=True, seed=None)
+        first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        # Prefill alone (1 new token); the timed runs then hit the prefix cache.
+        start = time.perf_counter()
+        llm.generate(self.prompts, first, use_tqdm=False)
+        self.prefill_s = time.perf_counter() - start
+        # Untimed warm-up decode (first decode steps pay one-off initialisation).
+        warm = SamplingParams(temperature=0.0, max_tokens=min(job["max_tokens"], 8),
+                              ignore_eos=True)
+        llm.generate(self.prompts, warm, use_tqdm=False)
+        self.drafter = (drafter_of(llm) if self.spec and self.spec.get("method") == "triforce"
+                        else None)
+        self.openmp = runtime_in_use()
+        self.rows = [{"name": run["name"], "forced": None},
+                     *({"name": v["name"], "forced": v["forced"]}
+                       for v in run.get("variants", []))]
+        self.turns: list[list[dict]] = [[] for _ in self.rows]
+
+    def turn(self, row: int) -> None:
+        """`repeats` timed generations of row `row`, its depth set first (a variant's fixed
+        one; the run's own: the configured behaviour)."""
+        self._set_depth(row)
+        self.turns[row].append(_timed(self.llm, self.drafter, self.prompts, self.params,
+                                      self.job.get("repeats", 1)))
+
+    def _set_depth(self, row: int) -> None:
+        if self.drafter is not None:
+            forced = self.rows[row]["forced"]
+            self.drafter.set_fixed_depth(None if forced is None else forced[0])  # one depth
+
+    def results(self) -> list[dict]:
+        results = []
+        for row, turns in zip(self.rows, self.turns):
+            result = {"name": row["name"], "spec": self.spec, "prefill_s": self.prefill_s,
+                      "openmp": self.openmp, **merge_turns(turns)}
+            if row["forced"] is not None:
+                result["forced"] = row["forced"]
+            results.append(result)
+        if self.drafter is not None:
+            for row, result in enumerate(results):
+                self._set_depth(row)
+                result["syncs"] = _count_syncs(self.llm, self.drafter, self.prompts,
+                                               self.params)
+        if self.run.get("calibrate"):
+            results[0]["calibration"] = calibrate(
+                self.llm, [p["prompt_token_ids"] for p in self.prompts], results[0]["tokens"],
+                block_size=self.llm.llm_engine.vllm_config.cache_config.block_size,
+                **self.run["calibrate"])
+        free_llm(self.llm)
+        return results
+
+
+def merge_turns(turns: list[dict]) -> dict:
+    """One row's `_timed` results of its turns as one: every turn's decode times, each
+    turn's median (`round_decode_s`), the counters summed, and its tokens (None where a
+    turn's greedy tokens differ from the first's). Example: turns of decode times [2, 3]
+    and [4, 4] give decode_s [2, 3, 4, 4] and round_decode_s [2.5, 4]."""
+    first = turns[0]
+    out = {"tokens": (first["tokens"] if all(t["tokens"] == first["tokens"] for t in turns)
+                      else None),
+           "decode_s": [s for t in turns for s in t["decode_s"]],
+           "round_decode_s": [statistics.median(t["decode_s"]) for t in turns],
+           "vllm_spec": _summed([t["vllm_spec"] for t in turns])}
+    if "triforce" in first:
+        out["triforce"] = _summed([t["triforce"] for t in turns])
+    return out
+
+
+def _summed(deltas: list[dict]) -> dict:
+    """Counter deltas of several turns added up (lists element-wise); the decayed
+    tokens-per-second gauges, which are not deltas (`_stat_delta`), as the last turn left
+    them."""
+    out = dict(deltas[0])
+    for delta in deltas[1:]:
+        for name, value in delta.items():
+            if name.endswith("tokens_per_s") or name not in out:
+                out[name] = value
+            elif isinstance(value, list):
+                mine = out[name]
+                out[name] = [(mine[i] if i < len(mine) else 0) + (value[i] if i < len(value)
+                                                                    else 0)
+                             for i in range(max(len(mine), len(value)))]
+            else:
+                out[name] = out[name] + value
+    return out
 
 
 def _count_syncs(llm, drafter, prompts, params, max_tokens: int = 16) -> dict:
@@ -222,7 +319,11 @@ def counter_delta(after: dict, before: dict) -> dict:
 def main(argv: list[str]) -> int:
     with open(argv[0]) as f:
         job = json.load(f)
-    results = run_job(job)
+    if len(argv) > 2:  # a live engine taking turns, replies on file descriptor argv[2]
+        with os.fdopen(int(argv[2]), "w", buffering=1) as replies:
+            results = serve_turns(job, sys.stdin, replies)
+    else:
+        results = run_job(job)
     with open(argv[1], "w") as f:
         json.dump(results, f)
     return 0
