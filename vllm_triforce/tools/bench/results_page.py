@@ -197,7 +197,9 @@ def _points(diff: dict | None) -> str:
 def speed_section(data: dict, case: Case) -> tuple[str, str]:
     config = data["config"]
     draft = f" + draft {_model(config['draft'])}" if config.get("draft") else ""
-    rounds = (f"; rounds {config['rounds']}, repeats {config['repeats']} per method"
+    rounds = (f"; rounds {config['rounds']}"
+              f"{' taken in turns by live processes' if config.get('interleave') else ''}, "
+              f"repeats {config['repeats']} per method"
               if "rounds" in config else f"; repeats {config['repeats']} per method")
     shape = (f"Shape: {_model(config['model'])}{draft}, {config['batch']} x "
              f"{config['prompt_tokens']}-token prompts, {config['max_tokens']} new tokens, "
