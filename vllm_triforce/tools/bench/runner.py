@@ -2,12 +2,13 @@
 
 `run_methods(job, runs, out_dir, isolate=True)` starts one child per run (memory is
 freed between methods; an ngram engine cannot break the next engine). With
-`isolate=False` all runs share one child (ngram last), which saves the ~10 s
-start-up per run in `--quick` mode. `run_interleaved(job, runs, out_dir, rounds)` keeps
-one live child per run, all at once, and has them take turns round by round, so that the
-host's drift over a run falls on every method alike. Child logs go to `<out_dir>/logs/<name>.log`, each child's results
-to `<out_dir>/logs/<name>.json`. Children start with Intel OpenMP preloaded, as vLLM's CPU guide
-sets up (vllm_triforce/tools/cpu_openmp.py); each result records the runtime its process ran on.
+`isolate=False` all runs share one child (ngram last), which saves the ~10 s start-up
+per run in `--quick` mode. `run_interleaved(job, runs, out_dir, rounds)` keeps one live
+child per run, all at once, and has them take turns round by round, so that the host's
+drift over a run falls on every method alike. Child logs go to
+`<out_dir>/logs/<name>.log`, each child's results to `<out_dir>/logs/<name>.json`.
+Children start with Intel OpenMP preloaded, as vLLM's CPU guide sets up
+(vllm_triforce/tools/cpu_openmp.py); each result records the runtime its process ran on.
 """
 
 from __future__ import annotations
@@ -73,8 +74,8 @@ def run_interleaved(job: dict, runs: list[dict], out_dir: Path, rounds: int, *,
     row once (`repeats` generations a turn), in the rows' order in even rounds and the
     reverse in odd ones (ABBA: over two rounds every row has the same mean position), with
     `pause_s` between turns so that a child's OpenMP threads are asleep when the next one
-    starts. Round i of two rows is minutes apart at most, not a whole process's run, which
-    is what makes their ratio round by round readable on a host whose speed drifts (the
+    starts. Two rows of a round are a few turns apart, not whole processes' runs, which is
+    what makes their ratio round by round readable on a host whose speed drifts (the
     separate processes of `run_methods` differ by 7-30% on 2-vCPU hosts). Every engine is
     alive at once: the memory of all of them is needed."""
     children: list[_LiveChild] = []

@@ -40,9 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--interleave", action="store_true",
                    help="with --rounds: every method's engine lives at once, in a process of "
                         "its own, and each round times every row once, the processes taking "
-                        "turns (ABBA over rounds): a round's rows are seconds apart, not a "
-                        "process's run, so the host's drift falls on all alike (needs the "
-                        "memory of every engine at once)")
+                        "turns (ABBA over rounds): a round's rows are a few turns apart, not "
+                        "whole processes' runs, so the host's drift falls on all alike (needs "
+                        "the memory of every engine at once)")
     p.add_argument("--budget", type=int, default=512, help="TriForce retrieval_budget")
     p.add_argument("--gamma", type=int, nargs="+", default=[6],
                    help="num_speculative_tokens: TriForce runs with the depth controller up to "
