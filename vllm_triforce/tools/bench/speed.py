@@ -17,6 +17,7 @@ from vllm_triforce.config import FULL_KEY_POLICIES, POLICIES
 from vllm_triforce.tools.bench import prompts as bench_prompts
 from vllm_triforce.tools.bench import report
 from vllm_triforce.tools.bench.runner import run_interleaved, run_methods
+from vllm_triforce.tools.bench.worker import merge_times
 
 # The settings TriForce's engine runs under where the user left vLLM's default
 # (engine_settings.decide) that a plain CPU engine can take as `LLM` keywords. On a CPU
@@ -137,15 +138,7 @@ def merge_rounds(rounds: list[list[dict]]) -> list[dict]:
     """One result per run: the first round's, with every round's decode times (`decode_s`,
     all repeats of all rounds) and each round's median kept as `round_decode_s`. Every
     round's greedy tokens must equal the first's (else the run is marked by tokens = None)."""
-    merged = []
-    for runs in zip(*rounds):
-        first = dict(runs[0])
-        first["decode_s"] = [t for r in runs for t in r["decode_s"]]
-        first["round_decode_s"] = [statistics.median(r["decode_s"]) for r in runs]
-        if any(r["tokens"] != first["tokens"] for r in runs):
-            first["tokens"] = None
-        merged.append(first)
-    return merged
+    return [{**runs[0], **merge_times(runs)} for runs in zip(*rounds)]
 
 
 def summarize(results: list[dict], batch: int, max_tokens: int) -> list[dict]:

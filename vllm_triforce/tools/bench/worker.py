@@ -166,19 +166,24 @@ class RunEngine:
 
 
 def merge_turns(turns: list[dict]) -> dict:
-    """One row's `_timed` results of its turns as one: every turn's decode times, each
-    turn's median (`round_decode_s`), the counters summed, and its tokens (None where a
-    turn's greedy tokens differ from the first's). Example: turns of decode times [2, 3]
-    and [4, 4] give decode_s [2, 3, 4, 4] and round_decode_s [2.5, 4]."""
-    first = turns[0]
-    out = {"tokens": (first["tokens"] if all(t["tokens"] == first["tokens"] for t in turns)
-                      else None),
-           "decode_s": [s for t in turns for s in t["decode_s"]],
-           "round_decode_s": [statistics.median(t["decode_s"]) for t in turns],
-           "vllm_spec": _summed([t["vllm_spec"] for t in turns])}
-    if "triforce" in first:
+    """One row's `_timed` results of its turns as one: `merge_times`, and the counters
+    summed."""
+    out = {**merge_times(turns), "vllm_spec": _summed([t["vllm_spec"] for t in turns])}
+    if "triforce" in turns[0]:
         out["triforce"] = _summed([t["triforce"] for t in turns])
     return out
+
+
+def merge_times(timings: list[dict]) -> dict:
+    """Several timings of one row (turns of one process, or rounds of separate ones:
+    bench/speed.py `merge_rounds`) as one: every decode time, each timing's median
+    (`round_decode_s`), and the greedy tokens (None where one timing's differ from the
+    first's). Example: decode times [2, 3] and [4, 4] give decode_s [2, 3, 4, 4] and
+    round_decode_s [2.5, 4]."""
+    first = timings[0]["tokens"]
+    return {"tokens": first if all(t["tokens"] == first for t in timings) else None,
+            "decode_s": [s for t in timings for s in t["decode_s"]],
+            "round_decode_s": [statistics.median(t["decode_s"]) for t in timings]}
 
 
 def _summed(deltas: list[dict]) -> dict:
